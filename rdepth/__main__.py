@@ -1,0 +1,5 @@
+import sys
+
+from rdepth.cli.main import main
+
+sys.exit(main())
