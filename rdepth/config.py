@@ -1,0 +1,225 @@
+"""Model configuration: recurrence groups, loop schedule, presets.
+
+A model has ``n_layer`` transformer layers. Some contiguous runs of layers form
+*recurrence groups* that are applied in a loop; a layer in no group runs once.
+Groups are written as ``"4|5-6|7"`` (0-based layer indices, ``a-b`` inclusive):
+the paper's pattern on 12 layers, where layers 0-3 run before and 8-11 after.
+Geiping et al.'s layout (2 prelude layers, one 4-layer core, 2 coda layers) is
+``n_layer=8, groups="2-5"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from rdepth.errors import RdepthError
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A contiguous run of layers looped together; ``end`` is inclusive."""
+
+    start: int
+    end: int
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(range(self.start, self.end + 1))
+
+    @property
+    def name(self) -> str:
+        return str(self.start) if self.start == self.end else f"{self.start}-{self.end}"
+
+
+def parse_groups(spec: str, n_layer: int) -> tuple[GroupSpec, ...]:
+    """Parse ``"4|5-6|7"`` into group specs, checking range, order and overlap.
+
+    An empty string means no recurrence (a plain transformer).
+    """
+    spec = spec.strip()
+    if not spec:
+        return ()
+    groups: list[GroupSpec] = []
+    for part in spec.split("|"):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo_text, hi_text = part.split("-", 1)
+                lo, hi = int(lo_text), int(hi_text)
+            else:
+                lo = hi = int(part)
+        except ValueError:
+            raise RdepthError(
+                f"bad group spec {spec!r}: {part!r} is not a layer index or a range like 5-6"
+            ) from None
+        if lo > hi:
+            raise RdepthError(f"bad group spec {spec!r}: range {part!r} runs backwards")
+        if lo < 0 or hi >= n_layer:
+            raise RdepthError(
+                f"bad group spec {spec!r}: layers {part!r} out of range 0-{n_layer - 1}"
+            )
+        if groups and lo <= groups[-1].end:
+            raise RdepthError(
+                f"bad group spec {spec!r}: groups must be disjoint and in increasing order "
+                f"({groups[-1].name} then {part})"
+            )
+        groups.append(GroupSpec(lo, hi))
+    return tuple(groups)
+
+
+def parse_loop_counts(spec: str | int | list | tuple | None, n_groups: int) -> tuple[int, ...] | None:
+    """Parse per-group loop counts: ``"12"`` (every group) or ``"8,12,4"`` (one per group)."""
+    if spec is None:
+        return None
+    if isinstance(spec, int):
+        values = [spec]
+    elif isinstance(spec, (list, tuple)):
+        values = list(spec)
+    else:
+        try:
+            values = [int(v) for v in str(spec).split(",") if v.strip()]
+        except ValueError:
+            raise RdepthError(f"bad loop counts {spec!r}: expected N or N,N,... (integers)") from None
+    if len(values) == 1:
+        values = values * n_groups
+    if len(values) != n_groups:
+        raise RdepthError(
+            f"bad loop counts {spec!r}: {len(values)} values for {n_groups} recurrence groups"
+        )
+    if any(int(v) < 1 for v in values):
+        raise RdepthError(f"bad loop counts {spec!r}: every count must be >= 1")
+    return tuple(int(v) for v in values)
+
+
+@dataclass
+class ModelConfig:
+    """Everything needed to build a :class:`rdepth.model.RecurrentLM`.
+
+    Loop schedule (Geiping et al.): in training each group draws its loop count
+    per forward pass from a lognormal-Poisson distribution with mean
+    ``mean_loops`` and log-space spread ``loop_sigma``; gradients flow through
+    the last ``backprop_depth`` steps only. In evaluation each group runs
+    ``eval_loops`` steps (default: ``round(mean_loops)`` for every group).
+    """
+
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    block_size: int = 512
+    vocab_size: int = 50257
+    groups: str = "4|5-6|7"
+    mean_loops: float = 12.0
+    loop_sigma: float = 0.5
+    backprop_depth: int = 8
+    init_state_scale: float = 1.0
+    eval_loops: tuple[int, ...] | None = None
+    mlp_ratio: int = 4
+    norm_eps: float = 1e-6
+    tokenizer: str = "gpt2"
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "d_model", "block_size", "vocab_size", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise RdepthError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head:
+            raise RdepthError(
+                f"model config: d_model={self.d_model} is not divisible by n_head={self.n_head}"
+            )
+        if not (self.mean_loops >= 1):
+            raise RdepthError(f"model config: mean_loops must be >= 1, got {self.mean_loops!r}")
+        if not (self.loop_sigma >= 0):
+            raise RdepthError(f"model config: loop_sigma must be >= 0, got {self.loop_sigma!r}")
+        if not isinstance(self.backprop_depth, int) or self.backprop_depth < 1:
+            raise RdepthError(
+                f"model config: backprop_depth must be a positive integer, got {self.backprop_depth!r}"
+            )
+        if not (self.init_state_scale >= 0):
+            raise RdepthError(
+                f"model config: init_state_scale must be >= 0, got {self.init_state_scale!r}"
+            )
+        self.group_specs  # validates the group string
+        if self.eval_loops is not None:
+            self.eval_loops = parse_loop_counts(self.eval_loops, len(self.group_specs))
+
+    @property
+    def group_specs(self) -> tuple[GroupSpec, ...]:
+        return parse_groups(self.groups, self.n_layer)
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.group_specs)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary rounded up to a multiple of 64 (faster matmuls; extra rows unused)."""
+        return int(math.ceil(self.vocab_size / 64) * 64)
+
+    @property
+    def default_eval_loops(self) -> tuple[int, ...]:
+        if self.eval_loops is not None:
+            return tuple(self.eval_loops)
+        return (max(1, round(self.mean_loops)),) * self.n_groups
+
+    @property
+    def unrolled_depth(self) -> float:
+        """Layer applications per token at the mean loop count (for the scaled init)."""
+        looped = sum(len(g.layers) for g in self.group_specs)
+        return (self.n_layer - looped) + self.mean_loops * looped
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if data["eval_loops"] is not None:
+            data["eval_loops"] = list(data["eval_loops"])
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise RdepthError(f"model config: unknown field(s) {', '.join(unknown)}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return ModelConfig.from_dict({**self.to_dict(), **changes})
+
+
+# Named presets. ``paper`` is the paper's exact model (§2, Appendix B).
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": dict(
+        n_layer=12, n_head=12, d_model=768, block_size=512, vocab_size=50257,
+        groups="4|5-6|7", mean_loops=12.0, backprop_depth=8, tokenizer="gpt2",
+    ),
+    # A scaled-down paper model for one GPU: same layout, narrower, fewer loops.
+    "small": dict(
+        n_layer=12, n_head=8, d_model=512, block_size=512, vocab_size=50257,
+        groups="4|5-6|7", mean_loops=8.0, backprop_depth=4, tokenizer="gpt2",
+    ),
+    # Trains to something meaningful on 2 CPU cores in minutes: three groups like
+    # the paper (a self-loop, a paired loop, a self-loop) between one prelude and
+    # one coda layer, a small byte-level BPE vocabulary.
+    "tiny": dict(
+        n_layer=6, n_head=4, d_model=128, block_size=128, vocab_size=4096,
+        groups="1|2-3|4", mean_loops=4.0, backprop_depth=3, tokenizer="bpe:4096",
+    ),
+}
+
+
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+    """Build a named preset, with field overrides (``get_preset("tiny", n_layer=8)``)."""
+    if name not in PRESETS:
+        raise RdepthError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+    return ModelConfig.from_dict({**PRESETS[name], **overrides})
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(ModelConfig)]
+

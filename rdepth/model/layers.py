@@ -1,0 +1,102 @@
+"""Transformer layers: RMSNorm, causal attention, SiLU MLP, sandwich block.
+
+Every layer accepts activations in one of two layouts:
+
+* dense ``[B, T, d]`` with ``attn=None``: plain causal self-attention over the
+  sequence (training and fixed-budget evaluation);
+* packed rows ``[N, d]`` with an :class:`~rdepth.model.kv.AttentionContext`:
+  only the N listed tokens are computed; their keys/values are written to a
+  key/value store and each attends to every earlier position held there.
+  This serves cached generation and per-token early exit, where tokens that
+  left a loop are no longer computed.
+
+Norms and MLPs act per token, so only attention needs to know the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rdepth.config import ModelConfig
+from rdepth.model.kv import AttentionContext
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 for stability under bf16 autocast.
+        x_float = x.float()
+        normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, attn: AttentionContext | None = None) -> torch.Tensor:
+        if attn is None:
+            batch, seq, dim = x.shape
+            qkv = self.qkv(x).view(batch, seq, 3, self.n_head, self.head_dim)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, nh, T, hs)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(batch, seq, dim))
+
+        rows, dim = x.shape
+        qkv = self.qkv(x).view(rows, 3, self.n_head, self.head_dim)
+        q, k, v = qkv.unbind(1)  # each (N, nh, hs)
+        keys, values = attn.store.update(self.layer_index, attn, k, v)  # (B, nh, S, hs)
+        # Pack each batch row's queries into (B, nh, A, hs); padding slots are masked.
+        packed = q.new_zeros(attn.n_batch, attn.slots, self.n_head, self.head_dim)
+        packed[attn.batch_index, attn.slot_index] = q
+        y = F.scaled_dot_product_attention(
+            packed.transpose(1, 2), keys, values, attn_mask=attn.mask
+        )  # (B, nh, A, hs)
+        y = y.transpose(1, 2)[attn.batch_index, attn.slot_index]  # (N, nh, hs)
+        return self.proj(y.reshape(rows, dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden = config.mlp_ratio * config.d_model
+        self.fc = nn.Linear(config.d_model, hidden, bias=False)
+        self.proj = nn.Linear(hidden, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.silu(self.fc(x)))
+
+
+class SandwichBlock(nn.Module):
+    """Geiping et al.'s sandwich block: RMSNorm before each sub-layer and after
+    each residual sum, which keeps the looped state's scale bounded::
+
+        x = norm_2(x + attn(norm_1(x)))
+        x = norm_4(x + mlp(norm_3(x)))
+    """
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        eps = config.norm_eps
+        self.norm_1 = RMSNorm(config.d_model, eps)
+        self.attn = CausalSelfAttention(config, layer_index)
+        self.norm_2 = RMSNorm(config.d_model, eps)
+        self.norm_3 = RMSNorm(config.d_model, eps)
+        self.mlp = MLP(config)
+        self.norm_4 = RMSNorm(config.d_model, eps)
+
+    def forward(self, x: torch.Tensor, attn: AttentionContext | None = None) -> torch.Tensor:
+        x = self.norm_2(x + self.attn(self.norm_1(x), attn))
+        x = self.norm_4(x + self.mlp(self.norm_3(x)))
+        return x

@@ -1,0 +1,319 @@
+"""The group-recurrent language model: the one implementation every feature drives.
+
+Layers run in *stages*: a single-pass run of layers, or a recurrence group
+whose layers loop together. A group g with input ``e`` (the previous stage's
+output) starts from a random state ``s_0`` and iterates (Geiping et al.)::
+
+    s_k = layers_g(adapter_g(concat(s_{k-1}, e)))        k = 1 .. K_g
+
+and hands ``s_K`` to the next stage. The pieces are public so that training,
+loop geometry, early exit, generation and surrogate fitting all drive the
+same code: :meth:`embed`, :meth:`run_layers`, :meth:`init_state`,
+:meth:`group_step`, :meth:`readout`. :meth:`forward` composes them in two
+layouts (see :mod:`rdepth.model.layers`): dense ``[B, T, d]`` for training and
+fixed-budget evaluation, and packed rows when a loop controller (per-token
+exits) or a key/value cache (generation) is given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rdepth.config import ModelConfig, parse_loop_counts
+from rdepth.errors import RdepthError
+from rdepth.model.control import FixedController, LoopController
+from rdepth.model.kv import AttentionContext, KVStore
+from rdepth.model.layers import RMSNorm, SandwichBlock
+from rdepth.model.schedule import sample_loop_counts
+
+# observer(group, step, state [B, T, d], active [B, T] bool or None)
+Observer = Callable[[int, int, torch.Tensor, "torch.Tensor | None"], None]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """``kind`` is ``"single"`` (layers run once) or ``"group"`` (layers loop)."""
+
+    kind: str
+    layers: tuple[int, ...]
+    group: int | None = None
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # (B, T, vocab_size)
+    loss: torch.Tensor | None
+    loop_counts: tuple[int, ...] | None  # fixed counts used (dense path)
+    computed: list[torch.Tensor] | None = None  # per group (B, T): loop steps computed
+    used: list[torch.Tensor] | None = None  # per group (B, T): index of the state handed on
+
+
+def build_stages(config: ModelConfig) -> list[Stage]:
+    stages: list[Stage] = []
+    single: list[int] = []
+    group_at = {spec.start: (index, spec) for index, spec in enumerate(config.group_specs)}
+    layer = 0
+    while layer < config.n_layer:
+        if layer in group_at:
+            if single:
+                stages.append(Stage("single", tuple(single)))
+                single = []
+            index, spec = group_at[layer]
+            stages.append(Stage("group", spec.layers, index))
+            layer = spec.end + 1
+        else:
+            single.append(layer)
+            layer += 1
+    if single:
+        stages.append(Stage("single", tuple(single)))
+    return stages
+
+
+class RecurrentLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.wte = nn.Embedding(config.padded_vocab_size, d)
+        self.wpe = nn.Embedding(config.block_size, d)
+        self.layers = nn.ModuleList(SandwichBlock(config, i) for i in range(config.n_layer))
+        self.adapters = nn.ModuleList(nn.Linear(2 * d, d, bias=False) for _ in config.group_specs)
+        self.norm_f = RMSNorm(d, config.norm_eps)
+        self.stages = build_stages(config)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def n_groups(self) -> int:
+        return self.config.n_groups
+
+    @property
+    def looped_layers(self) -> set[int]:
+        return {layer for spec in self.config.group_specs for layer in spec.layers}
+
+    @property
+    def base_std(self) -> float:
+        return math.sqrt(2.0 / (5.0 * self.config.d_model))
+
+    def reset_parameters(self) -> None:
+        """Geiping et al.'s scaled init: every matrix ~ N(0, 2/(5d)), truncated at
+        3 sigma; the output projections of attention and MLP further divided by
+        sqrt(2 * unrolled depth at the mean loop count)."""
+        std = self.base_std
+        out_std = std / math.sqrt(2.0 * self.config.unrolled_depth)
+        for name, param in self.named_parameters():
+            if param.dim() == 1:
+                nn.init.ones_(param)
+            elif name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+                nn.init.trunc_normal_(param, 0.0, out_std, -3 * out_std, 3 * out_std)
+            else:
+                nn.init.trunc_normal_(param, 0.0, std, -3 * std, 3 * std)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def new_cache(self, batch_size: int) -> KVStore:
+        """An empty key/value cache for :func:`rdepth.model.generation.generate`."""
+        return KVStore(batch_size, self.config.block_size, self.looped_layers, keep_steps=True)
+
+    def resolve_loop_counts(
+        self, loop_counts: Sequence[int] | str | int | None, generator: torch.Generator | None = None
+    ) -> tuple[int, ...]:
+        """Explicit counts, else a training draw (train mode) or the eval counts."""
+        if loop_counts is not None:
+            return parse_loop_counts(loop_counts, self.n_groups)
+        if self.training:
+            return sample_loop_counts(self.config, generator)
+        return self.config.default_eval_loops
+
+    # ----------------------------------------------------------------- pieces
+    def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        """Token + learned position embeddings: idx ``[B, T]`` -> ``[B, T, d]``."""
+        seq = idx.shape[-1]
+        if start_pos + seq > self.config.block_size:
+            raise RdepthError(
+                f"sequence of {start_pos + seq} tokens exceeds the model's block size "
+                f"{self.config.block_size}"
+            )
+        positions = torch.arange(start_pos, start_pos + seq, device=idx.device)
+        return self.wte(idx) + self.wpe(positions)
+
+    def run_layers(
+        self, layers: Sequence[int], x: torch.Tensor, attn: AttentionContext | None = None
+    ) -> torch.Tensor:
+        """Apply ``layers`` once each, in order."""
+        for index in layers:
+            x = self.layers[index](x, attn)
+        return x
+
+    def init_state(
+        self,
+        group: int,
+        inputs: torch.Tensor,
+        generator: torch.Generator | None = None,
+        noise_rows: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Random initial loop state, shaped like ``inputs`` ``[B, T, d]``.
+
+        Truncated normal (3 sigma) with std ``init_state_scale * sqrt(2/(5d))``;
+        exactly zero when the scale is 0. ``noise_rows=(start, total)`` draws the
+        noise for a batch of ``total`` rows and keeps rows ``start:start+B``, so
+        data-parallel ranks reproduce the single-process noise of a global batch.
+        """
+        del group  # every group draws the same way; kept for a per-group override
+        scale = self.config.init_state_scale
+        if scale == 0:
+            return torch.zeros_like(inputs)
+        std = scale * self.base_std
+        shape = tuple(inputs.shape)
+        if noise_rows is not None:
+            start, total = noise_rows
+            shape = (total,) + shape[1:]
+        device = generator.device if generator is not None else inputs.device
+        noise = torch.empty(shape, device=device, dtype=torch.float32)
+        nn.init.trunc_normal_(noise, 0.0, std, -3 * std, 3 * std, generator=generator)
+        if noise_rows is not None:
+            noise = noise[start : start + inputs.shape[0]]
+        return noise.to(device=inputs.device, dtype=inputs.dtype)
+
+    def group_step(
+        self,
+        group: int,
+        state: torch.Tensor,
+        inputs: torch.Tensor,
+        attn: AttentionContext | None = None,
+    ) -> torch.Tensor:
+        """One loop step of ``group``: ``layers_g(adapter_g(concat(state, inputs)))``."""
+        x = self.adapters[group](torch.cat([state, inputs], dim=-1))
+        return self.run_layers(self.config.group_specs[group].layers, x, attn)
+
+    def readout(self, x: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm and the tied head; logits over the real vocabulary."""
+        logits = F.linear(self.norm_f(x), self.wte.weight)
+        return logits[..., : self.config.vocab_size]
+
+    # ---------------------------------------------------------------- forward
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        loop_counts: Sequence[int] | str | int | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        noise_rows: tuple[int, int] | None = None,
+        observer: Observer | None = None,
+        controller: LoopController | None = None,
+        cache: KVStore | None = None,
+    ) -> ModelOutput:
+        """Run the model on ``idx`` ``[B, T]``.
+
+        Without ``controller`` and ``cache``: dense fixed-count loops (training,
+        evaluation); in training mode gradients flow through the last
+        ``backprop_depth`` steps of each loop only. With either: packed rows,
+        per-token exits decided by ``controller`` (default: the fixed counts),
+        keys/values appended to ``cache`` (generation).
+        ``targets`` ``[B, T]`` (-1 = ignore) adds the mean cross-entropy.
+        """
+        if controller is None and cache is None:
+            counts = self.resolve_loop_counts(loop_counts, generator)
+            x = self._forward_dense(idx, counts, generator, noise_rows, observer)
+            output = ModelOutput(self.readout(x), None, counts)
+        else:
+            counts = None
+            if controller is None:
+                counts = self.resolve_loop_counts(loop_counts, generator)
+                controller = FixedController(counts)
+            x, computed, used = self._forward_packed(idx, controller, cache, generator, noise_rows, observer)
+            output = ModelOutput(self.readout(x), None, counts, computed, used)
+        if targets is not None:
+            logits = output.logits
+            output.loss = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1
+            )
+        return output
+
+    def _forward_dense(self, idx, counts, generator, noise_rows, observer) -> torch.Tensor:
+        x = self.embed(idx)
+        for stage in self.stages:
+            if stage.kind == "single":
+                x = self.run_layers(stage.layers, x)
+                continue
+            group = stage.group
+            inputs = x
+            state = self.init_state(group, inputs, generator, noise_rows)
+            if observer is not None:
+                observer(group, 0, state, None)
+            # Truncated backprop: the first steps run without a graph.
+            steps = counts[group]
+            free_steps = max(steps - self.config.backprop_depth, 0)
+            grad_on = torch.is_grad_enabled()
+            for step in range(1, steps + 1):
+                with torch.set_grad_enabled(grad_on and step > free_steps):
+                    state = self.group_step(group, state, inputs)
+                if observer is not None:
+                    observer(group, step, state, None)
+            x = state
+        return x
+
+    def _forward_packed(self, idx, controller, cache, generator, noise_rows, observer):
+        batch, seq = idx.shape
+        start = cache.length if cache is not None else 0
+        store = cache if cache is not None else KVStore(batch, seq, self.looped_layers, keep_steps=False)
+        if store.batch_size != batch:
+            raise RdepthError(f"cache holds {store.batch_size} rows but the input has {batch}")
+        device = idx.device
+        x = self.embed(idx, start).reshape(batch * seq, -1)  # (N, d), rows by batch then time
+        batch_index = torch.arange(batch, device=device).repeat_interleave(seq)
+        position = start + torch.arange(seq, device=device).repeat(batch)
+        all_rows = AttentionContext.build(store, 1, batch_index, position)
+        computed_out: list[torch.Tensor] = []
+        used_out: list[torch.Tensor] = []
+        for stage in self.stages:
+            if stage.kind == "single":
+                x = self.run_layers(stage.layers, x, all_rows)
+                continue
+            group = stage.group
+            inputs = x
+            state = self.init_state(group, inputs.view(batch, seq, -1), generator, noise_rows)
+            state = state.reshape(batch * seq, -1)
+            controller.begin(group, state)
+            if observer is not None:
+                observer(group, 0, state.view(batch, seq, -1), None)
+            handed_on = torch.empty_like(state)
+            computed = torch.zeros(batch * seq, dtype=torch.long, device=device)
+            used = torch.zeros(batch * seq, dtype=torch.long, device=device)
+            rows = torch.arange(batch * seq, device=device)
+            max_steps = controller.max_steps(group)
+            if max_steps < 1:
+                raise RdepthError(f"loop controller allows {max_steps} steps for group {group}; need >= 1")
+            for step in range(1, max_steps + 1):
+                ctx = AttentionContext.build(store, step, batch_index[rows], position[rows])
+                prev = state[rows]
+                new = self.group_step(group, prev, inputs[rows], ctx)
+                done, handoff, used_now = controller.after_step(group, step, rows, prev, new)
+                state = state.index_copy(0, rows, new)
+                computed[rows] = step
+                if observer is not None:
+                    active = torch.zeros(batch * seq, dtype=torch.bool, device=device)
+                    active[rows] = True
+                    observer(group, step, state.view(batch, seq, -1), active.view(batch, seq))
+                if step == max_steps:
+                    done = torch.ones_like(done)
+                finished = rows[done]
+                handed_on[finished] = handoff[done]
+                used[finished] = used_now[done]
+                rows = rows[~done]
+                if rows.numel() == 0:
+                    break
+            x = handed_on
+            computed_out.append(computed.view(batch, seq))
+            used_out.append(used.view(batch, seq))
+        if cache is not None:
+            cache.length = start + seq
+        return x.view(batch, seq, -1), computed_out, used_out

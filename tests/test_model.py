@@ -1,0 +1,271 @@
+"""The recurrent model: group specs, loops, caches, exits, truncated backprop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rdepth.config import ModelConfig, get_preset, parse_groups, parse_loop_counts
+from rdepth.errors import RdepthError
+from rdepth.model import FixedController, RecurrentLM, sample_loop_counts, step_generator
+from rdepth.model.generation import generate
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(
+        n_layer=5, n_head=2, d_model=16, block_size=32, vocab_size=50,
+        groups="1|2-3", mean_loops=3.0, backprop_depth=2, init_state_scale=0.0, tokenizer="bpe:512",
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_model(**overrides) -> RecurrentLM:
+    torch.manual_seed(0)
+    return RecurrentLM(tiny_config(**overrides)).double().eval()
+
+
+# --------------------------------------------------------------- group specs
+def test_parse_groups_paper_pattern():
+    groups = parse_groups("4|5-6|7", 12)
+    assert [g.layers for g in groups] == [(4,), (5, 6), (7,)]
+    assert [g.name for g in groups] == ["4", "5-6", "7"]
+    assert parse_groups("", 12) == ()
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("4|4", "disjoint"),
+        ("5-6|4", "disjoint"),
+        ("4-6|6", "disjoint"),
+        ("6-4", "backwards"),
+        ("12", "out of range"),
+        ("-1", "not a layer index"),
+        ("a", "not a layer index"),
+        ("4||5", "not a layer index"),
+    ],
+)
+def test_parse_groups_rejects(spec, fragment):
+    with pytest.raises(RdepthError, match=fragment):
+        parse_groups(spec, 12)
+
+
+def test_config_validation_names_field():
+    with pytest.raises(RdepthError, match="d_model"):
+        ModelConfig(d_model=100, n_head=3)
+    with pytest.raises(RdepthError, match="mean_loops"):
+        ModelConfig(mean_loops=0.5)
+    with pytest.raises(RdepthError, match="unknown preset"):
+        get_preset("huge")
+    with pytest.raises(RdepthError, match="unknown field"):
+        ModelConfig.from_dict({"n_layers": 3})
+
+
+def test_parse_loop_counts():
+    assert parse_loop_counts("5", 3) == (5, 5, 5)
+    assert parse_loop_counts("1,2,3", 3) == (1, 2, 3)
+    with pytest.raises(RdepthError, match="2 values for 3"):
+        parse_loop_counts("1,2", 3)
+    with pytest.raises(RdepthError, match=">= 1"):
+        parse_loop_counts("0", 1)
+
+
+def test_stages_follow_groups():
+    model = RecurrentLM(get_preset("paper", n_layer=12, d_model=24, n_head=2, vocab_size=64))
+    kinds = [(s.kind, s.layers) for s in model.stages]
+    assert kinds == [
+        ("single", (0, 1, 2, 3)), ("group", (4,)), ("group", (5, 6)), ("group", (7,)),
+        ("single", (8, 9, 10, 11)),
+    ]
+    # Geiping et al.'s layout is the same config with one group.
+    model = RecurrentLM(ModelConfig(n_layer=8, n_head=2, d_model=16, vocab_size=64, groups="2-5"))
+    assert [(s.kind, s.layers) for s in model.stages] == [
+        ("single", (0, 1)), ("group", (2, 3, 4, 5)), ("single", (6, 7))
+    ]
+
+
+# ------------------------------------------------------------------- loops
+def test_parameters_shared_across_loop_steps():
+    short = RecurrentLM(tiny_config(mean_loops=2.0))
+    long = RecurrentLM(tiny_config(mean_loops=20.0))
+    assert short.num_parameters() == long.num_parameters()
+    assert short.state_dict().keys() == long.state_dict().keys()
+    # The forward at count 3 is exactly three applications of the same step.
+    model = tiny_model()
+    idx = torch.randint(0, 50, (2, 8))
+    states = {}
+
+    def keep(group, step, state, active):
+        states[(group, step)] = state.clone()
+
+    model(idx, loop_counts=(3, 2), observer=keep)
+    x = model.run_layers((0,), model.embed(idx))
+    s = torch.zeros_like(x)
+    for _ in range(3):
+        s = model.group_step(0, s, x)
+    torch.testing.assert_close(s, states[(0, 3)], rtol=0, atol=0)
+
+
+def test_dense_equals_packed_path():
+    model = tiny_model(init_state_scale=1.0)
+    idx = torch.randint(0, 50, (3, 10))
+    dense = model(idx, loop_counts=(4, 2), generator=torch.Generator().manual_seed(1))
+    packed = model(idx, controller=FixedController((4, 2)), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(dense.logits, packed.logits, rtol=0, atol=1e-12)
+    assert all((c == k).all() for c, k in zip(packed.computed, (4, 2)))
+
+
+def test_cached_decoding_equals_uncached():
+    model = tiny_model()
+    idx = torch.randint(0, 50, (2, 14))
+    full = model(idx, loop_counts=(5, 3)).logits
+    cache = model.new_cache(2)
+    pieces = [model(idx[:, :6], loop_counts=(5, 3), cache=cache).logits]
+    for t in range(6, 14):
+        pieces.append(model(idx[:, t : t + 1], loop_counts=(5, 3), cache=cache).logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-10)
+    assert cache.length == 14
+
+
+def test_generate_greedy_matches_uncached_argmax():
+    model = tiny_model()
+    prompt = torch.randint(0, 50, (1, 5))
+    out = generate(model, prompt, 6, temperature=0)
+    tokens = prompt
+    for _ in range(6):
+        logits = model(tokens).logits[:, -1]
+        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, tokens)
+
+
+class NormController:
+    """Deterministic test controller: a token exits group g once the step norm of
+    its update falls under tau (handing on the new state), at most k_max steps."""
+
+    def __init__(self, tau: float, k_max: int):
+        self.tau, self.k_max = tau, k_max
+
+    def max_steps(self, group):
+        return self.k_max
+
+    def begin(self, group, state):
+        pass
+
+    def after_step(self, group, step, rows, prev, new):
+        done = (new - prev).norm(dim=-1) < self.tau
+        return done, new, torch.full_like(rows, step)
+
+
+def _exit_tau(model, idx):
+    """A threshold at the median step norm of step 3, so exits really vary."""
+    norms = []
+
+    def keep(group, step, state, active):
+        norms.append(state.clone())
+
+    model(idx, loop_counts=(8, 8), observer=keep)
+    return float((norms[3] - norms[2]).norm(dim=-1).median())
+
+
+def test_exits_teacher_forced_equals_cached_and_batch_of_one():
+    model = tiny_model()
+    idx = torch.randint(0, 50, (3, 12))
+    tau = _exit_tau(model, idx)
+    forced = model(idx, controller=NormController(tau, 8))
+    steps = torch.stack(forced.computed)
+    assert steps.min() < steps.max(), "the threshold should make tokens exit at different steps"
+    # cached, token by token
+    cache = model.new_cache(3)
+    logits, computed = [], []
+    for t in range(12):
+        out = model(idx[:, t : t + 1], controller=NormController(tau, 8), cache=cache)
+        logits.append(out.logits)
+        computed.append(torch.stack(out.computed))
+    torch.testing.assert_close(torch.cat(logits, 1), forced.logits, rtol=0, atol=1e-10)
+    assert torch.equal(torch.cat(computed, 2), steps)
+    # batch of one
+    for row in range(3):
+        single = model(idx[row : row + 1], controller=NormController(tau, 8))
+        torch.testing.assert_close(single.logits[0], forced.logits[row], rtol=0, atol=1e-10)
+        assert torch.equal(torch.stack(single.computed)[:, 0], steps[:, row])
+
+
+def test_exited_tokens_are_not_computed():
+    model = tiny_model()
+    idx = torch.randint(0, 50, (2, 12))
+    tau = _exit_tau(model, idx)
+    rows_seen = {}
+
+    def count(module, args):
+        rows_seen[module] = rows_seen.get(module, 0) + args[0].shape[0]
+
+    hooks = [layer.register_forward_pre_hook(count) for layer in model.layers]
+    out = model(idx, controller=NormController(tau, 8))
+    for hook in hooks:
+        hook.remove()
+    for group, spec in enumerate(model.config.group_specs):
+        expected = int(out.computed[group].sum())
+        assert expected < 8 * idx.numel()
+        for layer in spec.layers:
+            assert rows_seen[model.layers[layer]] == expected
+
+
+# ------------------------------------------------------- training schedule
+def test_truncated_backprop_stops_gradients():
+    model = RecurrentLM(tiny_config(backprop_depth=2, init_state_scale=1.0)).train()
+    idx = torch.randint(0, 50, (2, 8))
+    states = {}
+
+    def keep(group, step, state, active):
+        states[(group, step)] = state
+
+    out = model(idx, targets=idx, loop_counts=(5, 1), observer=keep)
+    # group 0 runs 5 steps: only the last 2 carry a graph
+    assert [states[(0, k)].requires_grad for k in range(6)] == [False, False, False, False, True, True]
+    assert states[(1, 1)].requires_grad
+    out.loss.backward()
+    assert model.adapters[0].weight.grad.abs().sum() > 0
+    # Gradient equals a manual unroll whose first 3 steps are detached.
+    model.zero_grad()
+    x = model.run_layers((0,), model.embed(idx))
+    with torch.no_grad():
+        s = states[(0, 0)]
+        for _ in range(3):
+            s = model.group_step(0, s, x)
+    for _ in range(2):
+        s = model.group_step(0, s, x)
+    s1 = model.group_step(1, states[(1, 0)], s)
+    logits = model.readout(model.run_layers((4,), s1))
+    manual = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), idx.reshape(-1))
+    torch.testing.assert_close(manual, out.loss)
+
+
+def test_loop_count_schedule():
+    config = tiny_config(mean_loops=12.0)
+    draws = [sample_loop_counts(config, step_generator(0, step)) for step in range(3000)]
+    values = torch.tensor(draws, dtype=torch.float64)
+    assert values.min() >= 1
+    assert abs(values.mean().item() - 12.0) < 0.4
+    assert values.max() > 24  # heavy right tail of the lognormal rate
+    # same (seed, step) -> same counts, on every rank
+    assert sample_loop_counts(config, step_generator(0, 7)) == draws[7]
+    assert sample_loop_counts(tiny_config(mean_loops=1.0), step_generator(0, 1)) == (1, 1)
+
+
+def test_noise_rows_reproduce_global_batch():
+    model = RecurrentLM(tiny_config(init_state_scale=1.0))
+    inputs = torch.zeros(4, 6, 16)
+    full = model.init_state(0, inputs, torch.Generator().manual_seed(3))
+    lower = model.init_state(0, inputs[:2], torch.Generator().manual_seed(3), noise_rows=(0, 4))
+    upper = model.init_state(0, inputs[2:], torch.Generator().manual_seed(3), noise_rows=(2, 4))
+    assert torch.equal(torch.cat([lower, upper]), full)
+    assert full.abs().max() <= 3 * model.base_std + 1e-7
+    zero = RecurrentLM(tiny_config(init_state_scale=0.0)).init_state(0, inputs)
+    assert torch.equal(zero, torch.zeros_like(inputs))
+
+
+def test_block_size_enforced():
+    model = tiny_model()
+    with pytest.raises(RdepthError, match="block size"):
+        model(torch.zeros(1, 33, dtype=torch.long))
