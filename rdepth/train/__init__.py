@@ -1,0 +1,1 @@
+"""Training, checkpoints, distributed data parallelism, evaluation."""

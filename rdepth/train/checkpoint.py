@@ -1,0 +1,179 @@
+"""Checkpoints: a folder per step, written atomically, loadable without pickles of code.
+
+Layout of a run directory::
+
+    RUN/config.json                     resolved model + train config
+    RUN/tokenizer/                      the tokenizer the data was prepared with
+    RUN/checkpoints/step_000100/
+        model.safetensors               weights
+        config.json                     model config (rebuilds the model alone)
+        trainer.pt                      optimizer state and RNG (weights_only load)
+        state.json                      step, tokens seen, data position, metrics
+    RUN/checkpoints/latest              name of the newest complete checkpoint
+
+A checkpoint folder is written under a temporary name and renamed into place,
+so a crash or kill mid-write leaves every earlier checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rdepth.config import ModelConfig
+from rdepth.errors import RdepthError
+from rdepth.io import write_json, write_text
+
+STEP_PATTERN = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    model: torch.nn.Module,
+    model_config: ModelConfig,
+    trainer_state: dict[str, Any] | None = None,
+    state: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``RUN/checkpoints/step_XXXXXX`` atomically and point ``latest`` at it."""
+    from safetensors.torch import save_file
+
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(step)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        weights = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
+        save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(model_config.to_dict(), indent=2) + "\n")
+        if trainer_state is not None:
+            torch.save(trainer_state, staging / "trainer.pt")
+        (staging / "state.json").write_text(json.dumps({"step": step, **(state or {})}, indent=2) + "\n")
+        for path in staging.iterdir():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+        if final.exists():  # re-saving the same step: replace it whole
+            old = root / f".{final.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(staging, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, final)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    write_text(root / "latest", final.name + "\n")
+    return final
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_PATTERN.match(p.name)) and p.is_dir()]
+    return [path for _, path in sorted(found)]
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint folder from a checkpoint path, a ``checkpoints`` folder or a run folder."""
+    path = Path(path)
+    if not path.exists():
+        raise RdepthError(f"checkpoint not found: {path}")
+    if (path / "model.safetensors").exists() or (path / "config.json").exists() and not (path / "checkpoints").exists():
+        return path
+    run_dir = path.parent if path.name == "checkpoints" else path
+    latest = run_dir / "checkpoints" / "latest"
+    if latest.exists():
+        candidate = run_dir / "checkpoints" / latest.read_text().strip()
+        if candidate.is_dir():
+            return candidate
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise RdepthError(f"no checkpoint in {path}")
+    return found[-1]
+
+
+def load_model_config(checkpoint: Path) -> ModelConfig:
+    config_path = checkpoint / "config.json"
+    if not config_path.exists():
+        raise RdepthError(f"checkpoint {checkpoint} has no config.json")
+    try:
+        data = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RdepthError(f"checkpoint config {config_path} is not valid JSON ({exc.msg})") from None
+    if not isinstance(data, dict):
+        raise RdepthError(f"checkpoint config {config_path} is not a JSON object")
+    return ModelConfig.from_dict(data)
+
+
+def load_weights(checkpoint: Path, model: torch.nn.Module) -> None:
+    """Load ``model.safetensors`` into ``model``; mismatches and corruption are one-line errors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    weights_path = checkpoint / "model.safetensors"
+    if not weights_path.exists():
+        raise RdepthError(f"checkpoint {checkpoint} has no model.safetensors")
+    try:
+        weights = load_file(str(weights_path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise RdepthError(f"checkpoint weights {weights_path} are corrupt or truncated ({exc})") from None
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise RdepthError(
+            f"checkpoint {checkpoint} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    for name, tensor in weights.items():
+        if tensor.shape != expected[name].shape:
+            raise RdepthError(
+                f"checkpoint {checkpoint} does not match the model: {name} has shape "
+                f"{tuple(tensor.shape)}, the model expects {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(weights)
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
+    """Rebuild a model from a checkpoint (or run) folder: returns ``(model, config)``."""
+    from rdepth.model import RecurrentLM
+
+    checkpoint = resolve_checkpoint(path)
+    config = load_model_config(checkpoint)
+    model = RecurrentLM(config)
+    load_weights(checkpoint, model)
+    return model.to(device).eval(), config
+
+
+def load_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(trainer_state, state)`` of a checkpoint, loaded without unpickling code."""
+    trainer_path = checkpoint / "trainer.pt"
+    state_path = checkpoint / "state.json"
+    if not trainer_path.exists() or not state_path.exists():
+        raise RdepthError(f"checkpoint {checkpoint} has no optimizer state to resume from")
+    try:
+        trainer_state = torch.load(trainer_path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for damaged files
+        raise RdepthError(f"checkpoint optimizer state {trainer_path} is corrupt ({type(exc).__name__})") from None
+    try:
+        state = json.loads(state_path.read_text())
+    except json.JSONDecodeError:
+        raise RdepthError(f"checkpoint state {state_path} is not valid JSON") from None
+    return trainer_state, state
+
+
+def write_run_config(run_dir: Path, model_config: ModelConfig, train_config_dict: dict) -> None:
+    write_json(run_dir / "config.json", {"model": model_config.to_dict(), "train": train_config_dict})

@@ -1,0 +1,15 @@
+"""Shared fixtures: a small real corpus prepared once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def wiki_small(tmp_path_factory):
+    """The default wiki corpus (first 400 articles) with a 512-token BPE."""
+    from rdepth.data.prepare import PrepareConfig, prepare
+
+    out = tmp_path_factory.mktemp("data") / "wiki512"
+    return prepare(PrepareConfig(corpus="wiki", tokenizer="bpe:512", out=out, max_documents=400))
+

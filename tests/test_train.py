@@ -1,0 +1,164 @@
+"""Training: exact resume, DDP parity, checkpoints, CLI errors."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rdepth.cli.main import main
+from rdepth.io import read_jsonl
+from rdepth.train.checkpoint import list_checkpoints, load_model
+
+TINY = [
+    "--n-layer", "3", "--n-head", "2", "--d-model", "32", "--block-size", "32",
+    "--groups", "1", "--mean-loops", "3", "--backprop-depth", "2", "--threads", "1",
+]
+
+
+def train_cli(data, out, *extra) -> int:
+    return main([
+        "train", "--data", str(data), "--out", str(out), "--batch-size", "4", "--log-every", "1",
+        "--eval-every", "3", "--eval-batches", "1", "--checkpoint-every", "3", "--warmup-steps", "2",
+        *TINY, *extra,
+    ])
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r}
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(list_checkpoints(run)[-1] / "model.safetensors"))
+
+
+def test_resume_is_exact(wiki_small, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert train_cli(wiki_small, straight, "--max-steps", "6") == 0
+    assert train_cli(wiki_small, split, "--max-steps", "6", "--stop-at", "3") == 0
+    assert [p.name for p in list_checkpoints(split)] == ["step_000003"]
+    assert train_cli(wiki_small, split, "--max-steps", "6", "--resume") == 0
+    assert losses(straight) == losses(split)
+    a, b = weights(straight), weights(split)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # checkpoints are kept as a series
+    assert [p.name for p in list_checkpoints(straight)] == ["step_000003", "step_000006"]
+
+
+def test_training_lowers_loss_and_writes_run(wiki_small, tmp_path):
+    run = tmp_path / "run"
+    assert train_cli(wiki_small, run, "--max-steps", "30", "--lr", "3e-3") == 0
+    record = losses(run)
+    assert record[30] < record[1] - 0.5
+    for name in ("config.json", "environment.json", "summary.json", "metrics.jsonl", "tokenizer"):
+        assert (run / name).exists(), name
+    model, config = load_model(run)
+    assert config.groups == "1" and config.vocab_size == 512
+    assert main(["eval", "--checkpoint", str(run), "--data", str(wiki_small), "--loops", "1",
+                 "--loops", "3", "--max-batches", "2"]) == 0
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "The city", "--max-new-tokens", "5"]) == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_process_ddp_matches_single_process(wiki_small, tmp_path):
+    worker = Path(__file__).with_name("ddp_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    for world, name in ((2, "ddp"), (1, "single")):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+               "--master_port", str(_free_port()), str(worker),
+               str(wiki_small), str(tmp_path / name), str(tmp_path / f"{name}_rank")]
+        if world == 1:
+            cmd = [sys.executable, str(worker), str(wiki_small), str(tmp_path / name), str(tmp_path / f"{name}_rank")]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+    rank0 = load_file(str(tmp_path / "ddp_rank0.safetensors"))
+    rank1 = load_file(str(tmp_path / "ddp_rank1.safetensors"))
+    single = load_file(str(tmp_path / "single_rank0.safetensors"))
+    for name in single:
+        assert torch.equal(rank0[name], rank1[name]), f"ranks diverged at {name}"
+        torch.testing.assert_close(rank0[name], single[name], rtol=1e-4, atol=1e-5)
+    assert losses(tmp_path / "ddp").keys() == losses(tmp_path / "single").keys()
+    for step, loss in losses(tmp_path / "single").items():
+        assert abs(losses(tmp_path / "ddp")[step] - loss) < 1e-4
+
+
+# ---------------------------------------------------------------- bad input
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_bad_group_spec_is_one_line(wiki_small, tmp_path, capsys):
+    assert train_cli(wiki_small, tmp_path / "r", "--groups", "2-1", "--max-steps", "1") == 2
+    assert "runs backwards" in _error_line(capsys)
+    assert not (tmp_path / "r").exists()
+
+
+def test_missing_and_empty_data(tmp_path, capsys):
+    assert main(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]) == 2
+    assert "not found" in _error_line(capsys)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    assert main(["prepare", "--corpus", str(empty), "--out", str(tmp_path / "d")]) == 2
+    assert "empty" in _error_line(capsys).lower()
+
+
+def test_existing_run_is_not_overwritten_and_mismatch_rejected(wiki_small, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train_cli(wiki_small, run, "--max-steps", "3") == 0
+    before = (list_checkpoints(run)[-1] / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert train_cli(wiki_small, run, "--max-steps", "3") == 2
+    assert "--resume" in _error_line(capsys)
+    assert train_cli(wiki_small, run, "--max-steps", "6", "--resume", "--d-model", "48") == 2
+    assert "does not match" in _error_line(capsys)
+    assert (list_checkpoints(run)[-1] / "model.safetensors").read_bytes() == before
+
+
+def test_corrupt_checkpoint_is_one_line(wiki_small, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train_cli(wiki_small, run, "--max-steps", "3") == 0
+    capsys.readouterr()
+    weights_file = list_checkpoints(run)[-1] / "model.safetensors"
+    data = weights_file.read_bytes()
+    weights_file.write_bytes(data[: len(data) // 2])
+    assert main(["eval", "--checkpoint", str(run), "--data", str(wiki_small)]) == 2
+    assert "corrupt or truncated" in _error_line(capsys)
+    config_file = list_checkpoints(run)[-1] / "config.json"
+    config_file.write_text("{not json")
+    assert main(["eval", "--checkpoint", str(run), "--data", str(wiki_small)]) == 2
+    assert "not valid JSON" in _error_line(capsys)
+
+
+def test_lr_schedule():
+    from rdepth.train.config import TrainConfig
+    from rdepth.train.trainer import lr_at
+
+    config = TrainConfig(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, config) == pytest.approx(0.1)
+    assert lr_at(9, config) == pytest.approx(1.0)
+    assert lr_at(60, config) == pytest.approx(0.55)
+    assert lr_at(110, config) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("command", [None, "prepare", "train", "eval", "generate", "analyze", "sweep", "surrogate", "demo"])
+def test_help(command, capsys):
+    argv = ["--help"] if command is None else [command, "--help"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    assert "usage" in capsys.readouterr().out
