@@ -30,10 +30,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 for stability under bf16 autocast.
-        x_float = x.float()
-        normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).type_as(x)
+        # Normalise in float32 for stability under bf16 autocast (fused kernel).
+        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        normed = F.rms_norm(wide, (x.shape[-1],), self.weight.to(wide.dtype), self.eps)
+        return normed.type_as(x)
 
 
 class CausalSelfAttention(nn.Module):
