@@ -269,3 +269,11 @@ def test_block_size_enforced():
     model = tiny_model()
     with pytest.raises(RdepthError, match="block size"):
         model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_group_step_compiles_without_graph_breaks():
+    """The hot path (one loop step) traces as one graph: no host syncs, no Python fallbacks."""
+    model = RecurrentLM(tiny_config())
+    step = torch.compile(model.group_step, fullgraph=True, backend="eager")
+    state, inputs = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    torch.testing.assert_close(step(1, state, inputs), model.group_step(1, state, inputs))
