@@ -162,3 +162,25 @@ def test_help(command, capsys):
         main(argv)
     assert exit_info.value.code == 0
     assert "usage" in capsys.readouterr().out
+
+
+def _exit_code(argv) -> int:
+    """main()'s return value, or the status of the SystemExit argparse raises."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["train", "--preset", "huge"], "invalid choice: 'huge'"),
+        (["train", "--max-steps", "x"], "expects int"),
+        (["prepare", "--tokenizer", "wordpiece", "--out", "unused"], "tokenizer"),
+        (["eval", "--checkpoint", "nowhere", "--data", "nowhere"], "not found"),
+    ],
+)
+def test_bad_flags_are_one_line(argv, fragment, capsys):
+    assert _exit_code(argv) == 2
+    assert fragment in _error_line(capsys)

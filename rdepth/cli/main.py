@@ -30,8 +30,15 @@ SUBCOMMANDS = [
 ]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage dump), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="rdepth",
         description="Recurrent-depth transformers: train looped models, inspect their "
         "loop geometry, exit early, and fit block-recurrent surrogates.",

@@ -273,6 +273,7 @@ class Trainer:
             return
         trainer_state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
         state = {"tokens_seen": self.tokens_seen, "data": {"seed": self.config.seed, "next_step": done},
+                 "scheduler": {"kind": "warmup_cosine", "step": done, "lr": lr_at(done - 1, self.config)},
                  "val": val}
         path = ckpt.save_checkpoint(self.run_dir, done, self.model, self.model_config, trainer_state, state)
         log.debug("checkpoint %s", path)
