@@ -1,0 +1,197 @@
+"""The exit-policy protocol and the registry of policies by name.
+
+An exit policy decides, per token and per loop step, whether a token leaves a
+recurrence group's loop and which state it hands on. One policy object serves
+one group for a batch of ``N`` tokens (flattened ``B*T`` rows) and keeps its
+per-token memory (previous update, hit flag, previous log-probabilities, ...)
+in tensors indexed by the flat row index. It is a small vectorised state
+machine:
+
+* ``begin(state)`` with the initial state ``s0`` of shape ``[N, d]`` resets it;
+* ``after_step(step, rows, prev, new)`` is called after loop step ``step``
+  (1-based) for the ``A`` tokens still looping: ``rows`` ``[A]`` are their flat
+  row indices, ``prev`` ``[A, d]`` is ``x^(step-1)`` and ``new`` ``[A, d]`` is
+  ``x^(step)``. It returns ``(done [A] bool, handoff [A, d], used [A] long)``:
+  which tokens stop, the state each hands on, and that state's index into the
+  iterates ``0..k_max``.
+
+A token is called only while it is looping, so a step's rows are always a
+subset of the previous step's rows. The same object drives online exits
+inside the model (through :class:`rdepth.exits.controller.PolicyController`)
+and :func:`rdepth.exits.replay.replay` on recorded iterates, so both give the
+same exits.
+
+Step semantics. Following the paper, ``Delta^(k) = x^(k+1) - x^(k)``; after
+step ``s`` the newest update is ``Delta^(s-1) = new - prev``. Every token
+stops at ``k_max`` at the latest and then hands on ``x^(k_max)``. Rules that
+compare with the previous state hand on the newest one (``used = step``);
+the two-hit acceleration rules follow Algorithm 1 and hand on ``x0``, the
+state *before* the step on which the second hit fires (``used = step - 1``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from rdepth.errors import RdepthError
+
+# decode(state [A, d]) -> logits [A, V]: the model's final norm and head.
+Decode = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ExitPolicy:
+    """Base class: validation, the ``k_max`` cap and the hand-off bookkeeping.
+
+    Subclasses set the class attributes and implement :meth:`_reset` (allocate
+    per-token memory for ``N`` rows) and :meth:`_exits` (the rule: a bool
+    tensor ``[A]`` of tokens that stop after this step).
+
+    Args:
+        tau: threshold of the rule (a positive finite number); policies with
+            ``uses_tau = False`` take none.
+        k_max: most loop steps a token may compute (>= 1).
+        decode: ``decode(state [A, d]) -> logits [A, V]``, only for rules that
+            read the predictive distribution (``needs_decode``); latent rules
+            never call it.
+        options: rule-specific keyword options (listed in ``option_defaults``).
+    """
+
+    name: ClassVar[str] = ""
+    uses_tau: ClassVar[bool] = True
+    needs_decode: ClassVar[bool] = False
+    # True for Algorithm 1's two-hit rules: an exit hands on x^(step-1).
+    hands_on_previous: ClassVar[bool] = False
+    option_defaults: ClassVar[dict[str, Any]] = {}
+    # What ``rdepth sweep`` varies: "tau", or an option name for rules without a
+    # threshold; ``default_grid`` None means the sweep's tau grid.
+    sweep_parameter: ClassVar[str] = "tau"
+    default_grid: ClassVar[tuple[float, ...] | None] = None
+
+    def __init__(
+        self,
+        tau: float | None = None,
+        k_max: int = 32,
+        decode: Decode | None = None,
+        **options: Any,
+    ) -> None:
+        if self.uses_tau:
+            if tau is None:
+                raise RdepthError(f"exit policy {self.name}: needs a threshold tau")
+            try:
+                tau = float(tau)
+            except (TypeError, ValueError):
+                raise RdepthError(f"exit policy {self.name}: tau must be a number, got {tau!r}") from None
+            if not (math.isfinite(tau) and tau > 0):
+                raise RdepthError(f"exit policy {self.name}: tau must be positive and finite, got {tau!r}")
+        elif tau is not None:
+            raise RdepthError(f"exit policy {self.name}: takes no tau (got tau={tau!r})")
+        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
+            raise RdepthError(f"exit policy {self.name}: k_max must be a positive integer, got {k_max!r}")
+        unknown = sorted(set(options) - set(self.option_defaults))
+        if unknown:
+            allowed = ", ".join(self.option_defaults) or "none"
+            raise RdepthError(
+                f"exit policy {self.name}: unknown option(s) {', '.join(unknown)} (allowed: {allowed})"
+            )
+        self.tau = tau
+        self.k_max = k_max
+        self.decode = decode
+        self.options = {**self.option_defaults, **options}
+        self._validate_options()
+        self.n_rows = 0
+
+    def _validate_options(self) -> None:
+        """Check ``self.options``; raise :class:`RdepthError` naming a bad one."""
+
+    def describe(self) -> dict[str, Any]:
+        """Name and settings, for logs and saved results."""
+        return {"policy": self.name, "tau": self.tau, "k_max": self.k_max, **self.options}
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{key}={value!r}" for key, value in self.describe().items() if key != "policy")
+        return f"{type(self).__name__}({settings})"
+
+    # -- protocol -----------------------------------------------------------------
+
+    def begin(self, state: torch.Tensor) -> None:
+        """Start a loop for ``N`` tokens; ``state`` ``[N, d]`` is ``s0``."""
+        if state.dim() != 2:
+            raise RdepthError(f"exit policy {self.name}: begin() expects a state [N, d], got {tuple(state.shape)}")
+        if self.needs_decode and self.decode is None:
+            raise RdepthError(f"exit policy {self.name}: needs a decode function (final norm + head)")
+        self.n_rows = state.shape[0]
+        self._reset(state)
+
+    def after_step(
+        self, step: int, rows: torch.Tensor, prev: torch.Tensor, new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decide after loop step ``step`` (1-based) for the looping tokens ``rows``.
+
+        Args:
+            rows: ``[A]`` long, flat row indices in ``0..N-1``.
+            prev: ``[A, d]``, ``x^(step-1)``; new: ``[A, d]``, ``x^(step)``.
+
+        Returns:
+            ``done`` ``[A]`` bool, ``handoff`` ``[A, d]`` (the state passed on,
+            meaningful where ``done``), ``used`` ``[A]`` long (its index into
+            the iterates).
+        """
+        if not 1 <= step <= self.k_max:
+            raise RdepthError(f"exit policy {self.name}: step {step} outside 1..k_max={self.k_max}")
+        exits = self._exits(step, rows, prev, new)
+        if step == self.k_max:
+            done = torch.ones_like(exits)
+        else:
+            done = exits
+        if self.hands_on_previous:
+            use_prev = exits
+            handoff = torch.where(use_prev[:, None], prev, new)
+            used = torch.full_like(rows, step) - use_prev.long()
+        else:
+            handoff = new
+            used = torch.full_like(rows, step)
+        return done, handoff, used
+
+    # -- to implement ---------------------------------------------------------------
+
+    def _reset(self, state: torch.Tensor) -> None:
+        """Allocate per-token memory for ``state.shape[0]`` rows."""
+
+    def _exits(self, step: int, rows: torch.Tensor, prev: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def compute_dtype(state: torch.Tensor) -> torch.dtype:
+    """float32, or float64 when the states are float64 (tests)."""
+    return torch.promote_types(state.dtype, torch.float32)
+
+
+# -- registry ----------------------------------------------------------------------
+
+POLICIES: dict[str, type[ExitPolicy]] = {}
+
+
+def register_policy(cls: type[ExitPolicy]) -> type[ExitPolicy]:
+    """Class decorator adding a policy to :data:`POLICIES` under ``cls.name``."""
+    if not cls.name or cls.name in POLICIES:
+        raise ValueError(f"exit policy name {cls.name!r} is empty or taken")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def get_policy_class(name: str) -> type[ExitPolicy]:
+    """Look a policy up by name; an unknown name is a user error."""
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise RdepthError(f"unknown exit policy {name!r} (choose from {', '.join(POLICIES)})") from None
+
+
+def make_policy(
+    name: str, tau: float | None = None, k_max: int = 32, decode: Decode | None = None, **options: Any
+) -> ExitPolicy:
+    """Build a policy by name: ``make_policy("acceleration", tau=1e-3, k_max=12)``."""
+    return get_policy_class(name)(tau=tau, k_max=k_max, decode=decode, **options)

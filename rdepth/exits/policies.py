@@ -1,0 +1,255 @@
+"""The exit rules: the paper's three (§4, Eq. 3-6, Algorithm 1) and Geiping et al.'s others.
+
+Notation: after loop step ``s`` a looping token has ``prev = x^(s-1)`` and
+``new = x^(s)``; its newest update is ``Delta = new - prev`` (the paper's
+``Delta^(s-1)``). Norms are Euclidean over the hidden dimension, computed in
+float32 (float64 for float64 states). Every rule stops a token whose signal is
+strictly below ``tau``; a larger ``tau`` exits earlier.
+
+Latent rules (O(d) per token-step, never decode the vocabulary):
+
+* ``fixed``: no rule, every token runs ``k_max`` steps (the fixed budget).
+* ``step_norm``: ``||Delta|| < tau`` (Eq. 3); hands on ``new``.
+* ``step_norm_rel``: ``||Delta|| / (||x^(s-1)|| + eps) < tau``.
+* ``acceleration``: ``a = ||Delta^(s-1) - Delta^(s-2)||`` (Eq. 5), defined from
+  step 2 on; exits when ``a < tau`` on two consecutive steps, handing on the
+  state before the second hit's step, exactly as Algorithm 1.
+* ``acceleration_rel``: the bounded form of Eq. 6,
+  ``a / (||Delta^(s-1)|| + ||Delta^(s-2)|| + eps)`` in ``[0, 2]``, same two hits.
+* ``acceleration_state``: ``a / (||x^(s-1)|| + eps)``, same two hits.
+* ``cosine``: ``1 - cos(x^(s), x^(s-1)) < tau`` (consecutive states).
+
+Decoded rules (O(V) per token-step through ``decode`` = final norm + head; the
+initial state ``s0`` is never decoded, so their first comparison is at step 2):
+
+* ``kl``: ``KL(p^(s) || p^(s-1)) = sum_v p^(s)_v (log p^(s)_v - log p^(s-1)_v)``
+  (Eq. 4: the newer distribution first), log-softmax in float32.
+* ``entropy_diff``: ``|H(p^(s)) - H(p^(s-1))| < tau`` (nats).
+* ``argmax_stable``: no tau; exits when the top token has not changed for
+  ``patience`` consecutive steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rdepth.errors import RdepthError
+from rdepth.exits.base import ExitPolicy, compute_dtype, register_policy
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    """Row norms ``[A]`` of ``x`` ``[A, d]``."""
+    return torch.linalg.vector_norm(x, dim=-1)
+
+
+def _check_eps(policy: ExitPolicy) -> None:
+    eps = policy.options["eps"]
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise RdepthError(f"exit policy {policy.name}: eps must be a number >= 0, got {eps!r}")
+
+
+@register_policy
+class FixedPolicy(ExitPolicy):
+    """Every token runs exactly ``k_max`` steps."""
+
+    name = "fixed"
+    uses_tau = False
+
+    def _exits(self, step, rows, prev, new):
+        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+
+
+@register_policy
+class StepNormPolicy(ExitPolicy):
+    """``||x^(s) - x^(s-1)|| < tau`` (Eq. 3)."""
+
+    name = "step_norm"
+
+    def _exits(self, step, rows, prev, new):
+        dtype = compute_dtype(new)
+        return _norm(new.to(dtype) - prev.to(dtype)) < self.tau
+
+
+@register_policy
+class StepNormRelPolicy(ExitPolicy):
+    """``||x^(s) - x^(s-1)|| / (||x^(s-1)|| + eps) < tau`` (scale-free step norm)."""
+
+    name = "step_norm_rel"
+    option_defaults = {"eps": 1e-6}
+
+    def _validate_options(self) -> None:
+        _check_eps(self)
+
+    def _exits(self, step, rows, prev, new):
+        dtype = compute_dtype(new)
+        prev = prev.to(dtype)
+        ratio = _norm(new.to(dtype) - prev) / (_norm(prev) + self.options["eps"])
+        return ratio < self.tau
+
+
+class _TwoHitPolicy(ExitPolicy):
+    """Algorithm 1's state machine around a second-order signal.
+
+    Per token: the previous update ``Delta`` (``[N, d]``) and whether the
+    previous step was a hit (``[N]``). A token exits when the signal is below
+    ``tau`` on two consecutive steps and then hands on ``x^(s-1)``.
+    """
+
+    hands_on_previous = True
+    option_defaults = {"eps": 1e-6}
+
+    def _validate_options(self) -> None:
+        _check_eps(self)
+
+    def _signal(self, delta: torch.Tensor, prev_delta: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Per-token signal ``[A]`` from the newest and previous updates."""
+        raise NotImplementedError
+
+    def _reset(self, state):
+        dtype = compute_dtype(state)
+        self.prev_delta = torch.zeros(state.shape, dtype=dtype, device=state.device)
+        self.prev_small = torch.zeros(state.shape[0], dtype=torch.bool, device=state.device)
+
+    def _exits(self, step, rows, prev, new):
+        dtype = compute_dtype(new)
+        prev = prev.to(dtype)
+        delta = new.to(dtype) - prev  # (A, d)
+        if step == 1:  # no previous update yet
+            exits = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+        else:
+            small = self._signal(delta, self.prev_delta[rows], prev) < self.tau
+            exits = small & self.prev_small[rows]
+            self.prev_small[rows] = small
+        self.prev_delta[rows] = delta
+        return exits
+
+
+@register_policy
+class AccelerationPolicy(_TwoHitPolicy):
+    """``||Delta^(k) - Delta^(k-1)|| < tau`` twice in a row (Eq. 5, Algorithm 1)."""
+
+    name = "acceleration"
+    option_defaults = {}
+
+    def _validate_options(self) -> None:
+        pass
+
+    def _signal(self, delta, prev_delta, prev):
+        return _norm(delta - prev_delta)
+
+
+@register_policy
+class AccelerationRelPolicy(_TwoHitPolicy):
+    """Bounded acceleration of Eq. 6: ``a / (||Delta^(k)|| + ||Delta^(k-1)|| + eps)``."""
+
+    name = "acceleration_rel"
+
+    def _signal(self, delta, prev_delta, prev):
+        return _norm(delta - prev_delta) / (_norm(delta) + _norm(prev_delta) + self.options["eps"])
+
+
+@register_policy
+class AccelerationStatePolicy(_TwoHitPolicy):
+    """Acceleration normalised by the state: ``a / (||x^(k)|| + eps)``, ``x^(k) = prev``."""
+
+    name = "acceleration_state"
+
+    def _signal(self, delta, prev_delta, prev):
+        return _norm(delta - prev_delta) / (_norm(prev) + self.options["eps"])
+
+
+@register_policy
+class CosinePolicy(ExitPolicy):
+    """``1 - cos(x^(s), x^(s-1)) < tau``: consecutive states point the same way."""
+
+    name = "cosine"
+    option_defaults = {"eps": 1e-8}
+
+    def _validate_options(self) -> None:
+        _check_eps(self)
+
+    def _exits(self, step, rows, prev, new):
+        dtype = compute_dtype(new)
+        cosine = F.cosine_similarity(new.to(dtype), prev.to(dtype), dim=-1, eps=self.options["eps"])
+        return (1.0 - cosine) < self.tau
+
+
+class _DecodedPolicy(ExitPolicy):
+    """Rules on the decoded distribution ``p^(s) = softmax(decode(x^(s)))``."""
+
+    needs_decode = True
+
+    def _log_probs(self, new: torch.Tensor) -> torch.Tensor:
+        logits = self.decode(new)  # (A, V)
+        return torch.log_softmax(logits.to(compute_dtype(logits)), dim=-1)
+
+
+@register_policy
+class KLPolicy(_DecodedPolicy):
+    """``KL(p^(s) || p^(s-1)) < tau`` (Eq. 4); keeps the previous log-probs ``[N, V]``."""
+
+    name = "kl"
+
+    def _reset(self, state):
+        self.prev_log_probs: torch.Tensor | None = None
+
+    def _exits(self, step, rows, prev, new):
+        log_probs = self._log_probs(new)  # (A, V)
+        if self.prev_log_probs is None:
+            self.prev_log_probs = log_probs.new_zeros((self.n_rows, log_probs.shape[-1]))
+        if step == 1:
+            exits = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+        else:
+            kl = (log_probs.exp() * (log_probs - self.prev_log_probs[rows])).sum(-1)
+            exits = kl < self.tau
+        self.prev_log_probs[rows] = log_probs
+        return exits
+
+
+@register_policy
+class EntropyDiffPolicy(_DecodedPolicy):
+    """``|H(p^(s)) - H(p^(s-1))| < tau``, entropies in nats."""
+
+    name = "entropy_diff"
+
+    def _reset(self, state):
+        self.prev_entropy = torch.zeros(state.shape[0], dtype=torch.float64, device=state.device)
+
+    def _exits(self, step, rows, prev, new):
+        log_probs = self._log_probs(new)
+        entropy = -(log_probs.exp() * log_probs).sum(-1).to(torch.float64)
+        if step == 1:
+            exits = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+        else:
+            exits = (entropy - self.prev_entropy[rows]).abs() < self.tau
+        self.prev_entropy[rows] = entropy
+        return exits
+
+
+@register_policy
+class ArgmaxStablePolicy(_DecodedPolicy):
+    """Exit when the top token has stayed the same for ``patience`` consecutive steps."""
+
+    name = "argmax_stable"
+    uses_tau = False
+    option_defaults = {"patience": 2}
+    sweep_parameter = "patience"
+    default_grid = (1, 2, 3)
+
+    def _validate_options(self) -> None:
+        patience = self.options["patience"]
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise RdepthError(f"exit policy {self.name}: patience must be a positive integer, got {patience!r}")
+
+    def _reset(self, state):
+        self.prev_top = torch.full((state.shape[0],), -1, dtype=torch.long, device=state.device)
+        self.streak = torch.zeros(state.shape[0], dtype=torch.long, device=state.device)
+
+    def _exits(self, step, rows, prev, new):
+        top = self.decode(new).argmax(dim=-1)  # (A,)
+        same = top == self.prev_top[rows]  # never true at step 1 (prev_top = -1)
+        streak = torch.where(same, self.streak[rows] + 1, torch.zeros_like(top))
+        self.prev_top[rows] = top
+        self.streak[rows] = streak
+        return streak >= self.options["patience"]

@@ -1,0 +1,241 @@
+"""Iterate-level loop geometry: plain tensor functions on a trajectory of states.
+
+A looped group g runs K steps; its iterates for N tokens are a tensor
+``states`` of shape [K+1, N, d]: ``states[0]`` is the initial (random) state
+x^(0), ``states[k]`` the state after k loop steps. The update at step k is
+Delta^(k) = x^(k+1) - x^(k) (the paper's Eq. 1), so there are K updates.
+
+Every function here is pure (no model, no I/O) and works in float64
+internally, so that the batch answers serve as the reference the streaming
+observer (``rdepth.geometry.stream``) is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from rdepth.errors import RdepthError
+
+# Added to denominators so that a zero update gives cosine 0 (not NaN) and a
+# zero state gives an infinite-free relative step.
+EPS = 1e-12
+
+
+def _check_states(states: torch.Tensor, min_steps: int = 1) -> None:
+    if states.dim() != 3:
+        raise RdepthError(f"states must have shape [K+1, N, d], got {tuple(states.shape)}")
+    if states.shape[0] < min_steps + 1:
+        raise RdepthError(
+            f"states need at least {min_steps + 1} iterates for this metric, got {states.shape[0]}"
+        )
+
+
+def updates(states: torch.Tensor) -> torch.Tensor:
+    """Loop updates Delta^(k) = x^(k+1) - x^(k): [K+1, N, d] -> [K, N, d] (float64)."""
+    _check_states(states)
+    states = states.double()
+    return states[1:] - states[:-1]
+
+
+def step_sizes(states: torch.Tensor) -> torch.Tensor:
+    """Step size ||Delta^(k)||_2 per step and token: [K+1, N, d] -> [K, N]."""
+    return updates(states).norm(dim=-1)
+
+
+def relative_step_sizes(states: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """Step size relative to the state it starts from, ||Delta^(k)|| / ||x^(k)||: -> [K, N].
+
+    This is the paper's scale-free step norm (s~ in §4); it is what decides
+    per-token convergence in :func:`convergence_steps`.
+    """
+    states = states.double()
+    return step_sizes(states) / (states[:-1].norm(dim=-1) + eps)
+
+
+def step_cosines(states: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """Consecutive-step cosine cos(Delta^(j), Delta^(j+1)): [K+1, N, d] -> [K-1, N].
+
+    Row j compares step j with step j+1 (the paper's cos(Delta^(k), Delta^(k-1))
+    with k = j+1). A zero update gives cosine 0.
+    """
+    _check_states(states, min_steps=2)
+    delta = updates(states)
+    dots = (delta[1:] * delta[:-1]).sum(dim=-1)
+    norms = delta.norm(dim=-1)
+    return dots / (norms[1:] * norms[:-1] + eps)
+
+
+def accelerations(states: torch.Tensor) -> torch.Tensor:
+    """Second-order step ||Delta^(j+1) - Delta^(j)||_2 (the paper's Eq. 5): -> [K-1, N]."""
+    _check_states(states, min_steps=2)
+    delta = updates(states)
+    return (delta[1:] - delta[:-1]).norm(dim=-1)
+
+
+# ---------------------------------------------------------------------------
+# Drift-to-Loop Ratio (Eq. 2)
+# ---------------------------------------------------------------------------
+
+# Which iterate of the next group the drift numerator measures from the previous
+# group's output x_g^(K_g). Step 0 is the paper-literal choice; since x^(0) is
+# fresh noise, its distance to anything is large by construction, so the
+# default ("first") uses the first computed iterate x_{g+1}^(1): the first state
+# that depends on what group g handed on. "output" compares the two groups'
+# outputs x_{g+1}^(K_{g+1}) - x_g^(K_g).
+DLR_DEFINITIONS: dict[str, Callable[[int], int]] = {
+    "literal": lambda k_next: 0,
+    "first": lambda k_next: 1,
+    "output": lambda k_next: k_next,
+}
+DEFAULT_DLR = "first"
+
+
+def dlr_next_index(definition: str, k_next: int) -> int:
+    """Index into the next group's iterates [0..K_{g+1}] used by a DLR definition."""
+    if definition not in DLR_DEFINITIONS:
+        raise RdepthError(
+            f"unknown DLR definition {definition!r} (choose from {', '.join(DLR_DEFINITIONS)})"
+        )
+    index = DLR_DEFINITIONS[definition](k_next)
+    if index > k_next:
+        raise RdepthError(f"DLR definition {definition!r} needs {index} steps, group ran {k_next}")
+    return index
+
+
+def drift_to_loop_ratio(
+    prev_states: torch.Tensor,
+    next_states: torch.Tensor,
+    definition: str = DEFAULT_DLR,
+    eps: float = EPS,
+) -> torch.Tensor:
+    """Drift-to-Loop Ratio at a boundary g -> g+1, per token: -> [N].
+
+    ``prev_states`` [K_g+1, N, d] are group g's iterates, ``next_states``
+    [K_{g+1}+1, N, d] group g+1's. Numerator: ||x_{g+1}^(i) - x_g^(K_g)||_2 with i
+    chosen by ``definition`` (see ``DLR_DEFINITIONS``); denominator: the mean step
+    size of group g, (1/K_g) sum_k ||Delta_g^(k)||_2. Values above 1 mean the
+    hand-off moves a token further than an average loop step.
+    """
+    _check_states(prev_states)
+    if next_states.dim() != 3 or next_states.shape[1:] != prev_states.shape[1:]:
+        raise RdepthError(
+            f"next_states {tuple(next_states.shape)} do not match prev_states "
+            f"{tuple(prev_states.shape)} in tokens and width"
+        )
+    index = dlr_next_index(definition, next_states.shape[0] - 1)
+    drift = (next_states[index].double() - prev_states[-1].double()).norm(dim=-1)
+    loop = step_sizes(prev_states).mean(dim=0)
+    return drift / (loop + eps)
+
+
+# ---------------------------------------------------------------------------
+# Effective rank, PCA, convergence, summaries
+# ---------------------------------------------------------------------------
+
+
+def effective_rank_from_singular_values(singular_values: torch.Tensor, eps: float = EPS) -> float:
+    """exp(entropy) of the normalised singular values p_i = s_i / sum_j s_j (Roy & Vetterli).
+
+    Equals r for r equal non-zero singular values, 1 for a rank-1 matrix; 0 for
+    an all-zero matrix (no update at all). Updates at float rounding level look
+    isotropic, so late-step ranks of a converged loop approach d: read them
+    together with the step sizes.
+    """
+    s = singular_values.double().clamp_min(0)
+    total = s.sum()
+    if total <= eps:
+        return 0.0
+    p = s / total
+    p = p[p > 0]
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+def effective_rank_from_gram(gram: torch.Tensor) -> float:
+    """Effective rank of a matrix U [N, d] given its Gram matrix U^T U [d, d].
+
+    The singular values of U are the square roots of the Gram eigenvalues, so
+    the streaming observer can accumulate Gram matrices batch by batch.
+    """
+    eigenvalues = torch.linalg.eigvalsh(gram.double())
+    return effective_rank_from_singular_values(eigenvalues.clamp_min(0).sqrt())
+
+
+def effective_rank(matrix: torch.Tensor) -> float:
+    """Effective rank of the rows of ``matrix`` [N, d] (uncentred: the updates as they are)."""
+    if matrix.dim() != 2:
+        raise RdepthError(f"effective_rank expects [N, d], got {tuple(matrix.shape)}")
+    return effective_rank_from_singular_values(torch.linalg.svdvals(matrix.double()))
+
+
+def update_effective_ranks(states: torch.Tensor) -> torch.Tensor:
+    """Effective rank of the N updates at each loop step: [K+1, N, d] -> [K]."""
+    return torch.tensor([effective_rank(delta) for delta in updates(states)], dtype=torch.float64)
+
+
+@dataclass
+class PCA2D:
+    """A 2-D PCA fit: ``project(x)`` = (x - mean) @ components.T."""
+
+    mean: torch.Tensor  # [d]
+    components: torch.Tensor  # [2, d], orthonormal rows
+    explained_variance_ratio: torch.Tensor  # [2]
+
+    def project(self, points: torch.Tensor) -> torch.Tensor:
+        """[..., d] -> [..., 2]."""
+        return (points.double() - self.mean) @ self.components.T
+
+
+def pca_2d(points: torch.Tensor) -> PCA2D:
+    """Fit 2-D PCA on ``points`` [M, d] (e.g. the union of all states of one sequence).
+
+    Uses the eigenvectors of the covariance. Each component's sign is fixed so
+    that its largest-magnitude entry is positive, making the fit deterministic.
+    """
+    if points.dim() != 2 or points.shape[0] < 2:
+        raise RdepthError(f"pca_2d expects [M>=2, d] points, got {tuple(points.shape)}")
+    points = points.double()
+    mean = points.mean(dim=0)
+    centred = points - mean
+    covariance = centred.T @ centred / (points.shape[0] - 1)
+    eigenvalues, eigenvectors = torch.linalg.eigh(covariance)  # ascending
+    order = torch.argsort(eigenvalues, descending=True)
+    eigenvalues, eigenvectors = eigenvalues[order], eigenvectors[:, order]
+    components = eigenvectors[:, :2].T.clone()
+    if components.shape[0] < 2:  # d == 1: pad with a zero direction
+        components = torch.cat([components, torch.zeros_like(components)])
+    for row in components:
+        if row[row.abs().argmax()] < 0:
+            row.neg_()
+    total = eigenvalues.clamp_min(0).sum()
+    top = eigenvalues[:2].clamp_min(0)
+    if top.numel() < 2:
+        top = torch.cat([top, top.new_zeros(2 - top.numel())])
+    ratio = top / total if total > 0 else torch.zeros(2, dtype=torch.float64)
+    return PCA2D(mean=mean, components=components, explained_variance_ratio=ratio)
+
+
+def convergence_steps(states: torch.Tensor, threshold: float) -> torch.Tensor:
+    """First step k whose relative step size drops under ``threshold``: -> [N] long.
+
+    A token that never drops under it gets K (the number of steps run), so the
+    slowest tokens sort last; compare against K to tell "converged at the end"
+    from "never converged" (see :func:`relative_step_sizes`).
+    """
+    return first_below(relative_step_sizes(states), threshold)
+
+
+def first_below(values: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Index of the first row of ``values`` [K, N] under ``threshold`` per column, else K."""
+    below = values < threshold
+    steps = torch.arange(values.shape[0], device=values.device).unsqueeze(1).expand_as(values)
+    never = torch.full_like(steps, values.shape[0])
+    return torch.where(below, steps, never).min(dim=0).values
+
+
+def summarize(values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean and population standard deviation over tokens: [K, N] -> {"mean": [K], "std": [K]}."""
+    values = values.double()
+    return {"mean": values.mean(dim=-1), "std": values.std(dim=-1, correction=0)}

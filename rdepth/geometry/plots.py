@@ -1,0 +1,258 @@
+"""Loop-geometry figures, drawn only from the numbers ``analyze`` saved.
+
+Each ``figure_*`` function takes the parsed ``summary.json`` (and, for the PCA
+figure, the arrays of one NPZ) and returns a matplotlib Figure; :func:`draw_all`
+saves them as PNG and SVG under ``OUT/figures`` and returns (path, caption)
+pairs for the report. matplotlib is imported lazily with the Agg backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from rdepth.io import atomic_path
+
+log = logging.getLogger(__name__)
+
+FIGURES_DIR = "figures"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure, stem: Path) -> list[Path]:
+    """Write ``stem.png`` and ``stem.svg`` atomically; close the figure."""
+    paths = []
+    for suffix in (".png", ".svg"):
+        path = stem.with_suffix(suffix)
+        with atomic_path(path) as tmp:
+            figure.savefig(tmp, format=suffix[1:], dpi=130, bbox_inches="tight")
+        paths.append(path)
+    _pyplot().close(figure)
+    return paths
+
+
+def _checkpoint_colours(count: int):
+    """Light to dark: early checkpoints pale, the last one darkest."""
+    cmap = _pyplot().get_cmap("viridis")
+    return [cmap(0.85 - 0.75 * i / max(count - 1, 1)) for i in range(count)]
+
+
+def _label(entry: dict[str, Any]) -> str:
+    return f"step {entry['step']}" if entry.get("step", -1) >= 0 else entry["label"]
+
+
+# ------------------------------------------------------------------ Fig 1
+
+
+def figure_pca(arrays: dict[str, np.ndarray], group_names: list[str], tokens: int = 6, zoom_group: int | None = None):
+    """Fig. 1: PCA trajectories of a few tokens of one sequence through every group's
+    loop steps (step 0, the random initial state, omitted), coloured light -> dark by
+    iteration order, with an inset zooming on one token's loop in ``zoom_group``."""
+    plt = _pyplot()
+    coords, group_of, step_of = arrays["pca_coords"], arrays["pca_group"], arrays["pca_step"]
+    explained = arrays["pca_explained"]
+    computed = step_of > 0
+    seq_len = coords.shape[1]
+    shown = np.unique(np.linspace(0, seq_len - 1, min(tokens, seq_len)).round().astype(int))
+    order = np.cumsum(computed) - 1  # iteration index along depth, over computed states
+    cmap = plt.get_cmap("viridis_r")
+    norm = plt.Normalize(0, max(int(order[computed].max()), 1))
+    figure, (axis, inset) = plt.subplots(
+        1, 2, figsize=(11, 5.2), gridspec_kw={"width_ratios": [1.6, 1]}, layout="constrained"
+    )
+    for token in shown:
+        path = coords[computed, token]
+        axis.plot(path[:, 0], path[:, 1], color="0.75", linewidth=0.7, zorder=1)
+        points = axis.scatter(path[:, 0], path[:, 1], c=order[computed], cmap=cmap, norm=norm, s=12, zorder=2)
+        axis.annotate(f"t{token}", path[-1], fontsize=7, xytext=(3, 3), textcoords="offset points")
+    group_count = int(group_of.max()) + 1
+    # mark the hand-offs: the first computed iterate of every group
+    for group in range(group_count):
+        first = np.flatnonzero(computed & (group_of == group))[0]
+        axis.scatter(coords[first, shown, 0], coords[first, shown, 1], marker="x", color="k", s=18, zorder=3,
+                     label="first iterate of a group" if group == 0 else None)
+    # the zoom: one token's iterates inside one group's loop
+    zoom = zoom_group if zoom_group is not None else group_count // 2
+    token = int(shown[len(shown) // 2])
+    rows = computed & (group_of == zoom)
+    loop = coords[rows, token]
+    inset.plot(loop[:, 0], loop[:, 1], color="0.6", linewidth=0.8)
+    inset.scatter(loop[:, 0], loop[:, 1], c=order[rows], cmap=cmap, norm=norm, s=22)
+    for number, point in enumerate(loop, start=1):
+        inset.annotate(str(number), point, fontsize=6, xytext=(2, 2), textcoords="offset points")
+    inset.set_title(f"zoom: token t{token} inside group {group_names[zoom]} ({len(loop)} loop steps)", fontsize=9)
+    pad = 0.15 * max(np.ptp(loop[:, 0]), np.ptp(loop[:, 1]), 1e-9)
+    inset.set_xlim(loop[:, 0].min() - pad, loop[:, 0].max() + pad)
+    inset.set_ylim(loop[:, 1].min() - pad, loop[:, 1].max() + pad)
+    inset.tick_params(labelsize=7)
+    axis.indicate_inset_zoom(inset, edgecolor="0.4")
+    figure.colorbar(points, ax=[axis, inset], label="iteration order (depth x loop step)", shrink=0.8)
+    axis.set_xlabel(f"PC1 ({100 * explained[0]:.1f}% of variance)")
+    axis.set_ylabel(f"PC2 ({100 * explained[1]:.1f}% of variance)")
+    axis.set_title("Token trajectories through depth and loop steps (2-D PCA)")
+    axis.legend(loc="best", fontsize=7)
+    return figure
+
+
+# ------------------------------------------------------------------ Fig 2
+
+
+def figure_dlr(summary: dict[str, Any], budget: str = "train"):
+    """Fig. 2: mean DLR (band: 10th-90th percentile over tokens) per boundary across
+    checkpoints; solid = the real-drift definition, dashed = paper-literal."""
+    plt = _pyplot()
+    entries = summary["checkpoints"]
+    steps = [entry["step"] for entry in entries]
+    boundaries = list(entries[0]["budgets"][budget]["dlr"])
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+    styles = {summary["dlr_default"]: ("-", "o"), "literal": ("--", "s")}
+    colours = plt.get_cmap("tab10")
+    for index, boundary in enumerate(boundaries):
+        for definition, (style, marker) in styles.items():
+            stats = [entry["budgets"][budget]["dlr"][boundary][definition] for entry in entries]
+            mean = np.array([s["mean"] for s in stats])
+            axis.plot(steps, mean, style, marker=marker, color=colours(index),
+                      markerfacecolor=colours(index) if style == "-" else "none",
+                      label=f"{boundary} ({definition})")
+            if style == "-":
+                axis.fill_between(steps, [s["p10"] for s in stats], [s["p90"] for s in stats],
+                                  color=colours(index), alpha=0.15, linewidth=0)
+    axis.axhline(1.0, color="k", linewidth=0.8, linestyle=":")
+    axis.set_yscale("log")
+    axis.set_xlabel("training step")
+    axis.set_ylabel("drift-to-loop ratio")
+    axis.set_title(f"Cross-block drift vs. mean loop step ({budget} budget); >1: coarse hand-off")
+    axis.legend(fontsize=7)
+    return figure
+
+
+# ------------------------------------------------------------------ Fig 3 / 5
+
+
+def _curves(axis, entries, budget, group, metric, colours, offset: int = 0) -> None:
+    for entry, colour in zip(entries, colours):
+        values = entry["budgets"][budget]["groups"][group][metric]
+        mean, std = np.asarray(values["mean"]), np.asarray(values["std"])
+        k = np.arange(len(mean)) + offset
+        axis.plot(k, mean, color=colour, linewidth=1.2, label=_label(entry))
+        axis.fill_between(k, mean - std, mean + std, color=colour, alpha=0.15, linewidth=0)
+    from matplotlib.ticker import MaxNLocator
+
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def figure_loop_dynamics(summary: dict[str, Any], budget: str = "train"):
+    """Fig. 3: (a) step norms ||Delta^(k)|| and (b) cos(Delta^(k), Delta^(k-1)) per group,
+    mean and 1-sigma band over tokens, one curve per checkpoint."""
+    plt = _pyplot()
+    entries = summary["checkpoints"]
+    names = summary["groups"]
+    colours = _checkpoint_colours(len(entries))
+    figure, axes = plt.subplots(2, len(names), figsize=(4 * len(names), 6.5), squeeze=False)
+    for group, name in enumerate(names):
+        top, bottom = axes[0, group], axes[1, group]
+        _curves(top, entries, budget, group, "step_size", colours)
+        top.set_yscale("log")
+        top.set_title(f"({'i' * (group + 1) if group < 3 else group + 1}) group {name}")
+        top.set_xlabel("k")
+        _curves(bottom, entries, budget, group, "cosine", colours, offset=1)
+        bottom.set_ylim(-1.05, 1.05)
+        bottom.axhline(0, color="k", linewidth=0.5)
+        bottom.set_xlabel("k")
+    axes[0, 0].set_ylabel(r"(a) step norm $\|\Delta^{(k)}\|_2$")
+    axes[1, 0].set_ylabel(r"(b) $\cos\angle(\Delta^{(k)}, \Delta^{(k-1)})$")
+    axes[0, -1].legend(fontsize=7)
+    loops = ",".join(map(str, summary["budgets"][budget])) if "budgets" in summary else budget
+    figure.suptitle(f"Loop dynamics at {budget} budget (loops {loops}); bands: 1 sigma over tokens")
+    figure.tight_layout()
+    return figure
+
+
+def figure_long_cosines(summary: dict[str, Any]):
+    """Fig. 5: cos(Delta^(k), Delta^(k-1)) at the long fixed budget across checkpoints."""
+    plt = _pyplot()
+    entries = summary["checkpoints"]
+    names = summary["groups"]
+    colours = _checkpoint_colours(len(entries))
+    figure, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.4), squeeze=False)
+    for group, name in enumerate(names):
+        axis = axes[0, group]
+        _curves(axis, entries, "long", group, "cosine", colours, offset=1)
+        axis.set_ylim(-1.05, 1.05)
+        axis.axhline(0, color="k", linewidth=0.5)
+        axis.set_title(f"group {name}")
+        axis.set_xlabel("k")
+    axes[0, 0].set_ylabel(r"$\cos\angle(\Delta^{(k)}, \Delta^{(k-1)})$")
+    axes[0, -1].legend(fontsize=7)
+    figure.suptitle(f"Consecutive-step cosine at a fixed {summary['budgets']['long'][0]}-loop budget")
+    figure.tight_layout()
+    return figure
+
+
+def figure_effective_rank(summary: dict[str, Any], budget: str = "long"):
+    """Effective rank of the updates Delta^(k) over tokens, per step, per checkpoint."""
+    plt = _pyplot()
+    entries = summary["checkpoints"]
+    names = summary["groups"]
+    colours = _checkpoint_colours(len(entries))
+    figure, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
+    for group, name in enumerate(names):
+        axis = axes[0, group]
+        for entry, colour in zip(entries, colours):
+            ranks = entry["budgets"][budget]["groups"][group].get("effective_rank", [])
+            axis.plot(np.arange(len(ranks)), ranks, color=colour, label=_label(entry))
+        axis.set_title(f"group {name}")
+        axis.set_xlabel("k")
+    axes[0, 0].set_ylabel("effective rank of updates")
+    axes[0, -1].legend(fontsize=7)
+    figure.tight_layout()
+    return figure
+
+
+# ------------------------------------------------------------------ all
+
+
+def draw_all(out: str | Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Draw every figure into ``OUT/figures``; returns (relative PNG path, caption) pairs."""
+    out = Path(out)
+    folder = out / FIGURES_DIR
+    last = summary["checkpoints"][-1]
+    arrays_path = out / last["budgets"]["train"]["arrays"]
+    with np.load(arrays_path) as npz:
+        pca_arrays = {key: npz[key] for key in npz.files if key.startswith("pca_")}
+    figures: list[tuple[str, Callable[[], Any], str]] = []
+    if pca_arrays:
+        figures.append(("fig1_pca_trajectories", lambda: figure_pca(pca_arrays, summary["groups"]),
+                        f"Fig. 1: PCA trajectories ({_label(last)}, training budget, sequence "
+                        f"{summary['settings']['keep_sequence']}); tight arcs inside loops (inset), "
+                        "larger jumps at group hand-offs (x marks)."))
+    figures += [
+        ("fig2_dlr", lambda: figure_dlr(summary),
+         "Fig. 2: drift-to-loop ratio per boundary across checkpoints (log scale; dotted line = 1)."),
+        ("fig3_loop_dynamics", lambda: figure_loop_dynamics(summary, "train"),
+         "Fig. 3: step norms (top, log scale) and consecutive-step cosines (bottom) per group, training budget."),
+        ("fig3b_loop_dynamics_long", lambda: figure_loop_dynamics(summary, "long"),
+         "Fig. 3 at the long budget: the same curves over 30 loop steps."),
+        ("fig5_long_cosines", lambda: figure_long_cosines(summary),
+         "Fig. 5: consecutive-step cosine at the long fixed budget across checkpoints."),
+    ]
+    if "effective_rank" in last["budgets"]["long"]["groups"][0]:
+        figures.append(("fig_effective_rank", lambda: figure_effective_rank(summary),
+                        "Effective rank (exp entropy of normalised singular values) of the updates per step, long budget."))
+    saved = []
+    for stem, build, caption in figures:
+        save_figure(build(), folder / stem)
+        saved.append(((Path(FIGURES_DIR) / f"{stem}.png").as_posix(), caption))
+        log.debug("saved figure %s", stem)
+    return saved

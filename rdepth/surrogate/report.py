@@ -1,0 +1,106 @@
+"""The run report: ``index.html`` with figures (PNG + SVG) and tables, built from saved numbers.
+
+Pages use the project's shared report format (:mod:`rdepth.report`). :func:`write_report` reads ``results.json``, ``phases.json``, ``similarity.npz``,
+``dynamics.json`` and ``metrics.jsonl`` from a run folder; nothing is recomputed here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from rdepth.errors import RdepthError
+from rdepth.io import atomic_path, read_jsonl
+from rdepth.surrogate import plots
+
+RETENTION_COLUMNS = ["final_cosine", "final_rel_mse", "embedding_cosine", "pairwise_spearman", "nn_top1",
+                     "nn_overlap@10", "probe_accuracy", "probe_retention", "teacher_probe_accuracy"]
+
+
+def save_figure(fig, folder: Path, name: str) -> str:
+    """Write ``name``.png and ``name``.svg under folder/figures; returns the PNG's relative path."""
+    import matplotlib.pyplot as plt
+
+    figures = folder / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    for suffix in ("png", "svg"):
+        with atomic_path(figures / f"{name}.{suffix}") as tmp:
+            fig.savefig(tmp, format=suffix, dpi=120)
+    plt.close(fig)
+    return f"figures/{name}.png"
+
+
+def format_value(value) -> str:
+    """Plain-text cell for markdown tables: floats to 4 decimals, lists in brackets."""
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4f}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    return str(value)
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(format_value(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _load(out: Path, name: str):
+    path = out / name
+    if not path.is_file():
+        raise RdepthError(f"{path} is missing: cannot build the report")
+    return json.loads(path.read_text())
+
+
+def retention_rows(results: dict) -> list[dict]:
+    rows = []
+    for name, metrics in results["models"].items():
+        lengths = results["phases"].get(name, "")
+        rows.append({"model": name, "phases": lengths, **{c: metrics[c] for c in RETENTION_COLUMNS if c in metrics}})
+    return rows
+
+
+def write_report(out: str | Path) -> Path:
+    """Draw the figures and write the run's ``index.html`` (shared :mod:`rdepth.report` format)."""
+    from rdepth.report import Report
+
+    out = Path(out)
+    results, phases, dynamics = _load(out, "results.json"), _load(out, "phases.json"), _load(out, "dynamics.json")
+    config = _load(out, "config.json")
+    with np.load(out / "similarity.npz") as data:
+        matrices = {name: data[name] for name in data.files}
+    report = Report(f"Raptor surrogate of {config['config']['teacher']}",
+                    intro=f"A {results['k']}-block recurrent surrogate of a {config['n_layers']}-layer teacher, "
+                          f"fitted on {results['n_fit']} sentences and evaluated on {results['n_eval']} held-out ones.")
+    rows = retention_rows(results)
+    note = ("truncated = the teacher's first k layers (the surrogate's parameter budget, k layer applications); "
+            "equal_split = a surrogate fitted identically on equal phases (L layer applications, like raptor).")
+    if results.get("equal_split_is_raptor"):
+        note += " Here the similarity phases are the equal split, so both rows are the same model."
+    report.section("retention", "Retention and final-state fidelity (held-out)", order=10).table(
+        rows, caption="beside the two baselines").note(note)
+
+    phase_rows = [{"similarity": similarity, "method": method, **entry}
+                  for similarity, methods in phases["by_similarity"].items() for method, entry in methods.items()]
+    similarity = report.section("phases", f"Phases for k = {phases['k']} (layer outputs 1..L)", order=20)
+    similarity.table(phase_rows, caption="score = average association; contrast = within - between")
+    for name, matrix in matrices.items():
+        drawn = {m: phases["by_similarity"][name][m]["lengths"] for m in ("dp", "maxcut")}
+        similarity.figure(save_figure(plots.plot_similarity(matrix, drawn, f"{name} (depth 0 = embedding)"), out,
+                                      f"similarity_{name}"), f"{name} similarity with DP and max-cut phases")
+    report.section("fidelity", "Layer-wise fidelity", order=30).figure(
+        save_figure(plots.plot_fidelity(results["models"]), out, "fidelity"), "cosine and relative MSE per depth")
+    report.section("dynamics", "Dynamics", order=40).figure(
+        save_figure(plots.plot_dynamics(dynamics), out, "dynamics"),
+        "teacher (black) and surrogate (blue): per-layer turning angle, coherence with the others' mean "
+        "direction, effective rank of the updates")
+    metrics_path = out / "metrics.jsonl"
+    if metrics_path.is_file() and read_jsonl(metrics_path):
+        fit_rows = [{"model": name, **{k: v for k, v in fit.items() if k != "tag"}}
+                    for name, fit in results["fits"].items()]
+        report.section("fitting", "Fitting", order=50).table(fit_rows).figure(
+            save_figure(plots.plot_training(read_jsonl(metrics_path)), out, "training"), "loss per stage")
+    return report.write(out)

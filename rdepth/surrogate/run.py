@@ -1,0 +1,153 @@
+"""The text surrogate pipeline behind ``rdepth surrogate``.
+
+teacher states -> similarity matrices -> phases (DP and max-cut) -> fit the Raptor surrogate
+and the equal-split baseline -> fidelity / retention beside the truncated baseline ->
+dynamics -> numbers saved (JSON/NPZ) -> report page drawn from the saved numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rdepth.errors import RdepthError
+from rdepth.io import atomic_path, environment_info, write_json
+from rdepth.surrogate.bank import StateBank, build_bank
+from rdepth.surrogate.dynamics import dynamics_summary
+from rdepth.surrogate.evaluate import evaluate_text, surrogate_fn, truncated_fn
+from rdepth.surrogate.fit import FitConfig, fit_surrogate
+from rdepth.surrogate.minilm import TextTokenizer, load_teacher, resolve_teacher
+from rdepth.surrogate.model import INIT_CHOICES, RaptorSurrogate, SurrogateConfig
+from rdepth.surrogate.phases import PHASE_METHODS, block_structure, equal_phases, segmentation_score
+from rdepth.surrogate.similarity import SIMILARITIES, similarity_matrices
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SurrogateRunConfig:
+    """Everything one ``rdepth surrogate`` run needs; every CLI flag maps to a field."""
+
+    teacher: str = "minilm-l6"
+    k: int = 2
+    out: str = "runs/surrogate"
+    corpus: str = "wiki"
+    n_fit: int = 1024
+    n_eval: int = 256
+    max_length: int = 64
+    batch_size: int = 32
+    similarity: str = "pooled_cosine"
+    phase_method: str = "dp"
+    init: str = "first"
+    threads: int = 0  # 0: leave torch's default
+    seed: int = 0
+    fit: FitConfig = field(default_factory=FitConfig)
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise RdepthError(f"k must be >= 1, got {self.k}")
+        for name in ("n_fit", "n_eval", "max_length", "batch_size"):
+            if getattr(self, name) < 1:
+                raise RdepthError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_eval < 3:
+            raise RdepthError(f"n_eval must be >= 3 (neighbour retrieval), got {self.n_eval}")
+        if self.similarity not in SIMILARITIES:
+            raise RdepthError(f"similarity must be one of {sorted(SIMILARITIES)}, got {self.similarity!r}")
+        if self.phase_method not in PHASE_METHODS:
+            raise RdepthError(f"phase_method must be one of {sorted(PHASE_METHODS)}, got {self.phase_method!r}")
+        if self.init not in INIT_CHOICES:
+            raise RdepthError(f"init must be one of {INIT_CHOICES}, got {self.init!r}")
+        if self.threads < 0:
+            raise RdepthError(f"threads must be >= 0, got {self.threads}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def text_batches(tokenizer: TextTokenizer, sentences: list[str], batch_size: int) -> list:
+    """Length-bucketed (ids, mask, None) batches: sentences sorted by token count, then cut."""
+    lengths = [len(e.ids) for e in tokenizer.tokenizer.encode_batch(sentences)]
+    order = sorted(range(len(sentences)), key=lambda i: (lengths[i], i))
+    batches = []
+    for begin in range(0, len(order), batch_size):
+        encoded = tokenizer.encode([sentences[i] for i in order[begin:begin + batch_size]])
+        batches.append((encoded.ids, encoded.mask, None))
+    return batches
+
+
+def phase_table(similarity: torch.Tensor, k: int) -> dict:
+    """Phases of every method (and the equal split) on an L x L layer-output matrix, with scores."""
+    methods = {name: fn(similarity, k) for name, fn in PHASE_METHODS.items()}
+    methods["equal"] = equal_phases(similarity.shape[0], k)
+    return {name: {"lengths": list(lengths), "score": segmentation_score(similarity, lengths),
+                   **block_structure(similarity, lengths)} for name, lengths in methods.items()}
+
+
+def analyse_similarity(bank: StateBank, k: int) -> tuple[dict[str, np.ndarray], dict]:
+    """Similarity matrices over depths 0..L and phases for k from every measure (on depths 1..L)."""
+    states, mask = bank.stacked()
+    matrices = similarity_matrices(states, mask)
+    phases = {name: phase_table(matrix[1:, 1:], k) for name, matrix in matrices.items()}
+    return {name: matrix.numpy() for name, matrix in matrices.items()}, phases
+
+
+def run_surrogate(config: SurrogateRunConfig) -> Path:
+    """Run the whole pipeline into ``config.out``; returns the report's path."""
+    from rdepth.surrogate.report import write_report
+    from rdepth.surrogate.sentences import corpus_sentences
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    out = Path(config.out)
+    directory = resolve_teacher(config.teacher)
+    teacher = load_teacher(config.teacher)
+    if config.k > teacher.n_layers:
+        raise RdepthError(f"k = {config.k} exceeds the teacher's {teacher.n_layers} layers")
+    tokenizer = TextTokenizer(directory, config.max_length)
+    fit_sentences, eval_sentences = corpus_sentences(config.corpus, config.n_fit, config.n_eval, config.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "config.json", {"config": config.to_dict(), "teacher_dir": str(directory),
+                                     "layer_spec": teacher.spec.to_dict(), "n_layers": teacher.n_layers})
+    write_json(out / "environment.json", environment_info())
+    fit_bank = build_bank(teacher, text_batches(tokenizer, fit_sentences, config.batch_size), "teacher (fit)")
+    eval_bank = build_bank(teacher, text_batches(tokenizer, eval_sentences, config.batch_size), "teacher (eval)")
+
+    matrices, phases = analyse_similarity(eval_bank, config.k)
+    with atomic_path(out / "similarity.npz") as tmp:
+        with open(tmp, "wb") as handle:
+            np.savez(handle, **matrices)
+    write_json(out / "phases.json", {"k": config.k, "similarity": config.similarity,
+                                     "method": config.phase_method, "by_similarity": phases})
+    chosen = tuple(phases[config.similarity][config.phase_method]["lengths"])
+    equal = equal_phases(teacher.n_layers, config.k)
+    log.info("phases (%s, %s): %s; equal split: %s", config.similarity, config.phase_method, chosen, equal)
+
+    metrics_path = out / "metrics.jsonl"
+    if metrics_path.exists():
+        metrics_path.unlink()
+    surrogate = RaptorSurrogate(teacher, SurrogateConfig(chosen, config.init))
+    fits = {"raptor": fit_surrogate(surrogate, fit_bank, config.fit, metrics_path, "raptor")}
+    surrogate.save(out / "surrogate")
+    models = {"raptor": surrogate_fn(surrogate)}
+    if equal != chosen:
+        equal_surrogate = RaptorSurrogate(teacher, SurrogateConfig(equal, config.init))
+        fits["equal_split"] = fit_surrogate(equal_surrogate, fit_bank, config.fit, metrics_path, "equal_split")
+        models["equal_split"] = surrogate_fn(equal_surrogate)
+    else:
+        log.info("the chosen phases are the equal split: the equal-split baseline is the Raptor surrogate itself")
+        models["equal_split"] = models["raptor"]
+    models["truncated"] = truncated_fn(config.k)
+    results, states = evaluate_text(models, teacher, eval_bank)
+    mask = eval_bank.stacked()[1]
+    dynamics = {name: dynamics_summary(states[name], mask) for name in ("teacher", "raptor")}
+    write_json(out / "results.json", {"k": config.k, "phases": {"raptor": list(chosen), "equal_split": list(equal)},
+                                      "equal_split_is_raptor": equal == chosen, "fits": fits, "models": results,
+                                      "n_fit": fit_bank.n_examples, "n_eval": eval_bank.n_examples})
+    write_json(out / "dynamics.json", dynamics)
+    return write_report(out)
+

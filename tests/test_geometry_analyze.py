@@ -1,0 +1,119 @@
+"""``rdepth analyze`` end to end on a tiny model with two checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rdepth.cli.main import main
+from rdepth.config import get_preset
+from rdepth.data.tokenizers import train_bpe
+from rdepth.errors import RdepthError
+from rdepth.geometry import metrics
+from rdepth.geometry.analyze import held_out_windows, load_summary
+from rdepth.geometry.config import AnalyzeConfig
+from rdepth.model import RecurrentLM
+from rdepth.train.checkpoint import save_checkpoint
+from rdepth.train.data_source import run_tokenizer
+
+TEXT = (
+    "The loop refines a token in small steps; the next block moves it further. "
+    "Small steps, then a larger drift across blocks, again and again. "
+) * 40
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A run folder with two checkpoints of a 4-layer, 3-group model and its tokenizer."""
+    root = tmp_path_factory.mktemp("analyze")
+    run = root / "run"
+    tokenizer = train_bpe([TEXT], 300)
+    tokenizer.save(run / "tokenizer")
+    config = get_preset(
+        "tiny", n_layer=5, n_head=2, d_model=32, block_size=24, vocab_size=tokenizer.vocab_size,
+        groups="1|2-3|4", mean_loops=3.0, tokenizer="bpe:300",
+    )
+    torch.manual_seed(0)
+    model = RecurrentLM(config)
+    save_checkpoint(run, 10, model, config)
+    with torch.no_grad():  # a "later" checkpoint: different weights, same architecture
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    save_checkpoint(run, 20, model, config)
+    text = root / "held_out.txt"
+    text.write_text(TEXT)
+    return run, text, model
+
+
+def test_analyze_writes_numbers_figures_and_report(tiny_run, tmp_path):
+    run, text, last_model = tiny_run
+    out = tmp_path / "out"
+    code = main([
+        "analyze", "--checkpoints", str(run), "--data", str(text), "--out", str(out),
+        "--sequences", "5", "--batch-size", "2", "--long-loops", "7", "--top-tokens", "4", "--device", "cpu",
+    ])
+    assert code == 0
+    summary = load_summary(out)
+    assert [c["label"] for c in summary["checkpoints"]] == ["step_000010", "step_000020"]
+    assert [c["step"] for c in summary["checkpoints"]] == [10, 20]
+    assert summary["groups"] == ["1", "2-3", "4"]
+    assert summary["budgets"] == {"train": [3, 3, 3], "long": [7, 7, 7]}
+    last = summary["checkpoints"][-1]["budgets"]
+    assert len(last["long"]["groups"][0]["step_size"]["mean"]) == 7
+    assert len(last["long"]["groups"][0]["cosine"]["mean"]) == 6
+    assert set(last["train"]["dlr"]) == {"1->2-3", "2-3->4"}
+    assert set(last["train"]["dlr"]["1->2-3"]) == set(metrics.DLR_DEFINITIONS)
+
+    # the saved numbers equal the batch functions on iterates collected independently
+    tokens = np.asarray(run_tokenizer(run).encode(TEXT))
+    windows = held_out_windows(tokens, 5, 24)
+    batches = windows.split(2)
+    iterates = [[[] for _ in batches] for _ in range(3)]  # [group][batch] -> states [B, T, d]
+    with torch.no_grad():
+        last_model.eval()
+        for number, batch in enumerate(batches):
+            def keep(group, step, state, active, number=number):
+                iterates[group][number].append(state.clone())
+
+            generator = torch.Generator().manual_seed(number)
+            last_model(batch[:, :-1], loop_counts=(3, 3, 3), generator=generator, observer=keep)
+    # [K+1, N, d] per group, rows ordered batch, sequence, position (as the observer sees them)
+    per_group = [torch.cat([torch.stack(states).flatten(1, 2) for states in group], dim=1) for group in iterates]
+    for group in range(3):
+        expected = metrics.summarize(metrics.step_sizes(per_group[group]))["mean"].numpy()
+        np.testing.assert_allclose(last["train"]["groups"][group]["step_size"]["mean"], expected, rtol=1e-5)
+    expected_dlr = metrics.drift_to_loop_ratio(per_group[0], per_group[1], "first").mean().item()
+    assert last["train"]["dlr"]["1->2-3"]["first"]["mean"] == pytest.approx(expected_dlr, rel=1e-5)
+
+    # per-token arrays and the PCA projection of sequence 0
+    with np.load(out / last["train"]["arrays"]) as npz:
+        assert npz["convergence_step/1"].shape == (5 * 24,)
+        assert npz["pca_coords"].shape == (3 * 4, 24, 2)
+        assert npz["pca_step"].tolist() == [0, 1, 2, 3] * 3
+    slowest = json.loads((out / "geometry" / "slowest_tokens.json").read_text())
+    assert len(slowest["rows"]) == 4 and "context" in slowest["rows"][0]
+
+    for stem in ("fig1_pca_trajectories", "fig2_dlr", "fig3_loop_dynamics", "fig5_long_cosines"):
+        assert (out / "figures" / f"{stem}.png").stat().st_size > 1000
+        assert (out / "figures" / f"{stem}.svg").exists()
+    page = (out / "index.html").read_text()
+    assert "Loop geometry: two scales" in page
+    assert "figures/fig2_dlr.png" in page and "Drift scale" in page
+    assert "step_000020" in page
+
+
+def test_analyze_user_errors(tiny_run, tmp_path, capsys):
+    run, text, _ = tiny_run
+    assert main(["analyze", "--checkpoints", str(tmp_path / "nope"), "--data", str(text),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err
+    assert main(["analyze", "--checkpoints", str(run), "--data", str(text), "--out", str(tmp_path / "o"),
+                 "--sequences", "0"]) == 2
+    assert "sequences must be a positive integer" in capsys.readouterr().err
+    with pytest.raises(RdepthError, match="keep_sequence"):
+        AnalyzeConfig(sequences=2, keep_sequence=2)
+    with pytest.raises(RdepthError, match="fewer than one window"):
+        held_out_windows(np.arange(5), 2, 24)

@@ -1,0 +1,116 @@
+"""``rdepth surrogate`` end to end on a tiny random teacher, its help, and its user errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from rdepth.cli.main import main
+
+transformers = pytest.importorskip("transformers")
+
+WORDS = ("the a river city old new small large north south king queen museum library station "
+         "garden bridge tower market school village forest mountain lake island road").split()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one thread avoids thread hand-off overhead on a shared CPU."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def tiny_teacher(tmp_path):
+    """A random 3-layer BERT with a word-level tokenizer.json, and a small text corpus."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(sorted(set(WORDS)))}, ".": len(set(WORDS)) + 2}
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=3,
+                                     num_attention_heads=2, intermediate_size=24, max_position_embeddings=64)
+    folder = tmp_path / "teacher"
+    transformers.BertModel(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    g = torch.Generator().manual_seed(1)
+    sentences = []
+    for _ in range(80):
+        words = [WORDS[int(i)] for i in torch.randint(0, len(WORDS), (int(torch.randint(6, 12, (1,), generator=g)),),
+                                                      generator=g)]
+        sentences.append(" ".join(words).capitalize() + ".")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(sentences))
+    return folder, corpus
+
+
+def run_cli(*args) -> int:
+    return main(["surrogate", *map(str, args)])
+
+
+def small_flags(teacher, corpus, out, k=2):
+    return ["--teacher", teacher, "--corpus", corpus, "--out", out, "--k", k, "--n-fit", 24, "--n-eval", 12,
+            "--batch-size", 8, "--steps-block", 3, "--steps-joint", 4, "--log-every", 2, "--threads", 1]
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["surrogate", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--teacher", "--k", "--out", "--phase-method", "--steps-joint", "--first-token-weight"):
+        assert flag in text
+
+
+def test_tiny_end_to_end_writes_report(tiny_teacher, tmp_path, capsys):
+    folder, corpus = tiny_teacher
+    out = tmp_path / "run"
+    assert run_cli(*small_flags(folder, corpus, out)) == 0
+    page = (out / "index.html").read_text()
+    assert "Retention" in page and "figures/similarity_cka.png" in page
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["models"]) == {"raptor", "equal_split", "truncated"}
+    assert sum(results["phases"]["raptor"]) == 3
+    for name, metrics in results["models"].items():
+        assert len(metrics["layer_cosine"]) == 3
+        assert -1.0 <= metrics["pairwise_spearman"] <= 1.0, name
+    phases = json.loads((out / "phases.json").read_text())
+    assert set(phases["by_similarity"]) == {"pooled_cosine", "token_cosine", "cka"}
+    for suffix in ("png", "svg"):
+        assert (out / "figures" / f"fidelity.{suffix}").is_file()
+    assert (out / "surrogate" / "surrogate.safetensors").is_file()
+    assert (out / "metrics.jsonl").read_text().strip()
+    assert "report:" in capsys.readouterr().out
+
+
+def one_line_error(capsys, code):
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rdepth surrogate: error:") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_bad_inputs_are_one_line_errors(tiny_teacher, tmp_path, capsys):
+    folder, corpus = tiny_teacher
+    err = one_line_error(capsys, run_cli(*small_flags(tmp_path / "missing", corpus, tmp_path / "a")))
+    assert "neither a known name" in err
+    err = one_line_error(capsys, run_cli(*small_flags(folder, corpus, tmp_path / "b", k=4)))
+    assert "exceeds the teacher's 3 layers" in err
+    err = one_line_error(capsys, run_cli(*small_flags(folder, corpus, tmp_path / "c", k=0)))
+    assert "k must be >= 1" in err
+    err = one_line_error(capsys, run_cli(*small_flags(folder, corpus, tmp_path / "d"), "--similarity", "bogus"))
+    assert "similarity" in err
+    (folder / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+    err = one_line_error(capsys, run_cli(*small_flags(folder, corpus, tmp_path / "e")))
+    assert "not a readable safetensors file" in err
+    assert not (tmp_path / "e" / "index.html").exists()
