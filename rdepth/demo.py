@@ -31,10 +31,10 @@ class DemoConfig:
     corpus: str = "wiki"
     tokenizer: str = "bpe:4096"
     preset: str = "tiny"
-    max_steps: int = 600
+    max_steps: int = 500
     batch_size: int = 16
     lr: float = 3e-3
-    checkpoint_every: int = 150
+    checkpoint_every: int = 125
     eval_batches: int = 24
     analyze: bool = True
     analyze_sequences: int = 16
@@ -106,7 +106,7 @@ def _loop_scaling(run: Path, data: Path, config: DemoConfig) -> list[dict]:
 
     model, model_config = load_model(run)
     tokens, _ = held_out_tokens(data, run, model_config)
-    budgets = sorted({1, 2, *model_config.default_eval_loops, 2 * max(model_config.default_eval_loops), 16})
+    budgets = sorted({1, 2, *model_config.default_eval_loops, 2 * max(model_config.default_eval_loops)})
     results = []
     for budget in budgets:
         result = evaluate(model, tokens, loop_counts=budget, max_batches=config.eval_batches)
@@ -170,6 +170,6 @@ def _sweep(run: Path, data: Path, config: DemoConfig) -> Path:
     model, model_config = load_model(run)
     tokens, _ = held_out_tokens(data, run, model_config)
     out = Path(config.out) / "report"
-    result = run_sweep(model, tokens, SweepConfig(max_batches=max(1, config.sweep_sequences // 8)))
+    result = run_sweep(model, tokens, SweepConfig(max_batches=max(1, config.sweep_sequences // 8), repeats=3))
     write_sweep(result, out)
     return out / "index.html"

@@ -86,6 +86,7 @@ class RecurrentLM(nn.Module):
         self.adapters = nn.ModuleList(nn.Linear(2 * d, d, bias=False) for _ in config.group_specs)
         self.norm_f = RMSNorm(d, config.norm_eps)
         self.stages = build_stages(config)
+        self.embed_scale = math.sqrt(d)
         self.reset_parameters()
 
     # ------------------------------------------------------------------ setup
@@ -134,7 +135,13 @@ class RecurrentLM(nn.Module):
 
     # ----------------------------------------------------------------- pieces
     def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """Token + learned position embeddings: idx ``[B, T]`` -> ``[B, T, d]``."""
+        """Token + learned position embeddings: idx ``[B, T]`` -> ``[B, T, d]``.
+
+        As Geiping et al., the (tied, small-init) token embedding is scaled by
+        sqrt(d) on the way in, so that token identity is not swamped by the
+        position embedding and the first sub-layer outputs under sandwich
+        norms; without it the tiny preset stalls at the unigram loss.
+        """
         seq = idx.shape[-1]
         if start_pos + seq > self.config.block_size:
             raise RdepthError(
@@ -142,7 +149,7 @@ class RecurrentLM(nn.Module):
                 f"{self.config.block_size}"
             )
         positions = torch.arange(start_pos, start_pos + seq, device=idx.device)
-        return self.wte(idx) + self.wpe(positions)
+        return self.embed_scale * self.wte(idx) + self.wpe(positions)
 
     def run_layers(
         self, layers: Sequence[int], x: torch.Tensor, attn: AttentionContext | None = None

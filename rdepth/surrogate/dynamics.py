@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from rdepth.geometry.metrics import effective_rank, step_cosines, step_sizes
+
 
 def _angle_degrees(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     cos = torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).clamp(-1.0, 1.0)
@@ -63,26 +65,41 @@ def mean_direction_coherence(states: torch.Tensor, mask: torch.Tensor) -> dict[s
     return result
 
 
-def effective_rank(matrix: torch.Tensor) -> float:
-    """exp(entropy) of the normalised singular values of (N, D): between 1 and min(N, D)."""
-    singular = torch.linalg.svdvals(matrix.double())
-    total = singular.sum()
-    if total <= 0:
-        return 0.0
-    p = singular / total
-    p = p[p > 0]
-    return float(torch.exp(-(p * p.log()).sum()))
-
-
 def update_effective_rank(states: torch.Tensor, mask: torch.Tensor, max_tokens: int = 4096) -> list[float]:
-    """Effective rank of the per-depth updates h_d - h_{d-1} over real tokens, d = 1..L."""
+    """Effective rank (:func:`rdepth.geometry.effective_rank`) of the per-depth updates
+    h_d - h_{d-1} over real tokens, centred over tokens, d = 1..L."""
     updates = states[1:, mask] - states[:-1, mask]  # (L, N_tokens, D)
     if updates.shape[1] > max_tokens:
         updates = updates[:, torch.linspace(0, updates.shape[1] - 1, max_tokens).long()]
     return [effective_rank(u - u.mean(0)) for u in updates]
 
 
-def dynamics_summary(states: torch.Tensor, mask: torch.Tensor) -> dict:
-    """All three analyses of one stack of states."""
-    return {"angular": angular_convergence(states, mask), "coherence": mean_direction_coherence(states, mask),
-            "update_effective_rank": update_effective_rank(states, mask)}
+def phase_loop_geometry(states: torch.Tensor, mask: torch.Tensor, lengths: tuple[int, ...]) -> list[dict]:
+    """Loop geometry of each phase, read as a loop (the surrogate's block iterated n times).
+
+    Phase p covers depths a..a+n (a = sum of the earlier lengths); its n+1 states over real
+    tokens are the iterates [n+1, N_tokens, D] that :func:`rdepth.geometry.step_sizes` and
+    :func:`rdepth.geometry.step_cosines` take, exactly as ``rdepth analyze`` reads a loop group.
+    Returns per phase the mean step size and mean consecutive-step cosine per step.
+    """
+    if sum(lengths) != states.shape[0] - 1:
+        raise ValueError(f"phase lengths {lengths} do not cover {states.shape[0] - 1} layers")
+    result, start = [], 0
+    for phase, length in enumerate(lengths):
+        iterates = states[start:start + length + 1][:, mask].double()  # (n+1, N_tokens, D)
+        sizes = step_sizes(iterates)
+        cosines = step_cosines(iterates) if length >= 2 else torch.zeros(0, iterates.shape[1])
+        result.append({"phase": phase, "layers": [start, start + length - 1],
+                       "step_size": [float(v) for v in sizes.mean(1)],
+                       "cosine": [float(v) for v in cosines.mean(1)]})
+        start += length
+    return result
+
+
+def dynamics_summary(states: torch.Tensor, mask: torch.Tensor, lengths: tuple[int, ...] | None = None) -> dict:
+    """All analyses of one stack of states; with phase ``lengths`` also the per-phase loop geometry."""
+    summary = {"angular": angular_convergence(states, mask), "coherence": mean_direction_coherence(states, mask),
+               "update_effective_rank": update_effective_rank(states, mask)}
+    if lengths is not None:
+        summary["loop_geometry"] = phase_loop_geometry(states, mask, lengths)
+    return summary

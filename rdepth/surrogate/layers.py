@@ -7,6 +7,10 @@ One layer class covers the three layer styles this package reads or trains:
 * the small ViTs of :mod:`rdepth.surrogate.vit`: pre-norm, bidirectional, exact GELU,
   optionally with stochastic depth (drop-path on each residual branch).
 
+rdepth's own language models (``norm_position="sandwich"``) keep their own layer class,
+:class:`rdepth.model.layers.SandwichBlock`; :mod:`rdepth.surrogate.rdepth_teacher` wraps it
+and hands the :class:`Teacher` a ``layer_factory`` for fresh layers of that style.
+
 The surrogate (:mod:`rdepth.surrogate.model`) reuses the same class for its blocks, so a
 block initialised from a teacher layer computes exactly what that layer computes.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +27,8 @@ from torch import nn
 
 from rdepth.errors import RdepthError
 
-NORM_POSITIONS = ("post", "pre")
-ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+NORM_POSITIONS = ("post", "pre", "sandwich")
+ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,7 @@ class LayerSpec:
     d_model: int
     n_heads: int
     d_ff: int
-    norm_position: str = "post"  # "post" (BERT) or "pre" (GPT-2, ViT)
+    norm_position: str = "post"  # "post" (BERT), "pre" (GPT-2, ViT) or "sandwich" (rdepth)
     causal: bool = False
     activation: str = "gelu"
     norm_eps: float = 1e-12
@@ -69,6 +74,8 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, spec: LayerSpec, drop_path_rate: float = 0.0) -> None:
         super().__init__()
+        if spec.norm_position == "sandwich":
+            raise RdepthError("sandwich layers are rdepth's own: build them with rdepth.model.layers.SandwichBlock")
         self.spec = spec
         self.drop_path_rate = drop_path_rate
         d = spec.d_model
@@ -116,14 +123,19 @@ class Teacher(nn.Module):
     final LayerNorm for GPT-2 and ViT) is applied to the last state before any use.
     """
 
-    def __init__(self, embedding: nn.Module, layers: list[TransformerLayer], readout: nn.Module | None,
-                 spec: LayerSpec, name: str = "teacher") -> None:
+    def __init__(self, embedding: nn.Module, layers: list[nn.Module], readout: nn.Module | None,
+                 spec: LayerSpec, name: str = "teacher", layer_factory: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
         self.embedding = embedding
         self.layers = nn.ModuleList(layers)
         self.readout = readout if readout is not None else nn.Identity()
         self.spec = spec
         self.name = name
+        self._layer_factory = layer_factory
+
+    def new_layer(self) -> nn.Module:
+        """A freshly initialised layer of the teacher's style (``layers[i](state, key_mask)``)."""
+        return self._layer_factory() if self._layer_factory is not None else TransformerLayer(self.spec)
 
     @property
     def n_layers(self) -> int:

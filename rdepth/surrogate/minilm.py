@@ -6,8 +6,9 @@
 * ``minilm-l3``: paraphrase-MiniLM-L3-v2 from its ONNX export (:mod:`.onnx_loader`; 3 layers,
   mean pooling, not normalised by the original, normalised here for cosine comparisons).
 
-Teachers are chosen by name from :data:`PACKAGED_TEACHERS`; anything else is treated as a
-path to a Hugging Face checkpoint directory (:func:`resolve_teacher`).
+Teachers are chosen by name from :data:`PACKAGED_TEACHERS`; anything else is a path: an
+rdepth run or checkpoint folder of a non-recurrent model (:mod:`.rdepth_teacher`) or a
+Hugging Face checkpoint directory (:func:`resolve_teacher`).
 
 The MiniLM ``tokenizer.json`` pads every input to 128 tokens; :class:`TextTokenizer` turns
 that padding off and pads each batch itself, returning the attention mask beside the ids.
@@ -72,10 +73,15 @@ def resolve_teacher(name_or_path: str) -> Path:
 
 
 def load_teacher(name_or_path: str) -> Teacher:
-    """Frozen plain-PyTorch teacher for a packaged name or a checkpoint directory."""
+    """Frozen plain-PyTorch teacher: a packaged name, an rdepth run or a Hugging Face directory."""
+    from rdepth.surrogate.rdepth_teacher import is_rdepth_checkpoint, load_rdepth_teacher
+
     if name_or_path in PACKAGED_TEACHERS:
         return PACKAGED_TEACHERS[name_or_path].load()
-    return load_hf_teacher(resolve_teacher(name_or_path))
+    directory = resolve_teacher(name_or_path)
+    if is_rdepth_checkpoint(directory):
+        return load_rdepth_teacher(directory)
+    return load_hf_teacher(directory)
 
 
 @dataclass
@@ -103,17 +109,34 @@ class TextTokenizer:
         self.tokenizer.enable_truncation(max_length=max_length)
         self.max_length = max_length
 
+    def token_counts(self, sentences: list[str]) -> list[int]:
+        return [len(encoding.ids) for encoding in self.tokenizer.encode_batch(sentences)]
+
     def encode(self, sentences: list[str]) -> TextBatch:
-        encodings = self.tokenizer.encode_batch(sentences)
-        length = max(1, max(len(e.ids) for e in encodings))
-        ids = torch.zeros(len(sentences), length, dtype=torch.long)
-        mask = torch.zeros(len(sentences), length, dtype=torch.bool)
-        for row, encoding in enumerate(encodings):
-            ids[row, : len(encoding.ids)] = torch.tensor(encoding.ids, dtype=torch.long)
-            mask[row, : len(encoding.ids)] = True
-        if not mask[:, 0].all():
-            raise RdepthError("a sentence encoded to zero tokens")
-        return TextBatch(ids, mask)
+        return pad_batch([encoding.ids for encoding in self.tokenizer.encode_batch(sentences)])
+
+
+def pad_batch(sequences: list[list[int]]) -> TextBatch:
+    """Token id lists -> a right-padded :class:`TextBatch` (pad id 0, masked out)."""
+    length = max(1, max(len(ids) for ids in sequences))
+    ids = torch.zeros(len(sequences), length, dtype=torch.long)
+    mask = torch.zeros(len(sequences), length, dtype=torch.bool)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        mask[row, : len(sequence)] = True
+    if not mask[:, 0].all():
+        raise RdepthError("a sentence encoded to zero tokens")
+    return TextBatch(ids, mask)
+
+
+def text_tokenizer(name_or_path: str, max_length: int):
+    """The sentence encoder of a teacher: its ``tokenizer.json``, or an rdepth run's own tokenizer."""
+    from rdepth.surrogate.rdepth_teacher import RdepthTextTokenizer, is_rdepth_checkpoint
+
+    directory = resolve_teacher(name_or_path)
+    if is_rdepth_checkpoint(directory):
+        return RdepthTextTokenizer(directory, max_length)
+    return TextTokenizer(directory, max_length)
 
 
 def mean_pool(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from rdepth.errors import RdepthError
 from rdepth.io import atomic_path, write_json
-from rdepth.surrogate.layers import LayerSpec, Teacher, TransformerLayer
+from rdepth.surrogate.layers import LayerSpec, Teacher
 
 INIT_CHOICES = ("first", "middle", "random")
 
@@ -61,7 +61,7 @@ class RaptorSurrogate(nn.Module):
         blocks = []
         for start, length in zip(starts, config.lengths):
             if config.init == "random":
-                blocks.append(TransformerLayer(teacher.spec))
+                blocks.append(teacher.new_layer())
             else:
                 offset = 0 if config.init == "first" else length // 2
                 blocks.append(teacher.layer_copy(start + offset))

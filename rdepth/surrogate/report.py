@@ -97,6 +97,13 @@ def write_report(out: str | Path) -> Path:
         save_figure(plots.plot_dynamics(dynamics), out, "dynamics"),
         "teacher (black) and surrogate (blue): per-layer turning angle, coherence with the others' mean "
         "direction, effective rank of the updates")
+    geometry_rows = [{"model": name, "phase": entry["phase"], "layers": entry["layers"],
+                      "step size per iteration": entry["step_size"], "step cosine": entry["cosine"]}
+                     for name in ("teacher", "raptor") for entry in dynamics[name].get("loop_geometry", [])]
+    if geometry_rows:
+        report.section("dynamics").table(
+            geometry_rows, caption="each phase read as a loop (rdepth.geometry step sizes and consecutive-step "
+            "cosines over real tokens): the teacher's layers of the phase vs the surrogate's iterated block")
     metrics_path = out / "metrics.jsonl"
     if metrics_path.is_file() and read_jsonl(metrics_path):
         fit_rows = [{"model": name, **{k: v for k, v in fit.items() if k != "tag"}}

@@ -20,7 +20,7 @@ from rdepth.surrogate.bank import StateBank, build_bank
 from rdepth.surrogate.dynamics import dynamics_summary
 from rdepth.surrogate.evaluate import evaluate_text, surrogate_fn, truncated_fn
 from rdepth.surrogate.fit import FitConfig, fit_surrogate
-from rdepth.surrogate.minilm import TextTokenizer, load_teacher, resolve_teacher
+from rdepth.surrogate.minilm import load_teacher, resolve_teacher, text_tokenizer
 from rdepth.surrogate.model import INIT_CHOICES, RaptorSurrogate, SurrogateConfig
 from rdepth.surrogate.phases import PHASE_METHODS, block_structure, equal_phases, segmentation_score
 from rdepth.surrogate.similarity import SIMILARITIES, similarity_matrices
@@ -68,9 +68,9 @@ class SurrogateRunConfig:
         return asdict(self)
 
 
-def text_batches(tokenizer: TextTokenizer, sentences: list[str], batch_size: int) -> list:
+def text_batches(tokenizer, sentences: list[str], batch_size: int) -> list:
     """Length-bucketed (ids, mask, None) batches: sentences sorted by token count, then cut."""
-    lengths = [len(e.ids) for e in tokenizer.tokenizer.encode_batch(sentences)]
+    lengths = tokenizer.token_counts(sentences)
     order = sorted(range(len(sentences)), key=lambda i: (lengths[i], i))
     batches = []
     for begin in range(0, len(order), batch_size):
@@ -108,7 +108,7 @@ def run_surrogate(config: SurrogateRunConfig) -> Path:
     teacher = load_teacher(config.teacher)
     if config.k > teacher.n_layers:
         raise RdepthError(f"k = {config.k} exceeds the teacher's {teacher.n_layers} layers")
-    tokenizer = TextTokenizer(directory, config.max_length)
+    tokenizer = text_tokenizer(config.teacher, config.max_length)
     fit_sentences, eval_sentences = corpus_sentences(config.corpus, config.n_fit, config.n_eval, config.seed)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", {"config": config.to_dict(), "teacher_dir": str(directory),
@@ -144,7 +144,7 @@ def run_surrogate(config: SurrogateRunConfig) -> Path:
     models["truncated"] = truncated_fn(config.k)
     results, states = evaluate_text(models, teacher, eval_bank)
     mask = eval_bank.stacked()[1]
-    dynamics = {name: dynamics_summary(states[name], mask) for name in ("teacher", "raptor")}
+    dynamics = {name: dynamics_summary(states[name], mask, chosen) for name in ("teacher", "raptor")}
     write_json(out / "results.json", {"k": config.k, "phases": {"raptor": list(chosen), "equal_split": list(equal)},
                                       "equal_split_is_raptor": equal == chosen, "fits": fits, "models": results,
                                       "n_fit": fit_bank.n_examples, "n_eval": eval_bank.n_examples})

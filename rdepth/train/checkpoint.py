@@ -53,6 +53,7 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    os.chmod(staging, 0o755)  # mkdtemp makes it private; a checkpoint is an ordinary folder
     try:
         weights = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
         save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,93 @@
+"""rdepth's own non-recurrent language models as surrogate teachers.
+
+A run trained with ``--groups ""`` is an ordinary L-layer causal transformer of sandwich
+blocks (:class:`rdepth.model.layers.SandwichBlock`). :func:`load_rdepth_teacher` exposes it
+as a :class:`~rdepth.surrogate.layers.Teacher`: the model's own embedding (token embedding
+scaled by sqrt(d) plus positions), its layers unchanged, and its final RMSNorm as readout,
+so the states the surrogate fits are exactly the ones :class:`rdepth.model.RecurrentLM`
+computes. Sentences are encoded with the tokenizer saved with the run.
+
+Attention is causal and batches are right-padded, so a real token never attends to
+padding and the key mask is not needed inside the layers.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rdepth.errors import RdepthError
+from rdepth.model.layers import SandwichBlock
+from rdepth.surrogate.layers import LayerSpec, Teacher
+
+
+def is_rdepth_checkpoint(path: str | Path) -> bool:
+    """True for an rdepth run folder (``checkpoints/``) or one of its checkpoint folders."""
+    path = Path(path)
+    return (path / "checkpoints").is_dir() or ((path / "state.json").is_file() and (path / "model.safetensors").is_file())
+
+
+class SandwichLayer(nn.Module):
+    """A :class:`SandwichBlock` with the surrogate's layer signature ``(state, key_mask)``."""
+
+    def __init__(self, block: SandwichBlock) -> None:
+        super().__init__()
+        self.block = block
+        self.drop_path_rate = 0.0
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.block(x)
+
+
+class RdepthEmbedding(nn.Module):
+    """``RecurrentLM.embed``: sqrt(d) * token embedding + learned position. ids (B, T) -> (B, T, d)."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding) -> None:
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+        self.scale = math.sqrt(wte.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[-1] > self.wpe.num_embeddings:
+            raise RdepthError(f"{ids.shape[-1]} tokens exceed the teacher's block size {self.wpe.num_embeddings}")
+        return self.scale * self.wte(ids) + self.wpe(torch.arange(ids.shape[-1], device=ids.device))
+
+
+def load_rdepth_teacher(path: str | Path) -> Teacher:
+    """A frozen teacher from an rdepth run or checkpoint folder whose model has no loop groups."""
+    from rdepth.train.checkpoint import load_model
+
+    model, config = load_model(path)
+    if config.group_specs:
+        raise RdepthError(f"{path}: the model already loops (groups {config.groups!r}); a surrogate teacher "
+                          "must be a plain transformer (trained with --groups '')")
+    spec = LayerSpec(d_model=config.d_model, n_heads=config.n_head, d_ff=config.mlp_ratio * config.d_model,
+                     norm_position="sandwich", causal=True, activation="silu", norm_eps=config.norm_eps)
+    layers = [SandwichLayer(block) for block in model.layers]
+    teacher = Teacher(RdepthEmbedding(model.wte, model.wpe), layers, model.norm_f, spec, name="rdepth",
+                      layer_factory=lambda: SandwichLayer(SandwichBlock(config, 0)))
+    teacher.block_size = config.block_size
+    teacher.eval().requires_grad_(False)
+    return teacher
+
+
+class RdepthTextTokenizer:
+    """Sentences -> right-padded :class:`~rdepth.surrogate.minilm.TextBatch` with a run's tokenizer."""
+
+    def __init__(self, path: str | Path, max_length: int) -> None:
+        from rdepth.train.checkpoint import load_model_config, resolve_checkpoint
+        from rdepth.train.data_source import run_tokenizer
+
+        self.tokenizer = run_tokenizer(path)
+        self.max_length = min(max_length, load_model_config(resolve_checkpoint(path)).block_size)
+
+    def token_counts(self, sentences: list[str]) -> list[int]:
+        return [min(len(ids), self.max_length) for ids in self.tokenizer.encode_batch(sentences)]
+
+    def encode(self, sentences: list[str]):
+        from rdepth.surrogate.minilm import pad_batch
+
+        return pad_batch([ids[: self.max_length] for ids in self.tokenizer.encode_batch(sentences)])
