@@ -182,11 +182,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise RdepthError(f"model config: unknown field(s) {', '.join(unknown)}")
-        return cls(**data)
+        from rdepth.io import dataclass_from_dict
+
+        return dataclass_from_dict(cls, data, "model config")
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return ModelConfig.from_dict({**self.to_dict(), **changes})

@@ -62,6 +62,35 @@ def append_jsonl(path: str | os.PathLike, record: dict) -> None:
         handle.write(json.dumps(record, default=_json_default) + "\n")
 
 
+def read_json_object(path: str | os.PathLike, what: str = "") -> dict:
+    """A JSON file that must hold an object; a missing, malformed or non-object file is a one-line error."""
+    from rdepth.errors import RdepthError
+
+    path = Path(path)
+    label = f"{what} {path}" if what else str(path)
+    if not path.is_file():
+        raise RdepthError(f"{what or 'file'} not found: there is no {path.name} in {path.parent}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RdepthError(f"{label} is not valid JSON ({getattr(exc, 'msg', type(exc).__name__)})") from None
+    if not isinstance(data, dict):
+        raise RdepthError(f"{label} is not a JSON object")
+    return data
+
+
+def dataclass_from_dict(cls: type, data: dict[str, Any], what: str) -> Any:
+    """``cls(**data)``, refusing fields the dataclass does not have (one-line error naming them)."""
+    import dataclasses
+
+    from rdepth.errors import RdepthError
+
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise RdepthError(f"{what}: unknown field(s) {', '.join(unknown)}")
+    return cls(**data)
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     records = []
     with open(path) as handle:

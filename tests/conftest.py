@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +14,12 @@ def wiki_small(tmp_path_factory):
     out = tmp_path_factory.mktemp("data") / "wiki512"
     return prepare(PrepareConfig(corpus="wiki", tokenizer="bpe:512", out=out, max_documents=400))
 
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one thread avoids thread hand-off overhead (and contention on a shared CPU)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -9,17 +9,9 @@ from rdepth.config import get_preset
 from rdepth.exits import PolicyController, make_policy, replay
 from rdepth.model import RecurrentLM
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 K_MAX = 7
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared CPU threads only contend."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 @pytest.fixture(scope="module")
 def model() -> RecurrentLM:

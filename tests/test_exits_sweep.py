@@ -19,20 +19,12 @@ from rdepth.exits.sweep import SweepConfig, matched_quality
 from rdepth.model import RecurrentLM
 from rdepth.train.checkpoint import save_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TEXT = (
     "A looped block refines each token with small steps and then hands it on. "
     "Some tokens settle quickly, others keep turning for a while before they stop. "
 ) * 30
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared CPU threads only contend."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 @pytest.fixture(scope="module")
 def tiny_model() -> RecurrentLM:

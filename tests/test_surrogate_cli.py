@@ -14,18 +14,10 @@ from rdepth.cli.main import main
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 WORDS = ("the a river city old new small large north south king queen museum library station "
          "garden bridge tower market school village forest mountain lake island road").split()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread avoids thread hand-off overhead on a shared CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 @pytest.fixture
 def tiny_teacher(tmp_path):

@@ -14,15 +14,7 @@ from rdepth.surrogate.hf_loader import load_hf_teacher
 
 transformers = pytest.importorskip("transformers")
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread avoids thread hand-off overhead on a shared CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny_bert(path, **overrides):
     torch.manual_seed(0)

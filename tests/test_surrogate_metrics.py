@@ -11,15 +11,7 @@ from rdepth.surrogate.dynamics import angular_convergence, effective_rank, mean_
 from rdepth.surrogate.evaluate import fidelity, probe_accuracy, ridge_probe, spearman, text_retention
 from rdepth.surrogate.similarity import cka, linear_cka, pooled_cosine, token_cosine
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread avoids thread hand-off overhead on a shared CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_cka_identity_orthogonal_and_scale_invariance():
     g = torch.Generator().manual_seed(0)

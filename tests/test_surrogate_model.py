@@ -17,15 +17,7 @@ from rdepth.surrogate.hf_loader import Gpt2Embedding
 from rdepth.surrogate.layers import LayerSpec, Teacher, TransformerLayer
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig, load_surrogate
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread avoids thread hand-off overhead on a shared CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def random_teacher(n_layers=4, norm_position="post", causal=False, seed=0) -> Teacher:
     torch.manual_seed(seed)

@@ -9,15 +9,7 @@ from rdepth.errors import RdepthError
 from rdepth.surrogate.phases import (all_segmentations, block_structure, brute_force_phases, dp_phases,
                                      equal_phases, max_cut_phases, segmentation_score)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread avoids thread hand-off overhead on a shared CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def random_symmetric(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

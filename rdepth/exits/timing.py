@@ -19,6 +19,20 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed_calls(call: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """``warmup`` untimed calls, then ``repeats`` synchronised wall-clock timings in milliseconds."""
+    for _ in range(warmup):
+        call()
+    times_ms = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        call()
+        synchronize(device)
+        times_ms.append((time.perf_counter() - start) * 1e3)
+    return times_ms
+
+
 @torch.no_grad()
 def time_forward(
     model: RecurrentLM,
@@ -56,16 +70,7 @@ def time_forward(
                 model(idx, controller=controller_factory(), generator=generator)
 
     model.eval()
-    for _ in range(warmup):
-        call()
-    synchronize(device)
-    times_ms = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        call()
-        synchronize(device)
-        times_ms.append((time.perf_counter() - start) * 1e3)
+    times_ms = _timed_calls(call, device, warmup, repeats)
     median = statistics.median(times_ms)
     return {
         "ms_per_token": median / idx.numel(),
@@ -110,14 +115,6 @@ def time_generate(
         generate(model, prompt, new_tokens, temperature=0.0, loop_counts=loop_counts,
                  controller_factory=controller_factory, generator=generator)
 
-    for _ in range(warmup):
-        call()
-    times_ms = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        call()
-        synchronize(device)
-        times_ms.append((time.perf_counter() - start) * 1e3)
+    times_ms = _timed_calls(call, device, warmup, repeats)
     median = statistics.median(times_ms)
     return {"ms_per_token": median / (prompt.shape[0] * new_tokens), "median_ms": median, "all_ms": times_ms}

@@ -8,7 +8,6 @@ Architectures are chosen by ``config["model_type"]`` from :data:`ARCHITECTURES`.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Callable
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from rdepth.errors import RdepthError
+from rdepth.io import read_json_object
 from rdepth.surrogate.layers import LayerSpec, Teacher, TransformerLayer
 
 log = logging.getLogger(__name__)
@@ -183,12 +183,7 @@ def load_hf_teacher(directory: str | Path) -> Teacher:
     if not directory.is_dir():
         raise RdepthError(f"teacher directory {directory} does not exist")
     config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise RdepthError(f"{directory} has no config.json")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RdepthError(f"{config_path} is not valid JSON ({exc.msg})") from None
+    config = read_json_object(config_path, "teacher config")
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
         raise RdepthError(f"{config_path}: model_type {model_type!r} is not supported (supported: {sorted(ARCHITECTURES)})")

@@ -29,7 +29,7 @@ import torch
 
 from rdepth.config import ModelConfig
 from rdepth.errors import RdepthError
-from rdepth.io import write_json, write_text
+from rdepth.io import read_json_object, write_json, write_text
 
 STEP_PATTERN = re.compile(r"^step_(\d+)$")
 
@@ -108,16 +108,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def load_model_config(checkpoint: Path) -> ModelConfig:
-    config_path = checkpoint / "config.json"
-    if not config_path.exists():
-        raise RdepthError(f"checkpoint {checkpoint} has no config.json")
-    try:
-        data = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RdepthError(f"checkpoint config {config_path} is not valid JSON ({exc.msg})") from None
-    if not isinstance(data, dict):
-        raise RdepthError(f"checkpoint config {config_path} is not a JSON object")
-    return ModelConfig.from_dict(data)
+    return ModelConfig.from_dict(read_json_object(checkpoint / "config.json", "checkpoint config"))
 
 
 def load_weights(checkpoint: Path, model: torch.nn.Module) -> None:

@@ -77,8 +77,6 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise RdepthError(f"train config: unknown field(s) {', '.join(unknown)}")
-        return cls(**data)
+        from rdepth.io import dataclass_from_dict
+
+        return dataclass_from_dict(cls, data, "train config")
