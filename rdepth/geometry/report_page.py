@@ -154,7 +154,9 @@ def write_report(out: str | Path, summary: dict[str, Any], figures: list[tuple[s
     """Add (or replace) the geometry section in OUT's report page; returns index.html's path."""
     from rdepth.report import add_section
 
-    return add_section(out, geometry_section(out, summary, figures), title=f"rdepth report: {Path(out).name}")
+    folder = Path(out).resolve()
+    name = folder.parent.name if folder.name == "report" else folder.name  # the run, for OUT/report pages
+    return add_section(out, geometry_section(out, summary, figures), title=f"rdepth report: {name}")
 
 
 __all__ = ["at_a_glance", "drift_scale_rows", "geometry_section", "loop_scale_rows", "write_report"]
