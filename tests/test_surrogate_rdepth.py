@@ -90,3 +90,27 @@ def test_surrogate_command_on_an_rdepth_run(tmp_path, wiki_small, capsys):
     lengths = json.loads((out / "results.json").read_text())["phases"]["raptor"]
     assert [len(entry["step_size"]) for entry in dynamics["raptor"]["loop_geometry"]] == lengths
     assert "each phase read as a loop" in (out / "index.html").read_text()
+
+
+def test_phase_geometry_uses_the_analyze_format(tmp_path):
+    """A straight-line phase and a one-layer phase, through the streaming observer: exact steps."""
+    from rdepth.geometry.analyze import load_summary
+    from rdepth.surrogate.geometry import write_phase_geometry
+
+    e0, e1 = torch.eye(2, dtype=torch.float64)
+    points = [e0, 2 * e0, 2.5 * e0, 2.75 * e0, 2.75 * e0 + 2 * e1]
+    states = torch.stack(points)[:, None, None, :].expand(5, 3, 4, 2).clone()  # (S, N, T, D)
+    states[:, :, :, 1] += torch.arange(4, dtype=torch.float64)  # tokens differ, steps do not
+    mask = torch.tensor([[True] * 4, [True, True, False, False], [True, False, False, False]])
+    write_phase_geometry(tmp_path, {"teacher": states, "raptor": states}, mask, (3, 1))
+    summary = load_summary(tmp_path)
+    assert summary["groups"] == ["0-2", "3"] and [c["label"] for c in summary["checkpoints"]] == ["teacher", "raptor"]
+    first, second = summary["checkpoints"][1]["budgets"]["train"]["groups"]
+    assert first["step_size"]["mean"] == pytest.approx([1.0, 0.5, 0.25])
+    assert first["cosine"]["mean"] == pytest.approx([1.0, 1.0])
+    assert second["step_size"]["mean"] == pytest.approx([2.0])
+    dlr = summary["checkpoints"][0]["budgets"]["train"]["dlr"]["0-2->3"]
+    assert dlr["literal"]["mean"] == pytest.approx(0.0) and dlr["first"]["mean"] == pytest.approx(2.0 / (1.75 / 3))
+    page = (tmp_path / "index.html").read_text()
+    assert "Loop geometry of the phases" in page and "figures/fig3_loop_dynamics.png" in page
+    assert (tmp_path / "figures" / "fig2_dlr.png").is_file()

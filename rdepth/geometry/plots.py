@@ -83,7 +83,10 @@ def figure_pca(arrays: dict[str, np.ndarray], group_names: list[str], tokens: in
         axis.scatter(coords[first, shown, 0], coords[first, shown, 1], marker="x", color="k", s=18, zorder=3,
                      label="first iterate of a group" if group == 0 else None)
     # the zoom: one token's iterates inside one group's loop
-    zoom = zoom_group if zoom_group is not None else group_count // 2
+    if zoom_group is None:  # the longest loop, nearest the middle on ties
+        steps = [int((computed & (group_of == g)).sum()) for g in range(group_count)]
+        zoom_group = max(range(group_count), key=lambda g: (steps[g], -abs(g - group_count // 2)))
+    zoom = zoom_group
     token = int(shown[len(shown) // 2])
     rows = computed & (group_of == zoom)
     loop = coords[rows, token]
@@ -92,7 +95,7 @@ def figure_pca(arrays: dict[str, np.ndarray], group_names: list[str], tokens: in
     for number, point in enumerate(loop, start=1):
         inset.annotate(str(number), point, fontsize=6, xytext=(2, 2), textcoords="offset points")
     inset.set_title(f"zoom: token t{token} inside group {group_names[zoom]} ({len(loop)} loop steps)", fontsize=9)
-    pad = 0.15 * max(np.ptp(loop[:, 0]), np.ptp(loop[:, 1]), 1e-9)
+    pad = 0.15 * max(np.ptp(loop[:, 0]), np.ptp(loop[:, 1]), 1e-6 * (1.0 + float(np.abs(loop).max())))
     inset.set_xlim(loop[:, 0].min() - pad, loop[:, 0].max() + pad)
     inset.set_ylim(loop[:, 1].min() - pad, loop[:, 1].max() + pad)
     inset.tick_params(labelsize=7)
@@ -113,7 +116,8 @@ def figure_dlr(summary: dict[str, Any], budget: str = "train"):
     checkpoints; solid = the real-drift definition, dashed = paper-literal."""
     plt = _pyplot()
     entries = summary["checkpoints"]
-    steps = [entry["step"] for entry in entries]
+    by_step = all(entry.get("step", -1) >= 0 for entry in entries)
+    steps = [entry["step"] for entry in entries] if by_step else list(range(len(entries)))
     boundaries = list(entries[0]["budgets"][budget]["dlr"])
     figure, axis = plt.subplots(figsize=(7, 4.2))
     styles = {summary["dlr_default"]: ("-", "o"), "literal": ("--", "s")}
@@ -130,7 +134,10 @@ def figure_dlr(summary: dict[str, Any], budget: str = "train"):
                                   color=colours(index), alpha=0.15, linewidth=0)
     axis.axhline(1.0, color="k", linewidth=0.8, linestyle=":")
     axis.set_yscale("log")
-    axis.set_xlabel("training step")
+    if by_step:
+        axis.set_xlabel("training step")
+    else:  # named models (e.g. a teacher and its surrogate), not a training series
+        axis.set_xticks(steps, [entry["label"] for entry in entries])
     axis.set_ylabel("drift-to-loop ratio")
     axis.set_title(f"Cross-block drift vs. mean loop step ({budget} budget); >1: coarse hand-off")
     axis.legend(fontsize=7)
@@ -242,14 +249,20 @@ def draw_all(out: str | Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
          "Fig. 2: drift-to-loop ratio per boundary across checkpoints (log scale; dotted line = 1)."),
         ("fig3_loop_dynamics", lambda: figure_loop_dynamics(summary, "train"),
          "Fig. 3: step norms (top, log scale) and consecutive-step cosines (bottom) per group, training budget."),
-        ("fig3b_loop_dynamics_long", lambda: figure_loop_dynamics(summary, "long"),
-         "Fig. 3 at the long budget: the same curves over 30 loop steps."),
-        ("fig5_long_cosines", lambda: figure_long_cosines(summary),
-         "Fig. 5: consecutive-step cosine at the long fixed budget across checkpoints."),
     ]
-    if "effective_rank" in last["budgets"]["long"]["groups"][0]:
-        figures.append(("fig_effective_rank", lambda: figure_effective_rank(summary),
-                        "Effective rank (exp entropy of normalised singular values) of the updates per step, long budget."))
+    long = "long" in summary.get("budgets", {})  # absent for a surrogate's phases (one budget only)
+    if long:
+        figures += [
+            ("fig3b_loop_dynamics_long", lambda: figure_loop_dynamics(summary, "long"),
+             "Fig. 3 at the long budget: the same curves over 30 loop steps."),
+            ("fig5_long_cosines", lambda: figure_long_cosines(summary),
+             "Fig. 5: consecutive-step cosine at the long fixed budget across checkpoints."),
+        ]
+    rank_budget = "long" if long else "train"
+    if "effective_rank" in last["budgets"][rank_budget]["groups"][0]:
+        figures.append(("fig_effective_rank", lambda: figure_effective_rank(summary, rank_budget),
+                        "Effective rank (exp entropy of normalised singular values) of the updates per step, "
+                        f"{rank_budget} budget."))
     saved = []
     for stem, build, caption in figures:
         save_figure(build(), folder / stem)

@@ -53,8 +53,14 @@ def _ratio(values: list[float], k: int, base: int) -> float | None:
     return values[k] / values[base]
 
 
-def loop_scale_rows(summary: dict[str, Any], budget: str = "long") -> list[dict[str, Any]]:
+def scale_budget(summary: dict[str, Any]) -> str:
+    """The budget the loop-scale numbers come from: "long" when measured (language models), else "train"."""
+    return "long" if "long" in summary.get("budgets", {}) else "train"
+
+
+def loop_scale_rows(summary: dict[str, Any], budget: str | None = None) -> list[dict[str, Any]]:
     """One row per checkpoint and group: step-size decay, settled cosine, rank, convergence."""
+    budget = budget or scale_budget(summary)
     rows = []
     for entry in summary["checkpoints"]:
         for group in entry["budgets"][budget]["groups"]:
@@ -90,12 +96,14 @@ def drift_scale_rows(summary: dict[str, Any], budget: str = "train") -> list[dic
 
 
 def loss_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
+    """Validation loss per checkpoint and budget; empty when no budget has a loss (surrogates)."""
+    rows = [
         {"checkpoint": entry["label"], "step": entry["step"],
          **{f"val CE, {name} loops {','.join(map(str, b['loop_counts']))}": b["loss"]
-            for name, b in entry["budgets"].items()}}
+            for name, b in entry["budgets"].items() if b.get("loss") is not None}}
         for entry in summary["checkpoints"]
     ]
+    return rows if any(len(row) > 2 for row in rows) else []
 
 
 def at_a_glance(summary: dict[str, Any]) -> str:
@@ -104,7 +112,8 @@ def at_a_glance(summary: dict[str, Any]) -> str:
     default = summary["dlr_default"]
     dlr = last["budgets"]["train"]["dlr"]
     parts = [f"{b}: {d[default]['median']:.3g}" for b, d in dlr.items()]
-    groups = last["budgets"]["long"]["groups"]
+    budget = scale_budget(summary)
+    groups = last["budgets"][budget]["groups"]
     decays = [f"{g['name']}: {g['step_size']['mean'][10] / g['step_size']['mean'][1]:.2g}"
               for g in groups if len(g["step_size"]["mean"]) > 10 and g["step_size"]["mean"][1] > 0]
     settled = [f"{g['name']}: {value:.2f}" for g in groups if (value := settled_cosine(g)) is not None]
@@ -114,7 +123,7 @@ def at_a_glance(summary: dict[str, Any]) -> str:
         text += f" Within a loop, |Δ10|/|Δ1| is {'; '.join(decays)}."
     if settled:
         text += (f" Consecutive steps settle at cosine {'; '.join(settled)} (mean of the last {SETTLED_STEPS} "
-                 "cosines of the long budget above the float noise floor).")
+                 f"cosines of the {budget} budget above the float noise floor).")
     return text
 
 
@@ -123,10 +132,12 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
     out = Path(out)
     section = Section(SECTION, "Loop geometry: two scales", order=10)
     section.note(at_a_glance(summary))
-    section.table(loop_scale_rows(summary), caption="Loop scale (long budget): step-size decay and settled angle")
+    section.table(loop_scale_rows(summary),
+                  caption=f"Loop scale ({scale_budget(summary)} budget): step-size decay and settled angle")
     if summary["checkpoints"][0]["budgets"]["train"]["dlr"]:
         section.table(drift_scale_rows(summary), caption="Drift scale (training budget): drift-to-loop ratio")
-    section.table(loss_rows(summary), caption="Validation cross-entropy (nats/token) of the analysed windows")
+    if loss_rows(summary):
+        section.table(loss_rows(summary), caption="Validation cross-entropy (nats/token) of the analysed windows")
     for path, caption in figures:
         section.figure(path, caption)
     slowest_path = out / GEOMETRY_DIR / SLOWEST_FILE
@@ -137,6 +148,9 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
             f"relative step size falls under {slowest['threshold']:g} per group (= the step count if never)"))
     definitions = "; ".join(f"{name}: {text}" for name, text in summary["dlr_definitions"].items())
     settings = summary["settings"]
+    if settings.get("source_note"):  # not a language model's checkpoints (e.g. a surrogate's phases)
+        section.note(settings["source_note"])
+        return section
     section.note(
         f"Measured on {summary['sequences']} held-out windows of {summary['seq_len']} tokens from "
         f"{settings['data']}; every checkpoint starts from the same initial-state noise. Step k's update is "
@@ -159,4 +173,4 @@ def write_report(out: str | Path, summary: dict[str, Any], figures: list[tuple[s
     return add_section(out, geometry_section(out, summary, figures), title=f"rdepth report: {name}")
 
 
-__all__ = ["at_a_glance", "drift_scale_rows", "geometry_section", "loop_scale_rows", "write_report"]
+__all__ = ["at_a_glance", "drift_scale_rows", "geometry_section", "loop_scale_rows", "scale_budget", "write_report"]

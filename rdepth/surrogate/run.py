@@ -20,6 +20,7 @@ from rdepth.surrogate.bank import StateBank, build_bank
 from rdepth.surrogate.dynamics import dynamics_summary
 from rdepth.surrogate.evaluate import evaluate_text, surrogate_fn, truncated_fn
 from rdepth.surrogate.fit import FitConfig, fit_surrogate
+from rdepth.surrogate.geometry import write_phase_geometry
 from rdepth.surrogate.minilm import load_teacher, resolve_teacher, text_tokenizer
 from rdepth.surrogate.model import INIT_CHOICES, RaptorSurrogate, SurrogateConfig
 from rdepth.surrogate.phases import PHASE_METHODS, block_structure, equal_phases, segmentation_score
@@ -149,5 +150,7 @@ def run_surrogate(config: SurrogateRunConfig) -> Path:
                                       "equal_split_is_raptor": equal == chosen, "fits": fits, "models": results,
                                       "n_fit": fit_bank.n_examples, "n_eval": eval_bank.n_examples})
     write_json(out / "dynamics.json", dynamics)
-    return write_report(out)
+    page = write_report(out)
+    write_phase_geometry(out, {"teacher": states["teacher"], "raptor": states["raptor"]}, mask, chosen)
+    return page
 
