@@ -152,7 +152,8 @@ def _curves(axis, entries, budget, group, metric, colours, offset: int = 0) -> N
         values = entry["budgets"][budget]["groups"][group][metric]
         mean, std = np.asarray(values["mean"]), np.asarray(values["std"])
         k = np.arange(len(mean)) + offset
-        axis.plot(k, mean, color=colour, linewidth=1.2, label=_label(entry))
+        axis.plot(k, mean, color=colour, linewidth=1.2, label=_label(entry),
+                  marker="o" if len(mean) == 1 else None)  # a one-step loop is a single point
         axis.fill_between(k, mean - std, mean + std, color=colour, alpha=0.15, linewidth=0)
     from matplotlib.ticker import MaxNLocator
 
