@@ -15,7 +15,6 @@ already held good shards.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -28,7 +27,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from rdepth.errors import RdepthError
-from rdepth.io import write_json
+from rdepth.io import read_json_object, write_json
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +152,8 @@ def _read_manifest(directory: Path) -> dict:
     path = directory / MANIFEST
     if not path.is_file():
         raise RdepthError(f"missing {path}: run `rdepth prepare` first")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RdepthError(f"corrupt {path}: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+    manifest = read_json_object(path, "manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
         raise RdepthError(f"{path}: unsupported format_version (expected {FORMAT_VERSION})")
     for key in ("dtype", "vocab_size", "eot_id", "splits"):
         if key not in manifest:
