@@ -15,12 +15,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-from rdepth.data.loader import eval_batches
 from rdepth.errors import RdepthError
 from rdepth.model import RecurrentLM
 from rdepth.model.control import LoopController
+from rdepth.train.evaluate import eval_outputs
 
 
 @dataclass
@@ -113,31 +112,22 @@ def evaluate_with_exits(
     """
     if (controller is None) == (loop_counts is None):
         raise RdepthError("evaluate_with_exits: give exactly one of controller or loop_counts")
-    was_training = model.training
-    model.eval()
-    block_size = block_size or model.config.block_size
-    device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
     if loop_counts is not None:
         counts = model.resolve_loop_counts(loop_counts)
         tally = _Tally(counts)
+
+        def forward(x, y):
+            return model(x, y, counts, generator=generator)
     else:
         make = controller if not hasattr(controller, "after_step") else (lambda: controller)
         probe = make()
         tally = _Tally([probe.max_steps(group) for group in range(model.n_groups)])
-    batches = eval_batches(tokens, batch_size, block_size, max_batches)
-    if progress:
-        batches = tqdm(batches, desc="eval", leave=False)
-    try:
-        for x, y in batches:
-            x, y = x.to(device), y.to(device)
-            with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-                if loop_counts is not None:
-                    out = model(x, y, counts, generator=generator)
-                else:
-                    out = model(x, y, controller=make(), generator=generator)
-            tally.add(out.loss, y.numel(), out.computed, out.used)
-    finally:
-        if was_training:
-            model.train()
+
+        def forward(x, y):
+            return model(x, y, controller=make(), generator=generator)
+    for out, n_tokens in eval_outputs(model, tokens, forward, batch_size=batch_size, block_size=block_size,
+                                      max_batches=max_batches, device=device, autocast_dtype=autocast_dtype,
+                                      progress=progress):
+        tally.add(out.loss, n_tokens, out.computed, out.used)
     return tally.result()

@@ -13,13 +13,13 @@ padding and the key mask is not needed inside the layers.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from rdepth.errors import RdepthError
+from rdepth.model import RecurrentLM
 from rdepth.model.layers import SandwichBlock
 from rdepth.surrogate.layers import LayerSpec, Teacher
 
@@ -43,17 +43,15 @@ class SandwichLayer(nn.Module):
 
 
 class RdepthEmbedding(nn.Module):
-    """``RecurrentLM.embed``: sqrt(d) * token embedding + learned position. ids (B, T) -> (B, T, d)."""
+    """The model's own :meth:`RecurrentLM.embed` (ids (B, T) -> (B, T, d)), its tables registered here."""
 
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding) -> None:
+    def __init__(self, model: RecurrentLM) -> None:
         super().__init__()
-        self.wte, self.wpe = wte, wpe
-        self.scale = math.sqrt(wte.embedding_dim)
+        self.wte, self.wpe = model.wte, model.wpe  # the same modules: moved and frozen with the teacher
+        self._embed = model.embed
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.shape[-1] > self.wpe.num_embeddings:
-            raise RdepthError(f"{ids.shape[-1]} tokens exceed the teacher's block size {self.wpe.num_embeddings}")
-        return self.scale * self.wte(ids) + self.wpe(torch.arange(ids.shape[-1], device=ids.device))
+        return self._embed(ids)
 
 
 def load_rdepth_teacher(path: str | Path) -> Teacher:
@@ -67,7 +65,7 @@ def load_rdepth_teacher(path: str | Path) -> Teacher:
     spec = LayerSpec(d_model=config.d_model, n_heads=config.n_head, d_ff=config.mlp_ratio * config.d_model,
                      norm_position="sandwich", causal=True, activation="silu", norm_eps=config.norm_eps)
     layers = [SandwichLayer(block) for block in model.layers]
-    teacher = Teacher(RdepthEmbedding(model.wte, model.wpe), layers, model.norm_f, spec, name="rdepth",
+    teacher = Teacher(RdepthEmbedding(model), layers, model.norm_f, spec, name="rdepth",
                       layer_factory=lambda: SandwichLayer(SandwichBlock(config, 0)))
     teacher.block_size = config.block_size
     teacher.eval().requires_grad_(False)
