@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rdepth.errors import RdepthError
+from rdepth.fields import option
 
 
 @dataclass(frozen=True)
@@ -105,20 +106,22 @@ class ModelConfig:
     ``eval_loops`` steps (default: ``round(mean_loops)`` for every group).
     """
 
-    n_layer: int = 12
-    n_head: int = 12
-    d_model: int = 768
-    block_size: int = 512
-    vocab_size: int = 50257
-    groups: str = "4|5-6|7"
-    mean_loops: float = 12.0
-    loop_sigma: float = 0.5
-    backprop_depth: int = 8
-    init_state_scale: float = 1.0
-    eval_loops: tuple[int, ...] | None = None
-    mlp_ratio: int = 4
-    norm_eps: float = 1e-6
-    tokenizer: str = "gpt2"
+    n_layer: int = option(12, "transformer layers")
+    n_head: int = option(12, "attention heads per layer")
+    d_model: int = option(768, "model width")
+    block_size: int = option(512, "context length in tokens")
+    vocab_size: int = option(50257, "vocabulary size (taken from the prepared data)", cli=False)
+    groups: str = option("4|5-6|7", "recurrence groups, e.g. '4|5-6|7' (0-based layers, a-b inclusive; '' for none)")
+    mean_loops: float = option(12.0, "mean loop count per group in training (lognormal-Poisson)")
+    loop_sigma: float = option(0.5, "log-space spread of the training loop count")
+    backprop_depth: int = option(8, "loop steps that get gradients (truncated backprop)")
+    init_state_scale: float = option(1.0, "scale of the random initial loop state (0: a zero state)")
+    eval_loops: tuple[int, ...] | None = option(
+        None, "evaluation loop counts: N or N,N,... per group", default_text="round(mean_loops)",
+    )
+    mlp_ratio: int = option(4, "MLP hidden width as a multiple of d_model")
+    norm_eps: float = option(1e-6, "RMSNorm epsilon")
+    tokenizer: str = option("gpt2", "tokenizer spec (taken from the prepared data)", cli=False)
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "d_model", "block_size", "vocab_size", "mlp_ratio"):
@@ -147,7 +150,13 @@ class ModelConfig:
 
     @property
     def group_specs(self) -> tuple[GroupSpec, ...]:
-        return parse_groups(self.groups, self.n_layer)
+        """The parsed ``groups`` (parsed once per value of ``groups``/``n_layer``)."""
+        key = (self.groups, self.n_layer)
+        cached = self.__dict__.get("_group_specs")
+        if cached is None or cached[0] != key:
+            cached = (key, parse_groups(self.groups, self.n_layer))
+            self.__dict__["_group_specs"] = cached
+        return cached[1]
 
     @property
     def n_groups(self) -> int:

@@ -209,8 +209,8 @@ def test_prepare_config_names_bad_field(field, value):
 
 
 def test_prepare_config_default_out():
-    assert PrepareConfig().out == Path("data/wiki")
-    assert PrepareConfig(corpus="some/dir/notes.jsonl").out == Path("data/notes")
+    assert PrepareConfig().out == Path("data/wiki-bpe4096")  # what train and the demo read by default
+    assert PrepareConfig(corpus="some/dir/notes.jsonl", tokenizer="gpt2").out == Path("data/notes-gpt2")
 
 
 def test_prepare_user_corpus_and_failed_rerun_keeps_old(tmp_path, small_bpe):

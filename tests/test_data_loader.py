@@ -1,4 +1,4 @@
-"""BatchSampler and eval_batches: determinism, resume, rank partition, exact windows."""
+"""BatchSampler and held-out windows: determinism, resume, rank partition, exact windows."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rdepth.data.loader import BatchSampler, count_eval_batches, eval_batches
+from rdepth.data.loader import BatchSampler
 from rdepth.errors import RdepthError
 
 TOKENS = np.arange(1000, dtype=np.uint16)  # token value == its position: windows are checkable
@@ -58,15 +58,15 @@ def test_sampler_errors():
         sampler.batch(-1)
 
 
-def test_eval_batches_cover_consecutive_windows():
+def test_held_out_windows_cover_consecutive_windows():
+    """The one window maker: window i is tokens[i*T : i*T + T + 1]."""
+    from rdepth.run.heldout import held_out_windows
+
     tokens = np.arange(103, dtype=np.uint16)
-    batches = list(eval_batches(tokens, batch_size=4, block_size=10))
-    assert [tuple(x.shape) for x, _ in batches] == [(4, 10), (4, 10), (2, 10)]
-    assert len(batches) == count_eval_batches(len(tokens), 4, 10)
-    xs = torch.cat([x for x, _ in batches]).flatten()
-    ys = torch.cat([y for _, y in batches]).flatten()
-    assert torch.equal(xs, torch.arange(100)) and torch.equal(ys, torch.arange(1, 101))
-    again = list(eval_batches(tokens, batch_size=4, block_size=10, max_batches=2))
-    assert len(again) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(again, batches))
+    windows = held_out_windows(tokens, 10)
+    assert tuple(windows.shape) == (10, 11) and windows.dtype == torch.int64
+    assert torch.equal(windows[:, :-1].flatten(), torch.arange(100))
+    assert torch.equal(windows[:, 1:].flatten(), torch.arange(1, 101))
+    assert torch.equal(held_out_windows(tokens, 10, max_windows=2), windows[:2])
     with pytest.raises(RdepthError):
-        list(eval_batches(np.arange(10), batch_size=1, block_size=10))
+        held_out_windows(np.arange(10), 10)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rdepth.cli.main import main
 
 TINY = json.dumps({"n_layer": 4, "n_head": 2, "d_model": 32, "block_size": 32, "groups": "1|2",
                    "mean_loops": 3.0, "backprop_depth": 2, "vocab_size": 512, "tokenizer": "bpe:512"})
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(wiki_small, tmp_path, capsys):
     out = tmp_path / "demo"
     argv = ["demo", "--out", str(out), "--data", str(wiki_small), "--tokenizer", "bpe:512",

@@ -73,14 +73,14 @@ def test_parse_loop_counts():
 
 def test_stages_follow_groups():
     model = RecurrentLM(get_preset("paper", n_layer=12, d_model=24, n_head=2, vocab_size=64))
-    kinds = [(s.kind, s.layers) for s in model.stages]
+    kinds = [(s.kind.value, s.layers) for s in model.stages]
     assert kinds == [
         ("single", (0, 1, 2, 3)), ("group", (4,)), ("group", (5, 6)), ("group", (7,)),
         ("single", (8, 9, 10, 11)),
     ]
     # Geiping et al.'s layout is the same config with one group.
     model = RecurrentLM(ModelConfig(n_layer=8, n_head=2, d_model=16, vocab_size=64, groups="2-5"))
-    assert [(s.kind, s.layers) for s in model.stages] == [
+    assert [(s.kind.value, s.layers) for s in model.stages] == [
         ("single", (0, 1)), ("group", (2, 3, 4, 5)), ("single", (6, 7))
     ]
 
@@ -253,14 +253,26 @@ def test_loop_count_schedule():
     assert sample_loop_counts(tiny_config(mean_loops=1.0), step_generator(0, 1)) == (1, 1)
 
 
-def test_noise_rows_reproduce_global_batch():
+def test_state_noise_is_keyed_by_sequence_and_position():
+    """A row's initial state depends on its sequence id, position and group only: split
+    batches (data-parallel ranks, other batch sizes) and cached decoding draw the same."""
+    from rdepth.model.noise import StateNoise
+
     model = RecurrentLM(tiny_config(init_state_scale=1.0))
     inputs = torch.zeros(4, 6, 16)
-    full = model.init_state(0, inputs, torch.Generator().manual_seed(3))
-    lower = model.init_state(0, inputs[:2], torch.Generator().manual_seed(3), noise_rows=(0, 4))
-    upper = model.init_state(0, inputs[2:], torch.Generator().manual_seed(3), noise_rows=(2, 4))
+    full = model.init_state(0, inputs, StateNoise.consecutive(3, 0, 4))
+    lower = model.init_state(0, inputs[:2], StateNoise.consecutive(3, 0, 2))
+    upper = model.init_state(0, inputs[2:], StateNoise(3, [2, 3]))
     assert torch.equal(torch.cat([lower, upper]), full)
+    # positions 2..3 alone, as a decoding step after a 2-token prompt would ask for them
+    tail = model.init_state(0, inputs[:, 2:4], StateNoise.consecutive(3, 0, 4), start=2)
+    assert torch.equal(tail, full[:, 2:4])
+    # other groups, sequences and seeds differ
+    assert not torch.equal(model.init_state(1, inputs, StateNoise.consecutive(3, 0, 4)), full)
+    assert not torch.equal(full[0], full[1])
+    assert not torch.equal(model.init_state(0, inputs, StateNoise.consecutive(4, 0, 4)), full)
     assert full.abs().max() <= 3 * model.base_std + 1e-7
+    assert 0.8 < float(full.std() / model.base_std) < 1.2
     zero = RecurrentLM(tiny_config(init_state_scale=0.0)).init_state(0, inputs)
     assert torch.equal(zero, torch.zeros_like(inputs))
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from rdepth.cli.main import main
 from rdepth.io import read_jsonl
-from rdepth.train.checkpoint import list_checkpoints, load_model
+from rdepth.run.checkpoint import list_checkpoints, load_model
 
 TINY = [
     "--n-layer", "3", "--n-head", "2", "--d-model", "32", "--block-size", "32",
@@ -73,6 +73,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_process_ddp_matches_single_process(wiki_small, tmp_path):
     worker = Path(__file__).with_name("ddp_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
               f"vs unigram baseline {base['perplexity']:.1f}")
     if result["tokens_per_second"]:
         print(f"training throughput {result['tokens_per_second']:,.0f} tokens/s")
-    print("perplexity by loop budget: " + ", ".join(
+    print(f"perplexity by loop budget ({result['loop_budgets'][0]['tokens']:,} held-out tokens): " + ", ".join(
         f"{row['loops'][0]}: {row['ppl']:.1f}" for row in result["loop_budgets"]))
     for name, path in result["outputs"].items():
         print(f"{name:>9}: {path}")

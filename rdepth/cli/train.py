@@ -7,6 +7,15 @@ import argparse
 from rdepth.cli.options import add_dataclass_flags, build, overrides
 
 
+def _preset_defaults() -> dict[str, str]:
+    """Per model field, its value in every preset, for ``--help`` (e.g. "tiny 6, small 12, paper 12")."""
+    from rdepth.config import PRESETS
+
+    fields = {name for values in PRESETS.values() for name in values}
+    return {name: ", ".join(f"{preset} {values[name]}" for preset, values in PRESETS.items() if name in values)
+            for name in fields}
+
+
 def register(subparsers) -> None:
     from rdepth.config import PRESETS, ModelConfig
     from rdepth.train.config import TrainConfig
@@ -17,32 +26,20 @@ def register(subparsers) -> None:
         description="Train a group-recurrent language model. Start from a preset; every model "
         "and training field can be overridden. Multi-GPU: torchrun --nproc_per_node N -m rdepth train ...",
     )
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (default: tiny)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     add_dataclass_flags(parser, TrainConfig, title="training")
-    add_dataclass_flags(
-        parser, ModelConfig, skip=("vocab_size", "tokenizer"), title="model (overrides the preset)",
-        help_overrides={"groups": "recurrence groups, e.g. '4|5-6|7' (0-based layers, a-b inclusive)",
-                        "eval_loops": "evaluation loop counts: N or N,N,... per group"},
-    )
+    add_dataclass_flags(parser, ModelConfig, title="model (overrides the preset; defaults per preset)",
+                        defaults=_preset_defaults())
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from rdepth.config import ModelConfig, get_preset
-    from rdepth.train import checkpoint as ckpt
+    from rdepth.config import ModelConfig
     from rdepth.train.config import TrainConfig
-    from rdepth.train.trainer import train
+    from rdepth.train.launch import launch
 
-    train_config = build(TrainConfig, {}, args)
-    model_overrides = overrides(args, ModelConfig)
-    if args.resume and ckpt.list_checkpoints(train_config.out):
-        # The run's own config is the base; flags may only repeat it.
-        base = ckpt.load_model_config(ckpt.resolve_checkpoint(train_config.out)).to_dict()
-        model_config = ModelConfig.from_dict({**base, **model_overrides})
-    else:
-        model_config = get_preset(args.preset, **model_overrides)
-    result = train(model_config, train_config, resume=args.resume)
+    result = launch(args.preset, overrides(args, ModelConfig), build(TrainConfig, {}, args), resume=args.resume)
     if result.final_val is not None:
         print(f"run: {result.run_dir}")
         print(f"final validation: ce {result.final_val['ce']:.4f}, ppl {result.final_val['ppl']:.2f} "

@@ -1,4 +1,4 @@
-"""Batches of token windows: a stateless, resumable random sampler and ordered eval windows.
+"""Batches of token windows: a stateless, resumable random sampler (held-out windows: :mod:`rdepth.run.heldout`).
 
 ``BatchSampler.batch(step)`` depends only on (seed, step): the global batch's
 window offsets come from ``numpy.random.default_rng([seed, step])``. Resuming
@@ -9,8 +9,6 @@ single-process batch.
 """
 
 from __future__ import annotations
-
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -72,32 +70,3 @@ class BatchSampler:
         if self.batch_size % world_size:
             raise RdepthError(f"batch_size {self.batch_size} is not divisible by world_size {world_size}")
         return _windows(self.tokens, self.offsets(step)[rank::world_size], self.block_size)
-
-
-def eval_batches(
-    tokens: np.ndarray, batch_size: int, block_size: int, max_batches: int | None = None
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Consecutive non-overlapping windows from the start, ``batch_size`` per batch.
-
-    Window i covers x = tokens[i*block_size : (i+1)*block_size] and y the same
-    shifted by one; there are (len(tokens) - 1) // block_size windows. Every
-    batch is int64 [batch_size, block_size] except possibly the last, which holds
-    the remaining windows. Stops after ``max_batches`` batches when given.
-    """
-    if batch_size < 1 or block_size < 1:
-        raise RdepthError(f"batch_size and block_size must be >= 1, got {batch_size}, {block_size}")
-    if max_batches is not None and max_batches < 1:
-        raise RdepthError(f"max_batches must be >= 1, got {max_batches}")
-    _check_length(tokens, block_size)
-    n_windows = (len(tokens) - 1) // block_size
-    starts = np.arange(n_windows, dtype=np.int64) * block_size
-    for number, first in enumerate(range(0, n_windows, batch_size)):
-        if max_batches is not None and number >= max_batches:
-            return
-        yield _windows(tokens, starts[first:first + batch_size], block_size)
-
-
-def count_eval_batches(n_tokens: int, batch_size: int, block_size: int) -> int:
-    """How many batches ``eval_batches`` yields for a split of ``n_tokens`` (no limit)."""
-    n_windows = max(0, (n_tokens - 1) // block_size)
-    return -(-n_windows // batch_size)

@@ -26,6 +26,7 @@ from rdepth.data.corpora import CORPORA, load_corpus
 from rdepth.data.shards import ShardWriter, check_output_folder
 from rdepth.data.tokenizers import Tokenizer, build_tokenizer, parse_tokenizer_spec
 from rdepth.errors import RdepthError
+from rdepth.fields import option
 from rdepth.io import environment_info
 
 log = logging.getLogger(__name__)
@@ -35,15 +36,16 @@ ENCODE_CHUNK = 256  # documents per encode_batch call
 
 @dataclass
 class PrepareConfig:
-    """What ``prepare`` builds. ``out`` defaults to ``data/<corpus name>``."""
+    """What ``prepare`` builds. ``out`` defaults to ``data/<corpus>-<tokenizer>`` (the folder
+    ``rdepth train`` and the demo read by default)."""
 
-    corpus: str = "wiki"  # a registry name (wiki, shakespeare) or a .txt/.md/.jsonl file or folder
-    tokenizer: str = "bpe:4096"  # gpt2 or bpe:N
-    out: Path | None = None
-    val_fraction: float = 0.05  # share of documents held out for validation, in (0, 1)
-    seed: int = 0  # seeds the train/val split
-    max_documents: int | None = None  # keep only the first N documents (quick runs)
-    cache_dir: Path | None = None  # where downloaded packages live (default $RDEPTH_CACHE)
+    corpus: str = option("wiki", "wiki, shakespeare, or a .txt/.md/.jsonl file or folder")
+    tokenizer: str = option("bpe:4096", "gpt2 (the exact GPT-2 BPE) or bpe:N (a byte-level BPE trained on the corpus)")
+    out: Path | None = option(None, "output folder", default_text="data/<corpus>-<tokenizer>, e.g. data/wiki-bpe4096")
+    val_fraction: float = option(0.05, "share of documents held out for validation, in (0, 1)")
+    seed: int = option(0, "seed of the train/val split")
+    max_documents: int | None = option(None, "keep only the first N documents (quick runs)", default_text="all")
+    cache_dir: Path | None = option(None, "download cache", default_text="$RDEPTH_CACHE or ~/.cache/rdepth/wheels")
 
     def __post_init__(self) -> None:
         if not isinstance(self.corpus, str) or not self.corpus.strip():
@@ -63,10 +65,15 @@ class PrepareConfig:
             raise RdepthError(f"max_documents: must be an integer >= 2, got {self.max_documents!r}")
         if self.out is None:
             name = self.corpus if self.corpus in CORPORA else Path(self.corpus).stem
-            self.out = Path("data") / (name or "corpus")
+            self.out = default_data_folder(name or "corpus", self.tokenizer)
         self.out = Path(self.out).expanduser()
         if self.cache_dir is not None:
             self.cache_dir = Path(self.cache_dir).expanduser()
+
+
+def default_data_folder(corpus_name: str, tokenizer: str) -> Path:
+    """``data/wiki-bpe4096`` for corpus ``wiki`` and tokenizer ``bpe:4096``."""
+    return Path("data") / f"{corpus_name}-{tokenizer.replace(':', '')}"
 
 
 def split_documents(n_documents: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -152,3 +159,19 @@ def prepare(cfg: PrepareConfig) -> Path:
     log.info("prepared %s in %.1f s", out, time.perf_counter() - started)
     return out
 
+
+
+def prepare_and_describe(cfg: PrepareConfig) -> list[str]:
+    """``rdepth prepare`` as one call: prepare, then the lines that describe the result."""
+    from rdepth.data.shards import TokenShards
+
+    out = prepare(cfg)
+    manifest = TokenShards.open(out).manifest
+    splits, baseline = manifest["splits"], manifest["unigram_baseline"]
+    lines = [str(out)]
+    for split in ("train", "val"):
+        lines.append(f"  {split}: {splits[split]['tokens']:,} tokens, {splits[split]['documents']:,} documents")
+    lines.append(f"  tokenizer {manifest['tokenizer']} (vocab {manifest['vocab_size']}, dtype {manifest['dtype']})")
+    lines.append(f"  unigram baseline on val: {baseline['cross_entropy_nats']:.4f} nats/token, "
+                 f"perplexity {baseline['perplexity']:.2f}")
+    return lines

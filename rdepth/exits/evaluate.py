@@ -13,13 +13,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
 from rdepth.errors import RdepthError
 from rdepth.model import RecurrentLM
 from rdepth.model.control import LoopController
-from rdepth.train.evaluate import eval_outputs
+from rdepth.run.evaluate import eval_outputs
 
 
 @dataclass
@@ -90,44 +89,40 @@ class _Tally:
 @torch.no_grad()
 def evaluate_with_exits(
     model: RecurrentLM,
-    tokens: np.ndarray,
+    windows: torch.Tensor,
     *,
     controller: LoopController | Callable[[], LoopController] | None = None,
     loop_counts: Sequence[int] | None = None,
     batch_size: int = 8,
-    block_size: int | None = None,
-    max_batches: int | None = None,
     device: str | torch.device = "cpu",
     seed: int = 0,
     autocast_dtype: torch.dtype | None = None,
     progress: bool = False,
 ) -> ExitEvaluation:
-    """Cross-entropy, perplexity and loop steps over consecutive windows of ``tokens``.
+    """Cross-entropy, perplexity and loop steps over held-out ``windows`` ``[S, T + 1]``.
 
     Give either ``controller`` (a loop controller, or a zero-argument factory
     called per batch; per-token exits through the model's packed loop) or
-    ``loop_counts`` (a fixed budget per group; the dense path). The random
-    initial loop states come from a generator seeded with ``seed``, so every
-    policy sees the same windows and the same initial states.
+    ``loop_counts`` (a fixed budget per group; the dense path). The loop runs
+    through :func:`rdepth.run.evaluate.eval_outputs`, so every policy (and
+    ``rdepth eval``) sees the same windows and the same initial states.
     """
     if (controller is None) == (loop_counts is None):
         raise RdepthError("evaluate_with_exits: give exactly one of controller or loop_counts")
-    generator = torch.Generator(device=device).manual_seed(seed)
     if loop_counts is not None:
         counts = model.resolve_loop_counts(loop_counts)
         tally = _Tally(counts)
 
-        def forward(x, y):
-            return model(x, y, counts, generator=generator)
+        def forward(x, y, noise):
+            return model(x, y, counts, generator=noise)
     else:
         make = controller if not hasattr(controller, "after_step") else (lambda: controller)
         probe = make()
         tally = _Tally([probe.max_steps(group) for group in range(model.n_groups)])
 
-        def forward(x, y):
-            return model(x, y, controller=make(), generator=generator)
-    for out, n_tokens in eval_outputs(model, tokens, forward, batch_size=batch_size, block_size=block_size,
-                                      max_batches=max_batches, device=device, autocast_dtype=autocast_dtype,
-                                      progress=progress):
+        def forward(x, y, noise):
+            return model(x, y, controller=make(), generator=noise)
+    for out, n_tokens in eval_outputs(model, windows, forward, batch_size=batch_size, device=device, seed=seed,
+                                      autocast_dtype=autocast_dtype, progress=progress):
         tally.add(out.loss, n_tokens, out.computed, out.used)
     return tally.result()

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 import torch
 
 from rdepth.model.control import LoopController
-from rdepth.model.recurrent import RecurrentLM
+from rdepth.model.recurrent import Noise, RecurrentLM
 
 
 @torch.no_grad()
@@ -20,7 +20,7 @@ def generate(
     top_k: int | None = None,
     loop_counts: Sequence[int] | None = None,
     controller_factory: Callable[[], LoopController] | None = None,
-    generator: torch.Generator | None = None,
+    generator: Noise = None,
     sample_generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Extend ``idx`` ``[B, T0]`` by up to ``max_new_tokens`` tokens.

@@ -17,9 +17,10 @@ exits) or a key/value cache (generation) is given.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,17 +31,25 @@ from rdepth.errors import RdepthError
 from rdepth.model.control import FixedController, LoopController
 from rdepth.model.kv import AttentionContext, KVStore
 from rdepth.model.layers import RMSNorm, SandwichBlock
+from rdepth.model.loop import LoopRows
+from rdepth.model.noise import StateNoise
 from rdepth.model.schedule import sample_loop_counts
 
 # observer(group, step, state [B, T, d], active [B, T] bool or None)
 Observer = Callable[[int, int, torch.Tensor, "torch.Tensor | None"], None]
+# Where initial loop states come from: keyed noise, one generator for the whole batch, or
+# (None) the global RNG.
+Noise = Union[StateNoise, torch.Generator, None]
+
+
+class StageKind(enum.Enum):
+    SINGLE = "single"  # layers run once
+    GROUP = "group"  # layers loop together
 
 
 @dataclass(frozen=True)
 class Stage:
-    """``kind`` is ``"single"`` (layers run once) or ``"group"`` (layers loop)."""
-
-    kind: str
+    kind: StageKind
     layers: tuple[int, ...]
     group: int | None = None
 
@@ -62,16 +71,16 @@ def build_stages(config: ModelConfig) -> list[Stage]:
     while layer < config.n_layer:
         if layer in group_at:
             if single:
-                stages.append(Stage("single", tuple(single)))
+                stages.append(Stage(StageKind.SINGLE, tuple(single)))
                 single = []
             index, spec = group_at[layer]
-            stages.append(Stage("group", spec.layers, index))
+            stages.append(Stage(StageKind.GROUP, spec.layers, index))
             layer = spec.end + 1
         else:
             single.append(layer)
             layer += 1
     if single:
-        stages.append(Stage("single", tuple(single)))
+        stages.append(Stage(StageKind.SINGLE, tuple(single)))
     return stages
 
 
@@ -86,6 +95,7 @@ class RecurrentLM(nn.Module):
         self.adapters = nn.ModuleList(nn.Linear(2 * d, d, bias=False) for _ in config.group_specs)
         self.norm_f = RMSNorm(d, config.norm_eps)
         self.stages = build_stages(config)
+        self.group_layers = [spec.layers for spec in config.group_specs]  # derived once
         self.embed_scale = math.sqrt(d)
         self.reset_parameters()
 
@@ -163,31 +173,29 @@ class RecurrentLM(nn.Module):
         self,
         group: int,
         inputs: torch.Tensor,
-        generator: torch.Generator | None = None,
-        noise_rows: tuple[int, int] | None = None,
+        noise: Noise = None,
+        start: int = 0,
     ) -> torch.Tensor:
         """Random initial loop state, shaped like ``inputs`` ``[B, T, d]``.
 
         Truncated normal (3 sigma) with std ``init_state_scale * sqrt(2/(5d))``;
-        exactly zero when the scale is 0. ``noise_rows=(start, total)`` draws the
-        noise for a batch of ``total`` rows and keeps rows ``start:start+B``, so
-        data-parallel ranks reproduce the single-process noise of a global batch.
+        exactly zero when the scale is 0. With a :class:`StateNoise` the state of
+        the token at position ``start + t`` of sequence b is that sequence's own
+        draw, whatever the batch; a ``torch.Generator`` draws the whole batch at
+        once.
         """
-        del group  # every group draws the same way; kept for a per-group override
         scale = self.config.init_state_scale
         if scale == 0:
             return torch.zeros_like(inputs)
         std = scale * self.base_std
-        shape = tuple(inputs.shape)
-        if noise_rows is not None:
-            start, total = noise_rows
-            shape = (total,) + shape[1:]
-        device = generator.device if generator is not None else inputs.device
-        noise = torch.empty(shape, device=device, dtype=torch.float32)
-        nn.init.trunc_normal_(noise, 0.0, std, -3 * std, 3 * std, generator=generator)
-        if noise_rows is not None:
-            noise = noise[start : start + inputs.shape[0]]
-        return noise.to(device=inputs.device, dtype=inputs.dtype)
+        batch, length, width = inputs.shape
+        if isinstance(noise, StateNoise):
+            state = noise.draw(group, batch, start, length, width, std, inputs.device, self.config.block_size)
+        else:
+            device = noise.device if noise is not None else inputs.device
+            state = torch.empty(tuple(inputs.shape), device=device, dtype=torch.float32)
+            nn.init.trunc_normal_(state, 0.0, std, -3 * std, 3 * std, generator=noise)
+        return state.to(device=inputs.device, dtype=inputs.dtype)
 
     def group_step(
         self,
@@ -198,7 +206,7 @@ class RecurrentLM(nn.Module):
     ) -> torch.Tensor:
         """One loop step of ``group``: ``layers_g(adapter_g(concat(state, inputs)))``."""
         x = self.adapters[group](torch.cat([state, inputs], dim=-1))
-        return self.run_layers(self.config.group_specs[group].layers, x, attn)
+        return self.run_layers(self.group_layers[group], x, attn)
 
     def readout(self, x: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm and the tied head; logits over the real vocabulary."""
@@ -212,8 +220,7 @@ class RecurrentLM(nn.Module):
         targets: torch.Tensor | None = None,
         loop_counts: Sequence[int] | str | int | None = None,
         *,
-        generator: torch.Generator | None = None,
-        noise_rows: tuple[int, int] | None = None,
+        generator: Noise = None,
         observer: Observer | None = None,
         controller: LoopController | None = None,
         cache: KVStore | None = None,
@@ -226,17 +233,19 @@ class RecurrentLM(nn.Module):
         per-token exits decided by ``controller`` (default: the fixed counts),
         keys/values appended to ``cache`` (generation).
         ``targets`` ``[B, T]`` (-1 = ignore) adds the mean cross-entropy.
+        ``generator``: where the initial loop states come from (:data:`Noise`);
+        a ``torch.Generator`` also drives the training draw of loop counts.
         """
         if controller is None and cache is None:
-            counts = self.resolve_loop_counts(loop_counts, generator)
-            x = self._forward_dense(idx, counts, generator, noise_rows, observer)
+            counts = self.resolve_loop_counts(loop_counts, _generator_of(generator))
+            x = self._forward_dense(idx, counts, generator, observer)
             output = ModelOutput(self.readout(x), None, counts)
         else:
             counts = None
             if controller is None:
-                counts = self.resolve_loop_counts(loop_counts, generator)
+                counts = self.resolve_loop_counts(loop_counts, _generator_of(generator))
                 controller = FixedController(counts)
-            x, computed, used = self._forward_packed(idx, controller, cache, generator, noise_rows, observer)
+            x, computed, used = self._forward_packed(idx, controller, cache, generator, observer)
             output = ModelOutput(self.readout(x), None, counts, computed, used)
         if targets is not None:
             logits = output.logits
@@ -245,15 +254,15 @@ class RecurrentLM(nn.Module):
             )
         return output
 
-    def _forward_dense(self, idx, counts, generator, noise_rows, observer) -> torch.Tensor:
+    def _forward_dense(self, idx, counts, noise, observer) -> torch.Tensor:
         x = self.embed(idx)
         for stage in self.stages:
-            if stage.kind == "single":
+            if stage.kind is StageKind.SINGLE:
                 x = self.run_layers(stage.layers, x)
                 continue
             group = stage.group
             inputs = x
-            state = self.init_state(group, inputs, generator, noise_rows)
+            state = self.init_state(group, inputs, noise)
             if observer is not None:
                 observer(group, 0, state, None)
             # Truncated backprop: the first steps run without a graph.
@@ -268,7 +277,7 @@ class RecurrentLM(nn.Module):
             x = state
         return x
 
-    def _forward_packed(self, idx, controller, cache, generator, noise_rows, observer):
+    def _forward_packed(self, idx, controller, cache, noise, observer):
         batch, seq = idx.shape
         start = cache.length if cache is not None else 0
         store = cache if cache is not None else KVStore(batch, seq, self.looped_layers, keep_steps=False)
@@ -282,45 +291,35 @@ class RecurrentLM(nn.Module):
         computed_out: list[torch.Tensor] = []
         used_out: list[torch.Tensor] = []
         for stage in self.stages:
-            if stage.kind == "single":
+            if stage.kind is StageKind.SINGLE:
                 x = self.run_layers(stage.layers, x, all_rows)
                 continue
             group = stage.group
             inputs = x
-            state = self.init_state(group, inputs.view(batch, seq, -1), generator, noise_rows)
-            state = state.reshape(batch * seq, -1)
-            controller.begin(group, state)
+            state = self.init_state(group, inputs.view(batch, seq, -1), noise, start).reshape(batch * seq, -1)
+            loop = LoopRows(controller, group, state)
             if observer is not None:
                 observer(group, 0, state.view(batch, seq, -1), None)
-            handed_on = torch.empty_like(state)
-            computed = torch.zeros(batch * seq, dtype=torch.long, device=device)
-            used = torch.zeros(batch * seq, dtype=torch.long, device=device)
-            rows = torch.arange(batch * seq, device=device)
-            max_steps = controller.max_steps(group)
-            if max_steps < 1:
-                raise RdepthError(f"loop controller allows {max_steps} steps for group {group}; need >= 1")
-            for step in range(1, max_steps + 1):
+            for step in loop.steps():
+                rows = loop.rows
                 ctx = AttentionContext.build(store, step, batch_index[rows], position[rows])
                 prev = state[rows]
                 new = self.group_step(group, prev, inputs[rows], ctx)
-                done, handoff, used_now = controller.after_step(group, step, rows, prev, new)
-                state = state.index_copy(0, rows, new)
-                computed[rows] = step
+                state = state.index_copy(0, rows, new.to(state.dtype))
                 if observer is not None:
                     active = torch.zeros(batch * seq, dtype=torch.bool, device=device)
                     active[rows] = True
                     observer(group, step, state.view(batch, seq, -1), active.view(batch, seq))
-                if step == max_steps:
-                    done = torch.ones_like(done)
-                finished = rows[done]
-                handed_on[finished] = handoff[done]
-                used[finished] = used_now[done]
-                rows = rows[~done]
-                if rows.numel() == 0:
+                if loop.finish_step(step, prev, new):
                     break
-            x = handed_on
-            computed_out.append(computed.view(batch, seq))
-            used_out.append(used.view(batch, seq))
+            x = loop.handed_on
+            computed_out.append(loop.computed.view(batch, seq))
+            used_out.append(loop.used.view(batch, seq))
         if cache is not None:
             cache.length = start + seq
         return x.view(batch, seq, -1), computed_out, used_out
+
+
+def _generator_of(noise: Noise) -> torch.Generator | None:
+    """The generator behind ``noise`` for the training draw of loop counts (None: global RNG)."""
+    return noise if isinstance(noise, torch.Generator) else None

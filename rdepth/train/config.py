@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rdepth.errors import RdepthError
+from rdepth.fields import option
 
 
 @dataclass
@@ -17,28 +18,29 @@ class TrainConfig:
     over ``grad_accum`` micro-steps and over data-parallel ranks.
     """
 
-    data: str = "data/wiki"
-    out: str = "runs/tiny"
-    max_steps: int = 400
-    stop_at: int | None = None  # end early at this step (same schedule as max_steps)
-    batch_size: int = 16
-    grad_accum: int = 1
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 40
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    eval_every: int = 100
-    eval_batches: int = 16
-    eval_batch_size: int = 16
-    checkpoint_every: int = 100
-    log_every: int = 10
-    seed: int = 0
-    device: str = "auto"
-    compile: bool = False
-    threads: int = 0  # CPU threads for torch (0 = leave as is)
+    data: str = option("data/wiki-bpe4096", "prepared data folder (from rdepth prepare)")
+    out: str = option("runs/tiny", "run folder: checkpoints, metrics.jsonl, summary.json")
+    max_steps: int = option(400, "optimizer steps (the cosine schedule ends here)")
+    stop_at: int | None = option(None, "stop early at this step, keeping the max_steps schedule",
+                                 default_text="max_steps")
+    batch_size: int = option(16, "sequences per optimizer step (all ranks and micro-steps together)")
+    grad_accum: int = option(1, "micro-steps per optimizer step")
+    lr: float = option(2e-3, "peak learning rate")
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of lr")
+    warmup_steps: int = option(40, "linear warm-up steps")
+    weight_decay: float = option(0.1, "AdamW weight decay (matrices only)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    grad_clip: float = option(1.0, "gradient-norm clip (0: off)")
+    eval_every: int = option(100, "steps between validations")
+    eval_batches: int = option(16, "validation batches per evaluation")
+    eval_batch_size: int = option(16, "windows per validation batch")
+    checkpoint_every: int = option(100, "steps between checkpoints")
+    log_every: int = option(10, "steps between metrics.jsonl records")
+    seed: int = option(0, "seed of the weights, batches, loop counts and loop-state noise")
+    device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
+    compile: bool = option(False, "torch.compile each layer")
+    threads: int = option(0, "torch CPU threads (0: torch's default)")
 
     def __post_init__(self) -> None:
         positive = (

@@ -24,10 +24,13 @@ from rdepth.data.shards import TokenShards
 from rdepth.errors import RdepthError
 from rdepth.io import append_jsonl, environment_info, write_json
 from rdepth.model import RecurrentLM, sample_loop_counts, step_generator
-from rdepth.train import checkpoint as ckpt
+from rdepth.model.noise import StateNoise
+from rdepth.run import checkpoint as ckpt
+from rdepth.run.device import resolve_device
+from rdepth.run.evaluate import evaluate
+from rdepth.run.heldout import held_out_windows
 from rdepth.train.config import TrainConfig
 from rdepth.train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown_distributed
-from rdepth.train.evaluate import evaluate
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +43,6 @@ def lr_at(step: int, config: TrainConfig) -> float:
     progress = min(1.0, (step - config.warmup_steps) / span)
     min_lr = config.lr * config.min_lr_ratio
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - min_lr)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RdepthError(f"device {name!r} requested but no CUDA device is available")
-    return torch.device(name)
 
 
 def make_optimizer(model: RecurrentLM, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -70,6 +65,11 @@ def data_model_config(model_config: ModelConfig, shards: TokenShards) -> ModelCo
     if any(getattr(model_config, k) != v for k, v in changes.items()):
         log.info("vocabulary from the data: %s (%d tokens)", changes["tokenizer"], changes["vocab_size"])
     return model_config.replace(**changes)
+
+
+def data_model_config_for(model_config: ModelConfig, data: str | Path) -> ModelConfig:
+    """:func:`data_model_config` for the prepared folder ``data``."""
+    return data_model_config(model_config, TokenShards.open(data))
 
 
 def _config_mismatch(saved: ModelConfig, wanted: ModelConfig) -> list[str]:
@@ -112,6 +112,10 @@ class Trainer:
         self.model.to(self.device)
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
         self.sampler = BatchSampler(self.shards.train, config.batch_size, self.model_config.block_size, config.seed)
+        self.val_windows = held_out_windows(
+            self.shards.val, min(self.model_config.block_size, len(self.shards.val) - 1),
+            config.eval_batches * config.eval_batch_size,
+        )
         self.ddp = None
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel
@@ -162,7 +166,9 @@ class Trainer:
     # ------------------------------------------------------------------ step
     def _micro_batches(self, step: int):
         """This rank's micro-batches of the global batch at ``step``:
-        (x, y, loop counts, noise generator, noise rows)."""
+        (x, y, loop counts, initial-state noise). The noise of a row is keyed by its
+        place in the global batch of ``step``, so ranks draw only their own rows and
+        together reproduce the single-process run."""
         config, dist = self.config, self.dist
         x_all, y_all = self.sampler.batch(step)
         micro = config.batch_size // config.grad_accum
@@ -170,13 +176,12 @@ class Trainer:
         for index in range(config.grad_accum):
             lo = index * micro + dist.rank * per_rank
             counts = sample_loop_counts(self.model_config, step_generator(config.seed, step, 1 + index))
-            noise = step_generator(config.seed, step, 1000 + index)
+            noise = StateNoise.consecutive(config.seed, step * config.batch_size + lo, per_rank)
             yield (
                 x_all[lo : lo + per_rank].to(self.device),
                 y_all[lo : lo + per_rank].to(self.device),
                 counts,
                 noise,
-                (dist.rank * per_rank, micro),
             )
 
     def train_step(self, step: int) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
@@ -190,11 +195,11 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         used_counts = []
         batches = list(self._micro_batches(step))
-        for index, (x, y, counts, noise, rows) in enumerate(batches):
+        for index, (x, y, counts, noise) in enumerate(batches):
             last = index == len(batches) - 1
             sync = self.ddp.no_sync() if (self.ddp is not None and not last) else _null()
             with sync, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_dtype is not None):
-                out = model(x, y, counts, generator=noise, noise_rows=rows)
+                out = model(x, y, counts, generator=noise)
                 loss = out.loss / config.grad_accum
             loss.backward()
             total += loss.detach()
@@ -259,9 +264,8 @@ class Trainer:
         if not self.dist.is_main:
             return None
         result = evaluate(
-            self.model, self.shards.val, batch_size=self.config.eval_batch_size,
-            max_batches=self.config.eval_batches, device=self.device, seed=self.config.seed,
-            autocast_dtype=self.autocast_dtype,
+            self.model, self.val_windows, batch_size=self.config.eval_batch_size, device=self.device,
+            seed=self.config.seed, autocast_dtype=self.autocast_dtype,
         )
         log.info("step %d: val ce %.4f ppl %.2f (loops %s)", done, result["ce"], result["ppl"], result["loop_counts"])
         append_jsonl(self.run_dir / "metrics.jsonl", {"step": done, "val_ce": result["ce"], "val_ppl": result["ppl"],

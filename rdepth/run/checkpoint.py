@@ -107,6 +107,41 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return found[-1]
 
 
+def find_checkpoints(paths: list[str | os.PathLike]) -> list[Path]:
+    """Checkpoint folders from checkpoint paths and run folders (every checkpoint of a run),
+    ordered by training step, duplicates dropped."""
+    found: list[Path] = []
+    for path in paths:
+        path = Path(path)
+        run_list = list_checkpoints(path.parent if path.name == "checkpoints" else path)
+        for checkpoint in run_list or [resolve_checkpoint(path)]:
+            if checkpoint.resolve() not in {p.resolve() for p in found}:
+                found.append(checkpoint)
+    if not found:
+        raise RdepthError("no checkpoints given")
+    return sorted(found, key=lambda p: (checkpoint_step(p), str(p)))
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """Training step of a checkpoint folder (state.json, else its step_N name, else -1)."""
+    state = checkpoint / "state.json"
+    if state.exists():
+        try:
+            return int(json.loads(state.read_text())["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            pass
+    match = re.search(r"(\d+)$", checkpoint.name)
+    return int(match.group(1)) if match else -1
+
+
+def is_rdepth_run(path: str | os.PathLike) -> bool:
+    """True for an rdepth run folder (``checkpoints/``) or one of its checkpoint folders."""
+    path = Path(path)
+    return (path / "checkpoints").is_dir() or (
+        (path / "state.json").is_file() and (path / "model.safetensors").is_file()
+    )
+
+
 def load_model_config(checkpoint: Path) -> ModelConfig:
     return ModelConfig.from_dict(read_json_object(checkpoint / "config.json", "checkpoint config"))
 

@@ -1,0 +1,88 @@
+"""Settings of ``rdepth eval`` and ``rdepth generate`` (torch-free, so ``rdepth --help`` stays fast)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rdepth.errors import RdepthError
+from rdepth.fields import option
+
+DEVICE_HELP = "auto (CUDA when present), cpu or cuda[:N]"
+
+
+def check_device_name(command: str, device: str) -> None:
+    """A one-line error for a device string that is not auto, cpu or cuda[:N]."""
+    if device in ("auto", "cpu", "cuda"):
+        return
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return
+    raise RdepthError(f"{command}: device must be auto, cpu or cuda[:N], got {device!r}")
+
+
+def check_positive(command: str, config: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise RdepthError(f"{command}: {name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class EvalConfig:
+    """One ``rdepth eval`` run: a checkpoint on held-out data at one or more loop budgets."""
+
+    checkpoint: str = option("", "checkpoint folder, or a run folder (its latest checkpoint)", required=True)
+    data: str = option("", "prepared data folder (its val split) or a UTF-8 text file", required=True)
+    loops: list[str] | None = option(
+        None, "loop counts N (every group) or N,N,... (per group); repeat the flag to compare budgets",
+        default_text="the model's eval loop counts",
+    )
+    batch_size: int = option(16, "held-out windows per forward pass")
+    max_batches: int | None = option(None, "evaluate at most this many batches", default_text="all")
+    seed: int = option(0, "seed of the initial loop-state noise")
+    device: str = option("auto", DEVICE_HELP)
+    threads: int = option(0, "torch CPU threads (0: torch's default)")
+    progress: bool = option(True, "show a progress bar")
+    json: str | None = option(None, "also write the results to this JSON file")
+
+    def __post_init__(self) -> None:
+        check_positive("eval", self, ("batch_size", "max_batches"))
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise RdepthError(f"eval: seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.threads, int) or self.threads < 0:
+            raise RdepthError(f"eval: threads must be >= 0, got {self.threads!r}")
+        check_device_name("eval", self.device)
+
+    @property
+    def max_windows(self) -> int | None:
+        return None if self.max_batches is None else self.max_batches * self.batch_size
+
+
+@dataclass
+class GenerateConfig:
+    """One ``rdepth generate`` run: text from a prompt with a key/value cache."""
+
+    checkpoint: str = option("", "checkpoint folder, or a run folder (its latest checkpoint)", required=True)
+    prompt: str = option("The", "text to continue")
+    max_new_tokens: int = option(60, "tokens to generate (fewer if the model's block size is reached)")
+    temperature: float = option(0.8, "sampling temperature; 0 = greedy")
+    top_k: int | None = option(40, "sample only from the k most likely tokens", default_text="no limit")
+    loops: str | None = option(None, "loop counts N or N,N,... per group", default_text="the model's eval loop counts")
+    samples: int = option(1, "independent continuations")
+    seed: int = option(0, "seed of the initial loop-state noise and of sampling")
+    show_special: bool = option(False, "show special tokens such as <|endoftext|> in the output")
+    device: str = option("auto", DEVICE_HELP)
+    threads: int = option(0, "torch CPU threads (0: torch's default)")
+
+    def __post_init__(self) -> None:
+        check_positive("generate", self, ("max_new_tokens", "samples", "top_k"))
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise RdepthError(f"generate: temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**62:
+            raise RdepthError(f"generate: seed must be in 0..2^62, got {self.seed!r}")
+        if not isinstance(self.threads, int) or self.threads < 0:
+            raise RdepthError(f"generate: threads must be >= 0, got {self.threads!r}")
+        check_device_name("generate", self.device)

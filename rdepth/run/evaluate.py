@@ -1,0 +1,85 @@
+"""The one held-out evaluation loop, and cross-entropy at fixed loop counts.
+
+``rdepth eval``, the trainer's validation, ``rdepth analyze``, ``rdepth sweep``
+and the demo all run held-out windows through :func:`eval_outputs`, with the
+same initial-state noise: window i (its index in the held-out windows) starts
+every group's loop from ``StateNoise`` row i of ``seed``. The numbers therefore
+do not depend on the batch size or on which command computed them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator, Sequence
+
+import torch
+from tqdm import tqdm
+
+from rdepth.model import ModelOutput, RecurrentLM
+from rdepth.model.noise import StateNoise
+
+# forward(x [B, T], y [B, T], noise) -> ModelOutput
+Forward = Callable[[torch.Tensor, torch.Tensor, StateNoise], ModelOutput]
+
+
+def eval_outputs(
+    model: RecurrentLM,
+    windows: torch.Tensor,
+    forward: Forward,
+    *,
+    batch_size: int,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    autocast_dtype: torch.dtype | None = None,
+    progress: bool = False,
+    desc: str = "eval",
+) -> Iterator[tuple[ModelOutput, int]]:
+    """Run ``forward`` over ``windows`` (int64 ``[S, T + 1]``) in batches of ``batch_size``.
+
+    The model is in eval mode while the loop runs (train mode is restored after);
+    ``forward`` runs under autocast when ``autocast_dtype`` is given. Yields each
+    output and its number of target tokens. Call it under ``torch.no_grad()``.
+    """
+    was_training = model.training
+    model.eval()
+    device = torch.device(device)
+    starts = range(0, windows.shape[0], batch_size)
+    try:
+        for first in tqdm(starts, desc=desc, leave=False, disable=not progress or len(starts) < 2):
+            batch = windows[first : first + batch_size].to(device)
+            x, y = batch[:, :-1], batch[:, 1:]
+            noise = StateNoise.consecutive(seed, first, batch.shape[0])
+            with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+                output = forward(x, y, noise)
+            yield output, y.numel()
+    finally:
+        if was_training:
+            model.train()
+
+
+@torch.no_grad()
+def evaluate(
+    model: RecurrentLM,
+    windows: torch.Tensor,
+    *,
+    loop_counts: Sequence[int] | int | None = None,
+    batch_size: int = 16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    autocast_dtype: torch.dtype | None = None,
+    progress: bool = False,
+) -> dict:
+    """Mean next-token cross-entropy (nats) and perplexity over ``windows`` ``[S, T + 1]``.
+
+    ``loop_counts`` per group (default: the model's eval counts, also in train mode).
+    """
+    counts = model.config.default_eval_loops if loop_counts is None else model.resolve_loop_counts(loop_counts)
+    total_loss, total_tokens = 0.0, 0
+    for out, n_tokens in eval_outputs(
+        model, windows, lambda x, y, noise: model(x, y, counts, generator=noise), batch_size=batch_size,
+        device=device, seed=seed, autocast_dtype=autocast_dtype, progress=progress,
+    ):
+        total_loss += out.loss.item() * n_tokens
+        total_tokens += n_tokens
+    ce = total_loss / max(total_tokens, 1)
+    return {"loop_counts": list(counts), "ce": ce, "ppl": math.exp(ce), "tokens": total_tokens}

@@ -1,0 +1,44 @@
+"""``rdepth generate`` as one call: continuations of a prompt from a checkpoint."""
+
+from __future__ import annotations
+
+import torch
+
+from rdepth.config import parse_loop_counts
+from rdepth.errors import RdepthError
+from rdepth.model.generation import generate
+from rdepth.model.noise import StateNoise
+from rdepth.run.checkpoint import load_model
+from rdepth.run.config import GenerateConfig
+from rdepth.run.device import resolve_device
+from rdepth.run.heldout import run_tokenizer
+
+SPECIAL_TOKENS = ("<|endoftext|>",)
+
+
+def generate_text(config: GenerateConfig) -> list[str]:
+    """One string per sample: the prompt and its continuation (special tokens hidden unless
+    ``config.show_special``)."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = resolve_device(config.device)
+    model, model_config = load_model(config.checkpoint, device)
+    tokenizer = run_tokenizer(config.checkpoint)
+    counts = parse_loop_counts(config.loops, model_config.n_groups) if config.loops else None
+    ids = tokenizer.encode(config.prompt)
+    if not ids:
+        raise RdepthError("the prompt is empty after tokenisation")
+    if len(ids) >= model_config.block_size:
+        raise RdepthError(
+            f"the prompt has {len(ids)} tokens; the model's block size {model_config.block_size} leaves no room"
+        )
+    prompt = torch.tensor([ids] * config.samples, dtype=torch.long, device=device)
+    noise = StateNoise.consecutive(config.seed, 0, config.samples)  # as teacher-forced evaluation
+    sampling = torch.Generator(device=device).manual_seed(config.seed + 1)
+    out = generate(model, prompt, config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
+                   loop_counts=counts, generator=noise, sample_generator=sampling)
+    texts = [tokenizer.decode(row) for row in out.tolist()]
+    if not config.show_special:
+        for token in SPECIAL_TOKENS:
+            texts = [text.replace(token, "\n") for text in texts]
+    return texts

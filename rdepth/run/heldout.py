@@ -1,0 +1,99 @@
+"""Held-out tokens of a run: its tokenizer, the validation tokens, and the one window maker.
+
+Every evaluation (``rdepth eval``, ``analyze``, ``sweep``, the trainer's
+validation, the demo) cuts held-out tokens into the same windows with
+:func:`held_out_windows`: window i is ``tokens[i*T : i*T + T + 1]`` (inputs and
+next-token targets overlap by one), consecutive and non-overlapping, from the
+start.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rdepth.config import ModelConfig
+from rdepth.errors import RdepthError
+
+log = logging.getLogger(__name__)
+
+
+def run_tokenizer(checkpoint: str | Path):
+    """The tokenizer saved with a run (``RUN/tokenizer``), found from a run or checkpoint path."""
+    from rdepth.data.tokenizers import load_tokenizer
+
+    path = Path(checkpoint).resolve()
+    for folder in (path, *path.parents[:3]):
+        if (folder / "tokenizer").is_dir():
+            return load_tokenizer(folder / "tokenizer")
+    raise RdepthError(f"no tokenizer saved with the run of {checkpoint} (expected RUN/tokenizer)")
+
+
+def held_out_tokens(data: str | Path, checkpoint: str | Path, config: ModelConfig) -> tuple[np.ndarray, dict | None]:
+    """Validation tokens: a prepared folder's val split (checked against the model's
+    tokenizer), or a text file tokenised with the run's tokenizer. Also returns the
+    folder's unigram baseline (``None`` for a text file)."""
+    from rdepth.data.shards import TokenShards
+
+    data = Path(data)
+    if data.is_dir():
+        shards = TokenShards.open(data)
+        spec = shards.manifest.get("tokenizer")
+        if spec != config.tokenizer or int(shards.manifest["vocab_size"]) != config.vocab_size:
+            raise RdepthError(
+                f"data in {data} was prepared with tokenizer {spec!r} (vocabulary {shards.manifest['vocab_size']}) "
+                f"but the checkpoint uses {config.tokenizer!r} (vocabulary {config.vocab_size})"
+            )
+        return np.asarray(shards.val), shards.manifest.get("unigram_baseline")
+    if not data.is_file():
+        raise RdepthError(f"data not found: {data}")
+    try:
+        text = data.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise RdepthError(f"{data} is not UTF-8 text") from None
+    if not text.strip():
+        raise RdepthError(f"{data} is empty")
+    ids = run_tokenizer(checkpoint).encode(text)
+    if len(ids) < 2:
+        raise RdepthError(f"{data} has fewer than 2 tokens")
+    return np.asarray(ids, dtype=np.int64), None
+
+
+def held_out_windows(tokens: np.ndarray, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
+    """The first ``max_windows`` (default: all) consecutive windows of ``seq_len + 1`` tokens:
+    -> int64 ``[S, seq_len + 1]``. Fewer if the text is short (with a warning)."""
+    if seq_len < 1:
+        raise RdepthError(f"window length must be >= 1, got {seq_len}")
+    available = (len(tokens) - 1) // seq_len
+    if available < 1:
+        raise RdepthError(f"held-out text has {len(tokens)} tokens, fewer than one window of {seq_len + 1}")
+    count = available if max_windows is None else min(max_windows, available)
+    if max_windows is not None and count < max_windows:
+        log.warning("held-out text holds only %d windows of %d tokens (asked for %d)", count, seq_len, max_windows)
+    rows = [np.asarray(tokens[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64) for i in range(count)]
+    return torch.from_numpy(np.stack(rows))
+
+
+def check_vocabulary(windows: torch.Tensor, vocab_size: int) -> None:
+    """A one-line error when held-out ids fall outside the model's vocabulary."""
+    if windows.numel() and (int(windows.max()) >= vocab_size or int(windows.min()) < 0):
+        raise RdepthError(
+            f"held-out text has token id {int(windows.max())}, outside the model's vocabulary of {vocab_size}: "
+            "data and checkpoint use different tokenizers"
+        )
+
+
+def tokenizer_for(data: str | Path, checkpoint: str | Path):
+    """The tokenizer to show token text with (None, with a warning, if none can be found)."""
+    from rdepth.data.shards import TokenShards
+
+    try:
+        if Path(data).is_dir():
+            return TokenShards.open(data).tokenizer
+        return run_tokenizer(checkpoint)
+    except RdepthError as exc:
+        log.warning("token text unavailable: %s", exc)
+        return None

@@ -1,0 +1,53 @@
+"""A trained run opened for analysis: model, config, device and held-out tokens together.
+
+Every driver that needs "a checkpoint plus its held-out data on a device"
+(eval, generate, analyze, sweep, the demo, benchmarks, surrogate teachers)
+asks for it here, so the glue (device, tokenizer check, window length clamped
+to the model and the text, vocabulary check) exists once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rdepth.config import ModelConfig
+from rdepth.model import RecurrentLM
+from rdepth.run.checkpoint import load_model, resolve_checkpoint
+from rdepth.run.device import resolve_device
+from rdepth.run.heldout import check_vocabulary, held_out_tokens, held_out_windows
+
+
+@dataclass
+class OpenedRun:
+    """``tokens``: 1-D held-out ids; ``baseline``: the data's unigram baseline (None for a text file)."""
+
+    checkpoint: Path
+    model: RecurrentLM
+    config: ModelConfig
+    device: torch.device
+    tokens: np.ndarray
+    baseline: dict | None
+    data: Path
+
+    def seq_len(self, requested: int | None = None) -> int:
+        """Window length: ``requested`` (default the block size), at most the block size and the text."""
+        return max(1, min(requested or self.config.block_size, self.config.block_size, len(self.tokens) - 1))
+
+    def windows(self, max_windows: int | None = None, seq_len: int | None = None) -> torch.Tensor:
+        """Held-out windows ``[S, T + 1]`` (see :func:`rdepth.run.heldout.held_out_windows`)."""
+        windows = held_out_windows(self.tokens, self.seq_len(seq_len), max_windows)
+        check_vocabulary(windows, self.config.vocab_size)
+        return windows
+
+
+def open_run(checkpoint: str | Path, data: str | Path, device: str | torch.device = "auto") -> OpenedRun:
+    """Load ``checkpoint`` (a checkpoint or run folder) on ``device`` with the held-out tokens of ``data``."""
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    folder = resolve_checkpoint(checkpoint)
+    model, config = load_model(folder, device)
+    tokens, baseline = held_out_tokens(data, checkpoint, config)
+    return OpenedRun(folder, model, config, device, tokens, baseline, Path(data))

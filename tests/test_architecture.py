@@ -1,0 +1,151 @@
+"""The package's import graph: layers point one way and no module imports itself in a circle.
+
+Lazy imports (inside functions) count: they hide a cycle, they do not remove it.
+Run ``python tests/test_architecture.py`` to print the package-level graph.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "rdepth"
+
+# Who may import whom, by top-level part of the package (a subpackage or a module).
+BASE = {"errors", "io", "fields"}
+ALLOWED = {
+    "errors": set(),
+    "io": {"errors"},
+    "fields": set(),
+    "config": BASE,
+    "model": BASE | {"config"},
+    "data": BASE,
+    "report": BASE,
+    "run": BASE | {"config", "model", "data"},
+    "train": BASE | {"config", "model", "data", "run"},
+    "tasks": BASE | {"config", "model", "data", "run", "report"},
+    "exits": BASE | {"config", "model", "data", "run", "report"},
+    "geometry": BASE | {"config", "model", "data", "run", "report"},
+    # a surrogate's phases are read as loops with the geometry tools
+    "surrogate": BASE | {"config", "model", "data", "run", "report", "geometry"},
+    "demo": BASE | {"config", "model", "data", "run", "train", "exits", "geometry", "report", "tasks"},
+    "cli": None,  # the command line sits above everything
+    "__main__": None,
+    "__init__": set(),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every ``rdepth`` module that ``path`` imports, at module level or inside functions."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("rdepth"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rdepth"):
+            found.add(node.module)
+            for alias in node.names:  # `from rdepth.run import checkpoint` imports a module
+                if (ROOT.parent / (node.module.replace(".", "/") + "/" + alias.name + ".py")).exists():
+                    found.add(f"{node.module}.{alias.name}")
+    return found
+
+
+def module_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for target in imports_of(path):
+            while target not in modules and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in modules and target != name:
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def part_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, result = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                result.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return result
+
+
+def package_edges(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    edges = defaultdict(set)
+    for source, targets in graph.items():
+        for target in targets:
+            if part_of(source) != part_of(target):
+                edges[part_of(source)].add(part_of(target))
+    return edges
+
+
+def test_no_import_cycles():
+    assert cycles(module_graph()) == []
+
+
+def test_layers_point_one_way():
+    violations = []
+    for source, targets in module_graph().items():
+        allowed = ALLOWED.get(part_of(source), set())
+        if allowed is None:
+            continue
+        for target in targets:
+            if part_of(target) != part_of(source) and part_of(target) not in allowed:
+                violations.append(f"{source} -> {target}")
+    assert violations == []
+
+
+def test_only_the_cli_and_the_demo_import_training():
+    users = {part_of(source) for source, targets in module_graph().items()
+             if any(part_of(t) == "train" for t in targets)} - {"train"}
+    assert users <= {"cli", "demo"}
+
+
+def test_the_checker_sees_lazy_imports(tmp_path):
+    source = tmp_path / "probe.py"
+    source.write_text("def f():\n    from rdepth.train.trainer import train\n")
+    assert imports_of(source) == {"rdepth.train.trainer"}
+
+
+if __name__ == "__main__":
+    graph = module_graph()
+    for source, targets in sorted(package_edges(graph).items()):
+        print(f"{source:>10} -> {', '.join(sorted(targets))}")
+    print("cycles:", cycles(graph) or "none")
