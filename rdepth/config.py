@@ -115,7 +115,8 @@ class ModelConfig:
     mean_loops: float = option(12.0, "mean loop count per group in training (lognormal-Poisson)")
     loop_sigma: float = option(0.5, "log-space spread of the training loop count")
     backprop_depth: int = option(8, "loop steps that get gradients (truncated backprop)")
-    init_state_scale: float = option(1.0, "scale of the random initial loop state (0: a zero state)")
+    init_state_scale: float = option(
+        1.0, "std of the random initial loop state in units of sqrt(2/5) (Geiping et al.'s; 0: a zero state)")
     eval_loops: tuple[int, ...] | None = option(
         None, "evaluation loop counts: N or N,N,... per group", default_text="round(mean_loops)",
     )

@@ -271,8 +271,10 @@ def test_state_noise_is_keyed_by_sequence_and_position():
     assert not torch.equal(model.init_state(1, inputs, StateNoise.consecutive(3, 0, 4)), full)
     assert not torch.equal(full[0], full[1])
     assert not torch.equal(model.init_state(0, inputs, StateNoise.consecutive(4, 0, 4)), full)
-    assert full.abs().max() <= 3 * model.base_std + 1e-7
-    assert 0.8 < float(full.std() / model.base_std) < 1.2
+    # Geiping et al.: std sqrt(2/(5d)) times the embedding scale sqrt(d) = sqrt(2/5) per coordinate
+    assert model.init_state_std == pytest.approx((2 / 5) ** 0.5)
+    assert full.abs().max() <= 3 * model.init_state_std + 1e-6
+    assert 0.8 < float(full.std() / model.init_state_std) < 1.2
     zero = RecurrentLM(tiny_config(init_state_scale=0.0)).init_state(0, inputs)
     assert torch.equal(zero, torch.zeros_like(inputs))
 

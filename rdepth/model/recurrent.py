@@ -112,6 +112,11 @@ class RecurrentLM(nn.Module):
     def base_std(self) -> float:
         return math.sqrt(2.0 / (5.0 * self.config.d_model))
 
+    @property
+    def init_state_std(self) -> float:
+        """Per-coordinate std of the initial loop state at ``init_state_scale`` 1."""
+        return self.base_std * self.embed_scale
+
     def reset_parameters(self) -> None:
         """Geiping et al.'s scaled init: every matrix ~ N(0, 2/(5d)), truncated at
         3 sigma; the output projections of attention and MLP further divided by
@@ -178,8 +183,11 @@ class RecurrentLM(nn.Module):
     ) -> torch.Tensor:
         """Random initial loop state, shaped like ``inputs`` ``[B, T, d]``.
 
-        Truncated normal (3 sigma) with std ``init_state_scale * sqrt(2/(5d))``;
-        exactly zero when the scale is 0. With a :class:`StateNoise` the state of
+        Truncated normal (3 sigma) with std ``init_state_scale * sqrt(2/(5d)) * sqrt(d)``
+        (= ``init_state_scale * 0.632`` per coordinate): as Geiping et al.'s released
+        code, the initial state gets the same sqrt(d) scale as the token embedding,
+        so that it is not negligible against the hidden states (norm ~sqrt(d)).
+        Exactly zero when the scale is 0. With a :class:`StateNoise` the state of
         the token at position ``start + t`` of sequence b is that sequence's own
         draw, whatever the batch; a ``torch.Generator`` draws the whole batch at
         once.
@@ -187,7 +195,7 @@ class RecurrentLM(nn.Module):
         scale = self.config.init_state_scale
         if scale == 0:
             return torch.zeros_like(inputs)
-        std = scale * self.base_std
+        std = scale * self.init_state_std
         batch, length, width = inputs.shape
         if isinstance(noise, StateNoise):
             state = noise.draw(group, batch, start, length, width, std, inputs.device, self.config.block_size)
