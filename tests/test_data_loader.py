@@ -70,3 +70,17 @@ def test_held_out_windows_cover_consecutive_windows():
     assert torch.equal(held_out_windows(tokens, 10, max_windows=2), windows[:2])
     with pytest.raises(RdepthError):
         held_out_windows(np.arange(10), 10)
+
+
+def test_loss_mask_turns_unmasked_targets_into_ignored():
+    tokens = np.arange(50, dtype=np.uint16)
+    mask = (np.arange(50) % 5 == 0).astype(np.uint8)  # every fifth token is a target
+    sampler = BatchSampler(tokens, batch_size=3, block_size=8, seed=1, mask=mask)
+    x, y = sampler.batch(0)
+    plain_x, plain_y = BatchSampler(tokens, batch_size=3, block_size=8, seed=1).batch(0)
+    assert torch.equal(x, plain_x)
+    kept = y >= 0
+    assert torch.equal(y[kept], plain_y[kept]) and bool((y[kept] % 5 == 0).all())
+    assert bool((plain_y[~kept] % 5 != 0).all()) and int(kept.sum()) > 0
+    with pytest.raises(RdepthError, match="mask"):
+        BatchSampler(tokens, batch_size=3, block_size=8, seed=1, mask=mask[:-1])

@@ -23,11 +23,17 @@ def _check_length(tokens: np.ndarray, block_size: int) -> None:
         raise RdepthError(f"split has {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}")
 
 
-def _windows(tokens: np.ndarray, offsets: np.ndarray, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x = tokens[o : o + block_size], y = tokens[o + 1 : o + block_size + 1] per offset; int64 [len(offsets), block_size]."""
-    rows = np.stack([np.asarray(tokens[o:o + block_size + 1], dtype=np.int64) for o in offsets])
-    rows = torch.from_numpy(rows)
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+def _windows(
+    tokens: np.ndarray, offsets: np.ndarray, block_size: int, mask: np.ndarray | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = tokens[o : o + block_size], y = tokens[o + 1 : o + block_size + 1] per offset; int64
+    [len(offsets), block_size]. With a loss ``mask``, targets whose mask is 0 become -1 (ignored)."""
+    rows = torch.from_numpy(np.stack([np.asarray(tokens[o:o + block_size + 1], dtype=np.int64) for o in offsets]))
+    x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    if mask is not None:
+        keep = np.stack([np.asarray(mask[o + 1:o + block_size + 1], dtype=bool) for o in offsets])
+        y[~torch.from_numpy(keep)] = -1
+    return x, y
 
 
 class BatchSampler:
@@ -37,9 +43,11 @@ class BatchSampler:
     batch_size: rows of the global batch (all ranks together).
     block_size: tokens per row.
     seed: with the step, fixes every batch.
+    mask: optional loss mask aligned with ``tokens`` (targets where it is 0 become -1).
     """
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int):
+    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int,
+                 mask: np.ndarray | None = None):
         if batch_size < 1:
             raise RdepthError(f"batch_size must be >= 1, got {batch_size}")
         if block_size < 1:
@@ -51,6 +59,9 @@ class BatchSampler:
         self.batch_size = batch_size
         self.block_size = block_size
         self.seed = seed
+        if mask is not None and len(mask) != len(tokens):
+            raise RdepthError(f"loss mask has {len(mask)} entries for {len(tokens)} tokens")
+        self.mask = mask
 
     def offsets(self, step: int) -> np.ndarray:
         """Start offsets of the global batch at ``step``: int64 [batch_size], each in [0, len - block_size - 1]."""
@@ -69,4 +80,4 @@ class BatchSampler:
             raise RdepthError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
         if self.batch_size % world_size:
             raise RdepthError(f"batch_size {self.batch_size} is not divisible by world_size {world_size}")
-        return _windows(self.tokens, self.offsets(step)[rank::world_size], self.block_size)
+        return _windows(self.tokens, self.offsets(step)[rank::world_size], self.block_size, self.mask)

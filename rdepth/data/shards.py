@@ -211,6 +211,18 @@ class TokenShards:
             arrays[split] = np.memmap(path, dtype=dtype, mode="r")
         return cls(directory, manifest, arrays["train"], arrays["val"])
 
+    def loss_mask(self, name: str) -> np.memmap | None:
+        """The split's loss mask (``<split>_mask.bin``, uint8, one per token: 1 where the
+        token is a target to learn and score, e.g. a task's answers), or None for data
+        where every token counts. A mask whose length disagrees with the split is an error."""
+        path = self.directory / f"{name}_mask.bin"
+        if not path.is_file():
+            return None
+        tokens = len(self.split(name))
+        if path.stat().st_size != tokens:
+            raise RdepthError(f"loss mask {path} has {path.stat().st_size} bytes for {tokens} tokens: corrupt")
+        return np.memmap(path, dtype=np.uint8, mode="r")
+
     def split(self, name: str) -> np.memmap:
         if name not in SPLITS:
             raise RdepthError(f"unknown split {name!r}: use one of {', '.join(SPLITS)}")

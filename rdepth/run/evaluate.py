@@ -33,12 +33,15 @@ def eval_outputs(
     autocast_dtype: torch.dtype | None = None,
     progress: bool = False,
     desc: str = "eval",
+    masks: torch.Tensor | None = None,
 ) -> Iterator[tuple[ModelOutput, int]]:
     """Run ``forward`` over ``windows`` (int64 ``[S, T + 1]``) in batches of ``batch_size``.
 
+    ``masks`` (bool ``[S, T + 1]``, aligned with ``windows``): score only the targets
+    where it is True (the others become -1, ignored by the loss), e.g. a task's answers.
     The model is in eval mode while the loop runs (train mode is restored after);
     ``forward`` runs under autocast when ``autocast_dtype`` is given. Yields each
-    output and its number of target tokens. Call it under ``torch.no_grad()``.
+    output and its number of scored target tokens. Call it under ``torch.no_grad()``.
     """
     was_training = model.training
     model.eval()
@@ -48,10 +51,12 @@ def eval_outputs(
         for first in tqdm(starts, desc=desc, leave=False, disable=not progress or len(starts) < 2):
             batch = windows[first : first + batch_size].to(device)
             x, y = batch[:, :-1], batch[:, 1:]
+            if masks is not None:
+                y = y.masked_fill(~masks[first : first + batch_size, 1:].to(device), -1)
             noise = StateNoise.consecutive(seed, first, batch.shape[0])
             with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                 output = forward(x, y, noise)
-            yield output, y.numel()
+            yield output, int((y >= 0).sum()) if masks is not None else y.numel()
     finally:
         if was_training:
             model.train()
@@ -68,6 +73,7 @@ def evaluate(
     seed: int = 0,
     autocast_dtype: torch.dtype | None = None,
     progress: bool = False,
+    masks: torch.Tensor | None = None,
 ) -> dict:
     """Mean next-token cross-entropy (nats) and perplexity over ``windows`` ``[S, T + 1]``.
 
@@ -77,7 +83,7 @@ def evaluate(
     total_loss, total_tokens = 0.0, 0
     for out, n_tokens in eval_outputs(
         model, windows, lambda x, y, noise: model(x, y, counts, generator=noise), batch_size=batch_size,
-        device=device, seed=seed, autocast_dtype=autocast_dtype, progress=progress,
+        device=device, seed=seed, autocast_dtype=autocast_dtype, progress=progress, masks=masks,
     ):
         total_loss += out.loss.item() * n_tokens
         total_tokens += n_tokens

@@ -111,11 +111,14 @@ class Trainer:
         self._setup_run_dir(resume)
         self.model.to(self.device)
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
-        self.sampler = BatchSampler(self.shards.train, config.batch_size, self.model_config.block_size, config.seed)
-        self.val_windows = held_out_windows(
-            self.shards.val, min(self.model_config.block_size, len(self.shards.val) - 1),
-            config.eval_batches * config.eval_batch_size,
-        )
+        # Data with loss masks (a task's answers) trains and validates on the masked targets only.
+        self.sampler = BatchSampler(self.shards.train, config.batch_size, self.model_config.block_size, config.seed,
+                                    mask=self.shards.loss_mask("train"))
+        val_len = min(self.model_config.block_size, len(self.shards.val) - 1)
+        val_count = config.eval_batches * config.eval_batch_size
+        self.val_windows = held_out_windows(self.shards.val, val_len, val_count)
+        val_mask = self.shards.loss_mask("val")
+        self.val_masks = None if val_mask is None else held_out_windows(val_mask, val_len, val_count).bool()
         self.ddp = None
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel
@@ -265,7 +268,7 @@ class Trainer:
             return None
         result = evaluate(
             self.model, self.val_windows, batch_size=self.config.eval_batch_size, device=self.device,
-            seed=self.config.seed, autocast_dtype=self.autocast_dtype,
+            seed=self.config.seed, autocast_dtype=self.autocast_dtype, masks=self.val_masks,
         )
         log.info("step %d: val ce %.4f ppl %.2f (loops %s)", done, result["ce"], result["ppl"], result["loop_counts"])
         append_jsonl(self.run_dir / "metrics.jsonl", {"step": done, "val_ce": result["ce"], "val_ppl": result["ppl"],
