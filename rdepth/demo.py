@@ -153,7 +153,8 @@ def _analyze(run: Path, data: Path, config: DemoConfig) -> Path:
 
     out = Path(config.out) / "report"
     return run_analysis(AnalyzeConfig(checkpoints=[str(run)], data=str(data), out=str(out),
-                                      sequences=config.analyze_sequences, long_loops=config.long_loops))
+                                      sequences=config.analyze_sequences, long_loops=config.long_loops,
+                                      device="cpu"))
 
 
 def _sweep(run: Path, data: Path, config: DemoConfig) -> Path:
@@ -162,7 +163,7 @@ def _sweep(run: Path, data: Path, config: DemoConfig) -> Path:
 
     out = Path(config.out) / "report"
     sweep_checkpoint(SweepConfig(checkpoint=str(run), data=str(data), out=str(out),
-                                 max_batches=max(1, config.sweep_sequences // 8), repeats=3))
+                                 max_batches=max(1, config.sweep_sequences // 8), repeats=3, device="cpu"))
     return out / "index.html"
 
 

@@ -23,14 +23,16 @@ import torch
 
 from rdepth.errors import RdepthError
 from rdepth.io import atomic_path, environment_info, write_json, write_text
+from rdepth.report import Report
+from rdepth.report.figures import save_report_figure
 from rdepth.surrogate import plots
 from rdepth.surrogate.bank import build_bank
+from rdepth.surrogate.config import FitConfig
 from rdepth.surrogate.evaluate import evaluate_vision, surrogate_fn, truncated_fn
-from rdepth.surrogate.fit import FitConfig, fit_surrogate
+from rdepth.surrogate.fit import fit_surrogate
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
 from rdepth.surrogate.phases import block_structure, dp_phases, equal_phases
-from rdepth.report import Report
-from rdepth.surrogate.report import markdown_table, save_figure
+from rdepth.surrogate.report import markdown_table
 from rdepth.surrogate.similarity import SIMILARITIES, similarity_matrices
 from rdepth.surrogate.vit import N_CLASSES, ViTConfig, accuracy, image_batches, load_fashion_mnist, train_vit
 
@@ -148,12 +150,13 @@ def write_outputs(out: Path, saved: dict) -> None:
         with np.load(out / f"similarity_{record['tag']}.npz") as data:
             matrix = data[saved["similarity"]]
         drawn = {"dp": record["phases"], "equal": record["equal"]}
-        matrices.figure(save_figure(plots.plot_similarity(matrix, drawn, f"{record['tag']}: {saved['similarity']}"),
-                                    out, f"similarity_{record['tag']}"), record["tag"])
+        figure = plots.plot_similarity(matrix, drawn, f"{record['tag']}: {saved['similarity']}")
+        matrices.figure(save_report_figure(figure, out, f"similarity_{record['tag']}"), record["tag"])
     bars = report.section("comparison", "Block structure and surrogate error per run", order=30)
     labelled = [{**row, "run": f"sd={row['drop_path']} s={row['seed']}"} for row in rows]
     for value in ("contrast_k2", "raptor_rel_mse"):
-        bars.figure(save_figure(plots.plot_bars(labelled, value, "run", value), out, f"bars_{value}"), value)
+        figure = plots.plot_bars(labelled, value, "run", value)
+        bars.figure(save_report_figure(figure, out, f"bars_{value}"), value)
     report.write(out)
 
 

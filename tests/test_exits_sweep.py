@@ -1,9 +1,13 @@
-"""Evaluation with exits and ``rdepth sweep`` end to end on a tiny model."""
+"""Evaluation with exits, the sweep's saved summary, and ``rdepth sweep`` end to end on a tiny model."""
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,17 +18,27 @@ from rdepth.config import get_preset
 from rdepth.data.tokenizers import train_bpe
 from rdepth.errors import RdepthError
 from rdepth.exits import PolicyController
+from rdepth.exits.config import SweepConfig
 from rdepth.exits.evaluate import evaluate_with_exits
-from rdepth.exits.sweep import SweepConfig, matched_quality
+from rdepth.exits.plots import save_sweep_figures
+from rdepth.exits.report_section import write_report_section
+from rdepth.exits.summary import load_sweep, matched_quality, summarize
+from rdepth.exits.sweep import run_sweep
 from rdepth.model import RecurrentLM
-from rdepth.train.checkpoint import save_checkpoint
+from rdepth.model.noise import StateNoise
+from rdepth.run.checkpoint import save_checkpoint
+from rdepth.run.evaluate import evaluate
+from rdepth.run.heldout import held_out_windows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TEXT = (
     "A looped block refines each token with small steps and then hands it on. "
     "Some tokens settle quickly, others keep turning for a while before they stop. "
 ) * 30
+
 
 @pytest.fixture(scope="module")
 def tiny_model() -> RecurrentLM:
@@ -34,13 +48,15 @@ def tiny_model() -> RecurrentLM:
 
 
 @pytest.fixture(scope="module")
-def tokens() -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 50, size=16 * 6 + 1)
+def windows() -> torch.Tensor:
+    """Six held-out windows [6, 17] cut by the run layer's one window maker."""
+    tokens = np.random.default_rng(0).integers(0, 50, size=16 * 6 + 1)
+    return held_out_windows(tokens, 16)
 
 
-def test_fixed_controller_evaluation_equals_the_dense_budget(tiny_model, tokens):
-    dense = evaluate_with_exits(tiny_model, tokens, loop_counts=[3, 2], batch_size=4)
-    packed = evaluate_with_exits(tiny_model, tokens, controller=PolicyController.from_name("fixed", k_max=[3, 2]),
+def test_fixed_controller_evaluation_equals_the_dense_budget(tiny_model, windows):
+    dense = evaluate_with_exits(tiny_model, windows, loop_counts=[3, 2], batch_size=4)
+    packed = evaluate_with_exits(tiny_model, windows, controller=PolicyController.from_name("fixed", k_max=[3, 2]),
                                  batch_size=4)
     assert packed.ce == pytest.approx(dense.ce, rel=1e-5)
     assert dense.tokens == packed.tokens == 6 * 16
@@ -48,27 +64,50 @@ def test_fixed_controller_evaluation_equals_the_dense_budget(tiny_model, tokens)
     assert packed.computed_histogram == [[0, 0, 0, 96], [0, 0, 96]]
 
 
-def test_histograms_and_means_agree_with_the_model_outputs(tiny_model, tokens):
+def test_histograms_and_means_agree_with_the_model_outputs(tiny_model, windows):
     factory = lambda: PolicyController.from_name("step_norm", tau=0.6, k_max=6)  # noqa: E731
-    result = evaluate_with_exits(tiny_model, tokens, controller=factory, batch_size=3, seed=4)
-    generator = torch.Generator().manual_seed(4)
-    computed = [[], []]
-    for start in (0, 3):
-        idx = torch.from_numpy(np.stack([tokens[(start + i) * 16:(start + i + 1) * 16] for i in range(3)]))
+    result = evaluate_with_exits(tiny_model, windows, controller=factory, batch_size=3, seed=4)
+    computed, used, losses = [[], []], [[], []], []
+    for first in (0, 3):
+        batch = windows[first:first + 3]
+        noise = StateNoise.consecutive(4, first, 3)  # window i starts from the run layer's noise row i
         with torch.no_grad():
-            out = tiny_model(idx.long(), controller=factory(), generator=generator)
+            out = tiny_model(batch[:, :-1], batch[:, 1:], controller=factory(), generator=noise)
+        losses.append(out.loss.item())
         for group in range(2):
             computed[group].append(out.computed[group].flatten())
+            used[group].append(out.used[group].flatten())
+    assert result.ce == pytest.approx(sum(losses) / 2, rel=1e-6)
     for group in range(2):
         steps = torch.cat(computed[group])
+        assert 0 < steps.min() and steps.max() <= 6 and steps.min() < steps.max()  # exits really vary
         assert result.computed_histogram[group] == torch.bincount(steps, minlength=7).tolist()
+        assert result.used_histogram[group] == torch.bincount(torch.cat(used[group]), minlength=7).tolist()
         assert result.mean_steps[group] == pytest.approx(steps.double().mean().item())
     assert sum(result.used_histogram[0]) == result.tokens
 
 
-def test_evaluate_needs_exactly_one_mode(tiny_model, tokens):
+def test_evaluate_needs_exactly_one_mode(tiny_model, windows):
     with pytest.raises(RdepthError, match="exactly one"):
-        evaluate_with_exits(tiny_model, tokens)
+        evaluate_with_exits(tiny_model, windows)
+
+
+def test_sweep_fixed_budgets_equal_the_run_layer_evaluation(tiny_model, windows):
+    """Window i's noise comes from the run layer: the sweep's fixed budgets are ``rdepth eval``'s numbers."""
+    config = SweepConfig(policies=("step_norm",), taus=(0.6,), k_max=(3, 2), batch_size=4, timing=False, seed=7)
+    result = run_sweep(tiny_model, windows, config)
+    entries = [result["reference"], *result["fixed_ladder"], result["points"][0]["baseline"]]
+    assert [e["budget"] for e in result["fixed_ladder"]] == [[1, 1], [2, 2], [3, 2]]
+    for entry in entries:
+        same_batches = evaluate(tiny_model, windows, loop_counts=entry["budget"], batch_size=4, seed=7)
+        assert entry["ce"] == same_batches["ce"] and entry["tokens"] == same_batches["tokens"] == 96
+        other_batches = evaluate(tiny_model, windows, loop_counts=entry["budget"], batch_size=5, seed=7)
+        assert entry["ce"] == pytest.approx(other_batches["ce"], rel=1e-6)
+    assert result["config"]["windows"] == 6 and result["config"]["block_size"] == 16
+    summary = result["summary"]
+    assert summary["timings"] == [] and summary["latency_key"] is None
+    assert summary["headline_ranking"] == summary["report_ranking"] == "steps"
+    assert summary["matched_quality"]["steps"] == matched_quality(result, config.tolerance, "steps")
 
 
 def test_sweep_config_validation():
@@ -80,8 +119,23 @@ def test_sweep_config_validation():
         SweepConfig(taus=(0.0,))
     with pytest.raises(RdepthError, match="autocast"):
         SweepConfig(autocast="fp8")
-    assert SweepConfig().grid("argmax_stable") == (1, 2, 3)
-    assert SweepConfig(grids={"kl": (1e-6,)}).grid("kl") == (1e-6,)
+    with pytest.raises(RdepthError, match="device"):
+        SweepConfig(device="tpu")
+    with pytest.raises(RdepthError, match="tolerance"):
+        SweepConfig(tolerance=-0.1)
+    assert "fixed" not in SweepConfig().policies and "acceleration" in SweepConfig().policies
+    assert SweepConfig().values("argmax_stable") == (1, 2, 3)
+    assert SweepConfig(grid={"kl": (1e-6,)}).values("kl") == (1e-6,)
+    assert SweepConfig(batch_size=4, max_batches=3).max_windows == 12
+    assert SweepConfig(k_max=(5,)).resolve_k_max(2, (4, 4)) == (5, 5)
+    assert SweepConfig().resolve_k_max(2, (4, 3)) == (8, 6)
+
+
+def test_sweep_config_and_cli_import_without_torch():
+    """``rdepth --help`` stays fast: the sweep's settings and flags need no torch."""
+    code = "import sys, rdepth.cli.sweep, rdepth.exits.config, rdepth.exits.summary; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 @pytest.fixture(scope="module")
@@ -99,24 +153,34 @@ def tiny_run(tmp_path_factory):
     return run, text
 
 
-def test_sweep_cli_writes_numbers_figures_and_report(tiny_run, tmp_path):
+@pytest.fixture(scope="module")
+def swept(tiny_run, tmp_path_factory) -> Path:
+    """``rdepth sweep`` run once with every kind of measurement; its output folder."""
     run, text = tiny_run
-    out = tmp_path / "out"
+    out = tmp_path_factory.mktemp("swept") / "out"
     code = main([
         "sweep", "--checkpoint", str(run), "--data", str(text), "--out", str(out),
         "--policies", "acceleration,kl,argmax_stable", "--taus", "1e-1",
-        "--grid", "argmax_stable=2", "--grid", "kl=1e-3,1e-1", "--k-max", "4", "--batch-size", "2", "--max-batches", "2",
+        "--grid", "argmax_stable=2", "--grid", "kl=1e-3,1e-1", "--k-max", "4", "--batch-size", "2",
+        "--max-batches", "2",
         "--timing-batch-size", "2", "--warmup", "0", "--repeats", "1", "--device", "cpu",
-        "--generate-tokens", "3", "--generate-prompt", "4",
+        "--generate-tokens", "3", "--generate-prompt", "4", "--no-progress",
     ])
     assert code == 0
+    return out
+
+
+def test_sweep_cli_writes_numbers_figures_and_report(swept):
+    out = swept
     result = json.loads((out / "sweep.json").read_text())
     assert result["k_max"] == [4, 4]
+    assert result["config"]["grid"] == result["config"]["grids"] == {"argmax_stable": [2], "kl": [1e-3, 1e-1]}
     assert [(p["policy"], p["value"]) for p in result["points"]] == [
         ("acceleration", 1e-1), ("kl", 1e-3), ("kl", 1e-1), ("argmax_stable", 2),
     ]
     reference = result["reference"]
     assert reference["budget"] == [4, 4] and reference["mean_steps"] == [4.0, 4.0]
+    assert reference["tokens"] == 4 * 24
     assert len(result["fixed_ladder"]) == 4
     for point in result["points"]:
         assert point["ms_per_token_b1"] > 0 and point["ms_per_token_batched"] > 0
@@ -125,15 +189,67 @@ def test_sweep_cli_writes_numbers_figures_and_report(tiny_run, tmp_path):
         assert sum(point["computed_histogram"][0]) == point["tokens"] == reference["tokens"]
         assert point["baseline"]["budget"] == [max(1, round(m)) for m in point["mean_steps"]]
         assert point["ppl"] == pytest.approx(np.exp(point["ce"]))
+        assert point["steps"] == pytest.approx(sum(point["mean_steps"]))
     with open(out / "sweep.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == 4 + 1 + 4 and rows[4]["policy"] == "fixed_full"
     for name in ("figure4.png", "pareto.png", "exit_histograms.png"):
         assert (out / "figures" / name).stat().st_size > 1000
     page = (out / "index.html").read_text()
-    assert "Early exit" in page and "figures/pareto.png" in page
-    rows = matched_quality(result)
+    assert "Early exit" in page and "figures/pareto.png" in page and "within 1%" in page
+
+
+def test_saved_summary_holds_every_headline_number(swept):
+    result = load_sweep(swept)
+    summary = result["summary"]
+    assert summary == json.loads(json.dumps(summarize(result, 0.01)))  # computed once, saved as computed
+    assert summary["timings"] == ["b1", "batched", "generate"]
+    assert summary["headline_ranking"] == "b1" and summary["report_ranking"] == "generate"
+    assert summary["latency_key"] == "ms_per_token_generate"
+    assert summary["ppl_limit"] == pytest.approx(1.01 * result["reference"]["ppl"])
+    assert summary["full_steps"] == 8
+    assert set(summary["matched_quality"]) == {"steps", "b1", "batched", "generate"}
+    rows = summary["matched_quality"]["b1"]
     assert [r["policy"] for r in rows] == ["acceleration", "kl", "argmax_stable"]
+    assert rows == json.loads(json.dumps(matched_quality(result, 0.01, "b1")))
+    if summary["best"] is not None:
+        assert summary["best"] in rows
+
+
+def test_report_and_plots_refuse_an_older_sweep_json(swept, tmp_path):
+    old = json.loads((swept / "sweep.json").read_text())
+    del old["summary"]
+    (tmp_path / "sweep.json").write_text(json.dumps(old))
+    with pytest.raises(RdepthError, match="older rdepth.*rerun rdepth sweep") as exc:
+        load_sweep(tmp_path)
+    assert "\n" not in str(exc.value)
+    with pytest.raises(RdepthError, match="older rdepth"):
+        write_report_section(old, tmp_path, {})
+    with pytest.raises(RdepthError, match="older rdepth"):
+        save_sweep_figures(old, tmp_path / "figures")
+    assert not (tmp_path / "figures").exists() and not (tmp_path / "index.html").exists()
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("exit_speed", ROOT / "bench" / "exit_speed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_reads_the_saved_summary_and_shares_the_sweep_flags(swept, tmp_path, capsys):
+    bench = _bench()
+    assert bench.main(["--from-sweep", str(swept / "sweep.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "acceleration" in printed and "x full generate" in printed and "cheapest fixed budget" in printed
+    old = json.loads((swept / "sweep.json").read_text())
+    old["summary"]["format"] = 1
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert bench.main(["--from-sweep", str(tmp_path / "old.json")]) == 2
+    assert "older rdepth" in capsys.readouterr().err
+    # No copied defaults: the benchmark's flags build the same SweepConfig as rdepth sweep's.
+    _, config = bench.parse_args(["--checkpoint", "c", "--data", "d", "--out", "o"])
+    assert config == SweepConfig(checkpoint="c", data="d", out="o")
 
 
 def test_sweep_cli_user_errors(tiny_run, tmp_path, capsys):
@@ -181,5 +297,8 @@ def test_matched_quality_picks_the_fastest_point_within_tolerance():
     # Cheapest fixed budget within 1%: (8, 8) only (the ladder loses 2 ppl per step removed).
     assert accel["matched_fixed_budget"] == [8, 8] and accel["speedup_vs_fixed_b1"] == pytest.approx(2.0)
     assert rows["kl"]["value"] is None
-    with pytest.raises(RdepthError, match="timing"):
-        matched_quality(result, timing="nope")
+    assert rows["kl"]["matched_fixed_budget"] == [8, 8]
+    by_steps = {row["policy"]: row for row in matched_quality(result, tolerance=0.01, ranking="steps")}
+    assert by_steps["acceleration"]["value"] == 1e-2  # fewest steps within 1% as well
+    with pytest.raises(RdepthError, match="ranking"):
+        matched_quality(result, ranking="nope")

@@ -13,11 +13,13 @@ from rdepth.config import get_preset
 from rdepth.data.tokenizers import train_bpe
 from rdepth.errors import RdepthError
 from rdepth.geometry import metrics
-from rdepth.geometry.analyze import held_out_windows, load_summary
 from rdepth.geometry.config import AnalyzeConfig
+from rdepth.geometry.summary import FORMAT_VERSION, group_headline, load_summary
 from rdepth.model import RecurrentLM
-from rdepth.train.checkpoint import save_checkpoint
-from rdepth.train.data_source import run_tokenizer
+from rdepth.model.noise import StateNoise
+from rdepth.run.checkpoint import load_model, save_checkpoint
+from rdepth.run.evaluate import evaluate
+from rdepth.run.heldout import held_out_windows, run_tokenizer
 
 TEXT = (
     "The loop refines a token in small steps; the next block moves it further. "
@@ -48,14 +50,26 @@ def tiny_run(tmp_path_factory):
     return run, text, model
 
 
-def test_analyze_writes_numbers_figures_and_report(tiny_run, tmp_path):
-    run, text, last_model = tiny_run
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def analyzed(tiny_run, tmp_path_factory):
+    """``rdepth analyze`` run once on both checkpoints (5 windows, batches of 2, long budget 7)."""
+    run, text, _ = tiny_run
+    out = tmp_path_factory.mktemp("analyzed") / "out"
     code = main([
         "analyze", "--checkpoints", str(run), "--data", str(text), "--out", str(out),
         "--sequences", "5", "--batch-size", "2", "--long-loops", "7", "--top-tokens", "4", "--device", "cpu",
     ])
     assert code == 0
+    return out
+
+
+def _windows(run) -> torch.Tensor:
+    return held_out_windows(np.asarray(run_tokenizer(run).encode(TEXT)), 24, 5)
+
+
+def test_analyze_writes_numbers_figures_and_report(tiny_run, analyzed):
+    run, text, last_model = tiny_run
+    out = analyzed
     summary = load_summary(out)
     assert [c["label"] for c in summary["checkpoints"]] == ["step_000010", "step_000020"]
     assert [c["step"] for c in summary["checkpoints"]] == [10, 20]
@@ -68,8 +82,7 @@ def test_analyze_writes_numbers_figures_and_report(tiny_run, tmp_path):
     assert set(last["train"]["dlr"]["1->2-3"]) == set(metrics.DLR_DEFINITIONS)
 
     # the saved numbers equal the batch functions on iterates collected independently
-    tokens = np.asarray(run_tokenizer(run).encode(TEXT))
-    windows = held_out_windows(tokens, 5, 24)
+    windows = _windows(run)
     batches = windows.split(2)
     iterates = [[[] for _ in batches] for _ in range(3)]  # [group][batch] -> states [B, T, d]
     with torch.no_grad():
@@ -78,8 +91,8 @@ def test_analyze_writes_numbers_figures_and_report(tiny_run, tmp_path):
             def keep(group, step, state, active, number=number):
                 iterates[group][number].append(state.clone())
 
-            generator = torch.Generator().manual_seed(number)
-            last_model(batch[:, :-1], loop_counts=(3, 3, 3), generator=generator, observer=keep)
+            noise = StateNoise.consecutive(0, 2 * number, batch.shape[0])  # window i: noise row i, seed 0
+            last_model(batch[:, :-1], loop_counts=(3, 3, 3), generator=noise, observer=keep)
     # [K+1, N, d] per group, rows ordered batch, sequence, position (as the observer sees them)
     per_group = [torch.cat([torch.stack(states).flatten(1, 2) for states in group], dim=1) for group in iterates]
     for group in range(3):
@@ -105,6 +118,45 @@ def test_analyze_writes_numbers_figures_and_report(tiny_run, tmp_path):
     assert "step_000020" in page
 
 
+def test_analyze_saves_its_headline_numbers(analyzed):
+    summary = load_summary(analyzed)
+    assert summary["format_version"] == FORMAT_VERSION and summary["scale_budget"] == "long"
+    assert summary["headline_definitions"] == {"settled_steps": 5, "noise_floor": 1e-5}
+    for entry in summary["checkpoints"]:
+        for budget in entry["budgets"].values():
+            for group in budget["groups"]:
+                saved = group["headline"]
+                assert saved == group_headline(group)
+                sizes = group["step_size"]["mean"]
+                assert saved["first_step_size"] == sizes[0]
+                assert saved["decay_5_over_0"] == (pytest.approx(sizes[5] / sizes[0]) if len(sizes) > 5 else None)
+
+
+def test_analyze_loss_equals_eval_whatever_the_batch_size(tiny_run, analyzed):
+    """The analysed windows through ``rdepth.run.evaluate.evaluate`` (the loop ``rdepth eval`` runs), in
+    other batch sizes, give the cross-entropy analyze saved (batches of 2) at both budgets."""
+    run, _, _ = tiny_run
+    summary = load_summary(analyzed)
+    windows = _windows(run)
+    assert summary["sequences"] == windows.shape[0] and summary["seq_len"] == windows.shape[1] - 1
+    for entry in summary["checkpoints"]:
+        model, _ = load_model(entry["path"])
+        for budget in entry["budgets"].values():
+            for batch_size in (1, 3, 5):
+                result = evaluate(model, windows, loop_counts=budget["loop_counts"], batch_size=batch_size)
+                assert result["ce"] == pytest.approx(budget["loss"], rel=1e-6, abs=0), (entry["label"], batch_size)
+
+
+def test_old_summary_format_is_a_one_line_error(analyzed, tmp_path):
+    summary = json.loads((analyzed / "geometry" / "summary.json").read_text())
+    summary["format_version"] = 1
+    (tmp_path / "geometry").mkdir()
+    (tmp_path / "geometry" / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(RdepthError, match="format 1.*rerun `rdepth analyze`") as error:
+        load_summary(tmp_path)
+    assert "\n" not in str(error.value)
+
+
 def test_analyze_user_errors(tiny_run, tmp_path, capsys):
     run, text, _ = tiny_run
     assert main(["analyze", "--checkpoints", str(tmp_path / "nope"), "--data", str(text),
@@ -116,4 +168,15 @@ def test_analyze_user_errors(tiny_run, tmp_path, capsys):
     with pytest.raises(RdepthError, match="keep_sequence"):
         AnalyzeConfig(sequences=2, keep_sequence=2)
     with pytest.raises(RdepthError, match="fewer than one window"):
-        held_out_windows(np.arange(5), 2, 24)
+        held_out_windows(np.arange(5), 24, 2)
+
+
+def test_analyze_flags_build_the_config():
+    from rdepth.cli.main import build_parser
+    from rdepth.cli.options import build
+
+    args = build_parser().parse_args(["analyze", "--checkpoints", "a", "--checkpoints", "b/step_000010",
+                                      "--data", "d.txt", "--out", "o", "--no-rank", "--seq-len", "16"])
+    config = build(AnalyzeConfig, {}, args)
+    assert config == AnalyzeConfig(checkpoints=["a", "b/step_000010"], data="d.txt", out="o", rank=False, seq_len=16)
+    assert AnalyzeConfig().long_loops == 30 and AnalyzeConfig().checkpoints == []

@@ -1,21 +1,15 @@
-"""Headline numbers of the geometry report, from a constructed summary with known answers."""
+"""Headline numbers of the geometry analysis (computed once, saved) and the report that only reads them."""
 
 from __future__ import annotations
 
 import pytest
 
-from rdepth.geometry.report_page import (
-    at_a_glance,
-    drift_scale_rows,
-    geometry_section,
-    loop_scale_rows,
-    noise_floor_step,
-    settled_cosine,
-)
+from rdepth.geometry.report_page import at_a_glance, drift_scale_rows, geometry_section, loop_scale_rows
+from rdepth.geometry.summary import (NOISE_FLOOR, SETTLED_STEPS, group_headline, noise_floor_step, scale_budget,
+                                     settled_cosine, step_ratio)
 
 
-def _summary() -> dict:
-    steps = 12
+def _group(steps: int = 12) -> dict:
     sizes = [0.5**k for k in range(steps)]  # geometric decay: |D5|/|D0| = 1/32
     cosines = [0.1 * j for j in range(steps - 1)]  # last five: 0.6 .. 1.0 -> mean 0.8
     group = {
@@ -26,32 +20,56 @@ def _summary() -> dict:
         "effective_rank": [3.0] * steps,
         "convergence": {"median": 7.0, "never_fraction": 0.25},
     }
+    group["headline"] = group_headline(group)
+    return group
+
+
+def _summary() -> dict:
+    group = _group()
     dlr = {"4->5-6": {name: {"mean": value, "median": value + 1} for name, value in
                       (("first", 3.0), ("literal", 40.0), ("output", 5.0))}}
-    budget = {"loop_counts": [steps], "loss": 4.0, "groups": [group], "dlr": dlr}
+    budget = {"loop_counts": [12], "loss": 4.0, "groups": [group], "dlr": dlr}
     return {
         "checkpoints": [{"label": "step_000100", "step": 100, "budgets": {"train": budget, "long": budget}}],
         "dlr_default": "first", "dlr_definitions": {"first": "x^(1)"}, "groups": ["4"],
-        "settings": {"data": "val"}, "sequences": 2, "seq_len": 8,
+        "settings": {"data": "val"}, "sequences": 2, "seq_len": 8, "budgets": {"train": [12], "long": [12]},
+        "scale_budget": "long", "headline_definitions": {"settled_steps": SETTLED_STEPS, "noise_floor": NOISE_FLOOR},
     }
 
 
-def test_loop_scale_rows_known_ratios():
-    (row,) = loop_scale_rows(_summary())
-    assert row["|Δ5|/|Δ0|"] == pytest.approx(1 / 32)
-    assert row["|Δ10|/|Δ0|"] == pytest.approx(1 / 1024)
-    assert row["|Δ10|/|Δ1|"] == pytest.approx(1 / 512)
-    assert row["settled cos"] == pytest.approx(0.8)
-    assert row["eff. rank (last Δ)"] == 3.0 and row["never conv."] == 0.25
-    assert row["noise floor at k"] is None
+def test_group_headline_known_ratios():
+    headline = _group()["headline"]
+    assert headline["decay_5_over_0"] == pytest.approx(1 / 32)
+    assert headline["decay_10_over_0"] == pytest.approx(1 / 1024)
+    assert headline["decay_10_over_1"] == pytest.approx(1 / 512)
+    assert headline["settled_cosine"] == pytest.approx(0.8)
+    assert headline["first_step_size"] == 1.0 and headline["second_step_size"] == 0.5
+    assert headline["last_effective_rank"] == 3.0 and headline["noise_floor_step"] is None
+    short = group_headline(_group(steps=3))
+    assert short["decay_5_over_0"] is None and short["decay_10_over_1"] is None
+    assert step_ratio([0.0, 1.0], 1, 0) is None
+    assert scale_budget({"train": [3]}) == "train" and scale_budget({"train": [3], "long": [30]}) == "long"
 
 
 def test_settled_cosine_ignores_steps_at_the_noise_floor():
-    group = _summary()["checkpoints"][0]["budgets"]["long"]["groups"][0]
-    group["relative_step_size"]["mean"] = [1e-2] * 8 + [1e-7] * 4  # update 8 on is rounding noise
-    assert noise_floor_step(group) == 8
+    relative = [1e-2] * 8 + [1e-7] * 4  # update 8 on is rounding noise
+    assert noise_floor_step(relative) == 8
     # usable cosines j = 0..6 (update j+1 above the floor): last five 0.2 .. 0.6
-    assert settled_cosine(group) == pytest.approx(0.4)
+    assert settled_cosine([0.1 * j for j in range(11)], 8) == pytest.approx(0.4)
+    assert settled_cosine([0.5], 1) is None
+
+
+def test_report_rows_read_the_saved_headline():
+    (row,) = loop_scale_rows(_summary())
+    assert row["|Δ5|/|Δ0|"] == pytest.approx(1 / 32) and row["settled cos"] == pytest.approx(0.8)
+    assert row["eff. rank (last Δ)"] == 3.0 and row["never conv."] == 0.25 and row["noise floor at k"] is None
+    summary = _summary()  # the page shows what was saved, never a recomputation from the curves
+    summary["checkpoints"][0]["budgets"]["long"]["groups"][0]["headline"].update(
+        settled_cosine=-0.25, decay_10_over_1=0.125)
+    (row,) = loop_scale_rows(summary)
+    assert row["settled cos"] == -0.25 and row["|Δ10|/|Δ1|"] == 0.125
+    text = at_a_glance(summary)
+    assert "4: -0.25" in text and "4: 0.12" in text
 
 
 def test_drift_rows_and_glance_text(tmp_path):

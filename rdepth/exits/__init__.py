@@ -1,18 +1,42 @@
-"""Early exit from recurrence loops: exit policies, replay on recorded iterates,
-a model loop controller, and (in :mod:`rdepth.exits.sweep`) the latency-quality sweep."""
+"""Early exit from recurrence loops.
 
-from rdepth.exits import policies as _policies  # noqa: F401  (registers the policies)
-from rdepth.exits.base import POLICIES, ExitPolicy, get_policy_class, make_policy, register_policy
-from rdepth.exits.controller import PolicyController
-from rdepth.exits.replay import drive_recorded, replay
+Layout (each file one purpose; dependencies point down the list):
 
-__all__ = [
-    "POLICIES",
-    "ExitPolicy",
-    "PolicyController",
-    "drive_recorded",
-    "get_policy_class",
-    "make_policy",
-    "register_policy",
-    "replay",
-]
+* ``base``: the exit-policy protocol; ``policies``: the rules; ``registry``:
+  policies by name; ``controller``: policies as a model loop controller;
+  ``recorded``: policies replayed on recorded iterates (:func:`replay`).
+* ``evaluate``: teacher-forced held-out evaluation with exits (through the run
+  layer's one evaluation loop); ``timing``: warm, synchronised latency.
+* The sweep (``rdepth sweep``): ``config`` (:class:`SweepConfig`, torch-free),
+  ``measure`` (one setting's quality and latency), ``summary`` (the saved
+  format and every headline number, computed once), ``sweep`` (orchestration
+  and the pipeline :func:`rdepth.exits.sweep.sweep_checkpoint`), then
+  ``plots`` and ``report_section``, which only read the saved result.
+
+The public names below load on first use, so that importing
+``rdepth.exits.config`` (for ``rdepth --help``) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "POLICIES": "rdepth.exits.registry",
+    "ExitPolicy": "rdepth.exits.base",
+    "get_policy_class": "rdepth.exits.registry",
+    "make_policy": "rdepth.exits.registry",
+    "register_policy": "rdepth.exits.base",
+    "PolicyController": "rdepth.exits.controller",
+    "drive_recorded": "rdepth.exits.recorded",
+    "replay": "rdepth.exits.recorded",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'rdepth.exits' has no attribute {name!r}")

@@ -171,6 +171,8 @@ def compute_dtype(state: torch.Tensor) -> torch.dtype:
 
 # -- registry ----------------------------------------------------------------------
 
+# Filled by ``@register_policy``; look policies up through :mod:`rdepth.exits.registry`,
+# which imports the built-in rules first.
 POLICIES: dict[str, type[ExitPolicy]] = {}
 
 
@@ -180,18 +182,3 @@ def register_policy(cls: type[ExitPolicy]) -> type[ExitPolicy]:
         raise ValueError(f"exit policy name {cls.name!r} is empty or taken")
     POLICIES[cls.name] = cls
     return cls
-
-
-def get_policy_class(name: str) -> type[ExitPolicy]:
-    """Look a policy up by name; an unknown name is a user error."""
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise RdepthError(f"unknown exit policy {name!r} (choose from {', '.join(POLICIES)})") from None
-
-
-def make_policy(
-    name: str, tau: float | None = None, k_max: int = 32, decode: Decode | None = None, **options: Any
-) -> ExitPolicy:
-    """Build a policy by name: ``make_policy("acceleration", tau=1e-3, k_max=12)``."""
-    return get_policy_class(name)(tau=tau, k_max=k_max, decode=decode, **options)

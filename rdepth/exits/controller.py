@@ -13,7 +13,8 @@ from typing import Any, Callable, Sequence, Union
 import torch
 
 from rdepth.errors import RdepthError
-from rdepth.exits.base import Decode, ExitPolicy, make_policy
+from rdepth.exits.base import Decode, ExitPolicy
+from rdepth.exits.registry import make_policy
 
 PolicySource = Union[Sequence[ExitPolicy], Callable[[int], ExitPolicy]]
 

@@ -1,7 +1,10 @@
 """Figures of a saved sweep (``sweep.json``): Figure 4 of the paper, a Pareto plot, exit histograms.
 
 Every function takes the saved result dict and returns a matplotlib figure;
-:func:`save_sweep_figures` writes them. Nothing here computes a metric.
+:func:`save_sweep_figures` writes them (PNG + SVG, through the one figure saver
+:func:`rdepth.report.figures.save_figure`). Nothing here computes a number: the
+points, the latency shown and the matched-quality line come from the result
+and its saved summary (:mod:`rdepth.exits.summary`).
 """
 
 from __future__ import annotations
@@ -9,16 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rdepth.io import atomic_path
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from rdepth.exits.summary import summary_of
+from rdepth.report.figures import pyplot as _pyplot, save_figure
 
 
 def _by_policy(result: dict, parameter: str | None = "tau") -> dict[str, list[dict]]:
@@ -37,15 +32,13 @@ LATENCY_LABELS = {
 
 
 def latency_key(result: dict) -> str | None:
-    """The latency plotted: generation when measured, else the batch-1 forward; None without timing."""
-    for key in LATENCY_LABELS:
-        if key in result["reference"]:
-            return key
-    return None
+    """The latency plotted (saved in the summary): generation when measured, else the batch-1
+    forward; None without timing."""
+    return summary_of(result)["latency_key"]
 
 
 def figure4(result: dict) -> Any:
-    """Latency (ms/token, batch 1), perplexity and cross-entropy against tau, one line per policy.
+    """Latency (the summary's ``latency_key``), perplexity and cross-entropy against tau, one line per policy.
 
     The full fixed budget is the dashed line; without timing the first panel
     shows mean loop steps (summed over groups) instead of latency.
@@ -62,9 +55,8 @@ def figure4(result: dict) -> Any:
     for ax, (key, label) in zip(axes, panels):
         for name, points in _by_policy(result).items():
             xs = [p["value"] for p in points]
-            ys = [sum(p["mean_steps"]) if key == "steps" else p[key] for p in points]
-            ax.plot(xs, ys, marker="o", label=name)
-        ref = sum(reference["mean_steps"]) if key == "steps" else reference[key]
+            ax.plot(xs, [p[key] for p in points], marker="o", label=name)
+        ref = reference[key]
         ax.axhline(ref, color="grey", linestyle="--", linewidth=1, label=f"fixed {reference['budget']}")
         ax.set_xscale("log")
         ax.set_xlabel("threshold tau")
@@ -77,12 +69,14 @@ def figure4(result: dict) -> Any:
 
 
 def pareto(result: dict) -> Any:
-    """Perplexity against latency (or loop steps) for every point of every policy and the fixed budgets."""
+    """Perplexity against latency (or loop steps) for every point of every policy and the fixed budgets,
+    with the matched-quality limit."""
     plt = _pyplot()
-    latency = latency_key(result)
+    summary = summary_of(result)
+    latency = summary["latency_key"]
 
     def x_of(entry: dict) -> float:
-        return entry[latency] if latency else sum(entry["mean_steps"])
+        return entry[latency or "steps"]
 
     fig, ax = plt.subplots(figsize=(7, 5))
     for name, points in _by_policy(result, parameter=None).items():
@@ -95,7 +89,8 @@ def pareto(result: dict) -> Any:
     reference = result["reference"]
     ax.scatter([x_of(reference)], [reference["ppl"]], marker="*", s=200, color="black", zorder=5,
                label=f"full budget {reference['budget']}")
-    ax.axhline(reference["ppl"] * 1.01, color="grey", linestyle="--", linewidth=1, label="+1% perplexity")
+    ax.axhline(summary["ppl_limit"], color="grey", linestyle="--", linewidth=1,
+               label=f"+{100 * summary['tolerance']:g}% perplexity")
     ax.set_xlabel(LATENCY_LABELS[latency] if latency else "loop steps per token (all groups)")
     ax.set_ylabel("perplexity")
     ax.grid(alpha=0.3)
@@ -132,22 +127,13 @@ def exit_histograms(result: dict, policies: tuple[str, ...] = ("acceleration", "
 
 
 FIGURES = {
-    "fig_latency_quality": ("figure4.png", figure4),
-    "fig_pareto": ("pareto.png", pareto),
-    "fig_exit_histograms": ("exit_histograms.png", exit_histograms),
+    "fig_latency_quality": ("figure4", figure4),
+    "fig_pareto": ("pareto", pareto),
+    "fig_exit_histograms": ("exit_histograms", exit_histograms),
 }
 
 
 def save_sweep_figures(result: dict, folder: str | Path) -> dict[str, Path]:
-    """Write every figure as PNG under ``folder``; returns name -> path."""
-    plt = _pyplot()
-    folder = Path(folder)
-    paths = {}
-    for name, (filename, draw) in FIGURES.items():
-        fig = draw(result)
-        path = folder / filename
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, format="png", dpi=120)
-        plt.close(fig)
-        paths[name] = path
-    return paths
+    """Write every figure under ``folder`` as ``<stem>.png`` and ``<stem>.svg``; returns name -> PNG path."""
+    summary_of(result)  # an older result fails here, before any drawing
+    return {name: save_figure(draw(result), folder, stem)["png"] for name, (stem, draw) in FIGURES.items()}

@@ -2,10 +2,13 @@
 
 ``metrics`` holds plain tensor functions on iterates ``states`` [K+1, N, d];
 ``stream`` accumulates the same statistics from ``model.forward(observer=...)``
-without keeping every iterate; ``analyze`` drives checkpoints and saves the
-numbers; ``plots`` draws figures from the saved numbers only; ``report_page``
-builds the report section. The metric functions are re-exported here, loaded
-on first use so that importing the package (``rdepth --help``) stays light.
+without keeping every iterate; ``config`` holds ``AnalyzeConfig``; ``analyze``
+drives checkpoints through the run layer (``rdepth.run``) and saves the numbers
+in ``summary``'s format (summary.json with the headline numbers) and
+``arrays``' (per-token NPZ), plus ``slowest``'s token table; ``plots`` draws
+figures from the saved numbers only; ``report_page`` builds the report section
+from them. The metric functions are re-exported here, loaded on first use so
+that importing the package (``rdepth --help``) stays light.
 """
 
 from __future__ import annotations

@@ -5,28 +5,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rdepth.errors import RdepthError
+from rdepth.fields import option
 
 
 @dataclass
 class AnalyzeConfig:
-    """Settings of one ``rdepth analyze`` run (validated; every CLI flag maps to a field)."""
+    """One ``rdepth analyze`` run (validated; every CLI flag is a field)."""
 
-    sequences: int = 64
-    seq_len: int | None = None  # tokens per sequence; default: the model's block size
-    batch_size: int = 4
-    long_loops: int = 30
-    train_loops: str | None = None  # override of the config's eval loop counts ("12" or "8,12,4")
-    threshold: float = 0.01  # relative step size under which a token counts as converged
-    keep_sequence: int = 0  # which sequence's full iterates feed the PCA figure
-    seed: int = 0
-    rank: bool = True
-    top_tokens: int = 20
-    device: str = "auto"
+    checkpoints: list[str] = option(
+        [], "a run folder (every checkpoint in RUN/checkpoints) or a checkpoint folder; repeat for several",
+        required=True, metavar="PATH",
+    )
+    data: str = option("", "prepared data folder (its val split) or a UTF-8 text file", required=True,
+                       metavar="PATH")
+    out: str = option("", "output folder (may be the run folder itself)", required=True, metavar="DIR")
+    sequences: int = option(64, "held-out windows to analyse")
+    seq_len: int | None = option(None, "tokens per window", default_text="the model's block size")
+    batch_size: int = option(4, "windows per forward pass; lower it to save memory")
+    long_loops: int = option(30, "the long fixed loop budget of every group (the paper's Fig. 5 uses 30)")
+    train_loops: str | None = option(None, "loop counts of the 'train' budget, N or N,N,...",
+                                     default_text="the config's eval loop counts")
+    threshold: float = option(0.01, "relative step size under which a token counts as converged")
+    keep_sequence: int = option(0, "index of the window whose iterates are drawn in the PCA figure")
+    seed: int = option(0, "seed of the initial loop-state noise (the same as rdepth eval's)")
+    rank: bool = option(True, "compute the effective rank of the updates")
+    top_tokens: int = option(20, "rows in the slowest-converging-token table")
+    device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
 
     def __post_init__(self) -> None:
+        if isinstance(self.checkpoints, (str, bytes)):
+            raise RdepthError("analyze: checkpoints must be a list of paths")
+        self.checkpoints = [str(path) for path in self.checkpoints]
         for name in ("sequences", "batch_size", "long_loops", "top_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise RdepthError(f"analyze: {name} must be a positive integer, got {value!r}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
             raise RdepthError(f"analyze: seq_len must be an integer >= 2, got {self.seq_len!r}")
@@ -36,3 +48,6 @@ class AnalyzeConfig:
             raise RdepthError(
                 f"analyze: keep_sequence must be in 0..{self.sequences - 1}, got {self.keep_sequence!r}"
             )
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise RdepthError(f"analyze: seed must be a non-negative integer, got {self.seed!r}")
+        self.data, self.out = str(self.data), str(self.out)

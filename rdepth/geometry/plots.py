@@ -2,8 +2,9 @@
 
 Each ``figure_*`` function takes the parsed ``summary.json`` (and, for the PCA
 figure, the arrays of one NPZ) and returns a matplotlib Figure; :func:`draw_all`
-saves them as PNG and SVG under ``OUT/figures`` and returns (path, caption)
-pairs for the report. matplotlib is imported lazily with the Agg backend.
+saves them with :func:`rdepth.report.figures.save_report_figure` (PNG + SVG
+under ``OUT/figures``) and returns (path, caption) pairs for the report. matplotlib is
+imported lazily with the Agg backend.
 """
 
 from __future__ import annotations
@@ -14,32 +15,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rdepth.io import atomic_path
+from rdepth.report.figures import pyplot as _pyplot, save_report_figure
 
 log = logging.getLogger(__name__)
-
-FIGURES_DIR = "figures"
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(figure, stem: Path) -> list[Path]:
-    """Write ``stem.png`` and ``stem.svg`` atomically; close the figure."""
-    paths = []
-    for suffix in (".png", ".svg"):
-        path = stem.with_suffix(suffix)
-        with atomic_path(path) as tmp:
-            figure.savefig(tmp, format=suffix[1:], dpi=130, bbox_inches="tight")
-        paths.append(path)
-    _pyplot().close(figure)
-    return paths
 
 
 def _checkpoint_colours(count: int):
@@ -233,12 +211,11 @@ def figure_effective_rank(summary: dict[str, Any], budget: str = "long"):
 
 def draw_all(out: str | Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
     """Draw every figure into ``OUT/figures``; returns (relative PNG path, caption) pairs."""
+    from rdepth.geometry.arrays import load_arrays
+
     out = Path(out)
-    folder = out / FIGURES_DIR
     last = summary["checkpoints"][-1]
-    arrays_path = out / last["budgets"]["train"]["arrays"]
-    with np.load(arrays_path) as npz:
-        pca_arrays = {key: npz[key] for key in npz.files if key.startswith("pca_")}
+    pca_arrays = load_arrays(out / last["budgets"]["train"]["arrays"], prefix="pca_")
     figures: list[tuple[str, Callable[[], Any], str]] = []
     if pca_arrays:
         figures.append(("fig1_pca_trajectories", lambda: figure_pca(pca_arrays, summary["groups"]),
@@ -251,22 +228,20 @@ def draw_all(out: str | Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("fig3_loop_dynamics", lambda: figure_loop_dynamics(summary, "train"),
          "Fig. 3: step norms (top, log scale) and consecutive-step cosines (bottom) per group, training budget."),
     ]
-    long = "long" in summary.get("budgets", {})  # absent for a surrogate's phases (one budget only)
-    if long:
+    if "long" in summary["budgets"]:  # absent for a surrogate's phases (one budget only)
         figures += [
             ("fig3b_loop_dynamics_long", lambda: figure_loop_dynamics(summary, "long"),
-             "Fig. 3 at the long budget: the same curves over 30 loop steps."),
+             f"Fig. 3 at the long budget: the same curves over {summary['budgets']['long'][0]} loop steps."),
             ("fig5_long_cosines", lambda: figure_long_cosines(summary),
              "Fig. 5: consecutive-step cosine at the long fixed budget across checkpoints."),
         ]
-    rank_budget = "long" if long else "train"
+    rank_budget = summary["scale_budget"]
     if "effective_rank" in last["budgets"][rank_budget]["groups"][0]:
         figures.append(("fig_effective_rank", lambda: figure_effective_rank(summary, rank_budget),
                         "Effective rank (exp entropy of normalised singular values) of the updates per step, "
                         f"{rank_budget} budget."))
     saved = []
     for stem, build, caption in figures:
-        save_figure(build(), folder / stem)
-        saved.append(((Path(FIGURES_DIR) / f"{stem}.png").as_posix(), caption))
+        saved.append((save_report_figure(build(), out, stem), caption))
         log.debug("saved figure %s", stem)
     return saved

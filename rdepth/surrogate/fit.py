@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -27,41 +26,10 @@ from tqdm import tqdm
 from rdepth.errors import RdepthError
 from rdepth.io import append_jsonl
 from rdepth.surrogate.bank import BankBatch, StateBank
+from rdepth.surrogate.config import FitConfig
 from rdepth.surrogate.model import RaptorSurrogate
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FitConfig:
-    steps_block: int = 100  # per block, stage 1
-    steps_joint: int = 200  # stage 2
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    force_start: float = 1.0
-    force_end: float = 0.0
-    anneal_fraction: float = 0.6
-    first_token_weight: float = 1.0
-    log_every: int = 10
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("steps_block", "steps_joint"):
-            if getattr(self, name) < 0:
-                raise RdepthError(f"fit: {name} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise RdepthError(f"fit: lr must be > 0, got {self.lr}")
-        for name in ("force_start", "force_end", "anneal_fraction"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise RdepthError(f"fit: {name} must lie in [0, 1], got {getattr(self, name)}")
-        if self.first_token_weight < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
-            raise RdepthError("fit: first_token_weight and weight_decay must be >= 0 and grad_clip > 0")
-        if self.log_every < 1:
-            raise RdepthError(f"fit: log_every must be >= 1, got {self.log_every}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def force_probability(step: int, total: int, config: FitConfig) -> float:

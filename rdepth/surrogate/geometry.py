@@ -17,17 +17,13 @@ phase's output, not from noise).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rdepth.geometry.analyze import (DLR_DESCRIPTIONS, FORMAT_VERSION, GEOMETRY_DIR, SUMMARY_FILE, budget_arrays,
-                                     save_npz, summarize_budget)
-from rdepth.geometry.metrics import DEFAULT_DLR
 from rdepth.geometry.stream import GeometryObserver
-from rdepth.io import environment_info, write_json
+from rdepth.geometry.summary import DLR_DESCRIPTIONS, checkpoint_entry, new_summary, save_budget, write_summary
 
 SOURCE_NOTE = (
     "Each phase of the surrogate is read as a loop: step 0 is the phase's input (the previous phase's "
@@ -71,24 +67,15 @@ def write_phase_geometry(out: str | Path, states: dict[str, torch.Tensor], mask:
     names = [f"{sum(lengths[:p])}-{sum(lengths[:p + 1]) - 1}" if n > 1 else str(sum(lengths[:p]))
              for p, n in enumerate(lengths)]
     definitions = "; ".join(f"{name}: {text}" for name, text in DLR_DESCRIPTIONS.items())
-    summary: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
-        "settings": {"threshold": threshold, "keep_sequence": 0, "data": "held-out sentences",
-                     "source_note": SOURCE_NOTE.format(sentences=int(mask.shape[0]), definitions=definitions)},
-        "environment": environment_info(), "dlr_definitions": DLR_DESCRIPTIONS, "dlr_default": DEFAULT_DLR,
-        "checkpoints": [], "groups": names, "sequences": int(mask.shape[0]), "seq_len": int(mask.shape[1]),
-        "budgets": {"train": list(lengths)},
-    }
+    settings = {"threshold": threshold, "keep_sequence": 0, "data": "held-out sentences",
+                "source_note": SOURCE_NOTE.format(sentences=int(mask.shape[0]), definitions=definitions)}
+    summary = new_summary(settings, names, int(mask.shape[0]), int(mask.shape[1]), {"train": list(lengths)})
     for model, model_states in states.items():
         result = phase_stream(model_states, mask, lengths, threshold)
-        arrays_path = out / GEOMETRY_DIR / model / "train.npz"
-        save_npz(arrays_path, budget_arrays(result, names))
-        budget = {"loop_counts": list(lengths), **summarize_budget(result, names, math.nan),
-                  "arrays": arrays_path.relative_to(out).as_posix()}
-        budget["loss"] = None
-        summary["checkpoints"].append({"label": model, "step": -1, "path": model, "budgets": {"train": budget}})
-    write_json(out / GEOMETRY_DIR / SUMMARY_FILE, summary)
-    section = geometry_section(out, summary, draw_all(out, summary))
-    section.title, section.order = "Loop geometry of the phases (rdepth analyze's tools)", 45
+        budget = save_budget(out, model, "train", result, names, list(lengths), loss=None)
+        summary["checkpoints"].append(checkpoint_entry(model, -1, model, {"train": budget}))
+    write_summary(out, summary)
+    section = geometry_section(out, summary, draw_all(out, summary),
+                               title="Loop geometry of the phases (rdepth analyze's tools)", order=45)
     add_section(out, section)
     return summary

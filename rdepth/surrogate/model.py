@@ -20,9 +20,9 @@ from torch import nn
 
 from rdepth.errors import RdepthError
 from rdepth.io import atomic_path, write_json
+from rdepth.surrogate.config import INIT_CHOICES
 from rdepth.surrogate.layers import LayerSpec, Teacher
 
-INIT_CHOICES = ("first", "middle", "random")
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,16 @@
 """Figures drawn from saved numbers only (JSON/NPZ contents); each function returns a Figure.
 
-matplotlib is imported lazily with the Agg backend.
+matplotlib is imported lazily with the Agg backend; :func:`rdepth.report.figures.save_figure` writes them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from rdepth.report.figures import pyplot as _pyplot
+
 MODEL_STYLES = {"raptor": ("C0", "-"), "equal_split": ("C1", "--"), "truncated": ("C2", ":"), "teacher": ("k", "-")}
 PHASE_COLOURS = {"dp": "red", "maxcut": "white", "equal": "grey"}
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_similarity(matrix: np.ndarray, phases: dict[str, list[int]], title: str):

@@ -21,13 +21,10 @@ from torch import nn
 from rdepth.errors import RdepthError
 from rdepth.model import RecurrentLM
 from rdepth.model.layers import SandwichBlock
+from rdepth.run.checkpoint import load_model, load_model_config, resolve_checkpoint
+from rdepth.run.heldout import run_tokenizer
 from rdepth.surrogate.layers import LayerSpec, Teacher
-
-
-def is_rdepth_checkpoint(path: str | Path) -> bool:
-    """True for an rdepth run folder (``checkpoints/``) or one of its checkpoint folders."""
-    path = Path(path)
-    return (path / "checkpoints").is_dir() or ((path / "state.json").is_file() and (path / "model.safetensors").is_file())
+from rdepth.surrogate.text import TextBatch, pad_batch
 
 
 class SandwichLayer(nn.Module):
@@ -56,8 +53,6 @@ class RdepthEmbedding(nn.Module):
 
 def load_rdepth_teacher(path: str | Path) -> Teacher:
     """A frozen teacher from an rdepth run or checkpoint folder whose model has no loop groups."""
-    from rdepth.train.checkpoint import load_model
-
     model, config = load_model(path)
     if config.group_specs:
         raise RdepthError(f"{path}: the model already loops (groups {config.groups!r}); a surrogate teacher "
@@ -73,19 +68,14 @@ def load_rdepth_teacher(path: str | Path) -> Teacher:
 
 
 class RdepthTextTokenizer:
-    """Sentences -> right-padded :class:`~rdepth.surrogate.minilm.TextBatch` with a run's tokenizer."""
+    """Sentences -> right-padded :class:`~rdepth.surrogate.text.TextBatch` with a run's tokenizer."""
 
     def __init__(self, path: str | Path, max_length: int) -> None:
-        from rdepth.train.checkpoint import load_model_config, resolve_checkpoint
-        from rdepth.train.data_source import run_tokenizer
-
         self.tokenizer = run_tokenizer(path)
         self.max_length = min(max_length, load_model_config(resolve_checkpoint(path)).block_size)
 
     def token_counts(self, sentences: list[str]) -> list[int]:
         return [min(len(ids), self.max_length) for ids in self.tokenizer.encode_batch(sentences)]
 
-    def encode(self, sentences: list[str]):
-        from rdepth.surrogate.minilm import pad_batch
-
+    def encode(self, sentences: list[str]) -> TextBatch:
         return pad_batch([ids[: self.max_length] for ids in self.tokenizer.encode_batch(sentences)])

@@ -13,24 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from rdepth.errors import RdepthError
-from rdepth.io import atomic_path, read_jsonl
+from rdepth.io import read_jsonl
+from rdepth.report.figures import save_report_figure
 from rdepth.surrogate import plots
 
 RETENTION_COLUMNS = ["final_cosine", "final_rel_mse", "embedding_cosine", "pairwise_spearman", "nn_top1",
                      "nn_overlap@10", "probe_accuracy", "probe_retention", "teacher_probe_accuracy"]
-
-
-def save_figure(fig, folder: Path, name: str) -> str:
-    """Write ``name``.png and ``name``.svg under folder/figures; returns the PNG's relative path."""
-    import matplotlib.pyplot as plt
-
-    figures = folder / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
-    for suffix in ("png", "svg"):
-        with atomic_path(figures / f"{name}.{suffix}") as tmp:
-            fig.savefig(tmp, format=suffix, dpi=120)
-    plt.close(fig)
-    return f"figures/{name}.png"
 
 
 def format_value(value) -> str:
@@ -89,12 +77,14 @@ def write_report(out: str | Path) -> Path:
     similarity.table(phase_rows, caption="score = average association; contrast = within - between")
     for name, matrix in matrices.items():
         drawn = {m: phases["by_similarity"][name][m]["lengths"] for m in ("dp", "maxcut")}
-        similarity.figure(save_figure(plots.plot_similarity(matrix, drawn, f"{name} (depth 0 = embedding)"), out,
-                                      f"similarity_{name}"), f"{name} similarity with DP and max-cut phases")
+        figure = plots.plot_similarity(matrix, drawn, f"{name} (depth 0 = embedding)")
+        similarity.figure(save_report_figure(figure, out, f"similarity_{name}"),
+                          f"{name} similarity with DP and max-cut phases")
     report.section("fidelity", "Layer-wise fidelity", order=30).figure(
-        save_figure(plots.plot_fidelity(results["models"]), out, "fidelity"), "cosine and relative MSE per depth")
+        save_report_figure(plots.plot_fidelity(results["models"]), out, "fidelity"),
+        "cosine and relative MSE per depth")
     report.section("dynamics", "Dynamics", order=40).figure(
-        save_figure(plots.plot_dynamics(dynamics), out, "dynamics"),
+        save_report_figure(plots.plot_dynamics(dynamics), out, "dynamics"),
         "teacher (black) and surrogate (blue): per-layer turning angle, coherence with the others' mean "
         "direction, effective rank of the updates")
     geometry_rows = [{"model": name, "phase": entry["phase"], "layers": entry["layers"],
@@ -109,5 +99,5 @@ def write_report(out: str | Path) -> Path:
         fit_rows = [{"model": name, **{k: v for k, v in fit.items() if k != "tag"}}
                     for name, fit in results["fits"].items()]
         report.section("fitting", "Fitting", order=50).table(fit_rows).figure(
-            save_figure(plots.plot_training(read_jsonl(metrics_path)), out, "training"), "loss per stage")
+            save_report_figure(plots.plot_training(read_jsonl(metrics_path)), out, "training"), "loss per stage")
     return report.write(out)

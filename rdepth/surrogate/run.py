@@ -8,7 +8,6 @@ dynamics -> numbers saved (JSON/NPZ) -> report page drawn from the saved numbers
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,66 +17,17 @@ from rdepth.errors import RdepthError
 from rdepth.io import atomic_path, environment_info, write_json
 from rdepth.surrogate.bank import StateBank, build_bank
 from rdepth.surrogate.dynamics import dynamics_summary
+from rdepth.surrogate.config import SurrogateRunConfig
 from rdepth.surrogate.evaluate import evaluate_text, surrogate_fn, truncated_fn
-from rdepth.surrogate.fit import FitConfig, fit_surrogate
+from rdepth.surrogate.fit import fit_surrogate
 from rdepth.surrogate.geometry import write_phase_geometry
-from rdepth.surrogate.minilm import load_teacher, resolve_teacher, text_tokenizer
-from rdepth.surrogate.model import INIT_CHOICES, RaptorSurrogate, SurrogateConfig
+from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
 from rdepth.surrogate.phases import PHASE_METHODS, block_structure, equal_phases, segmentation_score
-from rdepth.surrogate.similarity import SIMILARITIES, similarity_matrices
+from rdepth.surrogate.similarity import similarity_matrices
+from rdepth.surrogate.teachers import load_teacher, resolve_teacher, text_tokenizer
+from rdepth.surrogate.text import text_batches
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SurrogateRunConfig:
-    """Everything one ``rdepth surrogate`` run needs; every CLI flag maps to a field."""
-
-    teacher: str = "minilm-l6"
-    k: int = 2
-    out: str = "runs/surrogate"
-    corpus: str = "wiki"
-    n_fit: int = 1024
-    n_eval: int = 256
-    max_length: int = 64
-    batch_size: int = 32
-    similarity: str = "pooled_cosine"
-    phase_method: str = "dp"
-    init: str = "first"
-    threads: int = 0  # 0: leave torch's default
-    seed: int = 0
-    fit: FitConfig = field(default_factory=FitConfig)
-
-    def __post_init__(self) -> None:
-        if self.k < 1:
-            raise RdepthError(f"k must be >= 1, got {self.k}")
-        for name in ("n_fit", "n_eval", "max_length", "batch_size"):
-            if getattr(self, name) < 1:
-                raise RdepthError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.n_eval < 3:
-            raise RdepthError(f"n_eval must be >= 3 (neighbour retrieval), got {self.n_eval}")
-        if self.similarity not in SIMILARITIES:
-            raise RdepthError(f"similarity must be one of {sorted(SIMILARITIES)}, got {self.similarity!r}")
-        if self.phase_method not in PHASE_METHODS:
-            raise RdepthError(f"phase_method must be one of {sorted(PHASE_METHODS)}, got {self.phase_method!r}")
-        if self.init not in INIT_CHOICES:
-            raise RdepthError(f"init must be one of {INIT_CHOICES}, got {self.init!r}")
-        if self.threads < 0:
-            raise RdepthError(f"threads must be >= 0, got {self.threads}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def text_batches(tokenizer, sentences: list[str], batch_size: int) -> list:
-    """Length-bucketed (ids, mask, None) batches: sentences sorted by token count, then cut."""
-    lengths = tokenizer.token_counts(sentences)
-    order = sorted(range(len(sentences)), key=lambda i: (lengths[i], i))
-    batches = []
-    for begin in range(0, len(order), batch_size):
-        encoded = tokenizer.encode([sentences[i] for i in order[begin:begin + batch_size]])
-        batches.append((encoded.ids, encoded.mask, None))
-    return batches
 
 
 def phase_table(similarity: torch.Tensor, k: int) -> dict:

@@ -1,0 +1,218 @@
+"""The saved format of a loop-geometry analysis, and its headline numbers.
+
+Layout under ``OUT``::
+
+    geometry/summary.json               settings, per checkpoint and budget: per-group
+                                        step curves (mean/std), convergence and headline
+                                        numbers, DLR stats per boundary, validation loss
+    geometry/<checkpoint>/<budget>.npz  per-token arrays (:mod:`rdepth.geometry.arrays`)
+    geometry/slowest_tokens.json        tokens that need the longest loops
+
+Everything a report page, a figure, the CLI or a benchmark shows is computed
+here, once, when the analysis runs, and saved; readers never recompute. The
+headline numbers of a group at one budget (``group["headline"]``):
+
+* ``noise_floor_step``: first update index whose mean relative step size is
+  under ``NOISE_FLOOR`` (float32 rounding noise), None if never;
+* ``settled_cosine``: mean of the last ``SETTLED_STEPS`` consecutive-step
+  cosines whose steps are still above the noise floor;
+* ``first_step_size`` / ``second_step_size``: ||Delta^(0)||, ||Delta^(1)||;
+* ``decay_5_over_0``, ``decay_10_over_0``, ``decay_10_over_1``: step-size decay
+  ratios ||Delta^(k)|| / ||Delta^(j)|| (None when the loop is too short);
+* ``last_effective_rank``: effective rank of the last update (when measured).
+
+Summary-level: ``scale_budget`` (the budget the loop-scale numbers come from)
+and ``headline_definitions`` (the constants above).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rdepth.errors import RdepthError
+from rdepth.geometry.metrics import DEFAULT_DLR
+from rdepth.geometry.stream import STEP_METRICS, StreamResult
+from rdepth.io import environment_info, write_json
+
+GEOMETRY_DIR = "geometry"
+SUMMARY_FILE = "summary.json"
+SLOWEST_FILE = "slowest_tokens.json"
+# 1: the first release. 2: headline numbers saved (group "headline", "scale_budget",
+# "headline_definitions"); loop-state noise keyed per held-out window, as ``rdepth eval``.
+FORMAT_VERSION = 2
+
+DLR_DESCRIPTIONS = {
+    "literal": "paper Eq. 2 as written: ||x_{g+1}^(0) - x_g^(K)||, x^(0) the random initial state",
+    "first": "real drift: ||x_{g+1}^(1) - x_g^(K)||, the next group's first computed iterate",
+    "output": "output drift: ||x_{g+1}^(K) - x_g^(K)||, the two groups' hand-off states",
+}
+
+SETTLED_STEPS = 5
+# A mean relative step size ||Delta|| / ||x|| under this is float32 rounding
+# noise (eps ~1.2e-7 per coordinate): cosines between such steps are random.
+NOISE_FLOOR = 1e-5
+
+
+# ------------------------------------------------------------------ headline numbers
+
+
+def noise_floor_step(relative_step_means: list[float]) -> int | None:
+    """First update index whose mean relative step size is under NOISE_FLOOR (None: never)."""
+    below = [k for k, value in enumerate(relative_step_means) if value < NOISE_FLOOR]
+    return below[0] if below else None
+
+
+def settled_cosine(cosine_means: list[float], floor: int | None) -> float | None:
+    """Mean of the last SETTLED_STEPS cosines between steps still above the noise floor.
+
+    Cosine j compares updates j and j+1; it counts while update j+1 is above the floor
+    (``floor``: :func:`noise_floor_step`). None when no cosine is usable.
+    """
+    usable = cosine_means if floor is None else cosine_means[: max(floor - 1, 0)]
+    return float(np.mean(usable[-SETTLED_STEPS:])) if usable else None
+
+
+def step_ratio(sizes: list[float], k: int, base: int) -> float | None:
+    """||Delta^(k)|| / ||Delta^(base)|| from mean step sizes (None if too short or a zero base)."""
+    if len(sizes) <= k or sizes[base] == 0:
+        return None
+    return sizes[k] / sizes[base]
+
+
+def group_headline(group: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers of one group's saved curves (see the module docstring)."""
+    sizes = group["step_size"]["mean"]
+    floor = noise_floor_step(group["relative_step_size"]["mean"])
+    ranks = group.get("effective_rank") or []
+    return {
+        "first_step_size": sizes[0] if sizes else None,
+        "second_step_size": sizes[1] if len(sizes) > 1 else None,
+        "decay_5_over_0": step_ratio(sizes, 5, 0),
+        "decay_10_over_0": step_ratio(sizes, 10, 0),
+        "decay_10_over_1": step_ratio(sizes, 10, 1),
+        "noise_floor_step": floor,
+        "settled_cosine": settled_cosine(group["cosine"]["mean"], floor),
+        "last_effective_rank": ranks[-1] if ranks else None,
+    }
+
+
+def scale_budget(budgets: dict[str, Any]) -> str:
+    """The budget the loop-scale numbers come from: "long" when measured (language models), else "train"."""
+    return "long" if "long" in budgets else "train"
+
+
+# ------------------------------------------------------------------ one budget
+
+
+def _stats(values: np.ndarray) -> dict[str, float]:
+    return {
+        "mean": float(values.mean()), "std": float(values.std()), "median": float(np.median(values)),
+        "p10": float(np.quantile(values, 0.1)), "p90": float(np.quantile(values, 0.9)),
+    }
+
+
+def summarize_budget(result: StreamResult, group_names: list[str], loss: float | None) -> dict[str, Any]:
+    """The JSON summary of one budget: per-group curves, convergence, headline numbers and DLR statistics."""
+    groups = []
+    for name, arrays in zip(group_names, result.groups):
+        entry: dict[str, Any] = {"name": name, "steps": int(arrays["steps"])}
+        for metric in STEP_METRICS:
+            entry[metric] = {"mean": arrays[f"{metric}_mean"].tolist(), "std": arrays[f"{metric}_std"].tolist()}
+        if "effective_rank" in arrays:
+            entry["effective_rank"] = arrays["effective_rank"].tolist()
+        convergence = arrays["convergence_step"]
+        entry["convergence"] = {
+            **_stats(convergence.astype(np.float64)),
+            "never_fraction": float((convergence >= entry["steps"]).mean()),
+        }
+        entry["headline"] = group_headline(entry)
+        groups.append(entry)
+    dlr = {}
+    for boundary, definitions in result.boundaries.items():
+        a, b = (int(part) for part in boundary.split("->"))
+        dlr[f"{group_names[a]}->{group_names[b]}"] = {name: _stats(v) for name, v in definitions.items()}
+    return {"loss": loss, "tokens": result.tokens, "groups": groups, "dlr": dlr}
+
+
+def save_budget(out: str | Path, label: str, budget: str, result: StreamResult, group_names: list[str],
+                loop_counts: list[int], loss: float | None) -> dict[str, Any]:
+    """Save one budget's per-token arrays as ``OUT/geometry/<label>/<budget>.npz`` and return its
+    summary entry (loop counts, :func:`summarize_budget`, the NPZ's path relative to OUT)."""
+    from rdepth.geometry.arrays import budget_arrays, save_npz
+
+    out = Path(out)
+    path = out / GEOMETRY_DIR / label / f"{budget}.npz"
+    save_npz(path, budget_arrays(result, group_names))
+    return {"loop_counts": list(loop_counts), **summarize_budget(result, group_names, loss),
+            "arrays": path.relative_to(out).as_posix()}
+
+
+# ------------------------------------------------------------------ the whole summary
+
+
+def new_summary(settings: dict[str, Any], groups: list[str], sequences: int, seq_len: int,
+                budgets: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """An empty summary: append checkpoint entries to ``summary["checkpoints"]``, then :func:`write_summary`.
+
+    ``settings`` are saved as given (a ``source_note`` there replaces the language-model
+    note on the report page). ``budgets``: budget name -> loop counts, if known now.
+    """
+    return {
+        "format_version": FORMAT_VERSION, "settings": settings, "environment": environment_info(),
+        "dlr_definitions": DLR_DESCRIPTIONS, "dlr_default": DEFAULT_DLR,
+        "headline_definitions": {"settled_steps": SETTLED_STEPS, "noise_floor": NOISE_FLOOR},
+        "groups": list(groups), "sequences": int(sequences), "seq_len": int(seq_len),
+        "budgets": dict(budgets or {}), "checkpoints": [],
+    }
+
+
+def checkpoint_entry(label: str, step: int, path: str, budgets: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One analysed model: its label, training step (-1 if none), path and per-budget summaries."""
+    return {"label": label, "step": int(step), "path": str(path), "budgets": budgets}
+
+
+def write_summary(out: str | Path, summary: dict[str, Any]) -> Path:
+    """Fill the summary-level headline (``scale_budget``) and write ``OUT/geometry/summary.json``."""
+    if not summary["checkpoints"]:
+        raise RdepthError("geometry summary has no checkpoints")
+    if not summary["budgets"]:
+        summary["budgets"] = {name: b["loop_counts"] for name, b in summary["checkpoints"][0]["budgets"].items()}
+    summary["scale_budget"] = scale_budget(summary["budgets"])
+    path = Path(out) / GEOMETRY_DIR / SUMMARY_FILE
+    write_json(path, summary)
+    return path
+
+
+def load_summary(out: str | Path) -> dict[str, Any]:
+    """Read ``OUT/geometry/summary.json`` (RdepthError if missing, corrupt or of another format)."""
+    path = Path(out) / GEOMETRY_DIR / SUMMARY_FILE
+    if not path.is_file():
+        raise RdepthError(f"no geometry summary at {path} (run `rdepth analyze` first)")
+    try:
+        summary = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise RdepthError(f"geometry summary {path} is corrupt") from None
+    version = summary.get("format_version") if isinstance(summary, dict) else None
+    if version != FORMAT_VERSION:
+        raise RdepthError(f"geometry summary {path} has format {version!r}, this rdepth reads format "
+                          f"{FORMAT_VERSION}: rerun `rdepth analyze` to rewrite it")
+    if not summary.get("checkpoints"):
+        raise RdepthError(f"geometry summary {path} has no checkpoints")
+    return summary
+
+
+def write_slowest(out: str | Path, checkpoint: str, budget: str, threshold: float, rows: list[dict]) -> Path:
+    """Save the slowest-token table (:func:`rdepth.geometry.slowest.slowest_tokens`)."""
+    path = Path(out) / GEOMETRY_DIR / SLOWEST_FILE
+    write_json(path, {"checkpoint": checkpoint, "budget": budget, "threshold": threshold, "rows": rows})
+    return path
+
+
+def load_slowest(out: str | Path) -> dict[str, Any] | None:
+    """The saved slowest-token table, or None when there is none."""
+    path = Path(out) / GEOMETRY_DIR / SLOWEST_FILE
+    return json.loads(path.read_text()) if path.is_file() else None

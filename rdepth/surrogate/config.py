@@ -1,0 +1,102 @@
+"""Settings of ``rdepth surrogate`` and of surrogate fitting (torch-free, so ``rdepth --help`` stays fast).
+
+Every field carries its command-line help (:func:`rdepth.fields.option`); the CLI
+generates its flags from these dataclasses. The choice tables here are the names
+of the registries in :mod:`.similarity`, :mod:`.phases` and :mod:`.model` (a test
+keeps them equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass
+
+from rdepth.errors import RdepthError
+from rdepth.fields import option
+
+SIMILARITY_NAMES = ("pooled_cosine", "token_cosine", "cka")  # rdepth.surrogate.similarity.SIMILARITIES
+PHASE_METHOD_NAMES = ("dp", "maxcut")  # rdepth.surrogate.phases.PHASE_METHODS
+INIT_CHOICES = ("first", "middle", "random")
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """How a Raptor surrogate is fitted to its teacher's layer states (two stages, annealed forcing)."""
+
+    steps_block: int = option(100, "stage 1 (block by block) steps per block")
+    steps_joint: int = option(200, "stage 2 (all blocks jointly) steps")
+    lr: float = option(3e-4, "AdamW learning rate")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    grad_clip: float = option(1.0, "gradient norm clip")
+    force_start: float = option(1.0, "teacher-forcing probability at the start of each stage")
+    force_end: float = option(0.0, "teacher-forcing probability after annealing (0 = free rollout)")
+    anneal_fraction: float = option(0.6, "fraction of each stage over which forcing anneals")
+    first_token_weight: float = option(1.0, "loss weight of the first ([CLS]) token relative to the others")
+    log_every: int = option(10, "steps between metrics.jsonl records")
+    seed: int = option(0, "seed of the fitting's random draws (the surrogate command sets it to its --seed)",
+                       cli=False)
+
+    def __post_init__(self) -> None:
+        for name in ("steps_block", "steps_joint"):
+            if getattr(self, name) < 0:
+                raise RdepthError(f"fit: {name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise RdepthError(f"fit: lr must be > 0, got {self.lr}")
+        for name in ("force_start", "force_end", "anneal_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise RdepthError(f"fit: {name} must lie in [0, 1], got {getattr(self, name)}")
+        if self.first_token_weight < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
+            raise RdepthError("fit: first_token_weight and weight_decay must be >= 0 and grad_clip > 0")
+        if self.log_every < 1:
+            raise RdepthError(f"fit: log_every must be >= 1, got {self.log_every}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SurrogateRunConfig:
+    """Everything one ``rdepth surrogate`` run needs; every CLI flag is a field (fitting: ``fit``)."""
+
+    teacher: str = option("minilm-l6", "packaged teacher (minilm-l6, minilm-l3), a Hugging Face checkpoint "
+                          "folder (BERT or GPT-2) or an rdepth run trained with --groups ''")
+    k: int = option(2, "number of distinct recurrent blocks (phases)")
+    out: str = option("runs/surrogate", "run folder (report, numbers, surrogate checkpoint)")
+    corpus: str = option("wiki", "text for fitting and evaluation: a corpus name (wiki) or a .txt/.jsonl "
+                         "file or folder")
+    n_fit: int = option(1024, "sentences to fit on")
+    n_eval: int = option(256, "held-out sentences to evaluate on")
+    max_length: int = option(64, "tokens per sentence at most")
+    batch_size: int = option(32, "sentences per batch")
+    similarity: str = option("pooled_cosine", f"layer similarity used to choose phases: {', '.join(SIMILARITY_NAMES)}")
+    phase_method: str = option("dp", "phase finder: dp (exact dynamic programme) or maxcut (recursive max-cut)")
+    init: str = option("first", "block initialisation: first or middle layer of its phase, or random")
+    threads: int = option(0, "torch CPU threads (0 = torch's default)")
+    seed: int = option(0, "random seed of the sentence sample, the initialisation and the fitting (sets fit.seed)")
+    fit: FitConfig = dataclasses.field(default_factory=FitConfig, metadata={"cli": False})
+
+    def __post_init__(self) -> None:
+        for name in ("k", "n_fit", "n_eval", "max_length", "batch_size", "threads", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise RdepthError(f"{name} must be an integer, got {value!r}")
+        if self.k < 1:
+            raise RdepthError(f"k must be >= 1, got {self.k}")
+        for name in ("n_fit", "n_eval", "max_length", "batch_size"):
+            if getattr(self, name) < 1:
+                raise RdepthError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_eval < 3:
+            raise RdepthError(f"n_eval must be >= 3 (neighbour retrieval), got {self.n_eval}")
+        if self.similarity not in SIMILARITY_NAMES:
+            raise RdepthError(f"similarity must be one of {sorted(SIMILARITY_NAMES)}, got {self.similarity!r}")
+        if self.phase_method not in PHASE_METHOD_NAMES:
+            raise RdepthError(f"phase_method must be one of {sorted(PHASE_METHOD_NAMES)}, got {self.phase_method!r}")
+        if self.init not in INIT_CHOICES:
+            raise RdepthError(f"init must be one of {INIT_CHOICES}, got {self.init!r}")
+        if self.threads < 0:
+            raise RdepthError(f"threads must be >= 0, got {self.threads}")
+        if self.fit.seed != self.seed:  # one seed per run, as the command always had
+            object.__setattr__(self, "fit", dataclasses.replace(self.fit, seed=self.seed))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
