@@ -131,9 +131,10 @@ def _trained(config: DemoConfig, data: Path) -> Path:
     return run
 
 
-def _loop_budgets(run: Path, data: Path, config: DemoConfig) -> list[dict]:
-    """Validation perplexity at several loop budgets: does more test-time compute help?"""
-    from rdepth.run.evaluate import evaluate
+def _loop_budgets(run: Path, data: Path, config: DemoConfig) -> tuple[list[dict], dict | None]:
+    """Validation perplexity at several loop budgets (does more test-time compute help?) and the
+    unigram baseline on the same tokens."""
+    from rdepth.run.evaluate import evaluate, unigram_baseline
     from rdepth.run.opened import open_run
 
     opened = open_run(run, data, "cpu")
@@ -144,7 +145,8 @@ def _loop_budgets(run: Path, data: Path, config: DemoConfig) -> list[dict]:
         result = evaluate(opened.model, windows, loop_counts=budget, batch_size=16)
         results.append(result)
         log.info("loops %2d: val ppl %.2f", budget, result["ppl"])
-    return results
+    baseline = None if opened.unigram is None else unigram_baseline(windows, opened.unigram)
+    return results, baseline
 
 
 def _analyze(run: Path, data: Path, config: DemoConfig) -> Path:
@@ -187,7 +189,7 @@ def run_demo(config: DemoConfig) -> dict:
 
     data = stage("prepare", _prepared, config)
     run = stage("train", _trained, config, data)
-    budgets = stage("loop budgets", _loop_budgets, run, data, config)
+    budgets, baseline = stage("loop budgets", _loop_budgets, run, data, config)
     outputs = {"data": str(data), "train": str(run)}
     if config.analyze:
         outputs["analysis"] = str(stage("analyze", _analyze, run, data, config))
@@ -199,7 +201,8 @@ def run_demo(config: DemoConfig) -> dict:
         "config": asdict(config),
         "outputs": outputs,
         "final_val": train_summary.get("final_val"),
-        "unigram_baseline": train_summary.get("unigram_baseline"),
+        "unigram_baseline": baseline,  # on the loop budgets' tokens
+        "unigram_baseline_val_split": train_summary.get("unigram_baseline"),
         "tokens_per_second": train_summary.get("tokens_per_second"),
         "loop_budgets": [{"loops": r["loop_counts"], "ppl": r["ppl"], "ce": r["ce"], "tokens": r["tokens"]}
                          for r in budgets],

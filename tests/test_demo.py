@@ -24,7 +24,7 @@ def test_demo_end_to_end(wiki_small, tmp_path, capsys):
     assert "unigram baseline" in printed and "report" in printed
 
     result = json.loads((out / "demo.json").read_text())
-    assert result["final_val"]["ppl"] > 1 and result["unigram_baseline"]["perplexity"] > 1
+    assert result["final_val"]["ppl"] > 1 and result["unigram_baseline"]["ppl"] > 1
     assert [row["loops"] for row in result["loop_budgets"]][0] == [1, 1]
     assert set(result["stage_seconds"]) == {"prepare", "train", "loop budgets", "analyze", "sweep"}
     steps = sorted(p.name for p in (out / "train" / "checkpoints").iterdir() if p.name.startswith("step_"))

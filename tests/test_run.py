@@ -72,3 +72,17 @@ def test_eval_outputs_restores_train_mode():
 def test_vocabulary_check_names_the_problem():
     with pytest.raises(RdepthError, match="vocabulary of 40"):
         check_vocabulary(torch.tensor([[1, 2, 40]]), 40)
+
+
+def test_unigram_baseline_on_the_evaluated_tokens():
+    from rdepth.run.evaluate import unigram_baseline
+
+    log_probs = np.log(np.full(40, 1 / 40))
+    log_probs[3] = np.log(0.5)
+    held_out = torch.tensor([[1, 3, 3, 5], [2, 3, 7, 3]])  # targets: 3 3 5 / 3 7 3
+    result = unigram_baseline(held_out, log_probs)
+    expected = -(4 * np.log(0.5) + 2 * np.log(1 / 40)) / 6
+    assert result["tokens"] == 6 and result["ce"] == pytest.approx(expected)
+    masks = torch.zeros_like(held_out, dtype=torch.bool)
+    masks[:, 2] = True  # targets 3 and 7 only
+    assert unigram_baseline(held_out, log_probs, masks)["ce"] == pytest.approx(-(np.log(0.5) + np.log(1 / 40)) / 2)

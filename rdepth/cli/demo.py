@@ -26,12 +26,14 @@ def run(args: argparse.Namespace) -> int:
 
     config = build(DemoConfig, {}, args)
     result = run_demo(config)
-    val, base = result["final_val"], result["unigram_baseline"]
+    budgets, base = result["loop_budgets"], result["unigram_baseline"]
     print()
     print("== rdepth demo: done in %.0f s" % result["wall_seconds"])
-    if val and base:
-        print(f"validation perplexity {val['ppl']:.1f} at loops {val['loop_counts']} "
-              f"vs unigram baseline {base['perplexity']:.1f}")
+    at_eval = next((row for row in budgets if row["loops"] == (result["final_val"] or {}).get("loop_counts")),
+                   budgets[-1])
+    if base:
+        print(f"validation perplexity {at_eval['ppl']:.1f} at loops {at_eval['loops']} vs unigram baseline "
+              f"{base['ppl']:.1f} on the same {base['tokens']:,} held-out tokens")
     if result["tokens_per_second"]:
         print(f"training throughput {result['tokens_per_second']:,.0f} tokens/s")
     print(f"perplexity by loop budget ({result['loop_budgets'][0]['tokens']:,} held-out tokens): " + ", ".join(

@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
               f"ppl {result['ppl']:.2f}  ({result['tokens']} tokens)")
     baseline = summary["unigram_baseline"]
     if baseline:
-        print(f"unigram baseline (whole val split): ce {baseline['cross_entropy_nats']:.4f}  "
-              f"ppl {baseline['perplexity']:.2f}")
+        print(f"{'unigram baseline':>18}: ce {baseline['ce']:.4f}  ppl {baseline['ppl']:.2f}  "
+              f"({baseline['tokens']} tokens, the same)")
+    else:
+        print("no unigram baseline: the run's training data folder is not available")
     return 0

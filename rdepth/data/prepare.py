@@ -85,17 +85,27 @@ def split_documents(n_documents: int, val_fraction: float, seed: int) -> tuple[n
     return np.sort(order[n_val:]), np.sort(order[:n_val])
 
 
+UNIGRAM_FILE = "unigram.npy"  # float64 [vocab_size]: the train split's smoothed unigram log-probabilities
+
+
+def unigram_log_probs(train_tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """log p(v) = log((count_train(v) + 1) / (n_train + vocab_size)): float64 ``[vocab_size]``."""
+    train_counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64)
+    if train_counts.size > vocab_size:
+        raise ValueError(f"token id >= vocab_size {vocab_size}")
+    return np.log(train_counts + 1.0) - math.log(train_counts.sum() + vocab_size)
+
+
 def unigram_baseline(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int) -> dict:
     """Val cross-entropy (nats/token) and perplexity under add-one-smoothed train unigrams.
 
     p(v) = (count_train(v) + 1) / (n_train + vocab_size);
     cross_entropy = -mean over val tokens t of log p(t).
     """
-    train_counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64)
+    log_p = unigram_log_probs(train_tokens, vocab_size)
     val_counts = np.bincount(np.asarray(val_tokens), minlength=vocab_size).astype(np.float64)
-    if train_counts.size > vocab_size or val_counts.size > vocab_size:
+    if val_counts.size > vocab_size:
         raise ValueError(f"token id >= vocab_size {vocab_size}")
-    log_p = np.log(train_counts + 1.0) - math.log(train_counts.sum() + vocab_size)
     cross_entropy = float(-(val_counts @ log_p) / val_counts.sum())
     return {"cross_entropy_nats": cross_entropy, "perplexity": math.exp(cross_entropy),
             "smoothing": "add-one", "estimated_on": "train"}
@@ -134,11 +144,11 @@ def prepare(cfg: PrepareConfig) -> Path:
         for split, texts in splits.items():
             stats = writer.write_split(split, _encoded(tokenizer, texts, split))
             log.info("%s: %d tokens in %d documents", split, stats.tokens, stats.documents)
-        baseline = unigram_baseline(
-            np.fromfile(writer.path("train"), dtype=writer.dtype),
-            np.fromfile(writer.path("val"), dtype=writer.dtype),
-            tokenizer.vocab_size,
-        )
+        train_tokens = np.fromfile(writer.path("train"), dtype=writer.dtype)
+        baseline = unigram_baseline(train_tokens, np.fromfile(writer.path("val"), dtype=writer.dtype),
+                                    tokenizer.vocab_size)
+        # kept so that any held-out tokens (a subset, a text file) get a baseline on the same tokens
+        np.save(writer.directory / UNIGRAM_FILE, unigram_log_probs(train_tokens, tokenizer.vocab_size))
         manifest = {
             "corpus": {"spec": cfg.corpus, "name": corpus.name, "sources": corpus.sources,
                        "documents_total": total_documents},
@@ -148,6 +158,7 @@ def prepare(cfg: PrepareConfig) -> Path:
             "seed": cfg.seed,
             "max_documents": cfg.max_documents,
             "unigram_baseline": baseline,
+            "unigram_file": UNIGRAM_FILE,
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
             "environment": environment_info(),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

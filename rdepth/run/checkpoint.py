@@ -97,14 +97,48 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return path
     run_dir = path.parent if path.name == "checkpoints" else path
     latest = run_dir / "checkpoints" / "latest"
-    if latest.exists():
-        candidate = run_dir / "checkpoints" / latest.read_text().strip()
+    if latest.is_file():
+        name = read_latest(latest)
+        candidate = run_dir / "checkpoints" / name
         if candidate.is_dir():
             return candidate
     found = list_checkpoints(run_dir)
     if not found:
         raise RdepthError(f"no checkpoint in {path}")
     return found[-1]
+
+
+def read_latest(latest: Path) -> str:
+    """The checkpoint name in ``checkpoints/latest``: a one-line error unless it is a
+    ``step_N`` name of this run's folder (never a path that leads elsewhere)."""
+    try:
+        name = latest.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise RdepthError(f"{latest} is not a checkpoint name: corrupt") from None
+    if not STEP_PATTERN.match(name):
+        raise RdepthError(f"{latest} names {name[:60]!r}, not a step_N checkpoint of this run: corrupt")
+    return name
+
+
+def clean_debris(run_dir: str | os.PathLike) -> list[str]:
+    """Remove what a killed :func:`save_checkpoint` left behind (``.step_N.*`` staging folders);
+    a checkpoint caught between its two renames (only ``.step_N.old`` left) is put back first.
+    Call it only while holding the run folder's lock. Returns the names removed."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in sorted(root.iterdir()):
+        if not path.name.startswith(".step_"):
+            continue
+        if path.name.endswith(".old"):
+            final = root / path.name[1:-len(".old")]
+            if STEP_PATTERN.match(final.name) and not final.exists() and (path / "model.safetensors").is_file():
+                os.replace(path, final)
+                continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path.name)
+    return removed
 
 
 def find_checkpoints(paths: list[str | os.PathLike]) -> list[Path]:
@@ -186,7 +220,12 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
 
 
 def load_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(trainer_state, state)`` of a checkpoint, loaded without unpickling code."""
+    """``(trainer_state, state)`` of a checkpoint, loaded without unpickling code.
+
+    Both are checked field by field: a wrongly typed field, or a step that is not the
+    one in the folder's name, is a one-line error (never a traceback, never a silent
+    resume from the wrong step).
+    """
     trainer_path = checkpoint / "trainer.pt"
     state_path = checkpoint / "state.json"
     if not trainer_path.exists() or not state_path.exists():
@@ -195,12 +234,42 @@ def load_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
         trainer_state = torch.load(trainer_path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for damaged files
         raise RdepthError(f"checkpoint optimizer state {trainer_path} is corrupt ({type(exc).__name__})") from None
-    try:
-        state = json.loads(state_path.read_text())
-    except json.JSONDecodeError:
-        raise RdepthError(f"checkpoint state {state_path} is not valid JSON") from None
+    if not isinstance(trainer_state, dict) or not isinstance(trainer_state.get("optimizer"), dict):
+        raise RdepthError(f"checkpoint optimizer state {trainer_path} holds no optimizer state dict: corrupt")
+    optimizer = trainer_state["optimizer"]
+    if not isinstance(optimizer.get("state"), dict) or not isinstance(optimizer.get("param_groups"), list):
+        raise RdepthError(f"checkpoint optimizer state {trainer_path} is malformed: corrupt")
+    rng = trainer_state.get("torch_rng")
+    if rng is not None and not (isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8):
+        raise RdepthError(f"checkpoint optimizer state {trainer_path}: torch_rng is not a uint8 tensor: corrupt")
+    state = read_json_object(state_path, "checkpoint state")
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise RdepthError(f"checkpoint state {state_path}: step must be an integer >= 0, got {step!r}")
+    match = STEP_PATTERN.match(checkpoint.name)
+    if match and int(match.group(1)) != step:
+        raise RdepthError(f"checkpoint state {state_path} says step {step}, its folder says "
+                          f"{int(match.group(1))}: corrupt")
+    tokens = state.get("tokens_seen", 0)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise RdepthError(f"checkpoint state {state_path}: tokens_seen must be an integer >= 0, got {tokens!r}")
+    if "train_config" in state and not isinstance(state["train_config"], dict):
+        raise RdepthError(f"checkpoint state {state_path}: train_config must be an object")
     return trainer_state, state
 
 
-def write_run_config(run_dir: Path, model_config: ModelConfig, train_config_dict: dict) -> None:
-    write_json(run_dir / "config.json", {"model": model_config.to_dict(), "train": train_config_dict})
+def write_run_config(run_dir: Path, model_config: ModelConfig, train_config_dict: dict, **extra: Any) -> None:
+    """``RUN/config.json``: the resolved model and train config (plus ``extra`` sections)."""
+    write_json(run_dir / "config.json", {"model": model_config.to_dict(), "train": train_config_dict, **extra})
+
+
+def read_run_config(run_dir: Path) -> dict:
+    """``RUN/config.json`` (an empty dict when there is none); its sections must be objects."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        return {}
+    saved = read_json_object(path, "run config")
+    for section in ("model", "train"):
+        if section in saved and not isinstance(saved[section], dict):
+            raise RdepthError(f"run config {path}: {section} must be an object")
+    return saved

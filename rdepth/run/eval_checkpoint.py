@@ -9,7 +9,7 @@ import torch
 from rdepth.config import parse_loop_counts
 from rdepth.io import write_json
 from rdepth.run.config import EvalConfig
-from rdepth.run.evaluate import evaluate
+from rdepth.run.evaluate import evaluate, unigram_baseline
 from rdepth.run.opened import open_run
 
 
@@ -17,8 +17,10 @@ def evaluate_checkpoint(config: EvalConfig) -> dict[str, Any]:
     """Evaluate ``config.checkpoint`` on ``config.data`` at every budget in ``config.loops``.
 
     Returns (and writes to ``config.json`` when given) ``{"checkpoint", "data", "windows",
-    "seq_len", "results": [{loop_counts, ce, ppl, tokens}], "unigram_baseline"}``. The unigram
-    baseline comes with prepared data only; it is the floor a language model must beat.
+    "seq_len", "results": [{loop_counts, ce, ppl, tokens}], "unigram_baseline",
+    "unigram_baseline_val_split"}``. ``unigram_baseline`` is the train-split unigram model on the
+    same evaluated tokens (the floor a language model must beat; None when the run's training
+    data is gone); ``unigram_baseline_val_split`` is the prepared folder's, over its whole val split.
     """
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -31,7 +33,9 @@ def evaluate_checkpoint(config: EvalConfig) -> dict[str, Any]:
                                 device=run.device, seed=config.seed, progress=config.progress))
     summary = {
         "checkpoint": str(run.checkpoint), "data": str(run.data), "windows": int(windows.shape[0]),
-        "seq_len": int(windows.shape[1] - 1), "results": results, "unigram_baseline": run.baseline,
+        "seq_len": int(windows.shape[1] - 1), "results": results,
+        "unigram_baseline": None if run.unigram is None else unigram_baseline(windows, run.unigram),
+        "unigram_baseline_val_split": run.baseline,
     }
     if config.json:
         write_json(config.json, summary)

@@ -97,3 +97,31 @@ def tokenizer_for(data: str | Path, checkpoint: str | Path):
     except RdepthError as exc:
         log.warning("token text unavailable: %s", exc)
         return None
+
+
+def unigram_log_probs_for(data: str | Path, checkpoint: str | Path) -> np.ndarray | None:
+    """The smoothed train-split unigram log-probabilities behind a baseline on any held-out tokens:
+    the prepared folder's ``unigram.npy``, else (held-out text from a file) that of the folder the
+    run was trained on, if it is still there. None when neither exists."""
+    import json
+
+    from rdepth.data.prepare import UNIGRAM_FILE
+
+    candidates = [Path(data)] if Path(data).is_dir() else []
+    path = Path(checkpoint).resolve()
+    for folder in (path, *path.parents[:3]):
+        config = folder / "config.json"
+        if config.is_file() and (folder / "tokenizer").is_dir():
+            try:
+                candidates.append(Path(json.loads(config.read_text())["train"]["data"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                pass
+            break
+    for folder in candidates:
+        file = folder / UNIGRAM_FILE
+        if file.is_file():
+            try:
+                return np.load(file, allow_pickle=False)
+            except (OSError, ValueError):
+                raise RdepthError(f"unigram file {file} is corrupt") from None
+    return None

@@ -18,12 +18,14 @@ from rdepth.config import ModelConfig
 from rdepth.model import RecurrentLM
 from rdepth.run.checkpoint import load_model, resolve_checkpoint
 from rdepth.run.device import resolve_device
-from rdepth.run.heldout import check_vocabulary, held_out_tokens, held_out_windows
+from rdepth.run.heldout import check_vocabulary, held_out_tokens, held_out_windows, unigram_log_probs_for
 
 
 @dataclass
 class OpenedRun:
-    """``tokens``: 1-D held-out ids; ``baseline``: the data's unigram baseline (None for a text file)."""
+    """``tokens``: 1-D held-out ids; ``baseline``: the data's unigram baseline over its whole val
+    split (None for a text file); ``unigram``: the train unigram log-probabilities for a baseline
+    on any evaluated subset (None when the training data is gone)."""
 
     checkpoint: Path
     model: RecurrentLM
@@ -32,6 +34,7 @@ class OpenedRun:
     tokens: np.ndarray
     baseline: dict | None
     data: Path
+    unigram: np.ndarray | None = None
 
     def seq_len(self, requested: int | None = None) -> int:
         """Window length: ``requested`` (default the block size), at most the block size and the text."""
@@ -50,4 +53,5 @@ def open_run(checkpoint: str | Path, data: str | Path, device: str | torch.devic
     folder = resolve_checkpoint(checkpoint)
     model, config = load_model(folder, device)
     tokens, baseline = held_out_tokens(data, checkpoint, config)
-    return OpenedRun(folder, model, config, device, tokens, baseline, Path(data))
+    return OpenedRun(folder, model, config, device, tokens, baseline, Path(data),
+                     unigram_log_probs_for(data, checkpoint))
