@@ -72,12 +72,18 @@ class GenerateConfig:
     loops: str | None = option(None, "loop counts N or N,N,... per group", default_text="the model's eval loop counts")
     samples: int = option(1, "independent continuations")
     seed: int = option(0, "seed of the initial loop-state noise and of sampling")
+    draft_loops: str | None = option(
+        None, "self-speculative decoding: draft with these loop counts (N or N,N,...), verify at --loops; "
+        "greedy only (--temperature 0), the same tokens as plain greedy decoding", default_text="off")
+    draft_tokens: int = option(4, "tokens drafted per verification pass (with --draft-loops)")
     show_special: bool = option(False, "show special tokens such as <|endoftext|> in the output")
     device: str = option("auto", DEVICE_HELP)
     threads: int = option(0, "torch CPU threads (0: torch's default)")
 
     def __post_init__(self) -> None:
-        check_positive("generate", self, ("max_new_tokens", "samples", "top_k"))
+        check_positive("generate", self, ("max_new_tokens", "samples", "top_k", "draft_tokens"))
+        if self.draft_loops is not None and self.temperature != 0:
+            raise RdepthError("generate: --draft-loops (speculative decoding) is greedy: pass --temperature 0")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
                 or self.temperature < 0:
             raise RdepthError(f"generate: temperature must be a finite number >= 0, got {self.temperature!r}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from rdepth.config import parse_loop_counts
@@ -14,6 +16,7 @@ from rdepth.run.device import resolve_device
 from rdepth.run.heldout import run_tokenizer
 
 SPECIAL_TOKENS = ("<|endoftext|>",)
+log = logging.getLogger(__name__)
 
 
 def generate_text(config: GenerateConfig) -> list[str]:
@@ -35,8 +38,22 @@ def generate_text(config: GenerateConfig) -> list[str]:
     prompt = torch.tensor([ids] * config.samples, dtype=torch.long, device=device)
     noise = StateNoise.consecutive(config.seed, 0, config.samples)  # as teacher-forced evaluation
     sampling = torch.Generator(device=device).manual_seed(config.seed + 1)
-    out = generate(model, prompt, config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-                   loop_counts=counts, generator=noise, sample_generator=sampling)
+    if config.draft_loops is not None:
+        from rdepth.model.speculative import speculative_generate
+
+        draft = parse_loop_counts(config.draft_loops, model_config.n_groups)
+        rows = []
+        for sample in range(config.samples):
+            row, stats = speculative_generate(model, prompt[sample : sample + 1], config.max_new_tokens,
+                                              draft_loops=draft, loop_counts=counts, draft_tokens=config.draft_tokens,
+                                              noise=StateNoise(config.seed, [sample]))
+            log.info("speculative decoding: %d of %d drafts accepted (%.0f%%) in %d passes", stats.accepted,
+                     stats.drafted, 100 * stats.acceptance, stats.rounds)
+            rows.append(row)
+        out = torch.cat(rows)
+    else:
+        out = generate(model, prompt, config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
+                       loop_counts=counts, generator=noise, sample_generator=sampling)
     texts = [tokenizer.decode(row) for row in out.tolist()]
     if not config.show_special:
         for token in SPECIAL_TOKENS:

@@ -1,0 +1,70 @@
+"""Self-speculative decoding gives plain greedy decoding's tokens exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rdepth.config import ModelConfig
+from rdepth.exits.controller import PolicyController
+from rdepth.model import RecurrentLM
+from rdepth.model.generation import generate
+from rdepth.model.noise import StateNoise
+from rdepth.model.speculative import speculative_generate
+
+
+def tiny(block_size: int = 24) -> RecurrentLM:
+    torch.manual_seed(3)
+    config = ModelConfig(n_layer=4, n_head=2, d_model=16, block_size=block_size, vocab_size=12, groups="1|2",
+                         mean_loops=3.0, backprop_depth=2, tokenizer="bpe:12")
+    return RecurrentLM(config).double().eval()
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 3, 6])
+def test_greedy_output_equals_plain_decoding(draft_tokens):
+    model, prompt = tiny(), torch.tensor([[1, 5, 7]])
+    plain = generate(model, prompt, 14, temperature=0.0, loop_counts=(4, 5), generator=StateNoise(9, [0]))
+    fast, stats = speculative_generate(model, prompt, 14, draft_loops=1, loop_counts=(4, 5),
+                                       draft_tokens=draft_tokens, noise=StateNoise(9, [0]))
+    assert torch.equal(fast, plain)
+    assert stats.drafted > 0 and 0 <= stats.accepted <= stats.drafted
+
+
+def test_drafting_at_the_verifying_budget_accepts_everything():
+    model, prompt = tiny(), torch.tensor([[2, 3]])
+    fast, stats = speculative_generate(model, prompt, 12, draft_loops=(4, 5), loop_counts=(4, 5),
+                                       draft_tokens=4, noise=StateNoise(1, [0]))
+    plain = generate(model, prompt, 12, temperature=0.0, loop_counts=(4, 5), generator=StateNoise(1, [0]))
+    assert torch.equal(fast, plain) and stats.acceptance == 1.0
+
+
+def test_with_exits_and_at_the_block_size():
+    """Verification with a per-token exit policy, running into the block size."""
+    model, prompt = tiny(block_size=12), torch.tensor([[4, 1, 9]])
+
+    def controller():
+        return PolicyController.from_name("kl", tau=1e-3, k_max=6, decode=model.readout)
+
+    plain = generate(model, prompt, 30, temperature=0.0, controller_factory=controller, generator=StateNoise(2, [0]))
+    fast, _ = speculative_generate(model, prompt, 30, draft_loops=1, controller_factory=controller,
+                                   draft_tokens=3, noise=StateNoise(2, [0]))
+    assert plain.shape[1] == 13  # generation stops at the block size (block + 1 tokens)
+    assert torch.equal(fast, plain)
+
+
+def test_generate_command_with_draft_loops(wiki_small, tmp_path, capsys):
+    from rdepth.cli.main import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(wiki_small), "--out", str(run), "--max-steps", "3", "--batch-size", "2",
+                 "--n-layer", "3", "--n-head", "2", "--d-model", "16", "--block-size", "32", "--groups", "1",
+                 "--mean-loops", "3", "--backprop-depth", "2", "--eval-batches", "1", "--log-every", "1"]) == 0
+    common = ["generate", "--checkpoint", str(run), "--prompt", "The river", "--max-new-tokens", "12",
+              "--temperature", "0"]
+    capsys.readouterr()
+    assert main(common) == 0
+    plain = capsys.readouterr().out
+    assert main(common + ["--draft-loops", "1", "--draft-tokens", "3"]) == 0
+    assert capsys.readouterr().out == plain
+    assert main(common[:-2] + ["--draft-loops", "1"]) == 2  # sampling is not speculative
+    assert "--temperature 0" in capsys.readouterr().err
