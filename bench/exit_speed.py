@@ -1,4 +1,4 @@
-"""Benchmark: each exit policy at matched quality against the fixed loop budget.
+"""Benchmark: each exit policy at matched quality against the fixed loop budget, on the same path.
 
 Not a test. On one model and one held-out text, every policy runs over its
 threshold grid (the pipeline of ``rdepth sweep``, with the same flags and
@@ -9,10 +9,17 @@ with
 * the full budget (every group at ``k_max``), and
 * the cheapest fixed budget that reaches the same quality,
 
-printing loop steps saved and latency ratios (batch 1 and batched, and cached
-generation with ``--generate-tokens``; median of warm, synchronised repeats)
-and the device. Every number printed is read from the sweep's saved summary;
-``--from-sweep OUT/sweep.json`` prints a saved sweep again without measuring.
+both timed on the packed path the policies take (``x full``, ``x fixed``), and
+with the full budget on the dense path as a separate reference (``x dense``).
+It also prints the packed / dense time ratio of every fixed budget (identical
+work on both paths). Latencies are teacher-forced ms/token (batch 1 and
+batched; one window per forward, time / tokens) and, with
+``--generate-tokens``, decode latency (cached generation). All are timed in
+interleaved rounds (each round times every setting once, shuffled; warm,
+synchronised), kept as median and IQR; a ratio marked ``~`` is within noise
+(IQRs overlap, or an IQR above ``--noise-threshold`` of its median). Every
+number printed is read from the sweep's saved summary; ``--from-sweep
+OUT/sweep.json`` prints a saved sweep again without measuring.
 
     python bench/exit_speed.py --checkpoint runs/tiny --data data/wiki --out /tmp/exit_speed --k-max 8
 """
@@ -46,27 +53,42 @@ def parse_args(argv: list[str] | None):
     return None, build(SweepConfig, {}, args)
 
 
+def _ratio(row: dict, name: str) -> str:
+    """``1.234`` or ``1.234~`` (within noise); ``-`` when not measured."""
+    if name not in row:
+        return "-"
+    return f"{row[name]:.3f}" + ("~" if row.get(f"{name}_noise") else "")
+
+
 def summarise(result: dict) -> None:
-    """Print the matched-quality comparison from ``result["summary"]``."""
+    """Print the matched-quality comparison, the packed/dense ratios and the noise warnings from
+    ``result["summary"]``."""
+    from rdepth.exits.stats import format_ratio
     from rdepth.exits.summary import summary_of
 
     summary = summary_of(result)
     env = result["environment"]
     reference = result["reference"]
     timings = summary["timings"]
+    config = result["config"]
     print(f"device: {env.get('device')}  torch {env.get('torch')}  git {env.get('git', '?')}")
-    print(f"k_max {result['k_max']}; full budget: ppl {summary['full_ppl']:.4f}, "
-          f"{reference['ms_per_token_b1']:.4f} ms/token (batch 1), "
-          f"{reference['ms_per_token_batched']:.4f} ms/token (batch {reference.get('timing_batch_size')})")
-    if "generate" in timings:
-        print(f"full budget, cached generation: {reference['ms_per_token_generate']:.4f} ms/token")
-    print(f"matched quality: perplexity <= {1 + summary['tolerance']:.2f} x full; "
-          "each policy's fastest such point (batch-1 forward)")
+    print(f"timing: {config.get('warmup')} warm-up calls per setting, {config['repeats']} interleaved rounds; "
+          f"median [IQR]; noise threshold {100 * summary['noise_threshold']:g}% of the median")
+    print(f"decode for decoded rules: {summary['decode']['mode']} ({summary['decode']['description']})")
+    print(f"k_max {result['k_max']}; full budget: ppl {summary['full_ppl']:.4f}")
+    for key, text in summary["latency_definitions"].items():
+        if key in reference:
+            low, high = reference.get(f"{key}_iqr", (reference[key], reference[key]))
+            print(f"  {key:>28}: {reference[key]:.4f} [{low:.4f}-{high:.4f}] ms/token  ({text})")
+    print(f"matched quality: perplexity <= {1 + summary['tolerance']:.2f} x full; each policy's fastest such point "
+          f"(teacher-forced, batch 1); x full / x fixed on the same {summary['timing_path']} path, x dense against "
+          "the full budget on the dense path; ~ = within noise")
     header = f"{'policy':>20} {'setting':>10} {'ppl':>9} {'steps':>7} {'saved':>6}"
     for timing in timings:
         header += f" {'x full ' + timing:>16} {'x fixed ' + timing:>17}"
+        if timing != "generate":
+            header += f" {'x dense ' + timing:>17}"
     print(header)
-    nan = float("nan")
     for row in summary["matched_quality"][summary["headline_ranking"]]:
         if row["value"] is None:
             print(f"{row['policy']:>20} {'-':>10}  no point within tolerance")
@@ -74,11 +96,19 @@ def summarise(result: dict) -> None:
         line = (f"{row['policy']:>20} {row['value']:>10g} {row['ppl']:>9.4f} {row['steps']:>7.2f} "
                 f"{100 * row['steps_saved']:>5.1f}%")
         for timing in timings:
-            line += (f" {row.get('speedup_vs_full_' + timing, nan):>16.3f}"
-                     f" {row.get('speedup_vs_fixed_' + timing, nan):>17.3f}")
+            line += f" {_ratio(row, 'speedup_vs_full_' + timing):>16} {_ratio(row, 'speedup_vs_fixed_' + timing):>17}"
+            if timing != "generate":
+                line += f" {_ratio(row, 'speedup_vs_dense_full_' + timing):>17}"
         print(line)
     print(f"cheapest fixed budget within tolerance: {summary['matched_fixed_budget']}")
     print("ratios > 1: the policy is faster (x full: than the full budget; x fixed: than that fixed budget)")
+    if summary["packed_over_dense"]:
+        print("packed / dense time for identical work (fixed budgets; > 1: the packed path is slower):")
+        for row in summary["packed_over_dense"]:
+            cells = "  ".join(f"{timing}: {format_ratio(row[timing])}" for timing in ("b1", "batched") if timing in row)
+            print(f"  {str(row['budget']):>14}  {cells}")
+    for warning in summary["noise_warnings"]:
+        print(f"WARNING (timing noise): {warning}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -216,6 +216,43 @@ def test_saved_summary_holds_every_headline_number(swept):
         assert summary["best"] in rows
 
 
+def test_saved_timings_name_their_path_and_spread(swept):
+    """Policies and fixed budgets are timed on the packed path; fixed budgets also on the dense one;
+    every latency has its IQR and per-round samples."""
+    result = load_sweep(swept)
+    repeats = result["config"]["repeats"]
+    fixed = [result["reference"], *result["fixed_ladder"], *(p["baseline"] for p in result["points"])]
+    for entry in [*fixed, *result["points"]]:
+        assert entry["timing_path"] == "packed"
+        for key in ("ms_per_token_b1", "ms_per_token_batched", "ms_per_token_generate"):
+            low, high = entry[f"{key}_iqr"]
+            assert 0 < low <= entry[key] <= high and len(entry["timing_samples"][key]) == repeats
+    for entry in fixed:
+        assert entry["dense_ms_per_token_b1"] > 0 and entry["dense_ms_per_token_batched"] > 0
+    assert not any("dense_ms_per_token_b1" in p for p in result["points"])
+    summary = result["summary"]
+    assert summary["timing_path"] == "packed" and summary["noise_threshold"] == 0.1
+    assert set(summary["latency_definitions"]) == {
+        "ms_per_token_b1", "ms_per_token_batched", "ms_per_token_generate", "dense_ms_per_token_b1",
+        "dense_ms_per_token_batched",
+    }
+    budgets = [row["budget"] for row in summary["packed_over_dense"]]
+    assert sorted(budgets) == sorted({tuple(e["budget"]): e["budget"] for e in fixed}.values())  # each once
+    assert all(row["b1"]["ratio"] > 0 and "batched" in row for row in summary["packed_over_dense"])
+    assert summary["noisy"] == bool(summary["noise_warnings"])
+    assert summary["decode"] == {"mode": "head", "loops": None, "kl_direction": "new_old",
+                                 "description": summary["decode"]["description"]}
+    row = summary["matched_quality"]["b1"][0]
+    for name in ("speedup_vs_full_b1", "speedup_vs_fixed_b1", "speedup_vs_dense_full_b1"):
+        assert name in row and f"{name}_range" in row and f"{name}_noise" in row
+    assert "speedup_vs_dense_full_generate" not in row  # generation has no dense path
+    with open(swept / "sweep.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert float(rows[4]["dense_ms_per_token_b1"]) > 0 and rows[0]["dense_ms_per_token_b1"] == ""
+    page = (swept / "index.html").read_text()
+    assert "teacher-forced ms/token" in page and "packed / dense time" in page
+
+
 def test_report_and_plots_refuse_an_older_sweep_json(swept, tmp_path):
     old = json.loads((swept / "sweep.json").read_text())
     del old["summary"]
@@ -242,8 +279,9 @@ def test_benchmark_reads_the_saved_summary_and_shares_the_sweep_flags(swept, tmp
     assert bench.main(["--from-sweep", str(swept / "sweep.json")]) == 0
     printed = capsys.readouterr().out
     assert "acceleration" in printed and "x full generate" in printed and "cheapest fixed budget" in printed
+    assert "x dense b1" in printed and "packed / dense time for identical work" in printed
     old = json.loads((swept / "sweep.json").read_text())
-    old["summary"]["format"] = 1
+    old["summary"]["format"] = 2
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert bench.main(["--from-sweep", str(tmp_path / "old.json")]) == 2
     assert "older rdepth" in capsys.readouterr().err

@@ -14,10 +14,12 @@ def register(subparsers) -> None:
         "sweep",
         help="latency / quality of every exit policy over a threshold grid (paper Fig. 4)",
         description="Evaluate held-out text with per-token early exits for each policy over a tau grid "
-        "(default 1e-5..1e-2, log scale); record loop steps per group, exit-step histograms, ms/token "
-        "(batch 1 and batched), perplexity and cross-entropy, with the fixed budget at the same mean "
-        "steps as a baseline. Writes sweep.json (with its summary), sweep.csv, figures/ and an "
-        "index.html section into --out.",
+        "(default 1e-5..1e-2, log scale); record loop steps per group, exit-step histograms, teacher-forced "
+        "ms/token (batch 1 and batched; with --generate-tokens also decode latency), perplexity and "
+        "cross-entropy, with the fixed budget at the same mean steps as a baseline. Every latency is timed "
+        "in interleaved rounds (median and IQR); policies and fixed budgets on the same packed path, fixed "
+        "budgets also on the dense path; speedups within noise are flagged. Writes sweep.json (with its "
+        "summary), sweep.csv, figures/ and an index.html section into --out.",
     )
     add_dataclass_flags(parser, SweepConfig, title="sweep")
     parser.set_defaults(func=run)
@@ -25,21 +27,35 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rdepth.exits.config import SweepConfig
+    from rdepth.exits.stats import format_ratio
     from rdepth.exits.sweep import sweep_checkpoint
 
     result = sweep_checkpoint(build(SweepConfig, {}, args))
     summary = result["summary"]
     ranking = summary["headline_ranking"]
     tolerance = f"{100 * summary['tolerance']:g}%"
-    print(f"full budget {result['reference']['budget']}: ppl {summary['full_ppl']:.4f}; "
-          f"each policy's {'fewest-steps' if ranking == 'steps' else 'fastest (batch 1)'} point within {tolerance}:")
+    print(f"full budget {result['reference']['budget']}: ppl {summary['full_ppl']:.4f}; decoded rules read with "
+          f"decode={summary['decode']['mode']} ({summary['decode']['description']})")
+    if ranking != "steps":
+        print(f"latency: teacher-forced ms/token at batch 1 (one window per forward, time / tokens; not decode "
+              f"latency), policies and fixed budgets on the same {summary['timing_path']} path, median of "
+              f"{result['config']['repeats']} interleaved rounds; [range] from the IQRs")
+    print(f"each policy's {'fewest-steps' if ranking == 'steps' else 'fastest (batch 1)'} point within {tolerance}:")
     for row in summary["matched_quality"][ranking]:
         if row["value"] is None:
             print(f"{row['policy']:>20}: no point within {tolerance} of the full budget's perplexity")
             continue
         speed = f"speedup_vs_full_{ranking}"
-        timing = f", {row[speed]:.2f}x the full budget's speed" if speed in row else ""
+        timing = ""
+        if speed in row:
+            ratio = {"ratio": row[speed], "range": row[f"{speed}_range"], "noise": row[f"{speed}_noise"]}
+            timing = f", {format_ratio(ratio)} the full budget's speed"
         print(f"{row['policy']:>20}: value {row['value']:g}, ppl {row['ppl']:.4f} "
               f"({100 * row['ppl_vs_full']:+.2f}%), steps saved {100 * row['steps_saved']:.1f}%{timing}")
+    full = next((r for r in summary["packed_over_dense"] if r["budget"] == result["reference"]["budget"]), None)
+    if full and "b1" in full:
+        print(f"packed / dense path, identical work (full budget, batch 1): {format_ratio(full['b1'])}")
+    for warning in summary["noise_warnings"]:
+        print(f"WARNING (timing noise): {warning}")
     print(f"wrote {result['paths']['json']} and the report {result['paths'].get('report', '')}")
     return 0

@@ -3,10 +3,12 @@
 Layout (each file one purpose; dependencies point down the list):
 
 * ``base``: the exit-policy protocol; ``policies``: the rules; ``registry``:
-  policies by name; ``controller``: policies as a model loop controller;
+  policies by name; ``decode``: how decoded rules read a state (the head, or
+  the rest of the model); ``controller``: policies as a model loop controller;
   ``recorded``: policies replayed on recorded iterates (:func:`replay`).
 * ``evaluate``: teacher-forced held-out evaluation with exits (through the run
-  layer's one evaluation loop); ``timing``: warm, synchronised latency.
+  layer's one evaluation loop); ``timing``: warm, synchronised latency in
+  interleaved rounds; ``stats`` (torch-free): median, IQR and the noise rule.
 * The sweep (``rdepth sweep``): ``config`` (:class:`SweepConfig`, torch-free),
   ``measure`` (one setting's quality and latency), ``summary`` (the saved
   format and every headline number, computed once), ``sweep`` (orchestration

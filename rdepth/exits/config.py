@@ -11,11 +11,14 @@ import math
 from dataclasses import dataclass
 
 from rdepth.errors import RdepthError
+from rdepth.exits.stats import NOISE_THRESHOLD
 from rdepth.fields import option
 from rdepth.run.config import DEVICE_HELP, check_device_name
 
 DEFAULT_TAUS = (1e-5, 1e-4, 1e-3, 1e-2)
 AUTOCAST_NAMES = ("none", "bf16", "fp16")
+# How decoded rules (kl, entropy_diff, argmax_stable) read a group's state; see rdepth.exits.decode.
+DECODE_MODES = ("head", "rest")
 
 
 @dataclass
@@ -24,7 +27,11 @@ class SweepConfig:
 
     ``max_batches`` x ``batch_size`` held-out windows of ``block_size`` tokens
     are evaluated per point; timing runs the first ``timing_batch_size`` of
-    them (batched) and the first alone (batch 1).
+    them (batched) and the first alone (batch 1). Those latencies are
+    teacher-forced (a whole window in one forward, wall time / tokens), not
+    decode latency; ``generate_tokens`` > 0 adds the decode latency (cached
+    generation). Policies and fixed budgets are timed on the same (packed)
+    path; fixed budgets also on the dense path, as a separate reference.
     """
 
     checkpoint: str = option("", "checkpoint folder, or a run folder (its latest checkpoint)", required=True)
@@ -48,13 +55,34 @@ class SweepConfig:
         None, "tokens per window", default_text="the model's block size, at most the held-out text",
     )
     max_batches: int | None = option(4, "batches of windows evaluated per point")
-    timing: bool = option(True, "measure latency (ms/token) of every point")
+    timing: bool = option(
+        True, "measure latency of every point: teacher-forced ms/token (a whole window per forward, time / "
+        "tokens; not decode latency), batch 1 and batched",
+    )
     timing_batch_size: int = option(8, "windows in the batched latency measurement")
-    warmup: int = option(2, "untimed calls before each latency measurement")
-    repeats: int = option(5, "timed calls per latency measurement (the median is kept)")
-    generate_tokens: int = option(0, "also time greedy cached generation of this many tokens at batch 1 (0: skip)")
+    warmup: int = option(2, "untimed calls of each setting before the timed rounds")
+    repeats: int = option(
+        5, "timed rounds; each round times every setting once, in a shuffled order (median and IQR kept)",
+    )
+    noise_threshold: float = option(
+        NOISE_THRESHOLD, "a speedup is flagged 'within noise' when the IQRs overlap or either timing's "
+        "IQR exceeds this fraction of its median",
+    )
+    generate_tokens: int = option(
+        0, "also time greedy cached generation of this many tokens at batch 1, the decode latency (0: skip)",
+    )
     generate_prompt: int = option(16, "prompt tokens before the timed generation")
     fixed_ladder: bool = option(True, "also measure every fixed budget 1..k_max (the fixed-budget curve)")
+    decode: str = option(
+        "head", "how kl, entropy_diff and argmax_stable read a group's state: head (final norm + head, a "
+        "logit-lens reading) or rest (the layers after the group, later groups at --decode-loops steps, then "
+        "the head; teacher-forced only)",
+    )
+    decode_loops: int = option(1, "with --decode rest: loop steps each later group runs in a reading")
+    kl_direction: str = option(
+        "new_old", "kl policy: new_old = KL(p_new || p_old) (the paper's Eq. 4) or old_new = KL(p_old || p_new) "
+        "(Geiping et al.'s code)",
+    )
     autocast: str = option("none", "autocast dtype during evaluation and timing: none, bf16 or fp16")
     seed: int = option(0, "seed of the initial loop-state noise")
     device: str = option("auto", DEVICE_HELP)
@@ -101,6 +129,21 @@ class SweepConfig:
             raise RdepthError(f"sweep: max_batches must be >= 1, got {self.max_batches}")
         if self.block_size is not None and self.block_size < 2:
             raise RdepthError(f"sweep: block_size must be >= 2, got {self.block_size}")
+        if self.decode not in DECODE_MODES:
+            raise RdepthError(f"sweep: decode must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
+        if isinstance(self.decode_loops, bool) or not isinstance(self.decode_loops, int) or self.decode_loops < 1:
+            raise RdepthError(f"sweep: decode_loops must be an integer >= 1, got {self.decode_loops!r}")
+        if self.decode == "rest" and self.timing and self.generate_tokens:
+            raise RdepthError(
+                "sweep: decode=rest is defined for teacher-forced windows only; cached generation would need "
+                "the later layers to read the key/value cache without writing it (set generate_tokens 0)"
+            )
+        directions = get_policy_class("kl").DIRECTIONS
+        if self.kl_direction not in directions:
+            raise RdepthError(f"sweep: kl_direction must be one of {', '.join(directions)}, got {self.kl_direction!r}")
+        if not (isinstance(self.noise_threshold, (int, float)) and math.isfinite(self.noise_threshold)
+                and self.noise_threshold > 0):
+            raise RdepthError(f"sweep: noise_threshold must be a finite number > 0, got {self.noise_threshold!r}")
         if self.autocast not in AUTOCAST_NAMES:
             raise RdepthError(f"sweep: autocast must be one of {', '.join(AUTOCAST_NAMES)}, got {self.autocast!r}")
         check_device_name("sweep", self.device)
@@ -109,6 +152,10 @@ class SweepConfig:
     def max_windows(self) -> int | None:
         """Held-out windows evaluated per point (None: every window of the text)."""
         return None if self.max_batches is None else self.max_batches * self.batch_size
+
+    def policy_options(self, policy: str) -> dict:
+        """Options every point of ``policy`` is built with (besides its swept parameter)."""
+        return {"direction": self.kl_direction} if policy == "kl" else {}
 
     def values(self, policy: str) -> tuple[float, ...]:
         """The values swept for ``policy``: its ``grid`` entry, else its own default grid, else ``taus``."""

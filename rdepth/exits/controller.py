@@ -26,8 +26,12 @@ class PolicyController:
         policies: one :class:`ExitPolicy` per group (a sequence indexed by group),
             or a factory ``group -> ExitPolicy`` called once per group on first use.
         decode: ``decode(state [A, d]) -> logits [A, V]`` (the model's
-            ``readout``), given to policies that read the predictive
-            distribution and were built without one.
+            ``readout``, or a :class:`rdepth.exits.decode.RestDecode`), given to
+            policies that read the predictive distribution and were built
+            without one. A decode with ``begin``/``observe``/``settle`` (a
+            reading through the later layers) is told, for the groups whose
+            policy reads through it, which rows loop and what each stopped row
+            handed on.
     """
 
     def __init__(self, policies: PolicySource, decode: Decode | None = None) -> None:
@@ -95,10 +99,23 @@ class PolicyController:
     def max_steps(self, group: int) -> int:
         return self.policy(group).k_max
 
+    def _tracking(self, policy: ExitPolicy) -> bool:
+        """Whether ``policy`` reads through this controller's decode, and that decode needs the rows."""
+        return policy.decode is self.decode and hasattr(self.decode, "observe")
+
     def begin(self, group: int, state: torch.Tensor) -> None:
-        self.policy(group).begin(state)
+        policy = self.policy(group)
+        if self._tracking(policy):
+            self.decode.begin(group, state)
+        policy.begin(state)
 
     def after_step(
         self, group: int, step: int, rows: torch.Tensor, prev: torch.Tensor, new: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.policy(group).after_step(step, rows, prev, new)
+        policy = self.policy(group)
+        if not self._tracking(policy):
+            return policy.after_step(step, rows, prev, new)
+        self.decode.observe(group, rows, new)
+        done, handoff, used = policy.after_step(step, rows, prev, new)
+        self.decode.settle(group, rows, done, handoff)
+        return done, handoff, used

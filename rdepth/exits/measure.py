@@ -1,10 +1,21 @@
-"""One sweep point measured: quality and loop steps on held-out windows, then latency.
+"""Sweep points measured: quality and loop steps on held-out windows, then latency, interleaved.
 
 :class:`SweepMeasurer` evaluates a policy setting (through
 :func:`rdepth.exits.evaluate.evaluate_with_exits`, so through the run layer's
-one evaluation loop and its per-window noise) and times it (warm, synchronised,
-median of repeats). Fixed budgets are measured once and reused: several policy
-points often share the fixed budget at their mean steps.
+one evaluation loop and its per-window noise) or a fixed budget (measured once
+and reused: several points often share the fixed budget at their mean steps),
+and registers what to time. :meth:`SweepMeasurer.time_all` then times every
+registered call together (:func:`rdepth.exits.timing.time_interleaved`: each
+round calls every setting once, shuffled), so the full-budget reference and
+each candidate are timed under the same load, and writes each entry's median
+and interquartile range.
+
+Timing paths. Every ``ms_per_token_*`` key is the **packed** path (active rows
+gathered, per-token keys/values): the path of every exit policy, and of a fixed
+budget run through :class:`rdepth.model.control.FixedController`, so a speedup
+compares equal machinery. Fixed budgets are also timed on the **dense** path
+(``dense_ms_per_token_*``, the layout of training and ``rdepth eval``) as a
+separate reference. Generation is always packed (it needs the cache).
 """
 
 from __future__ import annotations
@@ -12,32 +23,53 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+from tqdm import tqdm
 
 from rdepth.errors import RdepthError
 from rdepth.exits.base import Decode, ExitPolicy
 from rdepth.exits.config import SweepConfig
 from rdepth.exits.controller import PolicyController
+from rdepth.exits.decode import make_decode
 from rdepth.exits.evaluate import evaluate_with_exits
 from rdepth.exits.registry import get_policy_class
-from rdepth.exits.timing import time_forward, time_generate
+from rdepth.exits.stats import spread
+from rdepth.exits.timing import Call, forward_call, generate_call, time_interleaved
 from rdepth.model import RecurrentLM
+from rdepth.model.control import FixedController
 
 AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+# Saved latency keys and the path each is timed on (also in the summary's ``latency_definitions``).
+PACKED_KEYS = ("ms_per_token_b1", "ms_per_token_batched", "ms_per_token_generate")
+DENSE_KEYS = ("dense_ms_per_token_b1", "dense_ms_per_token_batched")
+
 
 def policy_controller_factory(
-    name: str, value: float, k_max: Sequence[int], decode: Decode | None
+    name: str, value: float, k_max: Sequence[int], new_decode: Callable[[], Decode] | None = None,
+    options: dict | None = None,
 ) -> Callable[[], PolicyController]:
-    """A factory of fresh controllers running ``name`` with its sweep parameter set to ``value``."""
+    """A factory of fresh controllers running ``name`` with its sweep parameter set to ``value``.
+
+    ``new_decode``: a zero-argument factory of readings (:func:`decode_factory`),
+    called once per controller, since a
+    :class:`~rdepth.exits.decode.RestDecode` keeps per-forward state.
+    ``options``: further policy options (e.g. the KL direction).
+    """
     cls = get_policy_class(name)
+    options = dict(options or {})
 
     def build_policy(group: int) -> ExitPolicy:
         if cls.sweep_parameter == "tau":
-            return cls(tau=value, k_max=int(k_max[group]))
-        return cls(k_max=int(k_max[group]), **{cls.sweep_parameter: _as_option(value)})
+            return cls(tau=value, k_max=int(k_max[group]), **options)
+        return cls(k_max=int(k_max[group]), **{cls.sweep_parameter: _as_option(value)}, **options)
 
     build_policy(0)  # validate the settings before any work
-    return lambda: PolicyController(build_policy, decode=decode)
+    return lambda: PolicyController(build_policy, decode=new_decode() if new_decode is not None else None)
+
+
+def decode_factory(model: RecurrentLM, config: SweepConfig, seq_len: int) -> Callable[[], Decode]:
+    """Fresh readings of ``config.decode`` (``head`` or ``rest``) for windows of ``seq_len`` tokens."""
+    return lambda: make_decode(model, config.decode, seq_len=seq_len, loops=config.decode_loops, seed=config.seed)
 
 
 def _as_option(value: float) -> Any:
@@ -48,10 +80,15 @@ class SweepMeasurer:
     """Measures settings of one model on fixed held-out ``windows`` ``[S, T + 1]``.
 
     Every result is a dict: the :class:`~rdepth.exits.evaluate.ExitEvaluation`
-    fields, ``steps`` (mean loop steps per token summed over groups) and, with
-    timing, ``ms_per_token_b1``, ``ms_per_token_batched`` (the first
-    ``timing_batch_size`` windows), ``timing_batch_size`` and, with
-    ``generate_tokens``, ``ms_per_token_generate``.
+    fields and ``steps`` (mean loop steps per token summed over groups). With
+    timing, after :meth:`time_all`: ``timing_path`` ("packed"),
+    ``timing_batch_size`` and, per latency key (:data:`PACKED_KEYS`, and
+    :data:`DENSE_KEYS` for fixed budgets), the median ms/token under the key,
+    ``<key>_iqr`` ``[q1, q3]`` and the per-round samples in
+    ``timing_samples[<key>]``. ``ms_per_token_b1``/``_batched`` are
+    teacher-forced (one window of T tokens per forward, time / tokens, batch 1
+    or ``timing_batch_size`` windows); ``ms_per_token_generate`` is decode
+    latency (greedy cached generation of ``generate_tokens`` tokens at batch 1).
     """
 
     def __init__(self, model: RecurrentLM, windows: torch.Tensor, config: SweepConfig, device: torch.device):
@@ -69,6 +106,10 @@ class SweepMeasurer:
                     f"exceeds the window of {seq_len} tokens"
                 )
         self.fixed_cache: dict[tuple[int, ...], dict] = {}
+        # What time_all times: label -> call, and label -> (entry, key, tokens of work per call).
+        self.calls: dict[str, Call] = {}
+        self.targets: dict[str, tuple[dict, str, int]] = {}
+        self.entries = 0
 
     def _evaluate(self, **mode) -> dict:
         result = evaluate_with_exits(
@@ -78,37 +119,63 @@ class SweepMeasurer:
         result["steps"] = sum(result["mean_steps"])
         return result
 
-    def _time(self, **mode) -> dict:
+    def _register(self, entry: dict, controller_factory, dense_counts: Sequence[int] | None = None) -> None:
+        """Queue the latencies of ``entry``: packed through ``controller_factory``; dense with ``dense_counts``."""
         config = self.config
         if not config.timing:
-            return {}
-        timings: dict[str, Any] = {}
+            return
+        entry_id = self.entries
+        self.entries += 1
+        timed = dict(seed=config.seed, autocast_dtype=self.autocast)
+        jobs: list[tuple[str, Call, int]] = []
         for label, idx in (("b1", self.timing_idx[:1]), ("batched", self.timing_idx)):
-            measured = time_forward(
-                self.model, idx, warmup=config.warmup, repeats=config.repeats, seed=config.seed,
-                autocast_dtype=self.autocast, **mode,
-            )
-            timings[f"ms_per_token_{label}"] = measured["ms_per_token"]
-        timings["timing_batch_size"] = int(self.timing_idx.shape[0])
+            jobs.append((f"ms_per_token_{label}", forward_call(self.model, idx, controller_factory=controller_factory,
+                                                               **timed), idx.numel()))
+            if dense_counts is not None:
+                jobs.append((f"dense_ms_per_token_{label}", forward_call(self.model, idx, loop_counts=dense_counts,
+                                                                         **timed), idx.numel()))
         if config.generate_tokens:
-            measured = time_generate(
-                self.model, self.timing_idx[:1, : config.generate_prompt], config.generate_tokens,
-                warmup=min(config.warmup, 1), repeats=config.repeats, seed=config.seed, **mode,
-            )
-            timings["ms_per_token_generate"] = measured["ms_per_token"]
-        return timings
+            prompt = self.timing_idx[:1, : config.generate_prompt]
+            jobs.append(("ms_per_token_generate", generate_call(
+                self.model, prompt, config.generate_tokens, controller_factory=controller_factory, **timed,
+            ), config.generate_tokens))
+        for key, call, work in jobs:
+            label = f"{entry_id}:{key}"
+            self.calls[label] = call
+            self.targets[label] = (entry, key, work)
+        entry["timing_path"] = "packed"
+        entry["timing_batch_size"] = int(self.timing_idx.shape[0])
 
-    def policy(self, factory: Callable[[], PolicyController]) -> dict:
-        """Quality, steps and latency of per-token exits by fresh controllers from ``factory``."""
-        return {**self._evaluate(controller=factory), **self._time(controller_factory=factory)}
+    def policy(self, factory: Callable[[], PolicyController], labels: dict | None = None) -> dict:
+        """Quality and steps of per-token exits by fresh controllers from ``factory``, after ``labels``;
+        latency queued (written into this dict by :meth:`time_all`)."""
+        entry = {**(labels or {}), **self._evaluate(controller=factory)}
+        self._register(entry, factory)
+        return entry
 
     def fixed(self, budget: Sequence[int]) -> dict:
-        """The fixed budget (loop steps per group), measured once; with its ``budget``."""
+        """The fixed budget (loop steps per group), measured once, with its ``budget``; quality on the dense
+        path (equal to the packed path's), latency queued on both paths."""
         budget = tuple(int(k) for k in budget)
         if budget not in self.fixed_cache:
-            self.fixed_cache[budget] = {
-                "budget": list(budget),
-                **self._evaluate(loop_counts=budget),
-                **self._time(loop_counts=budget),
-            }
+            entry = {"budget": list(budget), **self._evaluate(loop_counts=budget)}
+            self._register(entry, lambda: FixedController(budget), dense_counts=budget)
+            self.fixed_cache[budget] = entry
         return self.fixed_cache[budget]
+
+    def time_all(self, progress: bool = False) -> None:
+        """Time every queued call interleaved (``warmup`` each, then ``repeats`` shuffled rounds) and write
+        each entry's median, ``_iqr`` and ``timing_samples``."""
+        if not self.calls:
+            return
+        config = self.config
+        with tqdm(total=config.repeats, desc=f"timing {len(self.calls)} settings", disable=not progress) as bar:
+            samples = time_interleaved(self.calls, self.device, warmup=config.warmup, repeats=config.repeats,
+                                       seed=config.seed, progress=lambda _: bar.update())
+        for label, times_ms in samples.items():
+            entry, key, work = self.targets[label]
+            per_token = [t / work for t in times_ms]
+            stats = spread(per_token)
+            entry[key] = stats["median"]
+            entry[f"{key}_iqr"] = stats["iqr"]
+            entry.setdefault("timing_samples", {})[key] = per_token

@@ -26,8 +26,8 @@ def _by_policy(result: dict, parameter: str | None = "tau") -> dict[str, list[di
 
 
 LATENCY_LABELS = {
-    "ms_per_token_generate": "ms/token (cached generation, batch 1)",
-    "ms_per_token_b1": "ms/token (forward, batch 1)",
+    "ms_per_token_generate": "decode ms/token (cached generation, batch 1, packed path)",
+    "ms_per_token_b1": "teacher-forced ms/token (batch 1, packed path)",
 }
 
 
@@ -58,6 +58,9 @@ def figure4(result: dict) -> Any:
             ax.plot(xs, [p[key] for p in points], marker="o", label=name)
         ref = reference[key]
         ax.axhline(ref, color="grey", linestyle="--", linewidth=1, label=f"fixed {reference['budget']}")
+        if key == latency:
+            ax.set_yscale("log")  # one slow outlier must not flatten every other point
+            _plain_log(ax.yaxis)
         ax.set_xscale("log")
         ax.set_xlabel("threshold tau")
         ax.set_ylabel(label)
@@ -68,29 +71,71 @@ def figure4(result: dict) -> Any:
     return fig
 
 
+def _plain_log(axis: Any) -> None:
+    """Log scale with ticks written as plain numbers (0.3, 0.4, ...), not powers of ten."""
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+
+
+def _xerr(entries: list[dict], key: str | None) -> list[list[float]] | None:
+    """Horizontal error bars from the saved IQRs (None without them)."""
+    if key is None or not all(f"{key}_iqr" in e for e in entries):
+        return None
+    return [[max(e[key] - e[f"{key}_iqr"][0], 0.0) for e in entries],
+            [max(e[f"{key}_iqr"][1] - e[key], 0.0) for e in entries]]
+
+
+def _noisy(entry: dict, key: str | None, threshold: float) -> bool:
+    """The saved timing's IQR exceeds ``threshold`` of its median (the noise rule's spread test)."""
+    if key is None or f"{key}_iqr" not in entry:
+        return False
+    low, high = entry[f"{key}_iqr"]
+    return entry[key] > 0 and (high - low) / entry[key] > threshold
+
+
 def pareto(result: dict) -> Any:
     """Perplexity against latency (or loop steps) for every point of every policy and the fixed budgets,
-    with the matched-quality limit."""
+    with the matched-quality limit.
+
+    Latency on a log axis with the saved IQR as horizontal bars; points whose IQR exceeds the noise
+    threshold are ringed in red (their position is uncertain).
+    """
     plt = _pyplot()
     summary = summary_of(result)
     latency = summary["latency_key"]
+    threshold = summary.get("noise_threshold", 0.1)
 
     def x_of(entry: dict) -> float:
         return entry[latency or "steps"]
 
     fig, ax = plt.subplots(figsize=(7, 5))
+    noisy: list[dict] = []
     for name, points in _by_policy(result, parameter=None).items():
         ordered = sorted(points, key=x_of)
-        ax.plot([x_of(p) for p in ordered], [p["ppl"] for p in ordered], marker="o", label=name)
+        ax.errorbar([x_of(p) for p in ordered], [p["ppl"] for p in ordered], xerr=_xerr(ordered, latency),
+                    marker="o", capsize=2, label=name)
+        noisy += [p for p in ordered if _noisy(p, latency, threshold)]
     ladder = sorted(result.get("fixed_ladder", []), key=x_of)
     if ladder:
-        ax.plot([x_of(f) for f in ladder], [f["ppl"] for f in ladder], color="black", marker="s",
-                linestyle=":", label="fixed budgets")
+        ax.errorbar([x_of(f) for f in ladder], [f["ppl"] for f in ladder], xerr=_xerr(ladder, latency),
+                    color="black", marker="s", linestyle=":", capsize=2, label="fixed budgets (packed path)")
+        noisy += [f for f in ladder if _noisy(f, latency, threshold)]
     reference = result["reference"]
     ax.scatter([x_of(reference)], [reference["ppl"]], marker="*", s=200, color="black", zorder=5,
                label=f"full budget {reference['budget']}")
+    if _noisy(reference, latency, threshold):
+        noisy.append(reference)
+    if noisy:
+        ax.scatter([x_of(e) for e in noisy], [e["ppl"] for e in noisy], s=160, facecolors="none",
+                   edgecolors="red", linewidths=1.5, zorder=6,
+                   label=f"timing IQR > {100 * threshold:g}% of median")
     ax.axhline(summary["ppl_limit"], color="grey", linestyle="--", linewidth=1,
                label=f"+{100 * summary['tolerance']:g}% perplexity")
+    if latency:
+        ax.set_xscale("log")
+        _plain_log(ax.xaxis)
     ax.set_xlabel(LATENCY_LABELS[latency] if latency else "loop steps per token (all groups)")
     ax.set_ylabel("perplexity")
     ax.grid(alpha=0.3)

@@ -19,11 +19,16 @@ Latent rules (O(d) per token-step, never decode the vocabulary):
 * ``acceleration_state``: ``a / (||x^(s-1)|| + eps)``, same two hits.
 * ``cosine``: ``1 - cos(x^(s), x^(s-1)) < tau`` (consecutive states).
 
-Decoded rules (O(V) per token-step through ``decode`` = final norm + head; the
-initial state ``s0`` is never decoded, so their first comparison is at step 2):
+Decoded rules (O(V) per token-step through ``decode``: by default the final
+norm + head, a logit-lens reading of a middle group; :mod:`rdepth.exits.decode`
+also reads through the remaining layers; the initial state ``s0`` is never
+decoded, so their first comparison is at step 2):
 
-* ``kl``: ``KL(p^(s) || p^(s-1)) = sum_v p^(s)_v (log p^(s)_v - log p^(s-1)_v)``
-  (Eq. 4: the newer distribution first), log-softmax in float32.
+* ``kl``: by default (``direction="new_old"``)
+  ``KL(p^(s) || p^(s-1)) = sum_v p^(s)_v (log p^(s)_v - log p^(s-1)_v)``, the
+  paper's Eq. 4 (the newer distribution first). ``direction="old_new"`` is
+  ``KL(p^(s-1) || p^(s))``, what Geiping et al.'s released code computes
+  (``F.kl_div(log_p_new, log_p_old, log_target=True)``). Log-softmax in float32.
 * ``entropy_diff``: ``|H(p^(s)) - H(p^(s-1))| < tau`` (nats).
 * ``argmax_stable``: no tau; exits when the top token has not changed for
   ``patience`` consecutive steps.
@@ -187,9 +192,20 @@ class _DecodedPolicy(ExitPolicy):
 
 @register_policy
 class KLPolicy(_DecodedPolicy):
-    """``KL(p^(s) || p^(s-1)) < tau`` (Eq. 4); keeps the previous log-probs ``[N, V]``."""
+    """``KL(p^(s) || p^(s-1)) < tau`` (Eq. 4, ``direction="new_old"``, the default) or
+    ``KL(p^(s-1) || p^(s)) < tau`` (``direction="old_new"``, Geiping et al.'s code); keeps the
+    previous log-probs ``[N, V]``."""
 
     name = "kl"
+    option_defaults = {"direction": "new_old"}
+    DIRECTIONS = ("new_old", "old_new")
+
+    def _validate_options(self) -> None:
+        if self.options["direction"] not in self.DIRECTIONS:
+            raise RdepthError(
+                f"exit policy {self.name}: direction must be one of {', '.join(self.DIRECTIONS)}, "
+                f"got {self.options['direction']!r}"
+            )
 
     def _reset(self, state):
         self.prev_log_probs: torch.Tensor | None = None
@@ -201,7 +217,11 @@ class KLPolicy(_DecodedPolicy):
         if step == 1:
             exits = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         else:
-            kl = (log_probs.exp() * (log_probs - self.prev_log_probs[rows])).sum(-1)
+            prev_log_probs = self.prev_log_probs[rows]
+            if self.options["direction"] == "new_old":
+                kl = (log_probs.exp() * (log_probs - prev_log_probs)).sum(-1)
+            else:
+                kl = (prev_log_probs.exp() * (prev_log_probs - log_probs)).sum(-1)
             exits = kl < self.tau
         self.prev_log_probs[rows] = log_probs
         return exits

@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 from rdepth.exits.plots import save_sweep_figures
-from rdepth.exits.summary import summary_of
+from rdepth.exits.stats import format_ratio
+from rdepth.exits.summary import TIMING_LABELS, summary_of
 from rdepth.report.html import Section, add_section
 
 SECTION_NAME = "early_exit"
@@ -30,13 +31,47 @@ def _matched_row(row: dict, ranking: str, tolerance: float) -> dict:
         "loop steps (all groups)": _round(row["steps"], 2), "steps saved": f"{100 * row['steps_saved']:.1f}%",
     }
     if ranking != "steps":
-        cells.update({
-            f"ms/token ({ranking})": _round(row.get(f"ms_per_token_{ranking}")),
-            "speedup vs full": _round(row.get(f"speedup_vs_full_{ranking}"), 3),
-            "speedup vs matched fixed": _round(row.get(f"speedup_vs_fixed_{ranking}"), 3),
-        })
+        cells[f"ms/token ({TIMING_LABELS[ranking]}, packed)"] = _round(row.get(f"ms_per_token_{ranking}"))
+        cells["speedup vs full (packed) [IQR range]"] = _ratio(row, f"speedup_vs_full_{ranking}")
+        cells["speedup vs matched fixed (packed)"] = _ratio(row, f"speedup_vs_fixed_{ranking}")
+        if f"speedup_vs_dense_full_{ranking}" in row:
+            cells["speedup vs full (dense path, reference)"] = _ratio(row, f"speedup_vs_dense_full_{ranking}")
     cells["matched fixed budget"] = row.get("matched_fixed_budget")
     return cells
+
+
+def _ratio(row: dict, name: str) -> str:
+    """A saved speedup with its range, and the noise flag when it is within noise."""
+    if name not in row:
+        return "-"
+    text = format_ratio({"ratio": row[name], "range": row[f"{name}_range"], "noise": row[f"{name}_noise"]})
+    return ("\u26a0 " + text) if row[f"{name}_noise"] else text
+
+
+def _timing_note(result: dict, summary: dict) -> str:
+    """What was timed, how, and on which path (all read from the saved result)."""
+    if not summary["timings"]:
+        return " Latency was not measured."
+    env = result["environment"]
+    config = result["config"]
+    definitions = summary["latency_definitions"]
+    text = (
+        f" Timing on {env.get('device')}: {config.get('warmup')} warm-up calls per setting, then "
+        f"{config['repeats']} rounds that each time every setting once in a shuffled order (so the full budget "
+        f"and every policy run under the same load); median and interquartile range (IQR) per setting. "
+        f"A speedup is flagged within noise when the two IQRs overlap or either IQR exceeds "
+        f"{100 * summary['noise_threshold']:g}% of its median. Policies and fixed budgets are timed on the same "
+        f"({summary['timing_path']}) path: active rows gathered, per-token keys/values; the dense fixed-budget "
+        f"path is shown only as a reference. Latency 'b1' is {definitions['ms_per_token_b1']}."
+    )
+    if "ms_per_token_generate" in definitions:
+        text += f" Decode latency ('generate'): {definitions['ms_per_token_generate']}."
+    full = next((row for row in summary["packed_over_dense"] if row["budget"] == result["reference"]["budget"]),
+                None)
+    if full and "b1" in full:
+        text += (f" For identical work (the full budget) the packed path takes {format_ratio(full['b1'])} the "
+                 f"dense path's time at batch 1.")
+    return text
 
 
 def write_report_section(result: dict, run_dir: str | os.PathLike, figures: dict[str, Path]) -> Path:
@@ -47,15 +82,19 @@ def write_report_section(result: dict, run_dir: str | os.PathLike, figures: dict
     tolerance = summary["tolerance"]
     ranking = summary["report_ranking"]
     section = Section(SECTION_NAME, "Early exit: latency and quality across thresholds", order=30)
-    env = result["environment"]
-    timing_note = (
-        f" Timing on {env.get('device')} (median of {result['config']['repeats']} warm, synchronised runs)."
-        if summary["timings"] else " Latency was not measured."
-    )
+    if summary["noisy"]:
+        section.note(
+            f"\u26a0 WARNING: {len(summary['noise_warnings'])} timing comparison(s) below are within noise "
+            f"(IQRs overlap or spread above {100 * summary['noise_threshold']:g}%); do not read those ratios as "
+            "speedups. "
+            + " ".join(f"\u2022 {warning}." for warning in summary["noise_warnings"])
+        )
+    decode = summary["decode"]
     section.note(
         f"Teacher-forced evaluation on {reference['tokens']} held-out tokens per point; per-token exits per "
         f"group with step cap k_max = {result['k_max']}. Reference: the full fixed budget, perplexity "
-        f"{summary['full_ppl']:.4f}.{timing_note}"
+        f"{summary['full_ppl']:.4f}. Decoded rules (kl, entropy_diff, argmax_stable) read with "
+        f"decode = {decode['mode']}: {decode['description']}.{_timing_note(result, summary)}"
     )
     if ranking == "steps":
         caption = "Each policy at its fewest loop steps"
@@ -64,7 +103,8 @@ def write_report_section(result: dict, run_dir: str | os.PathLike, figures: dict
     caption += f" within {100 * tolerance:g}% of the full budget's perplexity"
     if ranking != "steps":
         caption += ("; speedups > 1 mean faster than the full budget / than the cheapest fixed budget "
-                    "of the same quality")
+                    "of the same quality, timed on the same packed path; [low-high] is the ratio the two "
+                    "IQRs allow; \u26a0 marks a ratio within noise")
     section.table([_matched_row(row, ranking, tolerance) for row in summary["matched_quality"][ranking]],
                   caption=caption)
     rows = []
@@ -72,14 +112,23 @@ def write_report_section(result: dict, run_dir: str | os.PathLike, figures: dict
         rows.append({
             "policy": point["policy"], "setting": f"{point['parameter']}={point['value']:g}",
             "steps per group": [round(m, 2) for m in point["mean_steps"]],
-            "ms/token b1": _round(point.get("ms_per_token_b1")),
-            "ms/token batched": _round(point.get("ms_per_token_batched")),
-            "ms/token generate": _round(point.get("ms_per_token_generate")),
+            "teacher-forced ms/token b1": _round(point.get("ms_per_token_b1")),
+            "teacher-forced ms/token batched": _round(point.get("ms_per_token_batched")),
+            "decode ms/token (generate)": _round(point.get("ms_per_token_generate")),
             "ppl": _round(point["ppl"]), "ce": _round(point["ce"]),
             "fixed at same steps": point["baseline"]["budget"],
             "fixed ppl": _round(point["baseline"]["ppl"]),
         })
-    section.table(rows, caption="Every sweep point and the fixed budget at its mean steps")
+    section.table(rows, caption="Every sweep point and the fixed budget at its mean steps (latencies: medians, "
+                                "packed path)")
+    if summary["packed_over_dense"]:
+        section.table([
+            {"fixed budget": row["budget"],
+             **{f"packed / dense time ({TIMING_LABELS[t]})": format_ratio(row[t]) for t in ("b1", "batched")
+                if t in row}}
+            for row in summary["packed_over_dense"]
+        ], caption="The packed path against the dense path for identical work (fixed budgets); > 1: packed is "
+                   "slower")
     captions = {
         "fig_latency_quality": "Latency, perplexity and cross-entropy against tau per policy (the paper's Figure 4)",
         "fig_pareto": f"Perplexity against latency: every policy, the fixed budgets, the +{100 * tolerance:g}% line",

@@ -4,11 +4,20 @@ For each policy and each value of its grid (``tau`` on a log scale, 1e-5 ...
 1e-2 by default; ``patience`` for ``argmax_stable``) the sweep evaluates
 held-out windows teacher-forced with per-token exits and records:
 cross-entropy and perplexity, mean loop steps per group, histograms of the
-steps computed and of the state handed on, and ms/token at batch 1 and batched
-(warm, synchronised, median of repeats). Every point gets a baseline: the fixed
-budget at its mean steps (rounded per group). The full budget (every group at
-``k_max``) is the reference, and a ladder of fixed budgets gives the
-fixed-budget latency-quality curve.
+steps computed and of the state handed on, and teacher-forced ms/token at
+batch 1 and batched (a whole window per forward, time / tokens; not decode
+latency), plus, with ``generate_tokens``, the decode latency of cached
+generation. Every point gets a baseline: the fixed budget at its mean steps
+(rounded per group). The full budget (every group at ``k_max``) is the
+reference, and a ladder of fixed budgets gives the fixed-budget
+latency-quality curve.
+
+Quality is measured first, setting by setting; then every latency is timed
+together, interleaved (:meth:`SweepMeasurer.time_all`): warm, synchronised,
+``repeats`` rounds that each time every setting once in a shuffled order;
+median and interquartile range saved. Policies and fixed budgets are timed on
+the same (packed) path; fixed budgets also on the dense path as a reference.
+Decoded rules read the state as ``config.decode`` says (:mod:`rdepth.exits.decode`).
 
 :func:`sweep_checkpoint` is the whole command (``rdepth sweep``, the demo and
 ``bench/exit_speed.py`` call it): open the run, cut the held-out windows,
@@ -27,7 +36,7 @@ from tqdm import tqdm
 
 from rdepth.errors import RdepthError
 from rdepth.exits.config import SweepConfig
-from rdepth.exits.measure import SweepMeasurer, policy_controller_factory
+from rdepth.exits.measure import SweepMeasurer, decode_factory, policy_controller_factory
 from rdepth.exits.registry import get_policy_class
 from rdepth.exits.report_section import render_sweep
 from rdepth.exits.summary import summarize, summary_of, sweep_csv
@@ -48,7 +57,8 @@ def run_sweep(
 
     Keys: ``config``, ``environment``, ``model``, ``k_max``, ``reference`` (the
     full fixed budget), ``points``, ``fixed_ladder`` and ``summary`` (see
-    :mod:`rdepth.exits.summary`). Window i starts its loops from the run
+    :mod:`rdepth.exits.summary`); each measured entry's keys are listed in
+    :class:`rdepth.exits.measure.SweepMeasurer`. Window i starts its loops from the run
     layer's noise for window i, so a fixed budget's cross-entropy equals
     :func:`rdepth.run.evaluate.evaluate` on the same windows. The model is put
     in eval mode on ``device``; ``config.checkpoint``, ``data``, ``out`` and
@@ -66,11 +76,13 @@ def run_sweep(
              list(k_max))
     reference = measurer.fixed(k_max)
     settings = [(name, value) for name in config.policies for value in config.values(name)]
+    new_decode = decode_factory(model, config, seq_len)
     points = []
     for name, value in tqdm(settings, desc="sweep", disable=not progress):
-        factory = policy_controller_factory(name, value, k_max, model.readout)
-        point = {"policy": name, "parameter": get_policy_class(name).sweep_parameter, "value": value}
-        point.update(measurer.policy(factory))
+        factory = policy_controller_factory(name, value, k_max, new_decode, config.policy_options(name))
+        point = measurer.policy(
+            factory, {"policy": name, "parameter": get_policy_class(name).sweep_parameter, "value": value},
+        )
         budget = [max(1, min(cap, round(mean))) for mean, cap in zip(point["mean_steps"], k_max)]
         point["baseline"] = measurer.fixed(budget)
         points.append(point)
@@ -82,6 +94,7 @@ def run_sweep(
     if config.fixed_ladder:
         for steps in range(1, max(k_max) + 1):
             ladder.append(measurer.fixed([min(steps, cap) for cap in k_max]))
+    measurer.time_all(progress=progress)
     saved_config = asdict(config)
     saved_config.update(k_max=list(k_max), block_size=seq_len, windows=int(windows.shape[0]), grids=config.grid)
     result = {
@@ -93,7 +106,7 @@ def run_sweep(
         "points": points,
         "fixed_ladder": ladder,
     }
-    result["summary"] = summarize(result, config.tolerance)
+    result["summary"] = summarize(result, config.tolerance, config.noise_threshold)
     return result
 
 

@@ -1,16 +1,38 @@
-"""Wall-clock latency of a forward pass with exits: warm, synchronised, median of repeats."""
+"""Wall-clock latency: warm, synchronised, interleaved repeats, median and interquartile range.
+
+Two kinds of call are timed, both under the sweep's autocast:
+
+* :func:`forward_call`: a **teacher-forced** forward of ``idx`` ``[B, T]``,
+  all T positions at once; its wall time / ``B*T`` is "teacher-forced
+  ms/token", *not* decode latency. Two paths: ``loop_counts`` is the dense
+  fixed-budget path; ``controller_factory`` is the packed path (active rows
+  gathered, per-token keys/values) that every exit policy takes, and that a
+  fixed budget takes with :class:`rdepth.model.control.FixedController`.
+* :func:`generate_call`: greedy cached generation of ``new_tokens`` tokens
+  after a prompt (always the packed path, with a key/value cache): its wall
+  time / ``B*new_tokens`` is the decode latency (prompt forward amortised).
+
+:func:`time_interleaved` times several calls against each other: each is warmed
+up, then every round calls each once in a shuffled order, so the reference and
+every candidate alternate for the whole measurement and a burst of load lands
+on rounds rather than on one setting. Statistics and the noise rule are in
+:mod:`rdepth.exits.stats`.
+"""
 
 from __future__ import annotations
 
-import statistics
+import random
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
 from rdepth.errors import RdepthError
+from rdepth.exits.stats import spread
 from rdepth.model import RecurrentLM
 from rdepth.model.control import LoopController
+
+Call = Callable[[], None]
 
 
 def synchronize(device: torch.device) -> None:
@@ -19,21 +41,131 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_calls(call: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """``warmup`` untimed calls, then ``repeats`` synchronised wall-clock timings in milliseconds."""
-    for _ in range(warmup):
-        call()
-    times_ms = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        call()
-        synchronize(device)
-        times_ms.append((time.perf_counter() - start) * 1e3)
-    return times_ms
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
-@torch.no_grad()
+def _one_mode(name: str, controller_factory, loop_counts) -> None:
+    if (controller_factory is None) == (loop_counts is None):
+        raise RdepthError(f"{name}: give exactly one of controller_factory or loop_counts")
+
+
+def forward_call(
+    model: RecurrentLM,
+    idx: torch.Tensor,
+    *,
+    controller_factory: Callable[[], LoopController] | None = None,
+    loop_counts: Sequence[int] | None = None,
+    seed: int = 0,
+    autocast_dtype: torch.dtype | None = None,
+) -> Call:
+    """A zero-argument call running ``model(idx)`` teacher-forced (``idx`` ``[B, T]`` on the model's device).
+
+    Either ``controller_factory`` (a fresh controller per call: the packed path)
+    or ``loop_counts`` (the dense path). Every call starts from the same initial
+    states (its generator reseeded to ``seed``).
+    """
+    _one_mode("forward_call", controller_factory, loop_counts)
+    device = idx.device
+    generator = torch.Generator(device=device)
+
+    @torch.no_grad()
+    def call() -> None:
+        generator.manual_seed(seed)
+        with _autocast(device, autocast_dtype):
+            if loop_counts is not None:
+                model(idx, loop_counts=loop_counts, generator=generator)
+            else:
+                model(idx, controller=controller_factory(), generator=generator)
+
+    return call
+
+
+def generate_call(
+    model: RecurrentLM,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    *,
+    controller_factory: Callable[[], LoopController] | None = None,
+    loop_counts: Sequence[int] | None = None,
+    seed: int = 0,
+    autocast_dtype: torch.dtype | None = None,
+) -> Call:
+    """A zero-argument call generating ``new_tokens`` greedy tokens after ``prompt`` ``[B, P]`` with the
+    key/value cache (the prompt's forward included), under ``autocast_dtype``."""
+    from rdepth.model.generation import generate
+
+    _one_mode("generate_call", controller_factory, loop_counts)
+    if new_tokens < 1 or prompt.shape[1] + new_tokens > model.config.block_size:
+        raise RdepthError(
+            f"time_generate: need 1 <= new_tokens and prompt + new tokens <= block size {model.config.block_size}"
+        )
+    device = prompt.device
+    generator = torch.Generator(device=device)
+
+    @torch.no_grad()
+    def call() -> None:
+        generator.manual_seed(seed)
+        with _autocast(device, autocast_dtype):
+            generate(model, prompt, new_tokens, temperature=0.0, loop_counts=loop_counts,
+                     controller_factory=controller_factory, generator=generator)
+
+    return call
+
+
+def _timed(call: Call, device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    call()
+    synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def time_interleaved(
+    calls: Mapping[str, Call],
+    device: torch.device | str,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, list[float]]:
+    """Milliseconds per call of each of ``calls``, measured interleaved.
+
+    Each call is warmed up ``warmup`` times (untimed); then ``repeats`` rounds
+    each time every call once, between device synchronisations, in an order
+    shuffled per round (seeded by ``seed``). Returns label -> the ``repeats``
+    samples in round order. ``progress(round)`` is called after each round.
+    """
+    if warmup < 0 or repeats < 1:
+        raise RdepthError(f"timing: need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
+    device = torch.device(device)
+    labels = list(calls)
+    for label in labels:
+        for _ in range(warmup):
+            calls[label]()
+    order = random.Random(seed)
+    samples: dict[str, list[float]] = {label: [] for label in labels}
+    for round_index in range(repeats):
+        shuffled = labels[:]
+        order.shuffle(shuffled)
+        for label in shuffled:
+            samples[label].append(_timed(calls[label], device))
+        if progress is not None:
+            progress(round_index)
+    return samples
+
+
+def _summary(times_ms: list[float], work: int) -> dict:
+    stats = spread(times_ms)
+    return {
+        "ms_per_token": stats["median"] / work,
+        "ms_per_token_iqr": [q / work for q in stats["iqr"]],
+        "median_ms": stats["median"],
+        "all_ms": times_ms,
+    }
+
+
 def time_forward(
     model: RecurrentLM,
     idx: torch.Tensor,
@@ -45,43 +177,19 @@ def time_forward(
     seed: int = 0,
     autocast_dtype: torch.dtype | None = None,
 ) -> dict:
-    """Milliseconds per token of ``model(idx)`` (teacher-forced, all positions at once).
+    """Teacher-forced milliseconds per token of ``model(idx)`` alone (see :func:`forward_call`).
 
-    ``idx`` ``[B, T]`` on the model's device. Either ``controller_factory``
-    (a fresh controller per call: per-token exits) or ``loop_counts`` (the
-    dense fixed-budget path). ``warmup`` untimed calls, then ``repeats`` timed
-    ones, each between device synchronisations, with the same initial states
-    (generator reseeded). Returns ``ms_per_token`` (median call time /
-    ``B*T``), ``median_ms``, ``all_ms`` and the shape.
+    Returns ``ms_per_token`` (median call time / ``B*T``), ``ms_per_token_iqr``,
+    ``median_ms``, ``all_ms``, ``batch_size`` and ``seq_len``. To compare two
+    settings, time them together with :func:`time_interleaved`.
     """
-    if (controller_factory is None) == (loop_counts is None):
-        raise RdepthError("time_forward: give exactly one of controller_factory or loop_counts")
-    if warmup < 0 or repeats < 1:
-        raise RdepthError(f"time_forward: need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
-    device = idx.device
-    generator = torch.Generator(device=device)
-
-    def call() -> None:
-        generator.manual_seed(seed)
-        with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-            if loop_counts is not None:
-                model(idx, loop_counts=loop_counts, generator=generator)
-            else:
-                model(idx, controller=controller_factory(), generator=generator)
-
     model.eval()
-    times_ms = _timed_calls(call, device, warmup, repeats)
-    median = statistics.median(times_ms)
-    return {
-        "ms_per_token": median / idx.numel(),
-        "median_ms": median,
-        "all_ms": times_ms,
-        "batch_size": int(idx.shape[0]),
-        "seq_len": int(idx.shape[1]),
-    }
+    call = forward_call(model, idx, controller_factory=controller_factory, loop_counts=loop_counts, seed=seed,
+                        autocast_dtype=autocast_dtype)
+    times_ms = time_interleaved({"call": call}, idx.device, warmup=warmup, repeats=repeats, seed=seed)["call"]
+    return {**_summary(times_ms, idx.numel()), "batch_size": int(idx.shape[0]), "seq_len": int(idx.shape[1])}
 
 
-@torch.no_grad()
 def time_generate(
     model: RecurrentLM,
     prompt: torch.Tensor,
@@ -92,29 +200,12 @@ def time_generate(
     warmup: int = 1,
     repeats: int = 3,
     seed: int = 0,
+    autocast_dtype: torch.dtype | None = None,
 ) -> dict:
-    """Milliseconds per generated token of greedy cached generation after ``prompt`` ``[B, P]``.
-
-    Each call generates ``new_tokens`` tokens (the prompt's own forward is
-    timed too, and amortised over them). Returns ``ms_per_token`` (median /
-    ``B * new_tokens``), ``median_ms`` and ``all_ms``.
-    """
-    from rdepth.model.generation import generate
-
-    if (controller_factory is None) == (loop_counts is None):
-        raise RdepthError("time_generate: give exactly one of controller_factory or loop_counts")
-    if new_tokens < 1 or prompt.shape[1] + new_tokens > model.config.block_size:
-        raise RdepthError(
-            f"time_generate: need 1 <= new_tokens and prompt + new tokens <= block size {model.config.block_size}"
-        )
-    device = prompt.device
-    generator = torch.Generator(device=device)
-
-    def call() -> None:
-        generator.manual_seed(seed)
-        generate(model, prompt, new_tokens, temperature=0.0, loop_counts=loop_counts,
-                 controller_factory=controller_factory, generator=generator)
-
-    times_ms = _timed_calls(call, device, warmup, repeats)
-    median = statistics.median(times_ms)
-    return {"ms_per_token": median / (prompt.shape[0] * new_tokens), "median_ms": median, "all_ms": times_ms}
+    """Milliseconds per generated token of greedy cached generation after ``prompt`` ``[B, P]`` alone
+    (see :func:`generate_call`); ``ms_per_token`` (median / ``B * new_tokens``), ``ms_per_token_iqr``,
+    ``median_ms`` and ``all_ms``."""
+    call = generate_call(model, prompt, new_tokens, controller_factory=controller_factory, loop_counts=loop_counts,
+                         seed=seed, autocast_dtype=autocast_dtype)
+    times_ms = time_interleaved({"call": call}, prompt.device, warmup=warmup, repeats=repeats, seed=seed)["call"]
+    return _summary(times_ms, prompt.shape[0] * new_tokens)
