@@ -29,6 +29,8 @@ ALLOWED = {
     "geometry": BASE | {"config", "model", "data", "run", "report"},
     # a surrogate's phases are read as loops with the geometry tools
     "surrogate": BASE | {"config", "model", "data", "run", "report", "geometry"},
+    # exported Hugging Face models bundle the model and the exit rules
+    "interop": BASE | {"config", "model", "data", "run", "exits"},
     "demo": BASE | {"config", "model", "data", "run", "train", "exits", "geometry", "report", "tasks"},
     "cli": None,  # the command line sits above everything
     "__main__": None,

@@ -11,11 +11,15 @@ print one line on stderr and exit with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import os
+import signal
 import sys
 
 from rdepth.errors import RdepthError
+from rdepth.io import exclusive
 
 # Subcommand modules, in the order ``rdepth --help`` lists them.
 SUBCOMMANDS = [
@@ -26,6 +30,10 @@ SUBCOMMANDS = [
     "analyze",
     "sweep",
     "surrogate",
+    "export",
+    "import_hf",
+    "retrofit",
+    "lmeval",
     "demo",
 ]
 
@@ -67,15 +75,77 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    previous = _terminate_like_interrupt()
     try:
-        result = args.func(args)
+        out = _output_folder(args) if args.command in LOCKED_COMMANDS else None
+        with exclusive(out, args.command) if out else contextlib.nullcontext():
+            result = args.func(args)
     except RdepthError as exc:
-        print(f"rdepth {args.command}: error: {exc}", file=sys.stderr)
+        print(f"rdepth {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"rdepth {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"rdepth {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # a read-only or full disk, a path that is a file: the system's words, one line
+        logging.getLogger(__name__).debug("%s", exc, exc_info=True)
+        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"rdepth {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print(f"rdepth {args.command}: error: out of memory (choose smaller sizes)", file=sys.stderr)
+        return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return int(result or 0)
+
+
+# Commands whose --out folder is locked here, for the whole command (one writer per folder);
+# train and prepare lock inside their writers (the trainer, the shard writer), for library callers too.
+LOCKED_COMMANDS = ("analyze", "sweep", "surrogate", "demo")
+# Where the default --out of a command's config lives (flags default to None).
+_CONFIG_MODULES = {"SurrogateRunConfig": "rdepth.surrogate.config", "DemoConfig": "rdepth.demo"}
+
+
+def _output_folder(args: argparse.Namespace) -> str | None:
+    """The ``--out`` folder a command will write: the flag's value, else its config's default."""
+    import dataclasses
+
+    for key, value in vars(args).items():
+        if not key.endswith(".out"):
+            continue
+        if value is not None:
+            return str(value)
+        class_name = key.split(".", 1)[0]
+        if class_name in _CONFIG_MODULES:
+            cls = getattr(importlib.import_module(_CONFIG_MODULES[class_name]), class_name)
+            default = next((f.default for f in dataclasses.fields(cls) if f.name == "out"), None)
+            return str(default) if isinstance(default, (str, os.PathLike)) and str(default) else None
+    return None
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so every ``finally`` (temporary files, locks) runs."""
+
+
+def _terminate_like_interrupt():
+    """Make SIGTERM behave like SIGINT (main thread only); returns the previous handler."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

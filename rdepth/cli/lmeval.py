@@ -1,0 +1,46 @@
+"""``rdepth lm-eval``: EleutherAI lm-eval harness tasks at one or more loop budgets."""
+
+from __future__ import annotations
+
+import argparse
+
+from rdepth.cli.options import add_dataclass_flags, build
+
+
+def register(subparsers) -> None:
+    from rdepth.interop.config import LmEvalConfig
+
+    parser = subparsers.add_parser(
+        "lm-eval",
+        help="score a checkpoint on lm-eval harness tasks per loop budget",
+        description="Run lm-eval harness tasks (hub tasks, or local YAML tasks with --include-path) on a "
+        "checkpoint through the registered 'rdepth' model, once per loop budget, and print each task's "
+        "metrics per budget. Needs the lm-eval extra (pip install 'rdepth[lm-eval]').",
+    )
+    add_dataclass_flags(parser, LmEvalConfig, title="lm-eval")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rdepth.errors import RdepthError
+    from rdepth.interop.config import LmEvalConfig
+    from rdepth.io import write_json
+
+    config = build(LmEvalConfig, {}, args)
+    try:
+        from rdepth.interop.lm_eval_model import evaluate_budgets
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "lm_eval":
+            raise RdepthError("lm-eval is not installed: pip install 'rdepth[lm-eval]'") from None
+        raise
+    summary = evaluate_budgets(config.checkpoint, config.task_list, config.loops or [None], config.include_path,
+                               config.limit, config.batch_size, config.seed, config.device)
+    for budget in summary["budgets"]:
+        loops = ",".join(map(str, budget["loops"]))
+        for task, metrics in budget["results"].items():
+            shown = "  ".join(f"{name} {value:.4f}" for name, value in metrics.items()
+                              if "stderr" not in name and name != "sample_len")
+            print(f"loops {loops:>10}  {task}: {shown}  ({metrics.get('sample_len', '?')} examples)")
+    if config.json:
+        write_json(config.json, summary)
+    return 0

@@ -1,0 +1,99 @@
+"""Settings of ``rdepth export``, ``rdepth import-hf`` and ``rdepth retrofit`` (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rdepth.errors import RdepthError
+from rdepth.fields import option
+
+
+@dataclass
+class ExportConfig:
+    """One ``rdepth export``: a run's checkpoint as a Hugging Face folder."""
+
+    checkpoint: str = option("", "checkpoint folder, or a run folder (its latest checkpoint)", required=True)
+    out: str = option("", "new folder to write (must not exist, or be empty)", required=True)
+    loops: str | None = option(None, "default loop counts of the exported model: N or N,N,... per group",
+                               default_text="the model's eval loop counts")
+    state_seed: int = option(0, "seed of the exported model's initial loop state (overridable per call)")
+    exit_policy: str | None = option(None, "default per-token exit rule of the exported model (a name from "
+                                     "rdepth sweep, e.g. acceleration)", default_text="none: fixed loop counts")
+    exit_tau: float | None = option(None, "threshold of --exit-policy", default_text="none")
+    exit_k_max: str = option("32", "loop cap of --exit-policy: N or N,N,... per group")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.state_seed, int) or not 0 <= self.state_seed < 2**62:
+            raise RdepthError(f"export: state_seed must be in 0..2^62, got {self.state_seed!r}")
+        if self.exit_tau is not None and self.exit_policy is None:
+            raise RdepthError("export: --exit-tau needs --exit-policy")
+
+    def exit_spec(self) -> dict | None:
+        """The ``exit_policy`` of the exported config.json (None without --exit-policy)."""
+        if self.exit_policy is None:
+            return None
+        try:
+            caps = [int(k) for k in str(self.exit_k_max).split(",") if k.strip()]
+        except ValueError:
+            raise RdepthError(f"export: --exit-k-max expects N or N,N,..., got {self.exit_k_max!r}") from None
+        spec = {"name": self.exit_policy, "k_max": caps[0] if len(caps) == 1 else caps}
+        if self.exit_tau is not None:
+            spec["tau"] = self.exit_tau
+        return spec
+
+
+@dataclass
+class ImportConfig:
+    """One ``rdepth import-hf``: a Hugging Face folder as an rdepth run."""
+
+    hf: str = option("", "Hugging Face model folder (config.json + model.safetensors + tokenizer.json)",
+                     required=True)
+    out: str = option("", "new rdepth run folder to write (must not exist, or be empty)", required=True)
+
+
+@dataclass
+class RetrofitConfig:
+    """One ``rdepth retrofit``: loop chosen layers of a plain rdepth model."""
+
+    checkpoint: str = option("", "checkpoint or run folder of a plain model (trained with --groups '')",
+                             required=True)
+    groups: str = option("", "layers to loop, e.g. '2-3' or '1|2-3|4' (0-based, a-b inclusive)", required=True)
+    out: str = option("", "new run folder to write (must not exist, or be empty)", required=True)
+    mean_loops: float = option(4.0, "mean training loop count of the new model (for rdepth train --init-from)")
+    backprop_depth: int | None = option(None, "loop steps that get gradients", default_text="the source model's")
+    init_state_scale: float | None = option(None, "std scale of the random initial loop state (0: zero state)",
+                                            default_text="the source model's")
+
+    def __post_init__(self) -> None:
+        if not self.groups.strip():
+            raise RdepthError("retrofit: --groups must name the layers to loop, e.g. '2-3'")
+
+
+@dataclass
+class LmEvalConfig:
+    """One ``rdepth lm-eval``: lm-eval harness tasks at one or more loop budgets."""
+
+    checkpoint: str = option("", "checkpoint folder, or a run folder (its latest checkpoint)", required=True)
+    tasks: str = option("", "lm-eval task names, comma-separated", required=True)
+    include_path: str | None = option(None, "folder of extra task YAML files (local tasks, no hub needed)")
+    loops: list[str] | None = option(
+        None, "loop counts N (every group) or N,N,... (per group); repeat the flag to compare budgets",
+        default_text="the model's eval loop counts",
+    )
+    limit: int | None = option(None, "examples per task", default_text="all")
+    batch_size: int = option(8, "requests per forward pass")
+    seed: int = option(0, "seed of the initial loop-state noise")
+    device: str = option("cpu", "cpu or cuda[:N]")
+    json: str | None = option(None, "also write the results to this JSON file")
+
+    def __post_init__(self) -> None:
+        if not [task for task in self.tasks.split(",") if task.strip()]:
+            raise RdepthError("lm-eval: --tasks must name at least one task")
+        for name in ("batch_size", "limit"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise RdepthError(f"lm-eval: {name} must be a positive integer, got {value!r}")
+
+    @property
+    def task_list(self) -> list[str]:
+        return [task.strip() for task in self.tasks.split(",") if task.strip()]

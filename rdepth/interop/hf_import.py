@@ -1,0 +1,131 @@
+"""``rdepth import-hf``: a Hugging Face model folder as an rdepth run, where the architectures match.
+
+An importer is chosen by ``config.json``'s ``model_type`` from :data:`IMPORTERS`.
+rdepth's :class:`~rdepth.model.RecurrentLM` holds exactly one architecture, so only
+folders of that architecture import: those written by ``rdepth export`` (the round
+trip is exact). Architectures it cannot compute are refused with the mismatch
+named in :data:`MISMATCHES`, never approximated: a GPT-2 block (pre-LayerNorm
+with biases, GELU MLP, an un-normalised residual stream, no embedding scale) and
+rdepth's sandwich block (RMSNorm before each sub-layer *and* after each residual
+sum, no biases, SiLU, token embedding times sqrt(d)) compute different functions
+for every choice of weights. (Raptor surrogates of GPT-2 folders go through
+``rdepth surrogate --teacher DIR``, which has its own GPT-2 layer.)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rdepth.config import ModelConfig, field_names
+from rdepth.data.tokenizers import BPE_FILE, META_FILE, load_tokenizer
+from rdepth.errors import RdepthError
+from rdepth.interop.config import ImportConfig
+from rdepth.interop.output import check_new_folder, staged_folder
+from rdepth.io import read_json_object, write_json, write_text
+from rdepth.model import RecurrentLM
+from rdepth.run.checkpoint import save_checkpoint
+
+log = logging.getLogger(__name__)
+
+WEIGHT_PREFIX = "model."  # as rdepth.interop.export writes them
+
+GPT2_MISMATCH = (
+    "its blocks are pre-LayerNorm with biases and a GELU MLP on an un-normalised residual stream, "
+    "rdepth's are sandwich-RMSNorm (a norm after every residual sum), bias-free, with a SiLU MLP and "
+    "the token embedding scaled by sqrt(d); no weights make one compute the other"
+)
+# model_type -> why RecurrentLM cannot hold it exactly
+MISMATCHES: dict[str, str] = {
+    "gpt2": GPT2_MISMATCH,
+    "gpt_neo": GPT2_MISMATCH,
+    "llama": "its blocks are pre-RMSNorm with rotary positions and a gated SwiGLU MLP; rdepth's are "
+             "sandwich-RMSNorm with learned positions and a plain SiLU MLP",
+}
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = folder / "model.safetensors"
+    if not path.is_file():
+        raise RdepthError(f"{folder} has no model.safetensors")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise RdepthError(f"weights {path} are corrupt or truncated ({exc})") from None
+
+
+def import_rdepth_export(folder: Path, hf_config: dict) -> tuple[RecurrentLM, dict]:
+    """A folder written by ``rdepth export``: its model and the tokenizer files to save."""
+    values = {name: hf_config[name] for name in field_names() if name in hf_config}
+    if hf_config.get("loop_counts") is not None:  # the exported default budget becomes the eval budget
+        values["eval_loops"] = hf_config["loop_counts"]
+    config = ModelConfig.from_dict(values)
+    model = RecurrentLM(config)
+    weights = _read_weights(folder)
+    stripped = {name[len(WEIGHT_PREFIX):]: tensor for name, tensor in weights.items()
+                if name.startswith(WEIGHT_PREFIX)}
+    expected = model.state_dict()
+    if set(stripped) != set(expected) or len(stripped) != len(weights):
+        missing = sorted(set(expected) - set(stripped))
+        unexpected = sorted(set(weights) - {WEIGHT_PREFIX + name for name in expected})
+        raise RdepthError(f"{folder}: weights do not match its config: missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]}")
+    for name, tensor in stripped.items():
+        if tensor.shape != expected[name].shape:
+            raise RdepthError(f"{folder}: weight {name} has shape {tuple(tensor.shape)}, "
+                              f"its config implies {tuple(expected[name].shape)}")
+    model.load_state_dict(stripped)
+    tokenizer_files = {META_FILE: None}
+    if config.tokenizer.startswith("bpe"):
+        if not (folder / "tokenizer.json").is_file():
+            raise RdepthError(f"{folder} has no tokenizer.json for its {config.tokenizer!r} tokenizer")
+        tokenizer_files[BPE_FILE] = (folder / "tokenizer.json").read_text()
+    return model.eval(), tokenizer_files
+
+
+# model_type -> importer(folder, config.json) -> (model, tokenizer files)
+IMPORTERS: dict[str, Callable[[Path, dict], tuple[RecurrentLM, dict]]] = {
+    "rdepth": import_rdepth_export,
+}
+
+
+def load_hf_folder(folder: str | Path) -> tuple[RecurrentLM, dict]:
+    """The rdepth model a Hugging Face folder holds, and its tokenizer files; a one-line
+    error naming the mismatch when its architecture is not rdepth's."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise RdepthError(f"Hugging Face folder not found: {folder}")
+    hf_config = read_json_object(folder / "config.json", "Hugging Face config")
+    model_type = hf_config.get("model_type")
+    if model_type in MISMATCHES:
+        raise RdepthError(f"cannot import {folder} ({model_type}) into rdepth's model: {MISMATCHES[model_type]}")
+    if model_type not in IMPORTERS:
+        raise RdepthError(f"cannot import {folder}: model_type {model_type!r} is not one rdepth's model holds "
+                          f"(supported: {', '.join(sorted(IMPORTERS))})")
+    return IMPORTERS[model_type](folder, hf_config)
+
+
+def import_hf(config: ImportConfig) -> Path:
+    """Write the rdepth run ``config.out`` (checkpoint at step 0 + tokenizer) from ``config.hf``."""
+    check_new_folder(config.out)
+    model, tokenizer_files = load_hf_folder(config.hf)
+    with staged_folder(config.out) as folder:
+        save_checkpoint(folder, 0, model, model.config, state={"imported_from": str(Path(config.hf).resolve())})
+        tokenizer_dir = folder / "tokenizer"
+        tokenizer_dir.mkdir()
+        write_json(tokenizer_dir / META_FILE, {"spec": model.config.tokenizer})
+        for name, text in tokenizer_files.items():
+            if text is not None:
+                write_text(tokenizer_dir / name, text)
+        tokenizer = load_tokenizer(tokenizer_dir)  # it must rebuild, and match the model
+        if tokenizer.vocab_size != model.config.vocab_size:
+            raise RdepthError(f"{config.hf}: tokenizer has {tokenizer.vocab_size} tokens, the model "
+                              f"{model.config.vocab_size}")
+    log.info("imported %s into %s", config.hf, config.out)
+    return Path(config.out)

@@ -1,0 +1,303 @@
+"""``rdepth export``: the folder transformers loads gives rdepth's logits and greedy tokens exactly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from rdepth.errors import RdepthError
+from rdepth.model.generation import generate
+from rdepth.model.noise import StateNoise
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf_helpers import cli, one_line_error, tiny_run, tiny_tokenizer  # noqa: E402
+
+PROMPT = "The old castle on the hill above the river"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny three-group run with random initial states, exported; and the loaded HF model."""
+    from rdepth.interop.config import ExportConfig
+    from rdepth.interop.export import export_run
+
+    root = tmp_path_factory.mktemp("export")
+    run, model = tiny_run(root / "run", groups="1|2-3|4", n_layer=6)
+    out = export_run(ExportConfig(checkpoint=str(run), out=str(root / "hf")))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    return run, model, out, hf
+
+
+def test_folder_holds_what_transformers_needs(exported):
+    _, model, out, hf = exported
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "modeling_rdepth.py", "configuration_rdepth.py",
+            "tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md"} <= names
+    config = json.loads((out / "config.json").read_text())
+    assert config["groups"] == "1|2-3|4" and config["model_type"] == "rdepth"
+    assert type(hf).__name__ == "RdepthForCausalLM" and hf.dtype == torch.float32
+    for name, tensor in model.state_dict().items():  # every weight arrives under its own name
+        assert torch.equal(hf.state_dict()["model." + name], tensor)
+
+
+@pytest.mark.parametrize("counts", [(1, 1, 1), (3, 2, 5), (4, 4, 4)])
+def test_logits_equal_rdepth(exported, counts):
+    _, model, _, hf = exported
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)] * 2)
+    with torch.no_grad():
+        ours = model(ids, loop_counts=counts, generator=StateNoise(0, [0, 0])).logits
+        theirs = hf(ids, loop_counts=list(counts)).logits
+        assert torch.equal(theirs, ours)
+        # the seed and the per-row sequence ids are per-call settings, keyed as rdepth keys them
+        ours = model(ids, loop_counts=counts, generator=StateNoise(7, [3, 9])).logits
+        assert torch.equal(hf(ids, loop_counts=counts, state_seed=7, sequence_ids=[3, 9]).logits, ours)
+        assert not torch.equal(hf(ids, loop_counts=counts, state_seed=8, sequence_ids=[3, 9]).logits, ours)
+
+
+def test_default_loops_come_from_the_config(exported):
+    _, model, _, hf = exported
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, model(ids, generator=StateNoise(0, [0])).logits)  # round(mean_loops)
+        hf.config.loop_counts = [2, 1, 2]
+        try:
+            assert torch.equal(hf(ids).logits, model(ids, loop_counts=(2, 1, 2), generator=StateNoise(0, [0])).logits)
+        finally:
+            hf.config.loop_counts = None
+
+
+def test_zero_initial_state(tmp_path):
+    """init_state_scale 0: no noise at all, the seed is irrelevant."""
+    from rdepth.interop.config import ExportConfig
+    from rdepth.interop.export import export_run
+
+    run, model = tiny_run(tmp_path / "run", init_state_scale=0.0)
+    out = export_run(ExportConfig(checkpoint=str(run), out=str(tmp_path / "hf"), loops="2,3"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    with torch.no_grad():
+        expected = model(ids, loop_counts=(2, 3)).logits
+        assert torch.equal(hf(ids).logits, expected)
+        assert torch.equal(hf(ids, state_seed=5).logits, expected)
+
+
+def test_right_padding_leaves_real_tokens_exact_and_left_padding_is_refused(exported):
+    _, _, _, hf = exported
+    ids = tiny_tokenizer().encode(PROMPT)
+    short = ids[:5]
+    batch = torch.tensor([ids, short + [0] * (len(ids) - 5)])
+    mask = torch.tensor([[1] * len(ids), [1] * 5 + [0] * (len(ids) - 5)])
+    with torch.no_grad():
+        padded = hf(batch, attention_mask=mask).logits
+        alone = hf(torch.tensor([short])).logits
+        # the same maths (causal attention never reads the pads); a different length rounds differently
+        torch.testing.assert_close(padded[1, :5], alone[0], rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="right-padded"):
+            hf(batch, attention_mask=mask.flip(1))
+
+
+def test_greedy_generate_equals_rdepth_generate(exported):
+    from rdepth.run.config import GenerateConfig
+    from rdepth.run.generate_text import generate_text
+
+    run, model, out, hf = exported
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    assert ids[0].tolist() == tiny_tokenizer().encode(PROMPT)
+    for counts in ((1, 2, 1), (3, 3, 3)):
+        theirs = hf.generate(ids, max_new_tokens=15, do_sample=False, loop_counts=list(counts))
+        ours = generate(model, ids, 15, temperature=0, loop_counts=counts, generator=StateNoise.consecutive(0, 0, 1))
+        assert theirs.tolist() == ours.tolist()
+    # and rdepth generate's own pipeline (seed 0, one sample: the same keyed initial states)
+    text = generate_text(GenerateConfig(checkpoint=str(run), prompt=PROMPT, max_new_tokens=15, temperature=0,
+                                        loops="3", show_special=True, device="cpu"))[0]
+    assert tokenizer.decode(hf.generate(ids, max_new_tokens=15, do_sample=False, loop_counts=3)[0]) == text
+
+
+def test_cached_and_uncached_generation_agree(exported):
+    _, _, _, hf = exported
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    cached = hf.generate(ids, max_new_tokens=10, do_sample=False, loop_counts=2)
+    plain = hf.generate(ids, max_new_tokens=10, do_sample=False, loop_counts=2, use_cache=False)
+    assert cached.tolist() == plain.tolist()
+
+
+def test_training_mode_gives_a_loss_with_gradients(exported):
+    _, _, _, hf = exported
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    hf.train()
+    try:
+        loss = hf(ids, labels=ids, loop_counts=2).loss
+        loss.backward()
+        assert torch.isfinite(loss) and hf.model.adapters[0].weight.grad is not None
+    finally:
+        hf.zero_grad(set_to_none=True)
+        hf.eval()
+
+
+def test_exported_code_runs_without_rdepth(exported, tmp_path):
+    """The folder loads in a process where ``import rdepth`` fails, with rdepth's logits."""
+    _, model, out, _ = exported
+    ids = tiny_tokenizer().encode(PROMPT)
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["rdepth"] = None  # any import of rdepth now fails
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+        assert not any(name.startswith("rdepth.") for name in sys.modules)
+        with torch.no_grad():
+            logits = model(torch.tensor([{ids}]), loop_counts=[2, 3, 1]).logits
+        torch.save(logits, {str(tmp_path / "logits.pt")!r})
+    """)
+    env = {**__import__("os").environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids]), loop_counts=(2, 3, 1), generator=StateNoise(0, [0])).logits
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), expected)
+
+
+def test_gpt2_tokenizer_exports_with_equal_ids(tmp_path):
+    from rdepth.data.fetch import gpt2_bpe_files
+    from rdepth.data.tokenizers import Gpt2Tokenizer
+    from rdepth.interop.hf_tokenizer import write_tokenizer_files
+
+    try:
+        tokenizer = Gpt2Tokenizer(gpt2_bpe_files())
+    except RdepthError as exc:
+        pytest.skip(f"GPT-2 BPE files unavailable offline: {exc}")
+    write_tokenizer_files(tokenizer, tmp_path, 1024)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    text = "Hello world! It's  3.14 \u00e9t\u00e9 \n\n  tabs\there \U0001F600 don't WORLD   "
+    assert hf(text).input_ids == tokenizer.encode(text)
+    assert tokenizer.encode("Hello world") == [15496, 995] and hf.eos_token_id == 50256
+
+
+def test_generated_source_is_rdepths_own(tmp_path):
+    import ast
+    import dataclasses
+
+    from rdepth.config import ModelConfig
+    from rdepth.interop.hf_config import RdepthConfig
+    from rdepth.interop.source import MODELING_PARTS, Part, modeling_source, module_path
+
+    text = modeling_source()
+    assert text == modeling_source()  # deterministic
+    tree = ast.parse(text)
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("rdepth")]
+    # every bundled class and function is there verbatim
+    for part in MODELING_PARTS:
+        source = module_path(part.module).read_text()
+        for node in ast.parse(source).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and (part.only is None or node.name in part.only):
+                segment = ast.get_source_segment(source, node)  # less its lazy rdepth imports
+                segment = "\n".join(line for line in segment.splitlines() if not line.strip().startswith("from rdepth"))
+                assert segment in text, (part.module, node.name)
+    # the HF config mirrors ModelConfig field for field, with the same defaults
+    fields = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    defaults = RdepthConfig()
+    for name, default in fields.items():
+        assert getattr(defaults, name) == default, name
+    with pytest.raises(RdepthError, match="also defined"):
+        modeling_source((Part("rdepth.errors"), Part("rdepth.errors")))
+    with pytest.raises(RdepthError, match="no bundled module defines"):
+        modeling_source((Part("rdepth.model.layers"),))
+
+
+def test_help(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli(monkeypatch, "export", "--help")
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--checkpoint" in text and "--out" in text and "--loops" in text and "--state-seed" in text
+
+
+def test_cli_export_and_bad_input(tmp_path, monkeypatch, capsys):
+    run, _ = tiny_run(tmp_path / "run")
+    assert cli(monkeypatch, "export", "--checkpoint", run, "--out", tmp_path / "hf", "--loops", "2,1") == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["loop_counts"] == [2, 1]
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an existing empty folder is fine
+    assert cli(monkeypatch, "export", "--checkpoint", run / "checkpoints", "--out", empty) == 0
+    assert (empty / "model.safetensors").is_file()
+    capsys.readouterr()
+
+    err = one_line_error(capsys, cli(monkeypatch, "export", "--checkpoint", tmp_path / "hf", "--out", tmp_path / "x"))
+    assert "not an rdepth run" in err and not (tmp_path / "x").exists()
+    err = one_line_error(capsys, cli(monkeypatch, "export", "--checkpoint", tmp_path / "nope", "--out", tmp_path / "x"))
+    assert "not found" in err
+    before = (tmp_path / "hf" / "config.json").read_bytes()
+    err = one_line_error(capsys, cli(monkeypatch, "export", "--checkpoint", run, "--out", tmp_path / "hf"))
+    assert "not empty" in err and (tmp_path / "hf" / "config.json").read_bytes() == before
+    err = one_line_error(capsys, cli(monkeypatch, "export", "--checkpoint", run, "--out", tmp_path / "y",
+                                     "--loops", "1,2,3"))
+    assert "loop counts" in err and not (tmp_path / "y").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left behind
+
+
+# thresholds at which this random model's tokens exit at different steps
+EXIT_RULES = [
+    {"name": "acceleration", "tau": 5.0, "k_max": 6},
+    {"name": "step_norm", "tau": 5.0, "k_max": 6},
+    {"name": "kl", "tau": 0.1, "k_max": [6, 5, 6]},  # reads the predictive distribution through the head
+    {"name": "argmax_stable", "patience": 2, "k_max": 5},
+]
+
+
+@pytest.mark.parametrize("rule", EXIT_RULES, ids=lambda rule: rule["name"])
+def test_exit_policies_match_rdepths_controller(exported, rule):
+    from rdepth.exits.controller import PolicyController
+
+    _, model, _, hf = exported
+    options = dict(rule)
+    name, k_max = options.pop("name"), options.pop("k_max")
+    k_max = tuple(k_max) if isinstance(k_max, list) else k_max
+
+    def controller():
+        return PolicyController.from_name(name, k_max=k_max, decode=model.readout, **options)
+
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    with torch.no_grad():
+        ours = model(ids, generator=StateNoise(0, [0]), controller=controller())
+        theirs = hf(ids, exit_policy=rule)
+        assert torch.equal(theirs.logits, ours.logits)
+        assert all(bool((c < c.max()).any()) for c in ours.computed) or name == "argmax_stable"  # exits differ
+    tokens = generate(model, ids, 10, temperature=0, controller_factory=controller,
+                      generator=StateNoise.consecutive(0, 0, 1))
+    assert hf.generate(ids, max_new_tokens=10, do_sample=False, exit_policy=rule).tolist() == tokens.tolist()
+
+
+def test_exit_policy_from_the_export_flags(tmp_path, monkeypatch, capsys):
+    from rdepth.exits.controller import PolicyController
+
+    run, model = tiny_run(tmp_path / "run")
+    assert cli(monkeypatch, "export", "--checkpoint", run, "--out", tmp_path / "hf", "--exit-policy",
+               "step_norm", "--exit-tau", "5", "--exit-k-max", "4,6") == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["exit_policy"] == {"name": "step_norm", "k_max": [4, 6], "tau": 5.0}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    with torch.no_grad():
+        controller = PolicyController.from_name("step_norm", tau=5.0, k_max=(4, 6), decode=model.readout)
+        assert torch.equal(hf(ids).logits, model(ids, generator=StateNoise(0, [0]), controller=controller).logits)
+        # turned off for one call: fixed counts again
+        assert torch.equal(hf(ids, exit_policy=False, loop_counts=2).logits,
+                           model(ids, loop_counts=2, generator=StateNoise(0, [0])).logits)
+    capsys.readouterr()
+    for flags, message in ((["--exit-policy", "nope"], "unknown exit policy"),
+                           (["--exit-policy", "acceleration", "--exit-tau", "-1"], "tau"),
+                           (["--exit-policy", "acceleration", "--exit-tau", "0.1", "--exit-k-max", "1,2,3"],
+                            "3 values for 2"),
+                           (["--exit-tau", "0.1"], "needs --exit-policy")):
+        err = one_line_error(capsys, cli(monkeypatch, "export", "--checkpoint", run, "--out", tmp_path / "bad",
+                                         *flags))
+        assert message in err and not (tmp_path / "bad").exists()

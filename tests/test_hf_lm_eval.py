@@ -1,0 +1,175 @@
+"""The ``rdepth`` model of the lm-eval harness: exact scores, a local task per loop budget, the ``hf`` path.
+
+Skipped where lm-eval is not installed (the ``lm-eval`` extra), except the test that
+``rdepth lm-eval`` then says so in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rdepth.model.generation import generate
+from rdepth.model.noise import StateNoise
+
+from test_hf_helpers import cli, one_line_error, sentences, tiny_run, tiny_tokenizer  # noqa: E402
+
+TASK = "rdepth_heldout_endings"
+
+
+def lm_eval_or_skip():
+    return pytest.importorskip("lm_eval")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return tiny_run(tmp_path_factory.mktemp("lm_eval") / "run", groups="1|2-3")
+
+
+@pytest.fixture(scope="module")
+def task_folder(tmp_path_factory):
+    """A 4-way sentence-ending task written from held-out text (sentences the tokenizer never saw)."""
+    from rdepth.interop.lm_eval_task import write_task
+
+    return write_task(" ".join(sentences(80, seed=9)), tmp_path_factory.mktemp("tasks"), TASK, count=24)
+
+
+def instances(kind: str, arguments: list[tuple]):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=args, idx=i) for i, args in enumerate(arguments)]
+
+
+def hand_scores(model, ids: list[int], first_target: int, loops) -> tuple[float, bool]:
+    """Sum of log p(ids[t] | ids[:t]) for t >= first_target, from one forward of the model."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]), loop_counts=loops, generator=StateNoise(0, [0])).logits[0]
+    logprobs = F.log_softmax(logits, dim=-1)[first_target - 1 :]
+    targets = torch.tensor(ids[first_target:])
+    return float(logprobs.gather(1, targets[:, None]).sum()), bool((logprobs.argmax(-1) == targets).all())
+
+
+def test_loglikelihood_is_the_models_own(run):
+    lm_eval_or_skip()
+    from rdepth.interop.lm_eval_model import RdepthLM
+
+    folder, model = run
+    tokenizer = tiny_tokenizer()
+    pairs = [("The old castle", " on the hill"), ("A river runs", " north past the town."), ("", "The king")]
+    scores = {}
+    for batch_size in (1, 8):
+        lm = RdepthLM(str(folder), loops="2:3", batch_size=batch_size)
+        scores[batch_size] = lm.loglikelihood(instances("loglikelihood", pairs), disable_tqdm=True)
+    for (context, continuation), (score, greedy), (score_1, greedy_1) in zip(pairs, scores[8], scores[1]):
+        context_ids = tokenizer.encode(context) if context else [tokenizer.eot_id]
+        ids = context_ids + tokenizer.encode(context + continuation)[len(tokenizer.encode(context)) if context else 0:]
+        expected, expected_greedy = hand_scores(model, ids, len(context_ids), (2, 3))
+        assert score_1 == pytest.approx(expected, abs=1e-5) and greedy_1 == expected_greedy
+        assert score == pytest.approx(score_1, abs=1e-4) and greedy == greedy_1  # batching pads, never changes
+
+
+def test_loglikelihood_rolling_and_generate_until(run):
+    lm_eval_or_skip()
+    from rdepth.interop.lm_eval_model import RdepthLM
+
+    folder, model = run
+    tokenizer = tiny_tokenizer()
+    lm = RdepthLM(str(folder), loops=2)
+    short = "The small village by the lake has an old market."
+    (total,) = lm.loglikelihood_rolling(instances("loglikelihood_rolling", [(short,)]), disable_tqdm=True)
+    expected, _ = hand_scores(model, [tokenizer.eot_id] + tokenizer.encode(short), 1, (2, 2))
+    assert total == pytest.approx(expected, abs=1e-4)
+    long = " ".join(sentences(30, seed=4))  # several windows of the 64-token block
+    assert len(tokenizer.encode(long)) > 2 * 64
+    (total,) = lm.loglikelihood_rolling(instances("loglikelihood_rolling", [(long,)]), disable_tqdm=True)
+    assert torch.isfinite(torch.tensor(total)) and total < 0
+
+    prompt = "The old castle"
+    (text,) = lm.generate_until(instances("generate_until", [(prompt, {"until": ["."], "max_gen_toks": 12})]),
+                                disable_tqdm=True)
+    ids = tokenizer.encode(prompt)
+    tokens = generate(model, torch.tensor([ids]), 12, temperature=0, loop_counts=(2, 2), generator=StateNoise(0, [0]))
+    assert text == tokenizer.decode(tokens[0, len(ids):].tolist()).split(".")[0]
+
+
+def test_local_task_per_loop_budget(run, task_folder, tmp_path, monkeypatch, capsys):
+    lm_eval_or_skip()
+    folder, _ = run
+    out = tmp_path / "results.json"
+    assert cli(monkeypatch, "lm-eval", "--checkpoint", folder, "--tasks", TASK, "--include-path", task_folder,
+               "--loops", "1", "--loops", "3,1", "--json", out) == 0
+    summary = json.loads(out.read_text())
+    assert [b["loops"] for b in summary["budgets"]] == [[1, 1], [3, 1]]
+    for budget in summary["budgets"]:
+        metrics = budget["results"][TASK]
+        assert metrics["sample_len"] == 24 and 0 <= metrics["acc"] <= 1 and 0 <= metrics["acc_norm"] <= 1
+    printed = capsys.readouterr().out
+    assert "loops        1,1" in printed and "loops        3,1" in printed and "acc " in printed
+
+
+def test_unknown_task_is_a_one_line_error(run, task_folder, monkeypatch, capsys):
+    lm_eval_or_skip()
+    folder, _ = run
+    code = cli(monkeypatch, "lm-eval", "--checkpoint", folder, "--tasks", "no_such_task_anywhere",
+               "--include-path", task_folder)
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the harness's own log lines
+    assert code == 2 and last.startswith("rdepth lm-eval: error:") and "unknown task" in last
+
+
+def test_missing_lm_eval_is_a_one_line_error(run, monkeypatch, capsys):
+    folder, _ = run
+    for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")
+                 or m == "rdepth.interop.lm_eval_model"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now fails
+    err = one_line_error(capsys, cli(monkeypatch, "lm-eval", "--checkpoint", folder, "--tasks", TASK))
+    assert "pip install 'rdepth[lm-eval]'" in err
+
+
+def test_harness_command_line_with_the_rdepth_model(run, task_folder):
+    lm_eval_or_skip()
+    folder, _ = run
+    done = subprocess.run(
+        [sys.executable, "-m", "rdepth.interop.lm_eval_model", "--model", "rdepth", "--model_args",
+         f"checkpoint={folder},loops=2:1", "--tasks", TASK, "--include_path", str(task_folder), "--limit", "6"],
+        capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert TASK in done.stdout and "acc" in done.stdout
+
+
+def test_exported_folder_scores_the_same_through_the_hf_model(run, task_folder, tmp_path):
+    lm_eval_or_skip()
+    pytest.importorskip("accelerate")  # lm-eval's hf model needs it
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from rdepth.interop.config import ExportConfig
+    from rdepth.interop.export import export_run
+    from rdepth.interop.lm_eval_model import RdepthLM
+
+    folder, _ = run
+    exported = export_run(ExportConfig(checkpoint=str(folder), out=str(tmp_path / "hf")))
+    manager = TaskManager(include_path=str(task_folder))
+    common = dict(tasks=[TASK], task_manager=manager, log_samples=True, bootstrap_iters=0, limit=12)
+    ours = simple_evaluate(model=RdepthLM(str(folder), loops="3:2", batch_size=4), **common)
+    theirs = simple_evaluate(model="hf", model_args=f"pretrained={exported},trust_remote_code=True,"
+                             "loop_counts=3:2,dtype=float32", batch_size=4, device="cpu", **common)
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"][TASK][metric] == theirs["results"][TASK][metric]
+    for a, b in zip(ours["samples"][TASK], theirs["samples"][TASK]):
+        for (score_a, _), (score_b, _) in zip(a["filtered_resps"], b["filtered_resps"]):
+            assert score_a == pytest.approx(score_b, abs=1e-4)
+
+
+def test_help(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli(monkeypatch, "lm-eval", "--help")
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--tasks" in text and "--include-path" in text and "--loops" in text
