@@ -1,9 +1,10 @@
 """Does stochastic depth make a ViT more block-recurrent? (the Raptor paper's small-scale claim)
 
 Trains tiny ViTs on Fashion-MNIST with and without stochastic depth (several seeds), then for
-each: the layer-similarity matrices, how block-structured they are under the best k-phase
-segmentation, and how well a k-block Raptor surrogate fits (state fidelity, linear-probe
-accuracy) beside the truncated and equal-split baselines. Numbers go to JSON first; the table
+each: the layer-similarity matrices of the fit images, how block-structured they are under the
+best k-phase segmentation (chosen on those same fit images), and how well a k-block Raptor
+surrogate fits (state fidelity and linear-probe accuracy on the test images) beside the
+truncated and equal-split baselines. Numbers go to JSON first; the table
 and report page are drawn from them. Sized for < 20 minutes on 2 CPU cores.
 
     apt-get install -y dataset-fashion-mnist
@@ -72,7 +73,9 @@ def study_one(config: ViTConfig, data: dict, args: argparse.Namespace, out: Path
     fit_bank = build_bank(teacher, image_batches(*data["fit"], 64, n_tokens), "states (fit)")
     probe_bank = build_bank(teacher, image_batches(*data["probe"], 250, n_tokens), "states (probe)")
     test_bank = build_bank(teacher, image_batches(*data["test_small"], 250, n_tokens), "states (test)")
-    states, mask = test_bank.stacked()
+    # phases (and the block structure they score) come from the fit images' states: the test
+    # images only evaluate the surrogate, so they must not choose its phases
+    states, mask = fit_bank.stacked()
     matrices = {name: m.numpy() for name, m in similarity_matrices(states, mask).items()}
     chosen_matrix = torch.from_numpy(matrices[args.similarity][1:, 1:])
     structure = {}
@@ -141,11 +144,14 @@ def write_outputs(out: Path, saved: dict) -> None:
     rows_all = rows + mean_rows(rows)
     write_text(out / "table.md", markdown_table(rows_all, TABLE_COLUMNS) + "\n")
     report = Report("Stochastic depth and block-recurrence (Fashion-MNIST ViTs)",
-                    intro=f"k = {saved['k']} phases from the {saved['similarity']} matrix (DP). Probe retention = "
+                    intro=f"k = {saved['k']} phases from the {saved['similarity']} matrix of the fit images (DP); "
+                          "block structure is measured on that matrix, fidelity and probes on the test images. "
+                          "Probe retention = "
                           "ridge linear-probe accuracy on the model's final [CLS] state / the teacher's.")
-    report.section("summary", "Summary (test images)", order=10).table(
+    report.section("summary", "Summary (phases and structure: fit images; fidelity and probes: test images)",
+                   order=10).table(
         [{c: row.get(c, "") for c in TABLE_COLUMNS} for row in rows_all])
-    matrices = report.section("similarity", "Similarity matrices", order=20)
+    matrices = report.section("similarity", "Similarity matrices (fit images)", order=20)
     for record in records:
         with np.load(out / f"similarity_{record['tag']}.npz") as data:
             matrix = data[saved["similarity"]]

@@ -180,3 +180,27 @@ def test_analyze_flags_build_the_config():
     config = build(AnalyzeConfig, {}, args)
     assert config == AnalyzeConfig(checkpoints=["a", "b/step_000010"], data="d.txt", out="o", rank=False, seq_len=16)
     assert AnalyzeConfig().long_loops == 30 and AnalyzeConfig().checkpoints == []
+    # several paths after one flag (a shell glob), mixed with a repeated flag; loop counts parsed as integers
+    args = build_parser().parse_args(["analyze", "--checkpoints", "a", "b", "--data", "d.txt", "--checkpoints", "c",
+                                      "--out", "o", "--train-loops", "2,3,4"])
+    config = build(AnalyzeConfig, {}, args)
+    assert config.checkpoints == ["a", "b", "c"] and config.train_loops == (2, 3, 4)
+    assert build(AnalyzeConfig, {}, build_parser().parse_args(
+        ["analyze", "--checkpoints", "a", "--data", "d", "--out", "o", "--train-loops", "5"])).train_loops == (5,)
+
+
+def test_train_loops_are_integers_that_reach_the_model_as_counts(tiny_run, capsys):
+    run, text, model = tiny_run
+    assert AnalyzeConfig(train_loops=[2, 3, 4]).train_loops == (2, 3, 4)
+    assert AnalyzeConfig(train_loops=6).train_loops == (6,)
+    assert model.resolve_loop_counts(AnalyzeConfig(train_loops=(2, 3, 4)).train_loops) == (2, 3, 4)
+    assert model.resolve_loop_counts(AnalyzeConfig(train_loops=(5,)).train_loops) == (5, 5, 5)
+    for bad in ("4", "2,3,4", (0,), (2.5,), (True,), ()):
+        with pytest.raises(RdepthError, match="train_loops must be positive integers"):
+            AnalyzeConfig(train_loops=bad)
+    with pytest.raises(RdepthError, match="2 values for 3 recurrence groups"):
+        model.resolve_loop_counts(AnalyzeConfig(train_loops=(2, 3)).train_loops)
+    with pytest.raises(SystemExit) as exit_info:  # a parse error: argparse exits with status 2
+        main(["analyze", "--checkpoints", str(run), "--data", str(text), "--out", "o", "--train-loops", "2,x"])
+    assert exit_info.value.code == 2
+    assert "--train-loops expects comma-separated int values" in capsys.readouterr().err

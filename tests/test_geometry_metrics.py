@@ -9,11 +9,13 @@ import torch
 
 from rdepth.errors import RdepthError
 from rdepth.geometry import (
+    DLR_DEFINITIONS,
     accelerations,
     convergence_steps,
     drift_to_loop_ratio,
     effective_rank,
     effective_rank_from_gram,
+    mean_step_size,
     pca_2d,
     relative_step_sizes,
     step_cosines,
@@ -100,10 +102,41 @@ def test_drift_to_loop_ratio_on_constructed_numbers():
     assert literal.item() == pytest.approx(math.sqrt(16 + 100) / 2)
     assert first.item() == pytest.approx(6 / 2)
     assert output.item() == pytest.approx(math.sqrt(36 + 1) / 2)
+    # the refinement-step denominator leaves out step 0 (length 1): mean of {3} = 3
+    assert drift_to_loop_ratio(prev, nxt, definition="first_refine").item() == pytest.approx(6 / 3)
+    assert drift_to_loop_ratio(prev, nxt, definition="literal_refine").item() == pytest.approx(math.sqrt(116) / 3)
+    assert drift_to_loop_ratio(prev, nxt, definition="output_refine").item() == pytest.approx(math.sqrt(37) / 3)
     with pytest.raises(RdepthError, match="unknown DLR definition"):
         drift_to_loop_ratio(prev, nxt, definition="nope")
     with pytest.raises(RdepthError, match="do not match"):
         drift_to_loop_ratio(prev, nxt[:, :, :2])
+
+
+def test_dlr_denominators_differ_when_the_first_step_is_a_jump_from_noise():
+    """Eq. 2's mean over all steps is dominated by the jump from x^(0); the k >= 1 mean is not."""
+    e1, e2, e3 = torch.eye(3, dtype=torch.float64)
+    # group g: x^(0) = 20 e2 (noise), then 0, e1, e1 + e3: steps 20, 1, 1 -> mean 22/3 over all, 1 over k >= 1
+    prev = torch.stack([20 * e2, torch.zeros(3), e1, e1 + e3]).unsqueeze(1)
+    # group g+1: x^(0) = 5 e2 (noise), x^(1) = 3 e1 + e3 (2 from the hand-off), x^(2) = 3 e1 + e2 + e3
+    nxt = torch.stack([5 * e2, 3 * e1 + e3, 3 * e1 + e2 + e3]).unsqueeze(1)
+    assert mean_step_size(prev).item() == pytest.approx(22 / 3)
+    assert mean_step_size(prev, start=1).item() == pytest.approx(1.0)
+    assert drift_to_loop_ratio(prev, nxt, "first").item() == pytest.approx(2 / (22 / 3))  # 0.27: "no drift"
+    assert drift_to_loop_ratio(prev, nxt, "first_refine").item() == pytest.approx(2.0)  # 7.3x larger
+    assert drift_to_loop_ratio(prev, nxt, "literal").item() == pytest.approx(math.sqrt(27) * 3 / 22)  # Eq. 2
+    assert drift_to_loop_ratio(prev, nxt, "literal_refine").item() == pytest.approx(math.sqrt(27))
+    assert drift_to_loop_ratio(prev, nxt, "output").item() == pytest.approx(math.sqrt(5) * 3 / 22)
+    assert drift_to_loop_ratio(prev, nxt, "output_refine").item() == pytest.approx(math.sqrt(5))
+    # the same hand-off after a longer loop of unit refinement steps: Eq. 2's ratio grows with K, k >= 1's does not
+    longer = torch.cat([prev, (e1 + e3 + torch.arange(1, 9, dtype=torch.float64)[:, None] * e1).unsqueeze(1)])
+    shifted = nxt + 8 * e1  # the same drift from the new output
+    assert drift_to_loop_ratio(longer, shifted, "first").item() == pytest.approx(2 / (30 / 11))
+    assert drift_to_loop_ratio(longer, shifted, "first_refine").item() == pytest.approx(2.0)
+    # one step: no refinement step, NaN (not an error: the observer meets one-step groups)
+    assert math.isnan(drift_to_loop_ratio(prev[:2], nxt, "first_refine").item())
+    assert drift_to_loop_ratio(prev[:2], nxt, "first").item() == pytest.approx(math.sqrt(9 + 1) / 20)
+    assert set(DLR_DEFINITIONS) == {"literal", "first", "output", "literal_refine", "first_refine", "output_refine"}
+    assert DLR_DEFINITIONS["literal"] == ("literal", "all") and DLR_DEFINITIONS["first_refine"] == ("first", "refine")
 
 
 def test_effective_rank_rank_one_and_isotropic():

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from rdepth.geometry.report_page import at_a_glance, drift_scale_rows, geometry_section, loop_scale_rows
-from rdepth.geometry.summary import (NOISE_FLOOR, SETTLED_STEPS, group_headline, noise_floor_step, scale_budget,
-                                     settled_cosine, step_ratio)
+from rdepth.geometry.report_page import at_a_glance, dlr_note, drift_scale_rows, geometry_section, loop_scale_rows
+from rdepth.geometry.summary import (DLR_LABELS, NOISE_FLOOR, SETTLED_STEPS, group_headline, noise_floor_step,
+                                     scale_budget, settled_cosine, step_ratio)
 
 
 def _group(steps: int = 12) -> dict:
@@ -27,11 +28,14 @@ def _group(steps: int = 12) -> dict:
 def _summary() -> dict:
     group = _group()
     dlr = {"4->5-6": {name: {"mean": value, "median": value + 1} for name, value in
-                      (("first", 3.0), ("literal", 40.0), ("output", 5.0))}}
+                      (("first", 3.0), ("literal", 40.0), ("output", 5.0), ("first_refine", 30.0))}}
     budget = {"loop_counts": [12], "loss": 4.0, "groups": [group], "dlr": dlr}
     return {
         "checkpoints": [{"label": "step_000100", "step": 100, "budgets": {"train": budget, "long": budget}}],
-        "dlr_default": "first", "dlr_definitions": {"first": "x^(1)"}, "groups": ["4"],
+        "dlr_default": "first", "dlr_default_refine": "first_refine", "groups": ["4"],
+        "dlr_definitions": {name: name for name in ("first", "literal", "output", "first_refine")},
+        "dlr_labels": {name: DLR_LABELS[name] for name in ("first", "literal", "output", "first_refine")},
+        "dlr_terms": {"numerators": {"x(1)": "the first iterate"}, "denominators": {"mean |Δ(k)|, k≥1": "k >= 1"}},
         "settings": {"data": "val"}, "sequences": 2, "seq_len": 8, "budgets": {"train": [12], "long": [12]},
         "scale_budget": "long", "headline_definitions": {"settled_steps": SETTLED_STEPS, "noise_floor": NOISE_FLOOR},
     }
@@ -74,10 +78,33 @@ def test_report_rows_read_the_saved_headline():
 
 def test_drift_rows_and_glance_text(tmp_path):
     (row,) = drift_scale_rows(_summary())
-    assert row["DLR first (mean)"] == 3.0 and row["DLR first (median)"] == 4.0
-    assert row["DLR literal (mean)"] == 40.0
+    # columns name the numerator and the steps the denominator averages, and the saved definition
+    assert row["x(1) ÷ mean |Δ(k)|, k≥0 [first] mean"] == 3.0
+    assert row["x(1) ÷ mean |Δ(k)|, k≥0 [first] median"] == 4.0
+    assert row["x(1) ÷ mean |Δ(k)|, k≥1 [first_refine] mean"] == 30.0
+    assert row["x(1) ÷ mean |Δ(k)|, k≥1 [first_refine] median"] == 31.0
+    assert row["x(0) ÷ mean |Δ(k)|, k≥0 (Eq. 2) [literal] mean"] == 40.0
+    assert list(row)[2:6] == [f"x(1) ÷ mean |Δ(k)|, k≥{k} [{name}] {stat}" for k, name in
+                              ((0, "first"), (1, "first_refine")) for stat in ("mean", "median")]
     text = at_a_glance(_summary())
-    assert "4->5-6: 4" in text and "0.8" in text
+    assert "4->5-6: 4 against the mean of all loop steps (Eq. 2's denominator" in text
+    assert "4->5-6: 31 against the mean refinement step" in text and "0.8" in text
+    note = dlr_note(_summary())
+    assert "Eq. 2 as written is 'literal'" in note and "first_refine = x(1) ÷ mean |Δ(k)|, k≥1" in note
     section = geometry_section(tmp_path, _summary(), [("figures/f.png", "a figure")])
     kinds = [block["kind"] for block in section.blocks]
     assert kinds.count("table") == 3 and kinds.count("figure") == 1
+    assert note in "".join(str(block) for block in section.blocks)
+
+
+def test_dlr_stats_skip_undefined_values():
+    from rdepth.geometry.summary import _stats
+
+    stats = _stats(np.array([1.0, np.nan, 3.0]))
+    assert stats["mean"] == 2.0 and stats["median"] == 2.0 and stats["defined"] == pytest.approx(2 / 3)
+    assert _stats(np.array([np.nan, np.nan]))["mean"] is None
+    summary = _summary()
+    summary["checkpoints"][0]["budgets"]["train"]["dlr"]["4->5-6"]["first_refine"] = _stats(np.array([np.nan]))
+    assert "4->5-6: n/a against the mean refinement step" in at_a_glance(summary)
+    (row,) = drift_scale_rows(summary)
+    assert row["x(1) ÷ mean |Δ(k)|, k≥1 [first_refine] median"] is None

@@ -86,6 +86,53 @@ def test_stream_matches_batch_functions():
         np.testing.assert_array_equal(result.kept_states[group], trajectories[1][group][:, 1].numpy())
 
 
+def test_stream_dlr_under_both_denominators_on_a_constructed_hand_off():
+    """Eq. 2's denominator vs the refinement steps, per token, through the observer; NaN after one step."""
+    e1, e2, e3 = torch.eye(3, dtype=torch.float64)
+    # group 0 (3 steps): x^(0) = 20 e2, then 0, e1, e1 + e3 -> steps 20, 1, 1 (token 0); token 1 = twice that
+    prev = torch.stack([20 * e2, torch.zeros(3), e1, e1 + e3])
+    group0 = torch.stack([prev, 2 * prev], dim=1)[:, None]  # [K+1, B=1, T=2, d]
+    # group 1 (1 step): x^(1) = output + 2 e1, token by token
+    group1 = torch.stack([torch.stack([5 * e2, 5 * e2]), group0[-1, 0] + 2 * e1])[:, None]
+    # group 2 (2 steps) after the one-step group 1: no refinement step to divide by
+    group2 = torch.stack([torch.zeros(2, 3), group1[-1, 0] + e3, group1[-1, 0] + 2 * e3])[:, None]
+    observer = GeometryObserver(threshold=1e-9, keep_sequence=None, rank=False)
+    _feed(observer, [[group0, group1, group2]])
+    result = observer.result()
+    first = result.boundaries["0->1"]
+    np.testing.assert_allclose(first["first"], [2 / (22 / 3), 2 / (44 / 3)], rtol=1e-10)
+    np.testing.assert_allclose(first["first_refine"], [2.0, 1.0], rtol=1e-10)
+    second = result.boundaries["1->2"]
+    assert np.isnan(second["first_refine"]).all() and np.isnan(second["literal_refine"]).all()
+    group1_steps = (group1[1, 0] - group1[0, 0]).norm(dim=-1).numpy()
+    np.testing.assert_allclose(second["first"], 1.0 / group1_steps, rtol=1e-10)
+    for definition in metrics.DLR_DEFINITIONS:  # the batch function gives the same, NaN included
+        for boundary, (a, b) in (("0->1", (group0, group1)), ("1->2", (group1, group2))):
+            expected = metrics.drift_to_loop_ratio(a[:, 0], b[:, 0], definition).numpy()
+            np.testing.assert_allclose(result.boundaries[boundary][definition], expected, rtol=1e-10)
+
+
+def test_stream_refine_denominator_counts_each_rows_own_steps():
+    """A row that stops early divides by the mean of the steps it ran after its first."""
+    e1 = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    # group 0: token 0 moves 8, 1, 3 (runs 3 steps); token 1 moves 8, 2 and stops (inactive at step 3)
+    token0 = torch.stack([torch.zeros(2), 8 * e1, 9 * e1, 12 * e1])
+    token1 = torch.stack([torch.zeros(2), 8 * e1, 10 * e1, 10 * e1])
+    group0 = torch.stack([token0, token1], dim=1)[:, None]
+    handed = group0[-1, 0]
+    group1 = torch.stack([torch.zeros(2, 2), handed + torch.tensor([0.0, 3.0], dtype=torch.float64)])[:, None]
+    observer = GeometryObserver(threshold=1e-9, keep_sequence=None, rank=False)
+    observer(0, 0, group0[0], None)
+    observer(0, 1, group0[1], None)
+    observer(0, 2, group0[2], None)
+    observer(0, 3, group0[3], torch.tensor([[True, False]]))
+    observer(1, 0, group1[0], None)
+    observer(1, 1, group1[1], None)
+    dlr = observer.result().boundaries["0->1"]
+    np.testing.assert_allclose(dlr["first"], [3 / 4, 3 / 5], rtol=1e-10)  # means (8+1+3)/3, (8+2)/2
+    np.testing.assert_allclose(dlr["first_refine"], [3 / 2, 3 / 2], rtol=1e-10)  # means (1+3)/2, 2/1
+
+
 def test_active_mask_leaves_stopped_rows_out():
     # one batch, one sequence of 2 tokens, one group; token 1 stops after step 1
     d = 4

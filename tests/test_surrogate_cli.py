@@ -64,9 +64,19 @@ def test_help(capsys):
         assert flag in text
 
 
-def test_tiny_end_to_end_writes_report(tiny_teacher, tmp_path, capsys):
+def test_tiny_end_to_end_writes_report(tiny_teacher, tmp_path, capsys, monkeypatch):
+    from rdepth.surrogate import run as surrogate_run
+
     folder, corpus = tiny_teacher
     out = tmp_path / "run"
+    seen = []  # which banks the phases are chosen from: (fit, held-out) example counts
+    choose = surrogate_run.choose_phases
+
+    def spy(fit_bank, eval_bank, *args):
+        seen.append((fit_bank.n_examples, eval_bank.n_examples))
+        return choose(fit_bank, eval_bank, *args)
+
+    monkeypatch.setattr(surrogate_run, "choose_phases", spy)
     assert run_cli(*small_flags(folder, corpus, out)) == 0
     page = (out / "index.html").read_text()
     assert "Retention" in page and "figures/similarity_cka.png" in page
@@ -78,6 +88,10 @@ def test_tiny_end_to_end_writes_report(tiny_teacher, tmp_path, capsys):
         assert -1.0 <= metrics["pairwise_spearman"] <= 1.0, name
     phases = json.loads((out / "phases.json").read_text())
     assert set(phases["by_similarity"]) == {"pooled_cosine", "token_cosine", "cka"}
+    assert seen == [(results["n_fit"], results["n_eval"])] and results["n_fit"] != results["n_eval"]
+    assert phases["chosen_on"] == "fit" and set(phases["by_similarity_eval"]) == set(phases["by_similarity"])
+    assert results["phases"]["raptor"] == phases["chosen"] == phases["by_similarity"]["pooled_cosine"]["dp"]["lengths"]
+    assert (out / "similarity_eval.npz").is_file() and "fit sentences" in page
     for suffix in ("png", "svg"):
         assert (out / "figures" / f"fidelity.{suffix}").is_file()
     assert (out / "surrogate" / "surrogate.safetensors").is_file()

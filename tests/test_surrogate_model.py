@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import struct
 
 import pytest
@@ -12,7 +13,7 @@ from torch import nn
 from rdepth.errors import RdepthError
 from rdepth.surrogate.bank import build_bank
 from rdepth.surrogate.evaluate import collect_states, fidelity, surrogate_fn, truncated_fn
-from rdepth.surrogate.fit import FitConfig, fit_surrogate, force_probability
+from rdepth.surrogate.fit import FitConfig, fit_surrogate, force_probability, stage_force, stage_loss, state_loss
 from rdepth.surrogate.hf_loader import Gpt2Embedding
 from rdepth.surrogate.layers import LayerSpec, Teacher, TransformerLayer
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig, load_surrogate
@@ -96,6 +97,74 @@ def test_fit_lowers_error_and_checkpoint_round_trips(tmp_path):
         assert torch.equal(surrogate(ids, mask_), loaded(ids, mask_))
     with pytest.raises(RdepthError, match="another shape"):
         load_surrogate(tmp_path / "ckpt", random_teacher(norm_position="pre"))
+
+
+def test_mixed_forcing_weighs_one_step_and_free_rollout_losses():
+    """The reference code's scheme: r x one-step loss + (1 - r) x free-rollout loss, on hand-built rollouts."""
+    teacher = random_teacher(seed=3)
+    bank = build_bank(teacher, batches(1))
+    surrogate = RaptorSurrogate(teacher, SurrogateConfig((1, 3))).eval()  # block 1 stands in for 3 layers
+    batch = bank.batches[0]
+    states, mask = batch.state_list(), batch.mask
+    scale = bank.depth_scale().clamp_min(1e-12)
+    mixed, anneal = FitConfig(forcing="mixed"), FitConfig()
+    with torch.no_grad():
+        for start, stop in ((0, 4), (1, 4)):  # the whole stack (stage 2) and one phase (stage 1)
+            one_step = state_loss([surrogate.step(states[d], d, mask) for d in range(start, stop)],
+                                  states[start + 1: stop + 1], mask, scale[start + 1: stop + 1], 1.0)
+            free_states, state = [], states[start]
+            for depth in range(start, stop):
+                state = surrogate.step(state, depth, mask)
+                free_states.append(state)
+            free = state_loss(free_states, states[start + 1: stop + 1], mask, scale[start + 1: stop + 1], 1.0)
+            assert not torch.isclose(one_step, free, rtol=1e-3)  # the two losses differ here
+            for weight in (0.0, 0.3, 1.0):
+                got = stage_loss(surrogate, states, mask, start, stop, scale, mixed, weight)
+                assert torch.allclose(got, weight * one_step + (1 - weight) * free, rtol=1e-6)
+            # "anneal" at probability 1 / 0 is the same one-step / free-rollout loss
+            assert torch.allclose(stage_loss(surrogate, states, mask, start, stop, scale, anneal, 1.0), one_step)
+            assert torch.allclose(stage_loss(surrogate, states, mask, start, stop, scale, anneal, 0.0), free)
+    # schedules: "mixed" anneals r in stage 1 and rolls out freely throughout stage 2, as the reference's runs
+    config = FitConfig(forcing="mixed", anneal_fraction=0.5)
+    assert [stage_force(s, 10, config, joint=False) for s in (0, 2, 5, 9)] == [1.0, 0.6, 0.0, 0.0]
+    assert [stage_force(s, 10, config, joint=True) for s in range(10)] == [0.0] * 10
+    assert [stage_force(s, 10, FitConfig(anneal_fraction=0.5), joint=True) for s in (0, 2)] == [1.0, 0.6]
+
+
+def test_input_noise_is_added_to_every_block_input():
+    teacher = random_teacher()
+    surrogate = RaptorSurrogate(teacher, SurrogateConfig((2, 2))).eval()
+    ids, mask, _ = batches(1)[0]
+    with torch.no_grad():
+        start = teacher.embedding(ids)
+        torch.manual_seed(7)
+        noisy = surrogate.rollout(start, mask, input_noise=0.1)
+        torch.manual_seed(7)
+        state = start
+        for depth in range(4):
+            state = surrogate.step(state + 0.1 * torch.randn_like(state), depth, mask)
+            assert torch.equal(noisy[depth], state)
+        assert not torch.allclose(noisy[-1], surrogate.rollout(start, mask)[-1])
+
+
+def test_fit_with_the_reference_scheme_lowers_error(tmp_path):
+    teacher = random_teacher(seed=3)
+    bank = build_bank(teacher, batches(4))
+    surrogate = RaptorSurrogate(teacher, SurrogateConfig((2, 2)))
+    true, mask = bank.stacked()
+    before = fidelity(collect_states(surrogate_fn(surrogate), bank)[0], true, mask, teacher.readout)
+    config = FitConfig(steps_block=10, steps_joint=15, lr=3e-3, log_every=5, forcing="mixed", input_noise=1e-3)
+    summary = fit_surrogate(surrogate, bank, config, tmp_path / "metrics.jsonl")
+    after = fidelity(collect_states(surrogate_fn(surrogate), bank)[0], true, mask, teacher.readout)
+    assert after["final_rel_mse"] < before["final_rel_mse"] and summary["forcing"] == "mixed"
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {r["forcing"] for r in records} == {"mixed"}
+    assert [r["force_prob"] for r in records if r["stage"].endswith("joint")] == [0.0, 0.0, 0.0]
+    assert records[0]["force_prob"] > 0.0  # stage 1 starts mostly one-step
+    with pytest.raises(RdepthError, match="forcing"):
+        FitConfig(forcing="scheduled")
+    with pytest.raises(RdepthError, match="input_noise"):
+        FitConfig(input_noise=-1.0)
 
 
 def test_truncated_baseline_holds_state_after_k():

@@ -81,3 +81,39 @@ def test_equal_phases_and_errors():
         dp_phases(torch.eye(3), 0)
     with pytest.raises(RdepthError, match="square"):
         dp_phases(torch.zeros(3, 4), 1)
+
+
+def _planted_bank(lengths: tuple[int, ...], seed: int, n_batches: int = 2):
+    """A StateBank whose layer outputs 1..L point, per phase of ``lengths``, along one direction (plus noise)."""
+    from rdepth.surrogate.bank import BankBatch, StateBank
+
+    g = torch.Generator().manual_seed(seed)
+    d, n_layers = 8, sum(lengths)
+    directions = torch.eye(d)[: len(lengths)] * 5.0
+    phase_of = [p for p, n in enumerate(lengths) for _ in range(n)]
+    batches = []
+    for _ in range(n_batches):
+        noise = torch.randn(n_layers + 1, 4, 6, d, generator=g)
+        states = noise.clone()
+        for depth, phase in enumerate(phase_of, start=1):
+            states[depth] += directions[phase]
+        mask = torch.ones(4, 6, dtype=torch.bool)
+        mask[0, 4:] = False
+        batches.append(BankBatch(torch.zeros(4, 6, dtype=torch.long), mask, states))
+    return StateBank(batches)
+
+
+@pytest.mark.parametrize("method", ["dp", "maxcut"])
+def test_phases_are_chosen_on_the_fit_set_not_the_evaluation_set(method):
+    """Fit and held-out states with different planted phases: the surrogate gets the fit set's."""
+    from rdepth.surrogate.run import choose_phases
+
+    fit, held_out = _planted_bank((1, 4), seed=0), _planted_bank((4, 1), seed=1)
+    chosen, matrices, record = choose_phases(fit, held_out, 2, "pooled_cosine", method)
+    assert chosen == (1, 4)
+    assert record["chosen_on"] == "fit" and record["chosen"] == [1, 4]
+    assert record["by_similarity"]["pooled_cosine"][method]["lengths"] == [1, 4]
+    assert record["by_similarity_eval"]["pooled_cosine"][method]["lengths"] == [4, 1]  # measured, not used
+    assert set(matrices) == {"fit", "eval"} and matrices["fit"]["pooled_cosine"].shape == (6, 6)
+    chosen_swapped, _, _ = choose_phases(held_out, fit, 2, "pooled_cosine", method)
+    assert chosen_swapped == (4, 1)

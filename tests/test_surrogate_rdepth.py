@@ -114,6 +114,7 @@ def test_phase_geometry_uses_the_analyze_format(tmp_path):
     assert summary["checkpoints"][0]["budgets"]["train"]["loss"] is None
     dlr = summary["checkpoints"][0]["budgets"]["train"]["dlr"]["0-2->3"]
     assert dlr["literal"]["mean"] == pytest.approx(0.0) and dlr["first"]["mean"] == pytest.approx(2.0 / (1.75 / 3))
+    assert dlr["first_refine"]["mean"] == pytest.approx(2.0 / (0.75 / 2))  # steps 0.5 and 0.25 only
     page = (tmp_path / "index.html").read_text()
     assert "Loop geometry of the phases" in page and "figures/fig3_loop_dynamics.png" in page
     assert (tmp_path / "figures" / "fig2_dlr.png").is_file()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from rdepth.cli.options import add_dataclass_flags, build
 
@@ -18,7 +19,12 @@ def register(subparsers) -> None:
         "per-token convergence and PCA trajectories, and write OUT/geometry (JSON + NPZ), "
         "OUT/figures (PNG + SVG) and the report page OUT/index.html.",
     )
-    add_dataclass_flags(parser, AnalyzeConfig, title="analysis")
+    # --checkpoints takes several paths after one flag (``--checkpoints runs/a runs/b/checkpoints/step_*``)
+    # as well as repeated flags; its help and metavar still come from the field.
+    field = next(f for f in dataclasses.fields(AnalyzeConfig) if f.name == "checkpoints")
+    parser.add_argument("--checkpoints", dest="AnalyzeConfig.checkpoints", action="extend", nargs="+",
+                        required=True, metavar=field.metadata["metavar"], help=field.metadata["help"] + " (required)")
+    add_dataclass_flags(parser, AnalyzeConfig, title="analysis", skip=("checkpoints",))
     parser.set_defaults(func=run)
 
 

@@ -17,13 +17,16 @@ import importlib
 from typing import Any
 
 _METRICS = (
+    "DLR_DENOMINATORS",
     "DLR_DEFINITIONS",
+    "DLR_NUMERATORS",
     "PCA2D",
     "accelerations",
     "convergence_steps",
     "drift_to_loop_ratio",
     "effective_rank",
     "effective_rank_from_gram",
+    "mean_step_size",
     "pca_2d",
     "relative_step_sizes",
     "step_cosines",

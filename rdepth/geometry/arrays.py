@@ -4,7 +4,10 @@ Keys of ``OUT/geometry/<checkpoint>/<budget>.npz``:
 
 * ``convergence_step/<group>`` [N] int: first step under the convergence threshold (K if never);
 * ``final_relative_step_size/<group>`` [N] float32: the last relative step size;
-* ``dlr/<group>-><group>/<definition>`` [N] float32: per-token drift-to-loop ratio;
+* ``dlr/<group>-><group>/<definition>`` [N] float32: per-token drift-to-loop ratio, for every
+  definition of :data:`rdepth.geometry.metrics.DLR_DEFINITIONS`: ``<numerator>`` over Eq. 2's
+  mean step over all K_g steps, ``<numerator>_refine`` over the mean of steps k >= 1 (NaN
+  where the earlier group ran one step);
 * ``pca_coords`` [M, T, 2], ``pca_group`` [M], ``pca_step`` [M], ``pca_explained`` [2]: the
   2-D PCA projection of the kept sequence's M = sum_g (K_g + 1) iterates (when one was kept).
 

@@ -13,7 +13,8 @@ class AnalyzeConfig:
     """One ``rdepth analyze`` run (validated; every CLI flag is a field)."""
 
     checkpoints: list[str] = option(
-        [], "a run folder (every checkpoint in RUN/checkpoints) or a checkpoint folder; repeat for several",
+        [], "run folders (every checkpoint in RUN/checkpoints) and/or checkpoint folders, in order: several "
+        "after one flag (a shell glob works) and/or the flag repeated",
         required=True, metavar="PATH",
     )
     data: str = option("", "prepared data folder (its val split) or a UTF-8 text file", required=True,
@@ -23,8 +24,10 @@ class AnalyzeConfig:
     seq_len: int | None = option(None, "tokens per window", default_text="the model's block size")
     batch_size: int = option(4, "windows per forward pass; lower it to save memory")
     long_loops: int = option(30, "the long fixed loop budget of every group (the paper's Fig. 5 uses 30)")
-    train_loops: str | None = option(None, "loop counts of the 'train' budget, N or N,N,...",
-                                     default_text="the config's eval loop counts")
+    train_loops: tuple[int, ...] | None = option(
+        None, "loop counts of the 'train' budget: N (every group) or N,N,... (one per group)",
+        default_text="the config's eval loop counts", metavar="N[,N...]",
+    )
     threshold: float = option(0.01, "relative step size under which a token counts as converged")
     keep_sequence: int = option(0, "index of the window whose iterates are drawn in the PCA figure")
     seed: int = option(0, "seed of the initial loop-state noise (the same as rdepth eval's)")
@@ -36,6 +39,13 @@ class AnalyzeConfig:
         if isinstance(self.checkpoints, (str, bytes)):
             raise RdepthError("analyze: checkpoints must be a list of paths")
         self.checkpoints = [str(path) for path in self.checkpoints]
+        if self.train_loops is not None:  # counts, never a string, so that the model gets integers
+            counts = (self.train_loops,) if isinstance(self.train_loops, int) else self.train_loops
+            if (isinstance(counts, (str, bytes)) or not counts
+                    or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts)):
+                raise RdepthError(f"analyze: train_loops must be positive integers (N or N,N,...), "
+                                  f"got {self.train_loops!r}")
+            self.train_loops = tuple(counts)
         for name in ("sequences", "batch_size", "long_loops", "top_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

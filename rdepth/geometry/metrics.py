@@ -76,33 +76,72 @@ def accelerations(states: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------
-# Drift-to-Loop Ratio (Eq. 2)
+# Drift-to-Loop Ratio (Eq. 2) and its refinement-step variant
 # ---------------------------------------------------------------------------
 
-# Which iterate of the next group the drift numerator measures from the previous
-# group's output x_g^(K_g). Step 0 is the paper-literal choice; since x^(0) is
-# fresh noise, its distance to anything is large by construction, so the
-# default ("first") uses the first computed iterate x_{g+1}^(1): the first state
-# that depends on what group g handed on. "output" compares the two groups'
-# outputs x_{g+1}^(K_{g+1}) - x_g^(K_g).
-DLR_DEFINITIONS: dict[str, Callable[[int], int]] = {
+# A DLR definition is a numerator (which iterate of the next group is compared with
+# the previous group's output) and a denominator (which of the previous group's
+# steps make up its "loop step").
+#
+# Numerators: ||x_{g+1}^(i) - x_g^(K_g)||_2 with i from DLR_NUMERATORS. Step 0 is the
+# paper-literal choice; since x^(0) is fresh noise, its distance to anything is large
+# by construction, so the default ("first") uses the first computed iterate
+# x_{g+1}^(1): the first state that depends on what group g handed on. "output"
+# compares the two groups' outputs x_{g+1}^(K_{g+1}) - x_g^(K_g).
+DLR_NUMERATORS: dict[str, Callable[[int], int]] = {
     "literal": lambda k_next: 0,
     "first": lambda k_next: 1,
     "output": lambda k_next: k_next,
 }
+# Denominators: the mean step size of group g over its steps k = start .. K_g - 1, with
+# start from DLR_DENOMINATORS.
+# * "all" (start 0): (1/K_g) sum_{k=0}^{K_g-1} ||Delta_g^(k)||, Eq. 2 as written. It includes
+#   Delta_g^(0) = x_g^(1) - x_g^(0), the jump from the random initial state to the first
+#   iterate, which is much larger than the refinement steps after it (the more so at
+#   Geiping et al.'s initial-state scale), so the mean is ~||Delta^(0)|| / K_g and the
+#   ratio grows roughly like K_g with the loop budget.
+# * "refine" (start 1): (1/(K_g-1)) sum_{k=1}^{K_g-1} ||Delta_g^(k)||, the refinement steps
+#   only. Undefined (NaN) when K_g = 1. It is still a mean over the loop's steps: when they
+#   contract, it also shrinks as the budget grows, so compare either variant at equal budgets.
+DLR_DENOMINATORS: dict[str, int] = {"all": 0, "refine": 1}
+# Definition names: "<numerator>" with Eq. 2's denominator, "<numerator>_refine" with the
+# refinement-step denominator. "literal" is Eq. 2 exactly as written.
+DLR_DEFINITIONS: dict[str, tuple[str, str]] = {
+    (numerator if denominator == "all" else f"{numerator}_{denominator}"): (numerator, denominator)
+    for denominator in DLR_DENOMINATORS
+    for numerator in DLR_NUMERATORS
+}
 DEFAULT_DLR = "first"
 
 
-def dlr_next_index(definition: str, k_next: int) -> int:
-    """Index into the next group's iterates [0..K_{g+1}] used by a DLR definition."""
+def dlr_parts(definition: str) -> tuple[str, str]:
+    """(numerator, denominator) of a DLR definition name (RdepthError if unknown)."""
     if definition not in DLR_DEFINITIONS:
         raise RdepthError(
             f"unknown DLR definition {definition!r} (choose from {', '.join(DLR_DEFINITIONS)})"
         )
-    index = DLR_DEFINITIONS[definition](k_next)
+    return DLR_DEFINITIONS[definition]
+
+
+def dlr_next_index(definition: str, k_next: int) -> int:
+    """Index into the next group's iterates [0..K_{g+1}] used by a DLR definition's numerator."""
+    numerator, _ = dlr_parts(definition)
+    index = DLR_NUMERATORS[numerator](k_next)
     if index > k_next:
         raise RdepthError(f"DLR definition {definition!r} needs {index} steps, group ran {k_next}")
     return index
+
+
+def mean_step_size(states: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Mean step size over steps k = start .. K-1, (1/(K-start)) sum_k ||Delta^(k)||_2: -> [N].
+
+    ``states`` [K+1, N, d]. ``start`` 0 is Eq. 2's denominator (all K steps), 1 the
+    refinement steps after the jump from x^(0). NaN for every token when K <= start.
+    """
+    sizes = step_sizes(states)
+    if sizes.shape[0] <= start:
+        return torch.full(sizes.shape[1:], float("nan"), dtype=torch.float64, device=sizes.device)
+    return sizes[start:].mean(dim=0)
 
 
 def drift_to_loop_ratio(
@@ -114,10 +153,17 @@ def drift_to_loop_ratio(
     """Drift-to-Loop Ratio at a boundary g -> g+1, per token: -> [N].
 
     ``prev_states`` [K_g+1, N, d] are group g's iterates, ``next_states``
-    [K_{g+1}+1, N, d] group g+1's. Numerator: ||x_{g+1}^(i) - x_g^(K_g)||_2 with i
-    chosen by ``definition`` (see ``DLR_DEFINITIONS``); denominator: the mean step
-    size of group g, (1/K_g) sum_k ||Delta_g^(k)||_2. Values above 1 mean the
-    hand-off moves a token further than an average loop step.
+    [K_{g+1}+1, N, d] group g+1's. ``definition`` (see ``DLR_DEFINITIONS``) picks
+
+    * the numerator ||x_{g+1}^(i) - x_g^(K_g)||_2: i = 0 ("literal..."), 1 ("first...")
+      or K_{g+1} ("output...");
+    * the denominator, a mean step size of group g: over all steps
+      k = 0..K_g-1 (no suffix, Eq. 2 as written, including the jump Delta^(0) from the
+      random initial state), or over the refinement steps k = 1..K_g-1 only ("_refine";
+      NaN when K_g = 1).
+
+    ``"literal"`` is the paper's Eq. 2 exactly. Values above 1 mean the hand-off moves a
+    token further than an average loop step.
     """
     _check_states(prev_states)
     if next_states.dim() != 3 or next_states.shape[1:] != prev_states.shape[1:]:
@@ -125,9 +171,10 @@ def drift_to_loop_ratio(
             f"next_states {tuple(next_states.shape)} do not match prev_states "
             f"{tuple(prev_states.shape)} in tokens and width"
         )
+    _, denominator = dlr_parts(definition)
     index = dlr_next_index(definition, next_states.shape[0] - 1)
     drift = (next_states[index].double() - prev_states[-1].double()).norm(dim=-1)
-    loop = step_sizes(prev_states).mean(dim=0)
+    loop = mean_step_size(prev_states, DLR_DENOMINATORS[denominator])
     return drift / (loop + eps)
 
 

@@ -91,25 +91,30 @@ def figure_pca(arrays: dict[str, np.ndarray], group_names: list[str], tokens: in
 
 def figure_dlr(summary: dict[str, Any], budget: str = "train"):
     """Fig. 2: mean DLR (band: 10th-90th percentile over tokens) per boundary across
-    checkpoints; solid = the real-drift definition, dashed = paper-literal."""
+    checkpoints; solid = the default drift over Eq. 2's all-step mean, dash-dot = the same
+    drift over the mean refinement step (k >= 1), dashed = Eq. 2 as written (paper-literal)."""
     plt = _pyplot()
     entries = summary["checkpoints"]
     by_step = all(entry.get("step", -1) >= 0 for entry in entries)
     steps = [entry["step"] for entry in entries] if by_step else list(range(len(entries)))
     boundaries = list(entries[0]["budgets"][budget]["dlr"])
-    figure, axis = plt.subplots(figsize=(7, 4.2))
-    styles = {summary["dlr_default"]: ("-", "o"), "literal": ("--", "s")}
+    labels = summary.get("dlr_labels", {})
+    figure, axis = plt.subplots(figsize=(7.5, 4.6))
+    styles = {summary["dlr_default"]: ("-", "o"), summary.get("dlr_default_refine"): ("-.", "^"),
+              "literal": ("--", "s")}
     colours = plt.get_cmap("tab10")
     for index, boundary in enumerate(boundaries):
         for definition, (style, marker) in styles.items():
+            if definition not in entries[0]["budgets"][budget]["dlr"][boundary]:
+                continue
             stats = [entry["budgets"][budget]["dlr"][boundary][definition] for entry in entries]
-            mean = np.array([s["mean"] for s in stats])
+            mean = np.array([np.nan if s["mean"] is None else s["mean"] for s in stats], dtype=float)
             axis.plot(steps, mean, style, marker=marker, color=colours(index),
                       markerfacecolor=colours(index) if style == "-" else "none",
-                      label=f"{boundary} ({definition})")
+                      label=f"{boundary}: {labels.get(definition, definition)}")
             if style == "-":
-                axis.fill_between(steps, [s["p10"] for s in stats], [s["p90"] for s in stats],
-                                  color=colours(index), alpha=0.15, linewidth=0)
+                low, high = ([np.nan if s[key] is None else s[key] for s in stats] for key in ("p10", "p90"))
+                axis.fill_between(steps, low, high, color=colours(index), alpha=0.15, linewidth=0)
     axis.axhline(1.0, color="k", linewidth=0.8, linestyle=":")
     axis.set_yscale("log")
     if by_step:
@@ -117,7 +122,7 @@ def figure_dlr(summary: dict[str, Any], budget: str = "train"):
     else:  # named models (e.g. a teacher and its surrogate), not a training series
         axis.set_xticks(steps, [entry["label"] for entry in entries])
     axis.set_ylabel("drift-to-loop ratio")
-    axis.set_title(f"Cross-block drift vs. mean loop step ({budget} budget); >1: coarse hand-off")
+    axis.set_title(f"Cross-block drift vs. mean loop step ({budget} budget); >1: coarse hand-off", fontsize=10)
     axis.legend(fontsize=7)
     return figure
 
@@ -224,7 +229,10 @@ def draw_all(out: str | Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
                         "larger jumps at group hand-offs (x marks)."))
     figures += [
         ("fig2_dlr", lambda: figure_dlr(summary),
-         "Fig. 2: drift-to-loop ratio per boundary across checkpoints (log scale; dotted line = 1)."),
+         "Fig. 2: drift-to-loop ratio per boundary across checkpoints (log scale; dotted line = 1). Solid: drift "
+         "to the next group's first iterate x(1) over the earlier group's mean step over all steps k≥0 (Eq. 2's "
+         "denominator, dominated by the jump Δ(0) from the random initial state); dash-dot: the same drift over the "
+         "mean refinement step, k≥1; dashed: Eq. 2 as written (from the random x(0), over all steps)."),
         ("fig3_loop_dynamics", lambda: figure_loop_dynamics(summary, "train"),
          "Fig. 3: step norms (top, log scale) and consecutive-step cosines (bottom) per group, training budget."),
     ]

@@ -10,7 +10,8 @@ out into tables and sentences.
   cosine, noise-floor step, effective rank of the last update, median
   convergence step;
 * drift scale, per checkpoint and boundary, at the training budget: the DLR
-  under each definition.
+  under each definition, led by the default numerator over both denominators (Eq. 2's
+  mean over all steps, and the mean over refinement steps k >= 1).
 """
 
 from __future__ import annotations
@@ -47,16 +48,27 @@ def loop_scale_rows(summary: dict[str, Any], budget: str | None = None) -> list[
     return rows
 
 
+def _dlr_label(summary: dict[str, Any], name: str) -> str:
+    return f"{summary.get('dlr_labels', {}).get(name, name)} [{name}]"
+
+
 def drift_scale_rows(summary: dict[str, Any], budget: str = "train") -> list[dict[str, Any]]:
-    """One row per checkpoint and boundary: DLR means (and the default's median) per definition."""
-    default = summary["dlr_default"]
+    """One row per checkpoint and boundary: DLR mean per definition (column: its label and saved name).
+
+    The default definition (Eq. 2's all-step denominator) and its refinement-step variant come
+    first, each with its median; the other definitions follow with their means.
+    """
+    lead = [name for name in (summary["dlr_default"], summary.get("dlr_default_refine")) if name]
     rows = []
     for entry in summary["checkpoints"]:
         for boundary, definitions in entry["budgets"][budget]["dlr"].items():
-            row = {"checkpoint": entry["label"], "boundary": boundary,
-                   f"DLR {default} (mean)": definitions[default]["mean"],
-                   f"DLR {default} (median)": definitions[default]["median"]}
-            row.update({f"DLR {name} (mean)": stats["mean"] for name, stats in definitions.items() if name != default})
+            row = {"checkpoint": entry["label"], "boundary": boundary}
+            for name in lead:
+                if name in definitions:
+                    row[f"{_dlr_label(summary, name)} mean"] = definitions[name]["mean"]
+                    row[f"{_dlr_label(summary, name)} median"] = definitions[name]["median"]
+            row.update({f"{_dlr_label(summary, name)} mean": stats["mean"]
+                        for name, stats in definitions.items() if name not in lead})
             rows.append(row)
     return rows
 
@@ -72,18 +84,31 @@ def loss_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return rows if any(len(row) > 2 for row in rows) else []
 
 
+def _number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3g}"
+
+
 def at_a_glance(summary: dict[str, Any]) -> str:
     """Two sentences on the last checkpoint: how big hand-offs are vs. loop steps."""
     last = summary["checkpoints"][-1]
-    default = summary["dlr_default"]
+    default, refine = summary["dlr_default"], summary.get("dlr_default_refine")
     dlr = last["budgets"]["train"]["dlr"]
-    parts = [f"{b}: {d[default]['median']:.3g}" for b, d in dlr.items()]
+
+    def medians(name: str) -> str:
+        shown = [f"{b}: {_number(d[name]['median'])}" for b, d in dlr.items() if name in d]
+        return "; ".join(shown) or "n/a (one group)"
+
     budget = summary["scale_budget"]
     groups = last["budgets"][budget]["groups"]
     decays = [f"{g['name']}: {value:.2g}" for g in groups if (value := g["headline"]["decay_10_over_1"]) is not None]
     settled = [f"{g['name']}: {value:.2f}" for g in groups if (value := g["headline"]["settled_cosine"]) is not None]
     text = (f"At {last['label']}, a hand-off between groups moves a token this many mean loop steps "
-            f"(median {default}-iterate DLR): {'; '.join(parts) or 'n/a (one group)'}.")
+            f"(median DLR, drift to the next group's first iterate, '{default}'): {medians(default)} against the "
+            "mean of all loop steps (Eq. 2's denominator, which includes the jump Δ(0) from the random initial "
+            "state)")
+    if refine and any(refine in d for d in dlr.values()):
+        text += f"; {medians(refine)} against the mean refinement step Δ(k), k ≥ 1 ('{refine}')"
+    text += "."
     if decays:
         text += f" Within a loop, |Δ10|/|Δ1| is {'; '.join(decays)}."
     if settled:
@@ -91,6 +116,24 @@ def at_a_glance(summary: dict[str, Any]) -> str:
                  f"{summary['headline_definitions']['settled_steps']} cosines of the {budget} budget above the "
                  "float noise floor).")
     return text
+
+
+def dlr_note(summary: dict[str, Any]) -> str:
+    """The sentence that says which DLR is which: numerators, the two denominators, saved names."""
+    terms = summary.get("dlr_terms")
+    if not terms:  # a hand-made summary: list the saved descriptions
+        return "DLR definitions: " + "; ".join(f"{n}: {t}" for n, t in summary["dlr_definitions"].items()) + "."
+    numerators = "; ".join(f"{label}: {text}" for label, text in terms["numerators"].items())
+    denominators = "; ".join(f"{label}: {text}" for label, text in terms["denominators"].items())
+    labels = summary.get("dlr_labels", {})
+    names = ", ".join(f"{name} = {labels.get(name, name)}" for name in summary["dlr_definitions"])
+    return (f"DLR = drift / loop step. Drift (numerator): {numerators}. Loop step (denominator, of the earlier "
+            f"group g): {denominators}. Eq. 2 as written is 'literal'. The k≥0 mean is dominated by the jump Δ(0) "
+            "from the random initial state (it is about |Δ(0)|/K); the k≥1 ('_refine') mean leaves that jump out "
+            "and "
+            "compares the hand-off with the refinement steps themselves. Both are means over the loop's steps, so "
+            "when steps contract both ratios grow with the loop budget: compare them at equal budgets. "
+            f"Saved names: {names}.")
 
 
 def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tuple[str, str]],
@@ -111,7 +154,7 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
         section.table(slowest["rows"], caption=(
             f"Slowest-converging tokens ({slowest['checkpoint']}, {slowest['budget']} budget): first step whose "
             f"relative step size falls under {slowest['threshold']:g} per group (= the step count if never)"))
-    definitions = "; ".join(f"{name}: {text}" for name, text in summary["dlr_definitions"].items())
+    definitions = dlr_note(summary)
     settings = summary["settings"]
     if settings.get("source_note"):  # not a language model's checkpoints (e.g. a surrogate's phases)
         section.note(settings["source_note"])
@@ -122,7 +165,7 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
         f"{settings['data']}; window i starts from the same initial-state noise in every checkpoint (and in "
         "`rdepth eval`). Step k's update is "
         f"Δ(k) = x(k+1) - x(k); x(0) is the random initial state. Bands are 1 sigma over tokens. "
-        f"DLR definitions: {definitions}. Denominator: the mean step size of the earlier group. "
+        f"{definitions} "
         f"Settled cosine: mean of the last {constants['settled_steps']} cosines whose steps are above the noise "
         f"floor (mean relative step size {constants['noise_floor']:g}; 'noise floor at k' is the first update "
         "under it, blank if never). "
@@ -141,4 +184,5 @@ def write_report(out: str | Path, summary: dict[str, Any], figures: list[tuple[s
     return add_section(out, geometry_section(out, summary, figures), title=f"rdepth report: {name}")
 
 
-__all__ = ["at_a_glance", "drift_scale_rows", "geometry_section", "loop_scale_rows", "loss_rows", "write_report"]
+__all__ = ["at_a_glance", "dlr_note", "drift_scale_rows", "geometry_section", "loop_scale_rows", "loss_rows",
+           "write_report"]

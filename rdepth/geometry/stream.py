@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from rdepth.errors import RdepthError
-from rdepth.geometry.metrics import DLR_DEFINITIONS, EPS, dlr_next_index, effective_rank_from_gram
+from rdepth.geometry.metrics import (DLR_DENOMINATORS, DLR_DEFINITIONS, EPS, dlr_next_index,
+                                     effective_rank_from_gram)
 
 # Per-step statistics; "cosine" and "acceleration" compare step j with j+1.
 STEP_METRICS = ("step_size", "relative_step_size", "cosine", "acceleration")
@@ -86,6 +87,7 @@ class _BatchGroup:
     prev_delta: torch.Tensor | None = None  # [N, d] float64
     computed: torch.Tensor | None = None  # [N] long, steps each row ran
     path_length: torch.Tensor | None = None  # [N] float64, sum of step sizes
+    first_size: torch.Tensor | None = None  # [N] float64, size of each row's first step ||Delta^(0)||
     convergence: torch.Tensor | None = None  # [N] long, -1 = not yet
     final_relative: torch.Tensor | None = None  # [N] float64
     drift: list[torch.Tensor] = field(default_factory=list)  # ||x^(k) - x_prev^(K)|| per step k
@@ -98,7 +100,8 @@ class StreamResult:
 
     ``groups[g]`` maps ``<metric>_mean`` / ``_std`` / ``_count`` (per step), ``effective_rank`` [K],
     ``convergence_step`` and ``final_relative_step_size`` [N] to arrays.
-    ``boundaries["g->g+1"][definition]`` is the per-token DLR [N].
+    ``boundaries["g->g+1"][definition]`` is the per-token DLR [N] for every definition of
+    :data:`rdepth.geometry.metrics.DLR_DEFINITIONS` (NaN where a "_refine" denominator is undefined).
     ``kept_states[g]`` is [K+1, T, d] for the kept sequence (absent if none kept).
     """
 
@@ -166,6 +169,7 @@ class GeometryObserver:
             prev_state=flat,
             computed=torch.zeros(n, dtype=torch.long, device=device),
             path_length=torch.zeros(n, dtype=torch.float64, device=device),
+            first_size=torch.zeros(n, dtype=torch.float64, device=device),
             convergence=torch.full((n,), -1, dtype=torch.long, device=device),
             final_relative=torch.zeros(n, dtype=torch.float64, device=device),
         )
@@ -201,6 +205,8 @@ class GeometryObserver:
             acc.moments["acceleration"].add(index - 1, (delta - before).norm(dim=-1))
         # per-token bookkeeping, then move on
         select = slice(None) if rows is None else rows
+        first = current.computed[select] == 0
+        current.first_size[select] = torch.where(first, size, current.first_size[select])
         current.computed[select] += 1
         current.path_length[select] += size
         current.final_relative[select] = relative
@@ -229,16 +235,30 @@ class GeometryObserver:
         acc.final_relative.append(current.final_relative.cpu())
         previous = self._previous
         if previous is not None and current.drift:
-            loop = previous.path_length / previous.computed.clamp_min(1)
+            loops = {name: self._mean_step(previous, start) for name, start in DLR_DENOMINATORS.items()}
             per_definition = self._boundaries.setdefault((previous.group, current.group), {})
-            for definition in DLR_DEFINITIONS:
+            for definition, (_, denominator) in DLR_DEFINITIONS.items():
                 position = dlr_next_index(definition, current.steps)
-                ratio = current.drift[position] / (loop + EPS)
+                ratio = current.drift[position] / (loops[denominator] + EPS)
                 per_definition.setdefault(definition, []).append(ratio.cpu())
         self._previous, self._previous_last = current, current.prev_state
         current.prev_delta = None
         current.drift = []
         self._current = None
+
+    @staticmethod
+    def _mean_step(group: _BatchGroup, start: int) -> torch.Tensor:
+        """Per row, the mean step size over the row's steps start, start+1, ... (start 0 or 1): [N].
+
+        Start 0 is Eq. 2's denominator (all steps); start 1 leaves out the first step, the jump
+        from the initial state. NaN for rows that ran no more than ``start`` steps.
+        """
+        if start == 0:
+            return group.path_length / group.computed.clamp_min(1)
+        if start != 1:
+            raise RdepthError(f"the observer keeps the first step only, cannot start a mean at step {start}")
+        refine = (group.path_length - group.first_size) / (group.computed - 1).clamp_min(1)
+        return torch.where(group.computed > 1, refine, torch.full_like(refine, float("nan")))
 
     def _close_batch(self) -> None:
         self._close_group()

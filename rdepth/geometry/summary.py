@@ -4,7 +4,8 @@ Layout under ``OUT``::
 
     geometry/summary.json               settings, per checkpoint and budget: per-group
                                         step curves (mean/std), convergence and headline
-                                        numbers, DLR stats per boundary, validation loss
+                                        numbers, DLR stats per boundary and definition,
+                                        validation loss
     geometry/<checkpoint>/<budget>.npz  per-token arrays (:mod:`rdepth.geometry.arrays`)
     geometry/slowest_tokens.json        tokens that need the longest loops
 
@@ -23,6 +24,15 @@ headline numbers of a group at one budget (``group["headline"]``):
 
 Summary-level: ``scale_budget`` (the budget the loop-scale numbers come from)
 and ``headline_definitions`` (the constants above).
+
+DLR (``budget["dlr"][boundary][definition]``: mean, std, median, p10, p90 over tokens)
+is saved under every definition of :data:`rdepth.geometry.metrics.DLR_DEFINITIONS`,
+described in ``dlr_definitions`` and labelled in ``dlr_labels``. Two denominators:
+``<numerator>`` divides by Eq. 2's mean over all K_g steps of the earlier group, which
+includes the jump Delta^(0) from the random initial state and so is dominated by it;
+``<numerator>_refine`` divides by the mean over its refinement steps k >= 1 only.
+``"literal"`` is Eq. 2 as written; ``dlr_default`` ("first") and ``dlr_default_refine``
+("first_refine") are the two the report leads with.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from rdepth.errors import RdepthError
-from rdepth.geometry.metrics import DEFAULT_DLR
+from rdepth.geometry.metrics import DEFAULT_DLR, DLR_DEFINITIONS
 from rdepth.geometry.stream import STEP_METRICS, StreamResult
 from rdepth.io import environment_info, write_json
 
@@ -43,13 +53,37 @@ SUMMARY_FILE = "summary.json"
 SLOWEST_FILE = "slowest_tokens.json"
 # 1: the first release. 2: headline numbers saved (group "headline", "scale_budget",
 # "headline_definitions"); loop-state noise keyed per held-out window, as ``rdepth eval``.
-FORMAT_VERSION = 2
+# 3: DLR under both denominators (``<numerator>`` and ``<numerator>_refine``), "dlr_labels",
+# "dlr_default_refine"; DLR statistics over defined values only (null when none is).
+FORMAT_VERSION = 3
 
-DLR_DESCRIPTIONS = {
-    "literal": "paper Eq. 2 as written: ||x_{g+1}^(0) - x_g^(K)||, x^(0) the random initial state",
-    "first": "real drift: ||x_{g+1}^(1) - x_g^(K)||, the next group's first computed iterate",
-    "output": "output drift: ||x_{g+1}^(K) - x_g^(K)||, the two groups' hand-off states",
+DLR_NUMERATOR_TEXT = {
+    "literal": "||x_{g+1}^(0) - x_g^(K_g)||, x^(0) the next group's random initial state",
+    "first": "||x_{g+1}^(1) - x_g^(K_g)||, the next group's first computed iterate (real drift)",
+    "output": "||x_{g+1}^(K_{g+1}) - x_g^(K_g)||, the two groups' hand-off states (output drift)",
 }
+DLR_DENOMINATOR_TEXT = {
+    "all": "(1/K_g) sum_{k=0}^{K_g-1} ||Delta_g^(k)||, the mean over all K_g steps of group g, "
+           "including Delta_g^(0) = x_g^(1) - x_g^(0), the jump from the random initial state (Eq. 2's denominator)",
+    "refine": "(1/(K_g-1)) sum_{k=1}^{K_g-1} ||Delta_g^(k)||, the mean over group g's refinement steps only, "
+              "leaving out the jump Delta_g^(0) from the random initial state (undefined, saved as null, when K_g = 1)",
+}
+# What each DLR definition divides by what (saved in summary.json and shown on the report page).
+DLR_DESCRIPTIONS = {
+    name: ("paper Eq. 2 as written: " if name == "literal" else "")
+    + f"{DLR_NUMERATOR_TEXT[numerator]} divided by {DLR_DENOMINATOR_TEXT[denominator]}"
+    for name, (numerator, denominator) in DLR_DEFINITIONS.items()
+}
+# Short labels for table columns and figure legends: numerator iterate, then the steps averaged.
+DLR_NUMERATOR_LABEL = {"literal": "x(0)", "first": "x(1)", "output": "x(K)"}
+DLR_DENOMINATOR_LABEL = {"all": "mean |Δ(k)|, k≥0", "refine": "mean |Δ(k)|, k≥1"}
+DLR_LABELS = {
+    name: f"{DLR_NUMERATOR_LABEL[numerator]} ÷ {DLR_DENOMINATOR_LABEL[denominator]}"
+    + (" (Eq. 2)" if name == "literal" else "")
+    for name, (numerator, denominator) in DLR_DEFINITIONS.items()
+}
+# The refinement-step variant of the default definition (same numerator, k >= 1 denominator).
+DEFAULT_DLR_REFINE = f"{DEFAULT_DLR}_refine"
 
 SETTLED_STEPS = 5
 # A mean relative step size ||Delta|| / ||x|| under this is float32 rounding
@@ -108,10 +142,16 @@ def scale_budget(budgets: dict[str, Any]) -> str:
 # ------------------------------------------------------------------ one budget
 
 
-def _stats(values: np.ndarray) -> dict[str, float]:
+def _stats(values: np.ndarray) -> dict[str, float | None]:
+    """Mean, std, median, 10th/90th percentile over the finite values (all None when there are none,
+    e.g. a "_refine" DLR after a one-step group); "defined" is the fraction of finite values."""
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return {"mean": None, "std": None, "median": None, "p10": None, "p90": None, "defined": 0.0}
     return {
-        "mean": float(values.mean()), "std": float(values.std()), "median": float(np.median(values)),
-        "p10": float(np.quantile(values, 0.1)), "p90": float(np.quantile(values, 0.9)),
+        "mean": float(finite.mean()), "std": float(finite.std()), "median": float(np.median(finite)),
+        "p10": float(np.quantile(finite, 0.1)), "p90": float(np.quantile(finite, 0.9)),
+        "defined": float(finite.size / values.size),
     }
 
 
@@ -163,7 +203,10 @@ def new_summary(settings: dict[str, Any], groups: list[str], sequences: int, seq
     """
     return {
         "format_version": FORMAT_VERSION, "settings": settings, "environment": environment_info(),
-        "dlr_definitions": DLR_DESCRIPTIONS, "dlr_default": DEFAULT_DLR,
+        "dlr_definitions": DLR_DESCRIPTIONS, "dlr_labels": DLR_LABELS, "dlr_default": DEFAULT_DLR,
+        "dlr_default_refine": DEFAULT_DLR_REFINE,
+        "dlr_terms": {"numerators": {DLR_NUMERATOR_LABEL[n]: t for n, t in DLR_NUMERATOR_TEXT.items()},
+                      "denominators": {DLR_DENOMINATOR_LABEL[d]: t for d, t in DLR_DENOMINATOR_TEXT.items()}},
         "headline_definitions": {"settled_steps": SETTLED_STEPS, "noise_floor": NOISE_FLOOR},
         "groups": list(groups), "sequences": int(sequences), "seq_len": int(seq_len),
         "budgets": dict(budgets or {}), "checkpoints": [],

@@ -17,6 +17,13 @@ from rdepth.fields import option
 SIMILARITY_NAMES = ("pooled_cosine", "token_cosine", "cka")  # rdepth.surrogate.similarity.SIMILARITIES
 PHASE_METHOD_NAMES = ("dp", "maxcut")  # rdepth.surrogate.phases.PHASE_METHODS
 INIT_CHOICES = ("first", "middle", "random")
+# How a fit uses the teacher's states as inputs (rdepth.surrogate.fit.stage_loss):
+# "anneal": per step and sequence, replace the block's input by the teacher's state with an
+#   annealed probability, in both stages (scheduled sampling);
+# "mixed": the reference code's scheme (KempnerInstitute/raptor, raptor/trainer.py): stage 1
+#   loss = r * one-step loss (every input the teacher's) + (1 - r) * free-rollout loss, r annealed;
+#   stage 2 free rollout only.
+FORCING_CHOICES = ("anneal", "mixed")
 
 
 @dataclass(frozen=True)
@@ -28,9 +35,16 @@ class FitConfig:
     lr: float = option(3e-4, "AdamW learning rate")
     weight_decay: float = option(0.0, "AdamW weight decay")
     grad_clip: float = option(1.0, "gradient norm clip")
-    force_start: float = option(1.0, "teacher-forcing probability at the start of each stage")
-    force_end: float = option(0.0, "teacher-forcing probability after annealing (0 = free rollout)")
-    anneal_fraction: float = option(0.6, "fraction of each stage over which forcing anneals")
+    forcing: str = option("anneal", "teacher forcing: anneal (each block input replaced by the teacher's state "
+                          "with an annealed probability, both stages) or mixed (the reference code's: stage 1 loss "
+                          "= r x one-step + (1 - r) x free rollout with r annealed, stage 2 free rollout only)")
+    force_start: float = option(1.0, "forcing at the start of each stage (anneal: probability; mixed: one-step "
+                                "weight r, stage 1 only)")
+    force_end: float = option(0.0, "forcing after annealing (0 = free rollout)")
+    anneal_fraction: float = option(0.6, "fraction of each stage over which forcing anneals (the reference "
+                                    "code anneals over 0.25 of its steps)")
+    input_noise: float = option(0.0, "std of Gaussian noise added to every block input while fitting (the "
+                                "reference code's sigma; its runs use 0)")
     first_token_weight: float = option(1.0, "loss weight of the first ([CLS]) token relative to the others")
     log_every: int = option(10, "steps between metrics.jsonl records")
     seed: int = option(0, "seed of the fitting's random draws (the surrogate command sets it to its --seed)",
@@ -42,6 +56,10 @@ class FitConfig:
                 raise RdepthError(f"fit: {name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
             raise RdepthError(f"fit: lr must be > 0, got {self.lr}")
+        if self.forcing not in FORCING_CHOICES:
+            raise RdepthError(f"fit: forcing must be one of {FORCING_CHOICES}, got {self.forcing!r}")
+        if not self.input_noise >= 0:
+            raise RdepthError(f"fit: input_noise must be >= 0, got {self.input_noise}")
         for name in ("force_start", "force_end", "anneal_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise RdepthError(f"fit: {name} must lie in [0, 1], got {getattr(self, name)}")

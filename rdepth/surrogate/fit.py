@@ -4,13 +4,25 @@ Loss at depth d: mean squared error between the surrogate's and the teacher's st
 real tokens (the first token weighted by ``first_token_weight``), divided by the teacher's
 mean squared entry at that depth, so every depth counts alike; averaged over depths.
 
-Two stages, each with teacher forcing annealed linearly from ``force_start`` to
-``force_end`` over the first ``anneal_fraction`` of its steps, then held (free rollout when
-``force_end`` = 0):
+Two stages:
 
 1. block by block: block p alone, started from the teacher's state at its phase start,
    fitted to the states of its phase;
 2. jointly: all blocks, rolled out from the embedding through all L depths.
+
+Teacher forcing (``FitConfig.forcing``; :func:`stage_loss`), with a forcing value annealed
+linearly from ``force_start`` to ``force_end`` over the first ``anneal_fraction`` of a
+stage's steps, then held (:func:`force_probability`):
+
+* ``"anneal"`` (default): in both stages, each block input is, per sequence, the teacher's
+  state with that probability, else the surrogate's own (scheduled sampling); one loss.
+* ``"mixed"``: the reference code's scheme (KempnerInstitute/raptor ``raptor/trainer.py``,
+  ``--teacher_force`` for the per-block runs, ``--autoreg`` for the joint ones): stage 1 loss
+  = r * one-step loss (every input the teacher's state) + (1 - r) * free-rollout loss, with r
+  the annealed value; stage 2 is free rollout only.
+
+``input_noise`` adds Gaussian noise to every block input in either scheme (the reference's
+``sigma``).
 """
 
 from __future__ import annotations
@@ -40,6 +52,38 @@ def force_probability(step: int, total: int, config: FitConfig) -> float:
     return config.force_start + (config.force_end - config.force_start) * step / anneal_steps
 
 
+def stage_force(step: int, total: int, config: FitConfig, joint: bool) -> float:
+    """The forcing value of a step: annealed per stage, except "mixed"'s joint stage (always 0)."""
+    if joint and config.forcing == "mixed":
+        return 0.0
+    return force_probability(step, total, config)
+
+
+def stage_loss(surrogate: RaptorSurrogate, teacher_states: list[torch.Tensor], mask: torch.Tensor, start: int,
+               stop: int, scale: torch.Tensor, config: FitConfig, force: float) -> torch.Tensor:
+    """The fitting loss of depths [start, stop) on one batch under ``config.forcing`` at forcing ``force``.
+
+    "anneal": the loss of one rollout whose inputs are the teacher's with probability ``force``.
+    "mixed": ``force`` x the one-step loss + (1 - ``force``) x the free-rollout loss (a term
+    whose weight is 0 is not computed). ``teacher_states``: the L+1 states (B, T, D).
+    """
+    target = teacher_states[start + 1: stop + 1]
+
+    def loss_of(force_prob: float) -> torch.Tensor:
+        outputs = surrogate.rollout(teacher_states[start], mask, start=start, stop=stop,
+                                    teacher_states=teacher_states, force_prob=force_prob,
+                                    input_noise=config.input_noise)
+        return state_loss(outputs, target, mask, scale[start + 1: stop + 1], config.first_token_weight)
+
+    if config.forcing == "anneal":
+        return loss_of(force)
+    loss = loss_of(1.0) * force if force > 0.0 else None
+    if force < 1.0:
+        free = loss_of(0.0) * (1.0 - force)
+        loss = free if loss is None else loss + free
+    return loss
+
+
 def state_loss(predicted: list[torch.Tensor], target: list[torch.Tensor], mask: torch.Tensor,
                scale: torch.Tensor, first_token_weight: float) -> torch.Tensor:
     """Scaled masked MSE averaged over depths. predicted/target: lists of (B, T, D); scale: (len,)."""
@@ -66,7 +110,7 @@ def _lr_factor(step: int, total: int) -> float:
 
 def _run_stage(surrogate: RaptorSurrogate, bank: StateBank, params: list[torch.nn.Parameter], steps: int,
                start: int, stop: int, scale: torch.Tensor, config: FitConfig, stage: str,
-               generator: torch.Generator, metrics_path: Path | None) -> float:
+               generator: torch.Generator, metrics_path: Path | None, joint: bool = False) -> float:
     """Optimise ``params`` on depths [start, stop); returns the last logged loss."""
     if steps == 0:
         return float("nan")
@@ -78,12 +122,8 @@ def _run_stage(surrogate: RaptorSurrogate, bank: StateBank, params: list[torch.n
     started = time.perf_counter()
     for step in bar:
         batch: BankBatch = bank.batches[int(torch.randint(len(bank), (1,), generator=generator))]
-        teacher_states = batch.state_list()
-        force = force_probability(step, steps, config)
-        outputs = surrogate.rollout(teacher_states[start], batch.mask, start=start, stop=stop,
-                                    teacher_states=teacher_states, force_prob=force)
-        loss = state_loss(outputs, teacher_states[start + 1: stop + 1], batch.mask, scale[start + 1: stop + 1],
-                          config.first_token_weight)
+        force = stage_force(step, steps, config, joint)
+        loss = stage_loss(surrogate, batch.state_list(), batch.mask, start, stop, scale, config, force)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
@@ -97,7 +137,7 @@ def _run_stage(surrogate: RaptorSurrogate, bank: StateBank, params: list[torch.n
             bar.set_postfix(loss=f"{last:.4f}", force=f"{force:.2f}")
             if metrics_path is not None:
                 append_jsonl(metrics_path, {"stage": stage, "step": step + 1, "loss": last, "force_prob": force,
-                                            "lr": scheduler.get_last_lr()[0],
+                                            "forcing": config.forcing, "lr": scheduler.get_last_lr()[0],
                                             "seconds": round(time.perf_counter() - started, 2)})
     surrogate.eval()
     return last
@@ -112,13 +152,14 @@ def fit_surrogate(surrogate: RaptorSurrogate, bank: StateBank, config: FitConfig
     torch.manual_seed(config.seed)
     scale = bank.depth_scale().clamp_min(1e-12)
     started = time.perf_counter()
-    summary = {"tag": tag, "lengths": list(surrogate.config.lengths)}
+    summary = {"tag": tag, "lengths": list(surrogate.config.lengths), "forcing": config.forcing}
     for p, (start, length) in enumerate(zip(surrogate.phase_start, surrogate.config.lengths)):
         params = [*surrogate.blocks[p].parameters(), surrogate.iteration]
         summary[f"block{p}_loss"] = _run_stage(surrogate, bank, params, config.steps_block, start, start + length,
                                                scale, config, f"{tag}/block{p}", generator, metrics_path)
     summary["joint_loss"] = _run_stage(surrogate, bank, surrogate.trainable_parameters(), config.steps_joint, 0,
-                                       surrogate.n_layers, scale, config, f"{tag}/joint", generator, metrics_path)
+                                       surrogate.n_layers, scale, config, f"{tag}/joint", generator, metrics_path,
+                                       joint=True)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     log.info("fitted %s %s in %.0f s (joint loss %.4f)", tag, surrogate.config.lengths, summary["seconds"],
              summary["joint_loss"])

@@ -11,8 +11,10 @@ NPZ arrays). The same figures and the same report section are then drawn from it
 
 Differences from a language model's analysis: the only budget is the fitted phase lengths
 (the surrogate's iteration embedding fixes its depth), so there is no long budget; there is
-no loss; and the paper-literal DLR is 0 by construction (a phase starts from the previous
-phase's output, not from noise).
+no loss; the paper-literal DLR is 0 by construction (a phase starts from the previous
+phase's output, not from noise); and Delta^(0) is the block's first application to that
+input, not a jump from noise, so the "_refine" DLR (denominator: the phase's steps k >= 1)
+leaves out a real step here, and is undefined (null) after a one-layer phase.
 """
 
 from __future__ import annotations
@@ -23,14 +25,18 @@ from typing import Any
 import torch
 
 from rdepth.geometry.stream import GeometryObserver
-from rdepth.geometry.summary import DLR_DESCRIPTIONS, checkpoint_entry, new_summary, save_budget, write_summary
+from rdepth.geometry.summary import DLR_LABELS, checkpoint_entry, new_summary, save_budget, write_summary
 
 SOURCE_NOTE = (
     "Each phase of the surrogate is read as a loop: step 0 is the phase's input (the previous phase's "
     "output), steps 1..n the n applications of its block (for the teacher: the phase's n layers). "
     "Statistics over the real tokens of {sentences} held-out sentences; bands are 1 sigma over tokens. "
     "There is one budget (the fitted phase lengths) and no loss; the paper-literal DLR is 0 by construction. "
-    "DLR definitions: {definitions}. All numbers are in geometry/summary.json and geometry/<model>/train.npz."
+    "DLR = drift / loop step; drift (numerator) to the next phase's x(1) = its first output, or x(K) = its last; "
+    "loop step (denominator) = the earlier phase's mean step size over all its n steps (k≥0, Eq. 2's denominator; "
+    "here Δ(0) is the block's first application, not a jump from noise) or over its steps k≥1 only ('_refine', "
+    "undefined after a one-layer phase). Saved names: {definitions}. "
+    "All numbers are in geometry/summary.json and geometry/<model>/train.npz."
 )
 
 
@@ -66,7 +72,7 @@ def write_phase_geometry(out: str | Path, states: dict[str, torch.Tensor], mask:
     out = Path(out)
     names = [f"{sum(lengths[:p])}-{sum(lengths[:p + 1]) - 1}" if n > 1 else str(sum(lengths[:p]))
              for p, n in enumerate(lengths)]
-    definitions = "; ".join(f"{name}: {text}" for name, text in DLR_DESCRIPTIONS.items())
+    definitions = ", ".join(f"{name} = {label}" for name, label in DLR_LABELS.items())
     settings = {"threshold": threshold, "keep_sequence": 0, "data": "held-out sentences",
                 "source_note": SOURCE_NOTE.format(sentences=int(mask.shape[0]), definitions=definitions)}
     summary = new_summary(settings, names, int(mask.shape[0]), int(mask.shape[1]), {"train": list(lengths)})

@@ -87,12 +87,14 @@ class RaptorSurrogate(nn.Module):
 
     def rollout(self, state: torch.Tensor, key_mask: torch.Tensor | None, start: int = 0,
                 stop: int | None = None, teacher_states: list[torch.Tensor] | None = None,
-                force_prob: float = 0.0) -> list[torch.Tensor]:
+                force_prob: float = 0.0, input_noise: float = 0.0) -> list[torch.Tensor]:
         """Run depths [start, stop) from ``state``; returns the (stop - start) output states.
 
         With ``teacher_states`` (the teacher's L+1 states) and ``force_prob`` > 0, each step's
         input is, per sequence with that probability, the teacher's state at that depth
-        instead of the surrogate's own (teacher forcing).
+        instead of the surrogate's own (teacher forcing; ``force_prob`` = 1 is one-step
+        prediction from every teacher state). ``input_noise`` > 0 adds Gaussian noise of that
+        std to every step's input, drawn afresh at each step (the reference code's sigma).
         """
         stop = self.n_layers if stop is None else stop
         outputs = []
@@ -100,6 +102,8 @@ class RaptorSurrogate(nn.Module):
             if teacher_states is not None and force_prob > 0.0 and depth > start:
                 forced = torch.rand(state.shape[0], 1, 1, device=state.device) < force_prob
                 state = torch.where(forced, teacher_states[depth], state)
+            if input_noise > 0.0:
+                state = state + input_noise * torch.randn_like(state)
             state = self.step(state, depth, key_mask)
             outputs.append(state)
         return outputs

@@ -71,15 +71,20 @@ def write_report(out: str | Path) -> Path:
     report.section("retention", "Retention and final-state fidelity (held-out)", order=10).table(
         rows, caption="beside the two baselines").note(note)
 
-    phase_rows = [{"similarity": similarity, "method": method, **entry}
-                  for similarity, methods in phases["by_similarity"].items() for method, entry in methods.items()]
+    sets = {"fit": phases["by_similarity"], "held-out": phases.get("by_similarity_eval", {})}
+    phase_rows = [{"sentences": label, "similarity": similarity, "method": method, **entry}
+                  for label, by_similarity in sets.items()
+                  for similarity, methods in by_similarity.items() for method, entry in methods.items()]
     similarity = report.section("phases", f"Phases for k = {phases['k']} (layer outputs 1..L)", order=20)
-    similarity.table(phase_rows, caption="score = average association; contrast = within - between")
+    similarity.table(phase_rows, caption=(
+        f"score = average association; contrast = within - between. The surrogate's phases are "
+        f"{phases['method']} on the {phases['similarity']} matrix of the fit sentences; the held-out rows show "
+        "what the same methods would pick on the evaluation sentences (not used)"))
     for name, matrix in matrices.items():
         drawn = {m: phases["by_similarity"][name][m]["lengths"] for m in ("dp", "maxcut")}
-        figure = plots.plot_similarity(matrix, drawn, f"{name} (depth 0 = embedding)")
+        figure = plots.plot_similarity(matrix, drawn, f"{name}, fit sentences (depth 0 = embedding)")
         similarity.figure(save_report_figure(figure, out, f"similarity_{name}"),
-                          f"{name} similarity with DP and max-cut phases")
+                          f"{name} similarity of the fit sentences with DP and max-cut phases")
     report.section("fidelity", "Layer-wise fidelity", order=30).figure(
         save_report_figure(plots.plot_fidelity(results["models"]), out, "fidelity"),
         "cosine and relative MSE per depth")

@@ -1,8 +1,9 @@
 """The text surrogate pipeline behind ``rdepth surrogate``.
 
-teacher states -> similarity matrices -> phases (DP and max-cut) -> fit the Raptor surrogate
-and the equal-split baseline -> fidelity / retention beside the truncated baseline ->
-dynamics -> numbers saved (JSON/NPZ) -> report page drawn from the saved numbers.
+teacher states -> similarity matrices -> phases (DP and max-cut, chosen on the fit sentences)
+-> fit the Raptor surrogate and the equal-split baseline -> fidelity / retention on the held-out
+sentences beside the truncated baseline -> dynamics -> numbers saved (JSON/NPZ) -> report page
+drawn from the saved numbers.
 """
 
 from __future__ import annotations
@@ -46,6 +47,23 @@ def analyse_similarity(bank: StateBank, k: int) -> tuple[dict[str, np.ndarray], 
     return {name: matrix.numpy() for name, matrix in matrices.items()}, phases
 
 
+def choose_phases(fit_bank: StateBank, eval_bank: StateBank, k: int, similarity: str, method: str
+                  ) -> tuple[tuple[int, ...], dict[str, dict[str, np.ndarray]], dict]:
+    """Phases from the FIT set's similarity matrix; the held-out set's are measured beside, never used.
+
+    Choosing phases on the evaluation sentences would let the held-out set shape the surrogate
+    it then scores. Returns (chosen lengths, {"fit": matrices, "eval": matrices}, the phases.json
+    record: ``by_similarity`` = every method on the fit matrices, ``by_similarity_eval`` = the same
+    on the held-out ones, ``chosen_on`` = "fit").
+    """
+    fit_matrices, fit_phases = analyse_similarity(fit_bank, k)
+    eval_matrices, eval_phases = analyse_similarity(eval_bank, k)
+    chosen = tuple(fit_phases[similarity][method]["lengths"])
+    record = {"k": k, "similarity": similarity, "method": method, "chosen_on": "fit", "chosen": list(chosen),
+              "by_similarity": fit_phases, "by_similarity_eval": eval_phases}
+    return chosen, {"fit": fit_matrices, "eval": eval_matrices}, record
+
+
 def run_surrogate(config: SurrogateRunConfig) -> Path:
     """Run the whole pipeline into ``config.out``; returns the report's path."""
     from rdepth.surrogate.report import write_report
@@ -68,15 +86,16 @@ def run_surrogate(config: SurrogateRunConfig) -> Path:
     fit_bank = build_bank(teacher, text_batches(tokenizer, fit_sentences, config.batch_size), "teacher (fit)")
     eval_bank = build_bank(teacher, text_batches(tokenizer, eval_sentences, config.batch_size), "teacher (eval)")
 
-    matrices, phases = analyse_similarity(eval_bank, config.k)
-    with atomic_path(out / "similarity.npz") as tmp:
-        with open(tmp, "wb") as handle:
-            np.savez(handle, **matrices)
-    write_json(out / "phases.json", {"k": config.k, "similarity": config.similarity,
-                                     "method": config.phase_method, "by_similarity": phases})
-    chosen = tuple(phases[config.similarity][config.phase_method]["lengths"])
+    chosen, matrices, record = choose_phases(fit_bank, eval_bank, config.k, config.similarity, config.phase_method)
+    for name, stem in (("fit", "similarity"), ("eval", "similarity_eval")):  # phases come from the fit set's
+        with atomic_path(out / f"{stem}.npz") as tmp:
+            with open(tmp, "wb") as handle:
+                np.savez(handle, **matrices[name])
+    write_json(out / "phases.json", record)
     equal = equal_phases(teacher.n_layers, config.k)
-    log.info("phases (%s, %s): %s; equal split: %s", config.similarity, config.phase_method, chosen, equal)
+    held_out = tuple(record["by_similarity_eval"][config.similarity][config.phase_method]["lengths"])
+    log.info("phases (%s, %s, fit set): %s; on the held-out set: %s; equal split: %s", config.similarity,
+             config.phase_method, chosen, held_out, equal)
 
     metrics_path = out / "metrics.jsonl"
     if metrics_path.exists():
