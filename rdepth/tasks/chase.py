@@ -1,0 +1,141 @@
+"""Pointer chasing to a fixed point: follow a function's arrows from a start symbol until it stops.
+
+A problem lists a function f on ``nodes`` distinct symbols as ``nodes`` pairs
+``x f(x)`` in random order, then ``queries`` queries ``? s a`` where the answer
+``a`` is the fixed point reached from ``s`` (the first ``x`` on the path with
+f(x) = x). The number of hops is never written, so deeper instances than
+those seen in training are the same kind of problem::
+
+    c d  a b  d d  b c  e e   ? a d  ? e e        (nodes=5, difficulty 3)
+
+With ``ordered=True`` the symbols are the first ``nodes`` letters and only the
+values are listed, in alphabetical order of their arguments (``f(a) f(b) ...``),
+so a lookup is by position in the problem rather than by matching the pair's
+first symbol (easier to learn; the problem must start where the model expects)::
+
+    b c d d e   ? a d  ? e e                      (nodes=5, ordered, difficulty 3)
+
+Structure: one *main* chain of ``difficulty`` hops s -> ... -> t with f(t) = t,
+and the other symbols in distractor chains of at most ``difficulty`` hops
+(at most ``max_distractor_hops`` when set), each ending in its own fixed point.
+Fixed points are visible locally (f(x) = x), so guessing one of them is a
+shortcut whose success grows as the main chain uses up the symbols and fewer
+chains remain; shorter distractor chains leave more fixed points to choose from. The main chain's start is always one of
+the queries; the others start anywhere else. **Difficulty** = hops on the
+main chain = the sequential lookups its answer needs (the other queries need
+at most as many).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from rdepth.errors import RdepthError
+from rdepth.tasks.base import Problem, Task, check_int, malformed
+from rdepth.data.task_vocab import QUERY_ID, SYMBOL_IDS, is_symbol
+
+
+@dataclass(frozen=True)
+class ChaseTask(Task):
+    """``nodes`` symbols (2..26), ``queries`` per problem (1..nodes), ``ordered`` listing and
+    ``max_distractor_hops`` (see above)."""
+
+    nodes: int = 20
+    queries: int = 6
+    ordered: bool = False
+    max_distractor_hops: int | None = None  # None: up to the difficulty
+
+    name = "chase"
+    min_difficulty = 1
+    difficulty_meaning = "hops from the main query to its fixed point"
+
+    def __post_init__(self) -> None:
+        check_int("task chase", "nodes", self.nodes, 2, len(SYMBOL_IDS))
+        check_int("task chase", "queries", self.queries, 1, self.nodes)
+        if self.max_distractor_hops is not None:
+            check_int("task chase", "max_distractor_hops", self.max_distractor_hops, 0, self.nodes)
+        if not isinstance(self.ordered, bool):
+            raise RdepthError(f"task chase: ordered must be true or false, got {self.ordered!r}")
+
+    @property
+    def max_difficulty(self) -> int:
+        return self.nodes - 1  # the main chain holds difficulty + 1 symbols
+
+    def length(self, difficulty: int) -> int:
+        return (1 if self.ordered else 2) * self.nodes + 3 * self.queries
+
+    def _generate(self, rng: np.random.Generator, difficulty: int) -> Problem:
+        pool = SYMBOL_IDS[: self.nodes] if self.ordered else SYMBOL_IDS
+        symbols = [int(s) for s in rng.choice(pool, size=self.nodes, replace=False)]
+        successor: dict[int, int] = {}
+        chains = [symbols[: difficulty + 1]]
+        rest = symbols[difficulty + 1:]
+        longest = difficulty if self.max_distractor_hops is None else min(difficulty, self.max_distractor_hops)
+        while rest:  # distractor chains of 1 .. longest + 1 symbols
+            size = int(rng.integers(1, min(longest + 1, len(rest)) + 1))
+            chains.append(rest[:size])
+            rest = rest[size:]
+        for chain in chains:
+            for source, target in zip(chain[:-1], chain[1:]):
+                successor[source] = target
+            successor[chain[-1]] = chain[-1]
+        ends = {symbol: chain[-1] for chain in chains for symbol in chain}
+
+        tokens: list[int] = []
+        if self.ordered:
+            tokens += [successor[symbol] for symbol in SYMBOL_IDS[: self.nodes]]
+        else:
+            for index in rng.permutation(self.nodes):
+                tokens += [symbols[index], successor[symbols[index]]]
+        others = rng.choice(symbols[1:], size=self.queries - 1, replace=False)
+        starts = [symbols[0]] + [int(s) for s in others]
+        positions = []
+        for index in rng.permutation(self.queries):
+            tokens += [QUERY_ID, starts[index], ends[starts[index]]]
+            positions.append(len(tokens) - 1)
+        return Problem(self.name, difficulty, tuple(tokens), tuple(positions))
+
+    def solve(self, problem_tokens: Sequence[int]) -> tuple[int, ...]:
+        tokens = [int(t) for t in problem_tokens]
+        successor: dict[int, int] = {}
+        index = 0
+        if self.ordered:
+            values = tokens[: tokens.index(QUERY_ID)] if QUERY_ID in tokens else tokens
+            if len(values) != self.nodes or not all(SYMBOL_IDS[0] <= t < SYMBOL_IDS[0] + self.nodes for t in values):
+                raise malformed(self.name, f"expected {self.nodes} values among the first {self.nodes} letters")
+            successor = dict(zip(SYMBOL_IDS[: self.nodes], values))
+            index = self.nodes
+        while not self.ordered and index < len(tokens) and tokens[index] != QUERY_ID:
+            pair = tokens[index:index + 2]
+            if len(pair) != 2 or not all(is_symbol(t) for t in pair):
+                raise malformed(self.name, f"expected a pair of symbols at token {index}")
+            if pair[0] in successor:
+                raise malformed(self.name, f"symbol id {pair[0]} has two arrows")
+            successor[pair[0]] = pair[1]
+            index += 2
+        answers = []
+        while index < len(tokens):
+            query = tokens[index:index + 3]
+            if len(query) != 3 or query[0] != QUERY_ID:
+                raise malformed(self.name, f"expected '? start answer' at token {index}")
+            answers.append(_fixed_point(successor, query[1], self.name))
+            index += 3
+        if not answers:
+            raise malformed(self.name, "no query")
+        return tuple(answers)
+
+
+def _fixed_point(successor: dict[int, int], start: int, task: str) -> int:
+    """Follow ``successor`` from ``start`` until a symbol maps to itself."""
+    current = start
+    for _ in range(len(successor) + 1):
+        if current not in successor:
+            raise malformed(task, f"symbol id {current} has no arrow")
+        following = successor[current]
+        if following == current:
+            return current
+        current = following
+    raise malformed(task, f"the path from symbol id {start} cycles without a fixed point")
