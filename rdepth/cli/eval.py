@@ -14,7 +14,9 @@ def register(subparsers) -> None:
         "eval",
         help="cross-entropy / perplexity of a checkpoint at given loop counts",
         description="Evaluate a checkpoint on prepared validation shards or a text file, at one or "
-        "more loop budgets (N for every group, or N,N,... per group), beside the data's unigram baseline.",
+        "more loop budgets (N for every group, or N,N,... per group), beside the unigram baseline on the "
+        "same tokens. On task data (rdepth prepare --corpus task:NAME): exact-match answer accuracy per "
+        "held-out difficulty per loop budget.",
     )
     add_dataclass_flags(parser, EvalConfig, title="evaluation")
     parser.set_defaults(func=run)
@@ -23,8 +25,17 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from rdepth.run.config import EvalConfig
     from rdepth.run.eval_checkpoint import evaluate_checkpoint
+    from rdepth.tasks.eval_checkpoint import evaluate_task_checkpoint, is_task_data
+    from rdepth.tasks.evaluate import format_accuracy_table
 
-    summary = evaluate_checkpoint(build(EvalConfig, {}, args))
+    config = build(EvalConfig, {}, args)
+    if is_task_data(config.data):
+        summary = evaluate_task_checkpoint(config)
+        print(f"answer accuracy (%) per held-out difficulty; training difficulties {summary['train_difficulties']}")
+        for line in format_accuracy_table(summary):
+            print(line)
+        return 0
+    summary = evaluate_checkpoint(config)
     print(f"{summary['windows']} windows of {summary['seq_len']} tokens from {summary['data']}")
     for result in summary["results"]:
         print(f"loops {','.join(map(str, result['loop_counts'])):>12}: ce {result['ce']:.4f}  "

@@ -27,6 +27,7 @@ from further independent seeds, so none repeats a training stream.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -38,9 +39,10 @@ from typing import Iterator
 
 import numpy as np
 
-from rdepth.data.prepare import unigram_baseline
+from rdepth.data.prepare import UNIGRAM_FILE, unigram_baseline, unigram_log_probs
 from rdepth.data.shards import ShardWriter, TokenShards, check_output_folder
 from rdepth.errors import RdepthError
+from rdepth.fields import option
 from rdepth.io import environment_info, read_json_object
 from rdepth.tasks.base import Problem, check_int
 from rdepth.tasks.registry import get_task, parse_mixture, task_spec
@@ -69,19 +71,26 @@ class TaskDataConfig:
     context holds.
     """
 
-    task: str = "chase"  # a task name, or a mixture "chase*2+assign" (optionally prefixed "task:")
-    train_difficulties: tuple[int, int] = (1, 6)  # inclusive range
-    heldout_difficulties: tuple[int, ...] | None = None
-    train_tokens: int = 2_000_000
-    val_tokens: int = 100_000
-    heldout_problems: int = 256  # per held-out difficulty
-    block_size: int = 128  # the model's context length
-    seed: int = 0
-    out: Path | None = None
-    task_params: dict = field(default_factory=dict)  # per task name: parameter overrides
+    task: str = option("chase", "a task name, or a mixture such as chase*2+assign (optionally prefixed task:)")
+    train_difficulties: tuple[int, ...] = option((1, 6), "training difficulty range LOW,HIGH (inclusive)")
+    heldout_difficulties: tuple[int, ...] | None = option(
+        None, "held-out difficulties", default_text="the training range plus 1.5x and 2x its top")
+    train_tokens: int = option(2_000_000, "training tokens to generate")
+    val_tokens: int = option(100_000, "validation tokens to generate")
+    heldout_problems: int = option(256, "problems per held-out difficulty")
+    block_size: int = option(128, "the model's context length (problems never straddle a held-out window)")
+    seed: int = option(0, "seed of every generated problem")
+    out: Path | None = option(None, "output folder", default_text="data/task-<names>")
+    task_params: dict | str = option(
+        "", "JSON object of per-task parameters, e.g. '{\"chase\": {\"nodes\": 16, \"ordered\": true}}'")
 
     def __post_init__(self) -> None:
         self.mixture = parse_mixture(self.task)
+        if isinstance(self.task_params, str):
+            try:
+                self.task_params = json.loads(self.task_params) if self.task_params.strip() else {}
+            except json.JSONDecodeError:
+                raise RdepthError("task_params: not valid JSON") from None
         if not isinstance(self.task_params, dict) or not all(isinstance(v, dict) for v in self.task_params.values()):
             raise RdepthError("task_params: expected {task name: {parameter: value}}")
         unknown = sorted(set(self.task_params) - {name for name, _ in self.mixture})
@@ -175,8 +184,10 @@ def prepare_task_data(cfg: TaskDataConfig) -> Path:
                      difficulty=np.int64(difficulty))
             heldout[str(difficulty)] = {"file": heldout_file(difficulty), "windows": len(windows.tokens),
                                         "problems": int(windows.problem_ids.max()) + 1}
-        baseline = unigram_baseline(np.fromfile(writer.path("train"), dtype=writer.dtype),
-                                    np.fromfile(writer.path("val"), dtype=writer.dtype), vocab.vocab_size)
+        train_tokens = np.fromfile(writer.path("train"), dtype=writer.dtype)
+        baseline = unigram_baseline(train_tokens, np.fromfile(writer.path("val"), dtype=writer.dtype),
+                                    vocab.vocab_size)
+        np.save(writer.directory / UNIGRAM_FILE, unigram_log_probs(train_tokens, vocab.vocab_size))
         manifest = {
             "corpus": {"spec": cfg.spec, "name": cfg.spec, "sources": [],
                        "documents_total": sum(s.documents for s in writer.stats.values())},
@@ -253,3 +264,15 @@ def load_heldout(directory: str | os.PathLike, difficulty: int) -> HeldOut:
                           f"(recorded: {', '.join(recorded)})")
     with np.load(Path(directory) / recorded[str(difficulty)]["file"]) as data:
         return HeldOut(int(data["difficulty"]), data["tokens"], data["answer_mask"], data["problem_ids"])
+
+
+def describe_task_data(out: Path) -> list[str]:
+    """Lines that describe a prepared task folder (for ``rdepth prepare``)."""
+    manifest = read_json_object(Path(out) / "manifest.json", "manifest")
+    task, splits = manifest["task"], manifest["splits"]
+    lines = [str(out)]
+    for split in ("train", "val"):
+        lines.append(f"  {split}: {splits[split]['tokens']:,} tokens")
+    lines.append(f"  tokenizer {manifest['tokenizer']} (vocab {manifest['vocab_size']}); training difficulties "
+                 f"{task.get('train_difficulties')}; held-out difficulties {', '.join(task['heldout'])}")
+    return lines

@@ -1,0 +1,90 @@
+"""Task data through the toolkit: prepare from the CLI, masked training, accuracy per difficulty and budget."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rdepth.cli.main import main
+from rdepth.config import ModelConfig
+from rdepth.model import RecurrentLM
+from rdepth.model.noise import StateNoise
+from rdepth.tasks.accuracy import problem_correct
+from rdepth.tasks.data import load_heldout
+from rdepth.tasks.evaluate import heldout_accuracy
+
+PARAMS = json.dumps({"chase": {"nodes": 8, "queries": 2, "ordered": True}})
+
+
+@pytest.fixture(scope="module")
+def task_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("task") / "chase"
+    assert main(["prepare", "--corpus", "task:chase", "--out", str(out), "--train-difficulties", "1,3",
+                 "--train-tokens", "20000", "--val-tokens", "2000", "--heldout-problems", "24",
+                 "--block-size", "48", "--task-params", PARAMS]) == 0
+    return out
+
+
+def test_prepare_writes_masks_heldout_sets_and_a_unigram_table(task_data):
+    manifest = json.loads((task_data / "manifest.json").read_text())
+    assert manifest["tokenizer"] == "task:chase"
+    assert sorted(int(d) for d in manifest["task"]["heldout"]) == [1, 2, 3, 5, 6]  # 1.5x and 2x the top
+    assert (task_data / "train_mask.bin").stat().st_size == manifest["splits"]["train"]["tokens"]
+    assert np.load(task_data / "unigram.npy").shape == (manifest["vocab_size"],)
+
+
+def test_accuracy_equals_a_direct_computation(task_data):
+    torch.manual_seed(0)
+    model = RecurrentLM(ModelConfig(n_layer=2, n_head=2, d_model=16, block_size=48, vocab_size=42, groups="1",
+                                    mean_loops=2.0, backprop_depth=2, tokenizer="task:chase")).eval()
+    heldout = load_heldout(task_data, 2)
+    result = heldout_accuracy(model, heldout, loop_counts=3, batch_size=5, seed=1)
+    windows = torch.from_numpy(heldout.tokens)
+    with torch.no_grad():
+        logits = model(windows[:, :-1], None, 3, generator=StateNoise.consecutive(1, 0, len(windows))).logits
+    _, solved = problem_correct(logits, heldout.tokens[:, 1:], heldout.answer_mask[:, 1:], heldout.problem_ids[:, 1:])
+    assert result["problems"] == 24 == solved.size
+    assert result["accuracy"] == pytest.approx(float(solved.mean()))
+    assert result["answer_tokens"] == int(heldout.answer_mask[:, 1:].sum())
+
+
+def test_train_and_eval_on_task_data(task_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(task_data), "--out", str(run), "--n-layer", "2", "--n-head", "2",
+                 "--d-model", "16", "--block-size", "48", "--groups", "1", "--mean-loops", "2",
+                 "--backprop-depth", "2", "--max-steps", "4", "--batch-size", "4", "--eval-batches", "1",
+                 "--eval-batch-size", "4", "--log-every", "1"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--data", str(task_data), "--loops", "1", "--loops", "3",
+                 "--json", str(tmp_path / "eval.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "d=5" in printed and "answer accuracy" in printed
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    assert {row["difficulty"] for row in saved["rows"]} == {1, 2, 3, 5, 6}
+    assert {tuple(row["loop_counts"]) for row in saved["rows"]} == {(1,), (3,)}
+
+
+def test_task_checkpoint_on_text_data_is_one_line(task_data, wiki_small, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(task_data), "--out", str(run), "--n-layer", "2", "--n-head", "2",
+                 "--d-model", "16", "--block-size", "48", "--groups", "1", "--max-steps", "1", "--batch-size", "2",
+                 "--eval-batches", "1"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--data", str(wiki_small)]) == 2
+    err = capsys.readouterr().err
+    assert "task:chase" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--corpus", "task:nope"], "unknown task"),
+    (["--corpus", "task:chase", "--train-difficulties", "1,99"], "difficult"),
+    (["--corpus", "wiki", "--train-tokens", "100"], "task:NAME"),
+])
+def test_bad_task_input_is_one_line(argv, fragment, tmp_path, capsys):
+    assert main(["prepare", "--out", str(tmp_path / "x"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
