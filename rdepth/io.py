@@ -1,21 +1,38 @@
-"""Small file helpers shared by every writer: atomic writes and run metadata.
+"""Small file helpers shared by every writer: atomic writes, one writer per folder, run metadata.
 
 Every file rdepth writes goes through a temporary file in the same folder and
 ``os.replace``, so a crash or kill mid-write never leaves a half-written file
 where a good one stood.
+
+One writer per output folder: every command that writes a folder (train,
+prepare, analyze, sweep, surrogate, demo) wraps its work in :func:`exclusive`::
+
+    with exclusive(config.out, "train"):
+        ...  # nobody else writes config.out meanwhile
+
+The lock is ``fcntl.flock`` on ``FOLDER/.rdepth.lock`` (or, with ``beside=True``,
+on ``PARENT/.FOLDER.rdepth.lock`` for writers that replace the folder whole by a
+rename, such as prepare). The kernel drops it when the process exits, however it
+exits (SIGKILL included), so a crash never leaves a stale lock. A second writer
+gets a one-line :class:`RdepthError` naming the holder, at once (never a wait).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator
+
+from rdepth.errors import RdepthError
 
 
 @contextlib.contextmanager
@@ -33,10 +50,18 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp_path
         with open(tmp_path, "rb") as handle:  # flush to disk before the rename
             os.fsync(handle.fileno())
+        os.chmod(tmp_path, 0o666 & ~current_umask())  # mkstemp's 0600 would hide reports from others
         os.replace(tmp_path, path)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting and restoring it)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
@@ -57,22 +82,53 @@ def _json_default(obj: Any) -> Any:
 
 
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
-    """Append one JSON line (metrics logs); a partial last line is tolerated by readers."""
-    with open(path, "a") as handle:
-        handle.write(json.dumps(record, default=_json_default) + "\n")
+    """Append one JSON line (metrics logs) in a single write.
+
+    A line cut by a crash is closed first, so it never swallows this record.
+    """
+    line = json.dumps(record, default=_json_default) + "\n"
+    with open(path, "ab+") as handle:
+        handle.seek(0, os.SEEK_END)
+        if handle.tell() > 0:
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":
+                line = "\n" + line
+        handle.write(line.encode())
+
+
+def truncate_jsonl(path: str | os.PathLike, keep) -> int:
+    """Rewrite ``path`` (atomically) with only its whole, parseable lines whose record
+    ``keep(record)`` accepts; returns how many records were dropped. A missing file is left alone."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            dropped += 1
+            continue
+        if isinstance(record, dict) and keep(record):
+            kept.append(line.decode() + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        write_text(path, "".join(kept))
+    return dropped
 
 
 def read_json_object(path: str | os.PathLike, what: str = "") -> dict:
     """A JSON file that must hold an object; a missing, malformed or non-object file is a one-line error."""
-    from rdepth.errors import RdepthError
-
     path = Path(path)
     label = f"{what} {path}" if what else str(path)
     if not path.is_file():
         raise RdepthError(f"{what or 'file'} not found: there is no {path.name} in {path.parent}")
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise RdepthError(f"{label} is not valid JSON ({getattr(exc, 'msg', type(exc).__name__)})") from None
     if not isinstance(data, dict):
         raise RdepthError(f"{label} is not a JSON object")
@@ -80,15 +136,55 @@ def read_json_object(path: str | os.PathLike, what: str = "") -> dict:
 
 
 def dataclass_from_dict(cls: type, data: dict[str, Any], what: str) -> Any:
-    """``cls(**data)``, refusing fields the dataclass does not have (one-line error naming them)."""
+    """``cls(**data)`` from a saved file: unknown fields and values of the wrong type
+    (a string where a number belongs, a float for an integer) are one-line errors naming them."""
     import dataclasses
+    import typing
 
-    from rdepth.errors import RdepthError
-
+    if not isinstance(data, dict):
+        raise RdepthError(f"{what}: expected a JSON object, got {type(data).__name__}")
     unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
-        raise RdepthError(f"{what}: unknown field(s) {', '.join(unknown)}")
-    return cls(**data)
+        raise RdepthError(f"{what}: unknown field(s) {', '.join(map(str, unknown))}")
+    hints = typing.get_type_hints(cls)
+    for name, value in data.items():
+        if not value_matches(value, hints.get(name, Any)):
+            raise RdepthError(f"{what}: field {name} has the wrong type ({value!r})")
+    try:
+        return cls(**data)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise RdepthError(f"{what}: {exc}") from None
+
+
+def value_matches(value: Any, annotation: Any) -> bool:
+    """Whether a JSON-loaded ``value`` fits a field annotation (int, float, str, bool, Path,
+    ``X | None``, ``tuple[X, ...]``, ``list[X]``, ``dict[str, X]``); unknown annotations pass."""
+    import types
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if annotation is Any:
+        return True
+    if origin in (typing.Union, getattr(types, "UnionType", None)):
+        return any(value_matches(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str or annotation is Path:
+        return isinstance(value, str)
+    if origin in (tuple, list):
+        args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+        return isinstance(value, (list, tuple)) and all(value_matches(v, args[0] if args else Any) for v in value)
+    if origin is dict:
+        _, value_type = typing.get_args(annotation) or (Any, Any)
+        return isinstance(value, dict) and all(isinstance(k, str) and value_matches(v, value_type)
+                                               for k, v in value.items())
+    return True
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -126,3 +222,111 @@ def environment_info() -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return info
+
+
+# ---------------------------------------------------------------- one writer per folder
+
+LOCK_NAME = ".rdepth.lock"
+
+
+def lock_path(folder: str | os.PathLike, beside: bool = False) -> Path:
+    """Where the lock of ``folder`` lives (inside it, or beside it with ``beside``)."""
+    folder = Path(folder)
+    if beside:
+        return folder.parent / f".{folder.name}{LOCK_NAME}"
+    return folder / LOCK_NAME
+
+
+def _holder(path: Path) -> str:
+    """'rdepth train (pid 123)' from the lock file, or '' if unreadable."""
+    try:
+        info = json.loads(path.read_text() or "{}")
+        return f"rdepth {info['command']} (pid {int(info['pid'])})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+@contextlib.contextmanager
+def exclusive(folder: str | os.PathLike, command: str, *, beside: bool = False) -> Iterator[Path]:
+    """Hold the exclusive write lock of ``folder`` for the block; yields the folder.
+
+    Creates ``folder`` (with ``beside``: its parent) when missing; a folder this call
+    created is removed again on exit if nothing was written into it. The lock file is
+    removed on exit.
+    RdepthError (one line) when ``folder`` is a file, cannot be created, or is held
+    by another process.
+    """
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise RdepthError(f"output {folder} exists and is not a folder")
+    home = folder.parent if beside else folder
+    created = not home.exists()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RdepthError(f"cannot create output folder {home}: {exc.strerror or exc}") from None
+    path = lock_path(folder, beside)
+    key = os.path.realpath(path)
+    if key in _HELD:  # this process holds it already (a pipeline inside a command): re-entrant
+        _HELD[key] += 1
+        try:
+            yield folder
+        finally:
+            _HELD[key] -= 1
+        return
+    handle = _acquire(path, folder, command)
+    _HELD[key] = 1
+    try:
+        yield folder
+    finally:
+        del _HELD[key]
+        # Unlinked while still held, then released: a process that opened the old file meanwhile
+        # finds it is no longer the one at ``path`` (see _acquire) and starts over.
+        try:
+            if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
+                path.unlink()
+        except OSError:
+            pass
+        if created and not beside:
+            try:
+                folder.rmdir()  # created by this call and left empty
+            except OSError:
+                pass
+        handle.close()  # releases the lock
+
+
+_HELD: dict[str, int] = {}  # lock files this process holds -> nesting depth
+
+
+def _acquire(path: Path, folder: Path, command: str):
+    """Open and flock ``path``; retry if the file was replaced between open and lock."""
+    for _ in range(20):
+        try:
+            handle = open(path, "a+")
+        except OSError as exc:
+            raise RdepthError(f"cannot write the lock file {path}: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            handle.close()
+            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                holder = _holder(path)
+                raise RdepthError(
+                    f"{folder} is in use by {holder or 'another rdepth process'}; wait for it to finish "
+                    "or choose another output folder"
+                ) from None
+            raise RdepthError(f"cannot lock {path}: {exc.strerror or exc}") from None
+        try:  # the file we locked must still be the one at ``path`` (not unlinked meanwhile)
+            same = os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            handle.close()
+            time.sleep(0.01)
+            continue
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"command": command, "pid": os.getpid(), "since": time.time()}) + "\n")
+        handle.flush()
+        return handle
+    raise RdepthError(f"cannot lock {path}: it keeps being replaced")

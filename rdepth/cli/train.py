@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rdepth.cli.options import add_dataclass_flags, build, overrides
+from rdepth.cli.options import add_dataclass_flags, overrides
 
 
 def _preset_defaults() -> dict[str, str]:
@@ -26,7 +26,8 @@ def register(subparsers) -> None:
         description="Train a group-recurrent language model. Start from a preset; every model "
         "and training field can be overridden. Multi-GPU: torchrun --nproc_per_node N -m rdepth train ...",
     )
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset (default: tiny)")
+    parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                        help="model preset (default: tiny; with --resume, the run's own)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     add_dataclass_flags(parser, TrainConfig, title="training")
     add_dataclass_flags(parser, ModelConfig, title="model (overrides the preset; defaults per preset)",
@@ -39,7 +40,16 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.train.config import TrainConfig
     from rdepth.train.launch import launch
 
-    result = launch(args.preset, overrides(args, ModelConfig), build(TrainConfig, {}, args), resume=args.resume)
+    from rdepth.errors import RdepthError
+    from rdepth.train.launch import resume_preset, train_config_for
+
+    try:
+        config = train_config_for(overrides(args, TrainConfig), args.resume)
+    except TypeError as exc:
+        raise RdepthError(f"bad TrainConfig: {exc}") from None
+    if args.resume:
+        resume_preset(config.out, args.preset)
+    result = launch(args.preset or "tiny", overrides(args, ModelConfig), config, resume=args.resume)
     if result.final_val is not None:
         print(f"run: {result.run_dir}")
         print(f"final validation: ce {result.final_val['ce']:.4f}, ppl {result.final_val['ppl']:.2f} "

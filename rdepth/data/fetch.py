@@ -21,6 +21,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 from rdepth.errors import RdepthError
@@ -142,7 +143,7 @@ def read_member(archive: str | os.PathLike, member: str) -> bytes:
             return zf.read(member)
     except KeyError:
         raise RdepthError(f"{archive.name} has no file {member}") from None
-    except (OSError, zipfile.BadZipFile, tarfile.TarError) as exc:
+    except (OSError, EOFError, zlib.error, zipfile.BadZipFile, tarfile.TarError) as exc:  # truncated too
         raise RdepthError(f"cannot read {archive}: {exc} (delete it to download again)") from exc
 
 
@@ -155,7 +156,7 @@ def list_members(archive: str | os.PathLike) -> list[str]:
                 return sorted(info.name for info in tar.getmembers() if info.isfile())
         with zipfile.ZipFile(archive) as zf:
             return sorted(zf.namelist())
-    except (OSError, zipfile.BadZipFile, tarfile.TarError) as exc:
+    except (OSError, EOFError, zlib.error, zipfile.BadZipFile, tarfile.TarError) as exc:  # truncated too
         raise RdepthError(f"cannot read {archive}: {exc} (delete it to download again)") from exc
 
 

@@ -27,13 +27,15 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from rdepth.errors import RdepthError
-from rdepth.io import read_json_object, write_json
+from rdepth.io import exclusive, read_json_object, write_json
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
+TOKENIZER_META = "tokenizer_meta.json"
+MIN_SPLIT_TOKENS = 1024  # fewer tokens than this in a split gets a warning
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -82,13 +84,24 @@ class ShardWriter:
         self.directory: Path | None = None
 
     def __enter__(self) -> "ShardWriter":
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.directory = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".tmp", dir=self.out.parent))
+        # One writer per prepared folder: the lock lives beside it (the folder itself is replaced
+        # by a rename); holding it, the debris of killed prepares can be removed safely.
+        self._lock = exclusive(self.out, "prepare", beside=True)
+        self._lock.__enter__()
+        try:
+            clean_staging(self.out)
+            self.directory = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".tmp", dir=self.out.parent))
+        except BaseException:
+            self._lock.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self.directory is not None and self.directory.exists():
-            shutil.rmtree(self.directory, ignore_errors=True)
+        try:
+            if self.directory is not None and self.directory.exists():
+                shutil.rmtree(self.directory, ignore_errors=True)
+        finally:
+            self._lock.__exit__(None, None, None)
 
     def path(self, split: str) -> Path:
         """Where ``split``'s shard is being written (inside the temporary folder)."""
@@ -120,6 +133,14 @@ class ShardWriter:
         missing = [split for split in SPLITS if split not in self.stats]
         if missing:
             raise RdepthError(f"splits not written: {', '.join(missing)}")
+        for split in SPLITS:
+            if self.stats[split].tokens < MIN_SPLIT_TOKENS:
+                log.warning("split %r has only %d tokens: too few to train or validate on "
+                            "(use a larger corpus or another --val-fraction)", split, self.stats[split].tokens)
+        if "tokenizer_sha256" not in manifest and (self.directory / TOKENIZER_META).is_file():
+            fingerprint = _folder_tokenizer_fingerprint(self.directory)
+            if fingerprint is not None:
+                manifest = {**manifest, "tokenizer_sha256": fingerprint}
         full = {"format_version": FORMAT_VERSION, **manifest, "dtype": self.dtype.name,
                 "eot_id": self.eot_id,
                 "splits": {split: self.stats[split].as_dict(split) for split in SPLITS}}
@@ -132,14 +153,51 @@ class ShardWriter:
         self.directory.chmod(0o777 & ~umask)
         old = None
         if self.out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".old", dir=self.out.parent))
-            os.replace(self.out, old / "previous")
+            # The old folder goes to a fixed hidden name first, so a crash between the two
+            # renames leaves it where recover_replaced() (run by the next open or prepare) finds it.
+            old = previous_folder(self.out)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(self.out, old)
             log.info("replacing the prepared data in %s", self.out)
         os.replace(self.directory, self.out)
         self.directory = None
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return self.out
+
+
+def previous_folder(out: Path) -> Path:
+    """Where :meth:`ShardWriter.commit` parks the folder it replaces for a moment."""
+    return out.parent / f".{out.name}.previous"
+
+
+def recover_replaced(out: str | os.PathLike) -> None:
+    """After a crash between commit's two renames ``out`` is missing and its old contents
+    lie in ``.NAME.previous``: put them back. Staging debris (``.NAME.*.tmp``) of a killed
+    prepare is removed when no prepare is writing (the caller holds the folder's lock)."""
+    out = Path(out)
+    previous = previous_folder(out)
+    if not out.exists() and (previous / MANIFEST).is_file():
+        os.replace(previous, out)
+        log.warning("restored %s from an interrupted replacement", out)
+
+
+def clean_staging(out: str | os.PathLike) -> None:
+    """Remove what killed prepares of ``out`` left beside it (call while holding its lock)."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return
+    recover_replaced(out)
+    for path in out.parent.glob(f".{out.name}.*"):
+        if path.is_dir() and (path.name.endswith(".tmp") or path.name.endswith(".old")
+                              or path == previous_folder(out)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _folder_tokenizer_fingerprint(directory: Path) -> str | None:
+    from rdepth.data.tokenizers import saved_tokenizer_fingerprint
+
+    return saved_tokenizer_fingerprint(directory)
 
 
 def _current_umask() -> int:
@@ -149,6 +207,8 @@ def _current_umask() -> int:
 
 
 def _read_manifest(directory: Path) -> dict:
+    """The manifest, every field the readers use checked for type and consistency
+    (a hand-edited dtype, a shard file outside the folder, a string token count are one-line errors)."""
     path = directory / MANIFEST
     if not path.is_file():
         raise RdepthError(f"missing {path}: run `rdepth prepare` first")
@@ -158,7 +218,44 @@ def _read_manifest(directory: Path) -> dict:
     for key in ("dtype", "vocab_size", "eot_id", "splits"):
         if key not in manifest:
             raise RdepthError(f"{path}: missing field {key!r}")
+    vocab_size, eot_id = manifest["vocab_size"], manifest["eot_id"]
+    if not _is_count(vocab_size) or vocab_size < 2 or vocab_size > 1 << 32:
+        raise RdepthError(f"{path}: vocab_size must be an integer in [2, 2^32], got {vocab_size!r}")
+    if not _is_count(eot_id) or eot_id >= vocab_size:
+        raise RdepthError(f"{path}: eot_id must be an integer in [0, vocab_size), got {eot_id!r}")
+    if manifest["dtype"] != token_dtype(vocab_size).name:
+        raise RdepthError(f"{path}: dtype {manifest['dtype']!r} is not the {token_dtype(vocab_size).name} "
+                          f"that a vocabulary of {vocab_size} is written in: corrupt")
+    if "tokenizer" in manifest and not isinstance(manifest["tokenizer"], str):
+        raise RdepthError(f"{path}: tokenizer must be a string, got {manifest['tokenizer']!r}")
+    fingerprint = manifest.get("tokenizer_sha256")
+    if fingerprint is not None and not _is_sha256(fingerprint):
+        raise RdepthError(f"{path}: tokenizer_sha256 must be a SHA-256 hex string")
+    splits = manifest["splits"]
+    if not isinstance(splits, dict):
+        raise RdepthError(f"{path}: splits must be an object")
+    for split in SPLITS:
+        info = splits.get(split)
+        if info is None:
+            raise RdepthError(f"{path}: no split {split!r}")
+        if not isinstance(info, dict):
+            raise RdepthError(f"{path}: split {split!r} must be an object")
+        if info.get("file") != shard_file(split):
+            raise RdepthError(f"{path}: split {split!r} must be stored in {shard_file(split)}, "
+                              f"got {info.get('file')!r}")
+        if not _is_count(info.get("tokens")):
+            raise RdepthError(f"{path}: split {split!r} tokens must be an integer >= 0, got {info.get('tokens')!r}")
+        if not _is_sha256(info.get("sha256")):
+            raise RdepthError(f"{path}: split {split!r} sha256 must be a SHA-256 hex string")
     return manifest
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_sha256(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def file_sha256(path: Path, chunk_bytes: int = 1 << 24) -> str:
@@ -182,11 +279,12 @@ class TokenShards:
     def open(cls, directory: str | os.PathLike, verify: bool = False) -> "TokenShards":
         """Open and check a prepared folder; ``verify`` also re-hashes each shard.
 
-        RdepthError (naming the file) for a missing folder or manifest, a shard
-        whose size disagrees with the manifest's token count, an empty split or
-        (with ``verify``) a hash mismatch.
+        RdepthError (naming the file) for a missing folder or manifest, a manifest
+        field of the wrong type, a shard whose size disagrees with the manifest's token
+        count, an empty split or (with ``verify``) a hash mismatch.
         """
         directory = Path(directory)
+        recover_replaced(directory)
         if not directory.is_dir():
             raise RdepthError(f"prepared data folder not found: {directory}")
         manifest = _read_manifest(directory)
@@ -210,6 +308,39 @@ class TokenShards:
                 raise RdepthError(f"shard {path} fails its SHA-256 check: corrupt")
             arrays[split] = np.memmap(path, dtype=dtype, mode="r")
         return cls(directory, manifest, arrays["train"], arrays["val"])
+
+    def check_token_ids(self, splits: tuple[str, ...] = SPLITS, chunk: int = 1 << 24) -> None:
+        """A one-line error if any id of ``splits`` is outside ``[0, vocab_size)``
+        (one pass over the memmaps, in chunks)."""
+        vocab_size = int(self.manifest["vocab_size"])
+        for name in splits:
+            tokens = self.split(name)
+            for start in range(0, len(tokens), chunk):
+                largest = int(np.max(tokens[start:start + chunk]))
+                if largest >= vocab_size:
+                    raise RdepthError(f"shard {self.directory / shard_file(name)} holds token id {largest}, "
+                                      f"outside the vocabulary of {vocab_size}: corrupt")
+
+    @cached_property
+    def tokenizer_fingerprint(self) -> str | None:
+        """SHA-256 of what the ids mean (see ``rdepth.data.tokenizers.tokenizer_fingerprint``):
+        the manifest's, else computed from the folder's tokenizer; None if neither exists."""
+        recorded = self.manifest.get("tokenizer_sha256")
+        if recorded is not None:
+            return recorded
+        if not (self.directory / TOKENIZER_META).is_file():
+            return None
+        return _folder_tokenizer_fingerprint(self.directory)
+
+    def verify_tokenizer(self) -> None:
+        """A one-line error if the folder's tokenizer files no longer match the manifest's fingerprint."""
+        recorded = self.manifest.get("tokenizer_sha256")
+        if recorded is None or not (self.directory / TOKENIZER_META).is_file():
+            return
+        actual = _folder_tokenizer_fingerprint(self.directory)
+        if actual is not None and actual != recorded:
+            raise RdepthError(f"the tokenizer files in {self.directory} do not match its manifest "
+                              "(tokenizer_sha256): they were replaced after the data was prepared")
 
     def loss_mask(self, name: str) -> np.memmap | None:
         """The split's loss mask (``<split>_mask.bin``, uint8, one per token: 1 where the

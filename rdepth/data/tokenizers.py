@@ -17,6 +17,7 @@ writes ``tokenizer_meta.json`` plus the files needed to rebuild it offline
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -102,6 +103,12 @@ class Gpt2Tokenizer:
         self.vocab_size = self._encoding.n_vocab
         self.eot_id = self._encoding.eot_token
 
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of what the ids mean: the two BPE files (themselves SHA-256 checked)."""
+        return hashlib.sha256("gpt2:{}:{}".format(GPT2_FILES["encoder.json"][1],
+                                                  GPT2_FILES["vocab.bpe"][1]).encode()).hexdigest()
+
     def encode(self, text: str) -> list[int]:
         return self._encoding.encode_ordinary(text)
 
@@ -146,6 +153,15 @@ class BpeTokenizer:
         if eot is None:
             raise RdepthError(f"BPE tokenizer {name!r} has no {EOT_TEXT} token")
         self.eot_id = eot
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of what the ids mean: the token of every id, then the merges. Two BPEs with
+        the same name and size trained on different text get different fingerprints."""
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        model = json.loads(self._tokenizer.to_str()).get("model", {})
+        table = {"tokens": sorted((i, t) for t, i in vocab.items()), "merges": model.get("merges", [])}
+        return hashlib.sha256(json.dumps(table, ensure_ascii=True).encode()).hexdigest()
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -235,6 +251,34 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         spec = json.loads(meta_path.read_text())["spec"]
     except (json.JSONDecodeError, KeyError, TypeError):
         raise RdepthError(f"corrupt tokenizer file {meta_path}") from None
+    if isinstance(spec, str) and spec.startswith("task:"):  # a task vocabulary (rdepth.tasks)
+        from rdepth.data.task_vocab import load_task_vocab
+
+        return load_task_vocab(directory)
     kind, _ = parse_tokenizer_spec(spec)
     _, load = TOKENIZERS[kind]
     return load(directory, spec)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """SHA-256 of what a tokenizer's ids mean (its ``fingerprint``; for any other tokenizer,
+    the text of every id in order). Recorded in prepared data and in runs, and compared
+    wherever a model meets data, so a same-named tokenizer with other tokens is caught."""
+    own = getattr(tokenizer, "fingerprint", None)
+    if isinstance(own, str):
+        return own
+    digest = hashlib.sha256()
+    for index in range(int(tokenizer.vocab_size)):
+        digest.update(repr(tokenizer.decode([index])).encode() + b"\n")
+    return digest.hexdigest()
+
+
+def saved_tokenizer_fingerprint(directory: str | os.PathLike) -> str | None:
+    """:func:`tokenizer_fingerprint` of the tokenizer saved in ``directory`` (a prepared folder
+    or ``RUN/tokenizer``); None when none is saved or no loader knows it (e.g. a task vocabulary)."""
+    if not (Path(directory) / META_FILE).is_file():
+        return None
+    try:
+        return tokenizer_fingerprint(load_tokenizer(directory))
+    except RdepthError:
+        return None

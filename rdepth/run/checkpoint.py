@@ -47,6 +47,7 @@ def save_checkpoint(
     state: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``RUN/checkpoints/step_XXXXXX`` atomically and point ``latest`` at it."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     root = Path(run_dir) / "checkpoints"
@@ -56,10 +57,14 @@ def save_checkpoint(
     os.chmod(staging, 0o755)  # mkdtemp makes it private; a checkpoint is an ordinary folder
     try:
         weights = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
-        save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
+            if trainer_state is not None:
+                torch.save(trainer_state, staging / "trainer.pt")
+        except (SafetensorError, RuntimeError) as exc:  # both wrap the OSError of a full or read-only disk
+            raise RdepthError(f"cannot write checkpoint {final}: {' '.join(str(exc).split())[:200]} "
+                              "(disk full or not writable?); earlier checkpoints are intact") from None
         (staging / "config.json").write_text(json.dumps(model_config.to_dict(), indent=2) + "\n")
-        if trainer_state is not None:
-            torch.save(trainer_state, staging / "trainer.pt")
         (staging / "state.json").write_text(json.dumps({"step": step, **(state or {})}, indent=2) + "\n")
         for path in staging.iterdir():
             with open(path, "rb") as handle:

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from rdepth.errors import RdepthError
 from rdepth.fields import option
+
+MAX_LR = 10.0  # AdamW steps are about lr in size: beyond this, weights are noise
+MAX_COUNT = 10**9  # steps, batch sizes and cadences beyond this are typing errors, not plans
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -41,34 +53,57 @@ class TrainConfig:
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
     compile: bool = option(False, "torch.compile each layer")
     threads: int = option(0, "torch CPU threads (0: torch's default)")
+    init_from: str | None = option(None, "start from the weights of this checkpoint or run (rdepth retrofit, "
+                                   "import-hf): its model config is the base, flags override loop settings",
+                                   default_text="fresh weights from --seed")
 
     def __post_init__(self) -> None:
+        for name in ("data", "out", "device"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise RdepthError(f"train config: {name} must be a non-empty string, got {getattr(self, name)!r}")
         positive = (
             "max_steps", "batch_size", "grad_accum", "eval_every", "eval_batches",
             "eval_batch_size", "checkpoint_every", "log_every",
         )
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise RdepthError(f"train config: {name} must be a positive integer, got {value!r}")
-        if self.stop_at is not None and not (1 <= self.stop_at <= self.max_steps):
+            if value > MAX_COUNT:
+                raise RdepthError(f"train config: {name} must be at most {MAX_COUNT:,}, got {value!r}")
+        if self.stop_at is not None and not (_is_int(self.stop_at) and 1 <= self.stop_at <= self.max_steps):
             raise RdepthError(f"train config: stop_at must be in 1..max_steps, got {self.stop_at!r}")
-        if self.warmup_steps < 0:
-            raise RdepthError(f"train config: warmup_steps must be >= 0, got {self.warmup_steps!r}")
-        if not (self.lr > 0):
-            raise RdepthError(f"train config: lr must be > 0, got {self.lr!r}")
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            raise RdepthError(f"train config: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                raise RdepthError(f"train config: {name} must be a finite number, got {value!r}")
+        if not 0 < self.lr <= MAX_LR:
+            raise RdepthError(f"train config: lr must be in (0, {MAX_LR}], got {self.lr!r}")
         if not (0 <= self.min_lr_ratio <= 1):
             raise RdepthError(f"train config: min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise RdepthError("train config: grad_clip and weight_decay must be >= 0")
+        if self.lr * self.weight_decay >= 1:  # AdamW multiplies weights by (1 - lr * wd) each step
+            raise RdepthError(f"train config: lr x weight_decay must be below 1 (AdamW's decoupled decay), "
+                              f"got {self.lr!r} x {self.weight_decay!r}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise RdepthError(f"train config: {name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.batch_size % self.grad_accum:
             raise RdepthError(
                 f"train config: batch_size {self.batch_size} is not divisible by grad_accum {self.grad_accum}"
             )
-        if self.grad_clip < 0 or self.weight_decay < 0:
-            raise RdepthError("train config: grad_clip and weight_decay must be >= 0")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+        if self.device not in ("auto", "cpu", "cuda") and not (
+                self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise RdepthError(f"train config: device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.seed < 0:
-            raise RdepthError(f"train config: seed must be >= 0, got {self.seed!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+            raise RdepthError(f"train config: seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if not _is_int(self.threads) or not 0 <= self.threads <= 4096:
+            raise RdepthError(f"train config: threads must be an integer in [0, 4096], got {self.threads!r}")
+        if not isinstance(self.compile, bool):
+            raise RdepthError(f"train config: compile must be true or false, got {self.compile!r}")
 
     @property
     def end_step(self) -> int:

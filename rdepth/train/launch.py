@@ -1,10 +1,18 @@
-"""``rdepth train`` as one call: the model config from a preset (or the run being resumed), then train."""
+"""``rdepth train`` as one call: the model config from a preset (or the run being resumed), then train.
+
+A resume continues the run as it was saved: its training config comes from the
+latest checkpoint (or the run's config.json), and only the flags the user typed
+change it; the trainer refuses any change other than where and how the run
+executes and a new ``max_steps`` (recorded in config.json's ``resumes``).
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rdepth.config import ModelConfig, get_preset
+from rdepth.errors import RdepthError
 from rdepth.run import checkpoint as ckpt
 from rdepth.train.config import TrainConfig
 from rdepth.train.trainer import TrainResult, train
@@ -16,8 +24,43 @@ def model_config_for(preset: str, overrides: dict[str, Any], config: TrainConfig
     if resume and ckpt.list_checkpoints(config.out):
         base = ckpt.load_model_config(ckpt.resolve_checkpoint(config.out)).to_dict()
         return ModelConfig.from_dict({**base, **overrides})
+    if config.init_from:  # the weights' own model config, as --resume does with the run's
+        base = ckpt.load_model_config(ckpt.resolve_checkpoint(config.init_from)).to_dict()
+        return ModelConfig.from_dict({**base, **overrides})
     return get_preset(preset, **overrides)
 
 
+def saved_train_config(out: str | Path) -> dict[str, Any] | None:
+    """The training config the run in ``out`` was last saved with (its latest checkpoint's,
+    else its config.json's), or None for a run that records none."""
+    if not ckpt.list_checkpoints(out):
+        raise RdepthError(f"--resume: no checkpoint in {out}")
+    _, state = ckpt.load_trainer_state(ckpt.resolve_checkpoint(out))
+    return state.get("train_config") or ckpt.read_run_config(Path(out)).get("train")
+
+
+def train_config_for(overrides: dict[str, Any], resume: bool) -> TrainConfig:
+    """The flags the user typed over the defaults; when resuming, over the saved config."""
+    if not resume:
+        return TrainConfig(**overrides)
+    out = overrides.get("out", TrainConfig.out)
+    saved = saved_train_config(out)
+    if saved is None:
+        return TrainConfig(**overrides)
+    saved = {k: v for k, v in saved.items() if k != "stop_at"}  # an early stop applies to one launch
+    return TrainConfig.from_dict({**saved, **overrides})
+
+
+def resume_preset(out: str | Path, preset: str | None) -> None:
+    """A --preset given with --resume must be the run's own (the model comes from the checkpoint)."""
+    if preset is None:
+        return
+    recorded = ckpt.read_run_config(Path(out)).get("preset")
+    if recorded != preset:
+        raise RdepthError(f"--resume continues the saved model; --preset {preset} does not match the run's "
+                          f"preset ({recorded or 'not recorded'}): drop --preset")
+
+
 def launch(preset: str, overrides: dict[str, Any], config: TrainConfig, resume: bool = False) -> TrainResult:
-    return train(model_config_for(preset, overrides, config, resume), config, resume=resume)
+    return train(model_config_for(preset, overrides, config, resume), config, resume=resume,
+                 preset=None if resume else preset)

@@ -9,8 +9,10 @@ losses and weights.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ from rdepth.config import ModelConfig
 from rdepth.data.loader import BatchSampler
 from rdepth.data.shards import TokenShards
 from rdepth.errors import RdepthError
-from rdepth.io import append_jsonl, environment_info, write_json
+from rdepth.io import LOCK_NAME, append_jsonl, environment_info, exclusive, truncate_jsonl, write_json
 from rdepth.model import RecurrentLM, sample_loop_counts, step_generator
 from rdepth.model.noise import StateNoise
 from rdepth.run import checkpoint as ckpt
@@ -87,8 +89,14 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, model_config: ModelConfig, config: TrainConfig, resume: bool = False):
+    """One training run in ``config.out``. The main rank holds the folder's write lock from
+    here until :meth:`run` returns (or this constructor fails): a second trainer on the same
+    folder stops at once with a one-line error."""
+
+    def __init__(self, model_config: ModelConfig, config: TrainConfig, resume: bool = False,
+                 preset: str | None = None):
         self.config = config
+        self.preset = preset
         self.device = resolve_device(config.device)
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -100,14 +108,35 @@ class Trainer:
             raise RdepthError(
                 f"batch_size {config.batch_size} is not divisible by grad_accum x world size = {per_step}"
             )
-        self.shards = TokenShards.open(config.data)
-        self.model_config = data_model_config(model_config, self.shards)
         self.run_dir = Path(config.out)
+        self._lock = contextlib.ExitStack()
+        if self.dist.is_main:
+            self._lock.enter_context(exclusive(self.run_dir, "train"))
+        try:
+            self._build(model_config, resume)
+        except BaseException:
+            self._lock.close()
+            raise
+
+    def _build(self, model_config: ModelConfig, resume: bool) -> None:
+        config = self.config
+        # Hashes and id range once per run: corrupt shards never train silently.
+        self.shards = TokenShards.open(config.data, verify=True)
+        self.shards.check_token_ids()
+        self.shards.verify_tokenizer()
+        self.model_config = data_model_config(model_config, self.shards)
+        micro_rows = config.batch_size // (config.grad_accum * self.dist.world_size)
+        check_fits(self.model_config, micro_rows, self.device, "a training micro-step")
+        check_fits(self.model_config, config.eval_batch_size, self.device, "a validation batch")
         self.start_step = 0
         self.tokens_seen = 0
+        self.resumes: list[dict] = []
         torch.manual_seed(config.seed)  # the initial weights depend on the seed alone
         self.model = RecurrentLM(self.model_config)
         self.optimizer = make_optimizer(self.model, config, self.device)
+        # Set when a step's loss or gradient norm is not finite; read (one host sync) only at
+        # log points and before validating or saving, so a diverged run never saves its weights.
+        self.nonfinite = torch.zeros((), dtype=torch.bool)
         self._setup_run_dir(resume)
         self.model.to(self.device)
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
@@ -128,43 +157,132 @@ class Trainer:
         if config.compile:
             for layer in self.model.layers:  # per block: loop counts vary, shapes do not
                 layer.compile()
+        self._write_run_files()
 
     # ---------------------------------------------------------------- set-up
+    def _data_record(self) -> dict:
+        """What the run was trained on, recorded in config.json and compared on resume."""
+        manifest = self.shards.manifest
+        return {"tokenizer": self.model_config.tokenizer, "tokenizer_sha256": self.shards.tokenizer_fingerprint,
+                "splits_sha256": {split: manifest["splits"][split]["sha256"] for split in ("train", "val")}}
+
     def _setup_run_dir(self, resume: bool) -> None:
+        if self.dist.is_main:
+            removed = ckpt.clean_debris(self.run_dir)
+            if removed:
+                log.info("removed debris of an interrupted checkpoint: %s", ", ".join(removed))
         existing = ckpt.list_checkpoints(self.run_dir)
+        saved_run = ckpt.read_run_config(self.run_dir) if existing else {}
         if resume:
             if not existing:
                 raise RdepthError(f"--resume: no checkpoint in {self.run_dir}")
-            checkpoint = ckpt.resolve_checkpoint(self.run_dir)
-            saved = ckpt.load_model_config(checkpoint)
-            mismatch = _config_mismatch(saved, self.model_config)
-            if mismatch:
-                raise RdepthError(f"model config does not match checkpoint {checkpoint}: {'; '.join(mismatch[:4])}")
-            ckpt.load_weights(checkpoint, self.model)
-            trainer_state, state = ckpt.load_trainer_state(checkpoint)
-            try:
-                self.optimizer.load_state_dict(trainer_state["optimizer"])
-            except (KeyError, ValueError) as exc:
-                raise RdepthError(f"optimizer state in {checkpoint} does not match the model ({exc})") from None
-            self.start_step = int(state["step"])
-            self.tokens_seen = int(state.get("tokens_seen", 0))
-            log.info("resuming from %s at step %d", checkpoint, self.start_step)
-            if self.start_step >= self.config.end_step:
-                raise RdepthError(
-                    f"checkpoint is at step {self.start_step}; nothing to do up to step {self.config.end_step}"
-                )
+            self._resume(saved_run)
         elif existing:
             raise RdepthError(
                 f"{self.run_dir} already holds checkpoints; pass --resume or choose another --out"
             )
-        if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt.write_run_config(self.run_dir, self.model_config, self.config.to_dict())
-            write_json(self.run_dir / "environment.json", {**environment_info(), "seed": self.config.seed,
-                                                            "world_size": self.dist.world_size})
-            tokenizer_dir = self.run_dir / "tokenizer"
-            if not tokenizer_dir.exists():
-                self.shards.tokenizer.save(tokenizer_dir)
+        elif self.dist.is_main:
+            leftovers = sorted(p.name for p in self.run_dir.iterdir() if p.name != LOCK_NAME) \
+                if self.run_dir.is_dir() else []
+            if leftovers:
+                raise RdepthError(
+                    f"{self.run_dir} is not empty ({', '.join(leftovers[:4])}) but holds no checkpoint; "
+                    "choose another --out, or remove the folder to start over"
+                )
+        if not resume and self.config.init_from:
+            self._init_from(self.config.init_from)
+        self._saved_run = saved_run
+
+    def _write_run_files(self) -> None:
+        """config.json, environment.json and the tokenizer: written only once everything is
+        loaded and built, so a run (or a resume) that fails to start writes nothing."""
+        if not self.dist.is_main:
+            return
+        saved_run = self._saved_run
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        extra = {"data": self._data_record()}
+        if self.preset is not None or "preset" in saved_run:
+            extra["preset"] = saved_run.get("preset", self.preset)
+        if self.resumes:
+            extra["resumes"] = self.resumes
+        ckpt.write_run_config(self.run_dir, self.model_config, self.config.to_dict(), **extra)
+        write_json(self.run_dir / "environment.json", {**environment_info(), "seed": self.config.seed,
+                                                        "world_size": self.dist.world_size})
+        tokenizer_dir = self.run_dir / "tokenizer"
+        if not tokenizer_dir.exists():
+            self.shards.tokenizer.save(tokenizer_dir)
+        if self.start_step:  # the steps after the checkpoint will be logged again: whole lines up to it
+            dropped = truncate_jsonl(self.run_dir / "metrics.jsonl",
+                                     lambda record: isinstance(record.get("step"), int)
+                                     and record["step"] <= self.start_step)
+            if dropped:
+                log.info("metrics.jsonl: dropped %d records after step %d", dropped, self.start_step)
+
+    def _init_from(self, source: str) -> None:
+        """A new run (step 0, fresh optimizer) from another run's weights, e.g. ``rdepth retrofit``'s."""
+        from rdepth.data.tokenizers import tokenizer_fingerprint
+        from rdepth.run.heldout import run_tokenizer
+
+        checkpoint = ckpt.resolve_checkpoint(source)
+        saved = ckpt.load_model_config(checkpoint)
+        if (saved.tokenizer, saved.vocab_size) != (self.model_config.tokenizer, self.model_config.vocab_size) or \
+                tokenizer_fingerprint(run_tokenizer(checkpoint)) != self.shards.tokenizer_fingerprint:
+            raise RdepthError(f"--init-from {source}: its tokenizer ({saved.tokenizer!r}, {saved.vocab_size} tokens) "
+                              f"is not the one the data in {self.config.data} was prepared with")
+        ckpt.load_weights(checkpoint, self.model)
+        log.info("starting from the weights of %s", checkpoint)
+
+    def _resume(self, saved_run: dict) -> None:
+        checkpoint = ckpt.resolve_checkpoint(self.run_dir)
+        saved = ckpt.load_model_config(checkpoint)
+        mismatch = _config_mismatch(saved, self.model_config)
+        if mismatch:
+            raise RdepthError(f"model config does not match checkpoint {checkpoint}: {'; '.join(mismatch[:4])}")
+        trainer_state, state = ckpt.load_trainer_state(checkpoint)
+        step = int(state["step"])
+        saved_train = state.get("train_config") or saved_run.get("train")
+        if saved_train is not None:
+            self.resumes = list(saved_run.get("resumes", [])) if isinstance(saved_run.get("resumes"), list) else []
+            changed = check_resume_config(TrainConfig.from_dict(saved_train), self.config, step)
+            if changed:
+                self.resumes.append({"step": step, "changed": changed})
+        else:
+            log.warning("%s records no training config: resuming with the flags given", self.run_dir)
+        self._check_same_data(saved_run.get("data"), checkpoint)
+        ckpt.load_weights(checkpoint, self.model)
+        try:
+            self.optimizer.load_state_dict(trainer_state["optimizer"])
+            _check_optimizer_state(self.optimizer)
+        except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
+            raise RdepthError(f"optimizer state in {checkpoint} does not match the model ({exc})") from None
+        self.start_step = step
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        log.info("resuming from %s at step %d", checkpoint, self.start_step)
+        if self.start_step >= self.config.end_step:
+            raise RdepthError(
+                f"checkpoint is at step {self.start_step}; nothing to do up to step {self.config.end_step}"
+            )
+
+    def _check_same_data(self, recorded: dict | None, checkpoint: Path) -> None:
+        """Resume only on the data (and the tokenizer) the run was trained on."""
+        if not isinstance(recorded, dict):
+            recorded = {}
+        current = self._data_record()
+        fingerprint = recorded.get("tokenizer_sha256")
+        if fingerprint is None:
+            from rdepth.data.tokenizers import saved_tokenizer_fingerprint
+
+            fingerprint = saved_tokenizer_fingerprint(self.run_dir / "tokenizer")
+        if fingerprint is not None and current["tokenizer_sha256"] is not None \
+                and fingerprint != current["tokenizer_sha256"]:
+            raise RdepthError(
+                f"data in {self.config.data} was tokenized by a different {current['tokenizer']!r} tokenizer "
+                f"than the run {self.run_dir} (same name, other tokens): resume on the data it was trained on"
+            )
+        hashes = recorded.get("splits_sha256")
+        if isinstance(hashes, dict) and hashes.get("train") not in (None, current["splits_sha256"]["train"]):
+            raise RdepthError(f"the training tokens in {self.config.data} differ from the ones the run "
+                              f"{self.run_dir} was trained on (train.bin SHA-256): resume on the same data")
 
     # ------------------------------------------------------------------ step
     def _micro_batches(self, step: int):
@@ -207,14 +325,35 @@ class Trainer:
             loss.backward()
             total += loss.detach()
             used_counts.append(counts)
-        if config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
+        # The norm is always measured (max_norm inf: no clipping) for the divergence check.
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   config.grad_clip if config.grad_clip > 0 else math.inf)
+        bad = ~(torch.isfinite(total) & torch.isfinite(grad_norm))
+        self.nonfinite = self.nonfinite.to(bad.device) | bad  # on the device: no host sync
+        self.last_grad_norm = grad_norm.detach()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total, used_counts
 
     # ------------------------------------------------------------------- run
+    def check_finite(self, done: int) -> None:
+        """Stop (one-line error, no checkpoint written) if any step so far had a non-finite
+        loss or gradient norm; the last checkpoint saved is the last finite one."""
+        if bool(self.nonfinite):
+            finite = ckpt.list_checkpoints(self.run_dir)
+            kept = f"the last finite checkpoint is {finite[-1]}" if finite else "no checkpoint was written"
+            raise RdepthError(
+                f"training diverged by step {done}: the loss or gradient norm is not finite; {kept}. "
+                "Lower --lr (or raise --warmup-steps) and start again"
+            )
+
     def run(self) -> TrainResult:
+        try:
+            return self._run()
+        finally:
+            self._lock.close()
+
+    def _run(self) -> TrainResult:
         config = self.config
         tokens_per_step = config.batch_size * self.model_config.block_size
         metrics_path = self.run_dir / "metrics.jsonl"
@@ -231,6 +370,7 @@ class Trainer:
             window_tokens += tokens_per_step
             done = step + 1
             if done % config.log_every == 0 or done == config.end_step:
+                self.check_finite(done)
                 loss_value = all_reduce_mean(loss, self.dist).item()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -241,12 +381,15 @@ class Trainer:
                 if self.dist.is_main:
                     append_jsonl(metrics_path, {
                         "step": done, "loss": loss_value, "lr": lr_at(step, config),
+                        "grad_norm": float(self.last_grad_norm),
                         "tokens": self.tokens_seen, "tokens_per_s": rate, "loop_counts": counts,
                     })
                 window_start, window_tokens = time.perf_counter(), 0
             if done % config.eval_every == 0 or done == config.end_step:
+                self.check_finite(done)
                 final_val = self._validate(done)
             if done % config.checkpoint_every == 0 or done == config.end_step:
+                self.check_finite(done)
                 self._checkpoint(done, final_val)
             window_start = time.perf_counter() if window_tokens == 0 else window_start
         bar.close()
@@ -280,6 +423,7 @@ class Trainer:
             return
         trainer_state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
         state = {"tokens_seen": self.tokens_seen, "data": {"seed": self.config.seed, "next_step": done},
+                 "train_config": self.config.to_dict(),
                  "scheduler": {"kind": "warmup_cosine", "step": done, "lr": lr_at(done - 1, self.config)},
                  "val": val}
         path = ckpt.save_checkpoint(self.run_dir, done, self.model, self.model_config, trainer_state, state)
@@ -294,5 +438,68 @@ class _null:
         return False
 
 
-def train(model_config: ModelConfig, config: TrainConfig, resume: bool = False) -> TrainResult:
-    return Trainer(model_config, config, resume).run()
+def estimate_step_bytes(model_config: ModelConfig, rows: int) -> int:
+    """A rough upper estimate of one micro-step's memory, in bytes: weights with AdamW state
+    (4 copies), activations kept for backward (~16 floats per token, width unit and unrolled
+    layer), and the logits with their gradient. Only meant to refuse sizes off by orders of magnitude."""
+    tokens = rows * model_config.block_size
+    looped = sum(len(g.layers) for g in model_config.group_specs)
+    unrolled = model_config.n_layer - looped + looped * model_config.backprop_depth
+    width = model_config.d_model
+    weights = 12 * width * width * model_config.n_layer + model_config.padded_vocab_size * width
+    return 4 * (4 * weights + 16 * tokens * width * unrolled + 2 * tokens * model_config.padded_vocab_size)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of ``device`` (the GPU's, or the machine's RAM for the CPU); None if unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        return None
+
+
+def check_fits(model_config: ModelConfig, rows: int, device: torch.device, what: str) -> None:
+    """A one-line error before any work when ``rows`` windows per step cannot fit ``device``."""
+    need, have = estimate_step_bytes(model_config, rows), device_memory_bytes(device)
+    if have is not None and need > have:
+        raise RdepthError(f"{what} of {rows} windows of {model_config.block_size} tokens needs about "
+                          f"{need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of {device}: "
+                          "lower --batch-size (or raise --grad-accum) or the model's sizes")
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Every saved moment must have its parameter's shape (a mismatch would fail mid-step)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name, value in optimizer.state.get(param, {}).items():
+                if name in ("exp_avg", "exp_avg_sq") and (not isinstance(value, torch.Tensor)
+                                                          or value.shape != param.shape):
+                    raise ValueError(f"{name} has the wrong shape")
+
+
+# Fields a resume may change. Free: where and how the run executes, and its cadences
+# (none changes the weights). Recorded: a new schedule end (e.g. a longer --max-steps).
+RESUME_FREE = ("data", "out", "device", "threads", "compile", "stop_at", "eval_every", "log_every",
+               "checkpoint_every")
+RESUME_RECORDED = ("max_steps",)
+
+
+def check_resume_config(saved: TrainConfig, wanted: TrainConfig, step: int) -> dict:
+    """The changes a resume at ``step`` makes to the saved training config, as
+    ``{field: [saved, new]}`` for the recorded ones; a one-line error for any other change."""
+    a, b = saved.to_dict(), wanted.to_dict()
+    refused = [f"{k} {a[k]!r} (saved) vs {b[k]!r}" for k in a
+               if a[k] != b[k] and k not in RESUME_FREE + RESUME_RECORDED]
+    if refused:
+        raise RdepthError(f"--resume continues the run as it was saved, but {'; '.join(refused[:4])}; "
+                          "start a new run (another --out) to change these")
+    if wanted.max_steps <= step:
+        raise RdepthError(f"--max-steps {wanted.max_steps} ends before the checkpoint's step {step}")
+    return {k: [a[k], b[k]] for k in RESUME_RECORDED if a[k] != b[k]}
+
+
+def train(model_config: ModelConfig, config: TrainConfig, resume: bool = False,
+          preset: str | None = None) -> TrainResult:
+    return Trainer(model_config, config, resume, preset).run()

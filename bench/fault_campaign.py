@@ -1,0 +1,707 @@
+"""Fault and bad-input campaign against the ``rdepth`` command line (issue 16).
+
+Re-runs the campaign's categories in temporary folders, every case a real
+``python -m rdepth ...`` process with a bounded time:
+
+- ``flags``: bad flag values (non-finite, out of range, unbounded loop counts and sizes);
+- ``files``: corrupt and hostile files (checkpoint config/state/optimizer/``latest``,
+  weights, manifest, shards, tokenizer);
+- ``kills``: SIGKILL / SIGTERM / SIGINT at chosen moments of a training run, then resume;
+- ``concurrent``: two writers of one output folder started together;
+- ``output``: an output that is a file or under a file, a full disk (``RLIMIT_FSIZE``, no
+  root needed), a folder holding a user's files; read-only output where not root;
+- ``data``: data and checkpoint that do not belong together; resume semantics.
+
+Each case is classified:
+
+- ``clean``: it did what it should (a bad input: non-zero exit, one line, no traceback;
+  a good input: success and the right result);
+- ``traceback``: a Python traceback reached the user;
+- ``silent``: a bad input was accepted (exit 0), or a run gave a wrong result;
+- ``lost``: a file that existed before was damaged or removed;
+- ``hang``: the case ran past its time limit (killed).
+
+Usage (CPU; about 10 minutes on 2 cores)::
+
+    python bench/fault_campaign.py [--timeout 60] [--only flags,files] [--json results.json] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
+TINY = ["--n-layer", "3", "--n-head", "2", "--d-model", "32", "--block-size", "32", "--groups", "1",
+        "--mean-loops", "3", "--backprop-depth", "2", "--threads", "1"]
+CLASSES = ("clean", "traceback", "silent", "lost", "hang")
+
+
+@dataclass
+class Outcome:
+    code: int | None  # None: killed at the time limit
+    out: str
+    err: str
+    seconds: float
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.err.splitlines() if line.strip() and "%|" not in line
+                and " INFO " not in line and " WARNING " not in line]
+
+
+@dataclass
+class Case:
+    category: str
+    name: str
+    run: Callable[["Campaign", Path], "str | None"]  # returns a class, or None for "look at the outcome"
+    result: str = ""
+    note: str = ""
+    seconds: float = 0.0
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``folder`` (hidden staging debris excluded)."""
+    if not folder.exists():
+        return {}
+    return {str(p.relative_to(folder)): sha(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)}
+
+
+class Campaign:
+    def __init__(self, work: Path, timeout: float):
+        self.work = work
+        self.timeout = timeout
+        self.counter = 0
+
+    # -------------------------------------------------------------- running
+    def rdepth(self, *argv: str, timeout: float | None = None, limit_bytes: int | None = None,
+               cwd: Path | None = None) -> Outcome:
+        def limits():
+            if limit_bytes is not None:  # a "full disk" without root: writes past the limit fail (EFBIG)
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+        started = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "rdepth", *argv], env=ENV, cwd=cwd or self.work,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=limits, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout or self.timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            code = None
+        self.last = Outcome(code, out, err, time.monotonic() - started)
+        return self.last
+
+    def fresh(self, name: str) -> Path:
+        self.counter += 1
+        path = self.work / f"{self.counter:03d}-{name}"
+        path.mkdir(parents=True)
+        return path
+
+    def copy(self, source: Path, name: str) -> Path:
+        return Path(shutil.copytree(source, self.fresh(name) / source.name))
+
+    def train_argv(self, data: Path, out: Path, *extra: str) -> list[str]:
+        return ["train", "--data", str(data), "--out", str(out), "--batch-size", "4", "--log-every", "1",
+                "--eval-every", "3", "--eval-batches", "1", "--checkpoint-every", "3", "--warmup-steps", "2",
+                *TINY, *extra]
+
+    # -------------------------------------------------------------- fixtures
+    def setup(self) -> None:
+        self.data = self.work / "data"
+        outcome = self.rdepth("prepare", "--corpus", "wiki", "--tokenizer", "bpe:512", "--out", str(self.data),
+                              "--max-documents", "300", timeout=600)
+        if outcome.code != 0:
+            raise SystemExit(f"campaign set-up: prepare failed:\n{outcome.err[-2000:]}")
+        self.run = self.work / "run"
+        outcome = self.rdepth(*self.train_argv(self.data, self.run, "--max-steps", "6"), timeout=600)
+        if outcome.code != 0:
+            raise SystemExit(f"campaign set-up: train failed:\n{outcome.err[-2000:]}")
+        self.checkpoint = self.run / "checkpoints" / "step_000006"
+        # data of the same name and size from another text: ids that mean other tokens
+        corpus = self.work / "other.jsonl"
+        lines = [json.dumps({"text": f"zyx qwv {i * 3} pmk jjt {i} oof wub kappa{i % 17} lambda"})
+                 for i in range(3000)]
+        corpus.write_text("\n".join(lines) + "\n")
+        self.other_data = self.work / "other"
+        outcome = self.rdepth("prepare", "--corpus", str(corpus), "--tokenizer", "bpe:512", "--out",
+                              str(self.other_data), timeout=600)
+        if outcome.code != 0:
+            raise SystemExit(f"campaign set-up: prepare of the other data failed:\n{outcome.err[-2000:]}")
+
+
+# ------------------------------------------------------------------ classification
+def expect_error(outcome: Outcome, protected: dict[str, str] | None = None, folder: Path | None = None) -> str:
+    """A bad input: non-zero exit, one line on stderr, no traceback, nothing protected changed."""
+    if outcome.code is None:
+        return "hang"
+    if "Traceback" in outcome.err:
+        return "traceback"
+    if protected is not None and folder is not None:
+        now = snapshot(folder)
+        if any(now.get(name) != digest for name, digest in protected.items()):
+            return "lost"
+    if outcome.code == 0:
+        return "silent"
+    return "clean"
+
+
+def expect_success(outcome: Outcome, check: Callable[[], bool] | None = None) -> str:
+    if outcome.code is None:
+        return "hang"
+    if "Traceback" in outcome.err:
+        return "traceback"
+    if outcome.code != 0:
+        return "silent"  # a good input refused: reported as a wrong result
+    if check is not None and not check():
+        return "silent"
+    return "clean"
+
+
+def bad_flag(command: str, *flags: str) -> Callable[[Campaign, Path], str]:
+    def run(c: Campaign, tmp: Path) -> str:
+        if command == "train":
+            argv = c.train_argv(c.data, tmp / "run", "--max-steps", "3", *flags)
+        elif command == "eval":
+            argv = ["eval", "--checkpoint", str(c.run), "--data", str(c.data), "--max-batches", "1", *flags]
+        elif command == "generate":
+            argv = ["generate", "--checkpoint", str(c.run), "--max-new-tokens", "3", *flags]
+        elif command == "analyze":
+            argv = ["analyze", "--checkpoints", str(c.run), "--data", str(c.data), "--out", str(tmp / "a"),
+                    "--sequences", "2", *flags]
+        elif command == "sweep":
+            argv = ["sweep", "--checkpoint", str(c.run), "--data", str(c.data), "--out", str(tmp / "s"),
+                    "--max-batches", "1", "--no-timing", *flags]
+        elif command == "prepare":
+            argv = ["prepare", "--corpus", "wiki", "--max-documents", "50", "--out", str(tmp / "d"), *flags]
+        elif command == "demo":
+            argv = ["demo", "--out", str(tmp / "demo"), "--max-documents", "50", *flags]
+        else:
+            argv = [command, *flags]
+        before = snapshot(c.run)
+        return expect_error(c.rdepth(*argv), before, c.run)
+    return run
+
+
+# ------------------------------------------------------------------ cases
+def flag_cases() -> list[Case]:
+    cases = []
+    train = [("--lr", "inf"), ("--lr", "1e10"), ("--lr", "nan"), ("--weight-decay", "nan"),
+             ("--weight-decay", "-1"), ("--norm-eps", "-1"), ("--beta1", "2"), ("--beta2", "1.5"),
+             ("--threads", "-1"), ("--seed", str(2**63)), ("--seed", "-1"), ("--mean-loops", "inf"),
+             ("--loop-sigma", "inf"), ("--init-state-scale", "inf"), ("--mean-loops", "1e9"),
+             ("--block-size", "100000"), ("--groups", "2-1"), ("--groups", "0|0"), ("--max-steps", "0"),
+             ("--batch-size", "0"), ("--grad-accum", "3"), ("--device", "foo"), ("--preset", "huge"),
+             ("--grad-clip", "nan"), ("--min-lr-ratio", "2"), ("--warmup-steps", "-1"),
+             ("--eval-loops", "100000000"), ("--stop-at", "99"), ("--max-steps", "x"), ("--n-head", "7")]
+    for flag, value in train:
+        cases.append(Case("flags", f"train {flag} {value}", bad_flag("train", flag, value)))
+    evals = [("--device", "foo"), ("--loops", "0"), ("--loops", "1000000000"), ("--batch-size", "0"),
+             ("--threads", "-1"), ("--seed", "-1"), ("--loops", "1,2,3,4"), ("--max-batches", "0")]
+    for flag, value in evals:
+        cases.append(Case("flags", f"eval {flag} {value}", bad_flag("eval", flag, value)))
+    gens = [("--temperature", "nan"), ("--temperature", "-1"), ("--device", "foo"), ("--max-new-tokens", "0"),
+            ("--top-k", "0"), ("--seed", str(2**63)), ("--loops", "1000000000")]
+    for flag, value in gens:
+        cases.append(Case("flags", f"generate {flag} {value}", bad_flag("generate", flag, value)))
+    for command, flag, value in [("analyze", "--device", "foo"), ("analyze", "--long-loops", "1000000000"),
+                                 ("sweep", "--device", "foo"), ("sweep", "--grid", "kl=-1"),
+                                 ("sweep", "--policies", ""), ("sweep", "--k-max", "1000000000"),
+                                 ("prepare", "--val-fraction", "1.5"), ("prepare", "--tokenizer", "bpe:10"),
+                                 ("demo", "--preset", "huge"), ("demo", "--lr", "-1")]:
+        cases.append(Case("flags", f"{command} {flag} {value!r}", bad_flag(command, flag, value)))
+    return cases
+
+
+def _damaged_run(c: Campaign, tmp: Path, damage: Callable[[Path], None]) -> Path:
+    run = c.copy(c.run, "run")
+    damage(run / "checkpoints" / "step_000006")
+    return run
+
+
+def file_case(name: str, damage: Callable[[Path], None], command: str = "resume") -> Case:
+    def run(c: Campaign, tmp: Path) -> str:
+        damaged = _damaged_run(c, tmp, damage)
+        before = {k: v for k, v in snapshot(damaged).items() if not k.startswith("checkpoints/step_000006")}
+        if command == "resume":
+            outcome = c.rdepth("train", "--out", str(damaged), "--resume", "--max-steps", "9")
+        else:
+            outcome = c.rdepth("eval", "--checkpoint", str(damaged), "--data", str(c.data), "--max-batches", "1")
+        return expect_error(outcome, before, damaged)
+    return Case("files", f"{command}: {name}", run)
+
+
+def _edit_json(path: Path, edit: Callable[[dict], object]) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _save_torch(path: Path, payload) -> None:
+    import torch
+
+    torch.save(payload, path)
+
+
+def data_case(name: str, damage: Callable[[Path], None]) -> Case:
+    def run(c: Campaign, tmp: Path) -> str:
+        data = c.copy(c.data, "data")
+        damage(data)
+        return expect_error(c.rdepth(*c.train_argv(data, tmp / "run", "--max-steps", "3")))
+    return Case("files", f"train on data: {name}", run)
+
+
+def _flip_byte(path: Path) -> None:
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x5A
+    path.write_bytes(bytes(blob))
+
+
+def _out_of_range(data: Path) -> None:
+    ids = np.fromfile(data / "train.bin", dtype=np.uint16)
+    ids[5] = 60000
+    ids.tofile(data / "train.bin")
+    _edit_json(data / "manifest.json", lambda m: m["splits"]["train"].update(
+        sha256=hashlib.sha256(ids.tobytes()).hexdigest()))
+
+
+def _as_uint8(data: Path) -> None:
+    def edit(m):
+        m["dtype"] = "uint8"
+        for split in m["splits"].values():
+            split["tokens"] *= 2
+    _edit_json(data / "manifest.json", edit)
+
+
+def file_cases() -> list[Case]:
+    cases = [
+        file_case("config.json mean_loops a string", lambda ck: _edit_json(ck / "config.json",
+                                                                         lambda d: d.update(mean_loops="4")), "eval"),
+        file_case("config.json n_layer a float", lambda ck: _edit_json(ck / "config.json",
+                                                                     lambda d: d.update(n_layer=3.0)), "eval"),
+        file_case("config.json mean_loops 1e12", lambda ck: _edit_json(ck / "config.json",
+                                                                     lambda d: d.update(mean_loops=1e12)), "eval"),
+        file_case("config.json not JSON", lambda ck: (ck / "config.json").write_text("{oops"), "eval"),
+        file_case("config.json a list", lambda ck: (ck / "config.json").write_text("[1]"), "eval"),
+        file_case("weights truncated", lambda ck: (ck / "model.safetensors").write_bytes(
+            (ck / "model.safetensors").read_bytes()[:1000]), "eval"),
+        file_case("weights header hostile", lambda ck: (ck / "model.safetensors").write_bytes(
+            (2**40).to_bytes(8, "little") + b"{}"), "eval"),
+        file_case("state.json step a string", lambda ck: _edit_json(ck / "state.json", lambda d: d.update(step="6"))),
+        file_case("state.json step disagrees with the folder", lambda ck: _edit_json(
+            ck / "state.json", lambda d: d.update(step=2))),
+        file_case("state.json not JSON", lambda ck: (ck / "state.json").write_text("{")),
+        file_case("state.json tokens_seen a list", lambda ck: _edit_json(ck / "state.json",
+                                                                       lambda d: d.update(tokens_seen=[1]))),
+        file_case("trainer.pt garbage", lambda ck: (ck / "trainer.pt").write_bytes(b"\x80\x04garbage")),
+        file_case("trainer.pt a list", lambda ck: _save_torch(ck / "trainer.pt", [1, 2])),
+        file_case("trainer.pt optimizer a list", lambda ck: _save_torch(ck / "trainer.pt", {"optimizer": [1]})),
+        file_case("trainer.pt moments of another shape", lambda ck: _reshape_moments(ck / "trainer.pt")),
+        file_case("latest points outside the run", lambda ck: (ck.parent / "latest").write_text(
+            "../../run/checkpoints/step_000003"), "eval"),
+        file_case("latest holds garbage", lambda ck: (ck.parent / "latest").write_bytes(b"\xff\xfe"), "eval"),
+        file_case("run config.json train a string", lambda ck: _edit_json(
+            ck.parents[1] / "config.json", lambda d: d.update(train="x"))),
+        data_case("a flipped byte in train.bin", lambda d: _flip_byte(d / "train.bin")),
+        data_case("ids out of range (hash updated)", _out_of_range),
+        data_case("manifest dtype edited to uint8", _as_uint8),
+        data_case("manifest shard path ../", lambda d: _edit_json(
+            d / "manifest.json", lambda m: m["splits"]["train"].update(file="../run/config.json"))),
+        data_case("manifest tokens a string", lambda d: _edit_json(
+            d / "manifest.json", lambda m: m["splits"]["val"].update(tokens="10"))),
+        data_case("manifest vocab_size negative", lambda d: _edit_json(
+            d / "manifest.json", lambda m: m.update(vocab_size=-5))),
+        data_case("manifest truncated", lambda d: (d / "manifest.json").write_text('{"format_version": 1, "dty')),
+        data_case("train.bin truncated", lambda d: (d / "train.bin").write_bytes((d / "train.bin").read_bytes()[:7])),
+        data_case("tokenizer.json corrupt", lambda d: (d / "tokenizer.json").write_text("{nope")),
+    ]
+    return cases
+
+
+def _reshape_moments(path: Path) -> None:
+    import torch
+
+    state = torch.load(path, weights_only=True)
+    next(iter(state["optimizer"]["state"].values()))["exp_avg"] = torch.zeros(5)
+    torch.save(state, path)
+
+
+# ------------------------------------------------------------------ kills
+def _weights(checkpoint: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    import torch
+
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def kill_case(sig: signal.Signals, when: str) -> Case:
+    """Start a 9-step run, send ``sig`` after its first checkpoint (``when`` = "checkpoint") or
+    at once, then resume; the finished run must equal the straight one, and no checkpoint
+    that existed may change."""
+    def run(c: Campaign, tmp: Path) -> str:
+        out = tmp / "run"
+        argv = c.train_argv(c.data, out, "--max-steps", "9")
+        proc = subprocess.Popen([sys.executable, "-m", "rdepth", *argv], env=ENV, cwd=c.work,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + c.timeout
+        if when == "checkpoint":
+            while proc.poll() is None and time.monotonic() < deadline and \
+                    not (out / "checkpoints" / "step_000003" / "state.json").exists():
+                time.sleep(0.02)
+        else:
+            time.sleep(3.0)
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=c.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return "hang"
+        err = proc.stderr.read()
+        if "Traceback" in err:
+            return "traceback"
+        before = snapshot(out / "checkpoints")
+        resume = c.rdepth("train", "--out", str(out), "--resume", "--max-steps", "9") \
+            if (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step_*")) \
+            else c.rdepth(*argv)
+        if resume.code is None:
+            return "hang"
+        if "Traceback" in resume.err:
+            return "traceback"
+        after = snapshot(out / "checkpoints")
+        if any(after.get(k) != v for k, v in before.items() if k.startswith("step_")):
+            return "lost"
+        if resume.code != 0:
+            c.note = resume.error_lines[-1:] and resume.error_lines[-1]
+            return "silent"
+        straight = c.work / "straight9"
+        if not straight.exists():
+            c.rdepth(*c.train_argv(c.data, straight, "--max-steps", "9"), timeout=600)
+        same = _same_weights(straight / "checkpoints" / "step_000009", out / "checkpoints" / "step_000009")
+        steps = [r["step"] for r in _records(out / "metrics.jsonl") if "loss" in r]
+        debris = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".step_")]
+        return "clean" if same and steps == list(range(1, 10)) and not debris else "silent"
+    return Case("kills", f"{sig.name} {'after the first checkpoint' if when == 'checkpoint' else 'after 3 s'}, "
+                "then resume", run)
+
+
+def _records(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            out.append({"cut": line})
+    return out
+
+
+def kill_cases() -> list[Case]:
+    cases = [kill_case(sig, when) for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
+             for when in ("checkpoint", "early")]
+
+    def sigterm_exit(c: Campaign, tmp: Path) -> str:
+        out = tmp / "run"
+        proc = subprocess.Popen([sys.executable, "-m", "rdepth",
+                                 *c.train_argv(c.data, out, "--max-steps", "100000")], env=ENV, cwd=c.work,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + c.timeout
+        while proc.poll() is None and time.monotonic() < deadline and not (out / "checkpoints").is_dir():
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=c.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return "hang"
+        err = proc.stderr.read()
+        if "Traceback" in err:
+            return "traceback"
+        return "clean" if code == 128 + signal.SIGTERM and "terminated" in err else "silent"
+    cases.append(Case("kills", "SIGTERM exits like Ctrl-C (status 143, one line)", sigterm_exit))
+
+    def prepare_killed(c: Campaign, tmp: Path) -> str:
+        data = c.copy(c.data, "data")
+        before = snapshot(data)
+        proc = subprocess.Popen([sys.executable, "-m", "rdepth", "prepare", "--corpus", "wiki", "--tokenizer",
+                                 "bpe:512", "--max-documents", "300", "--out", str(data)], env=ENV, cwd=c.work,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(2.5)
+        proc.kill()
+        proc.wait()
+        check = c.rdepth(*c.train_argv(data, tmp / "run", "--max-steps", "1"))
+        if check.code is None:
+            return "hang"
+        return "clean" if check.code == 0 and snapshot(data).keys() >= {"manifest.json", "train.bin"} \
+            else ("lost" if snapshot(data) != before else "silent")
+    cases.append(Case("kills", "SIGKILL during a prepare that replaces a folder", prepare_killed))
+    return cases
+
+
+# ------------------------------------------------------------------ concurrency
+def concurrent_case(name: str, argv_of: Callable[[Campaign, Path], list[str]],
+                    check: Callable[[Campaign, Path], bool] | None = None) -> Case:
+    def run(c: Campaign, tmp: Path) -> str:
+        argv = argv_of(c, tmp)
+        procs = [subprocess.Popen([sys.executable, "-m", "rdepth", *argv], env=ENV, cwd=c.work,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+        codes, errs = [], []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=4 * c.timeout))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                return "hang"
+            errs.append(proc.stderr.read())
+        if any("Traceback" in err for err in errs):
+            return "traceback"
+        if sorted(codes) != [0, 2]:
+            return "silent"  # both ran (a mixed folder) or both failed
+        return "clean" if check is None or check(c, tmp) else "silent"
+    return Case("concurrent", name, run)
+
+
+def concurrency_cases() -> list[Case]:
+    def one_series(c: Campaign, tmp: Path) -> bool:
+        steps = [r.get("step") for r in _records(tmp / "run" / "metrics.jsonl") if "loss" in r]
+        return steps == list(range(1, 7))
+    return [
+        concurrent_case("two trains, same --out",
+                        lambda c, tmp: c.train_argv(c.data, tmp / "run", "--max-steps", "6"), one_series),
+        concurrent_case("two prepares, same --out",
+                        lambda c, tmp: ["prepare", "--corpus", "wiki", "--tokenizer", "bpe:512",
+                                        "--max-documents", "100", "--out", str(tmp / "d")]),
+        concurrent_case("two analyzes, same --out",
+                        lambda c, tmp: ["analyze", "--checkpoints", str(c.run), "--data", str(c.data),
+                                        "--out", str(tmp / "a"), "--sequences", "2"]),
+        concurrent_case("two sweeps, same --out",
+                        lambda c, tmp: ["sweep", "--checkpoint", str(c.run), "--data", str(c.data),
+                                        "--out", str(tmp / "s"), "--max-batches", "1", "--no-timing"]),
+    ]
+
+
+# ------------------------------------------------------------------ output
+def output_cases() -> list[Case]:
+    def out_is_file(command: str):
+        def run(c: Campaign, tmp: Path) -> str:
+            target = tmp / "taken"
+            target.write_text("mine")
+            argv = {"train": c.train_argv(c.data, target, "--max-steps", "3"),
+                    "analyze": ["analyze", "--checkpoints", str(c.run), "--data", str(c.data), "--out", str(target),
+                                "--sequences", "2"],
+                    "eval-json": ["eval", "--checkpoint", str(c.run), "--data", str(c.data), "--max-batches", "1",
+                                  "--json", str(tmp)],
+                    "train-under": c.train_argv(c.data, target / "run", "--max-steps", "3"),
+                    "prepare": ["prepare", "--corpus", "wiki", "--max-documents", "50", "--out", str(target)]}[command]
+            return expect_error(c.rdepth(*argv), {"taken": sha(target)}, tmp)
+        return run
+
+    def used_folder(c: Campaign, tmp: Path) -> str:
+        run = tmp / "run"
+        run.mkdir()
+        for name in ("config.json", "summary.json", "metrics.jsonl"):
+            (run / name).write_text('{"mine": true}\n')
+        return expect_error(c.rdepth(*c.train_argv(c.data, run, "--max-steps", "3")), snapshot(run), run)
+
+    def full_disk(c: Campaign, tmp: Path) -> str:
+        run = c.copy(c.run, "run")
+        before = {k: v for k, v in snapshot(run).items() if k.startswith("checkpoints/step_")}
+        outcome = c.rdepth("train", "--out", str(run), "--resume", "--max-steps", "12", limit_bytes=150_000)
+        result = expect_error(outcome, before, run)
+        if result == "clean" and len(outcome.error_lines) != 1:
+            return "traceback"
+        return result
+
+    def full_disk_prepare(c: Campaign, tmp: Path) -> str:
+        data = c.copy(c.data, "data")
+        before = snapshot(data)
+        outcome = c.rdepth("prepare", "--corpus", "wiki", "--tokenizer", "bpe:512", "--max-documents", "300",
+                           "--out", str(data), limit_bytes=60_000)
+        return expect_error(outcome, before, data)
+
+    def read_only(c: Campaign, tmp: Path) -> str:
+        if os.geteuid() == 0:
+            return "skip"
+        folder = tmp / "ro"
+        folder.mkdir()
+        folder.chmod(0o555)
+        try:
+            return expect_error(c.rdepth(*c.train_argv(c.data, folder / "run", "--max-steps", "3")))
+        finally:
+            folder.chmod(0o755)
+
+    def analyze_overwrite(c: Campaign, tmp: Path) -> str:
+        out = tmp / "report"
+        out.mkdir()
+        (out / "index.html").write_text("<p>my page</p>")
+        outcome = c.rdepth("analyze", "--checkpoints", str(c.run), "--data", str(c.data), "--out", str(out),
+                           "--sequences", "2")
+        if outcome.code is None:
+            return "hang"
+        if "Traceback" in outcome.err:
+            return "traceback"
+        return "clean" if (out / "index.html").read_text() == "<p>my page</p>" or outcome.code != 0 else "lost"
+
+    return [
+        Case("output", "train --out is a file", out_is_file("train")),
+        Case("output", "train --out under a file", out_is_file("train-under")),
+        Case("output", "analyze --out is a file", out_is_file("analyze")),
+        Case("output", "eval --json is a folder", out_is_file("eval-json")),
+        Case("output", "prepare --out is a file", out_is_file("prepare")),
+        Case("output", "train --out holds a user's files, no checkpoint", used_folder),
+        Case("output", "full disk during a resumed train (RLIMIT_FSIZE)", full_disk),
+        Case("output", "full disk during a prepare that replaces a folder", full_disk_prepare),
+        Case("output", "read-only output folder", read_only),
+        Case("output", "analyze --out holds someone's index.html", analyze_overwrite),
+    ]
+
+
+# ------------------------------------------------------------------ data and resume semantics
+def data_cases() -> list[Case]:
+    def eval_other_tokenizer(c: Campaign, tmp: Path) -> str:
+        return expect_error(c.rdepth("eval", "--checkpoint", str(c.run), "--data", str(c.other_data),
+                                     "--max-batches", "1"))
+
+    def resume_other_tokenizer(c: Campaign, tmp: Path) -> str:
+        run = c.copy(c.run, "run")
+        before = snapshot(run)
+        return expect_error(c.rdepth("train", "--out", str(run), "--data", str(c.other_data), "--resume",
+                                     "--max-steps", "9"), before, run)
+
+    def resume_keeps_saved(c: Campaign, tmp: Path) -> str:
+        run = c.copy(c.run, "run")
+        outcome = c.rdepth("train", "--out", str(run), "--resume", "--max-steps", "9")
+
+        def check() -> bool:
+            saved = json.loads((run / "config.json").read_text())["train"]
+            return saved["batch_size"] == 4 and saved["checkpoint_every"] == 3 and saved["warmup_steps"] == 2
+        return expect_success(outcome, check)
+
+    def resume_changed_batch(c: Campaign, tmp: Path) -> str:
+        run = c.copy(c.run, "run")
+        before = snapshot(run)
+        return expect_error(c.rdepth("train", "--out", str(run), "--resume", "--max-steps", "9",
+                                     "--batch-size", "8"), before, run)
+
+    def resume_other_preset(c: Campaign, tmp: Path) -> str:
+        run = c.copy(c.run, "run")
+        before = snapshot(run)
+        return expect_error(c.rdepth("train", "--out", str(run), "--resume", "--max-steps", "9",
+                                     "--preset", "small"), before, run)
+
+    def prepare_single_txt(c: Campaign, tmp: Path) -> str:
+        text = tmp / "book.txt"
+        text.write_text("\n".join(f"Line {i}: word{i % 97} and more text about the river, {i * 7}."
+                                   for i in range(4000)))
+        outcome = c.rdepth("prepare", "--corpus", str(text), "--tokenizer", "bpe:300", "--out", str(tmp / "d"))
+        return expect_success(outcome, lambda: (tmp / "d" / "manifest.json").is_file())
+
+    def divergence(c: Campaign, tmp: Path) -> str:
+        out = tmp / "run"
+        outcome = c.rdepth(*c.train_argv(c.data, out, "--max-steps", "6", "--lr", "10", "--weight-decay", "0",
+                                         "--warmup-steps", "0", "--grad-clip", "0"))
+        if outcome.code is None:
+            return "hang"
+        if "Traceback" in outcome.err:
+            return "traceback"
+        import torch
+
+        for checkpoint in sorted((out / "checkpoints").glob("step_*")):
+            if not all(torch.isfinite(t).all() for t in _weights(checkpoint).values()):
+                return "silent"  # a non-finite checkpoint was saved
+        return "clean"
+
+    return [
+        Case("data", "eval on data from a same-named other tokenizer", eval_other_tokenizer),
+        Case("data", "resume on data from a same-named other tokenizer", resume_other_tokenizer),
+        Case("data", "resume with only --out keeps the saved config", resume_keeps_saved),
+        Case("data", "resume with another --batch-size", resume_changed_batch),
+        Case("data", "resume with another --preset", resume_other_preset),
+        Case("data", "prepare a single .txt file", prepare_single_txt),
+        Case("data", "lr 10 without clipping: no non-finite checkpoint saved", divergence),
+    ]
+
+
+# ------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per case (default 60)")
+    parser.add_argument("--only", default="", help="comma-separated categories (default: all)")
+    parser.add_argument("--json", default=None, help="write every case's result to this file")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    args = parser.parse_args(argv)
+    groups = {"flags": flag_cases, "files": file_cases, "kills": kill_cases, "concurrent": concurrency_cases,
+              "output": output_cases, "data": data_cases}
+    chosen = [g for g in (args.only.split(",") if args.only else groups) if g]
+    work = Path(tempfile.mkdtemp(prefix="rdepth-campaign-"))
+    campaign = Campaign(work, args.timeout)
+    started = time.monotonic()
+    print(f"rdepth fault campaign in {work} (python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
+          f"{args.timeout:.0f} s per case)", flush=True)
+    campaign.setup()
+    cases = [case for name in chosen for case in groups[name]()]
+    for case in cases:
+        tmp = campaign.fresh("case")
+        campaign.note = ""
+        campaign.last = None
+        begin = time.monotonic()
+        try:
+            case.result = case.run(campaign, tmp)
+        except Exception as exc:  # the campaign's own failure: report, do not count as the CLI's
+            case.result, case.note = "error", f"{type(exc).__name__}: {exc}"
+        case.seconds = time.monotonic() - begin
+        case.note = case.note or campaign.note or ""
+        last = getattr(campaign, "last", None)
+        if case.result not in ("clean", "skip") and not case.note and last is not None:
+            lines = last.error_lines
+            case.note = (lines[-1][:160] if lines else f"exit {last.code}")
+        print(f"  {case.result:>9}  {case.category:<10} {case.name}  ({case.seconds:.1f} s)"
+              + (f"  [{case.note}]" if case.note else ""), flush=True)
+    totals = {name: sum(case.result == name for case in cases) for name in (*CLASSES, "skip", "error")}
+    print(f"\n{len(cases)} cases in {time.monotonic() - started:.0f} s: " +
+          ", ".join(f"{totals[name]} {name}" for name in (*CLASSES, "skip", "error") if totals[name] or name in CLASSES))
+    for category in chosen:
+        mine = [case for case in cases if case.category == category]
+        bad = [case for case in mine if case.result not in ("clean", "skip")]
+        print(f"  {category:<10} {len(mine) - len(bad)}/{len(mine)} clean" +
+              (": " + "; ".join(f"{c.name} -> {c.result}" for c in bad) if bad else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"totals": totals, "cases": [
+            {"category": c.category, "name": c.name, "result": c.result, "note": c.note,
+             "seconds": round(c.seconds, 1)} for c in cases]}, indent=2) + "\n")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(totals[name] == 0 for name in CLASSES[1:]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
