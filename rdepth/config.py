@@ -18,6 +18,10 @@ from typing import Any
 from rdepth.errors import RdepthError
 from rdepth.fields import option
 
+# Upper limits that keep a typo from running until killed (a loop count of 1e9, a 1e8-token context).
+MAX_LOOPS = 1024
+MAX_BLOCK_SIZE = 65536
+
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -92,6 +96,8 @@ def parse_loop_counts(spec: str | int | list | tuple | None, n_groups: int) -> t
         )
     if any(int(v) < 1 for v in values):
         raise RdepthError(f"bad loop counts {spec!r}: every count must be >= 1")
+    if any(int(v) > MAX_LOOPS for v in values):
+        raise RdepthError(f"bad loop counts {spec!r}: every count must be <= {MAX_LOOPS}")
     return tuple(int(v) for v in values)
 
 
@@ -133,15 +139,19 @@ class ModelConfig:
             raise RdepthError(
                 f"model config: d_model={self.d_model} is not divisible by n_head={self.n_head}"
             )
-        if not (self.mean_loops >= 1):
-            raise RdepthError(f"model config: mean_loops must be >= 1, got {self.mean_loops!r}")
-        if not (self.loop_sigma >= 0):
-            raise RdepthError(f"model config: loop_sigma must be >= 0, got {self.loop_sigma!r}")
-        if not isinstance(self.backprop_depth, int) or self.backprop_depth < 1:
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise RdepthError(f"model config: block_size must be <= {MAX_BLOCK_SIZE}, got {self.block_size!r}")
+        if not (1 <= self.mean_loops <= MAX_LOOPS):
+            raise RdepthError(f"model config: mean_loops must be in 1..{MAX_LOOPS}, got {self.mean_loops!r}")
+        if not (0 <= self.loop_sigma <= 10):
+            raise RdepthError(f"model config: loop_sigma must be in [0, 10], got {self.loop_sigma!r}")
+        if not (0 < self.norm_eps < 1):
+            raise RdepthError(f"model config: norm_eps must be in (0, 1), got {self.norm_eps!r}")
+        if not isinstance(self.backprop_depth, int) or not 1 <= self.backprop_depth <= MAX_LOOPS:
             raise RdepthError(
                 f"model config: backprop_depth must be a positive integer, got {self.backprop_depth!r}"
             )
-        if not (self.init_state_scale >= 0):
+        if not (0 <= self.init_state_scale < 1e6):
             raise RdepthError(
                 f"model config: init_state_scale must be >= 0, got {self.init_state_scale!r}"
             )

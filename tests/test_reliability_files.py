@@ -1,6 +1,6 @@
 """Reliability of what rdepth reads and writes (issue 16): data matches what was trained on,
 hostile or wrongly typed files are one-line errors, files get ordinary modes, and the
-bad inputs whose fix belongs in other modules (marked xfail, naming the module)."""
+bad inputs whose fix lives in other modules (config bounds, held-out tokenizer checks)."""
 
 from __future__ import annotations
 
@@ -297,8 +297,6 @@ def _eval(run, data, *extra) -> list[str]:
     return ["eval", "--checkpoint", str(run), "--data", str(data), "--max-batches", "1", *extra]
 
 
-@pytest.mark.xfail(strict=False, reason="rdepth/run/heldout.py: compare TokenShards.tokenizer_fingerprint "
-                   "with the run's (config.json data.tokenizer_sha256, else RUN/tokenizer)")
 def test_eval_refuses_same_named_other_tokenizer(tmp_path, capsys):
     english = " ".join(f"the city of river{i} lies on the north bank {i * 7}" for i in range(600))
     other = " ".join(f"zyx qwv {i * 3} pmk jjt {i} oof wub" for i in range(600))
@@ -310,15 +308,12 @@ def test_eval_refuses_same_named_other_tokenizer(tmp_path, capsys):
     assert "tokenizer" in error_line(capsys)
 
 
-@pytest.mark.xfail(strict=False, reason="rdepth/config.py ModelConfig.__post_init__: norm_eps must be finite and > 0")
 def test_negative_norm_eps_rejected(wiki_small, tmp_path, capsys):
     assert main(train_argv(wiki_small, tmp_path / "r", "--max-steps", "3", "--norm-eps", "-1")) == 2
     assert "norm_eps" in error_line(capsys)
 
 
 # Checked on the config objects, not by running: unbounded values run until killed.
-@pytest.mark.xfail(strict=False, reason="rdepth/config.py ModelConfig.__post_init__: mean_loops, loop_sigma, "
-                   "init_state_scale must be finite, mean_loops <= MAX_LOOPS (e.g. 1024)")
 @pytest.mark.parametrize("field, value", [("mean_loops", float("inf")), ("loop_sigma", float("inf")),
                                           ("init_state_scale", float("inf")), ("mean_loops", 1e9)])
 def test_unbounded_loop_settings_rejected(field, value):
@@ -328,8 +323,6 @@ def test_unbounded_loop_settings_rejected(field, value):
         get_preset("tiny", **{field: value})
 
 
-@pytest.mark.xfail(strict=False, reason="rdepth/config.py ModelConfig.__post_init__: block_size <= "
-                   "MAX_BLOCK_SIZE (e.g. 65536)")
 def test_unbounded_block_size_rejected():
     from rdepth.config import get_preset
 
@@ -337,8 +330,6 @@ def test_unbounded_block_size_rejected():
         get_preset("tiny", block_size=100_000_000)
 
 
-@pytest.mark.xfail(strict=False, reason="rdepth/config.py parse_loop_counts: every count <= MAX_LOOPS, so "
-                   "eval --loops / --eval-loops / --long-loops / --k-max 1000000000 fail at once")
 def test_loop_counts_bounded():
     from rdepth.config import parse_loop_counts
 

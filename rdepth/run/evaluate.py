@@ -88,7 +88,12 @@ def evaluate(
         total_loss += out.loss.item() * n_tokens
         total_tokens += n_tokens
     ce = total_loss / max(total_tokens, 1)
-    return {"loop_counts": list(counts), "ce": ce, "ppl": math.exp(ce), "tokens": total_tokens}
+    return {"loop_counts": list(counts), "ce": ce, "ppl": perplexity(ce), "tokens": total_tokens}
+
+
+def perplexity(ce: float) -> float:
+    """exp(ce), infinite (not an overflow) for a diverged model."""
+    return math.exp(ce) if ce < 700 else math.inf
 
 
 def unigram_baseline(windows: torch.Tensor, log_probs, masks: torch.Tensor | None = None) -> dict:
@@ -101,4 +106,4 @@ def unigram_baseline(windows: torch.Tensor, log_probs, masks: torch.Tensor | Non
     if int(targets.max()) >= table.numel():
         raise ValueError("held-out token ids exceed the unigram table")
     ce = float(-table[targets.reshape(-1)].mean())
-    return {"ce": ce, "ppl": math.exp(ce), "tokens": int(targets.numel()), "estimated_on": "train split, add-one"}
+    return {"ce": ce, "ppl": perplexity(ce), "tokens": int(targets.numel()), "estimated_on": "train split, add-one"}

@@ -32,6 +32,24 @@ def run_tokenizer(checkpoint: str | Path):
     raise RdepthError(f"no tokenizer saved with the run of {checkpoint} (expected RUN/tokenizer)")
 
 
+def run_tokenizer_fingerprint(checkpoint: str | Path) -> str | None:
+    """The fingerprint of the tokenizer a run was trained with: recorded in its ``config.json``
+    (``data.tokenizer_sha256``), else computed from ``RUN/tokenizer``; None when neither exists."""
+    import json
+
+    from rdepth.data.tokenizers import saved_tokenizer_fingerprint
+
+    path = Path(checkpoint).resolve()
+    for folder in (path, *path.parents[:3]):
+        if (folder / "tokenizer").is_dir():
+            try:
+                recorded = json.loads((folder / "config.json").read_text()).get("data", {}).get("tokenizer_sha256")
+            except (OSError, json.JSONDecodeError, AttributeError):
+                recorded = None
+            return recorded or saved_tokenizer_fingerprint(folder / "tokenizer")
+    return None
+
+
 def held_out_tokens(data: str | Path, checkpoint: str | Path, config: ModelConfig) -> tuple[np.ndarray, dict | None]:
     """Validation tokens: a prepared folder's val split (checked against the model's
     tokenizer), or a text file tokenised with the run's tokenizer. Also returns the
@@ -46,6 +64,12 @@ def held_out_tokens(data: str | Path, checkpoint: str | Path, config: ModelConfi
             raise RdepthError(
                 f"data in {data} was prepared with tokenizer {spec!r} (vocabulary {shards.manifest['vocab_size']}) "
                 f"but the checkpoint uses {config.tokenizer!r} (vocabulary {config.vocab_size})"
+            )
+        ours, theirs = run_tokenizer_fingerprint(checkpoint), shards.tokenizer_fingerprint
+        if ours is not None and theirs is not None and ours != theirs:
+            raise RdepthError(
+                f"data in {data} and the checkpoint both use a tokenizer named {spec!r}, but they are different "
+                "tokenizers (their fingerprints differ): ids would mean other tokens"
             )
         return np.asarray(shards.val), shards.manifest.get("unigram_baseline")
     if not data.is_file():
