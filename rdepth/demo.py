@@ -210,4 +210,8 @@ def run_demo(config: DemoConfig) -> dict:
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
     write_json(out / "demo.json", result)
+    if config.analyze or config.sweep:
+        from rdepth.demo_report import write_first_screen
+
+        write_first_screen(config.out)  # the report's first screen, from the saved files
     return result

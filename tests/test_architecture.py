@@ -31,7 +31,10 @@ ALLOWED = {
     "surrogate": BASE | {"config", "model", "data", "run", "report", "geometry"},
     # exported Hugging Face models bundle the model and the exit rules
     "interop": BASE | {"config", "model", "data", "run", "exits"},
-    "demo": BASE | {"config", "model", "data", "run", "train", "exits", "geometry", "report", "tasks"},
+    "demo": BASE | {"config", "model", "data", "run", "train", "exits", "geometry", "report", "tasks",
+                    "demo_report"},
+    # the demo's first screen: reads the saved files, renders with the page builder
+    "demo_report": BASE | {"report"},
     "cli": None,  # the command line sits above everything
     "__main__": None,
     "__init__": set(),

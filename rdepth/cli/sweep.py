@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             ratio = {"ratio": row[speed], "range": row[f"{speed}_range"], "noise": row[f"{speed}_noise"]}
             timing = f", {format_ratio(ratio)} the full budget's speed"
         print(f"{row['policy']:>20}: value {row['value']:g}, ppl {row['ppl']:.4f} "
-              f"({100 * row['ppl_vs_full']:+.2f}%), steps saved {100 * row['steps_saved']:.1f}%{timing}")
+              f"({_percent(row['ppl_vs_full'])}), steps saved {100 * row['steps_saved']:.1f}%{timing}")
     full = next((r for r in summary["packed_over_dense"] if r["budget"] == result["reference"]["budget"]), None)
     if full and "b1" in full:
         print(f"packed / dense path, identical work (full budget, batch 1): {format_ratio(full['b1'])}")
@@ -59,3 +59,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"WARNING (timing noise): {warning}")
     print(f"wrote {result['paths']['json']} and the report {result['paths'].get('report', '')}")
     return 0
+
+
+def _percent(fraction: float) -> str:
+    """+0.12% / -0.34%, and 0.00% rather than -0.00%."""
+    text = f"{100 * fraction:+.2f}%"
+    return "0.00%" if text in ("+0.00%", "-0.00%") else text

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError
 from rdepth.exits.stats import NOISE_THRESHOLD
 from rdepth.fields import option
@@ -87,6 +88,8 @@ class SweepConfig:
     seed: int = option(0, "seed of the initial loop-state noise")
     device: str = option("auto", DEVICE_HELP)
     progress: bool = option(True, "show a progress bar over the sweep points")
+    threads: int = option(0, "torch CPU threads (0: torch's default); fewer threads than cores steadies timings "
+                             "on a shared machine")
 
     def __post_init__(self) -> None:
         from rdepth.exits.registry import get_policy_class, sweepable_policies
@@ -111,8 +114,8 @@ class SweepConfig:
         self.grid = grid
         if self.k_max is not None:
             self.k_max = tuple(int(k) for k in self.k_max)
-            if not self.k_max or any(k < 1 for k in self.k_max):
-                raise RdepthError(f"sweep: k_max must be positive integers, got {self.k_max}")
+            if not self.k_max or any(not 1 <= k <= MAX_LOOPS for k in self.k_max):
+                raise RdepthError(f"sweep: k_max must be integers in 1..{MAX_LOOPS}, got {self.k_max}")
         if not (isinstance(self.tolerance, (int, float)) and math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise RdepthError(f"sweep: tolerance must be a finite number >= 0, got {self.tolerance!r}")
         if self.generate_tokens < 0 or self.generate_prompt < 1:
@@ -123,6 +126,8 @@ class SweepConfig:
         for name in ("batch_size", "timing_batch_size", "repeats"):
             if getattr(self, name) < 1:
                 raise RdepthError(f"sweep: {name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise RdepthError(f"sweep: threads must be an integer >= 0, got {self.threads!r}")
         if self.warmup < 0:
             raise RdepthError(f"sweep: warmup must be >= 0, got {self.warmup}")
         if self.max_batches is not None and self.max_batches < 1:

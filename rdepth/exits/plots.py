@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rdepth.exits.summary import summary_of
-from rdepth.report.figures import pyplot as _pyplot, save_figure
+from rdepth.report.figures import plain_log_ticks, pyplot as _pyplot, save_figure
 
 
 def _by_policy(result: dict, parameter: str | None = "tau") -> dict[str, list[dict]]:
@@ -23,6 +23,19 @@ def _by_policy(result: dict, parameter: str | None = "tau") -> dict[str, list[di
         if parameter is None or point["parameter"] == parameter:
             groups.setdefault(point["policy"], []).append(point)
     return {name: sorted(points, key=lambda p: p["value"]) for name, points in groups.items()}
+
+
+def group_names(result: dict) -> list[str]:
+    """The groups' layer-range names (``1``, ``2-3``, ``4``), as every other figure and table names
+    them; the index when the saved model config does not say."""
+    from rdepth.config import parse_groups
+
+    model = result.get("model") or {}
+    try:
+        names = [spec.name for spec in parse_groups(str(model["groups"]), int(model["n_layer"]))]
+    except Exception:  # an older or hand-made result: fall back to the position
+        names = []
+    return names if len(names) == len(result["k_max"]) else [str(i) for i in range(len(result["k_max"]))]
 
 
 LATENCY_LABELS = {
@@ -73,10 +86,7 @@ def figure4(result: dict) -> Any:
 
 def _plain_log(axis: Any) -> None:
     """Log scale with ticks written as plain numbers (0.3, 0.4, ...), not powers of ten."""
-    from matplotlib.ticker import FuncFormatter
-
-    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    axis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    plain_log_ticks(axis)
 
 
 def _xerr(entries: list[dict], key: str | None) -> list[list[float]] | None:
@@ -152,6 +162,7 @@ def exit_histograms(result: dict, policies: tuple[str, ...] = ("acceleration", "
     if not grouped:
         grouped = dict(list(_by_policy(result, parameter=None).items())[:3])
     n_groups = len(result["k_max"])
+    names = group_names(result)
     fig, axes = plt.subplots(len(grouped), n_groups, figsize=(4 * n_groups, 2.6 * len(grouped)), squeeze=False)
     for row, (name, points) in enumerate(grouped.items()):
         for group in range(n_groups):
@@ -162,7 +173,7 @@ def exit_histograms(result: dict, policies: tuple[str, ...] = ("acceleration", "
                 total = max(sum(counts), 1)
                 steps = [k + (index - (len(points) - 1) / 2) * width for k in range(len(counts))]
                 ax.bar(steps, [c / total for c in counts], width=width, label=f"{point['value']:g}")
-            ax.set_title(f"{name}, group {group}", fontsize=9)
+            ax.set_title(f"{name}, group {names[group]}", fontsize=9)
             ax.set_xlabel("loop steps computed")
             if group == 0:
                 ax.set_ylabel("fraction of tokens")

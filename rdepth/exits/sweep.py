@@ -133,6 +133,8 @@ def sweep_checkpoint(config: SweepConfig) -> dict:
     ``config.out``, and returns the result with ``paths`` (name -> written file)
     added. Nothing is written if the run or the data cannot be opened.
     """
+    if config.threads:
+        torch.set_num_threads(config.threads)
     run = open_run(config.checkpoint, config.data, config.device)
     windows = run.windows(config.max_windows, config.block_size)
     result = run_sweep(run.model, windows, config, device=run.device, progress=config.progress)

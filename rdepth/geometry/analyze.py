@@ -76,6 +76,8 @@ def analyze(config: AnalyzeConfig) -> dict[str, Any]:
     NPZs and the slowest-token table under ``OUT/geometry``; return the summary."""
     if not config.data or not config.out:
         raise RdepthError("analyze: data and out are required")
+    if config.threads:
+        torch.set_num_threads(config.threads)
     checkpoints = find_checkpoints(config.checkpoints)
     device = resolve_device(config.device)
     out = Path(config.out)

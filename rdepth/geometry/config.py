@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError
 from rdepth.fields import option
 
@@ -34,6 +35,7 @@ class AnalyzeConfig:
     rank: bool = option(True, "compute the effective rank of the updates")
     top_tokens: int = option(20, "rows in the slowest-converging-token table")
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
+    threads: int = option(0, "torch CPU threads (0: torch's default)")
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoints, (str, bytes)):
@@ -50,8 +52,12 @@ class AnalyzeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise RdepthError(f"analyze: {name} must be a positive integer, got {value!r}")
+        if self.long_loops > MAX_LOOPS:
+            raise RdepthError(f"analyze: long_loops must be <= {MAX_LOOPS}, got {self.long_loops!r}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
             raise RdepthError(f"analyze: seq_len must be an integer >= 2, got {self.seq_len!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise RdepthError(f"analyze: threads must be an integer >= 0, got {self.threads!r}")
         if not self.threshold > 0:
             raise RdepthError(f"analyze: threshold must be > 0, got {self.threshold!r}")
         if not 0 <= self.keep_sequence < self.sequences:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rdepth.report.figures import pyplot as _pyplot, save_report_figure
+from rdepth.report.figures import plain_log_ticks, pyplot as _pyplot, save_report_figure
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ def figure_dlr(summary: dict[str, Any], budget: str = "train"):
                 axis.fill_between(steps, low, high, color=colours(index), alpha=0.15, linewidth=0)
     axis.axhline(1.0, color="k", linewidth=0.8, linestyle=":")
     axis.set_yscale("log")
+    plain_log_ticks(axis.yaxis)
     if by_step:
         axis.set_xlabel("training step")
     else:  # named models (e.g. a teacher and its surrogate), not a training series
@@ -155,6 +156,7 @@ def figure_loop_dynamics(summary: dict[str, Any], budget: str = "train"):
         top, bottom = axes[0, group], axes[1, group]
         _curves(top, entries, budget, group, "step_size", colours)
         top.set_yscale("log")
+        plain_log_ticks(top.yaxis)
         top.set_title(f"({'i' * (group + 1) if group < 3 else group + 1}) group {name}")
         top.set_xlabel("k")
         _curves(bottom, entries, budget, group, "cosine", colours, offset=1)

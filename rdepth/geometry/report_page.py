@@ -73,6 +73,25 @@ def drift_scale_rows(summary: dict[str, Any], budget: str = "train") -> list[dic
     return rows
 
 
+def drift_scale_long_rows(summary: dict[str, Any], budget: str = "train") -> list[dict[str, Any]]:
+    """The last checkpoint's DLR, one row per boundary and definition (the lead definitions first):
+    mean, median and the 10th/90th percentiles over tokens. Narrow enough to read; the whole
+    series is in Fig. 2 and in :func:`drift_scale_rows`."""
+    lead = [name for name in (summary["dlr_default"], summary.get("dlr_default_refine")) if name]
+    entry = summary["checkpoints"][-1]
+    rows = []
+    for boundary, definitions in entry["budgets"][budget]["dlr"].items():
+        for name in lead + [n for n in definitions if n not in lead]:
+            if name not in definitions:
+                continue
+            stats = definitions[name]
+            rows.append({"checkpoint": entry["label"], "boundary": boundary,
+                         "definition (drift ÷ loop step) [saved name]": _dlr_label(summary, name),
+                         "mean": stats["mean"], "median": stats["median"], "p10": stats.get("p10"),
+                         "p90": stats.get("p90")})
+    return rows
+
+
 def loss_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """Validation loss per checkpoint and budget; empty when no budget has a loss (surrogates)."""
     rows = [
@@ -100,8 +119,10 @@ def at_a_glance(summary: dict[str, Any]) -> str:
 
     budget = summary["scale_budget"]
     groups = last["budgets"][budget]["groups"]
-    decays = [f"{g['name']}: {value:.2g}" for g in groups if (value := g["headline"]["decay_10_over_1"]) is not None]
-    settled = [f"{g['name']}: {value:.2f}" for g in groups if (value := g["headline"]["settled_cosine"]) is not None]
+    decays = [f"group {g['name']}: {value:.2g}" for g in groups
+              if (value := g["headline"]["decay_10_over_1"]) is not None]
+    settled = [f"group {g['name']}: {value:.2f}" for g in groups
+               if (value := g["headline"]["settled_cosine"]) is not None]
     text = (f"At {last['label']}, a hand-off between groups moves a token this many mean loop steps "
             f"(median DLR, drift to the next group's first iterate, '{default}'): {medians(default)} against the "
             "mean of all loop steps (Eq. 2's denominator, which includes the jump Δ(0) from the random initial "
@@ -110,21 +131,28 @@ def at_a_glance(summary: dict[str, Any]) -> str:
         text += f"; {medians(refine)} against the mean refinement step Δ(k), k ≥ 1 ('{refine}')"
     text += "."
     if decays:
-        text += f" Within a loop, |Δ10|/|Δ1| is {'; '.join(decays)}."
+        text += f" Within a loop, the step-size decay |Δ10|/|Δ1| per group is {'; '.join(decays)}."
     if settled:
-        text += (f" Consecutive steps settle at cosine {'; '.join(settled)} (mean of the last "
+        text += (f" Settled cosine of consecutive steps per group: {'; '.join(settled)} (mean of the last "
                  f"{summary['headline_definitions']['settled_steps']} cosines of the {budget} budget above the "
                  "float noise floor).")
     return text
+
+
+def _formula(text: str) -> str:
+    """Saved formula source (``||x_{g+1}^(0) - x_g^(K_g)||, ...``) marked for the page builder to render
+    with sub/superscripts and Unicode symbols."""
+    return f"${text.replace('$', '')}$"
 
 
 def dlr_note(summary: dict[str, Any]) -> str:
     """The sentence that says which DLR is which: numerators, the two denominators, saved names."""
     terms = summary.get("dlr_terms")
     if not terms:  # a hand-made summary: list the saved descriptions
-        return "DLR definitions: " + "; ".join(f"{n}: {t}" for n, t in summary["dlr_definitions"].items()) + "."
-    numerators = "; ".join(f"{label}: {text}" for label, text in terms["numerators"].items())
-    denominators = "; ".join(f"{label}: {text}" for label, text in terms["denominators"].items())
+        definitions = summary["dlr_definitions"].items()
+        return "DLR definitions: " + "; ".join(f"{n}: {_formula(t)}" for n, t in definitions) + "."
+    numerators = "; ".join(f"{label}: {_formula(text)}" for label, text in terms["numerators"].items())
+    denominators = "; ".join(f"{label}: {_formula(text)}" for label, text in terms["denominators"].items())
     labels = summary.get("dlr_labels", {})
     names = ", ".join(f"{name} = {labels.get(name, name)}" for name in summary["dlr_definitions"])
     return (f"DLR = drift / loop step. Drift (numerator): {numerators}. Loop step (denominator, of the earlier "
@@ -144,9 +172,14 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
     section.table(loop_scale_rows(summary),
                   caption=f"Loop scale ({summary['scale_budget']} budget): step-size decay and settled angle")
     if summary["checkpoints"][0]["budgets"]["train"]["dlr"]:
-        section.table(drift_scale_rows(summary), caption="Drift scale (training budget): drift-to-loop ratio")
+        section.table(drift_scale_long_rows(summary), caption=(
+            f"Drift scale (training budget, {summary['checkpoints'][-1]['label']}): drift-to-loop ratio over tokens "
+            "(p10/p90: 10th/90th percentiles); every checkpoint is in Fig. 2 and geometry/summary.json"))
     if loss_rows(summary):
-        section.table(loss_rows(summary), caption="Validation cross-entropy (nats/token) of the analysed windows")
+        section.table(loss_rows(summary), caption=(
+            f"Validation cross-entropy (nats/token) on this section's {summary['sequences'] * summary['seq_len']:,} "
+            f"held-out tokens ({summary['sequences']} windows × {summary['seq_len']}), a subset of the held-out "
+            "split: other sections' evaluations use other windows, so their numbers differ"))
     for path, caption in figures:
         section.figure(path, caption)
     slowest = load_slowest(out)
@@ -161,9 +194,10 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
         return section
     constants = summary["headline_definitions"]
     section.note(
-        f"Measured on {summary['sequences']} held-out windows of {summary['seq_len']} tokens from "
-        f"{settings['data']}; window i starts from the same initial-state noise in every checkpoint (and in "
-        "`rdepth eval`). Step k's update is "
+        f"Measured on {summary['sequences']} held-out windows of {summary['seq_len']} tokens "
+        f"({summary['sequences'] * summary['seq_len']:,} tokens) from {settings['data']}; groups are named by "
+        "their 0-based layer range; window i starts from the same initial-state noise in every checkpoint (and in "
+        "rdepth eval). Step k's update is "
         f"Δ(k) = x(k+1) - x(k); x(0) is the random initial state. Bands are 1 sigma over tokens. "
         f"{definitions} "
         f"Settled cosine: mean of the last {constants['settled_steps']} cosines whose steps are above the noise "
@@ -184,5 +218,5 @@ def write_report(out: str | Path, summary: dict[str, Any], figures: list[tuple[s
     return add_section(out, geometry_section(out, summary, figures), title=f"rdepth report: {name}")
 
 
-__all__ = ["at_a_glance", "dlr_note", "drift_scale_rows", "geometry_section", "loop_scale_rows", "loss_rows",
-           "write_report"]
+__all__ = ["at_a_glance", "dlr_note", "drift_scale_long_rows", "drift_scale_rows", "geometry_section",
+           "loop_scale_rows", "loss_rows", "write_report"]

@@ -8,6 +8,29 @@ import numpy as np
 import torch
 
 
+def token_in_context(decode, ids: list[int], position: int, context: int) -> tuple[str, str]:
+    """The text of the ``context`` tokens before ``ids[position]`` and of the token itself.
+
+    Both come from decoding id *sequences*, never one token alone: a byte-level BPE token may
+    hold part of a character, which decodes to U+FFFD on its own. The token's text is what
+    decoding it together with its context adds; characters cut by the context's start are
+    dropped.
+    """
+    start = max(0, position - context)
+    before = decode(ids[start:position]) if position > start else ""
+    end = position + 1
+    through = decode(ids[start:end])
+    while through.endswith("\ufffd") and end < min(len(ids), position + 4):  # the token ends mid-character
+        end += 1
+        through = decode(ids[start:end])
+    if through.startswith(before):
+        token = through[len(before):]
+    else:  # the token completes a character the prefix had cut: show the completed character
+        common = len(before.rstrip("\ufffd"))
+        before, token = before[:common], through[common:]
+    return before.lstrip("\ufffd"), token
+
+
 def slowest_tokens(
     convergence: dict[str, np.ndarray],
     final_relative: np.ndarray,
@@ -21,7 +44,8 @@ def slowest_tokens(
     ``convergence`` maps group name -> [N] steps (rows: sequence-major over the
     input positions of ``windows`` [S, T + 1]); ties go to the larger
     ``final_relative`` [N] (the last relative step size in the last group).
-    ``tokenizer`` (None: show ids) decodes the token and its ``context`` tokens before it.
+    ``tokenizer`` (None: show ids) decodes the token with its ``context`` tokens before it
+    (:func:`token_in_context`); the row's ``context`` marks the token as «token».
     """
     names = list(convergence)
     total = sum(convergence[name].astype(np.int64) for name in names)
@@ -40,9 +64,10 @@ def slowest_tokens(
     for row in order:
         sequence, position = divmod(int(row), seq_len)
         ids = windows[sequence, :seq_len].tolist()
+        before, token = token_in_context(text, ids, position, context)
         entry = {
-            "token": repr(text([ids[position]])),
-            "context": text(ids[max(0, position - context) : position + 1]).replace("\n", "\\n"),
+            "token": repr(token),
+            "context": (before + "«" + token + "»").replace("\n", "\\n"),
             "sequence": sequence,
             "position": position,
         }

@@ -27,6 +27,21 @@ def pyplot():
     return plt
 
 
+def plain_log_ticks(axis) -> None:
+    """Label a log-scaled matplotlib ``axis`` (``ax.xaxis`` / ``ax.yaxis``) with plain numbers
+    (0.3, 2, 6), not powers of ten (3×10⁻¹, 2×10⁰); minor ticks labelled only on short ranges."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    axis.set_major_formatter(plain)
+    low, high = sorted(abs(v) for v in axis.get_view_interval())
+    if low > 0 and high / low < 20:  # less than about a decade: label the minor ticks too
+        axis.set_minor_formatter(plain)
+    else:
+        axis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+        axis.set_minor_formatter(plain)
+
+
 def save_figure(figure, folder: str | Path, name: str, *, dpi: int = DPI) -> dict[str, Path]:
     """Write ``folder/name.png`` and ``folder/name.svg`` atomically (tight bounding box), close
     ``figure``, and return ``{"png": path, "svg": path}``."""

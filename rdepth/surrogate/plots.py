@@ -23,7 +23,12 @@ def plot_similarity(matrix: np.ndarray, phases: dict[str, list[int]], title: str
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(4.6, 4))
     image = ax.imshow(matrix, cmap="viridis", origin="upper")
-    fig.colorbar(image, ax=ax, fraction=0.046)
+    colorbar = fig.colorbar(image, ax=ax, fraction=0.046)
+    colorbar.formatter.set_useOffset(False)  # similarities near 1 read as 0.9999, not "+1" and offsets
+    colorbar.update_ticks()
+    depths = np.arange(matrix.shape[0])
+    ax.set_xticks(depths)
+    ax.set_yticks(depths)
     for offset, (method, lengths) in enumerate(phases.items()):
         start = 1
         inset = 0.06 * offset  # keep coincident squares of different methods visible

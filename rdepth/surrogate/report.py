@@ -43,11 +43,23 @@ def _load(out: Path, name: str):
     return json.loads(path.read_text())
 
 
+# Table headers for the saved metric names (what each measures, and its scale).
+RETENTION_LABELS = {
+    "final_cosine": "final-state cosine", "final_rel_mse": "final-state relative MSE",
+    "embedding_cosine": "sentence-embedding cosine", "pairwise_spearman": "pairwise-similarity Spearman ρ",
+    "nn_top1": "nearest-neighbour top-1 (fraction)", "nn_overlap@10": "nearest-neighbour overlap@10 (fraction)",
+    "probe_accuracy": "probe accuracy (fraction)", "probe_retention": "probe retention (÷ teacher's)",
+    "teacher_probe_accuracy": "teacher's probe accuracy (fraction)",
+}
+
+
 def retention_rows(results: dict) -> list[dict]:
+    """One row per model: its phase lengths and the retention metrics, headed by readable names."""
     rows = []
     for name, metrics in results["models"].items():
         lengths = results["phases"].get(name, "")
-        rows.append({"model": name, "phases": lengths, **{c: metrics[c] for c in RETENTION_COLUMNS if c in metrics}})
+        rows.append({"model": name, "phase lengths (layers)": lengths,
+                     **{RETENTION_LABELS.get(c, c): metrics[c] for c in RETENTION_COLUMNS if c in metrics}})
     return rows
 
 
@@ -72,7 +84,9 @@ def write_report(out: str | Path) -> Path:
         rows, caption="beside the two baselines").note(note)
 
     sets = {"fit": phases["by_similarity"], "held-out": phases.get("by_similarity_eval", {})}
-    phase_rows = [{"sentences": label, "similarity": similarity, "method": method, **entry}
+    phase_rows = [{"sentences": label, "similarity": similarity, "method": method,
+                   **{key.replace("_", " ") + (" (layers)" if key == "lengths" else ""): value
+                      for key, value in entry.items()}}
                   for label, by_similarity in sets.items()
                   for similarity, methods in by_similarity.items() for method, entry in methods.items()]
     similarity = report.section("phases", f"Phases for k = {phases['k']} (layer outputs 1..L)", order=20)
