@@ -9,14 +9,17 @@ largest reaches ``--curriculum``). Then prints exact-match accuracy per difficul
 each test loop count, and the same for a no-loop baseline (same layers,
 ``groups=""``) trained with the same data, steps and seed when ``--baseline``.
 
-Example (the best recipe measured so far: ordered pointer chasing, 2 layers with layer 1 looped)::
+Example (the best recipe measured so far, 2026-11-26: ordered pointer chasing with one problem
+per window, every symbol queried and every distractor chain as long as the main one, so that no
+shortcut answers; 2 layers with layer 1 looped; 2,600 steps, 9 min on a 2-core CPU: 86.5% at
+difficulty 4 with 4 loops against 1.0% at 1 loop, still rising with loops at difficulty 8)::
 
-    OMP_NUM_THREADS=1 timeout 1700 python scripts/task_probe.py --task chase \
-        --task-params '{"nodes":12,"queries":4,"ordered":true}' --train-max 4 --block 99 \
-        --n-layer 2 --groups 1 --mean-loops 4 --steps 1200 --time-limit 1400 --curriculum 0.9 \
-        --out /tmp/probe.json
-    # the no-loop baseline with the same schedule, stopped at the looped run's step count:
-    ... same flags ... --stop-step 841 --baseline-only
+    OMP_NUM_THREADS=1 timeout 900 python scripts/task_probe.py --task chase \
+        --task-params '{"nodes":16,"queries":16,"ordered":true,"min_distractor_hops":15}' \
+        --train-min 1 --train-max 4 --eval-difficulties 2,3,4,6,8 --block 64 --n-layer 2 --groups 1 \
+        --mean-loops 6 --backprop-depth 4 --lr 3e-3 --steps 2600 --time-limit 690 --out /tmp/probe.json
+    # the no-loop baseline with the same data and steps:
+    ... same flags ... --baseline-only
 
 Training stops at ``--steps``, ``--stop-step`` or ``--time-limit``, whichever
 comes first (the cosine schedule always spans ``--steps``): on a shared CPU the

@@ -17,7 +17,7 @@ from rdepth.tasks import (TASKS, TaskDataConfig, TaskVocab, answer_accuracy, ans
 from rdepth.tasks.assign import AssignTask
 from rdepth.tasks.chase import ChaseTask
 from rdepth.tasks.modsum import ModSumTask
-from rdepth.data.task_vocab import EOT_ID, TOKENS
+from rdepth.data.task_vocab import EOT_ID, SYMBOL_IDS, TOKENS
 
 VOCAB = TaskVocab("task:test")
 
@@ -99,7 +99,8 @@ def main_query_depth(task, problem) -> int:
 
 @pytest.mark.parametrize("name, params", [(name, {}) for name in sorted(TASKS)]
                          + [("chase", {"nodes": 16, "queries": 8, "ordered": True}),
-                            ("chase", {"nodes": 16, "queries": 8, "max_distractor_hops": 1})])
+                            ("chase", {"nodes": 16, "queries": 8, "max_distractor_hops": 1}),
+                            ("chase", {"nodes": 16, "queries": 16, "ordered": True, "min_distractor_hops": 15})])
 def test_generated_problems_check_and_have_their_difficulty(name, params):
     task = get_task(name, **params)
     rng = np.random.default_rng(0)
@@ -115,6 +116,31 @@ def test_generated_problems_check_and_have_their_difficulty(name, params):
                 assert len(problem.tokens) - 3 == difficulty
             else:
                 assert main_query_depth(task, problem) == difficulty
+
+
+def test_chase_min_distractor_hops_makes_every_chain_as_long_as_the_main_one():
+    task = get_task("chase", nodes=16, queries=16, ordered=True, min_distractor_hops=15)
+    plain = get_task("chase", nodes=16, queries=16, ordered=True)
+    rng = np.random.default_rng(3)
+    for difficulty in (1, 3, 5, 7):
+        for _ in range(10):
+            problem = task.sample(rng, difficulty)
+            successor = dict(zip(SYMBOL_IDS[:16], problem.tokens[:16]))
+            sources = set(successor.values())
+            starts = [s for s in successor if s not in sources]  # chain heads (no arrow in)
+            lengths = []
+            for start in starts:
+                hops, current = 0, start
+                while successor[current] != current:
+                    current, hops = successor[current], hops + 1
+                lengths.append(hops)
+            full = 16 // (difficulty + 1)  # chains of difficulty + 1 symbols that fit
+            assert sorted(lengths, reverse=True)[:full] == [difficulty] * full
+            assert max(lengths) == difficulty
+    # the default (0) leaves the sampling stream unchanged
+    same = get_task("chase", nodes=16, queries=16, ordered=True, min_distractor_hops=0)
+    for seed in range(5):
+        assert same.sample(np.random.default_rng(seed), 4) == plain.sample(np.random.default_rng(seed), 4)
 
 
 def test_vocab_round_trip_and_save(tmp_path):
@@ -201,6 +227,8 @@ def test_accuracy_counts_only_answer_positions():
     lambda: get_task("chase", depth=3),
     lambda: get_task("chase", nodes=40),
     lambda: get_task("chase", ordered="yes"),
+    lambda: get_task("chase", min_distractor_hops=-1),
+    lambda: get_task("chase", min_distractor_hops=3, max_distractor_hops=2),
     lambda: get_task("chase").sample(np.random.default_rng(0), 0),
     lambda: get_task("chase").sample(np.random.default_rng(0), 20),
     lambda: get_task("modsum").sample(np.random.default_rng(0), 65),

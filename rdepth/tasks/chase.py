@@ -17,10 +17,15 @@ first symbol (easier to learn; the problem must start where the model expects)::
 
 Structure: one *main* chain of ``difficulty`` hops s -> ... -> t with f(t) = t,
 and the other symbols in distractor chains of at most ``difficulty`` hops
-(at most ``max_distractor_hops`` when set), each ending in its own fixed point.
+(at most ``max_distractor_hops`` when set, at least ``min_distractor_hops`` while
+enough symbols remain), each ending in its own fixed point.
 Fixed points are visible locally (f(x) = x), so guessing one of them is a
 shortcut whose success grows as the main chain uses up the symbols and fewer
-chains remain; shorter distractor chains leave more fixed points to choose from. The main chain's start is always one of
+chains remain; shorter distractor chains leave more fixed points to choose from, and
+distractors much shorter than the main chain give it away (a query whose path is longer
+than any distractor's must end where the main chain does): ``min_distractor_hops`` equal to
+the difficulty makes every chain as long as the main one, so that only following the arrows
+answers. The main chain's start is always one of
 the queries; the others start anywhere else. **Difficulty** = hops on the
 main chain = the sequential lookups its answer needs (the other queries need
 at most as many).
@@ -47,6 +52,7 @@ class ChaseTask(Task):
     queries: int = 6
     ordered: bool = False
     max_distractor_hops: int | None = None  # None: up to the difficulty
+    min_distractor_hops: int = 0  # distractor chains get at least min(this, difficulty, what is left) hops
 
     name = "chase"
     min_difficulty = 1
@@ -57,6 +63,9 @@ class ChaseTask(Task):
         check_int("task chase", "queries", self.queries, 1, self.nodes)
         if self.max_distractor_hops is not None:
             check_int("task chase", "max_distractor_hops", self.max_distractor_hops, 0, self.nodes)
+        check_int("task chase", "min_distractor_hops", self.min_distractor_hops, 0, self.nodes)
+        if self.max_distractor_hops is not None and self.min_distractor_hops > self.max_distractor_hops:
+            raise RdepthError("task chase: min_distractor_hops must not exceed max_distractor_hops")
         if not isinstance(self.ordered, bool):
             raise RdepthError(f"task chase: ordered must be true or false, got {self.ordered!r}")
 
@@ -74,8 +83,9 @@ class ChaseTask(Task):
         chains = [symbols[: difficulty + 1]]
         rest = symbols[difficulty + 1:]
         longest = difficulty if self.max_distractor_hops is None else min(difficulty, self.max_distractor_hops)
-        while rest:  # distractor chains of 1 .. longest + 1 symbols
-            size = int(rng.integers(1, min(longest + 1, len(rest)) + 1))
+        shortest = min(self.min_distractor_hops, longest)
+        while rest:  # distractor chains of shortest + 1 .. longest + 1 symbols (fewer at the end)
+            size = int(rng.integers(min(shortest + 1, len(rest)), min(longest + 1, len(rest)) + 1))
             chains.append(rest[:size])
             rest = rest[size:]
         for chain in chains:
