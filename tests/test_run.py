@@ -86,3 +86,19 @@ def test_unigram_baseline_on_the_evaluated_tokens():
     masks = torch.zeros_like(held_out, dtype=torch.bool)
     masks[:, 2] = True  # targets 3 and 7 only
     assert unigram_baseline(held_out, log_probs, masks)["ce"] == pytest.approx(-(np.log(0.5) + np.log(1 / 40)) / 2)
+
+
+def test_help_shows_preset_defaults_and_the_demo_keeps_everything_under_out(capsys):
+    """Issue 17: --help shows each preset's value; the demo's data folder defaults to OUT/data;
+    prepare, train and the demo agree on the default data folder."""
+    from rdepth.cli.main import main
+    from rdepth.data.prepare import PrepareConfig
+    from rdepth.demo import DemoConfig
+    from rdepth.train.config import TrainConfig
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tiny 6" in text and "paper 768" in text
+    assert DemoConfig(out="somewhere").data == "somewhere/data"
+    assert str(PrepareConfig().out) == TrainConfig().data == "data/wiki-bpe4096"

@@ -68,3 +68,26 @@ def test_generate_command_with_draft_loops(wiki_small, tmp_path, capsys):
     assert capsys.readouterr().out == plain
     assert main(common[:-2] + ["--draft-loops", "1"]) == 2  # sampling is not speculative
     assert "--temperature 0" in capsys.readouterr().err
+
+
+def test_generated_text_hides_special_tokens_and_eval_on_text_has_a_baseline(wiki_small, tmp_path, capsys):
+    """Issue 17: <|endoftext|> is hidden unless --show-special; eval on a text file scores the
+    run's training unigrams on the same tokens."""
+    from rdepth.cli.main import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(wiki_small), "--out", str(run), "--max-steps", "2", "--batch-size", "2",
+                 "--n-layer", "2", "--n-head", "2", "--d-model", "16", "--block-size", "32", "--groups", "1",
+                 "--mean-loops", "2", "--backprop-depth", "2", "--eval-batches", "1", "--log-every", "1"]) == 0
+    common = ["generate", "--checkpoint", str(run), "--prompt", "The river<|endoftext|>A town",
+              "--max-new-tokens", "4", "--temperature", "0"]
+    capsys.readouterr()
+    assert main(common) == 0
+    assert "<|endoftext|>" not in capsys.readouterr().out
+    assert main(common + ["--show-special"]) == 0
+    assert "<|endoftext|>" in capsys.readouterr().out
+    text = tmp_path / "held.txt"
+    text.write_text("The river runs north of the town and the old bridge crosses it. " * 20)
+    assert main(["eval", "--checkpoint", str(run), "--data", str(text), "--loops", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "unigram baseline" in printed and "the same" in printed
