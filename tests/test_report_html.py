@@ -108,3 +108,13 @@ def test_reading_blocks_and_empty_columns(tmp_path):
     assert "<li>first <span class=\"math\">x<sub>1</sub></span></li>" in page
     assert '<a href="../demo.json">demo.json</a>' in page
     assert "never" not in page  # a column no row fills is left out
+
+
+def test_someone_elses_index_html_is_never_replaced(tmp_path):
+    from rdepth.errors import RdepthError
+    from rdepth.report.html import Section, add_section
+
+    (tmp_path / "index.html").write_text("<p>my page</p>")
+    with pytest.raises(RdepthError, match="not an rdepth report page"):
+        add_section(tmp_path, Section("x", "X"))
+    assert (tmp_path / "index.html").read_text() == "<p>my page</p>"

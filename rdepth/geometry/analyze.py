@@ -126,7 +126,9 @@ def run_analysis(config: AnalyzeConfig) -> Path:
     """Measure, draw and report: the whole of ``rdepth analyze``. Returns ``OUT/index.html``."""
     from rdepth.geometry.plots import draw_all
     from rdepth.geometry.report_page import write_report
+    from rdepth.report.html import check_page_folder
 
+    check_page_folder(config.out)  # before any work: someone's index.html is never replaced
     summary = analyze(config)
     figures = draw_all(config.out, summary)
     return write_report(config.out, summary, figures)

@@ -151,6 +151,7 @@ class Report:
         """Save title and sections into ``run_dir`` (replacing same-named ones, keeping others)
         and render ``index.html``; returns its path."""
         run_dir = Path(run_dir)
+        check_page_folder(run_dir)
         write_json(run_dir / META_FILE, {"title": self.title, "intro": self.intro})
         for section in self.sections.values():
             write_json(run_dir / SECTIONS_DIR / f"{section.name}.json", section.to_dict())
@@ -164,10 +165,20 @@ def add_section(run_dir: str | os.PathLike, section: Section, title: str | None 
     run directory's name).
     """
     run_dir = Path(run_dir)
+    check_page_folder(run_dir)
     if not (run_dir / META_FILE).exists():
         write_json(run_dir / META_FILE, {"title": title or run_dir.resolve().name, "intro": ""})
     write_json(run_dir / SECTIONS_DIR / f"{section.name}.json", section.to_dict())
     return render(run_dir)
+
+
+def check_page_folder(run_dir: str | os.PathLike) -> None:
+    """A one-line error when ``run_dir`` already holds an ``index.html`` that is not an rdepth
+    report page (no ``report/report.json`` beside it): it is someone's file, never replaced."""
+    run_dir = Path(run_dir)
+    if (run_dir / INDEX_FILE).exists() and not (run_dir / META_FILE).exists():
+        raise RdepthError(f"{run_dir / INDEX_FILE} exists and is not an rdepth report page; "
+                          "choose another --out")
 
 
 def load_sections(run_dir: str | os.PathLike) -> list[Section]:
