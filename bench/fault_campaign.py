@@ -365,7 +365,7 @@ def _same_weights(a: Path, b: Path) -> bool:
 
 def kill_case(sig: signal.Signals, when: str) -> Case:
     """Start a 9-step run, send ``sig`` after its first checkpoint (``when`` = "checkpoint") or
-    at once, then resume; the finished run must equal the straight one, and no checkpoint
+    mid-run between checkpoints (after step 4), then resume; the finished run must equal the straight one, and no checkpoint
     that existed may change."""
     def run(c: Campaign, tmp: Path) -> str:
         out = tmp / "run"
@@ -377,8 +377,11 @@ def kill_case(sig: signal.Signals, when: str) -> Case:
             while proc.poll() is None and time.monotonic() < deadline and \
                     not (out / "checkpoints" / "step_000003" / "state.json").exists():
                 time.sleep(0.02)
-        else:
-            time.sleep(3.0)
+        else:  # mid-run, between checkpoints: after step 4's log line (a fixed 3 s missed fast runs)
+            metrics = out / "metrics.jsonl"
+            while proc.poll() is None and time.monotonic() < deadline and not (
+                    metrics.exists() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= 4):
+                time.sleep(0.01)
         proc.send_signal(sig)
         try:
             proc.wait(timeout=c.timeout)
@@ -410,7 +413,7 @@ def kill_case(sig: signal.Signals, when: str) -> Case:
         steps = [r["step"] for r in _records(out / "metrics.jsonl") if "loss" in r]
         debris = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".step_")]
         return "clean" if same and steps == list(range(1, 10)) and not debris else "silent"
-    return Case("kills", f"{sig.name} {'after the first checkpoint' if when == 'checkpoint' else 'after 3 s'}, "
+    return Case("kills", f"{sig.name} {'after the first checkpoint' if when == 'checkpoint' else 'between checkpoints'}, "
                 "then resume", run)
 
 

@@ -110,6 +110,8 @@ class SweepConfig:
             values = tuple(values)
             if not values:
                 raise RdepthError(f"sweep: the grid for {name} is empty")
+            if not all(math.isfinite(float(v)) and float(v) > 0 for v in values):
+                raise RdepthError(f"sweep: the grid for {name} must hold positive finite numbers, got {values}")
             grid[name] = values
         self.grid = grid
         if self.k_max is not None:
