@@ -35,6 +35,10 @@ def generate_text(config: GenerateConfig) -> list[str]:
         raise RdepthError(
             f"the prompt has {len(ids)} tokens; the model's block size {model_config.block_size} leaves no room"
         )
+    room = model_config.block_size + 1 - len(ids)  # generation stops when the context is full
+    if config.max_new_tokens > room:
+        log.warning("only %d new tokens fit after a %d-token prompt in the model's block size %d "
+                    "(asked for %d)", room, len(ids), model_config.block_size, config.max_new_tokens)
     prompt = torch.tensor([ids] * config.samples, dtype=torch.long, device=device)
     noise = StateNoise.consecutive(config.seed, 0, config.samples)  # as teacher-forced evaluation
     sampling = torch.Generator(device=device).manual_seed(config.seed + 1)
