@@ -25,28 +25,12 @@ from rdepth import io
 from rdepth.io import read_jsonl
 from rdepth.run import checkpoint as ckpt
 from rdepth.run.checkpoint import list_checkpoints
+from reliability_helpers import TINY, error_line, train_argv  # noqa: E402
 
 LOCK_NAME = ".rdepth.lock"
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "--n-layer", "3", "--n-head", "2", "--d-model", "32", "--block-size", "32",
-    "--groups", "1", "--mean-loops", "3", "--backprop-depth", "2", "--threads", "1",
-]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-def train_argv(data, out, *extra) -> list[str]:
-    return ["train", "--data", str(data), "--out", str(out), "--batch-size", "4", "--log-every", "1",
-            "--eval-every", "3", "--eval-batches", "1", "--checkpoint-every", "3", "--warmup-steps", "2",
-            *TINY, *extra]
-
-
-def error_line(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.strip().splitlines() if "%|" not in line]
-    assert len(err) == 1, err
-    assert "Traceback" not in err[0]
-    return err[0]
 
 
 def losses(run: Path) -> dict[int, float]:
