@@ -19,7 +19,7 @@ from rdepth.data.shards import ShardWriter, TokenShards
 from rdepth.errors import RdepthError
 from rdepth.io import dataclass_from_dict, write_json
 from rdepth.run.checkpoint import list_checkpoints
-from reliability_helpers import TINY, error_line, train_argv  # noqa: E402
+from reliability_helpers import error_line, train_argv  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from rdepth import io
 from rdepth.io import read_jsonl
 from rdepth.run import checkpoint as ckpt
 from rdepth.run.checkpoint import list_checkpoints
-from reliability_helpers import TINY, error_line, train_argv  # noqa: E402
+from reliability_helpers import error_line, train_argv  # noqa: E402
 
 LOCK_NAME = ".rdepth.lock"
 
