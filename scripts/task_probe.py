@@ -65,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--min-lr-ratio", type=float, default=0.1)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--curriculum", type=float, default=0.8, help="running answer-token accuracy at the top difficulty that raises it (0: off)")
+    parser.add_argument("--curriculum-steps", type=int, default=0,
+                        help="raise the top difficulty linearly from train-min + 1 to train-max over this many "
+                             "steps instead of by accuracy (0: off)")
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--loops", default="1,2,4,8,16")
     parser.add_argument("--baseline", action="store_true", help="also train the no-loop model (groups='')")
@@ -108,13 +111,16 @@ def train(args, task, groups: str) -> tuple[RecurrentLM, dict]:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": rest, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     low, high = args.train_min, args.train_max
-    current = min(low + 1, high) if args.curriculum > 0 else high
+    scheduled = args.curriculum_steps > 0
+    current = min(low + 1, high) if (args.curriculum > 0 or scheduled) else high
     running, started, step, tokens_seen = 0.0, time.perf_counter(), 0, 0
     model.train()
     for step in range(args.steps):
         if (args.time_limit and time.perf_counter() - started > args.time_limit) or \
                 (args.stop_step and step >= args.stop_step):
             break
+        if scheduled:
+            current = min(high, low + 1 + (high - low - 1) * step // args.curriculum_steps) if high > low else high
         x, targets, ids, difficulties = batch_of(task, rng, list(range(low, current + 1)), args.batch, args.block + 1)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
@@ -124,7 +130,7 @@ def train(args, task, groups: str) -> tuple[RecurrentLM, dict]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         tokens_seen += x.numel()
-        if args.curriculum > 0 and current < high:
+        if args.curriculum > 0 and not scheduled and current < high:
             top = np.isin(ids, [i for i, d in enumerate(difficulties) if d == current])
             if top.any():  # answer-token accuracy on the problems of the current top difficulty
                 right = output.logits.detach().argmax(-1).numpy()[top] == targets.numpy()[top]

@@ -6,6 +6,11 @@ at step N therefore needs no saved loader state (store the seed and step), and
 ranks split the same global batch: rank r takes the rows r, r + world_size,
 r + 2 * world_size, ... (strided), so the ranks' rows together are exactly the
 single-process batch.
+
+Task data adds a problem index (start offsets and difficulties): windows then
+start at a problem, and a curriculum (:func:`curriculum_level`) limits the
+problems a step may draw to those up to that step's top difficulty; both
+depend on the step alone, so resuming needs no more state.
 """
 
 from __future__ import annotations
@@ -36,6 +41,14 @@ def _windows(
     return x, y
 
 
+def curriculum_level(step: int, low: int, high: int, steps: int) -> int:
+    """The top difficulty allowed at ``step``: ``low + 1`` at step 0 rising linearly to ``high``
+    at ``steps`` (``high`` throughout when ``steps`` is 0 or ``low == high``)."""
+    if steps <= 0 or high <= low:
+        return high
+    return min(high, low + 1 + (high - low - 1) * step // steps)
+
+
 class BatchSampler:
     """Random contiguous windows of a 1-D token array (a ``TokenShards`` split).
 
@@ -44,10 +57,15 @@ class BatchSampler:
     block_size: tokens per row.
     seed: with the step, fixes every batch.
     mask: optional loss mask aligned with ``tokens`` (targets where it is 0 become -1).
+    starts, levels: optional problem index (int64 start offsets, ascending, and each
+        problem's difficulty): windows start only at these offsets.
+    curriculum_steps: with ``levels``, steps over which the top difficulty drawn rises from
+        the lowest + 1 to the highest (0: every difficulty from the start).
     """
 
     def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int,
-                 mask: np.ndarray | None = None):
+                 mask: np.ndarray | None = None, starts: np.ndarray | None = None,
+                 levels: np.ndarray | None = None, curriculum_steps: int = 0):
         if batch_size < 1:
             raise RdepthError(f"batch_size must be >= 1, got {batch_size}")
         if block_size < 1:
@@ -62,12 +80,39 @@ class BatchSampler:
         if mask is not None and len(mask) != len(tokens):
             raise RdepthError(f"loss mask has {len(mask)} entries for {len(tokens)} tokens")
         self.mask = mask
+        self.curriculum_steps = curriculum_steps
+        self._eligible: dict[int, np.ndarray] = {}
+        self.starts = self.levels = None
+        if starts is not None:
+            starts = np.asarray(starts, dtype=np.int64)
+            levels = np.zeros_like(starts) if levels is None else np.asarray(levels, dtype=np.int64)
+            if levels.shape != starts.shape:
+                raise RdepthError(f"problem index: {len(levels)} difficulties for {len(starts)} starts")
+            fits = starts <= len(tokens) - block_size - 1  # a whole window from the start
+            if not fits.any():
+                raise RdepthError(f"no problem starts a whole window of {block_size + 1} tokens")
+            self.starts, self.levels = starts[fits], levels[fits]
+            self.low, self.high = int(self.levels.min()), int(self.levels.max())
+
+    def level(self, step: int) -> int | None:
+        """The top difficulty drawn at ``step`` (None without a problem index)."""
+        if self.levels is None:
+            return None
+        return curriculum_level(step, self.low, self.high, self.curriculum_steps)
+
+    def _starts_up_to(self, level: int) -> np.ndarray:
+        if level not in self._eligible:
+            self._eligible[level] = self.starts[self.levels <= level]
+        return self._eligible[level]
 
     def offsets(self, step: int) -> np.ndarray:
         """Start offsets of the global batch at ``step``: int64 [batch_size], each in [0, len - block_size - 1]."""
         if step < 0:
             raise RdepthError(f"step must be >= 0, got {step}")
         rng = np.random.default_rng([self.seed, step])
+        if self.starts is not None:
+            eligible = self._starts_up_to(self.level(step))
+            return eligible[rng.integers(0, len(eligible), size=self.batch_size, dtype=np.int64)]
         return rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size, dtype=np.int64)
 
     def batch(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

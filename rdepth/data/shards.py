@@ -354,6 +354,26 @@ class TokenShards:
             raise RdepthError(f"loss mask {path} has {path.stat().st_size} bytes for {tokens} tokens: corrupt")
         return np.memmap(path, dtype=np.uint8, mode="r")
 
+    def problem_index(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """The split's problem index (``<split>_problems.npy``, int64 ``[P, 2]``: each problem's
+        start offset in the split and its difficulty), or None for data without one (text).
+        Task data writes it so that training windows can start at a problem and follow a
+        difficulty curriculum. Offsets out of range or out of order are an error."""
+        path = self.directory / f"{name}_problems.npy"
+        if not path.is_file():
+            return None
+        try:
+            index = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as error:
+            raise RdepthError(f"problem index {path} is unreadable: {error}") from None
+        tokens = len(self.split(name))
+        if index.ndim != 2 or index.shape[1] != 2 or index.shape[0] < 1 or not np.issubdtype(index.dtype, np.integer):
+            raise RdepthError(f"problem index {path} must be an integer array [problems, 2], got {index.shape}: corrupt")
+        starts = index[:, 0].astype(np.int64)
+        if starts[0] < 0 or starts[-1] >= tokens or np.any(np.diff(starts) <= 0):
+            raise RdepthError(f"problem index {path} does not fit the {tokens}-token split: corrupt")
+        return starts, index[:, 1].astype(np.int64)
+
     def split(self, name: str) -> np.memmap:
         if name not in SPLITS:
             raise RdepthError(f"unknown split {name!r}: use one of {', '.join(SPLITS)}")

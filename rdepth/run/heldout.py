@@ -101,6 +101,30 @@ def held_out_windows(tokens: np.ndarray, seq_len: int, max_windows: int | None =
     return torch.from_numpy(np.stack(rows))
 
 
+def held_out_problem_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int,
+                             max_windows: int | None = None) -> torch.Tensor:
+    """Like :func:`held_out_windows`, but each window starts at a problem (task data's problem
+    index ``starts``): the first problem, then the first problem after each window ends, so
+    windows never overlap -> int64 ``[S, seq_len + 1]``."""
+    if seq_len < 1:
+        raise RdepthError(f"window length must be >= 1, got {seq_len}")
+    chosen: list[int] = []
+    next_free = 0
+    for start in np.asarray(starts, dtype=np.int64):
+        if start < next_free:
+            continue
+        if start + seq_len + 1 > len(tokens) or (max_windows is not None and len(chosen) >= max_windows):
+            break
+        chosen.append(int(start))
+        next_free = start + seq_len + 1
+    if not chosen:
+        raise RdepthError(f"held-out text holds no problem with a whole window of {seq_len + 1} tokens")
+    if max_windows is not None and len(chosen) < max_windows:
+        log.warning("held-out text holds only %d problem windows of %d tokens (asked for %d)",
+                    len(chosen), seq_len, max_windows)
+    return torch.from_numpy(np.stack([np.asarray(tokens[o : o + seq_len + 1], dtype=np.int64) for o in chosen]))
+
+
 def check_vocabulary(windows: torch.Tensor, vocab_size: int) -> None:
     """A one-line error when held-out ids fall outside the model's vocabulary."""
     if windows.numel() and (int(windows.max()) >= vocab_size or int(windows.min()) < 0):

@@ -93,12 +93,13 @@ class Task:
                               f"[{self.min_difficulty}, {self.max_difficulty}] ({self.difficulty_meaning})")
 
     def check_fits(self, difficulty: int, block_size: int) -> None:
-        """RdepthError unless a problem of ``difficulty`` plus its separator fits ``block_size`` tokens."""
+        """RdepthError unless a problem of ``difficulty`` plus its separator fits ``block_size`` tokens
+        (a window of a model with context C holds C + 1 tokens: the separator is only a target)."""
         self.check_difficulty(difficulty)
         needed = self.length(difficulty) + 1
         if needed > block_size:
             raise RdepthError(f"task {self.name}: a difficulty-{difficulty} problem needs {needed} tokens "
-                              f"with its separator, more than the context of {block_size}")
+                              f"with its separator, more than a window of {block_size}")
 
     def sample(self, rng: np.random.Generator, difficulty: int) -> Problem:
         """A random problem of ``difficulty`` drawn from ``rng``."""

@@ -9,6 +9,9 @@
     train.bin, val.bin       uint16 token ids, each problem followed by <eot> (as documents)
     train_mask.bin, val_mask.bin
                              uint8, one byte per token of the shard: 1 at answer tokens
+    train_problems.npy, val_problems.npy
+                             int64 [P, 2]: each problem's start offset in the shard and its
+                             difficulty (training windows start at problems; the curriculum)
     heldout_d{D}.npz         per held-out difficulty D: ``tokens`` int64 [W, block_size + 1] of whole
                              problems padded with <eot>, ``answer_mask`` bool and ``problem_ids`` int64
                              (-1 off answers) of the same shape, ``difficulty``
@@ -56,6 +59,10 @@ SPLIT_STREAMS = {"train": 0, "val": 1}  # seed streams; held-out difficulty D us
 
 def mask_file(split: str) -> str:
     return f"{split}_mask.bin"
+
+
+def problems_file(split: str) -> str:
+    return f"{split}_problems.npy"  # read by rdepth.data.shards.TokenShards.problem_index
 
 
 def heldout_file(difficulty: int) -> str:
@@ -108,12 +115,12 @@ class TaskDataConfig:
         if not (isinstance(low, int) and isinstance(high, int) and low <= high):
             raise RdepthError(f"train_difficulties: expected integers low <= high, got {self.train_difficulties!r}")
         self.train_difficulties = (low, high)
-        check_difficulties(self.tasks, self.train_range, self.block_size)
+        check_difficulties(self.tasks, self.train_range, self.block_size + 1)
         if self.heldout_difficulties is None:
             self.heldout_difficulties = self._default_heldout()
         else:
             self.heldout_difficulties = tuple(sorted(set(self.heldout_difficulties)))
-            check_difficulties(self.tasks, self.heldout_difficulties, self.block_size)
+            check_difficulties(self.tasks, self.heldout_difficulties, self.block_size + 1)
         if self.out is None:
             self.out = Path("data") / ("task-" + "+".join(name for name, _ in self.mixture))
         self.out = Path(self.out).expanduser()
@@ -132,19 +139,22 @@ class TaskDataConfig:
         kept = []
         for difficulty in wanted:
             try:
-                check_difficulties(self.tasks, [difficulty], self.block_size)
+                check_difficulties(self.tasks, [difficulty], self.block_size + 1)
                 kept.append(difficulty)
             except RdepthError as error:
                 log.warning("held-out difficulty %d left out: %s", difficulty, error)
         return tuple(kept)
 
 
-def _split_documents(cfg: TaskDataConfig, split: str, tokens: int, masks) -> Iterator[tuple[int, ...]]:
-    """Problems of ``split`` until ``tokens`` tokens (with separators) are out; writes each mask to ``masks``."""
+def _split_documents(cfg: TaskDataConfig, split: str, tokens: int, masks,
+                     index: list[tuple[int, int]]) -> Iterator[tuple[int, ...]]:
+    """Problems of ``split`` until ``tokens`` tokens (with separators) are out; writes each mask to
+    ``masks`` and appends (start offset, difficulty) of each problem to ``index``."""
     rng = np.random.default_rng([cfg.seed, SPLIT_STREAMS[split]])
     written = 0
     for problem in sample_problems(cfg.tasks, rng, cfg.train_range):
         masks.write(np.append(problem.answer_mask, False).astype(np.uint8).tobytes())
+        index.append((written, problem.difficulty))
         yield problem.tokens
         written += len(problem.tokens) + 1
         if written >= tokens:
@@ -168,8 +178,10 @@ def prepare_task_data(cfg: TaskDataConfig) -> Path:
         vocab.save(writer.directory)
         for split, budget in (("train", cfg.train_tokens), ("val", cfg.val_tokens)):
             mask_path = writer.directory / mask_file(split)
+            index: list[tuple[int, int]] = []
             with open(mask_path, "wb") as masks:
-                stats = writer.write_split(split, _split_documents(cfg, split, budget, masks))
+                stats = writer.write_split(split, _split_documents(cfg, split, budget, masks, index))
+            np.save(writer.directory / problems_file(split), np.asarray(index, dtype=np.int64))
             answer_bytes = np.fromfile(mask_path, dtype=np.uint8)
             assert answer_bytes.size == stats.tokens, "mask and shard lengths differ"
             masks_info[split] = {"file": mask_file(split), "tokens": stats.tokens,

@@ -53,6 +53,9 @@ class TrainConfig:
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
     compile: bool = option(False, "torch.compile each layer")
     threads: int = option(0, "torch CPU threads (0: torch's default)")
+    curriculum_steps: int = option(
+        0, "task data: the top training difficulty rises linearly from the lowest + 1 to the highest over "
+        "this many steps (0: every difficulty from the start); ignored on text")
     init_from: str | None = option(None, "start from the weights of this checkpoint or run (rdepth retrofit, "
                                    "import-hf): its model config is the base, flags override loop settings",
                                    default_text="fresh weights from --seed")
@@ -73,6 +76,9 @@ class TrainConfig:
                 raise RdepthError(f"train config: {name} must be at most {MAX_COUNT:,}, got {value!r}")
         if self.stop_at is not None and not (_is_int(self.stop_at) and 1 <= self.stop_at <= self.max_steps):
             raise RdepthError(f"train config: stop_at must be in 1..max_steps, got {self.stop_at!r}")
+        if not _is_int(self.curriculum_steps) or not 0 <= self.curriculum_steps <= MAX_COUNT:
+            raise RdepthError(f"train config: curriculum_steps must be an integer in [0, {MAX_COUNT:,}], "
+                              f"got {self.curriculum_steps!r}")
         if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
             raise RdepthError(f"train config: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip"):

@@ -30,7 +30,7 @@ from rdepth.model.noise import StateNoise
 from rdepth.run import checkpoint as ckpt
 from rdepth.run.device import resolve_device
 from rdepth.run.evaluate import evaluate
-from rdepth.run.heldout import held_out_windows
+from rdepth.run.heldout import held_out_problem_windows, held_out_windows
 from rdepth.train.config import TrainConfig
 from rdepth.train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown_distributed
 
@@ -141,13 +141,25 @@ class Trainer:
         self.model.to(self.device)
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
         # Data with loss masks (a task's answers) trains and validates on the masked targets only.
+        # Task data (a problem index) also starts every window at a problem, with an optional curriculum.
+        starts, levels = self.shards.problem_index("train") or (None, None)
         self.sampler = BatchSampler(self.shards.train, config.batch_size, self.model_config.block_size, config.seed,
-                                    mask=self.shards.loss_mask("train"))
+                                    mask=self.shards.loss_mask("train"), starts=starts, levels=levels,
+                                    curriculum_steps=config.curriculum_steps)
         val_len = min(self.model_config.block_size, len(self.shards.val) - 1)
         val_count = config.eval_batches * config.eval_batch_size
-        self.val_windows = held_out_windows(self.shards.val, val_len, val_count)
+        val_index = self.shards.problem_index("val")
+        if val_index is None:
+            self.val_windows = held_out_windows(self.shards.val, val_len, val_count)
+        else:
+            self.val_windows = held_out_problem_windows(self.shards.val, val_index[0], val_len, val_count)
         val_mask = self.shards.loss_mask("val")
-        self.val_masks = None if val_mask is None else held_out_windows(val_mask, val_len, val_count).bool()
+        if val_mask is None:
+            self.val_masks = None
+        elif val_index is None:
+            self.val_masks = held_out_windows(val_mask, val_len, val_count).bool()
+        else:
+            self.val_masks = held_out_problem_windows(val_mask, val_index[0], val_len, val_count).bool()
         self.ddp = None
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel
@@ -383,6 +395,7 @@ class Trainer:
                         "step": done, "loss": loss_value, "lr": lr_at(step, config),
                         "grad_norm": float(self.last_grad_norm),
                         "tokens": self.tokens_seen, "tokens_per_s": rate, "loop_counts": counts,
+                        **({} if self.sampler.levels is None else {"max_difficulty": self.sampler.level(step)}),
                     })
                 window_start, window_tokens = time.perf_counter(), 0
             if done % config.eval_every == 0 or done == config.end_step:
