@@ -25,7 +25,8 @@ ALLOWED = {
     "run": BASE | {"config", "model", "data"},
     "train": BASE | {"config", "model", "data", "run"},
     "tasks": BASE | {"config", "model", "data", "run", "report"},
-    "exits": BASE | {"config", "model", "data", "run", "report"},
+    # exits on a reasoning task read its held-out sets and accuracy
+    "exits": BASE | {"config", "model", "data", "run", "report", "tasks"},
     "geometry": BASE | {"config", "model", "data", "run", "report"},
     # a surrogate's phases are read as loops with the geometry tools
     "surrogate": BASE | {"config", "model", "data", "run", "report", "geometry"},

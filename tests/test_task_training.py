@@ -87,3 +87,51 @@ def test_train_with_a_curriculum_logs_the_level(task_data, tmp_path, capsys):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     levels = [r["max_difficulty"] for r in records if "max_difficulty" in r]
     assert levels == [2, 2, 3, 3, 4, 4]
+
+
+def test_task_sweep_counts_answer_and_other_steps_on_one_path(task_data, tmp_path, capsys):
+    from rdepth.exits.config import SweepConfig
+    from rdepth.exits.task_sweep import pareto_front, run_task_sweep
+    from rdepth.tasks.data import load_heldout
+    from rdepth.config import ModelConfig
+    from rdepth.model import RecurrentLM
+    from rdepth.tasks.evaluate import heldout_accuracy
+    import torch
+
+    torch.manual_seed(0)
+    model = RecurrentLM(ModelConfig(n_layer=2, n_head=2, d_model=16, block_size=20, vocab_size=42, groups="1",
+                                    mean_loops=2.0, backprop_depth=2, tokenizer="task:chase")).eval()
+    heldout = load_heldout(task_data, 4)
+    config = SweepConfig(checkpoint="x", data="x", out="x", policies=("acceleration", "step_norm"),
+                         taus=(1e-3, 1e-1), k_max=(3,), repeats=1, warmup=0, timing_batch_size=2, progress=False)
+    result = run_task_sweep(model, [heldout], config)
+    block = result["difficulties"][0]
+    assert [f["budget"] for f in block["fixed"]] == [[1], [2], [3]]
+    for k, entry in enumerate(block["fixed"], 1):  # a fixed budget spends exactly k steps on every token
+        assert entry["mean_steps_answer"] == entry["mean_steps_other"] == pytest.approx(k)
+        direct = heldout_accuracy(model, heldout, loop_counts=k, batch_size=8)
+        assert entry["accuracy"] == direct["accuracy"]  # the packed path equals the dense one
+        assert entry["ms_per_token"] > 0
+    assert len(block["points"]) == 4 and all(1 <= p["steps"] <= 3 for p in block["points"])
+    summary = result["summary"]["difficulties"][0]
+    assert summary["full"]["label"] == "fixed 3"
+    front = pareto_front([{"steps": 1, "accuracy": 0.5, "label": "a"}, {"steps": 2, "accuracy": 0.4, "label": "b"},
+                          {"steps": 3, "accuracy": 0.9, "label": "c"}])
+    assert [e["label"] for e in front] == ["a", "c"]
+
+
+def test_sweep_cli_on_task_data(task_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(task_data), "--out", str(run), "--n-layer", "2", "--n-head", "2",
+                 "--d-model", "16", "--block-size", "20", "--groups", "1", "--mean-loops", "2",
+                 "--backprop-depth", "2", "--max-steps", "2", "--batch-size", "4", "--eval-batches", "1"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "sweep"
+    assert main(["sweep", "--checkpoint", str(run), "--data", str(task_data), "--out", str(out),
+                 "--policies", "acceleration", "--taus", "1e-2", "--k-max", "2", "--repeats", "1",
+                 "--no-progress", "--difficulties", "2,6"]) == 0
+    printed = capsys.readouterr().out
+    assert "difficulty 2" in printed and "difficulty 6" in printed and "answer tokens" in printed
+    saved = json.loads((out / "task_sweep.json").read_text())
+    assert [b["difficulty"] for b in saved["difficulties"]] == [2, 6]
+    assert (out / "figures" / "task_exits.png").is_file() and (out / "index.html").is_file()

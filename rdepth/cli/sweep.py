@@ -19,7 +19,9 @@ def register(subparsers) -> None:
         "cross-entropy, with the fixed budget at the same mean steps as a baseline. Every latency is timed "
         "in interleaved rounds (median and IQR); policies and fixed budgets on the same packed path, fixed "
         "budgets also on the dense path; speedups within noise are flagged. Writes sweep.json (with its "
-        "summary), sweep.csv, figures/ and an index.html section into --out.",
+        "summary), sweep.csv, figures/ and an index.html section into --out. On task data (rdepth prepare "
+        "--corpus task:NAME): exact-match accuracy and loop steps on answer tokens and on the rest, per "
+        "policy setting and fixed budget 1..k_max on the same packed path, into task_sweep.json.",
     )
     add_dataclass_flags(parser, SweepConfig, title="sweep")
     parser.set_defaults(func=run)
@@ -30,7 +32,18 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.exits.stats import format_ratio
     from rdepth.exits.sweep import sweep_checkpoint
 
-    result = sweep_checkpoint(build(SweepConfig, {}, args))
+    from rdepth.tasks.eval_checkpoint import is_task_data
+
+    config = build(SweepConfig, {}, args)
+    if is_task_data(config.data):
+        from rdepth.exits.task_sweep import format_task_sweep, sweep_task_checkpoint
+
+        result = sweep_task_checkpoint(config)
+        for line in format_task_sweep(result):
+            print(line)
+        print(f"wrote {result['paths']['json']} and the report {result['paths'].get('report', '')}")
+        return 0
+    result = sweep_checkpoint(config)
     summary = result["summary"]
     ranking = summary["headline_ranking"]
     tolerance = f"{100 * summary['tolerance']:g}%"

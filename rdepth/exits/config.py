@@ -85,6 +85,13 @@ class SweepConfig:
         "(Geiping et al.'s code)",
     )
     autocast: str = option("none", "autocast dtype during evaluation and timing: none, bf16 or fp16")
+    difficulties: tuple[int, ...] | None = option(
+        None, "task data: held-out difficulties to sweep", default_text="the top training difficulty")
+    task_windows: int | None = option(
+        None, "task data: held-out windows (problems, one per window when they fill it) per difficulty",
+        default_text="all")
+    accuracy_tolerance: float = option(
+        0.01, "task data: accuracy below the full budget's that counts as matched (a fraction: 0.01 = one point)")
     seed: int = option(0, "seed of the initial loop-state noise")
     device: str = option("auto", DEVICE_HELP)
     progress: bool = option(True, "show a progress bar over the sweep points")
@@ -153,6 +160,14 @@ class SweepConfig:
             raise RdepthError(f"sweep: noise_threshold must be a finite number > 0, got {self.noise_threshold!r}")
         if self.autocast not in AUTOCAST_NAMES:
             raise RdepthError(f"sweep: autocast must be one of {', '.join(AUTOCAST_NAMES)}, got {self.autocast!r}")
+        if self.difficulties is not None:
+            self.difficulties = tuple(int(d) for d in self.difficulties)
+            if not self.difficulties:
+                raise RdepthError("sweep: difficulties is empty")
+        if self.task_windows is not None and (isinstance(self.task_windows, bool) or self.task_windows < 1):
+            raise RdepthError(f"sweep: task_windows must be >= 1, got {self.task_windows!r}")
+        if not (isinstance(self.accuracy_tolerance, (int, float)) and 0 <= self.accuracy_tolerance <= 1):
+            raise RdepthError(f"sweep: accuracy_tolerance must be a fraction in [0, 1], got {self.accuracy_tolerance!r}")
         check_device_name("sweep", self.device)
 
     @property

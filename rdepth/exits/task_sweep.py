@@ -1,0 +1,219 @@
+"""Exit policies on a reasoning task: answer accuracy against loop steps, answer tokens apart from the rest.
+
+``rdepth sweep`` on task data (``rdepth prepare --corpus task:NAME``) calls
+:func:`sweep_task_checkpoint`. On each chosen held-out difficulty (default: the
+top training difficulty) it measures, for every fixed budget 1..k_max and for
+every policy at every value of its grid:
+
+- exact-match accuracy on whole problems (:func:`rdepth.tasks.evaluate.heldout_accuracy`,
+  the same initial-state noise as ``rdepth eval``);
+- mean loop steps per token summed over groups, separately on answer tokens
+  and on every other token, and overall;
+- teacher-forced wall time per token (median and IQR of interleaved rounds).
+
+Fixed budgets and policies run through the *same* path: fixed budgets as
+:class:`~rdepth.model.control.FixedController` controllers, policies as
+:class:`~rdepth.exits.controller.PolicyController`, both on the packed loop,
+for accuracy and for timing alike. The summary compares the cheapest policy
+within ``accuracy_tolerance`` of the full budget (every group at k_max) with the
+full budget and with the cheapest fixed budget of at least its accuracy, and
+keeps the Pareto front of accuracy against steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from rdepth.errors import RdepthError
+from rdepth.exits.config import SweepConfig
+from rdepth.exits.measure import decode_factory, policy_controller_factory
+from rdepth.exits.registry import get_policy_class
+from rdepth.exits.stats import spread
+from rdepth.exits.timing import forward_call, time_interleaved
+from rdepth.io import environment_info, write_json
+from rdepth.model import RecurrentLM
+from rdepth.model.control import FixedController
+from rdepth.run.device import device_name
+from rdepth.run.opened import open_run
+from rdepth.tasks.data import HeldOut, load_heldout, task_manifest
+from rdepth.tasks.evaluate import heldout_accuracy
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+TASK_SWEEP_FILE = "task_sweep.json"
+
+
+def _measure(model: RecurrentLM, heldout: HeldOut, factory: Callable, config: SweepConfig, device) -> dict:
+    result = heldout_accuracy(model, heldout, controller_factory=factory, batch_size=config.batch_size,
+                              device=device, seed=config.seed)
+    answers = int(heldout.answer_mask[:, 1:].sum())
+    others = int((~heldout.answer_mask[:, 1:]).sum())
+    result["steps"] = (result["mean_steps_answer"] * answers + result["mean_steps_other"] * others) / max(
+        answers + others, 1)
+    return result
+
+
+def pareto_front(entries: Sequence[dict]) -> list[dict]:
+    """The entries no other entry beats on both counts (fewer or equal steps and higher or equal
+    accuracy, one of them strictly), by ascending steps."""
+    front = []
+    for entry in sorted(entries, key=lambda e: (e["steps"], -e["accuracy"])):
+        if not front or entry["accuracy"] > front[-1]["accuracy"]:
+            front.append(entry)
+    return front
+
+
+def summarize_task_sweep(result: dict, tolerance: float) -> dict:
+    """Per difficulty: the full budget, the cheapest policy point within ``tolerance`` (a fraction:
+    0.01 = one point of accuracy) of it, the cheapest fixed budget at least as accurate as that point,
+    the steps saved against each, and the Pareto front (labels)."""
+    out = {"tolerance": tolerance, "difficulties": []}
+    for block in result["difficulties"]:
+        full = block["fixed"][-1]
+        floor = full["accuracy"] - tolerance
+        matched = [p for p in block["points"] if p["accuracy"] >= floor - 1e-12]
+        best = min(matched, key=lambda p: (p["steps"], -p["accuracy"])) if matched else None
+        row: dict[str, Any] = {"difficulty": block["difficulty"], "full": _brief(full), "best": None}
+        if best is not None:
+            fixed_as_good = [f for f in block["fixed"] if f["accuracy"] >= best["accuracy"] - 1e-12]
+            cheapest = min(fixed_as_good, key=lambda f: f["steps"]) if fixed_as_good else None
+            row["best"] = _brief(best)
+            row["steps_saved_vs_full"] = 1 - best["steps"] / full["steps"]
+            row["cheapest_fixed_as_accurate"] = None if cheapest is None else _brief(cheapest)
+            if cheapest is not None:
+                row["steps_saved_vs_cheapest_fixed"] = 1 - best["steps"] / cheapest["steps"]
+            if "ms_per_token" in best and "ms_per_token" in full:
+                row["time_saved_vs_full"] = 1 - best["ms_per_token"] / full["ms_per_token"]
+            row["answer_over_other_steps"] = best["mean_steps_answer"] / max(best["mean_steps_other"], 1e-12)
+        row["pareto"] = [e["label"] for e in pareto_front(block["fixed"] + block["points"])]
+        out["difficulties"].append(row)
+    return out
+
+
+def _brief(entry: dict) -> dict:
+    keys = ("label", "accuracy", "steps", "mean_steps_answer", "mean_steps_other", "ms_per_token", "budget",
+            "policy", "value")
+    return {k: entry[k] for k in keys if k in entry}
+
+
+def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: SweepConfig, *,
+                   device: str | torch.device = "cpu", tolerance: float = 0.01, progress: bool = False) -> dict:
+    """Measure every fixed budget and policy setting on each held-out set (see the module docstring)."""
+    device = torch.device(device)
+    model = model.to(device).eval()
+    k_max = config.resolve_k_max(model.n_groups, model.config.default_eval_loops)
+    calls: dict[str, Callable[[], None]] = {}
+    work: dict[str, tuple[dict, int]] = {}
+    blocks = []
+    for heldout in heldouts:
+        seq_len = heldout.tokens.shape[1] - 1
+        if seq_len > model.config.block_size:
+            raise RdepthError(f"sweep: held-out windows of {seq_len} tokens exceed the model's block size "
+                              f"{model.config.block_size}")
+        timing_idx = torch.from_numpy(heldout.tokens[: config.timing_batch_size, :-1]).to(device)
+        new_decode = decode_factory(model, config, seq_len)
+        settings: list[tuple[dict, Callable]] = []
+        for steps in range(1, max(k_max) + 1):
+            budget = tuple(min(steps, cap) for cap in k_max)
+            settings.append(({"label": f"fixed {','.join(map(str, budget))}", "budget": list(budget)},
+                             lambda budget=budget: FixedController(budget)))
+        for name in config.policies:
+            parameter = get_policy_class(name).sweep_parameter
+            for value in config.values(name):
+                factory = policy_controller_factory(name, value, k_max, new_decode, config.policy_options(name))
+                settings.append(({"label": f"{name} {parameter}={value:g}", "policy": name, "parameter": parameter,
+                                  "value": value}, factory))
+        fixed, points = [], []
+        desc = f"task sweep d={heldout.difficulty}"
+        for labels, factory in tqdm(settings, desc=desc, disable=not progress):
+            entry = {**labels, **_measure(model, heldout, factory, config, device)}
+            (fixed if "budget" in entry else points).append(entry)
+            if config.timing:
+                key = f"{heldout.difficulty}:{entry['label']}"
+                calls[key] = forward_call(model, timing_idx, controller_factory=factory, seed=config.seed)
+                work[key] = (entry, timing_idx.numel())
+            log.info("d=%d %s: accuracy %.3f, steps %.2f (answers %.2f, other %.2f)", heldout.difficulty,
+                     entry["label"], entry["accuracy"], entry["steps"], entry["mean_steps_answer"],
+                     entry["mean_steps_other"])
+        blocks.append({"difficulty": heldout.difficulty, "problems": int(heldout.problem_ids.max()) + 1,
+                       "windows": int(heldout.tokens.shape[0]), "seq_len": seq_len, "fixed": fixed, "points": points})
+    if calls:
+        with tqdm(total=config.repeats, desc=f"timing {len(calls)} settings", disable=not progress) as bar:
+            samples = time_interleaved(calls, device, warmup=config.warmup, repeats=config.repeats, seed=config.seed,
+                                       progress=lambda _: bar.update())
+        for key, times in samples.items():
+            entry, tokens = work[key]
+            stats = spread([t / tokens for t in times])
+            entry["ms_per_token"], entry["ms_per_token_iqr"] = stats["median"], stats["iqr"]
+            entry["timing_batch_size"] = config.timing_batch_size
+    saved = asdict(config)
+    saved.update(k_max=list(k_max), grids=config.grid, accuracy_tolerance=tolerance)
+    result = {"format": FORMAT, "kind": "task", "config": saved,
+              "environment": environment_info() | {"device": device_name(device)},
+              "model": model.config.to_dict(), "k_max": list(k_max), "difficulties": blocks,
+              "timing_path": "packed (fixed budgets and policies alike)"}
+    result["summary"] = summarize_task_sweep(result, tolerance)
+    return result
+
+
+def format_task_sweep(result: dict) -> list[str]:
+    """Text lines: per difficulty, every setting's accuracy and steps, then the summary."""
+    lines = []
+    timed = any("ms_per_token" in e for b in result["difficulties"] for e in b["fixed"])
+    for block, summary in zip(result["difficulties"], result["summary"]["difficulties"]):
+        lines.append(f"difficulty {block['difficulty']} ({block['problems']} problems): accuracy %, mean loop steps "
+                     "per token (all / answer tokens / other tokens)" + (", ms/token" if timed else ""))
+        for entry in block["fixed"] + block["points"]:
+            cells = (f"  {entry['label']:<28}{100 * entry['accuracy']:7.1f}{entry['steps']:8.2f}"
+                     f"{entry['mean_steps_answer']:8.2f}{entry['mean_steps_other']:8.2f}")
+            lines.append(cells + (f"{entry['ms_per_token']:9.4f}" if "ms_per_token" in entry else ""))
+        best = summary.get("best")
+        full = summary["full"]
+        if best is None:
+            lines.append(f"  no policy within {100 * result['summary']['tolerance']:g} points of the full budget")
+            continue
+        cheapest = summary.get("cheapest_fixed_as_accurate")
+        lines.append(
+            f"  best within {100 * result['summary']['tolerance']:g} point(s) of the full budget ({full['label']}, "
+            f"{100 * full['accuracy']:.1f}%): {best['label']} at {100 * best['accuracy']:.1f}% with "
+            f"{best['steps']:.2f} steps/token ({100 * summary['steps_saved_vs_full']:.0f}% fewer than the full "
+            f"budget" + (f", {100 * summary['steps_saved_vs_cheapest_fixed']:.0f}% fewer than {cheapest['label']}, "
+                         f"the cheapest fixed budget as accurate" if cheapest else "") + "); answer tokens get "
+            f"{best['mean_steps_answer']:.2f} steps, the rest {best['mean_steps_other']:.2f}")
+    return lines
+
+
+def sweep_task_checkpoint(config: SweepConfig) -> dict:
+    """``rdepth sweep`` on task data: open the run, load the first ``config.task_windows`` windows of
+    the held-out sets of ``config.difficulties`` (default: the top training difficulty), sweep, write
+    ``OUT/task_sweep.json`` and the report section; returns the result with ``paths``."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    run = open_run(config.checkpoint, config.data, config.device)
+    manifest = task_manifest(config.data)
+    chosen = config.difficulties or [int(manifest["train_difficulties"][1])]
+    heldouts = [_first_windows(load_heldout(config.data, d), config.task_windows) for d in chosen]
+    result = run_task_sweep(run.model, heldouts, config, device=run.device, tolerance=config.accuracy_tolerance,
+                            progress=config.progress)
+    result["checkpoint"], result["data"] = str(run.checkpoint), str(run.data)
+    out = Path(config.out)
+    paths = {"json": out / TASK_SWEEP_FILE}
+    write_json(paths["json"], result)
+    from rdepth.exits.task_report import render_task_sweep
+
+    paths.update(render_task_sweep(result, out))
+    return {**result, "paths": {name: str(path) for name, path in paths.items()}}
+
+
+def _first_windows(heldout: HeldOut, windows: int | None) -> HeldOut:
+    if windows is None:
+        return heldout
+    return HeldOut(heldout.difficulty, heldout.tokens[:windows], heldout.answer_mask[:windows],
+                   heldout.problem_ids[:windows])
