@@ -228,6 +228,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_layer=6, n_head=4, d_model=128, block_size=128, vocab_size=4096,
         groups="1|2-3|4", mean_loops=4.0, backprop_depth=3, tokenizer="bpe:4096",
     ),
+    # The reasoning-task model of the demo (rdepth.tasks): one prelude layer and one looped
+    # layer, a 64-token context (one 16-node pointer-chasing problem), the task vocabulary.
+    "task": dict(
+        n_layer=2, n_head=4, d_model=128, block_size=64, vocab_size=42,
+        groups="1", mean_loops=6.0, backprop_depth=4, tokenizer="task:chase",
+    ),
 }
 
 

@@ -1,4 +1,11 @@
-"""The main job on the embedded default data, end to end on a CPU.
+"""The main job on embedded default data, end to end on a CPU.
+
+``--mode task`` (the default; :mod:`rdepth.demo_task`): a reasoning task whose
+answers need sequential steps (pointer chasing), a looped model trained on it
+beside its no-loop baseline, answer accuracy per difficulty per loop budget,
+the exit policies on answer and other tokens, the loop geometry, a report page.
+
+``--mode text``:
 
 1. prepare the default corpus (Wikipedia lead sections, byte-level BPE);
 2. train the ``tiny`` preset, keeping a series of checkpoints;
@@ -28,18 +35,50 @@ from rdepth.io import write_json
 log = logging.getLogger(__name__)
 
 
+MODES = ("task", "text")
+# Per mode: the defaults of the fields left at None.
+MODE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "task": dict(preset="task", max_steps=2600, batch_size=32, checkpoint_every=650, weight_decay=0.01,
+                 warmup_steps=50, curriculum_steps=1000),
+    "text": dict(preset="tiny", max_steps=500, batch_size=16, checkpoint_every=125, weight_decay=0.1,
+                 warmup_steps=None, curriculum_steps=0),
+}
+# Pointer chasing to a fixed point with 16 nodes listed in order, every symbol queried and every
+# distractor chain as long as the main one (no shortcut): one problem fills a 64-token context.
+DEFAULT_TASK_PARAMS = '{"chase": {"nodes": 16, "queries": 16, "ordered": true, "min_distractor_hops": 15}}'
+BASELINES = ("no_loop", "deep")
+
+
 @dataclass
 class DemoConfig:
     out: str = option("runs/demo", "output folder: data, training run, report and demo.json")
+    mode: str = option("task", "task: a reasoning task whose answers need the loops, with its no-loop baseline; "
+                               "text: the tiny preset on the Wikipedia corpus")
     data: str | None = option(None, "prepared data folder (reused when it holds the same corpus and tokenizer)",
                               default_text="OUT/data")
-    corpus: str = option("wiki", "corpus to prepare: wiki, shakespeare or a text file/folder")
-    tokenizer: str = option("bpe:4096", "tokenizer to prepare the corpus with: gpt2 or bpe:N")
-    preset: str = option("tiny", "model preset")
-    max_steps: int = option(500, "training steps")
-    batch_size: int = option(16, "training sequences per step")
+    corpus: str = option("wiki", "text mode: corpus to prepare: wiki, shakespeare or a text file/folder")
+    tokenizer: str = option("bpe:4096", "text mode: tokenizer to prepare the corpus with: gpt2 or bpe:N")
+    task: str = option("chase", "task mode: the task (or mixture) to train on")
+    task_params: str = option(DEFAULT_TASK_PARAMS, "task mode: JSON of per-task parameters")
+    train_difficulties: tuple[int, ...] = option((1, 4), "task mode: training difficulty range LOW,HIGH")
+    train_tokens: int = option(5_000_000, "task mode: training tokens to generate")
+    curriculum_steps: int | None = option(
+        None, "task mode: steps over which the top training difficulty rises from LOW + 1 to HIGH (0: off)",
+        default_text="1000 in task mode")
+    loop_budgets: tuple[int, ...] = option((1, 2, 4, 8, 16), "task mode: test loop budgets of the accuracy table")
+    baselines: tuple[str, ...] = option(
+        ("no_loop",), "task mode: baselines trained on the same data and steps: no_loop (the same layers, once "
+        "each), deep (a plain model as deep as the looped one unrolled at its training mean); 'none' for none")
+    parallel: bool = option(False, "task mode: train the baselines in a second process beside the looped model "
+                                   "(one CPU thread each; slower than one after the other with two threads on an "
+                                   "idle 2-core machine)")
+    preset: str | None = option(None, "model preset", default_text="task (task mode) or tiny (text mode)")
+    max_steps: int | None = option(None, "training steps", default_text="2600 (task) or 500 (text)")
+    batch_size: int | None = option(None, "training sequences per step", default_text="32 (task) or 16 (text)")
     lr: float = option(3e-3, "peak learning rate")
-    checkpoint_every: int = option(125, "steps between checkpoints (the geometry series)")
+    weight_decay: float | None = option(None, "AdamW weight decay", default_text="0.01 (task) or 0.1 (text)")
+    checkpoint_every: int | None = option(None, "steps between checkpoints (the geometry series)",
+                                          default_text="650 (task) or 125 (text)")
     eval_batches: int = option(24, "held-out batches of 16 windows for validation and the loop budgets")
     analyze: bool = option(True, "analyse the loop geometry of every checkpoint")
     analyze_sequences: int = option(16, "held-out windows for the geometry analysis")
@@ -49,13 +88,31 @@ class DemoConfig:
     max_documents: int | None = option(None, "prepare only the first N documents", default_text="all")
     model_overrides: str = option("", "JSON object of model fields, e.g. '{\"d_model\": 64}'")
     threads: int = option(0, "torch CPU threads (0: torch's default)")
+    seed: int = option(0, "training seed of every run (weights, batches, loop counts, loop-state noise)")
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise RdepthError(f"demo config: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for name, value in MODE_DEFAULTS[self.mode].items():
+            if name != "warmup_steps" and getattr(self, name) is None:
+                setattr(self, name, value)
+        self.baselines = tuple(b for b in self.baselines if b != "none")
+        unknown = sorted(set(self.baselines) - set(BASELINES))
+        if unknown:
+            raise RdepthError(f"demo config: unknown baseline {unknown[0]!r} (choose from {', '.join(BASELINES)})")
+        if not self.loop_budgets or not all(isinstance(b, int) and 1 <= b <= 1024 for b in self.loop_budgets):
+            raise RdepthError(f"demo config: loop_budgets must be integers in 1..1024, got {self.loop_budgets!r}")
+        if not isinstance(self.curriculum_steps, int) or self.curriculum_steps < 0:
+            raise RdepthError(f"demo config: curriculum_steps must be an integer >= 0, got {self.curriculum_steps!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
+            raise RdepthError(f"demo config: weight_decay must be >= 0, got {self.weight_decay!r}")
         for name in ("max_steps", "batch_size", "checkpoint_every", "eval_batches", "analyze_sequences",
                      "long_loops", "sweep_sequences"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise RdepthError(f"demo config: {name} must be a positive integer, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise RdepthError(f"demo config: seed must be an integer in [0, 2^63), got {self.seed!r}")
         if not isinstance(self.threads, int) or self.threads < 0:
             raise RdepthError(f"demo config: threads must be >= 0, got {self.threads!r}")
         if not self.lr > 0:
@@ -63,6 +120,8 @@ class DemoConfig:
         if self.data is None:
             self.data = str(Path(self.out) / "data")
         self.model_config()  # a bad preset or override fails here, before any work
+        if self.mode == "task":
+            self.task_data_config()  # a bad task, parameter or difficulty too
 
     def model_overrides_dict(self) -> dict[str, Any]:
         if not self.model_overrides:
@@ -80,15 +139,26 @@ class DemoConfig:
 
         return get_preset(self.preset, **self.model_overrides_dict())
 
-    def train_config(self, data: Path):
+    def train_config(self, data: Path, name: str = "train"):
         from rdepth.train.config import TrainConfig
 
+        warmup = MODE_DEFAULTS[self.mode]["warmup_steps"] or max(1, self.max_steps // 15)
         return TrainConfig(
-            data=str(data), out=str(Path(self.out) / "train"), max_steps=self.max_steps,
-            batch_size=self.batch_size, lr=self.lr, warmup_steps=max(1, self.max_steps // 15),
-            eval_every=self.checkpoint_every, checkpoint_every=self.checkpoint_every,
-            eval_batches=self.eval_batches, log_every=max(1, min(20, self.max_steps // 10)),
+            data=str(data), out=str(Path(self.out) / name), max_steps=self.max_steps,
+            batch_size=self.batch_size, lr=self.lr, warmup_steps=min(warmup, self.max_steps),
+            weight_decay=self.weight_decay, eval_every=self.checkpoint_every,
+            checkpoint_every=self.checkpoint_every, eval_batches=self.eval_batches,
+            log_every=max(1, min(20, self.max_steps // 10)),
+            curriculum_steps=self.curriculum_steps if self.mode == "task" else 0, seed=self.seed,
         )
+
+    def task_data_config(self):
+        from rdepth.tasks.data import TaskDataConfig
+
+        return TaskDataConfig(task=self.task, train_difficulties=tuple(self.train_difficulties),
+                              train_tokens=self.train_tokens, val_tokens=100_000,
+                              block_size=self.model_config().block_size, task_params=self.task_params,
+                              out=Path(self.data))
 
 
 def _prepared(config: DemoConfig) -> Path:
@@ -108,27 +178,10 @@ def _prepared(config: DemoConfig) -> Path:
 
 
 def _trained(config: DemoConfig, data: Path) -> Path:
-    from rdepth.run.checkpoint import list_checkpoints
-    from rdepth.train.trainer import data_model_config_for, train
+    from rdepth.train.launch import train_or_reuse
+    from rdepth.train.trainer import data_model_config_for
 
-    train_config = config.train_config(data)
-    run = Path(train_config.out)
-    model_config = data_model_config_for(config.model_config(), data)
-    saved_path = run / "config.json"
-    if saved_path.exists():
-        saved = json.loads(saved_path.read_text())
-        wanted = {"model": model_config.to_dict(), "train": train_config.to_dict()}
-        changed = sorted(f"{part}.{key}" for part in wanted for key in wanted[part]
-                         if saved.get(part, {}).get(key) != wanted[part][key])
-        if changed:
-            raise RdepthError(f"{run} was trained with other settings ({', '.join(changed[:4])}); "
-                              "pass another --out")
-        summary = run / "summary.json"
-        if summary.exists() and json.loads(summary.read_text()).get("step") == config.max_steps:
-            log.info("reusing the finished training run in %s", run)
-            return run
-    train(model_config, train_config, resume=bool(list_checkpoints(run)))
-    return run
+    return train_or_reuse(data_model_config_for(config.model_config(), data), config.train_config(data))
 
 
 def _loop_budgets(run: Path, data: Path, config: DemoConfig) -> tuple[list[dict], dict | None]:
@@ -173,6 +226,10 @@ def run_demo(config: DemoConfig) -> dict:
     """Run every stage; returns (and writes to OUT/demo.json) the headline numbers."""
     import torch
 
+    if config.mode == "task":
+        from rdepth.demo_task import run_task_demo
+
+        return run_task_demo(config)
     if config.threads:
         torch.set_num_threads(config.threads)
     started = time.perf_counter()

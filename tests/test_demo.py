@@ -15,7 +15,7 @@ TINY = json.dumps({"n_layer": 4, "n_head": 2, "d_model": 32, "block_size": 32, "
 @pytest.mark.slow
 def test_demo_end_to_end(wiki_small, tmp_path, capsys):
     out = tmp_path / "demo"
-    argv = ["demo", "--out", str(out), "--data", str(wiki_small), "--tokenizer", "bpe:512",
+    argv = ["demo", "--mode", "text", "--out", str(out), "--data", str(wiki_small), "--tokenizer", "bpe:512",
             "--max-documents", "400", "--model-overrides", TINY, "--max-steps", "6", "--batch-size", "4",
             "--checkpoint-every", "3", "--eval-batches", "2", "--analyze-sequences", "2", "--long-loops", "5",
             "--sweep-sequences", "8"]

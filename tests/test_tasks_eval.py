@@ -88,3 +88,20 @@ def test_bad_task_input_is_one_line(argv, fragment, tmp_path, capsys):
     err = capsys.readouterr().err
     assert fragment in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_eval_puts_baselines_in_the_same_table(task_data, tmp_path, capsys):
+    runs = {}
+    for name, groups in (("looped", "1"), ("plain", "")):
+        runs[name] = tmp_path / name
+        assert main(["train", "--data", str(task_data), "--out", str(runs[name]), "--n-layer", "2", "--n-head", "2",
+                     "--d-model", "16", "--block-size", "48", "--groups", groups, "--max-steps", "2",
+                     "--batch-size", "2", "--eval-batches", "1"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(runs["looped"]), "--data", str(task_data), "--loops", "1", "--loops", "2",
+                 "--baseline", str(runs["plain"]), "--json", str(tmp_path / "eval.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "baseline 1" in printed and "groups none" in printed
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    (baseline,) = saved["baselines"]
+    assert baseline["groups"] == "" and {row["difficulty"] for row in baseline["rows"]} == {1, 2, 3, 5, 6}

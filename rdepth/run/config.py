@@ -46,6 +46,9 @@ class EvalConfig:
     threads: int = option(0, "torch CPU threads (0: torch's default)")
     progress: bool = option(True, "show a progress bar")
     json: str | None = option(None, "also write the results to this JSON file")
+    baseline: list[str] | None = option(
+        None, "task data: another checkpoint or run (e.g. a no-loop or deeper plain model trained on the same "
+        "data) evaluated at its own loop counts in the same table; repeatable", default_text="none")
 
     def __post_init__(self) -> None:
         check_positive("eval", self, ("batch_size", "max_batches"))

@@ -18,7 +18,8 @@ from rdepth.config import ModelConfig
 from rdepth.model import RecurrentLM
 from rdepth.run.checkpoint import load_model, resolve_checkpoint
 from rdepth.run.device import resolve_device
-from rdepth.run.heldout import check_vocabulary, held_out_tokens, held_out_windows, unigram_log_probs_for
+from rdepth.run.heldout import (check_vocabulary, held_out_problem_windows, held_out_tokens, held_out_windows,
+                                unigram_log_probs_for)
 
 
 @dataclass
@@ -35,14 +36,19 @@ class OpenedRun:
     baseline: dict | None
     data: Path
     unigram: np.ndarray | None = None
+    starts: np.ndarray | None = None  # task data: where each held-out problem starts (windows start there)
 
     def seq_len(self, requested: int | None = None) -> int:
         """Window length: ``requested`` (default the block size), at most the block size and the text."""
         return max(1, min(requested or self.config.block_size, self.config.block_size, len(self.tokens) - 1))
 
     def windows(self, max_windows: int | None = None, seq_len: int | None = None) -> torch.Tensor:
-        """Held-out windows ``[S, T + 1]`` (see :func:`rdepth.run.heldout.held_out_windows`)."""
-        windows = held_out_windows(self.tokens, self.seq_len(seq_len), max_windows)
+        """Held-out windows ``[S, T + 1]`` (see :func:`rdepth.run.heldout.held_out_windows`); on task
+        data each starts at a problem (:func:`rdepth.run.heldout.held_out_problem_windows`), as in training."""
+        if self.starts is not None:
+            windows = held_out_problem_windows(self.tokens, self.starts, self.seq_len(seq_len), max_windows)
+        else:
+            windows = held_out_windows(self.tokens, self.seq_len(seq_len), max_windows)
         check_vocabulary(windows, self.config.vocab_size)
         return windows
 
@@ -53,5 +59,10 @@ def open_run(checkpoint: str | Path, data: str | Path, device: str | torch.devic
     folder = resolve_checkpoint(checkpoint)
     model, config = load_model(folder, device)
     tokens, baseline = held_out_tokens(data, checkpoint, config)
+    starts = None
+    if (Path(data) / "val_problems.npy").is_file():
+        from rdepth.data.shards import TokenShards
+
+        starts = TokenShards.open(data).problem_index("val")[0]
     return OpenedRun(folder, model, config, device, tokens, baseline, Path(data),
-                     unigram_log_probs_for(data, checkpoint))
+                     unigram_log_probs_for(data, checkpoint), starts)

@@ -38,7 +38,14 @@ def evaluate_task_checkpoint(config: EvalConfig) -> dict[str, Any]:
                for spec in (config.loops or [None])]
     table = task_accuracy_table(run.model, config.data, budgets, batch_size=config.batch_size, device=run.device,
                                 seed=config.seed, max_problems=config.max_windows)
-    summary = {"checkpoint": str(run.checkpoint), "data": str(run.data), "task": True, **table}
+    summary = {"checkpoint": str(run.checkpoint), "data": str(run.data), "task": True, **table, "baselines": []}
+    for baseline in config.baseline or []:
+        other = open_run(baseline, config.data, config.device)
+        compared = task_accuracy_table(other.model, config.data, [None], batch_size=config.batch_size,
+                                       device=other.device, seed=config.seed, max_problems=config.max_windows)
+        summary["baselines"].append({"checkpoint": str(other.checkpoint), "layers": other.config.n_layer,
+                                     "groups": other.config.groups, "parameters": other.model.num_parameters(),
+                                     **compared})
     if config.json:
         write_json(config.json, summary)
     return summary

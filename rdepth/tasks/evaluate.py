@@ -122,15 +122,26 @@ def _first_problems(heldout: HeldOut, max_problems: int | None) -> HeldOut:
 
 
 def format_accuracy_table(table: dict[str, Any]) -> list[str]:
-    """Rows of text: one line per loop budget, accuracy (%) per difficulty."""
+    """Rows of text: one line per loop budget, accuracy (%) per difficulty; then one line per
+    baseline in ``table["baselines"]`` (each at its own loop counts), when present."""
     difficulties = table["difficulties"]
     header = "loops".rjust(12) + "".join(f"{'d=' + str(d):>8}" for d in difficulties)
     lines = [header]
-    by_budget: dict[tuple, dict[int, float]] = {}
-    for row in table["rows"]:
-        by_budget.setdefault(tuple(row["loop_counts"]), {})[row["difficulty"]] = row["accuracy"]
-    for budget, accuracies in by_budget.items():
-        cells = "".join(f"{100 * accuracies[d]:8.1f}" if not math.isnan(accuracies[d]) else f"{'n/a':>8}"
-                        for d in difficulties)
-        lines.append(",".join(map(str, budget)).rjust(12) + cells)
+
+    def rows_of(rows: list[dict], label=None) -> None:
+        by_budget: dict[tuple, dict[int, float]] = {}
+        for row in rows:
+            by_budget.setdefault(tuple(row.get("loop_counts", ())), {})[row["difficulty"]] = row["accuracy"]
+        for budget, accuracies in by_budget.items():
+            cells = "".join(f"{100 * accuracies[d]:8.1f}" if d in accuracies and not math.isnan(accuracies[d])
+                            else f"{'n/a':>8}" for d in difficulties)
+            name = label or ",".join(map(str, budget))
+            lines.append(name.rjust(12) + cells)
+
+    rows_of(table["rows"])
+    for index, baseline in enumerate(table.get("baselines") or [], 1):
+        loops = ",".join(map(str, baseline["rows"][0].get("loop_counts", ()))) or "no loop"
+        lines.append(f"  baseline {index}: {baseline['checkpoint']} ({baseline['layers']} layers, groups "
+                     f"{baseline['groups'] or 'none'}, {baseline['parameters']:,} parameters), at {loops}:")
+        rows_of(baseline["rows"], f"baseline {index}")
     return lines

@@ -8,6 +8,8 @@ executes and a new ``max_steps`` (recorded in config.json's ``resumes``).
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ from rdepth.errors import RdepthError
 from rdepth.run import checkpoint as ckpt
 from rdepth.train.config import TrainConfig
 from rdepth.train.trainer import TrainResult, train
+
+log = logging.getLogger(__name__)
 
 
 def model_config_for(preset: str, overrides: dict[str, Any], config: TrainConfig, resume: bool) -> ModelConfig:
@@ -64,3 +68,24 @@ def resume_preset(out: str | Path, preset: str | None) -> None:
 def launch(preset: str, overrides: dict[str, Any], config: TrainConfig, resume: bool = False) -> TrainResult:
     return train(model_config_for(preset, overrides, config, resume), config, resume=resume,
                  preset=None if resume else preset)
+
+
+def train_or_reuse(model_config: ModelConfig, config: TrainConfig) -> Path:
+    """Train ``config.out``; reuse it when it finished ``config.max_steps`` with the same settings, or
+    resume it when it was interrupted. A folder trained with other settings is an error."""
+    run = Path(config.out)
+    saved_path = run / "config.json"
+    if saved_path.exists():
+        saved = json.loads(saved_path.read_text())
+        wanted = {"model": model_config.to_dict(), "train": config.to_dict()}
+        changed = sorted(f"{part}.{key}" for part in wanted for key in wanted[part]
+                         if saved.get(part, {}).get(key) != wanted[part][key])
+        if changed:
+            raise RdepthError(f"{run} was trained with other settings ({', '.join(changed[:4])}); "
+                              "pass another --out")
+        summary = run / "summary.json"
+        if summary.exists() and json.loads(summary.read_text()).get("step") == config.max_steps:
+            log.info("reusing the finished training run in %s", run)
+            return run
+    train(model_config, config, resume=bool(ckpt.list_checkpoints(run)))
+    return run

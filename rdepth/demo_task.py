@@ -1,0 +1,233 @@
+"""The demo's task mode: a model whose loops matter, measured against baselines of the same data and steps.
+
+1. generate the task data (``rdepth prepare --corpus task:chase``): training
+   problems of difficulty LOW..HIGH, held-out sets at every training difficulty
+   and at 1.5x and 2x the top;
+2. train the looped model (a difficulty curriculum, answer-only loss) and, on
+   the same data, steps and seed, each baseline: ``no_loop`` (the same layers
+   once each) and optionally ``deep`` (a plain model as deep as the looped one
+   unrolled at its training mean, Saunshi et al.'s comparison). With
+   ``parallel`` the baselines train in a second process while the looped model
+   trains in this one (one CPU thread each);
+3. exact-match accuracy per held-out difficulty at each test loop budget (the
+   test-time-compute curve), each baseline at its own depth;
+4. the exit policies on the top training difficulty: accuracy and loop steps on
+   answer tokens and on the rest, against fixed budgets on the same path;
+5. the loop geometry of the looped model's checkpoints;
+6. the report's first screen (:mod:`rdepth.demo_task_report`).
+
+Every stage calls the same pipeline function as its command; a re-run into the
+same folder reuses what finished with the same settings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from rdepth.errors import RdepthError
+from rdepth.io import write_json
+
+# The stages take the demo's config (rdepth.demo.DemoConfig); rdepth.demo imports this module, not
+# the reverse, so the type is named in words only.
+DemoConfig = Any
+
+log = logging.getLogger(__name__)
+
+EXIT_POLICIES = ("acceleration", "step_norm", "kl", "argmax_stable")
+
+
+def _prepared(config: DemoConfig) -> Path:
+    from rdepth.tasks.data import prepare_task_data
+
+    task_config = config.task_data_config()
+    data = Path(task_config.out)
+    manifest = data / "manifest.json"
+    if manifest.exists():
+        saved = json.loads(manifest.read_text()).get("config", {})
+        wanted = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(task_config).items()}
+        wanted = json.loads(json.dumps(wanted))  # tuples as lists, as saved
+        changed = sorted(k for k in wanted if saved.get(k) != wanted[k])
+        if changed:
+            raise RdepthError(f"{data} holds other prepared data ({', '.join(changed[:3])} differ); "
+                              "pass another --data folder")
+        log.info("reusing the task data in %s", data)
+        return data
+    return prepare_task_data(task_config)
+
+
+def unrolled_depth(model_config) -> int:
+    """Layers a token passes through at the training mean loop count (rounded)."""
+    looped = sum(group.end - group.start + 1 for group in model_config.group_specs)
+    unrolled = sum((group.end - group.start + 1) * model_config.mean_loops for group in model_config.group_specs)
+    return model_config.n_layer - looped + round(unrolled)
+
+
+def baseline_model_config(model_config, name: str):
+    """The model config of a baseline: the same layers without loops, or a plain model of the unrolled depth."""
+    if name == "no_loop":
+        return replace(model_config, groups="", eval_loops=None)
+    if name == "deep":
+        return replace(model_config, n_layer=unrolled_depth(model_config), groups="", eval_loops=None)
+    raise RdepthError(f"unknown baseline {name!r}")
+
+
+def _runs(config: DemoConfig, data: Path) -> dict[str, tuple[Any, Any]]:
+    """name -> (model config, train config) of the looped run and each baseline."""
+    from rdepth.train.trainer import data_model_config_for
+
+    looped = data_model_config_for(config.model_config(), data)
+    runs = {"looped": (looped, config.train_config(data, "train"))}
+    for name in config.baselines:
+        runs[name] = (baseline_model_config(looped, name), config.train_config(data, f"baseline_{name}"))
+    return runs
+
+
+def _train_quietly(model_dict: dict, train_dict: dict, log_path: str) -> None:
+    """A child process: train one run with one CPU thread, its log and progress bar in ``log_path``."""
+    import torch
+
+    from rdepth.config import ModelConfig
+    from rdepth.train.config import TrainConfig
+    from rdepth.train.launch import train_or_reuse
+
+    os.environ["TQDM_DISABLE"] = "1"  # the log holds lines, not a redrawn bar
+    torch.set_num_threads(1)
+    with open(log_path, "a") as handle:
+        sys.stdout = sys.stderr = handle
+        logging.basicConfig(level=logging.INFO, stream=handle, force=True,
+                            format="%(asctime)s %(name)s: %(message)s")
+        train_or_reuse(ModelConfig.from_dict(model_dict), TrainConfig.from_dict(train_dict))
+
+
+def _train_all(config: DemoConfig, data: Path) -> dict[str, Path]:
+    """Train the looped run and its baselines (baselines in a second process with ``parallel``)."""
+    import torch
+
+    from rdepth.train.launch import train_or_reuse
+
+    runs = _runs(config, data)
+    baselines = [name for name in runs if name != "looped"]
+    child = None
+    if config.parallel and baselines:
+        torch.set_num_threads(1)
+        log_path = Path(config.out) / "baselines.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        context = multiprocessing.get_context("spawn")
+
+        child = context.Process(target=_train_baselines, args=(
+            [(runs[name][0].to_dict(), runs[name][1].to_dict()) for name in baselines], str(log_path)),
+            daemon=False)
+        child.start()
+        log.info("training the baselines (%s) in process %d beside the looped model; their log: %s",
+                 ", ".join(baselines), child.pid, log_path)
+    elif config.threads:
+        torch.set_num_threads(config.threads)
+    try:
+        paths = {"looped": train_or_reuse(*runs["looped"])}
+    finally:
+        if child is not None and child.is_alive() and sys.exc_info()[0] is not None:
+            child.terminate()
+    if child is not None:
+        child.join()
+        if child.exitcode != 0:
+            raise RdepthError(f"training the baselines failed (exit status {child.exitcode}); see "
+                              f"{Path(config.out) / 'baselines.log'}")
+    for name in baselines:
+        paths[name] = Path(runs[name][1].out) if child is not None else train_or_reuse(*runs[name])
+    return paths
+
+
+def _train_baselines(runs: list[tuple[dict, dict]], log_path: str) -> None:
+    for model_dict, train_dict in runs:
+        _train_quietly(model_dict, train_dict, log_path)
+
+
+def _accuracy(config: DemoConfig, data: Path, runs: dict[str, Path]) -> dict[str, Any]:
+    """The accuracy tables: the looped run at every test budget, each baseline at its own depth."""
+    from rdepth.run.opened import open_run
+    from rdepth.tasks.evaluate import format_accuracy_table, task_accuracy_table
+
+    tables = {}
+    for name, run in runs.items():
+        opened = open_run(run, data, "cpu")
+        budgets = list(config.loop_budgets) if name == "looped" else [None]
+        tables[name] = task_accuracy_table(opened.model, data, budgets, batch_size=64)
+        tables[name]["parameters"] = opened.model.num_parameters()
+        tables[name]["model"] = opened.config.to_dict()
+        for line in format_accuracy_table(tables[name]):
+            log.info("%s: %s", name, line)
+    return tables
+
+
+def _sweep(config: DemoConfig, data: Path, run: Path) -> dict:
+    from rdepth.exits.config import SweepConfig
+    from rdepth.exits.task_sweep import sweep_task_checkpoint
+
+    return sweep_task_checkpoint(SweepConfig(
+        checkpoint=str(run), data=str(data), out=str(Path(config.out) / "report"), policies=EXIT_POLICIES,
+        repeats=3, timing_batch_size=16, batch_size=64, device="cpu", progress=False))
+
+
+def _analyze(config: DemoConfig, data: Path, run: Path) -> Path:
+    from rdepth.geometry.analyze import run_analysis
+    from rdepth.geometry.config import AnalyzeConfig
+
+    return run_analysis(AnalyzeConfig(checkpoints=[str(run)], data=str(data), out=str(Path(config.out) / "report"),
+                                      sequences=config.analyze_sequences, long_loops=config.long_loops, device="cpu"))
+
+
+def run_task_demo(config: DemoConfig) -> dict:
+    """Every stage of the task demo; returns (and writes to OUT/demo.json) the headline numbers."""
+    started = time.perf_counter()
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    def stage(name: str, fn, *args):
+        begin = time.perf_counter()
+        log.info("== %s", name)
+        value = fn(*args)
+        timings[name] = round(time.perf_counter() - begin, 1)
+        return value
+
+    data = stage("prepare", _prepared, config)
+    runs = stage("train", _train_all, config, data)
+    tables = stage("accuracy", _accuracy, config, data, runs)
+    outputs = {"data": str(data), **{f"run_{name}": str(path) for name, path in runs.items()}}
+    sweep = None
+    if config.sweep:
+        sweep = stage("sweep", _sweep, config, data, runs["looped"])
+        outputs["sweep"] = sweep["paths"]["json"]
+    if config.analyze:
+        outputs["analysis"] = str(stage("analyze", _analyze, config, data, runs["looped"]))
+    training = {}
+    for name, run in runs.items():
+        summary_path = run / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        training[name] = {"steps": summary.get("step"), "tokens_per_second": summary.get("tokens_per_second"),
+                          "wall_seconds": summary.get("wall_seconds")}
+    result = {
+        "mode": "task",
+        "config": asdict(config),
+        "outputs": outputs,
+        "accuracy": tables,
+        "training": training,
+        "sweep_summary": None if sweep is None else sweep["summary"],
+        "stage_seconds": timings,
+        "wall_seconds": round(time.perf_counter() - started, 1),
+    }
+    write_json(out / "demo.json", result)
+    from rdepth.demo_task_report import write_task_first_screen
+
+    write_task_first_screen(out)
+    from rdepth.demo_task_report import summarize_task_demo
+
+    return {**result, "overview": summarize_task_demo(out)}

@@ -1,0 +1,250 @@
+"""The task demo's first screen: accuracy against loops, the baselines, the exits, the geometry.
+
+Compute, save, render: :func:`summarize_task_demo` reads the saved files
+(``OUT/demo.json``, ``OUT/report/task_sweep.json``,
+``OUT/report/geometry/summary.json``) and writes every number the screen shows
+to ``OUT/report/overview.json``; :func:`draw_task_overview` draws the
+accuracy-against-loops figure from it; :func:`task_overview_section` formats it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rdepth.errors import RdepthError
+from rdepth.io import write_json
+from rdepth.report.html import Report, Section, format_value
+
+REPORT_DIR = "report"
+OVERVIEW_FILE = "overview.json"
+SECTION = "overview"
+BASELINE_NAMES = {"no_loop": "same layers, no loop", "deep": "plain model of the unrolled depth"}
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RdepthError(f"corrupt {path}: {exc}") from None
+
+
+def _by_budget(table: dict[str, Any]) -> dict[int, dict[int, float]]:
+    """difficulty -> loops (first group's count; 0 for a model without loops) -> accuracy."""
+    grid: dict[int, dict[int, float]] = {}
+    for row in table["rows"]:
+        loops = row["loop_counts"][0] if row.get("loop_counts") else 0
+        grid.setdefault(row["difficulty"], {})[loops] = row["accuracy"]
+    return grid
+
+
+def summarize_task_demo(out: str | os.PathLike) -> dict[str, Any]:
+    """Every number of the first screen, from the saved files; saved to ``OUT/report/overview.json``."""
+    out = Path(out)
+    demo = _read(out / "demo.json")
+    if demo is None or demo.get("mode") != "task":
+        raise RdepthError(f"{out / 'demo.json'} is missing or not a task demo")
+    tables = demo["accuracy"]
+    looped = _by_budget(tables["looped"])
+    low, high = tables["looped"]["train_difficulties"]
+    budgets = sorted(next(iter(looped.values())))
+    model = tables["looped"]["model"]
+    overview: dict[str, Any] = {
+        "train_difficulties": [low, high],
+        "budgets": budgets,
+        "train_mean_loops": model["mean_loops"],
+        "looped": {str(d): {str(k): v for k, v in row.items()} for d, row in looped.items()},
+        "baselines": {name: {str(d): row.get(0) for d, row in _by_budget(table).items()}
+                      for name, table in tables.items() if name != "looped"},
+        "parameters": {name: table.get("parameters") for name, table in tables.items()},
+        "models": {name: {k: table["model"][k] for k in ("n_layer", "d_model", "n_head", "groups", "mean_loops")}
+                   for name, table in tables.items()},
+        "training": demo.get("training", {}),
+        "stage_seconds": demo.get("stage_seconds", {}),
+        "wall_seconds": demo.get("wall_seconds"),
+        "config": {k: demo["config"].get(k) for k in ("task", "task_params", "max_steps", "batch_size", "lr",
+                                                      "curriculum_steps", "train_tokens")},
+    }
+    top = looped.get(high, {})
+    best_loops = max(top, key=lambda k: (top[k], -k)) if top else None
+    overview["headline"] = {
+        "difficulty": high, "one_loop": top.get(1), "best": top.get(best_loops), "best_loops": best_loops,
+        "no_loop": overview["baselines"].get("no_loop", {}).get(str(high)),
+        "deep": overview["baselines"].get("deep", {}).get(str(high)),
+    }
+    above = sorted(d for d in looped if d > high)
+    problems = {row["difficulty"]: row["problems"] for row in tables["looped"]["rows"]}
+    overview["extrapolation"] = []
+    for d in above:
+        peak = max(looped[d], key=lambda k: (looped[d][k], -k))
+        last = max(budgets)
+        # a fall past the peak counts as overthinking only beyond twice the binomial standard error
+        error = (looped[d][peak] * (1 - looped[d][peak]) / max(problems.get(d, 1), 1)) ** 0.5
+        overview["extrapolation"].append({
+            "difficulty": d, "curve": {str(k): looped[d][k] for k in budgets}, "peak_loops": peak,
+            "problems": problems.get(d), "standard_error": error,
+            "overthinking": bool(peak < last and looped[d][peak] - looped[d][last] > 2 * error)})
+    sweep = _read(out / REPORT_DIR / "task_sweep.json")
+    overview["exits"] = None if sweep is None else sweep["summary"]["difficulties"][0]
+    if sweep is not None:
+        overview["exits"]["tolerance"] = sweep["summary"]["tolerance"]
+    geometry = _read(out / REPORT_DIR / "geometry" / "summary.json")
+    if geometry is not None:
+        last = geometry["checkpoints"][-1]
+        budget = last["budgets"].get("long") or last["budgets"]["train"]
+        overview["geometry"] = {"checkpoint": last["label"], "groups": [
+            {"name": g["name"], **{k: g["headline"][k] for k in ("decay_5_over_0", "noise_floor_step",
+                                                                 "settled_cosine")}} for g in budget["groups"]]}
+    write_json(out / REPORT_DIR / OVERVIEW_FILE, overview)
+    return overview
+
+
+def draw_task_overview(report_dir: str | os.PathLike, overview: dict[str, Any]) -> list[tuple[str, str]]:
+    """Accuracy against test loops per difficulty, baselines as dashed lines; (path, caption) pairs."""
+    from rdepth.report.figures import pyplot, save_report_figure
+
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(5.6, 3.6))
+    low, high = overview["train_difficulties"]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (difficulty, row) in enumerate(sorted(overview["looped"].items(), key=lambda item: int(item[0]))):
+        color = colors[index % len(colors)]
+        loops = sorted(int(k) for k in row)
+        style = "o-" if int(difficulty) <= high else "s--"
+        axis.plot(loops, [100 * row[str(k)] for k in loops], style, color=color, label=f"d={difficulty}",
+                  markersize=4)
+        baseline = overview["baselines"].get("no_loop", {}).get(difficulty)
+        if baseline is not None:
+            axis.axhline(100 * baseline, color=color, linestyle=":", linewidth=1)
+    axis.axvline(overview["train_mean_loops"], color="grey", linewidth=0.8)
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(overview["budgets"], [str(b) for b in overview["budgets"]])
+    axis.set_xlabel("loops at test time (grey line: training mean)")
+    axis.set_ylabel("exact match (%)")
+    axis.set_ylim(-2, 102)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    path = save_report_figure(figure, report_dir, "overview_task_accuracy")
+    return [(path, f"Exact match against test loops per difficulty (solid: trained on {low}..{high}; dashed: "
+                   "harder than training); dotted lines: the no-loop baseline at the same difficulty.")]
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def headline_text(overview: dict[str, Any]) -> str:
+    h = overview["headline"]
+    text = (f"Loops matter: at difficulty {h['difficulty']} (the top of training) the looped model solves "
+            f"{_pct(h['one_loop'])} of problems with 1 loop and {_pct(h['best'])} with {_loops(h['best_loops'])}")
+    if h.get("no_loop") is not None:
+        text += f"; the same layers without loops, trained on the same data and steps, solve {_pct(h['no_loop'])}"
+    if h.get("deep") is not None:
+        text += f"; a plain model of the unrolled depth solves {_pct(h['deep'])}"
+    return text + "."
+
+
+def _versus(saved: float, what: str) -> str:
+    if saved >= 0:
+        return f" and {100 * saved:.0f}% fewer than {what}"
+    return f", but {100 * -saved:.0f}% more than {what}"
+
+
+def _loops(count: int) -> str:
+    return f"{count} loop{'s' if count != 1 else ''}"
+
+
+def findings(overview: dict[str, Any]) -> list[str]:
+    lines = []
+    high = overview["train_difficulties"][1]
+    for entry in overview["extrapolation"]:
+        curve = entry["curve"]
+        shown = ", ".join(f"{_pct(v)} at {k}" for k, v in curve.items())
+        last = max(int(k) for k in curve)
+        if entry["overthinking"]:
+            tail = (f"; more loops lose accuracy ({_pct(curve[str(last)])} at {last}): overthinking, beyond twice "
+                    f"the standard error of {100 * entry['standard_error']:.1f} points")
+        elif entry["peak_loops"] < last:
+            tail = (f"; past it accuracy stays within twice the standard error ({100 * entry['standard_error']:.1f} "
+                    "points): no overthinking measurable")
+        else:
+            tail = ""
+        lines.append(f"Harder than training (difficulty {entry['difficulty']}, {entry['difficulty'] / high:.2g}x the "
+                     f"top): {shown} loops; best at {_loops(entry['peak_loops'])}{tail}.")
+    exits = overview.get("exits")
+    if exits and exits.get("best"):
+        best, full = exits["best"], exits["full"]
+        cheapest = exits.get("cheapest_fixed_as_accurate")
+        lines.append(
+            f"Early exit at difficulty {exits['difficulty']}: {best['label']} keeps {_pct(best['accuracy'])} "
+            f"(full budget {full['label']}: {_pct(full['accuracy'])}) with {best['steps']:.2f} loop steps per token, "
+            f"{100 * exits['steps_saved_vs_full']:.0f}% fewer than the full budget"
+            + (_versus(exits["steps_saved_vs_cheapest_fixed"], f"{cheapest['label']}, the cheapest fixed budget as "
+                                                                "accurate") if cheapest else "")
+            + f"; answer tokens get {best['mean_steps_answer']:.2f} steps, the others {best['mean_steps_other']:.2f}"
+            + (f"; teacher-forced wall time {100 * exits['time_saved_vs_full']:.0f}% below the full budget's"
+               if exits.get("time_saved_vs_full") is not None else "") + ".")
+    elif exits:
+        lines.append(f"Early exit at difficulty {exits['difficulty']}: no policy stays within "
+                     f"{100 * exits['tolerance']:g} point(s) of the full budget.")
+    for group in (overview.get("geometry") or {}).get("groups", []):
+        floor = group["noise_floor_step"]
+        lines.append(f"Loop geometry (group {group['name']}): step size at step 5 is "
+                     f"{format_value(group['decay_5_over_0'])}x the first; "
+                     + ("steps never reach the noise floor within the budget" if floor is None else
+                        f"steps reach the noise floor at step {floor}")
+                     + f"; consecutive steps settle at cosine {format_value(group['settled_cosine'])} (the paper's "
+                     "text model: 0.5-0.65, a slow spiral; a negative cosine is a back-and-forth oscillation).")
+    return lines
+
+
+def task_overview_section(overview: dict[str, Any], figures: list[tuple[str, str]]) -> Section:
+    section = Section(SECTION, "Result", order=0)
+    section.headline(headline_text(overview))
+    section.figures(figures, aside=True)
+    budgets = overview["budgets"]
+    rows = []
+    for difficulty, row in sorted(overview["looped"].items(), key=lambda item: int(item[0])):
+        entry: dict[str, Any] = {"difficulty": int(difficulty)}
+        entry.update({f"{k} loop{'s' if k > 1 else ''}": 100 * row[str(k)] for k in budgets})
+        for name, accuracies in overview["baselines"].items():
+            entry[BASELINE_NAMES.get(name, name)] = None if accuracies.get(difficulty) is None else \
+                100 * accuracies[difficulty]
+        rows.append(entry)
+    low, high = overview["train_difficulties"]
+    section.table(rows, caption=f"Exact match (%) on held-out problems: the looped model at each test loop "
+                                f"budget (trained on difficulties {low}..{high}, mean {overview['train_mean_loops']:g} "
+                                "loops) and the baselines trained on the same data and steps")
+    models = overview["models"]
+    config = overview["config"]
+    section.facts([
+        (BASELINE_NAMES.get(name, "looped model" if name == "looped" else name),
+         f"{m['n_layer']} layers, width {m['d_model']}, groups {m['groups'] or 'none'}"
+         + (f", mean {m['mean_loops']:g} loops" if m["groups"] else "")
+         + f", {format_value(overview['parameters'].get(name))} parameters") for name, m in models.items()
+    ] + [
+        ("Task", f"{config['task']} {config['task_params']}"),
+        ("Trained", f"{config['max_steps']} steps × {config['batch_size']} problems, lr {config['lr']}, "
+                    f"curriculum over {config['curriculum_steps']} steps"),
+        ("Time", f"{overview['wall_seconds']:.0f} s for the whole demo ("
+                 + ", ".join(f"{k} {v:.0f} s" for k, v in overview["stage_seconds"].items()) + ")"),
+    ])
+    section.bullets(findings(overview), caption="What the report found")
+    return section
+
+
+def write_task_first_screen(out: str | os.PathLike) -> Path:
+    """Summarise, draw and render the task demo's first screen into ``OUT/report/index.html``."""
+    out = Path(out)
+    overview = summarize_task_demo(out)
+    report_dir = out / REPORT_DIR
+    figures = draw_task_overview(report_dir, overview)
+    report = Report("rdepth demo report: a task whose answers need the loops",
+                    intro=f"Output folder {out.resolve()}")
+    report.sections[SECTION] = task_overview_section(overview, figures)
+    return report.write(report_dir)

@@ -1,0 +1,72 @@
+"""The task demo end to end on a tiny model: baselines, accuracy tables, exits, geometry, first screen."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rdepth.cli.main import main
+from rdepth.config import get_preset
+from rdepth.demo_task import baseline_model_config, unrolled_depth
+
+PARAMS = json.dumps({"chase": {"nodes": 8, "queries": 4, "ordered": True}})
+SMALL = ["--task-params", PARAMS, "--train-difficulties", "1,3", "--train-tokens", "20000",
+         "--model-overrides", json.dumps({"d_model": 32, "n_head": 2, "block_size": 32, "mean_loops": 3.0,
+                                          "backprop_depth": 2})]
+
+
+def test_baselines_have_no_loops_and_the_unrolled_depth():
+    looped = get_preset("task")  # 1 prelude layer, layer 1 looped, mean 6 loops
+    assert unrolled_depth(looped) == 7
+    # tiny: prelude 0, groups 1 | 2-3 | 4 at a mean of 4 loops, coda 5
+    assert unrolled_depth(get_preset("tiny")) == 1 + 4 + 2 * 4 + 4 + 1
+    no_loop, deep = baseline_model_config(looped, "no_loop"), baseline_model_config(looped, "deep")
+    assert (no_loop.n_layer, no_loop.groups, no_loop.n_groups) == (2, "", 0)
+    assert (deep.n_layer, deep.groups) == (7, "")
+
+
+@pytest.mark.slow
+def test_task_demo_end_to_end(tmp_path, capsys):
+    out = tmp_path / "demo"
+    argv = ["demo", "--out", str(out), *SMALL, "--max-steps", "6", "--batch-size", "4", "--checkpoint-every", "3",
+            "--curriculum-steps", "3", "--eval-batches", "1", "--analyze-sequences", "2", "--long-loops", "4",
+            "--loop-budgets", "1,2", "--baselines", "no_loop,deep", "--parallel"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Loops matter" in printed and "d=6" in printed and "baseline deep" in printed
+
+    result = json.loads((out / "demo.json").read_text())
+    assert set(result["accuracy"]) == {"looped", "no_loop", "deep"}
+    assert result["accuracy"]["deep"]["model"]["n_layer"] == 1 + 3 and result["accuracy"]["deep"]["model"]["groups"] == ""
+    looped_rows = result["accuracy"]["looped"]["rows"]
+    assert {tuple(r["loop_counts"]) for r in looped_rows} == {(1,), (2,)}
+    assert {r["difficulty"] for r in looped_rows} == {1, 2, 3, 5, 6}
+    for name in ("train", "baseline_no_loop", "baseline_deep"):  # same data, steps and seed
+        saved = json.loads((out / name / "config.json").read_text())
+        assert saved["train"]["max_steps"] == 6 and saved["train"]["data"] == str(out / "data")
+    overview = json.loads((out / "report" / "overview.json").read_text())
+    assert overview["headline"]["difficulty"] == 3 and overview["exits"]["difficulty"] == 3
+    page = (out / "report" / "index.html").read_text()
+    assert "Result" in page and "Early exit on the task" in page and "step_000003" in page
+    sweep = json.loads((out / "report" / "task_sweep.json").read_text())
+    assert {p["policy"] for p in sweep["difficulties"][0]["points"]} == {"acceleration", "step_norm", "kl",
+                                                                          "argmax_stable"}
+
+    weights = out / "train" / "checkpoints" / "step_000006" / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    assert main(argv + ["--no-analyze", "--no-sweep"]) == 0  # every finished run is reused
+    assert weights.stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--mode", "nope"], "mode"),
+    (["--baselines", "shallow"], "baseline"),
+    (["--train-difficulties", "1,99"], "difficult"),
+    (["--task", "nope"], "unknown task"),
+])
+def test_bad_demo_input_is_one_line_and_writes_nothing(argv, fragment, tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path / "x"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
