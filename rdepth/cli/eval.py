@@ -29,6 +29,12 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.tasks.evaluate import format_accuracy_table
 
     config = build(EvalConfig, {}, args)
+    if config.exit_profile is not None:
+        from rdepth.exits.profile_eval import evaluate_profile_checkpoint, format_profile_eval
+
+        for line in format_profile_eval(evaluate_profile_checkpoint(config)):
+            print(line)
+        return 0
     if is_task_data(config.data):
         summary = evaluate_task_checkpoint(config)
         print(f"answer accuracy (%) per held-out difficulty; training difficulties {summary['train_difficulties']}")

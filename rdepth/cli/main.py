@@ -29,6 +29,7 @@ SUBCOMMANDS = [
     "generate",
     "analyze",
     "sweep",
+    "calibrate",
     "surrogate",
     "export",
     "import_hf",

@@ -46,6 +46,9 @@ class EvalConfig:
     threads: int = option(0, "torch CPU threads (0: torch's default)")
     progress: bool = option(True, "show a progress bar")
     json: str | None = option(None, "also write the results to this JSON file")
+    exit_profile: str | None = option(
+        None, "evaluate with per-token exits from this exit profile (rdepth calibrate) instead of --loops",
+        default_text="none")
     baseline: list[str] | None = option(
         None, "task data: another checkpoint or run (e.g. a no-loop or deeper plain model trained on the same "
         "data) evaluated at its own loop counts in the same table; repeatable", default_text="none")
@@ -57,6 +60,8 @@ class EvalConfig:
         if not isinstance(self.threads, int) or self.threads < 0:
             raise RdepthError(f"eval: threads must be >= 0, got {self.threads!r}")
         check_device_name("eval", self.device)
+        if self.exit_profile is not None and self.loops:
+            raise RdepthError("eval: give --loops or --exit-profile, not both")
 
     @property
     def max_windows(self) -> int | None:

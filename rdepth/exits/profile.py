@@ -1,0 +1,82 @@
+"""Exit profiles: a policy with one threshold per group, saved as JSON beside a run.
+
+``rdepth calibrate`` writes one (:mod:`rdepth.exits.calibrate`); ``rdepth eval``
+takes it with ``--exit-profile``. The file holds what a controller needs (the
+policy, its swept parameter, one value per group, the step caps and the policy
+options) and what it was calibrated for and on (target, data, predicted and
+realised quality and steps), so that a profile can be checked against the model
+it is loaded for and read by people.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from rdepth.errors import RdepthError
+from rdepth.io import read_json_object
+
+KIND = "rdepth-exit-profile"
+FORMAT = 1
+
+
+def make_profile(policy: str, values: Sequence[float], k_max: Sequence[int], options: dict | None = None,
+                 **record: Any) -> dict:
+    """A profile dict (validated); ``record`` adds what it was calibrated for and on."""
+    from rdepth.exits.registry import get_policy_class
+
+    cls = get_policy_class(policy)
+    profile = {"kind": KIND, "format": FORMAT, "policy": policy, "parameter": cls.sweep_parameter,
+               "values": [float(v) for v in values], "k_max": [int(k) for k in k_max],
+               "options": dict(options or {}), **record}
+    check_profile(profile, "exit profile")
+    return profile
+
+
+def check_profile(profile: dict, where: str) -> None:
+    """A one-line error for a profile that is not one or is malformed."""
+    from rdepth.exits.registry import get_policy_class
+
+    if profile.get("kind") != KIND or profile.get("format") != FORMAT:
+        raise RdepthError(f"{where}: not an rdepth exit profile (format {FORMAT})")
+    get_policy_class(profile.get("policy", "?"))
+    values, k_max = profile.get("values"), profile.get("k_max")
+    if not isinstance(values, list) or not isinstance(k_max, list) or not values or len(values) != len(k_max):
+        raise RdepthError(f"{where}: values and k_max must be lists of the same length (one per group)")
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
+        raise RdepthError(f"{where}: values must be positive finite numbers, got {values}")
+    if not all(isinstance(k, int) and k >= 1 for k in k_max):
+        raise RdepthError(f"{where}: k_max must be positive integers, got {k_max}")
+    if not isinstance(profile.get("options", {}), dict):
+        raise RdepthError(f"{where}: options must be an object")
+
+
+def load_profile(path: str | Path, n_groups: int | None = None) -> dict:
+    """Read and check a profile; with ``n_groups``, it must have one value per group of the model."""
+    profile = read_json_object(Path(path), "exit profile")
+    check_profile(profile, f"exit profile {path}")
+    if n_groups is not None and len(profile["values"]) != n_groups:
+        raise RdepthError(f"exit profile {path} has {len(profile['values'])} group value(s) for a model with "
+                          f"{n_groups} group(s)")
+    return profile
+
+
+def profile_controller_factory(profile: dict, decode_factory: Callable[[], Any] | None = None) -> Callable:
+    """A factory of fresh controllers running the profile's policy with each group's own value."""
+    from rdepth.exits.controller import PolicyController
+    from rdepth.exits.registry import get_policy_class
+
+    cls = get_policy_class(profile["policy"])
+    values, k_max, options = profile["values"], profile["k_max"], profile.get("options", {})
+
+    def build(group: int):
+        value = values[group]
+        if cls.sweep_parameter == "tau":
+            return cls(tau=value, k_max=k_max[group], **options)
+        value = int(value) if float(value).is_integer() else value
+        return cls(k_max=k_max[group], **{cls.sweep_parameter: value}, **options)
+
+    for group in range(len(values)):
+        build(group)  # validate before any work
+    return lambda: PolicyController(build, decode=decode_factory() if decode_factory is not None else None)
