@@ -65,7 +65,8 @@ class DemoConfig:
     curriculum_steps: int | None = option(
         None, "task mode: steps over which the top training difficulty rises from LOW + 1 to HIGH (0: off)",
         default_text="1000 in task mode")
-    loop_budgets: tuple[int, ...] = option((1, 2, 4, 8, 16), "task mode: test loop budgets of the accuracy table")
+    loop_budgets: tuple[int, ...] = option((1, 2, 3, 4, 6, 8, 12, 16, 32),
+                                           "task mode: test loop budgets of the accuracy table")
     baselines: tuple[str, ...] = option(
         ("no_loop",), "task mode: baselines trained on the same data and steps: no_loop (the same layers, once "
         "each), deep (a plain model as deep as the looped one unrolled at its training mean); 'none' for none")
@@ -84,7 +85,7 @@ class DemoConfig:
     analyze_sequences: int = option(16, "held-out windows for the geometry analysis")
     long_loops: int = option(30, "the long loop budget of the geometry analysis")
     sweep: bool = option(True, "sweep the early-exit policies on the final checkpoint")
-    sweep_sequences: int = option(8, "held-out windows for the exit sweep")
+    sweep_sequences: int = option(8, "text mode: held-out windows for the exit sweep")
     max_documents: int | None = option(None, "prepare only the first N documents", default_text="all")
     model_overrides: str = option("", "JSON object of model fields, e.g. '{\"d_model\": 64}'")
     threads: int = option(0, "torch CPU threads (0: torch's default)")

@@ -42,6 +42,8 @@ DemoConfig = Any
 log = logging.getLogger(__name__)
 
 EXIT_POLICIES = ("acceleration", "step_norm", "kl", "argmax_stable")
+# Wider than the text sweep's 1e-5..1e-2: the task model's steps stay above 1e-2 of the state for many steps.
+EXIT_TAUS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 
 
 def _prepared(config: DemoConfig) -> Path:
@@ -173,7 +175,7 @@ def _sweep(config: DemoConfig, data: Path, run: Path) -> dict:
 
     return sweep_task_checkpoint(SweepConfig(
         checkpoint=str(run), data=str(data), out=str(Path(config.out) / "report"), policies=EXIT_POLICIES,
-        repeats=3, timing_batch_size=16, batch_size=64, device="cpu", progress=False))
+        taus=EXIT_TAUS, repeats=3, timing_batch_size=16, batch_size=64, device="cpu", progress=False))
 
 
 def _analyze(config: DemoConfig, data: Path, run: Path) -> Path:

@@ -155,6 +155,13 @@ def _versus(saved: float, what: str) -> str:
     return f", but {100 * -saved:.0f}% more than {what}"
 
 
+def _time_versus(saved: float, label: str) -> str:
+    if saved >= 0:
+        return f" and {100 * saved:.0f}% below {label}'s"
+    return (f" but {100 * -saved:.0f}% above {label}'s (the policy's per-step decision costs more than the "
+            "steps it saves)")
+
+
 def _loops(count: int) -> str:
     return f"{count} loop{'s' if count != 1 else ''}"
 
@@ -188,7 +195,9 @@ def findings(overview: dict[str, Any]) -> list[str]:
                                                                 "accurate") if cheapest else "")
             + f"; answer tokens get {best['mean_steps_answer']:.2f} steps, the others {best['mean_steps_other']:.2f}"
             + (f"; teacher-forced wall time {100 * exits['time_saved_vs_full']:.0f}% below the full budget's"
-               if exits.get("time_saved_vs_full") is not None else "") + ".")
+               if exits.get("time_saved_vs_full") is not None else "")
+            + (_time_versus(exits["time_saved_vs_cheapest_fixed"], cheapest["label"])
+               if exits.get("time_saved_vs_cheapest_fixed") is not None and cheapest else "") + ".")
     elif exits:
         lines.append(f"Early exit at difficulty {exits['difficulty']}: no policy stays within "
                      f"{100 * exits['tolerance']:g} point(s) of the full budget.")

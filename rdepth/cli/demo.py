@@ -15,7 +15,7 @@ def register(subparsers) -> None:
         help="the main job: a reasoning task whose answers need the loops (or --mode text), end to end",
         description="Task mode (the default): generate a pointer-chasing task, train a looped model on it "
         "beside its no-loop baseline (same data, steps and seed), report exact-match accuracy per difficulty "
-        "at 1..16 test loops (including difficulties above training), sweep the exit policies on answer and "
+        "at 1..32 test loops (including difficulties above training), sweep the exit policies on answer and "
         "other tokens, analyse the loop geometry, and write OUT/report/index.html. Text mode: prepare the "
         "default Wikipedia corpus, train the tiny preset with a series of checkpoints, evaluate at several "
         "loop budgets against the unigram baseline, then write the loop-geometry and early-exit report.",

@@ -91,6 +91,8 @@ def summarize_task_sweep(result: dict, tolerance: float) -> dict:
                 row["steps_saved_vs_cheapest_fixed"] = 1 - best["steps"] / cheapest["steps"]
             if "ms_per_token" in best and "ms_per_token" in full:
                 row["time_saved_vs_full"] = 1 - best["ms_per_token"] / full["ms_per_token"]
+                if cheapest is not None and "ms_per_token" in cheapest:
+                    row["time_saved_vs_cheapest_fixed"] = 1 - best["ms_per_token"] / cheapest["ms_per_token"]
             row["answer_over_other_steps"] = best["mean_steps_answer"] / max(best["mean_steps_other"], 1e-12)
         row["pareto"] = [e["label"] for e in pareto_front(block["fixed"] + block["points"])]
         out["difficulties"].append(row)
