@@ -98,6 +98,7 @@ def evaluate_with_exits(
     seed: int = 0,
     autocast_dtype: torch.dtype | None = None,
     progress: bool = False,
+    warm_start: bool = False,
 ) -> ExitEvaluation:
     """Cross-entropy, perplexity and loop steps over held-out ``windows`` ``[S, T + 1]``.
 
@@ -114,14 +115,14 @@ def evaluate_with_exits(
         tally = _Tally(counts)
 
         def forward(x, y, noise):
-            return model(x, y, counts, generator=noise)
+            return model(x, y, counts, generator=noise, warm_start=warm_start)
     else:
         make = controller if not hasattr(controller, "after_step") else (lambda: controller)
         probe = make()
         tally = _Tally([probe.max_steps(group) for group in range(model.n_groups)])
 
         def forward(x, y, noise):
-            return model(x, y, controller=make(), generator=noise)
+            return model(x, y, controller=make(), generator=noise, warm_start=warm_start)
     for out, n_tokens in eval_outputs(model, windows, forward, batch_size=batch_size, device=device, seed=seed,
                                       autocast_dtype=autocast_dtype, progress=progress):
         tally.add(out.loss, n_tokens, out.computed, out.used)

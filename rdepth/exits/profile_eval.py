@@ -41,7 +41,7 @@ def evaluate_profile_checkpoint(config: EvalConfig) -> dict[str, Any]:
             row = {"difficulty": difficulty}
             for name, make in (("profile", factory), ("full", full)):
                 result = heldout_accuracy(run.model, heldout, controller_factory=make, batch_size=config.batch_size,
-                                          device=run.device, seed=config.seed)
+                                          device=run.device, seed=config.seed, warm_start=config.warm_start)
                 row[name] = {k: result[k] for k in ("accuracy", "mean_steps_answer", "mean_steps_other", "problems")}
             summary["rows"].append(row)
     else:
@@ -49,7 +49,8 @@ def evaluate_profile_checkpoint(config: EvalConfig) -> dict[str, Any]:
         summary["windows"] = int(windows.shape[0])
         for name, make in (("profile", factory), ("full", full)):
             result = evaluate_with_exits(run.model, windows, controller=make, batch_size=config.batch_size,
-                                         device=run.device, seed=config.seed, progress=config.progress)
+                                         device=run.device, seed=config.seed, progress=config.progress,
+                                         warm_start=config.warm_start)
             summary[name] = {"ce": result.ce, "ppl": result.ppl, "mean_steps": [float(s) for s in result.mean_steps]}
     if config.json:
         write_json(config.json, summary)

@@ -22,13 +22,16 @@ def generate(
     controller_factory: Callable[[], LoopController] | None = None,
     generator: Noise = None,
     sample_generator: torch.Generator | None = None,
+    warm_start: bool = False,
 ) -> torch.Tensor:
     """Extend ``idx`` ``[B, T0]`` by up to ``max_new_tokens`` tokens.
 
     The prompt is processed once, then one token per forward, each reading the
     cached keys/values of every earlier position at the same loop step (or its
     last computed step when it exited early). ``temperature=0`` is greedy.
-    Generation stops at the model's block size.
+    Generation stops at the model's block size. ``warm_start``: each group's loop
+    starts from the state it handed on at the previous token (see
+    :meth:`RecurrentLM.forward`); the prompt then runs token by token.
     """
     model.eval()
     cache = model.new_cache(idx.shape[0])
@@ -38,7 +41,8 @@ def generate(
         if cache.length + step_input.shape[1] > model.config.block_size:
             break
         controller = controller_factory() if controller_factory is not None else None
-        out = model(step_input, loop_counts=loop_counts, generator=generator, controller=controller, cache=cache)
+        out = model(step_input, loop_counts=loop_counts, generator=generator, controller=controller, cache=cache,
+                    warm_start=warm_start)
         logits = out.logits[:, -1, :].float()
         if temperature <= 0:
             next_token = logits.argmax(dim=-1, keepdim=True)

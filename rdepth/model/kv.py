@@ -83,6 +83,8 @@ class KVStore:
         self.latest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.steps: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.computed: dict[int, torch.Tensor] = {}  # layer -> [B, capacity] last step written
+        # group -> [B, d]: the state each row's last token handed on (warm-started loops start there)
+        self.warm: dict[int, torch.Tensor] = {}
 
     def _zeros(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.batch_size, like.shape[1], self.capacity, like.shape[2])

@@ -232,6 +232,7 @@ class RecurrentLM(nn.Module):
         observer: Observer | None = None,
         controller: LoopController | None = None,
         cache: KVStore | None = None,
+        warm_start: bool = False,
     ) -> ModelOutput:
         """Run the model on ``idx`` ``[B, T]``.
 
@@ -243,8 +244,23 @@ class RecurrentLM(nn.Module):
         ``targets`` ``[B, T]`` (-1 = ignore) adds the mean cross-entropy.
         ``generator``: where the initial loop states come from (:data:`Noise`);
         a ``torch.Generator`` also drives the training draw of loop counts.
+        ``warm_start``: each group's loop for a token starts from the state that
+        group handed on at the previous position of the same row (Geiping et al.'s
+        "continuous compute"), the first position from noise. The positions then
+        run one after another through a key/value cache (``cache``, or a private
+        one), so teacher-forced evaluation and cached decoding are the same
+        computation.
         """
-        if controller is None and cache is None:
+        if warm_start:
+            counts = None
+            if controller is None:
+                counts = self.resolve_loop_counts(loop_counts, _generator_of(generator))
+                controller = FixedController(counts)
+            if cache is None:  # the cache generation uses, so that both compute the same
+                cache = self.new_cache(idx.shape[0])
+            x, computed, used = self._forward_warm(idx, controller, cache, generator, observer)
+            output = ModelOutput(self.readout(x), None, counts, computed, used)
+        elif controller is None and cache is None:
             counts = self.resolve_loop_counts(loop_counts, _generator_of(generator))
             x = self._forward_dense(idx, counts, generator, observer)
             output = ModelOutput(self.readout(x), None, counts)
@@ -285,7 +301,18 @@ class RecurrentLM(nn.Module):
             x = state
         return x
 
-    def _forward_packed(self, idx, controller, cache, noise, observer):
+    def _forward_warm(self, idx, controller, cache, noise, observer):
+        """Warm-started loops: the positions of ``idx`` one at a time through ``cache``."""
+        outputs, computed, used = [], [], []
+        for t in range(idx.shape[1]):
+            x, c, u = self._forward_packed(idx[:, t:t + 1], controller, cache, noise, observer, warm=True)
+            outputs.append(x)
+            computed.append(c)
+            used.append(u)
+        return (torch.cat(outputs, dim=1), [torch.cat(parts, dim=1) for parts in zip(*computed)],
+                [torch.cat(parts, dim=1) for parts in zip(*used)])
+
+    def _forward_packed(self, idx, controller, cache, noise, observer, warm: bool = False):
         batch, seq = idx.shape
         start = cache.length if cache is not None else 0
         store = cache if cache is not None else KVStore(batch, seq, self.looped_layers, keep_steps=False)
@@ -304,7 +331,10 @@ class RecurrentLM(nn.Module):
                 continue
             group = stage.group
             inputs = x
-            state = self.init_state(group, inputs.view(batch, seq, -1), noise, start).reshape(batch * seq, -1)
+            if warm and group in store.warm:  # one position per call: the row's previous handed-on state
+                state = store.warm[group].to(inputs.dtype)
+            else:
+                state = self.init_state(group, inputs.view(batch, seq, -1), noise, start).reshape(batch * seq, -1)
             loop = LoopRows(controller, group, state)
             if observer is not None:
                 observer(group, 0, state.view(batch, seq, -1), None)
@@ -321,6 +351,8 @@ class RecurrentLM(nn.Module):
                 if loop.finish_step(step, prev, new):
                     break
             x = loop.handed_on
+            if warm:
+                store.warm[group] = x.view(batch, seq, -1)[:, -1]
             computed_out.append(loop.computed.view(batch, seq))
             used_out.append(loop.used.view(batch, seq))
         if cache is not None:

@@ -46,6 +46,8 @@ class EvalConfig:
     threads: int = option(0, "torch CPU threads (0: torch's default)")
     progress: bool = option(True, "show a progress bar")
     json: str | None = option(None, "also write the results to this JSON file")
+    warm_start: bool = option(False, "start each group's loop from the state it handed on at the previous "
+                                     "position (token by token; Geiping et al.'s continuous compute)")
     exit_profile: str | None = option(
         None, "evaluate with per-token exits from this exit profile (rdepth calibrate) instead of --loops",
         default_text="none")
@@ -85,11 +87,16 @@ class GenerateConfig:
         "greedy only (--temperature 0), the same tokens as plain greedy decoding", default_text="off")
     draft_tokens: int = option(4, "tokens drafted per verification pass (with --draft-loops)")
     show_special: bool = option(False, "show special tokens such as <|endoftext|> in the output")
+    warm_start: bool = option(False, "start each group's loop from the state it handed on at the previous token "
+                                     "(Geiping et al.'s continuous compute; the prompt runs token by token)")
     device: str = option("auto", DEVICE_HELP)
     threads: int = option(0, "torch CPU threads (0: torch's default)")
 
     def __post_init__(self) -> None:
         check_positive("generate", self, ("max_new_tokens", "samples", "top_k", "draft_tokens"))
+        if self.draft_loops is not None and self.warm_start:
+            raise RdepthError("generate: --warm-start with --draft-loops is not supported (the verifier would need "
+                              "the drafts' handed-on states)")
         if self.draft_loops is not None and self.temperature != 0:
             raise RdepthError("generate: --draft-loops (speculative decoding) is greedy: pass --temperature 0")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \

@@ -30,7 +30,8 @@ def evaluate_checkpoint(config: EvalConfig) -> dict[str, Any]:
     results = []
     for counts in budgets:
         results.append(evaluate(run.model, windows, loop_counts=counts, batch_size=config.batch_size,
-                                device=run.device, seed=config.seed, progress=config.progress))
+                                device=run.device, seed=config.seed, progress=config.progress,
+                                warm_start=config.warm_start))
     summary = {
         "checkpoint": str(run.checkpoint), "data": str(run.data), "windows": int(windows.shape[0]),
         "seq_len": int(windows.shape[1] - 1), "results": results,

@@ -74,15 +74,18 @@ def evaluate(
     autocast_dtype: torch.dtype | None = None,
     progress: bool = False,
     masks: torch.Tensor | None = None,
+    warm_start: bool = False,
 ) -> dict:
     """Mean next-token cross-entropy (nats) and perplexity over ``windows`` ``[S, T + 1]``.
 
-    ``loop_counts`` per group (default: the model's eval counts, also in train mode).
+    ``loop_counts`` per group (default: the model's eval counts, also in train mode);
+    ``warm_start``: loops start from the previous position's state (token by token).
     """
     counts = model.config.default_eval_loops if loop_counts is None else model.resolve_loop_counts(loop_counts)
     total_loss, total_tokens = 0.0, 0
     for out, n_tokens in eval_outputs(
-        model, windows, lambda x, y, noise: model(x, y, counts, generator=noise), batch_size=batch_size,
+        model, windows, lambda x, y, noise: model(x, y, counts, generator=noise, warm_start=warm_start),
+        batch_size=batch_size,
         device=device, seed=seed, autocast_dtype=autocast_dtype, progress=progress, masks=masks,
     ):
         total_loss += out.loss.item() * n_tokens

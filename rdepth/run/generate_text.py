@@ -57,7 +57,7 @@ def generate_text(config: GenerateConfig) -> list[str]:
         out = torch.cat(rows)
     else:
         out = generate(model, prompt, config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-                       loop_counts=counts, generator=noise, sample_generator=sampling)
+                       loop_counts=counts, generator=noise, sample_generator=sampling, warm_start=config.warm_start)
     texts = [tokenizer.decode(row) for row in out.tolist()]
     if not config.show_special:
         for token in SPECIAL_TOKENS:

@@ -37,7 +37,7 @@ def evaluate_task_checkpoint(config: EvalConfig) -> dict[str, Any]:
     budgets = [parse_loop_counts(spec, run.config.n_groups) if spec else run.config.default_eval_loops
                for spec in (config.loops or [None])]
     table = task_accuracy_table(run.model, config.data, budgets, batch_size=config.batch_size, device=run.device,
-                                seed=config.seed, max_problems=config.max_windows)
+                                seed=config.seed, max_problems=config.max_windows, warm_start=config.warm_start)
     summary = {"checkpoint": str(run.checkpoint), "data": str(run.data), "task": True, **table, "baselines": []}
     for baseline in config.baseline or []:
         other = open_run(baseline, config.data, config.device)

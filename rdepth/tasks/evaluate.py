@@ -35,11 +35,13 @@ def heldout_accuracy(
     batch_size: int = 32,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    warm_start: bool = False,
 ) -> dict[str, Any]:
     """Exact-match accuracy on one held-out set at a fixed budget (``loop_counts``) or under
     per-token exits (``controller_factory``). Returns ``{difficulty, accuracy, problems,
     answer_ce, answer_tokens}`` plus, with exits, ``mean_steps_answer`` / ``mean_steps_other``
-    (loop steps per token summed over groups, on answer tokens and on the rest)."""
+    (loop steps per token summed over groups, on answer tokens and on the rest). ``warm_start``:
+    every group's loop starts from the state it handed on at the previous position (token by token)."""
     windows = torch.from_numpy(np.asarray(heldout.tokens, dtype=np.int64))
     masks = torch.from_numpy(np.asarray(heldout.answer_mask, dtype=bool))
     counts = None if controller_factory is not None else (
@@ -47,8 +49,8 @@ def heldout_accuracy(
 
     def forward(x, y, noise):
         if controller_factory is not None:
-            return model(x, y, controller=controller_factory(), generator=noise)
-        return model(x, y, counts, generator=noise)
+            return model(x, y, controller=controller_factory(), generator=noise, warm_start=warm_start)
+        return model(x, y, counts, generator=noise, warm_start=warm_start)
 
     predictions, loss_sum, scored = [], 0.0, 0
     steps_answer, steps_other = 0.0, 0.0
@@ -94,6 +96,7 @@ def task_accuracy_table(
     device: str | torch.device = "cpu",
     seed: int = 0,
     max_problems: int | None = None,
+    warm_start: bool = False,
 ) -> dict[str, Any]:
     """Accuracy per held-out difficulty (default: every recorded one) per loop budget.
 
@@ -109,7 +112,7 @@ def task_accuracy_table(
     for budget in budgets:
         for heldout in sets:
             rows.append(heldout_accuracy(model, heldout, loop_counts=budget, batch_size=batch_size, device=device,
-                                         seed=seed))
+                                         seed=seed, warm_start=warm_start))
     return {"train_difficulties": manifest.get("train_difficulties"), "difficulties": chosen, "rows": rows}
 
 

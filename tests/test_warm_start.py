@@ -1,0 +1,63 @@
+"""Warm-started loops: teacher-forced evaluation and cached decoding are one computation, exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rdepth.config import get_preset
+from rdepth.exits import PolicyController, make_policy
+from rdepth.model import RecurrentLM
+from rdepth.model.generation import generate
+from rdepth.model.noise import StateNoise
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model() -> RecurrentLM:
+    torch.manual_seed(0)
+    config = get_preset("tiny", n_layer=4, d_model=32, n_head=2, block_size=16, vocab_size=64, groups="1|2")
+    return RecurrentLM(config).double().eval()
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(1))
+
+
+def controller():
+    return PolicyController(lambda group: make_policy("step_norm", tau=0.05, k_max=6))
+
+
+@torch.no_grad()
+def test_one_call_equals_token_by_token_with_a_cache(model, tokens):
+    noise = StateNoise.consecutive(3, 0, tokens.shape[0])
+    whole = model(tokens, controller=controller(), generator=noise, warm_start=True)
+    cache = model.new_cache(tokens.shape[0])
+    pieces = [model(tokens[:, :5], controller=controller(), generator=noise, cache=cache, warm_start=True)]
+    for t in range(5, tokens.shape[1]):
+        pieces.append(model(tokens[:, t:t + 1], controller=controller(), generator=noise, cache=cache,
+                            warm_start=True))
+    # the same computation; only the head's matmul over 12 positions at once rounds differently (1e-16)
+    torch.testing.assert_close(whole.logits, torch.cat([p.logits for p in pieces], dim=1), rtol=1e-12, atol=1e-12)
+    for group in range(model.n_groups):
+        assert torch.equal(whole.computed[group], torch.cat([p.computed[group] for p in pieces], dim=1))
+
+
+@torch.no_grad()
+def test_warm_start_changes_every_position_but_the_first(model, tokens):
+    noise = StateNoise.consecutive(3, 0, tokens.shape[0])
+    fresh = model(tokens, loop_counts=3, generator=noise, controller=None, cache=model.new_cache(3))
+    warm = model(tokens, loop_counts=3, generator=noise, warm_start=True)
+    torch.testing.assert_close(warm.logits[:, 0], fresh.logits[:, 0], rtol=1e-10, atol=1e-10)  # starts from noise
+    assert (warm.logits[:, 1:] - fresh.logits[:, 1:]).abs().amax(-1).min() > 1e-6
+
+
+@torch.no_grad()
+def test_greedy_decoding_with_warm_start_follows_the_teacher_forced_argmax(model, tokens):
+    prompt = tokens[:, :4]
+    noise = StateNoise.consecutive(5, 0, prompt.shape[0])
+    out = generate(model, prompt, 8, temperature=0, controller_factory=controller, generator=noise, warm_start=True)
+    forced = model(out[:, :-1], controller=controller(), generator=noise, warm_start=True)
+    assert torch.equal(forced.logits[:, 3:].argmax(-1), out[:, 4:])
