@@ -109,3 +109,8 @@ def test_a_profile_for_another_model_is_refused(task_run, tmp_path, capsys):
     assert "1 group value(s) for a model with 2 group(s)" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(run), "--data", str(data), "--exit-profile", str(wrong),
                  "--loops", "2"]) == 2
+
+
+def test_generate_takes_a_profile_and_refuses_mixing_it_with_loops(tmp_path, capsys):
+    assert main(["generate", "--checkpoint", "x", "--exit-profile", "p.json", "--loops", "2"]) == 2
+    assert "--exit-profile replaces --loops" in capsys.readouterr().err

@@ -23,7 +23,15 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.run.config import GenerateConfig
     from rdepth.run.generate_text import generate_text
 
-    for text in generate_text(build(GenerateConfig, {}, args)):
+    config = build(GenerateConfig, {}, args)
+    controllers = None
+    if config.exit_profile is not None:
+        from rdepth.exits.profile import load_profile, profile_controller_factory
+
+        def controllers(model):
+            profile = load_profile(config.exit_profile, model.n_groups)
+            return profile_controller_factory(profile, lambda: model.readout)
+    for text in generate_text(config, controllers):
         print(text)
         print("---")
     return 0

@@ -89,11 +89,15 @@ class GenerateConfig:
     show_special: bool = option(False, "show special tokens such as <|endoftext|> in the output")
     warm_start: bool = option(False, "start each group's loop from the state it handed on at the previous token "
                                      "(Geiping et al.'s continuous compute; the prompt runs token by token)")
+    exit_profile: str | None = option(
+        None, "per-token exits from this exit profile (rdepth calibrate) instead of --loops", default_text="none")
     device: str = option("auto", DEVICE_HELP)
     threads: int = option(0, "torch CPU threads (0: torch's default)")
 
     def __post_init__(self) -> None:
         check_positive("generate", self, ("max_new_tokens", "samples", "top_k", "draft_tokens"))
+        if self.exit_profile is not None and (self.loops or self.draft_loops is not None):
+            raise RdepthError("generate: --exit-profile replaces --loops and --draft-loops; give one")
         if self.draft_loops is not None and self.warm_start:
             raise RdepthError("generate: --warm-start with --draft-loops is not supported (the verifier would need "
                               "the drafts' handed-on states)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -19,9 +20,10 @@ SPECIAL_TOKENS = ("<|endoftext|>",)
 log = logging.getLogger(__name__)
 
 
-def generate_text(config: GenerateConfig) -> list[str]:
+def generate_text(config: GenerateConfig, controllers: Callable | None = None) -> list[str]:
     """One string per sample: the prompt and its continuation (special tokens hidden unless
-    ``config.show_special``)."""
+    ``config.show_special``). ``controllers``: ``model -> factory of loop controllers`` for
+    per-token exits (the CLI builds it from ``--exit-profile``)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
@@ -57,7 +59,8 @@ def generate_text(config: GenerateConfig) -> list[str]:
         out = torch.cat(rows)
     else:
         out = generate(model, prompt, config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-                       loop_counts=counts, generator=noise, sample_generator=sampling, warm_start=config.warm_start)
+                       loop_counts=counts, generator=noise, sample_generator=sampling, warm_start=config.warm_start,
+                       controller_factory=None if controllers is None else controllers(model))
     texts = [tokenizer.decode(row) for row in out.tolist()]
     if not config.show_special:
         for token in SPECIAL_TOKENS:
