@@ -114,3 +114,20 @@ def test_a_profile_for_another_model_is_refused(task_run, tmp_path, capsys):
 def test_generate_takes_a_profile_and_refuses_mixing_it_with_loops(tmp_path, capsys):
     assert main(["generate", "--checkpoint", "x", "--exit-profile", "p.json", "--loops", "2"]) == 2
     assert "--exit-profile replaces --loops" in capsys.readouterr().err
+
+
+def test_export_takes_a_profile_as_per_group_thresholds(tmp_path):
+    from rdepth.exits.controller import PolicyController
+    from rdepth.exits.profile import make_profile
+    from rdepth.interop.config import ExportConfig
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(make_profile("kl", [1e-3, 1e-2], [5, 6], {"direction": "new_old"})))
+    spec = ExportConfig(checkpoint="x", out="y", exit_profile=str(path)).exit_spec()
+    assert spec == {"name": "kl", "tau": [1e-3, 1e-2], "k_max": [5, 6], "direction": "new_old"}
+    options = dict(spec)
+    controller = PolicyController.from_name(options.pop("name"), tau=options.pop("tau"), k_max=options.pop("k_max"),
+                                            **options)
+    assert [(controller.policy(g).tau, controller.policy(g).k_max) for g in (0, 1)] == [(1e-3, 5), (1e-2, 6)]
+    with pytest.raises(Exception, match="not both"):
+        ExportConfig(checkpoint="x", out="y", exit_profile=str(path), exit_policy="kl")

@@ -127,11 +127,17 @@ def test_sweep_cli_on_task_data(task_data, tmp_path, capsys):
                  "--backprop-depth", "2", "--max-steps", "2", "--batch-size", "4", "--eval-batches", "1"]) == 0
     capsys.readouterr()
     out = tmp_path / "sweep"
+    from rdepth.exits.profile import make_profile
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(make_profile("step_norm", [0.1], [2])))
     assert main(["sweep", "--checkpoint", str(run), "--data", str(task_data), "--out", str(out),
                  "--policies", "acceleration", "--taus", "1e-2", "--k-max", "2", "--repeats", "1",
-                 "--no-progress", "--difficulties", "2,6"]) == 0
+                 "--no-progress", "--difficulties", "2,6", "--exit-profile", str(profile)]) == 0
     printed = capsys.readouterr().out
     assert "difficulty 2" in printed and "difficulty 6" in printed and "answer tokens" in printed
     saved = json.loads((out / "task_sweep.json").read_text())
     assert [b["difficulty"] for b in saved["difficulties"]] == [2, 6]
+    assert [p["label"] for p in saved["difficulties"][0]["points"]] == ["acceleration tau=0.01",
+                                                                        "profile step_norm 0.1"]
     assert (out / "figures" / "task_exits.png").is_file() and (out / "index.html").is_file()

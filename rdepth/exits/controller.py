@@ -56,21 +56,28 @@ class PolicyController:
     def from_name(
         cls,
         name: str,
-        tau: float | None = None,
+        tau: float | Sequence[float] | None = None,
         k_max: int | Sequence[int] = 32,
         decode: Decode | None = None,
         **options: Any,
     ) -> "PolicyController":
-        """The same rule in every group; ``k_max`` is one cap or one per group."""
+        """The same rule in every group; ``k_max`` and ``tau`` are one value or one per group (an
+        exit profile's calibrated thresholds)."""
 
         caps = None if isinstance(k_max, int) else tuple(k_max)
+        taus = None if tau is None or isinstance(tau, (int, float)) else tuple(float(t) for t in tau)
+        if caps is not None and taus is not None and len(caps) != len(taus):
+            raise RdepthError(f"PolicyController: {len(taus)} tau values for {len(caps)} k_max values")
 
         def factory(group: int) -> ExitPolicy:
             if caps is not None and group >= len(caps):
                 raise RdepthError(f"PolicyController: k_max has {len(caps)} values; the model asked for group {group}")
-            return make_policy(name, tau=tau, k_max=k_max if caps is None else caps[group], **options)
+            if taus is not None and group >= len(taus):
+                raise RdepthError(f"PolicyController: tau has {len(taus)} values; the model asked for group {group}")
+            return make_policy(name, tau=tau if taus is None else taus[group],
+                               k_max=k_max if caps is None else caps[group], **options)
 
-        for group in range(1 if caps is None else len(caps)):
+        for group in range(max(1, len(caps or ()), len(taus or ()))):
             factory(group)  # bad settings fail here, before the model runs
         return cls(factory, decode=decode)
 

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from rdepth.errors import RdepthError
 from rdepth.exits.config import SweepConfig
 from rdepth.exits.measure import decode_factory, policy_controller_factory
+from rdepth.exits.profile import load_profile, profile_controller_factory
 from rdepth.exits.registry import get_policy_class
 from rdepth.exits.stats import spread
 from rdepth.exits.timing import forward_call, time_interleaved
@@ -132,6 +133,13 @@ def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: Swee
                 factory = policy_controller_factory(name, value, k_max, new_decode, config.policy_options(name))
                 settings.append(({"label": f"{name} {parameter}={value:g}", "policy": name, "parameter": parameter,
                                   "value": value}, factory))
+        if config.exit_profile is not None:
+            profile = load_profile(config.exit_profile, model.n_groups)
+            values = ",".join(f"{v:g}" for v in profile["values"])
+            settings.append(({"label": f"profile {profile['policy']} {values}", "policy": "profile",
+                              "parameter": profile["parameter"], "value": profile["values"][0],
+                              "values": profile["values"]},
+                             profile_controller_factory(profile, lambda: model.readout)))
         fixed, points = [], []
         desc = f"task sweep d={heldout.difficulty}"
         for labels, factory in tqdm(settings, desc=desc, disable=not progress):

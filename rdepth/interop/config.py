@@ -21,15 +21,28 @@ class ExportConfig:
                                      "rdepth sweep, e.g. acceleration)", default_text="none: fixed loop counts")
     exit_tau: float | None = option(None, "threshold of --exit-policy", default_text="none")
     exit_k_max: str = option("32", "loop cap of --exit-policy: N or N,N,... per group")
+    exit_profile: str | None = option(None, "default exit rule from an exit profile (rdepth calibrate): its "
+                                      "policy, one threshold per group and its caps", default_text="none")
 
     def __post_init__(self) -> None:
         if not isinstance(self.state_seed, int) or not 0 <= self.state_seed < 2**62:
             raise RdepthError(f"export: state_seed must be in 0..2^62, got {self.state_seed!r}")
         if self.exit_tau is not None and self.exit_policy is None:
             raise RdepthError("export: --exit-tau needs --exit-policy")
+        if self.exit_profile is not None and self.exit_policy is not None:
+            raise RdepthError("export: give --exit-policy or --exit-profile, not both")
 
     def exit_spec(self) -> dict | None:
-        """The ``exit_policy`` of the exported config.json (None without --exit-policy)."""
+        """The ``exit_policy`` of the exported config.json (None without --exit-policy or --exit-profile)."""
+        if self.exit_profile is not None:
+            from rdepth.exits.profile import load_profile
+
+            profile = load_profile(self.exit_profile)
+            if profile["parameter"] != "tau":
+                raise RdepthError(f"export: --exit-profile needs a policy with a tau; {profile['policy']} has "
+                                  f"{profile['parameter']}")
+            return {"name": profile["policy"], "tau": profile["values"], "k_max": profile["k_max"],
+                    **profile.get("options", {})}
         if self.exit_policy is None:
             return None
         try:
