@@ -156,7 +156,9 @@ def _versus(saved: float, what: str) -> str:
 
 
 def _time_versus(saved: float, label: str) -> str:
-    if saved >= 0:
+    if abs(saved) < 0.05:
+        return f" and within 5% of {label}'s"
+    if saved > 0:
         return f" and {100 * saved:.0f}% below {label}'s"
     return (f" but {100 * -saved:.0f}% above {label}'s (the policy's per-step decision costs more than the "
             "steps it saves)")
