@@ -34,13 +34,13 @@ def evaluate_task_checkpoint(config: EvalConfig) -> dict[str, Any]:
     if config.threads:
         torch.set_num_threads(config.threads)
     run = open_run(config.checkpoint, config.data, config.device)
+    others = [open_run(baseline, config.data, config.device) for baseline in config.baseline or []]  # fail early
     budgets = [parse_loop_counts(spec, run.config.n_groups) if spec else run.config.default_eval_loops
                for spec in (config.loops or [None])]
     table = task_accuracy_table(run.model, config.data, budgets, batch_size=config.batch_size, device=run.device,
                                 seed=config.seed, max_problems=config.max_windows, warm_start=config.warm_start)
     summary = {"checkpoint": str(run.checkpoint), "data": str(run.data), "task": True, **table, "baselines": []}
-    for baseline in config.baseline or []:
-        other = open_run(baseline, config.data, config.device)
+    for other in others:
         compared = task_accuracy_table(other.model, config.data, [None], batch_size=config.batch_size,
                                        device=other.device, seed=config.seed, max_problems=config.max_windows)
         summary["baselines"].append({"checkpoint": str(other.checkpoint), "layers": other.config.n_layer,
