@@ -124,7 +124,10 @@ def figure_dlr(summary: dict[str, Any], budget: str = "train"):
         axis.set_xticks(steps, [entry["label"] for entry in entries])
     axis.set_ylabel("drift-to-loop ratio")
     axis.set_title(f"Cross-block drift vs. mean loop step ({budget} budget); >1: coarse hand-off", fontsize=10)
-    axis.legend(fontsize=7)
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=7)
+    else:  # one looped group: no boundary between groups, no drift to plot
+        axis.text(0.5, 0.5, "one looped group: no drift between groups", transform=axis.transAxes, ha="center")
     return figure
 
 
