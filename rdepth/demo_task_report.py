@@ -22,6 +22,7 @@ REPORT_DIR = "report"
 OVERVIEW_FILE = "overview.json"
 SECTION = "overview"
 BASELINE_NAMES = {"no_loop": "same layers, no loop", "deep": "plain model of the unrolled depth"}
+SHORT_NAMES = {"no_loop": "no loop", "deep": "deep plain"}  # table columns
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -214,23 +215,33 @@ def findings(overview: dict[str, Any]) -> list[str]:
     return lines
 
 
+def table_budgets(budgets: list[int], most: int = 5) -> list[int]:
+    """At most ``most`` of the measured budgets for the first screen's table (the figure shows all):
+    powers of two from 1, and the largest."""
+    if len(budgets) <= most:
+        return list(budgets)
+    powers = [b for b in budgets if b & (b - 1) == 0 and b != budgets[-1]][: most - 1]
+    return powers + [budgets[-1]]
+
+
 def task_overview_section(overview: dict[str, Any], figures: list[tuple[str, str]]) -> Section:
     section = Section(SECTION, "Result", order=0)
     section.headline(headline_text(overview))
     section.figures(figures, aside=True)
-    budgets = overview["budgets"]
+    budgets = table_budgets(overview["budgets"], most=6 - len(overview["baselines"]))  # fits beside the figure
     rows = []
     for difficulty, row in sorted(overview["looped"].items(), key=lambda item: int(item[0])):
         entry: dict[str, Any] = {"difficulty": int(difficulty)}
-        entry.update({f"{k} loop{'s' if k > 1 else ''}": 100 * row[str(k)] for k in budgets})
+        entry.update({f"{k} loop{'s' if k > 1 else ''}": round(100 * row[str(k)], 1) for k in budgets})
         for name, accuracies in overview["baselines"].items():
-            entry[BASELINE_NAMES.get(name, name)] = None if accuracies.get(difficulty) is None else \
-                100 * accuracies[difficulty]
+            entry[SHORT_NAMES.get(name, name)] = None if accuracies.get(difficulty) is None else \
+                round(100 * accuracies[difficulty], 1)
         rows.append(entry)
     low, high = overview["train_difficulties"]
-    section.table(rows, caption=f"Exact match (%) on held-out problems: the looped model at each test loop "
-                                f"budget (trained on difficulties {low}..{high}, mean {overview['train_mean_loops']:g} "
-                                "loops) and the baselines trained on the same data and steps")
+    section.table(rows, caption=f"Exact match (%) on held-out problems: the looped model at test loop "
+                                f"budgets (trained on difficulties {low}..{high}, mean {overview['train_mean_loops']:g} "
+                                "loops; every budget in the figure and demo.json) and the baselines trained on the "
+                                "same data and steps")
     models = overview["models"]
     config = overview["config"]
     section.facts([

@@ -70,3 +70,11 @@ def test_bad_demo_input_is_one_line_and_writes_nothing(argv, fragment, tmp_path,
     err = capsys.readouterr().err
     assert fragment in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_the_first_screen_table_keeps_powers_of_two_and_the_largest_budget():
+    from rdepth.demo_task_report import table_budgets
+
+    assert table_budgets([1, 2, 3, 4, 6, 8, 12, 16, 32], most=5) == [1, 2, 4, 8, 32]
+    assert table_budgets([1, 2, 3, 4, 6, 8, 12, 16, 32], most=4) == [1, 2, 4, 32]
+    assert table_budgets([1, 2, 4], most=5) == [1, 2, 4]
