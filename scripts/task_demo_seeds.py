@@ -37,8 +37,7 @@ def main(folders: list[str]) -> int:
     baselines = sorted({name for d in demos for name in d["accuracy"] if name != "looped"})
     print(f"seeds {', '.join(map(str, seeds))}: mean (min-max) exact match %")
     print()
-    print("| difficulty | " + " | ".join(f"{b} loop{'s' if b > 1 else ''}" for b in budgets) + " | "
-          + " | ".join(baselines) + " |")
+    print("| difficulty | " + " | ".join([f"{b} loop{'s' if b > 1 else ''}" for b in budgets] + baselines) + " |")
     print("|---" * (1 + len(budgets) + len(baselines)) + "|")
     for d in difficulties:
         cells = [_cell([g[d][b] for g in looped]) for b in budgets]
