@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from rdepth.errors import RdepthError
 from rdepth.fields import option
-from rdepth.io import write_json
+from rdepth.io import StageTimer, write_json
 
 log = logging.getLogger(__name__)
 
@@ -233,17 +232,9 @@ def run_demo(config: DemoConfig) -> dict:
         return run_task_demo(config)
     if config.threads:
         torch.set_num_threads(config.threads)
-    started = time.perf_counter()
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-
-    def stage(name: str, fn, *args):
-        begin = time.perf_counter()
-        log.info("== %s", name)
-        value = fn(*args)
-        timings[name] = round(time.perf_counter() - begin, 1)
-        return value
+    stage = StageTimer(log)
 
     data = stage("prepare", _prepared, config)
     run = stage("train", _trained, config, data)
@@ -264,8 +255,8 @@ def run_demo(config: DemoConfig) -> dict:
         "tokens_per_second": train_summary.get("tokens_per_second"),
         "loop_budgets": [{"loops": r["loop_counts"], "ppl": r["ppl"], "ce": r["ce"], "tokens": r["tokens"]}
                          for r in budgets],
-        "stage_seconds": timings,
-        "wall_seconds": round(time.perf_counter() - started, 1),
+        "stage_seconds": stage.seconds,
+        "wall_seconds": stage.wall,
     }
     write_json(out / "demo.json", result)
     if config.analyze or config.sweep:

@@ -17,14 +17,13 @@ another subset of the held-out tokens say which.
 
 from __future__ import annotations
 
-import json
 import os
 import string
 from pathlib import Path
 from typing import Any
 
 from rdepth.errors import RdepthError
-from rdepth.io import read_jsonl, write_json
+from rdepth.io import read_json_if_present, read_jsonl, write_json
 from rdepth.report.html import Report, format_number, format_percent, format_value
 
 REPORT_DIR = "report"
@@ -36,15 +35,6 @@ LOOPS_HELP = 0.01
 
 
 # ------------------------------------------------------------------ compute
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RdepthError(f"corrupt {path}: {exc}") from None
 
 
 def _finding(template: str, **values: Any) -> dict[str, Any]:
@@ -147,14 +137,14 @@ def summarize_demo(out: str | os.PathLike) -> dict[str, Any]:
     """Collect the first screen's numbers and findings from the demo's saved files and write them to
     ``OUT/report/overview.json``; returns them. Needs ``OUT/demo.json`` and the training run."""
     out = Path(out)
-    demo = _read(out / "demo.json")
+    demo = read_json_if_present(out / "demo.json")
     if demo is None:
         raise RdepthError(f"{out / 'demo.json'} is missing: run rdepth demo --out {out} first")
     report_dir = out / REPORT_DIR
     run = Path(demo["outputs"]["train"])
-    run_config = _read(run / "config.json") or {}
-    run_summary = _read(run / "summary.json") or {}
-    manifest = _read(Path(demo["outputs"]["data"]) / "manifest.json") or {}
+    run_config = read_json_if_present(run / "config.json") or {}
+    run_summary = read_json_if_present(run / "summary.json") or {}
+    manifest = read_json_if_present(Path(demo["outputs"]["data"]) / "manifest.json") or {}
     metrics = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
     model, train = run_config.get("model", {}), run_config.get("train", {})
     curves = _curves(metrics)
@@ -201,10 +191,10 @@ def summarize_demo(out: str | os.PathLike) -> dict[str, Any]:
                     "below 1 loop" if gain >= LOOPS_HELP
             else f"the model barely uses its loops (under {format_percent(LOOPS_HELP, 0, signed=False)} change), so "
                  "the sections below show the machinery rather than the paper's effects"))
-    geometry = _read(report_dir / "geometry" / "summary.json") if demo["outputs"].get("analysis") else None
+    geometry = read_json_if_present(report_dir / "geometry" / "summary.json") if demo["outputs"].get("analysis") else None
     if geometry and geometry.get("checkpoints"):
         findings += _geometry_findings(geometry)
-    sweep = _read(report_dir / "sweep.json") if demo["outputs"].get("sweep") else None
+    sweep = read_json_if_present(report_dir / "sweep.json") if demo["outputs"].get("sweep") else None
     if sweep and "summary" in sweep:
         findings += _sweep_findings(sweep)
 

@@ -27,13 +27,12 @@ import logging
 import multiprocessing
 import os
 import sys
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from rdepth.errors import RdepthError
-from rdepth.io import write_json
+from rdepth.io import StageTimer, write_json
 
 # The stages take the demo's config (rdepth.demo.DemoConfig); rdepth.demo imports this module, not
 # the reverse, so the type is named in words only.
@@ -134,9 +133,10 @@ def _train_all(config: DemoConfig, data: Path) -> dict[str, Path]:
         torch.set_num_threads(config.threads)
     try:
         paths = {"looped": train_or_reuse(*runs["looped"])}
-    finally:
-        if child is not None and child.is_alive() and sys.exc_info()[0] is not None:
+    except BaseException:  # the looped run failed or was interrupted: do not leave the baselines training
+        if child is not None and child.is_alive():
             child.terminate()
+        raise
     if child is not None:
         child.join()
         if child.exitcode != 0:
@@ -188,17 +188,9 @@ def _analyze(config: DemoConfig, data: Path, run: Path) -> Path:
 
 def run_task_demo(config: DemoConfig) -> dict:
     """Every stage of the task demo; returns (and writes to OUT/demo.json) the headline numbers."""
-    started = time.perf_counter()
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-
-    def stage(name: str, fn, *args):
-        begin = time.perf_counter()
-        log.info("== %s", name)
-        value = fn(*args)
-        timings[name] = round(time.perf_counter() - begin, 1)
-        return value
+    stage = StageTimer(log)
 
     data = stage("prepare", _prepared, config)
     runs = stage("train", _train_all, config, data)
@@ -223,8 +215,8 @@ def run_task_demo(config: DemoConfig) -> dict:
         "accuracy": tables,
         "training": training,
         "sweep_summary": None if sweep is None else sweep["summary"],
-        "stage_seconds": timings,
-        "wall_seconds": round(time.perf_counter() - started, 1),
+        "stage_seconds": stage.seconds,
+        "wall_seconds": stage.wall,
     }
     write_json(out / "demo.json", result)
     from rdepth.demo_task_report import write_task_first_screen

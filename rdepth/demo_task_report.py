@@ -9,13 +9,12 @@ accuracy-against-loops figure from it; :func:`task_overview_section` formats it.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from rdepth.errors import RdepthError
-from rdepth.io import write_json
+from rdepth.io import read_json_if_present, write_json
 from rdepth.report.html import Report, Section, format_value
 
 REPORT_DIR = "report"
@@ -23,15 +22,6 @@ OVERVIEW_FILE = "overview.json"
 SECTION = "overview"
 BASELINE_NAMES = {"no_loop": "same layers, no loop", "deep": "plain model of the unrolled depth"}
 SHORT_NAMES = {"no_loop": "no loop", "deep": "deep plain"}  # table columns
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RdepthError(f"corrupt {path}: {exc}") from None
 
 
 def _by_budget(table: dict[str, Any]) -> dict[int, dict[int, float]]:
@@ -46,7 +36,7 @@ def _by_budget(table: dict[str, Any]) -> dict[int, dict[int, float]]:
 def summarize_task_demo(out: str | os.PathLike) -> dict[str, Any]:
     """Every number of the first screen, from the saved files; saved to ``OUT/report/overview.json``."""
     out = Path(out)
-    demo = _read(out / "demo.json")
+    demo = read_json_if_present(out / "demo.json")
     if demo is None or demo.get("mode") != "task":
         raise RdepthError(f"{out / 'demo.json'} is missing or not a task demo")
     tables = demo["accuracy"]
@@ -89,11 +79,11 @@ def summarize_task_demo(out: str | os.PathLike) -> dict[str, Any]:
             "difficulty": d, "curve": {str(k): looped[d][k] for k in budgets}, "peak_loops": peak,
             "problems": problems.get(d), "standard_error": error,
             "overthinking": bool(peak < last and looped[d][peak] - looped[d][last] > 2 * error)})
-    sweep = _read(out / REPORT_DIR / "task_sweep.json")
+    sweep = read_json_if_present(out / REPORT_DIR / "task_sweep.json")
     overview["exits"] = None if sweep is None else sweep["summary"]["difficulties"][0]
     if sweep is not None:
         overview["exits"]["tolerance"] = sweep["summary"]["tolerance"]
-    geometry = _read(out / REPORT_DIR / "geometry" / "summary.json")
+    geometry = read_json_if_present(out / REPORT_DIR / "geometry" / "summary.json")
     if geometry is not None:
         last = geometry["checkpoints"][-1]
         budget = last["budgets"].get("long") or last["budgets"]["train"]

@@ -135,6 +135,38 @@ def read_json_object(path: str | os.PathLike, what: str = "") -> dict:
     return data
 
 
+def read_json_if_present(path: str | os.PathLike) -> dict | None:
+    """A saved JSON file, or None when there is none; a corrupt file is a one-line error."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RdepthError(f"corrupt {path}: {exc}") from None
+
+
+class StageTimer:
+    """Runs a pipeline's named stages, logging each as it starts and keeping its wall time in
+    ``seconds`` (name -> seconds, one decimal)."""
+
+    def __init__(self, log) -> None:
+        self.log = log
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str, fn, *args):
+        begin = time.perf_counter()
+        self.log.info("== %s", name)
+        value = fn(*args)
+        self.seconds[name] = round(time.perf_counter() - begin, 1)
+        return value
+
+    @property
+    def wall(self) -> float:
+        return round(time.perf_counter() - self.started, 1)
+
+
 def dataclass_from_dict(cls: type, data: dict[str, Any], what: str) -> Any:
     """``cls(**data)`` from a saved file: unknown fields and values of the wrong type
     (a string where a number belongs, a float for an integer) are one-line errors naming them."""

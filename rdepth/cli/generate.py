@@ -24,14 +24,14 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.run.generate_text import generate_text
 
     config = build(GenerateConfig, {}, args)
-    controllers = None
-    if config.exit_profile is not None:
+
+    def profile_controllers(model):
         from rdepth.exits.profile import load_profile, profile_controller_factory
 
-        def controllers(model):
-            profile = load_profile(config.exit_profile, model.n_groups)
-            return profile_controller_factory(profile, lambda: model.readout)
-    for text in generate_text(config, controllers):
+        profile = load_profile(config.exit_profile, model.n_groups)
+        return profile_controller_factory(profile, lambda: model.readout)
+
+    for text in generate_text(config, profile_controllers if config.exit_profile is not None else None):
         print(text)
         print("---")
     return 0

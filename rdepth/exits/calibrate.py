@@ -41,7 +41,7 @@ import math
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -49,7 +49,6 @@ import torch
 from rdepth.errors import RdepthError
 from rdepth.exits.config import CalibrateConfig
 from rdepth.exits.controller import PolicyController
-from rdepth.exits.decode import make_decode
 from rdepth.exits.evaluate import evaluate_with_exits
 from rdepth.exits.profile import make_profile, profile_controller_factory
 from rdepth.exits.recorded import drive_recorded
@@ -58,7 +57,6 @@ from rdepth.io import environment_info, write_json
 from rdepth.model import RecurrentLM
 from rdepth.model.control import FixedController
 from rdepth.model.noise import StateNoise
-from rdepth.model.recurrent import StageKind
 from rdepth.run.opened import open_run
 
 log = logging.getLogger(__name__)
@@ -167,24 +165,14 @@ def record_iterates(model: RecurrentLM, windows: torch.Tensor, k_max: Sequence[i
 @torch.no_grad()
 def read_through_rest(model: RecurrentLM, group: int, outputs: torch.Tensor, k_max: Sequence[int], *,
                       batch_size: int, seed: int) -> torch.Tensor:
-    """Logits ``[S, T, V]`` when ``group`` hands on ``outputs`` ``[S, T, d]``: the stages after it, later
-    groups at their full budget from the same per-window noise as :func:`record_iterates`."""
-    index = next(i for i, stage in enumerate(model.stages) if stage.kind is StageKind.GROUP and stage.group == group)
-    later = model.stages[index + 1:]
+    """Logits ``[S, T, V]`` when ``group`` hands on ``outputs`` ``[S, T, d]``: the model's own stages after
+    it (:meth:`RecurrentLM.run_after`), later groups at their full budget from the same per-window noise
+    as :func:`record_iterates`."""
     logits = []
     for first in range(0, outputs.shape[0], batch_size):
         x = outputs[first:first + batch_size]
         noise = StateNoise.consecutive(seed, first, x.shape[0])
-        for stage in later:
-            if stage.kind is StageKind.SINGLE:
-                x = model.run_layers(stage.layers, x)
-                continue
-            inputs = x
-            state = model.init_state(stage.group, inputs, noise)
-            for _ in range(k_max[stage.group]):
-                state = model.group_step(stage.group, state, inputs)
-            x = state
-        logits.append(model.readout(x))
+        logits.append(model.readout(model.run_after(group, x, k_max, noise)))
     return torch.cat(logits)
 
 
@@ -275,7 +263,7 @@ def _split_text(run, config: CalibrateConfig) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _split_task(config: CalibrateConfig):
-    from rdepth.tasks.data import HeldOut, load_heldout, task_manifest
+    from rdepth.tasks.data import load_heldout, task_manifest
 
     difficulty = config.difficulty or int(task_manifest(config.data)["train_difficulties"][1])
     heldout = load_heldout(config.data, difficulty)
@@ -285,10 +273,7 @@ def _split_task(config: CalibrateConfig):
     cut = min(config.windows, total // 2)
     end = min(total, cut + config.validation_windows)
 
-    def part(lo: int, hi: int) -> HeldOut:
-        return HeldOut(difficulty, heldout.tokens[lo:hi], heldout.answer_mask[lo:hi], heldout.problem_ids[lo:hi])
-
-    calibration, validation = part(0, cut), part(cut, end)
+    calibration, validation = heldout.windows(0, cut), heldout.windows(cut, end)
     return difficulty, calibration, validation
 
 
@@ -339,7 +324,7 @@ def calibrate_checkpoint(config: CalibrateConfig) -> dict:
 
     def measured(values: list[float]) -> dict:
         profile = make_profile(config.policy, values, k_max, config.policy_options())
-        factory = profile_controller_factory(profile, _decode_factory(model, config, seq_len))
+        factory = profile_controller_factory(profile, lambda: model.readout)  # decoded rules read the head
         result = {}
         for name, data in sets.items():
             full = realise(data, lambda: FixedController(k_max))
@@ -360,7 +345,3 @@ def calibrate_checkpoint(config: CalibrateConfig) -> dict:
     write_json(out, profile)
     profile["path"] = str(out)
     return profile
-
-
-def _decode_factory(model: RecurrentLM, config: CalibrateConfig, seq_len: int) -> Callable[[], Any] | None:
-    return lambda: make_decode(model, "head", seq_len=seq_len, seed=config.seed)

@@ -22,6 +22,29 @@ AUTOCAST_NAMES = ("none", "bf16", "fp16")
 DECODE_MODES = ("head", "rest")
 
 
+def checked_k_max(command: str, k_max) -> tuple[int, ...] | None:
+    """``k_max`` as a tuple of integers in 1..MAX_LOOPS (None stays None); a one-line error otherwise."""
+    if k_max is None:
+        return None
+    k_max = tuple(int(k) for k in k_max)
+    if not k_max or any(not 1 <= k <= MAX_LOOPS for k in k_max):
+        raise RdepthError(f"{command}: k_max must be integers in 1..{MAX_LOOPS}, got {k_max}")
+    return k_max
+
+
+def resolve_k_max(command: str, k_max: tuple[int, ...] | None, n_groups: int,
+                  eval_loops: tuple[int, ...]) -> tuple[int, ...]:
+    """Per-group step caps: ``k_max`` as given (one value for every group, or one per group), else
+    twice the model's eval loop counts."""
+    if k_max is None:
+        return tuple(2 * int(k) for k in eval_loops)
+    if len(k_max) == 1:
+        return k_max * n_groups
+    if len(k_max) != n_groups:
+        raise RdepthError(f"{command}: {len(k_max)} k_max values for a model with {n_groups} groups")
+    return k_max
+
+
 @dataclass
 class SweepConfig:
     """One sweep: which policies and thresholds, on which held-out windows, measured how.
@@ -124,10 +147,7 @@ class SweepConfig:
                 raise RdepthError(f"sweep: the grid for {name} must hold positive finite numbers, got {values}")
             grid[name] = values
         self.grid = grid
-        if self.k_max is not None:
-            self.k_max = tuple(int(k) for k in self.k_max)
-            if not self.k_max or any(not 1 <= k <= MAX_LOOPS for k in self.k_max):
-                raise RdepthError(f"sweep: k_max must be integers in 1..{MAX_LOOPS}, got {self.k_max}")
+        self.k_max = checked_k_max("sweep", self.k_max)
         if not (isinstance(self.tolerance, (int, float)) and math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise RdepthError(f"sweep: tolerance must be a finite number >= 0, got {self.tolerance!r}")
         if self.generate_tokens < 0 or self.generate_prompt < 1:
@@ -195,13 +215,7 @@ class SweepConfig:
 
     def resolve_k_max(self, n_groups: int, eval_loops: tuple[int, ...]) -> tuple[int, ...]:
         """The per-group step cap for a model with ``n_groups`` groups and these eval loop counts."""
-        if self.k_max is None:
-            return tuple(2 * int(k) for k in eval_loops)
-        if len(self.k_max) == 1:
-            return self.k_max * n_groups
-        if len(self.k_max) != n_groups:
-            raise RdepthError(f"sweep: {len(self.k_max)} k_max values for a model with {n_groups} groups")
-        return self.k_max
+        return resolve_k_max("sweep", self.k_max, n_groups, eval_loops)
 
 
 CALIBRATE_TAUS = (1e-6, 1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
@@ -259,10 +273,7 @@ class CalibrateConfig:
                 raise RdepthError(f"calibrate: values must be positive finite numbers, got {self.values}")
         if cls.sweep_parameter is None:
             raise RdepthError(f"calibrate: policy {self.policy!r} has no parameter to calibrate")
-        if self.k_max is not None:
-            self.k_max = tuple(int(k) for k in self.k_max)
-            if not self.k_max or any(not 1 <= k <= MAX_LOOPS for k in self.k_max):
-                raise RdepthError(f"calibrate: k_max must be integers in 1..{MAX_LOOPS}, got {self.k_max}")
+        self.k_max = checked_k_max("calibrate", self.k_max)
         for name in ("windows", "validation_windows", "batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -287,10 +298,4 @@ class CalibrateConfig:
         return {"direction": self.kl_direction} if self.policy == "kl" else {}
 
     def resolve_k_max(self, n_groups: int, eval_loops: tuple[int, ...]) -> tuple[int, ...]:
-        if self.k_max is None:
-            return tuple(2 * int(k) for k in eval_loops)
-        if len(self.k_max) == 1:
-            return self.k_max * n_groups
-        if len(self.k_max) != n_groups:
-            raise RdepthError(f"calibrate: {len(self.k_max)} k_max values for a model with {n_groups} groups")
-        return self.k_max
+        return resolve_k_max("calibrate", self.k_max, n_groups, eval_loops)

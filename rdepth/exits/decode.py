@@ -46,7 +46,6 @@ from rdepth.errors import RdepthError
 from rdepth.exits.base import Decode
 from rdepth.exits.config import DECODE_MODES
 from rdepth.model import RecurrentLM
-from rdepth.model.recurrent import StageKind
 
 
 class RestDecode:
@@ -66,10 +65,6 @@ class RestDecode:
         self.seq_len = seq_len
         self.loops = loops
         self.seed = seed
-        self.after: dict[int, list] = {}  # group -> the stages after it
-        for index, stage in enumerate(model.stages):
-            if stage.kind is StageKind.GROUP:
-                self.after[stage.group] = model.stages[index + 1:]
         self.group: int | None = None
         self.outputs: torch.Tensor | None = None  # [N, d] the group's output if it stopped now
         self.rows: torch.Tensor | None = None  # [A] rows being read
@@ -119,19 +114,9 @@ class RestDecode:
 
     def rest(self, group: int, x: torch.Tensor) -> torch.Tensor:
         """The stages after ``group`` on its output ``x`` ``[B, T, d]`` (dense, causal); ``[B, T, d]``."""
-        model = self.model
         noise = torch.Generator(device=x.device)
         noise.manual_seed(self.seed)
-        for stage in self.after[group]:
-            if stage.kind is StageKind.SINGLE:
-                x = model.run_layers(stage.layers, x)
-                continue
-            inputs = x
-            state = model.init_state(stage.group, inputs, noise)
-            for _ in range(self.loops):
-                state = model.group_step(stage.group, state, inputs)
-            x = state
-        return x
+        return self.model.run_after(group, x, [self.loops] * self.model.n_groups, noise)
 
 
 def make_decode(model: RecurrentLM, mode: str, *, seq_len: int, loops: int = 1, seed: int = 0) -> Decode:

@@ -32,12 +32,12 @@ def evaluate_profile_checkpoint(config: EvalConfig) -> dict[str, Any]:
                                "values": profile["values"], "k_max": profile["k_max"]}
     if is_task_data(config.data):
         from rdepth.tasks.data import load_heldout, task_manifest
-        from rdepth.tasks.evaluate import _first_problems, heldout_accuracy
+        from rdepth.tasks.evaluate import heldout_accuracy
 
         summary["task"] = True
         summary["rows"] = []
         for difficulty in sorted(int(d) for d in task_manifest(config.data)["heldout"]):
-            heldout = _first_problems(load_heldout(config.data, difficulty), config.max_windows)
+            heldout = load_heldout(config.data, difficulty).first_problems(config.max_windows)
             row = {"difficulty": difficulty}
             for name, make in (("profile", factory), ("full", full)):
                 result = heldout_accuracy(run.model, heldout, controller_factory=make, batch_size=config.batch_size,

@@ -209,7 +209,7 @@ def sweep_task_checkpoint(config: SweepConfig) -> dict:
     run = open_run(config.checkpoint, config.data, config.device)
     manifest = task_manifest(config.data)
     chosen = config.difficulties or [int(manifest["train_difficulties"][1])]
-    heldouts = [_first_windows(load_heldout(config.data, d), config.task_windows) for d in chosen]
+    heldouts = [load_heldout(config.data, d).windows(0, config.task_windows) for d in chosen]
     result = run_task_sweep(run.model, heldouts, config, device=run.device, tolerance=config.accuracy_tolerance,
                             progress=config.progress)
     result["checkpoint"], result["data"] = str(run.checkpoint), str(run.data)
@@ -220,10 +220,3 @@ def sweep_task_checkpoint(config: SweepConfig) -> dict:
 
     paths.update(render_task_sweep(result, out))
     return {**result, "paths": {name: str(path) for name, path in paths.items()}}
-
-
-def _first_windows(heldout: HeldOut, windows: int | None) -> HeldOut:
-    if windows is None:
-        return heldout
-    return HeldOut(heldout.difficulty, heldout.tokens[:windows], heldout.answer_mask[:windows],
-                   heldout.problem_ids[:windows])

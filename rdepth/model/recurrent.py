@@ -278,9 +278,21 @@ class RecurrentLM(nn.Module):
             )
         return output
 
+    def run_after(self, group: int, x: torch.Tensor, counts: Sequence[int], noise: Noise = None) -> torch.Tensor:
+        """The stages after ``group`` on its output ``x`` ``[B, T, d]``, dense and causal, each later
+        group at ``counts[h]`` steps from its own initial state (``noise``); returns ``[B, T, d]``
+        (before ``readout``). What the rest of the model makes of a group's hand-off."""
+        index = next((i for i, stage in enumerate(self.stages)
+                      if stage.kind is StageKind.GROUP and stage.group == group), None)
+        if index is None:
+            raise RdepthError(f"the model has no recurrence group {group}")
+        return self._run_stages(self.stages[index + 1:], x, counts, noise, None)
+
     def _forward_dense(self, idx, counts, noise, observer) -> torch.Tensor:
-        x = self.embed(idx)
-        for stage in self.stages:
+        return self._run_stages(self.stages, self.embed(idx), counts, noise, observer)
+
+    def _run_stages(self, stages, x, counts, noise, observer) -> torch.Tensor:
+        for stage in stages:
             if stage.kind is StageKind.SINGLE:
                 x = self.run_layers(stage.layers, x)
                 continue

@@ -35,7 +35,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
@@ -246,6 +246,18 @@ class HeldOut:
     tokens: np.ndarray
     answer_mask: np.ndarray
     problem_ids: np.ndarray
+
+    def windows(self, start: int = 0, stop: int | None = None) -> "HeldOut":
+        """The windows ``start:stop`` (problem ids unchanged)."""
+        part = slice(start, stop)
+        return HeldOut(self.difficulty, self.tokens[part], self.answer_mask[part], self.problem_ids[part])
+
+    def first_problems(self, count: int | None) -> "HeldOut":
+        """The first windows holding about ``count`` problems (all of them for None; at least one window)."""
+        if count is None:
+            return self
+        last_id = self.problem_ids.max(axis=1)  # [W]: the largest problem id in each window
+        return self.windows(0, int(np.searchsorted(last_id, count - 1, side="right")) or 1)
 
 
 def task_manifest(directory: str | os.PathLike) -> dict:

@@ -107,21 +107,13 @@ def task_accuracy_table(
     manifest = task_manifest(data)
     recorded = sorted(int(d) for d in manifest["heldout"])
     chosen = recorded if difficulties is None else [int(d) for d in difficulties]
-    sets = [_first_problems(load_heldout(data, d), max_problems) for d in chosen]
+    sets = [load_heldout(data, d).first_problems(max_problems) for d in chosen]
     rows = []
     for budget in budgets:
         for heldout in sets:
             rows.append(heldout_accuracy(model, heldout, loop_counts=budget, batch_size=batch_size, device=device,
                                          seed=seed, warm_start=warm_start))
     return {"train_difficulties": manifest.get("train_difficulties"), "difficulties": chosen, "rows": rows}
-
-
-def _first_problems(heldout: HeldOut, max_problems: int | None) -> HeldOut:
-    if max_problems is None:
-        return heldout
-    last_id = heldout.problem_ids.max(axis=1)  # [W]: the largest problem id in each window
-    keep = int(np.searchsorted(last_id, max_problems - 1, side="right")) or 1
-    return HeldOut(heldout.difficulty, heldout.tokens[:keep], heldout.answer_mask[:keep], heldout.problem_ids[:keep])
 
 
 def format_accuracy_table(table: dict[str, Any]) -> list[str]:
