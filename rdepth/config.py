@@ -21,6 +21,9 @@ from rdepth.fields import option
 # Upper limits that keep a typo from running until killed (a loop count of 1e9, a 1e8-token context).
 MAX_LOOPS = 1024
 MAX_BLOCK_SIZE = 65536
+# Layer types RecurrentLM builds (rdepth.model.layers.BLOCKS): Geiping et al.'s sandwich block,
+# and GPT-2's pre-LayerNorm block, which imported GPT-2 models keep.
+BLOCK_TYPES = ("sandwich", "gpt2")
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,11 @@ class ModelConfig:
         None, "evaluation loop counts: N or N,N,... per group", default_text="round(mean_loops)",
     )
     mlp_ratio: int = option(4, "MLP hidden width as a multiple of d_model")
-    norm_eps: float = option(1e-6, "RMSNorm epsilon")
+    norm_eps: float = option(1e-6, "norm epsilon (RMSNorm; LayerNorm for gpt2 blocks)")
+    block: str = option(
+        "sandwich", "layer type: 'sandwich' (Geiping et al.: RMSNorm before each sub-layer and after each "
+        "residual sum, no biases, SiLU MLP, token embedding times sqrt(d)) or 'gpt2' (pre-LayerNorm with "
+        "biases, GELU-tanh MLP: imported GPT-2 models)")
     tokenizer: str = option("gpt2", "tokenizer spec (taken from the prepared data)", cli=False)
 
     def __post_init__(self) -> None:
@@ -155,6 +162,8 @@ class ModelConfig:
             raise RdepthError(
                 f"model config: init_state_scale must be >= 0, got {self.init_state_scale!r}"
             )
+        if self.block not in BLOCK_TYPES:
+            raise RdepthError(f"model config: block must be one of {', '.join(BLOCK_TYPES)}, got {self.block!r}")
         self.group_specs  # validates the group string
         if self.eval_loops is not None:
             self.eval_loops = parse_loop_counts(self.eval_loops, len(self.group_specs))

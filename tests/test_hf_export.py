@@ -301,3 +301,25 @@ def test_exit_policy_from_the_export_flags(tmp_path, monkeypatch, capsys):
         err = one_line_error(capsys, cli(monkeypatch, "export", "--checkpoint", run, "--out", tmp_path / "bad",
                                          *flags))
         assert message in err and not (tmp_path / "bad").exists()
+
+
+def test_gpt2_block_model_exports_exactly(tmp_path):
+    """A looped model of GPT-2 blocks (an imported GPT-2, retrofitted) exports with equal logits."""
+    from rdepth.interop.config import ExportConfig
+    from rdepth.interop.export import export_run
+    from rdepth.run.checkpoint import save_checkpoint
+
+    run, model = tiny_run(tmp_path / "run", groups="1-2", n_layer=4, block="gpt2", norm_eps=1e-5)
+    with torch.no_grad():  # biases and gains start at 0 and 1: make them matter
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.1 * torch.randn_like(param))
+    save_checkpoint(run, 7, model, model.config)
+    out = export_run(ExportConfig(checkpoint=str(run), out=str(tmp_path / "hf")))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert json.loads((out / "config.json").read_text())["block"] == "gpt2"
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    with torch.no_grad():
+        for counts in ((1,), (3,)):
+            ours = model(ids, loop_counts=counts, generator=StateNoise(0, [0])).logits
+            assert torch.equal(hf(ids, loop_counts=list(counts)).logits, ours)

@@ -34,23 +34,119 @@ def test_export_then_import_is_the_same_run(tmp_path, monkeypatch):
                            model(ids, loop_counts=(2, 3), generator=StateNoise(0, [0])).logits)
 
 
-def _tiny_gpt2(folder):
+def _tiny_gpt2(folder, vocab_size=None, **overrides):
+    """A random GPT-2 folder with every parameter (biases, norm gains) random, and a tokenizer.json."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2)
-    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
-    return folder
+    tokenizer = tiny_tokenizer()
+    config = transformers.GPT2Config(vocab_size=vocab_size or tokenizer.vocab_size, n_positions=32, n_embd=16,
+                                     n_layer=3, n_head=2, **overrides)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    tokenizer.save(folder / "bpe")
+    (folder / "tokenizer.json").write_text((folder / "bpe" / "tokenizer.json").read_text())
+    return folder, model
 
 
-def test_gpt2_is_refused_with_the_mismatch_named(tmp_path, monkeypatch, capsys):
+def test_gpt2_logits_equal_transformers(tmp_path, monkeypatch):
+    from rdepth.run.checkpoint import load_model
+    from rdepth.run.heldout import run_tokenizer
+
+    folder, reference = _tiny_gpt2(tmp_path / "gpt2")
+    assert cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run") == 0
+    model, config = load_model(tmp_path / "run")
+    assert config.block == "gpt2" and config.groups == "" and config.n_layer == 3
+    assert run_tokenizer(tmp_path / "run").encode(TEXT) == tiny_tokenizer().encode(TEXT)
+    ids = torch.tensor([tiny_tokenizer().encode(TEXT)[:20], tiny_tokenizer().encode(TEXT[::-1])[:20]])
+    with torch.no_grad():
+        expected = reference(ids).logits
+        torch.testing.assert_close(model.eval()(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        # cached decoding (rdepth's packed path) gives the same logits
+        cache = model.new_cache(2)
+        pieces = [model(ids[:, :7], cache=cache).logits] + [model(ids[:, t:t + 1], cache=cache).logits
+                                                             for t in range(7, 20)]
+        torch.testing.assert_close(torch.cat(pieces, 1), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt2_greedy_tokens_equal_transformers_generate(tmp_path, monkeypatch):
+    from rdepth.model.generation import generate
+    from rdepth.run.checkpoint import load_model
+
+    folder, reference = _tiny_gpt2(tmp_path / "gpt2")
+    assert cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run") == 0
+    model, _ = load_model(tmp_path / "run")
+    prompt = torch.tensor([tiny_tokenizer().encode(TEXT)[:6]])
+    with torch.no_grad():
+        theirs = reference.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        ours = generate(model.eval(), prompt, 12, temperature=0)
+    assert torch.equal(ours, theirs)
+
+
+def test_gpt2_from_pytorch_model_bin_and_retrofit_keeps_it_exact(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
     from rdepth.interop.hf_import import load_hf_folder
+    from rdepth.interop.retrofit import retrofit_model
 
-    folder = _tiny_gpt2(tmp_path / "gpt2")
-    capsys.readouterr()  # transformers' own warnings while saving
-    with pytest.raises(RdepthError, match="sandwich-RMSNorm"):
-        load_hf_folder(folder)
+    folder, reference = _tiny_gpt2(tmp_path / "gpt2")
+    weights = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    torch.save({name: tensor for name, tensor in weights.items()}, folder / "pytorch_model.bin")
+    model, _ = load_hf_folder(folder)
+    ids = torch.tensor([tiny_tokenizer().encode(TEXT)[:16]])
+    looped = retrofit_model(model, "1-2", mean_loops=3.0, init_state_scale=1.0).eval()
+    with torch.no_grad():
+        plain = model(ids).logits
+        torch.testing.assert_close(plain, reference(ids).logits, rtol=1e-5, atol=1e-5)
+        for counts in ((1,), (4,)):  # the [0 | I] adapters ignore the state: the original, bit for bit
+            assert torch.equal(looped(ids, loop_counts=counts, generator=torch.Generator().manual_seed(3)).logits,
+                               plain)
+
+
+def test_gpt2_tokenizer_is_rdepths_exact_gpt2_when_the_files_are_gpt2s(tmp_path):
+    from rdepth.data.fetch import gpt2_bpe_files
+    from rdepth.interop.hf_gpt2 import gpt2_tokenizer_files
+
+    files = gpt2_bpe_files()
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "vocab.json").write_text(files["encoder.json"].read_text())
+    (folder / "merges.txt").write_text(files["vocab.bpe"].read_text())
+    assert gpt2_tokenizer_files(folder, 50257)[0] == "gpt2"
+    (folder / "merges.txt").write_text("#version: 0.2\nĠ t\n")  # another BPE, and no tokenizer.json
+    with pytest.raises(RdepthError, match="has no tokenizer"):
+        gpt2_tokenizer_files(folder, 50257)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (dict(activation_function="relu"), "activation_function 'relu'"),
+    (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    (dict(n_inner=40), "n_inner 40"),
+])
+def test_gpt2_settings_rdepth_does_not_compute_are_refused(tmp_path, monkeypatch, capsys, overrides, fragment):
+    folder, _ = _tiny_gpt2(tmp_path / "gpt2", **overrides)
+    capsys.readouterr()
     err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run"))
-    assert "(gpt2)" in err and "LayerNorm with biases" in err and not (tmp_path / "run").exists()
+    assert "(gpt2)" in err and fragment in err and not (tmp_path / "run").exists()
+
+
+def test_gpt2_bad_weights_are_refused(tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = _tiny_gpt2(tmp_path / "gpt2")
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["lm_head.weight"] = weights["transformer.wte.weight"] + 1  # an untied head
+    save_file(weights, str(folder / "model.safetensors"))
+    capsys.readouterr()
+    err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run"))
+    assert "lm_head differs from wte" in err
+    del weights["lm_head.weight"], weights["transformer.h.1.mlp.c_fc.bias"]
+    save_file(weights, str(folder / "model.safetensors"))
+    err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run"))
+    assert "'h.1.mlp.c_fc.bias' is missing" in err and not (tmp_path / "run").exists()
 
 
 def test_other_bad_folders(tmp_path, monkeypatch, capsys):
@@ -60,7 +156,10 @@ def test_other_bad_folders(tmp_path, monkeypatch, capsys):
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({"model_type": "bert"}))
     err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", odd, "--out", tmp_path / "r"))
-    assert "'bert'" in err and "supported: rdepth" in err
+    assert "'bert'" in err and "supported: gpt2, rdepth" in err
+    (odd / "config.json").write_text(json.dumps({"model_type": "gpt_neo"}))
+    err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", odd, "--out", tmp_path / "r"))
+    assert "(gpt_neo)" in err and "local (windowed)" in err
     (odd / "config.json").write_text("{not json")
     err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", odd, "--out", tmp_path / "r"))
     assert "not valid JSON" in err

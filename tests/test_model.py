@@ -22,7 +22,16 @@ def tiny_config(**overrides) -> ModelConfig:
 
 def tiny_model(**overrides) -> RecurrentLM:
     torch.manual_seed(0)
-    return RecurrentLM(tiny_config(**overrides)).double().eval()
+    model = RecurrentLM(tiny_config(**overrides)).double().eval()
+    if model.config.block == "gpt2":  # init leaves biases at 0 and norm gains at 1: make them matter
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() == 1:
+                    param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+BLOCKS = pytest.mark.parametrize("block", ["sandwich", "gpt2"])
 
 
 # --------------------------------------------------------------- group specs
@@ -60,6 +69,29 @@ def test_config_validation_names_field():
         get_preset("huge")
     with pytest.raises(RdepthError, match="unknown field"):
         ModelConfig.from_dict({"n_layers": 3})
+    with pytest.raises(RdepthError, match="block must be one of sandwich, gpt2, got 'llama'"):
+        ModelConfig(block="llama")
+
+
+def test_gpt2_block_computes_gpt2s_layer_by_hand():
+    """x + attn(ln_1(x)), then + mlp(ln_2(.)), GELU-tanh, biases; no sqrt(d) embedding scale."""
+    model = tiny_model(block="gpt2", groups="", n_layer=1)
+    layer = model.layers[0]
+    idx = torch.randint(0, 50, (1, 6))
+    x = model.wte(idx) + model.wpe(torch.arange(6))
+    assert torch.equal(model.embed(idx), x)
+    h = torch.nn.functional.layer_norm(x, (16,), layer.norm_1.weight, layer.norm_1.bias, model.config.norm_eps)
+    q, k, v = (h @ layer.attn.qkv.weight.T + layer.attn.qkv.bias).split(16, dim=-1)
+    heads = lambda t: t.view(1, 6, 2, 8).transpose(1, 2)  # noqa: E731
+    scores = heads(q) @ heads(k).transpose(-1, -2) / 8 ** 0.5
+    scores = scores.masked_fill(torch.triu(torch.ones(6, 6, dtype=torch.bool), 1), float("-inf"))
+    y = (scores.softmax(-1) @ heads(v)).transpose(1, 2).reshape(1, 6, 16)
+    x = x + y @ layer.attn.proj.weight.T + layer.attn.proj.bias
+    h = torch.nn.functional.layer_norm(x, (16,), layer.norm_2.weight, layer.norm_2.bias, model.config.norm_eps)
+    u = h @ layer.mlp.fc.weight.T + layer.mlp.fc.bias
+    gelu = 0.5 * u * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (u + 0.044715 * u ** 3)))
+    x = x + gelu @ layer.mlp.proj.weight.T + layer.mlp.proj.bias
+    torch.testing.assert_close(layer(model.embed(idx)), x, rtol=0, atol=1e-12)
 
 
 def test_parse_loop_counts():
@@ -107,8 +139,9 @@ def test_parameters_shared_across_loop_steps():
     torch.testing.assert_close(s, states[(0, 3)], rtol=0, atol=0)
 
 
-def test_dense_equals_packed_path():
-    model = tiny_model(init_state_scale=1.0)
+@BLOCKS
+def test_dense_equals_packed_path(block):
+    model = tiny_model(block=block, init_state_scale=1.0)
     idx = torch.randint(0, 50, (3, 10))
     dense = model(idx, loop_counts=(4, 2), generator=torch.Generator().manual_seed(1))
     packed = model(idx, controller=FixedController((4, 2)), generator=torch.Generator().manual_seed(1))
@@ -116,8 +149,9 @@ def test_dense_equals_packed_path():
     assert all((c == k).all() for c, k in zip(packed.computed, (4, 2)))
 
 
-def test_cached_decoding_equals_uncached():
-    model = tiny_model()
+@BLOCKS
+def test_cached_decoding_equals_uncached(block):
+    model = tiny_model(block=block)
     idx = torch.randint(0, 50, (2, 14))
     full = model(idx, loop_counts=(5, 3)).logits
     cache = model.new_cache(2)
@@ -128,8 +162,9 @@ def test_cached_decoding_equals_uncached():
     assert cache.length == 14
 
 
-def test_generate_greedy_matches_uncached_argmax():
-    model = tiny_model()
+@BLOCKS
+def test_generate_greedy_matches_uncached_argmax(block):
+    model = tiny_model(block=block)
     prompt = torch.randint(0, 50, (1, 5))
     out = generate(model, prompt, 6, temperature=0)
     tokens = prompt
@@ -168,8 +203,9 @@ def _exit_tau(model, idx):
     return float((norms[3] - norms[2]).norm(dim=-1).median())
 
 
-def test_exits_teacher_forced_equals_cached_and_batch_of_one():
-    model = tiny_model()
+@BLOCKS
+def test_exits_teacher_forced_equals_cached_and_batch_of_one(block):
+    model = tiny_model(block=block)
     idx = torch.randint(0, 50, (3, 12))
     tau = _exit_tau(model, idx)
     forced = model(idx, controller=NormController(tau, 8))

@@ -14,8 +14,9 @@ def register(subparsers) -> None:
         "import-hf",
         help="import a Hugging Face model folder as an rdepth run",
         description="Write an rdepth run (checkpoint + tokenizer) from a Hugging Face folder whose "
-        "architecture rdepth's model can hold exactly (a folder written by rdepth export). Other "
-        "architectures (GPT-2, ...) are refused with the mismatch named.",
+        "architecture rdepth's model can hold exactly: a folder written by rdepth export, or a GPT-2 "
+        "folder (a plain model of gpt2 blocks; loop its layers with rdepth retrofit). Other "
+        "architectures are refused with the mismatch named.",
     )
     add_dataclass_flags(parser, ImportConfig, title="import")
     parser.set_defaults(func=run)

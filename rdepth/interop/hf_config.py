@@ -44,6 +44,7 @@ class RdepthConfig(PreTrainedConfig):
     eval_loops: list[int] | None = None
     mlp_ratio: int = 4
     norm_eps: float = 1e-6
+    block: str = "sandwich"
     tokenizer: str = "gpt2"
     # the exported model's own
     loop_counts: list[int] | None = None

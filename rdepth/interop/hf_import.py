@@ -1,15 +1,11 @@
 """``rdepth import-hf``: a Hugging Face model folder as an rdepth run, where the architectures match.
 
-An importer is chosen by ``config.json``'s ``model_type`` from :data:`IMPORTERS`.
-rdepth's :class:`~rdepth.model.RecurrentLM` holds exactly one architecture, so only
-folders of that architecture import: those written by ``rdepth export`` (the round
-trip is exact). Architectures it cannot compute are refused with the mismatch
-named in :data:`MISMATCHES`, never approximated: a GPT-2 block (pre-LayerNorm
-with biases, GELU MLP, an un-normalised residual stream, no embedding scale) and
-rdepth's sandwich block (RMSNorm before each sub-layer *and* after each residual
-sum, no biases, SiLU, token embedding times sqrt(d)) compute different functions
-for every choice of weights. (Raptor surrogates of GPT-2 folders go through
-``rdepth surrogate --teacher DIR``, which has its own GPT-2 layer.)
+An importer is chosen by ``config.json``'s ``model_type`` from :data:`IMPORTERS`:
+folders written by ``rdepth export`` (the round trip is exact) and GPT-2 folders
+(:mod:`rdepth.interop.hf_gpt2`: a plain model of ``block="gpt2"`` layers, logits equal
+to ``transformers``' own GPT-2). Architectures :class:`~rdepth.model.RecurrentLM`
+cannot compute are refused with the mismatch named in :data:`MISMATCHES`, never
+approximated.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ from rdepth.config import ModelConfig, field_names
 from rdepth.data.tokenizers import BPE_FILE, META_FILE, load_tokenizer
 from rdepth.errors import RdepthError
 from rdepth.interop.config import ImportConfig
+from rdepth.interop.hf_gpt2 import import_gpt2
 from rdepth.interop.output import check_new_folder, staged_folder
 from rdepth.io import read_json_object, write_json, write_text
 from rdepth.model import RecurrentLM
@@ -33,15 +30,10 @@ log = logging.getLogger(__name__)
 
 WEIGHT_PREFIX = "model."  # as rdepth.interop.export writes them
 
-GPT2_MISMATCH = (
-    "its blocks are pre-LayerNorm with biases and a GELU MLP on an un-normalised residual stream, "
-    "rdepth's are sandwich-RMSNorm (a norm after every residual sum), bias-free, with a SiLU MLP and "
-    "the token embedding scaled by sqrt(d); no weights make one compute the other"
-)
 # model_type -> why RecurrentLM cannot hold it exactly
 MISMATCHES: dict[str, str] = {
-    "gpt2": GPT2_MISMATCH,
-    "gpt_neo": GPT2_MISMATCH,
+    "gpt_neo": "its attention alternates global and local (windowed) layers and is not scaled by "
+               "1/sqrt(head_dim); rdepth's gpt2 block is global and scaled",
     "llama": "its blocks are pre-RMSNorm with rotary positions and a gated SwiGLU MLP; rdepth's are "
              "sandwich-RMSNorm with learned positions and a plain SiLU MLP",
 }
@@ -92,6 +84,7 @@ def import_rdepth_export(folder: Path, hf_config: dict) -> tuple[RecurrentLM, di
 # model_type -> importer(folder, config.json) -> (model, tokenizer files)
 IMPORTERS: dict[str, Callable[[Path, dict], tuple[RecurrentLM, dict]]] = {
     "rdepth": import_rdepth_export,
+    "gpt2": import_gpt2,
 }
 
 

@@ -83,7 +83,7 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = RdepthConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    _no_split_modules = ["SandwichBlock"]
+    _no_split_modules = ["SandwichBlock", "GPT2Block"]
 
     def __init__(self, config: RdepthConfig):
         super().__init__(config)

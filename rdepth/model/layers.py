@@ -1,4 +1,8 @@
-"""Transformer layers: RMSNorm, causal attention, SiLU MLP, sandwich block.
+"""Transformer layers: causal attention, MLP, and the two block types of :data:`BLOCKS`.
+
+``sandwich`` (Geiping et al.'s, rdepth's own): RMSNorm before each sub-layer and
+after each residual sum, no biases, SiLU MLP. ``gpt2``: GPT-2's pre-LayerNorm
+block with biases and a GELU-tanh MLP, so that GPT-2 checkpoints import exactly.
 
 Every layer accepts activations in one of two layouts:
 
@@ -19,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rdepth.config import ModelConfig
+from rdepth.config import BLOCK_TYPES, ModelConfig
 from rdepth.model.kv import AttentionContext
 
 
@@ -36,14 +40,26 @@ class RMSNorm(nn.Module):
         return normed.type_as(x)
 
 
+def has_bias(config: ModelConfig) -> bool:
+    """Linear layers carry biases in GPT-2 blocks only."""
+    return config.block == "gpt2"
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    """The block type's norm: RMSNorm (sandwich) or LayerNorm with bias (gpt2); also the final norm."""
+    if config.block == "gpt2":
+        return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+    return RMSNorm(config.d_model, config.norm_eps)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
         self.n_head = config.n_head
         self.head_dim = config.head_dim
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
-        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=has_bias(config))
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=has_bias(config))
 
     def forward(self, x: torch.Tensor, attn: AttentionContext | None = None) -> torch.Tensor:
         if attn is None:
@@ -68,14 +84,19 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """``proj(act(fc(x)))``: SiLU without biases (sandwich), GELU-tanh with biases (gpt2)."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         hidden = config.mlp_ratio * config.d_model
-        self.fc = nn.Linear(config.d_model, hidden, bias=False)
-        self.proj = nn.Linear(hidden, config.d_model, bias=False)
+        self.fc = nn.Linear(config.d_model, hidden, bias=has_bias(config))
+        self.proj = nn.Linear(hidden, config.d_model, bias=has_bias(config))
+        self.gelu = config.block == "gpt2"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.silu(self.fc(x)))
+        hidden = self.fc(x)
+        hidden = F.gelu(hidden, approximate="tanh") if self.gelu else F.silu(hidden)
+        return self.proj(hidden)
 
 
 class SandwichBlock(nn.Module):
@@ -100,3 +121,28 @@ class SandwichBlock(nn.Module):
         x = self.norm_2(x + self.attn(self.norm_1(x), attn))
         x = self.norm_4(x + self.mlp(self.norm_3(x)))
         return x
+
+
+class GPT2Block(nn.Module):
+    """GPT-2's block: LayerNorm before each sub-layer, an un-normalised residual stream::
+
+        x = x + attn(norm_1(x))
+        x = x + mlp(norm_2(x))
+    """
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.norm_1 = make_norm(config)
+        self.attn = CausalSelfAttention(config, layer_index)
+        self.norm_2 = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, attn: AttentionContext | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm_1(x), attn)
+        x = x + self.mlp(self.norm_2(x))
+        return x
+
+
+# ModelConfig.block -> the layer class RecurrentLM builds
+BLOCKS: dict[str, type[nn.Module]] = {"sandwich": SandwichBlock, "gpt2": GPT2Block}
+assert set(BLOCKS) == set(BLOCK_TYPES)

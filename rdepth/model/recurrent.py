@@ -30,7 +30,7 @@ from rdepth.config import ModelConfig, parse_loop_counts
 from rdepth.errors import RdepthError
 from rdepth.model.control import FixedController, LoopController
 from rdepth.model.kv import AttentionContext, KVStore
-from rdepth.model.layers import RMSNorm, SandwichBlock
+from rdepth.model.layers import BLOCKS, make_norm
 from rdepth.model.loop import LoopRows
 from rdepth.model.noise import StateNoise
 from rdepth.model.schedule import sample_loop_counts
@@ -91,12 +91,14 @@ class RecurrentLM(nn.Module):
         d = config.d_model
         self.wte = nn.Embedding(config.padded_vocab_size, d)
         self.wpe = nn.Embedding(config.block_size, d)
-        self.layers = nn.ModuleList(SandwichBlock(config, i) for i in range(config.n_layer))
+        block = BLOCKS[config.block]
+        self.layers = nn.ModuleList(block(config, i) for i in range(config.n_layer))
         self.adapters = nn.ModuleList(nn.Linear(2 * d, d, bias=False) for _ in config.group_specs)
-        self.norm_f = RMSNorm(d, config.norm_eps)
+        self.norm_f = make_norm(config)
         self.stages = build_stages(config)
         self.group_layers = [spec.layers for spec in config.group_specs]  # derived once
-        self.embed_scale = math.sqrt(d)
+        # Sandwich blocks scale the token embedding by sqrt(d) (see embed); GPT-2 does not.
+        self.embed_scale = math.sqrt(d) if config.block == "sandwich" else 1.0
         self.reset_parameters()
 
     # ------------------------------------------------------------------ setup
@@ -115,7 +117,7 @@ class RecurrentLM(nn.Module):
     @property
     def init_state_std(self) -> float:
         """Per-coordinate std of the initial loop state at ``init_state_scale`` 1."""
-        return self.base_std * self.embed_scale
+        return self.base_std * math.sqrt(self.config.d_model)
 
     def reset_parameters(self) -> None:
         """Geiping et al.'s scaled init: every matrix ~ N(0, 2/(5d)), truncated at
@@ -124,7 +126,9 @@ class RecurrentLM(nn.Module):
         std = self.base_std
         out_std = std / math.sqrt(2.0 * self.config.unrolled_depth)
         for name, param in self.named_parameters():
-            if param.dim() == 1:
+            if param.dim() == 1 and name.endswith(".bias"):  # gpt2 blocks only
+                nn.init.zeros_(param)
+            elif param.dim() == 1:
                 nn.init.ones_(param)
             elif name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
                 nn.init.trunc_normal_(param, 0.0, out_std, -3 * out_std, 3 * out_std)
@@ -152,10 +156,11 @@ class RecurrentLM(nn.Module):
     def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
         """Token + learned position embeddings: idx ``[B, T]`` -> ``[B, T, d]``.
 
-        As Geiping et al., the (tied, small-init) token embedding is scaled by
-        sqrt(d) on the way in, so that token identity is not swamped by the
-        position embedding and the first sub-layer outputs under sandwich
-        norms; without it the tiny preset stalls at the unigram loss.
+        As Geiping et al., the (tied, small-init) token embedding of sandwich
+        blocks is scaled by sqrt(d) on the way in, so that token identity is not
+        swamped by the position embedding and the first sub-layer outputs under
+        sandwich norms; without it the tiny preset stalls at the unigram loss.
+        GPT-2 blocks take the embedding unscaled, as GPT-2 does.
         """
         seq = idx.shape[-1]
         if start_pos + seq > self.config.block_size:
@@ -217,7 +222,7 @@ class RecurrentLM(nn.Module):
         return self.run_layers(self.group_layers[group], x, attn)
 
     def readout(self, x: torch.Tensor) -> torch.Tensor:
-        """Final RMSNorm and the tied head; logits over the real vocabulary."""
+        """Final norm and the tied head; logits over the real vocabulary."""
         logits = F.linear(self.norm_f(x), self.wte.weight)
         return logits[..., : self.config.vocab_size]
 
