@@ -181,3 +181,19 @@ def test_help(monkeypatch, capsys):
         cli(monkeypatch, "import-hf", "--help")
     assert exit_info.value.code == 0
     assert "--hf" in capsys.readouterr().out
+
+
+def test_imported_gpt2_is_a_surrogate_teacher_with_the_hf_folders_states(tmp_path, monkeypatch):
+    """The run import-hf writes and the surrogate's own loader of the same folder agree layer by layer."""
+    from rdepth.surrogate.hf_loader import load_hf_teacher
+    from rdepth.surrogate.rdepth_teacher import load_rdepth_teacher
+
+    folder, _ = _tiny_gpt2(tmp_path / "gpt2")
+    assert cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run") == 0
+    ids = torch.tensor([tiny_tokenizer().encode(TEXT)[:12]])
+    with torch.no_grad():
+        ours = load_rdepth_teacher(tmp_path / "run").layer_states(ids)
+        theirs = load_hf_teacher(folder).layer_states(ids)
+    assert len(ours) == len(theirs) == 4
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

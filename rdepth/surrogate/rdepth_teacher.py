@@ -1,9 +1,10 @@
 """rdepth's own non-recurrent language models as surrogate teachers.
 
 A run trained with ``--groups ""`` is an ordinary L-layer causal transformer of sandwich
-blocks (:class:`rdepth.model.layers.SandwichBlock`). :func:`load_rdepth_teacher` exposes it
+blocks (:class:`rdepth.model.layers.SandwichBlock`), or of GPT-2 blocks for a GPT-2 imported
+with ``rdepth import-hf``. :func:`load_rdepth_teacher` exposes it
 as a :class:`~rdepth.surrogate.layers.Teacher`: the model's own embedding (token embedding
-scaled by sqrt(d) plus positions), its layers unchanged, and its final RMSNorm as readout,
+scaled by sqrt(d) for sandwich blocks, plus positions), its layers unchanged, and its final norm as readout,
 so the states the surrogate fits are exactly the ones :class:`rdepth.model.RecurrentLM`
 computes. Sentences are encoded with the tokenizer saved with the run.
 
@@ -20,7 +21,7 @@ from torch import nn
 
 from rdepth.errors import RdepthError
 from rdepth.model import RecurrentLM
-from rdepth.model.layers import SandwichBlock
+from rdepth.model.layers import BLOCKS
 from rdepth.run.checkpoint import load_model, load_model_config, resolve_checkpoint
 from rdepth.run.heldout import run_tokenizer
 from rdepth.surrogate.layers import LayerSpec, Teacher
@@ -28,9 +29,9 @@ from rdepth.surrogate.text import TextBatch, pad_batch
 
 
 class SandwichLayer(nn.Module):
-    """A :class:`SandwichBlock` with the surrogate's layer signature ``(state, key_mask)``."""
+    """One of the model's blocks with the surrogate's layer signature ``(state, key_mask)``."""
 
-    def __init__(self, block: SandwichBlock) -> None:
+    def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self.block = block
         self.drop_path_rate = 0.0
@@ -57,11 +58,13 @@ def load_rdepth_teacher(path: str | Path) -> Teacher:
     if config.group_specs:
         raise RdepthError(f"{path}: the model already loops (groups {config.groups!r}); a surrogate teacher "
                           "must be a plain transformer (trained with --groups '')")
+    gpt2 = config.block == "gpt2"
     spec = LayerSpec(d_model=config.d_model, n_heads=config.n_head, d_ff=config.mlp_ratio * config.d_model,
-                     norm_position="sandwich", causal=True, activation="silu", norm_eps=config.norm_eps)
+                     norm_position="pre" if gpt2 else "sandwich", causal=True,
+                     activation="gelu_tanh" if gpt2 else "silu", norm_eps=config.norm_eps)
     layers = [SandwichLayer(block) for block in model.layers]
     teacher = Teacher(RdepthEmbedding(model), layers, model.norm_f, spec, name="rdepth",
-                      layer_factory=lambda: SandwichLayer(SandwichBlock(config, 0)))
+                      layer_factory=lambda: SandwichLayer(BLOCKS[config.block](config, 0)))
     teacher.block_size = config.block_size
     teacher.eval().requires_grad_(False)
     return teacher
