@@ -172,4 +172,10 @@ def test_help(monkeypatch, capsys):
         cli(monkeypatch, "lm-eval", "--help")
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    assert "--tasks" in text and "--include-path" in text and "--loops" in text
+    assert "--tasks" in text and "--include-path" in text and "--loops" in text and "--threads" in text
+
+
+def test_negative_threads_is_a_one_line_error(monkeypatch, capsys):
+    code = cli(monkeypatch, "lm-eval", "--checkpoint", "x", "--tasks", "t", "--threads", "-1")
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "threads must be >= 0" in err and "\n" not in err

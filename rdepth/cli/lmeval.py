@@ -27,6 +27,10 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.io import write_json
 
     config = build(LmEvalConfig, {}, args)
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
     try:
         from rdepth.interop.lm_eval_model import evaluate_budgets
     except ModuleNotFoundError as exc:

@@ -97,11 +97,14 @@ class LmEvalConfig:
     batch_size: int = option(8, "requests per forward pass")
     seed: int = option(0, "seed of the initial loop-state noise")
     device: str = option("cpu", "cpu or cuda[:N]")
+    threads: int = option(0, "torch CPU threads (0: torch's default)")
     json: str | None = option(None, "also write the results to this JSON file")
 
     def __post_init__(self) -> None:
         if not [task for task in self.tasks.split(",") if task.strip()]:
             raise RdepthError("lm-eval: --tasks must name at least one task")
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:
+            raise RdepthError(f"lm-eval: threads must be >= 0, got {self.threads!r}")
         for name in ("batch_size", "limit"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
