@@ -91,3 +91,65 @@ def test_generated_text_hides_special_tokens_and_eval_on_text_has_a_baseline(wik
     assert main(["eval", "--checkpoint", str(run), "--data", str(text), "--loops", "1"]) == 0
     printed = capsys.readouterr().out
     assert "unigram baseline" in printed and "the same" in printed
+
+
+def _template(length: int = 22, seed: int = 5):
+    """Given tokens with free positions in runs of one to three (a problem with answers between queries)."""
+    generator = torch.Generator().manual_seed(seed)
+    template = torch.randint(0, 12, (1, length), generator=generator)
+    free = torch.zeros(length, dtype=torch.bool)
+    free[[4, 7, 8, 11, 14, 15, 16, 19, 21]] = True
+    return template, free
+
+
+def test_greedy_fill_is_the_argmax_of_uncached_forwards():
+    from rdepth.model.speculative import greedy_fill
+
+    model = tiny()
+    template, free = _template()
+    filled = greedy_fill(model, template, free, loop_counts=(4, 5), noise=StateNoise(4, [0]))
+    expected = template.clone()
+    for position in torch.nonzero(free).flatten().tolist():
+        logits = model(expected[:, :position], loop_counts=(4, 5), generator=StateNoise(4, [0])).logits
+        expected[0, position] = logits[0, -1].argmax()
+    assert torch.equal(filled, expected)
+    assert torch.equal(filled[0, ~free], template[0, ~free])  # given tokens stay
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 2, 5])
+def test_speculative_fill_equals_greedy_fill(draft_tokens):
+    from rdepth.model.speculative import greedy_fill, speculative_fill
+
+    model = tiny()
+    template, free = _template()
+    plain = greedy_fill(model, template, free, loop_counts=(4, 5), noise=StateNoise(4, [0]))
+    fast, stats = speculative_fill(model, template, free, draft_loops=1, loop_counts=(4, 5),
+                                   draft_tokens=draft_tokens, noise=StateNoise(4, [0]))
+    assert torch.equal(fast, plain)
+    assert stats.accepted < stats.drafted  # one loop disagrees somewhere
+    # each round decides its accepted drafts plus one more (the last round may have none after it)
+    assert 8 <= stats.rounds + stats.accepted <= 9
+    same, stats = speculative_fill(model, template, free, draft_loops=(4, 5), loop_counts=(4, 5),
+                                   draft_tokens=draft_tokens, noise=StateNoise(4, [0]))
+    assert torch.equal(same, plain) and stats.acceptance == 1.0
+    assert stats.rounds == -(-8 // (draft_tokens + 1))  # 8 free positions after the first, k+1 per round
+
+
+def test_speculative_fill_with_exits_and_bad_templates():
+    from rdepth.errors import RdepthError
+    from rdepth.model.speculative import greedy_fill, speculative_fill
+
+    model = tiny(block_size=16)
+    template, free = _template()  # longer than the block: free positions past 16 stay as given
+
+    def controller():
+        return PolicyController.from_name("kl", tau=1e-3, k_max=6, decode=model.readout)
+
+    plain = greedy_fill(model, template, free, controller_factory=controller, noise=StateNoise(2, [0]))
+    fast, _ = speculative_fill(model, template, free, draft_loops=1, controller_factory=controller,
+                               draft_tokens=3, noise=StateNoise(2, [0]))
+    assert torch.equal(fast, plain) and torch.equal(plain[0, 17:], template[0, 17:])
+    with pytest.raises(RdepthError, match="first position"):
+        greedy_fill(model, template, torch.ones(22, dtype=torch.bool))
+    with pytest.raises(RdepthError, match="bool tensor of shape"):
+        speculative_fill(model, template, free[:5], draft_loops=1)

@@ -5,9 +5,16 @@ budget. Each round drafts ``draft_tokens`` tokens one at a time at the draft
 budget, then runs the pending token and the drafts through the model *once* at
 the verifying budget (teacher-forced, all positions in parallel), keeps the
 longest prefix of drafts that the verifying budget's greedy choice agrees with,
-and adds the verifying budget's own next token. The output is token for token
-the greedy output at the verifying budget (:func:`rdepth.model.generation.generate`
-with ``temperature=0``), because
+and adds the verifying budget's own next token.
+
+:func:`speculative_fill` does this for a *template*: a sequence in which some
+positions are given and the model chooses the others (free text after a prompt is
+the template whose positions after the prompt are all free; a reasoning problem
+whose answers follow given queries is another). Given tokens between the free ones
+are fed with them, in the drafts and in the verifying pass. The output is token
+for token the greedy fill at the verifying budget (:func:`greedy_fill`;
+:func:`rdepth.model.generation.generate` with ``temperature=0`` for free text),
+because
 
 - a teacher-forced pass over positions ``L..L+k`` computes exactly what cached
   decoding of those positions one at a time computes (tested, with exits too);
@@ -49,6 +56,124 @@ class SpeculativeStats:
                 "acceptance": self.acceptance}
 
 
+def _runner(model: RecurrentLM, noise: StateNoise):
+    def run(tokens: torch.Tensor, cache, counts, factory) -> torch.Tensor:
+        controller = factory() if factory is not None else None
+        return model(tokens, loop_counts=counts, controller=controller, cache=cache, generator=noise).logits
+    return run
+
+
+def _free_positions(template: torch.Tensor, free: torch.Tensor, block_size: int) -> list[int]:
+    """The free positions the model can decide: each needs the logits of the position before
+    it, so at most ``block_size``; position 0 has nothing before it."""
+    if template.dim() != 2 or template.shape[0] != 1:
+        raise RdepthError(f"speculative decoding runs one sequence at a time, got a batch of shape "
+                          f"{tuple(template.shape)}")
+    if free.shape != template.shape[1:] or free.dtype != torch.bool:
+        raise RdepthError(f"the free-position mask must be a bool tensor of shape {tuple(template.shape[1:])}")
+    if template.shape[1] and bool(free[0]):
+        raise RdepthError("the first position of a template must be given: nothing comes before it")
+    return [int(r) for r in torch.nonzero(free).flatten() if int(r) <= block_size]
+
+
+@torch.no_grad()
+def greedy_fill(
+    model: RecurrentLM,
+    template: torch.Tensor,
+    free: torch.Tensor,
+    *,
+    loop_counts: Sequence[int] | int | None = None,
+    controller_factory: Callable[[], LoopController] | None = None,
+    noise: StateNoise | None = None,
+) -> torch.Tensor:
+    """Plain greedy decoding of a template ``[1, N]``: each position where ``free`` ``[N]`` is
+    true gets the argmax of the logits before it, the given tokens up to it fed in one chunk
+    through the cache. Free positions past the block size keep the template's token."""
+    model.eval()
+    positions = _free_positions(template, free, model.config.block_size)
+    noise = noise if noise is not None else StateNoise(0, [0])
+    counts = None if controller_factory is not None else model.resolve_loop_counts(loop_counts)
+    run = _runner(model, noise)
+    out = template.clone()
+    cache = model.new_cache(1)
+    for position in positions:
+        out[0, position] = run(out[:, cache.length:position], cache, counts, controller_factory)[0, -1].argmax()
+    return out
+
+
+@torch.no_grad()
+def speculative_fill(
+    model: RecurrentLM,
+    template: torch.Tensor,
+    free: torch.Tensor,
+    *,
+    draft_loops: Sequence[int] | int | None = None,
+    loop_counts: Sequence[int] | int | None = None,
+    controller_factory: Callable[[], LoopController] | None = None,
+    draft_controller_factory: Callable[[], LoopController] | None = None,
+    draft_tokens: int = 4,
+    noise: StateNoise | None = None,
+) -> tuple[torch.Tensor, SpeculativeStats]:
+    """:func:`greedy_fill` at the verifying budget, token for token, drafting ``draft_tokens``
+    free positions per round at the draft budget and verifying them in one pass.
+
+    The verifying budget is ``loop_counts`` (default: the model's eval counts) or
+    ``controller_factory`` (per-token exits); drafts use ``draft_loops`` (or
+    ``draft_controller_factory``). ``noise`` defaults to ``StateNoise(0, [0])``.
+    Returns the filled ``[1, N]`` tokens and the statistics (free positions drafted
+    and accepted).
+    """
+    if draft_tokens < 1:
+        raise RdepthError("speculative decoding needs draft_tokens >= 1")
+    if draft_loops is None and draft_controller_factory is None:
+        raise RdepthError("speculative decoding needs a draft budget (draft_loops or a draft controller)")
+    model.eval()
+    positions = _free_positions(template, free, model.config.block_size)
+    noise = noise if noise is not None else StateNoise(0, [0])
+    verify_counts = None if controller_factory is not None else model.resolve_loop_counts(loop_counts)
+    draft_counts = None if draft_controller_factory is not None else model.resolve_loop_counts(draft_loops)
+    run = _runner(model, noise)
+    out = template.clone()
+    stats = SpeculativeStats()
+    if not positions:
+        return out, stats
+    cache = model.new_cache(1)
+    first = positions[0]
+    out[0, first] = run(out[:, :first], cache, verify_counts, controller_factory)[0, -1].argmax()
+    # Invariant: the cache holds positions < cache.length at the verifying budget, and the token at
+    # cache.length (the last decided free position, or a given one) is final.
+    decided = 1  # positions[:decided] are final
+    while decided < len(positions):
+        start = cache.length
+        drafted: list[int] = []
+        while len(drafted) < draft_tokens and decided + len(drafted) < len(positions):
+            position = positions[decided + len(drafted)]
+            out[0, position] = run(out[:, cache.length:position], cache, draft_counts,
+                                   draft_controller_factory)[0, -1].argmax()
+            drafted.append(position)
+        following = decided + len(drafted)  # the free position after the drafts, if any
+        end = positions[following] if following < len(positions) else drafted[-1]
+        cache.length = start  # verify from the last final token on, over the drafts
+        verified = run(out[:, start:end], cache, verify_counts, controller_factory).argmax(-1)[0]
+        accepted = 0
+        for position in drafted:
+            choice = verified[position - 1 - start]
+            if choice != out[0, position]:
+                out[0, position] = choice  # the verifying budget's own token: final
+                cache.length = position
+                break
+            accepted += 1
+        else:
+            if following < len(positions):  # every draft kept: the next free position comes free
+                out[0, end] = verified[end - 1 - start]
+            cache.length = end
+        stats.rounds += 1
+        stats.drafted += len(drafted)
+        stats.accepted += accepted
+        decided += accepted + 1
+    return out, stats
+
+
 @torch.no_grad()
 def speculative_generate(
     model: RecurrentLM,
@@ -62,54 +187,21 @@ def speculative_generate(
     draft_tokens: int = 4,
     noise: StateNoise | None = None,
 ) -> tuple[torch.Tensor, SpeculativeStats]:
-    """Greedy continuation of ``idx`` ``[1, T0]`` by up to ``max_new_tokens`` tokens.
-
-    The verifying budget is ``loop_counts`` (default: the model's eval counts) or
-    ``controller_factory`` (per-token exits); drafts use ``draft_loops`` (or
-    ``draft_controller_factory``). ``noise`` defaults to ``StateNoise(0, [0])``;
-    pass the same one to :func:`~rdepth.model.generation.generate` to compare.
-    Returns the tokens ``[1, T0 + n]`` and acceptance statistics.
-    """
+    """Greedy continuation of ``idx`` ``[1, T0]`` by up to ``max_new_tokens`` tokens (fewer at the
+    block size): :func:`speculative_fill` of the template whose positions after the prompt are free.
+    Returns the tokens ``[1, T0 + n]`` and acceptance statistics; the same tokens as
+    :func:`~rdepth.model.generation.generate` at ``temperature=0`` with the same ``noise``."""
     if idx.dim() != 2 or idx.shape[0] != 1:
         raise RdepthError(f"speculative decoding runs one sequence at a time, got a batch of shape {tuple(idx.shape)}")
-    if draft_tokens < 1 or max_new_tokens < 1:
-        raise RdepthError("speculative decoding needs draft_tokens >= 1 and max_new_tokens >= 1")
-    model.eval()
-    noise = noise if noise is not None else StateNoise(0, [0])
-    verify_counts = None if controller_factory is not None else model.resolve_loop_counts(loop_counts)
-    draft_counts = None if draft_controller_factory is not None else model.resolve_loop_counts(draft_loops)
-    block = model.config.block_size
-
-    def run(tokens: torch.Tensor, cache, counts, factory) -> torch.Tensor:
-        controller = factory() if factory is not None else None
-        return model(tokens, loop_counts=counts, controller=controller, cache=cache, generator=noise).logits
-
-    cache = model.new_cache(1)
-    stats = SpeculativeStats()
-    out = idx
-    if idx.shape[1] > block:
-        return out, stats
-    pending = run(idx, cache, verify_counts, controller_factory)[:, -1].argmax(-1, keepdim=True)  # [1, 1]
-    produced = 1
-    out = torch.cat([out, pending], dim=1)
-    while produced < max_new_tokens and cache.length < block:
-        start = cache.length  # the pending token's position
-        room = min(draft_tokens, max_new_tokens - produced, block - start - 1)
-        drafts = []
-        step_input = pending
-        for _ in range(room):
-            step_input = run(step_input, cache, draft_counts, draft_controller_factory)[:, -1].argmax(-1, keepdim=True)
-            drafts.append(step_input)
-        cache.length = start  # verify from the pending token on, over the drafts
-        candidates = torch.cat([pending, *drafts], dim=1)  # [1, room + 1]
-        verified = run(candidates, cache, verify_counts, controller_factory).argmax(-1)  # [1, room + 1]
-        agree = (verified[0, :room] == candidates[0, 1:]).long()
-        accepted = int(agree.cumprod(0).sum())
-        stats.rounds += 1
-        stats.drafted += room
-        stats.accepted += accepted
-        cache.length = start + accepted + 1  # the pending token and the accepted drafts
-        pending = verified[:, accepted : accepted + 1]
-        out = torch.cat([out, candidates[:, 1 : accepted + 1], pending], dim=1)
-        produced += accepted + 1
-    return out[:, : idx.shape[1] + max_new_tokens], stats
+    if max_new_tokens < 1:
+        raise RdepthError("speculative decoding needs max_new_tokens >= 1")
+    prompt = idx.shape[1]
+    if prompt > model.config.block_size:
+        return idx, SpeculativeStats()
+    length = min(prompt + max_new_tokens, model.config.block_size + 1)
+    template = torch.cat([idx, idx.new_zeros(1, length - prompt)], dim=1)
+    free = torch.arange(length, device=idx.device) >= prompt
+    return speculative_fill(model, template, free, draft_loops=draft_loops, loop_counts=loop_counts,
+                            controller_factory=controller_factory,
+                            draft_controller_factory=draft_controller_factory, draft_tokens=draft_tokens,
+                            noise=noise)
