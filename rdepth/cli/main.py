@@ -36,6 +36,7 @@ SUBCOMMANDS = [
     "retrofit",
     "lmeval",
     "demo",
+    "reproduce",
 ]
 
 

@@ -1,0 +1,275 @@
+"""rdepth reproduce two-scale: claim verdicts on constructed summaries, the planner on constructed
+speeds, bad input, and a toy run end to end on the CPU (plumbing, not the claims)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from rdepth.cli.main import main
+from rdepth.errors import RdepthError
+from rdepth.exits.summary import summarize
+from rdepth.reproduce import claims as C
+from rdepth.reproduce.config import ReproduceConfig
+from rdepth.reproduce.plan import (SAFETY_SECONDS, SPEED_MARGIN, Probe, Workload, expected_train_flops, plan_run,
+                                   probe_from_steps, size_config, train_flops)
+
+# ------------------------------------------------------------------ constructed geometry summaries
+
+
+def _group(name: str, sizes: list[float], settled: float | None) -> dict:
+    cosines = [0.1] * (len(sizes) - 1)
+    return {"name": name, "steps": len(sizes), "step_size": {"mean": sizes, "std": [0.0] * len(sizes)},
+            "cosine": {"mean": cosines, "std": [0.0] * len(cosines)}, "headline": {"settled_cosine": settled}}
+
+
+def _geometry(groups: list[dict], dlr: dict[str, tuple[float, float]] | None = None) -> dict:
+    budgets = {
+        "long": {"groups": groups, "dlr": {}},
+        "train": {"groups": groups, "dlr": {name: {"literal": {"median": literal}, "first_refine": {"median": refine}}
+                                            for name, (literal, refine) in (dlr or {}).items()}},
+    }
+    checkpoint = {"label": "step_000100", "step": 100, "path": "x", "budgets": budgets}
+    return {"checkpoints": [checkpoint], "scale_budget": "long", "dlr_default_refine": "first_refine"}
+
+
+FAST = [12.0] + [0.5 ** k for k in range(30)]  # step 1 = 1.0 ... a tenth of it by step 5
+NEVER = [12.0] + [1.0] * 30  # steps that never shrink
+
+
+def test_decay_step_counts_from_the_first_refinement_step():
+    assert C.decay_step([12.0, 1.0, 0.5, 0.09]) == 3  # 0.09 <= 0.1 x 1.0; step 0's jump is not the reference
+    assert C.decay_step(FAST) == 5
+    assert C.decay_step(NEVER) is None
+    assert C.decay_step([1.0, 1.0]) is None  # too short to tell
+
+
+def test_geometry_claims_reproduced():
+    summary = _geometry([_group("4", FAST, 0.55), _group("5-6", FAST, 0.6), _group("7", FAST, 0.5)],
+                        {"4->5-6": (25.0, 40.0), "5-6->7": (12.0, 30.0)})
+    assert C.claim_step_decay(summary)["verdict"] == C.REPRODUCED
+    assert C.claim_cosine(summary)["verdict"] == C.REPRODUCED
+    dlr = C.claim_dlr(summary)
+    assert dlr["verdict"] == C.REPRODUCED
+    assert [b["literal_median"] for b in dlr["ours"]["boundaries"]] == [25.0, 12.0]
+
+
+def test_geometry_claims_partly():
+    summary = _geometry([_group("4", FAST, 0.55), _group("5-6", NEVER, -0.3), _group("7", FAST, 0.9)],
+                        {"4->5-6": (3.0, 15.0), "5-6->7": (4.0, 20.0)})
+    assert C.claim_step_decay(summary)["verdict"] == C.PARTLY
+    cosine = C.claim_cosine(summary)
+    assert cosine["verdict"] == C.PARTLY and "oscillating" in " ".join(cosine["why"])
+    dlr = C.claim_dlr(summary)
+    assert dlr["verdict"] == C.PARTLY
+    assert "refinement steps only" in " ".join(dlr["why"])  # the refine definition clears 10 where Eq. 2 does not
+
+
+def test_geometry_claims_not_reproduced():
+    summary = _geometry([_group("4", NEVER, -0.4), _group("5-6", NEVER, -0.7)], {"4->5-6": (0.8, 2.0)})
+    assert C.claim_step_decay(summary)["verdict"] == C.NOT
+    assert C.claim_cosine(summary)["verdict"] == C.NOT
+    assert C.claim_dlr(summary)["verdict"] == C.NOT
+    # positive but outside the band: turning, not reversing, so partly
+    summary = _geometry([_group("4", NEVER, 0.9), _group("5-6", NEVER, 0.3)])
+    assert C.claim_cosine(summary)["verdict"] == C.PARTLY
+
+
+def test_one_group_has_no_drift_to_measure():
+    summary = _geometry([_group("1", FAST, 0.55)])
+    dlr = C.claim_dlr(summary)
+    assert dlr["verdict"] == C.UNTESTED
+    assert "one looped group" in dlr["why"][0]
+    assert C.claim_step_decay(summary)["verdict"] == C.REPRODUCED  # the others still answer
+    assert C.claim_cosine(_geometry([_group("1", FAST, None)]))["verdict"] == C.UNTESTED
+
+
+# ------------------------------------------------------------------ constructed sweeps
+
+
+def _timed(ms: float, spread: float = 0.02) -> dict:
+    return {"ms_per_token_b1": ms, "ms_per_token_b1_iqr": [ms * (1 - spread), ms * (1 + spread)],
+            "ms_per_token_batched": ms / 10, "ms_per_token_batched_iqr": [ms / 10 * 0.98, ms / 10 * 1.02]}
+
+
+def _sweep(ppl: dict[str, list[float]], ms: dict[str, float]) -> dict:
+    taus = [1e-5, 1e-4, 1e-3, 1e-2]
+    reference = {"budget": [8, 8, 8], "ppl": 100.0, "mean_steps": [8.0] * 3, "timing_path": "packed", **_timed(3.0)}
+    points = []
+    for policy, values in ppl.items():
+        for tau, value in zip(taus, values):
+            steps = [6.0, 6.0, 6.0]
+            baseline = {"budget": [6, 6, 6], "ppl": 100.5, "mean_steps": steps, **_timed(2.5)}
+            points.append({"policy": policy, "parameter": "tau", "value": tau, "ppl": value, "mean_steps": steps,
+                           "steps": sum(steps), "baseline": baseline, **_timed(ms[policy])})
+    result = {"reference": reference, "points": points, "fixed_ladder": [], "k_max": [8, 8, 8], "config": {}}
+    result["summary"] = summarize(result, 0.01)
+    return result
+
+
+FLAT = [100.0, 100.1, 100.2, 100.3]
+CLIFF = [100.0, 100.2, 102.0, 130.0]
+
+
+def test_exit_claim_reproduced():
+    claim = C.claim_exits(_sweep({"acceleration": FLAT, "kl": FLAT, "step_norm": CLIFF},
+                                 {"acceleration": 1.0, "kl": 2.0, "step_norm": 0.8}))
+    assert claim["verdict"] == C.REPRODUCED
+    checks = claim["ours"]["checks"]
+    assert checks["faster_than_kl"]["kl_over_acceleration_b1"]["ratio"] == pytest.approx(2.0)
+    assert checks["step_norm_cliff"]["ppl_rise_at_largest_tau"] == pytest.approx(0.30)
+    rows = claim["ours"]["policies"]["acceleration"]
+    assert [row["tau"] for row in rows] == [1e-5, 1e-4, 1e-3, 1e-2]
+    assert rows[0]["tokens_per_s_batched"] == pytest.approx(10_000.0)  # 1000 / (1.0 / 10) ms
+
+
+def test_exit_claim_partly_and_not():
+    # KL faster, but acceleration flat and the step-norm cliff there: two of three
+    claim = C.claim_exits(_sweep({"acceleration": FLAT, "kl": FLAT, "step_norm": CLIFF},
+                                 {"acceleration": 2.0, "kl": 1.0, "step_norm": 0.8}))
+    assert claim["verdict"] == C.PARTLY
+    assert not claim["ours"]["checks"]["faster_than_kl"]["holds"]
+    # equal latencies are within noise: not "faster"; acceleration loses quality; no cliff
+    claim = C.claim_exits(_sweep({"acceleration": [100.0, 100.0, 103.0, 110.0], "kl": FLAT, "step_norm": FLAT},
+                                 {"acceleration": 1.0, "kl": 1.01, "step_norm": 0.8}))
+    assert claim["verdict"] == C.NOT
+    assert "noise" in claim["ours"]["checks"]["faster_than_kl"]["reason"]
+
+
+def test_exit_claim_untested_without_the_policies():
+    claim = C.claim_exits(_sweep({"acceleration": FLAT}, {"acceleration": 1.0}))
+    assert claim["verdict"] == C.UNTESTED
+
+
+# ------------------------------------------------------------------ the planner
+
+
+def _work(**changes) -> Workload:
+    values = dict(checkpoints=4, analyze_sequences=4, long_loops=30, sweep_windows=8, sweep_settings=20,
+                  timing_batch=8, generate_tokens=0, repeats=1, val_windows=32)
+    return Workload(**{**values, **changes})
+
+
+def _configs() -> dict:
+    return {name: size_config(name, 512, "bpe:512") for name in ("tiny", "toy")}
+
+
+def test_probe_from_steps_divides_time_by_the_flops_of_the_counts_drawn():
+    config = size_config("toy", 512, "bpe:512")
+    steps = [(0.5, [(2, 3, 4)]), (1.5, [(6, 6, 6)])]
+    probe = probe_from_steps("toy", config, 8, steps)
+    tokens = 8 * config.block_size
+    flops = tokens * (train_flops(config, (2, 3, 4)) + train_flops(config, (6, 6, 6)))
+    assert probe.seconds_per_flop == pytest.approx(2.0 / flops)
+    assert probe.tokens_per_second == pytest.approx(1 / (probe.seconds_per_flop * expected_train_flops(config)))
+    with pytest.raises(RdepthError):
+        probe_from_steps("toy", config, 8, [])
+
+
+@pytest.mark.parametrize("remaining", [100.0, 300.0, 1200.0])
+def test_the_plan_stays_inside_the_budget(remaining):
+    probe = Probe("tiny", 3e-11, 3)
+    plan = plan_run(_configs(), probe, remaining, min_tokens=200_000, train_share=0.6, work=_work(), kind="cpu")
+    assert plan.train_seconds + plan.after_training["total"] <= remaining - SAFETY_SECONDS["cpu"] + 1e-6
+    assert plan.train_seconds <= 0.6 * remaining
+    assert plan.max_steps % 4 == 0 and plan.checkpoint_every * 4 == plan.max_steps
+    assert plan.tokens == plan.max_steps * plan.batch_size * size_config(plan.size, 512, "bpe:512").block_size
+    assert plan.step_seconds == pytest.approx(SPEED_MARGIN * plan.batch_size * size_config(
+        plan.size, 512, "bpe:512").block_size * expected_train_flops(size_config(plan.size, 512, "bpe:512")) * 3e-11)
+
+
+def test_more_minutes_more_tokens_and_a_faster_device_a_larger_model():
+    probe = Probe("tiny", 3e-11, 3)
+    tokens = [plan_run(_configs(), probe, remaining, min_tokens=10**12, train_share=0.6, work=_work(),
+                       kind="cpu").tokens for remaining in (120, 240, 480, 960)]
+    assert tokens == sorted(tokens) and tokens[0] < tokens[-1]
+    slow = plan_run(_configs(), probe, 300, min_tokens=2_000_000, train_share=0.6, work=_work(), kind="cpu")
+    fast = plan_run(_configs(), Probe("tiny", 3e-13, 3), 300, min_tokens=2_000_000, train_share=0.6, work=_work(),
+                    kind="cpu")
+    assert (slow.size, slow.reaches_min_tokens) == ("toy", False)  # none reaches: the most tokens
+    assert (fast.size, fast.reaches_min_tokens) == ("tiny", True)  # the largest that reaches them
+
+
+def test_a_budget_too_short_is_a_one_line_error():
+    with pytest.raises(RdepthError, match="raise --minutes"):
+        plan_run(_configs(), Probe("tiny", 3e-11, 3), 10.0, min_tokens=1, train_share=0.6, work=_work(), kind="cpu")
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("changes", [dict(minutes=0), dict(minutes=-1), dict(minutes=math.nan), dict(minutes="5"),
+                                     dict(sizes=("huge",)), dict(policies=("nope",)), dict(train_share=1.0),
+                                     dict(checkpoints=0), dict(device="tpu")])
+def test_bad_settings_are_refused(changes):
+    with pytest.raises(RdepthError):
+        ReproduceConfig(**changes)
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["reproduce", "two-scale", "--out", str(tmp_path / "a"), "--minutes", "0"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    out = tmp_path / "b"
+    assert main(["reproduce", "two-scale", "--out", str(out), "--data", str(tmp_path / "none"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no prepared data" in err[0] and "--corpus" in err[0]
+    assert not out.exists()  # nothing written
+
+
+def test_help_lists_the_paper(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["reproduce", "two-scale", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "--minutes" in text and "--export-dir" in text and "--corpus" in text
+
+
+def test_corpus_is_prepared_when_data_is_not(tmp_path):
+    from rdepth.reproduce.run import _prepared
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Document {i}: the loop refines a state, and the state drifts." * 3
+                                  for i in range(40)))
+    config = ReproduceConfig(out=str(tmp_path / "out"), corpus=str(corpus), tokenizer="bpe:300")
+    data = _prepared(config)
+    assert (data / "manifest.json").is_file() and str(data) == config.data
+    assert _prepared(config) == data  # prepared once; reused
+
+
+# ------------------------------------------------------------------ end to end
+
+
+@pytest.mark.slow
+def test_toy_run_end_to_end(wiki_small, tmp_path, capsys):
+    out, export = tmp_path / "run", tmp_path / "export"
+    argv = ["reproduce", "two-scale", "--out", str(out), "--data", str(wiki_small), "--minutes", "2",
+            "--device", "cpu", "--threads", "1", "--train-share", "0.3", "--export-dir", str(export)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| # | claim | paper | ours | verdict |" in printed
+    doc = json.loads((out / "claims.json").read_text())
+    assert [claim["id"] for claim in doc["claims"]] == ["step_decay", "cosine", "dlr", "exits"]
+    for claim in doc["claims"]:
+        assert claim["verdict"] in C.VERDICTS and claim["verdict"] != C.UNTESTED
+        assert claim["ours"]["value"] and claim["paper"]["figure"] and claim["figure"]
+        assert (out / "report" / claim["figure"]).is_file()
+    assert isinstance(doc["claims"][2]["ours"]["boundaries"][0]["literal_median"], float)  # three groups: DLR
+    exits = doc["claims"][3]["ours"]["policies"]
+    assert {"acceleration", "kl", "step_norm"} <= set(exits) and len(exits["kl"]) == 4
+    assert exits["kl"][0]["ms_per_token_b1"] > 0 and exits["kl"][0]["tokens_per_s_batched"] > 0
+    context = doc["context"]
+    assert context["unigram"]["ppl"] > context["loop_budgets"][0]["ppl"]  # it learned something
+    result = json.loads((out / "reproduce.json").read_text())
+    assert result["plan"]["size"] in ("tiny", "toy") and result["plan"]["max_steps"] % 4 == 0
+    assert result["wall_seconds"] < 150  # the budget is 120 s; a busy machine may run over a little
+    html = (out / "report.html").read_text()
+    assert "data:image/png;base64," in html and 'src="figures/' not in html
+    files = sorted(p.name for p in export.iterdir())
+    assert 6 <= len(files) <= 8 and "claims.json" in files and "report.html" in files
+    assert sum(p.stat().st_size for p in export.iterdir()) < 64 * 2**20
+    assert not (out / "probe").exists()  # the speed probes leave nothing behind
+    # rerunning into the folder with other settings is refused, with one line
+    assert main([*argv[:-2], "--seed", "1"]) == 2
+    assert "other settings" in capsys.readouterr().err
