@@ -218,7 +218,8 @@ def _sweep(run: Path, data: Path, config: DemoConfig) -> Path:
 
     out = Path(config.out) / "report"
     sweep_checkpoint(SweepConfig(checkpoint=str(run), data=str(data), out=str(out),
-                                 max_batches=max(1, config.sweep_sequences // 8), repeats=3, device="cpu"))
+                                 max_batches=max(1, config.sweep_sequences // 8), repeats=3, device="cpu",
+                                 generate_tokens=8))
     return out / "index.html"
 
 

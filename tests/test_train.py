@@ -185,3 +185,23 @@ def _exit_code(argv) -> int:
 def test_bad_flags_are_one_line(argv, fragment, capsys):
     assert _exit_code(argv) == 2
     assert fragment in _error_line(capsys)
+
+
+def test_batches_go_to_the_cpu_as_they_are():
+    from rdepth.train.trainer import host_for_copy
+
+    batch = torch.arange(12).view(3, 4)
+    assert host_for_copy(batch, torch.device("cpu")) is batch  # no pinning, no copy
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batches_go_to_cuda_through_pinned_memory():
+    from rdepth.train.trainer import host_for_copy
+
+    batch = torch.arange(12).view(3, 4)
+    pinned = host_for_copy(batch, torch.device("cuda"))
+    assert pinned.is_pinned() and torch.equal(pinned, batch)
+    assert host_for_copy(pinned, torch.device("cuda")) is pinned  # pinned once
+    on_device = pinned[1:].to("cuda", non_blocking=True)
+    assert torch.equal(on_device.cpu(), batch[1:])

@@ -31,7 +31,28 @@ def run(args: argparse.Namespace) -> int:
         profile = load_profile(config.exit_profile, model.n_groups)
         return profile_controller_factory(profile, lambda: model.readout)
 
-    for text in generate_text(config, profile_controllers if config.exit_profile is not None else None):
+    controllers = None
+    if config.exit_profile is not None:
+        controllers = profile_controllers
+    elif config.exit is not None:
+        controllers = policy_controllers(config)
+    for text in generate_text(config, controllers):
         print(text)
         print("---")
     return 0
+
+
+def policy_controllers(config):
+    """``model -> factory of loop controllers`` for ``--exit POLICY --tau X [--k-max N]``: the policy in
+    every group, decoded rules reading the model's head. A bad name, tau or k_max fails here, before
+    the checkpoint is loaded."""
+    from rdepth.exits.config import resolve_k_max
+    from rdepth.exits.measure import policy_controller_factory
+
+    policy_controller_factory(config.exit, config.tau, config.k_max or (1,))
+
+    def controllers(model):
+        k_max = resolve_k_max("generate", config.k_max, model.n_groups, model.config.default_eval_loops)
+        return policy_controller_factory(config.exit, config.tau, k_max, lambda: model.readout)
+
+    return controllers

@@ -14,10 +14,11 @@ from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError
 from rdepth.exits.stats import NOISE_THRESHOLD
 from rdepth.fields import option
-from rdepth.run.config import DEVICE_HELP, check_device_name
+from rdepth.run.config import DEVICE_HELP, check_autocast_name, check_device_name
 
 DEFAULT_TAUS = (1e-5, 1e-4, 1e-3, 1e-2)
-AUTOCAST_NAMES = ("none", "bf16", "fp16")
+# Tokens of the timed cached generation (the decode latency) when --generate-tokens is not given.
+DEFAULT_GENERATE_TOKENS = 16
 # How decoded rules (kl, entropy_diff, argmax_stable) read a group's state; see rdepth.exits.decode.
 DECODE_MODES = ("head", "rest")
 
@@ -53,9 +54,11 @@ class SweepConfig:
     are evaluated per point; timing runs the first ``timing_batch_size`` of
     them (batched) and the first alone (batch 1). Those latencies are
     teacher-forced (a whole window in one forward, wall time / tokens), not
-    decode latency; ``generate_tokens`` > 0 adds the decode latency (cached
-    generation). Policies and fixed budgets are timed on the same (packed)
-    path; fixed budgets also on the dense path, as a separate reference.
+    decode latency; beside them, the decode latency of greedy cached generation
+    at batch 1 (ms per generated token) is timed for ``generate_tokens`` tokens
+    (by default :data:`DEFAULT_GENERATE_TOKENS`, see :meth:`generate_tokens_for`).
+    Policies and fixed budgets are timed on the same (packed) path; fixed
+    budgets also on the dense path, as a separate reference.
     """
 
     checkpoint: str = option("", "checkpoint folder, or a run folder (its latest checkpoint)", required=True)
@@ -81,7 +84,7 @@ class SweepConfig:
     max_batches: int | None = option(4, "batches of windows evaluated per point")
     timing: bool = option(
         True, "measure latency of every point: teacher-forced ms/token (a whole window per forward, time / "
-        "tokens; not decode latency), batch 1 and batched",
+        "tokens; not decode latency), batch 1 and batched, and the decode latency (see --generate-tokens)",
     )
     timing_batch_size: int = option(8, "windows in the batched latency measurement")
     warmup: int = option(2, "untimed calls of each setting before the timed rounds")
@@ -92,8 +95,10 @@ class SweepConfig:
         NOISE_THRESHOLD, "a speedup is flagged 'within noise' when the IQRs overlap or either timing's "
         "IQR exceeds this fraction of its median",
     )
-    generate_tokens: int = option(
-        0, "also time greedy cached generation of this many tokens at batch 1, the decode latency (0: skip)",
+    generate_tokens: int | None = option(
+        None, "decode latency: time greedy cached generation of this many tokens at batch 1 after "
+        "--generate-prompt tokens, ms per generated token (0: skip)",
+        default_text=f"{DEFAULT_GENERATE_TOKENS}, fewer when the window is shorter; none with --decode rest",
     )
     generate_prompt: int = option(16, "prompt tokens before the timed generation")
     fixed_ladder: bool = option(True, "also measure every fixed budget 1..k_max (the fixed-budget curve)")
@@ -150,7 +155,7 @@ class SweepConfig:
         self.k_max = checked_k_max("sweep", self.k_max)
         if not (isinstance(self.tolerance, (int, float)) and math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise RdepthError(f"sweep: tolerance must be a finite number >= 0, got {self.tolerance!r}")
-        if self.generate_tokens < 0 or self.generate_prompt < 1:
+        if (self.generate_tokens is not None and self.generate_tokens < 0) or self.generate_prompt < 1:
             raise RdepthError(
                 f"sweep: need generate_tokens >= 0 and generate_prompt >= 1, got "
                 f"{self.generate_tokens}, {self.generate_prompt}"
@@ -181,8 +186,7 @@ class SweepConfig:
         if not (isinstance(self.noise_threshold, (int, float)) and math.isfinite(self.noise_threshold)
                 and self.noise_threshold > 0):
             raise RdepthError(f"sweep: noise_threshold must be a finite number > 0, got {self.noise_threshold!r}")
-        if self.autocast not in AUTOCAST_NAMES:
-            raise RdepthError(f"sweep: autocast must be one of {', '.join(AUTOCAST_NAMES)}, got {self.autocast!r}")
+        check_autocast_name("sweep", self.autocast)
         if self.difficulties is not None:
             self.difficulties = tuple(int(d) for d in self.difficulties)
             if not self.difficulties:
@@ -217,6 +221,18 @@ class SweepConfig:
         """The per-group step cap for a model with ``n_groups`` groups and these eval loop counts."""
         return resolve_k_max("sweep", self.k_max, n_groups, eval_loops)
 
+    def generate_tokens_for(self, window: int) -> int:
+        """Tokens of the timed generation for windows of ``window`` tokens (0: not timed):
+        ``generate_tokens`` as given; by default :data:`DEFAULT_GENERATE_TOKENS`, fewer when the
+        prompt and they do not fit the window, none with ``decode`` rest (teacher-forced only)."""
+        if not self.timing:
+            return 0
+        if self.generate_tokens is not None:
+            return self.generate_tokens
+        if self.decode == "rest":
+            return 0
+        return max(0, min(DEFAULT_GENERATE_TOKENS, window - self.generate_prompt))
+
 
 CALIBRATE_TAUS = (1e-6, 1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
 
@@ -248,6 +264,10 @@ class CalibrateConfig:
                                     default_text="the top training difficulty")
     kl_direction: str = option("new_old", "kl policy: new_old or old_new (see rdepth sweep)")
     batch_size: int = option(16, "windows per forward pass")
+    refine_rounds: int = option(
+        3, "real runs on the calibration windows that may correct the additive estimate: while the chosen "
+        "profile misses the target there, the estimate's error is taken off the target and the choice made "
+        "again (0: trust the estimate)")
     out: str | None = option(None, "where to write the profile (JSON; never overwritten)",
                              default_text="RUN/exit_profile_<policy>.json")
     seed: int = option(0, "seed of the initial loop-state noise")
@@ -282,6 +302,9 @@ class CalibrateConfig:
             raise RdepthError(f"calibrate: difficulty must be a positive integer, got {self.difficulty!r}")
         if self.kl_direction not in get_policy_class("kl").DIRECTIONS:
             raise RdepthError(f"calibrate: kl_direction must be new_old or old_new, got {self.kl_direction!r}")
+        if not isinstance(self.refine_rounds, int) or isinstance(self.refine_rounds, bool) or not \
+                0 <= self.refine_rounds <= 20:
+            raise RdepthError(f"calibrate: refine_rounds must be an integer in 0..20, got {self.refine_rounds!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
             raise RdepthError(f"calibrate: threads must be an integer >= 0, got {self.threads!r}")
         check_device_name("calibrate", self.device)

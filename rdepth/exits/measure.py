@@ -36,8 +36,7 @@ from rdepth.exits.stats import spread
 from rdepth.exits.timing import Call, forward_call, generate_call, time_interleaved
 from rdepth.model import RecurrentLM
 from rdepth.model.control import FixedController
-
-AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+from rdepth.run.config import autocast_dtype
 
 # Saved latency keys and the path each is timed on (also in the summary's ``latency_definitions``).
 PACKED_KEYS = ("ms_per_token_b1", "ms_per_token_batched", "ms_per_token_generate")
@@ -45,10 +44,12 @@ DENSE_KEYS = ("dense_ms_per_token_b1", "dense_ms_per_token_batched")
 
 
 def policy_controller_factory(
-    name: str, value: float, k_max: Sequence[int], new_decode: Callable[[], Decode] | None = None,
+    name: str, value: float | None, k_max: Sequence[int], new_decode: Callable[[], Decode] | None = None,
     options: dict | None = None,
 ) -> Callable[[], PolicyController]:
-    """A factory of fresh controllers running ``name`` with its sweep parameter set to ``value``.
+    """A factory of fresh controllers running ``name`` with its sweep parameter set to ``value`` (None: the
+    policy's own default, e.g. ``argmax_stable``'s patience; a policy with a threshold then refuses) and
+    ``k_max[g]`` steps at most in group g.
 
     ``new_decode``: a zero-argument factory of readings (:func:`decode_factory`),
     called once per controller, since a
@@ -59,6 +60,8 @@ def policy_controller_factory(
     options = dict(options or {})
 
     def build_policy(group: int) -> ExitPolicy:
+        if value is None:
+            return cls(k_max=int(k_max[group]), **options)
         if cls.sweep_parameter == "tau":
             return cls(tau=value, k_max=int(k_max[group]), **options)
         return cls(k_max=int(k_max[group]), **{cls.sweep_parameter: _as_option(value)}, **options)
@@ -88,7 +91,8 @@ class SweepMeasurer:
     ``timing_samples[<key>]``. ``ms_per_token_b1``/``_batched`` are
     teacher-forced (one window of T tokens per forward, time / tokens, batch 1
     or ``timing_batch_size`` windows); ``ms_per_token_generate`` is decode
-    latency (greedy cached generation of ``generate_tokens`` tokens at batch 1).
+    latency (greedy cached generation of :attr:`generate_tokens` tokens at batch 1,
+    ms per generated token), all under ``config.autocast``.
     """
 
     def __init__(self, model: RecurrentLM, windows: torch.Tensor, config: SweepConfig, device: torch.device):
@@ -96,15 +100,16 @@ class SweepMeasurer:
         self.windows = windows
         self.config = config
         self.device = device
-        self.autocast = AUTOCAST[config.autocast]
+        self.autocast = autocast_dtype(config.autocast)
         seq_len = windows.shape[1] - 1
         self.timing_idx = windows[: config.timing_batch_size, :-1].to(device)  # (B, T) inputs only
-        if config.timing and config.generate_tokens:
-            if config.generate_prompt + config.generate_tokens > min(seq_len, model.config.block_size):
-                raise RdepthError(
-                    f"sweep: generate_prompt + generate_tokens = {config.generate_prompt + config.generate_tokens} "
-                    f"exceeds the window of {seq_len} tokens"
-                )
+        window = min(seq_len, model.config.block_size)
+        self.generate_tokens = config.generate_tokens_for(window)  # 0: decode latency not timed
+        if self.generate_tokens and config.generate_prompt + self.generate_tokens > window:
+            raise RdepthError(
+                f"sweep: generate_prompt + generate_tokens = {config.generate_prompt + self.generate_tokens} "
+                f"exceeds the window of {seq_len} tokens"
+            )
         self.fixed_cache: dict[tuple[int, ...], dict] = {}
         # What time_all times: label -> call, and label -> (entry, key, tokens of work per call).
         self.calls: dict[str, Call] = {}
@@ -134,11 +139,11 @@ class SweepMeasurer:
             if dense_counts is not None:
                 jobs.append((f"dense_ms_per_token_{label}", forward_call(self.model, idx, loop_counts=dense_counts,
                                                                          **timed), idx.numel()))
-        if config.generate_tokens:
+        if self.generate_tokens:
             prompt = self.timing_idx[:1, : config.generate_prompt]
             jobs.append(("ms_per_token_generate", generate_call(
-                self.model, prompt, config.generate_tokens, controller_factory=controller_factory, **timed,
-            ), config.generate_tokens))
+                self.model, prompt, self.generate_tokens, controller_factory=controller_factory, **timed,
+            ), self.generate_tokens))
         for key, call, work in jobs:
             label = f"{entry_id}:{key}"
             self.calls[label] = call

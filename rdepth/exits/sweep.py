@@ -6,11 +6,11 @@ held-out windows teacher-forced with per-token exits and records:
 cross-entropy and perplexity, mean loop steps per group, histograms of the
 steps computed and of the state handed on, and teacher-forced ms/token at
 batch 1 and batched (a whole window per forward, time / tokens; not decode
-latency), plus, with ``generate_tokens``, the decode latency of cached
-generation. Every point gets a baseline: the fixed budget at its mean steps
-(rounded per group). The full budget (every group at ``k_max``) is the
-reference, and a ladder of fixed budgets gives the fixed-budget
-latency-quality curve.
+latency), and the decode latency at batch 1 (greedy cached generation of
+``generate_tokens`` tokens, ms per generated token; on by default). Every
+point gets a baseline: the fixed budget at its mean steps (rounded per
+group). The full budget (every group at ``k_max``) is the reference, and a
+ladder of fixed budgets gives the fixed-budget latency-quality curve.
 
 Quality is measured first, setting by setting; then every latency is timed
 together, interleaved (:meth:`SweepMeasurer.time_all`): warm, synchronised,
@@ -96,7 +96,8 @@ def run_sweep(
             ladder.append(measurer.fixed([min(steps, cap) for cap in k_max]))
     measurer.time_all(progress=progress)
     saved_config = asdict(config)
-    saved_config.update(k_max=list(k_max), block_size=seq_len, windows=int(windows.shape[0]), grids=config.grid)
+    saved_config.update(k_max=list(k_max), block_size=seq_len, windows=int(windows.shape[0]), grids=config.grid,
+                        generate_tokens=measurer.generate_tokens)
     result = {
         "config": saved_config,
         "environment": environment_info() | {"device": device_name(device)},

@@ -238,6 +238,7 @@ class RecurrentLM(nn.Module):
         controller: LoopController | None = None,
         cache: KVStore | None = None,
         warm_start: bool = False,
+        shifted_warm_start: bool = False,
     ) -> ModelOutput:
         """Run the model on ``idx`` ``[B, T]``.
 
@@ -255,6 +256,13 @@ class RecurrentLM(nn.Module):
         run one after another through a key/value cache (``cache``, or a private
         one), so teacher-forced evaluation and cached decoding are the same
         computation.
+        ``shifted_warm_start`` (dense path; for training): the parallel stand-in for
+        ``warm_start``. Each group first loops from noise without gradients; then
+        every position but the first starts from the state the previous position
+        handed on in that pass, and the loop runs again (truncated backprop as
+        usual). Where the loop converges whatever its start, this is the state the
+        sequential warm start would hand on, at twice the group's forward cost
+        instead of one forward per position.
         """
         if warm_start:
             counts = None
@@ -267,7 +275,7 @@ class RecurrentLM(nn.Module):
             output = ModelOutput(self.readout(x), None, counts, computed, used)
         elif controller is None and cache is None:
             counts = self.resolve_loop_counts(loop_counts, _generator_of(generator))
-            x = self._forward_dense(idx, counts, generator, observer)
+            x = self._forward_dense(idx, counts, generator, observer, shifted_warm_start)
             output = ModelOutput(self.readout(x), None, counts)
         else:
             counts = None
@@ -277,10 +285,7 @@ class RecurrentLM(nn.Module):
             x, computed, used = self._forward_packed(idx, controller, cache, generator, observer)
             output = ModelOutput(self.readout(x), None, counts, computed, used)
         if targets is not None:
-            logits = output.logits
-            output.loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1
-            )
+            output.loss = lm_loss(output.logits, targets)
         return output
 
     def run_after(self, group: int, x: torch.Tensor, counts: Sequence[int], noise: Noise = None) -> torch.Tensor:
@@ -293,10 +298,10 @@ class RecurrentLM(nn.Module):
             raise RdepthError(f"the model has no recurrence group {group}")
         return self._run_stages(self.stages[index + 1:], x, counts, noise, None)
 
-    def _forward_dense(self, idx, counts, noise, observer) -> torch.Tensor:
-        return self._run_stages(self.stages, self.embed(idx), counts, noise, observer)
+    def _forward_dense(self, idx, counts, noise, observer, shifted_warm_start=False) -> torch.Tensor:
+        return self._run_stages(self.stages, self.embed(idx), counts, noise, observer, shifted_warm_start)
 
-    def _run_stages(self, stages, x, counts, noise, observer) -> torch.Tensor:
+    def _run_stages(self, stages, x, counts, noise, observer, shifted_warm_start=False) -> torch.Tensor:
         for stage in stages:
             if stage.kind is StageKind.SINGLE:
                 x = self.run_layers(stage.layers, x)
@@ -304,6 +309,8 @@ class RecurrentLM(nn.Module):
             group = stage.group
             inputs = x
             state = self.init_state(group, inputs, noise)
+            if shifted_warm_start:
+                state = self._shifted_start(group, state, inputs, counts[group])
             if observer is not None:
                 observer(group, 0, state, None)
             # Truncated backprop: the first steps run without a graph.
@@ -317,6 +324,15 @@ class RecurrentLM(nn.Module):
                     observer(group, step, state, None)
             x = state
         return x
+
+    @torch.no_grad()
+    def _shifted_start(self, group: int, noise_state: torch.Tensor, inputs: torch.Tensor, steps: int) -> torch.Tensor:
+        """Start states ``[B, T, d]`` for :meth:`forward`'s ``shifted_warm_start``: position 0 keeps its
+        noise, position t the state position t-1 hands on after ``steps`` steps from noise."""
+        state = noise_state
+        for _ in range(steps):
+            state = self.group_step(group, state, inputs)
+        return torch.cat([noise_state[:, :1], state[:, :-1]], dim=1)
 
     def _forward_warm(self, idx, controller, cache, noise, observer):
         """Warm-started loops: the positions of ``idx`` one at a time through ``cache``."""
@@ -380,3 +396,62 @@ class RecurrentLM(nn.Module):
 def _generator_of(noise: Noise) -> torch.Generator | None:
     """The generator behind ``noise`` for the training draw of loop counts (None: global RNG)."""
     return noise if isinstance(noise, torch.Generator) else None
+
+
+# fp32 elements per chunk of the low-precision loss: 2^25 (128 MiB), e.g. 667 rows of a 50,257-token vocabulary.
+LOSS_CHUNK_ELEMENTS = 2**25
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` ``[B, T, V]`` against ``targets`` ``[B, T]`` (-1 = ignore), in fp32.
+
+    float32/float64 logits: ``F.cross_entropy`` on ``logits.float()``, as always. Low-precision
+    logits (bf16/fp16 under autocast): :class:`_ChunkedCrossEntropy`, ``chunk_rows`` rows at a time
+    (default: :data:`LOSS_CHUNK_ELEMENTS` / V), so no ``[B*T, V]`` fp32 copy is made, neither in the
+    forward nor kept for the backward.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])  # (B*T, V)
+    flat_targets = targets.reshape(-1)
+    if flat.dtype not in (torch.float16, torch.bfloat16):
+        return F.cross_entropy(flat.float(), flat_targets, ignore_index=-1)
+    rows = chunk_rows or max(1, LOSS_CHUNK_ELEMENTS // flat.shape[-1])
+    return _ChunkedCrossEntropy.apply(flat, flat_targets, rows)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of low-precision logits ``[N, V]``, in fp32 a chunk of rows at a time.
+
+    The forward keeps only the per-row log-sum-exp ``[N]`` (fp32) beside the logits it was given;
+    the backward recomputes each chunk's softmax in fp32 and writes the gradient in the logits'
+    dtype: ``(softmax - onehot(target)) * grad / valid rows``, zero on ignored rows (target -1).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+        valid = targets != -1  # (N,)
+        picked_index = targets.clamp_min(0).unsqueeze(1)  # (N, 1)
+        log_norm = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.shape[0], chunk_rows):
+            part = slice(start, start + chunk_rows)
+            wide = logits[part].float()  # (chunk, V) fp32, freed after this chunk
+            log_norm[part] = torch.logsumexp(wide, dim=-1)
+            picked = wide.gather(1, picked_index[part]).squeeze(1)
+            total += ((log_norm[part] - picked) * valid[part]).sum()
+        count = valid.sum()
+        ctx.save_for_backward(logits, picked_index, valid, log_norm, count)
+        ctx.chunk_rows = chunk_rows
+        return total / count  # NaN when every target is ignored, as F.cross_entropy
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        logits, picked_index, valid, log_norm, count = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        scale = grad_output.float() / count
+        for start in range(0, logits.shape[0], ctx.chunk_rows):
+            part = slice(start, start + ctx.chunk_rows)
+            grad = torch.exp(logits[part].float() - log_norm[part, None])  # softmax (chunk, V)
+            grad.scatter_add_(1, picked_index[part], torch.full_like(log_norm[part, None], -1.0))
+            grad *= valid[part, None] * scale
+            grad_logits[part] = grad.to(logits.dtype)
+        return grad_logits, None, None

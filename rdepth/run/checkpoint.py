@@ -12,7 +12,9 @@ Layout of a run directory::
     RUN/checkpoints/latest              name of the newest complete checkpoint
 
 A checkpoint folder is written under a temporary name and renamed into place,
-so a crash or kill mid-write leaves every earlier checkpoint intact.
+so a crash or kill mid-write leaves every earlier checkpoint intact. Rotation
+(:func:`rotate_checkpoints`, ``rdepth train --keep-last``) removes a folder the
+same way in reverse: renamed out of the listing, then deleted.
 """
 
 from __future__ import annotations
@@ -143,6 +145,69 @@ def clean_debris(run_dir: str | os.PathLike) -> list[str]:
                 continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path.name)
+    return removed
+
+
+# What save_checkpoint writes into a checkpoint folder: rotation removes only folders holding nothing else.
+CHECKPOINT_FILES = frozenset({"model.safetensors", "config.json", "trainer.pt", "state.json"})
+
+
+def is_checkpoint_folder(path: Path) -> bool:
+    """True for a real folder named ``step_N`` holding model.safetensors and only the files
+    :func:`save_checkpoint` writes (never a link, never a folder with anything of someone else's)."""
+    if path.is_symlink() or not path.is_dir() or not STEP_PATTERN.match(path.name):
+        return False
+    names = {entry.name for entry in path.iterdir()}
+    return "model.safetensors" in names and names <= CHECKPOINT_FILES
+
+
+def is_milestone(checkpoint: Path, every: int | None) -> bool:
+    """A checkpoint rotation keeps: saved as one (``"milestone": true`` in its state.json), or, with
+    ``every``, at a step on that grid."""
+    state = checkpoint / "state.json"
+    try:
+        marked = json.loads(state.read_text()).get("milestone") is True if state.is_file() else False
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, OSError):
+        marked = False
+    return marked or (every is not None and checkpoint_step(checkpoint) % every == 0)
+
+
+def remove_checkpoint(checkpoint: Path) -> None:
+    """Delete a checkpoint folder whole: renamed to ``.step_N.removing`` first (one atomic step, after
+    which it is no longer listed), then removed; a kill in between leaves debris that
+    :func:`clean_debris` removes at the next start, never a half checkpoint."""
+    if not is_checkpoint_folder(checkpoint):
+        raise RdepthError(f"{checkpoint} is not a checkpoint folder written by rdepth: not removed")
+    doomed = checkpoint.parent / f".{checkpoint.name}.removing"
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(checkpoint, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def rotate_checkpoints(run_dir: str | os.PathLike, keep_last: int, milestone_every: int | None = None,
+                       protect: tuple[Path, ...] = ()) -> list[str]:
+    """Remove the run's checkpoints older than its newest ``keep_last``, except milestones
+    (:func:`is_milestone`), those in ``protect`` (e.g. the one a run resumed from), the one
+    ``latest`` names, and any folder :func:`is_checkpoint_folder` does not recognise.
+    ``keep_last`` 0 keeps everything. Call it only while holding the run folder's lock.
+    Returns the names removed."""
+    if keep_last < 0:
+        raise RdepthError(f"keep_last must be >= 0, got {keep_last}")
+    found = list_checkpoints(run_dir)
+    if keep_last == 0 or len(found) <= keep_last:
+        return []
+    root = Path(run_dir) / "checkpoints"
+    kept = {path.resolve() for path in protect}
+    latest = root / "latest"
+    if latest.is_file():
+        kept.add((root / read_latest(latest)).resolve())
+    removed = []
+    for checkpoint in found[:-keep_last]:
+        if checkpoint.resolve() in kept or is_milestone(checkpoint, milestone_every) \
+                or not is_checkpoint_folder(checkpoint):
+            continue
+        remove_checkpoint(checkpoint)
+        removed.append(checkpoint.name)
     return removed
 
 

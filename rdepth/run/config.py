@@ -5,10 +5,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError
 from rdepth.fields import option
 
 DEVICE_HELP = "auto (CUDA when present), cpu or cuda[:N]"
+AUTOCAST_NAMES = ("none", "bf16", "fp16")
+
+
+def autocast_dtype(name: str):
+    """The torch dtype of an autocast name (:data:`AUTOCAST_NAMES`; ``none`` -> None)."""
+    import torch
+
+    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def check_autocast_name(command: str, name: str) -> None:
+    if name not in AUTOCAST_NAMES:
+        raise RdepthError(f"{command}: autocast must be one of {', '.join(AUTOCAST_NAMES)}, got {name!r}")
 
 
 def check_device_name(command: str, device: str) -> None:
@@ -91,11 +105,38 @@ class GenerateConfig:
                                      "(Geiping et al.'s continuous compute; the prompt runs token by token)")
     exit_profile: str | None = option(
         None, "per-token exits from this exit profile (rdepth calibrate) instead of --loops", default_text="none")
+    exit: str | None = option(
+        None, "per-token exits by this exit policy (a name as in rdepth sweep --policies) at --tau, in every "
+        "group, instead of --loops", default_text="none", metavar="POLICY")
+    tau: float | None = option(
+        None, "with --exit: the policy's threshold (argmax_stable: its patience)", default_text="the policy's own; "
+        "required for policies with a threshold")
+    k_max: tuple[int, ...] | None = option(
+        None, "with --exit: loop-step cap N (every group) or N,N,... (per group)",
+        default_text="twice the model's eval loops")
+    autocast: str = option("none", "autocast dtype of the forward passes: none, bf16 or fp16")
     device: str = option("auto", DEVICE_HELP)
     threads: int = option(0, "torch CPU threads (0: torch's default)")
 
     def __post_init__(self) -> None:
         check_positive("generate", self, ("max_new_tokens", "samples", "top_k", "draft_tokens"))
+        if self.exit_profile is not None and self.exit is not None:
+            raise RdepthError("generate: give --exit or --exit-profile, not both")
+        if self.exit is None and (self.tau is not None or self.k_max is not None):
+            raise RdepthError("generate: --tau and --k-max set the policy of --exit; give --exit too")
+        if self.exit is not None and (self.loops or self.draft_loops is not None):
+            raise RdepthError("generate: --exit replaces --loops and --draft-loops; give one")
+        if self.exit is not None and (not isinstance(self.exit, str) or not self.exit):
+            raise RdepthError(f"generate: exit must be an exit policy name, got {self.exit!r}")
+        if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))
+                                     or not math.isfinite(self.tau) or self.tau <= 0):
+            raise RdepthError(f"generate: tau must be a positive finite number, got {self.tau!r}")
+        if self.k_max is not None:
+            self.k_max = tuple(self.k_max)
+            if not self.k_max or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_LOOPS
+                                     for k in self.k_max):
+                raise RdepthError(f"generate: k_max must be integers in 1..{MAX_LOOPS}, got {self.k_max}")
+        check_autocast_name("generate", self.autocast)
         if self.exit_profile is not None and (self.loops or self.draft_loops is not None):
             raise RdepthError("generate: --exit-profile replaces --loops and --draft-loops; give one")
         if self.draft_loops is not None and self.warm_start:

@@ -12,7 +12,7 @@ from rdepth.errors import RdepthError
 from rdepth.model.generation import generate
 from rdepth.model.noise import StateNoise
 from rdepth.run.checkpoint import load_model
-from rdepth.run.config import GenerateConfig
+from rdepth.run.config import GenerateConfig, autocast_dtype
 from rdepth.run.device import resolve_device
 from rdepth.run.heldout import run_tokenizer
 
@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 def generate_text(config: GenerateConfig, controllers: Callable | None = None) -> list[str]:
     """One string per sample: the prompt and its continuation (special tokens hidden unless
     ``config.show_special``). ``controllers``: ``model -> factory of loop controllers`` for
-    per-token exits (the CLI builds it from ``--exit-profile``)."""
+    per-token exits (the CLI builds it from ``--exit-profile`` or ``--exit``). Every forward pass
+    runs under ``config.autocast``."""
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
@@ -44,6 +45,19 @@ def generate_text(config: GenerateConfig, controllers: Callable | None = None) -
     prompt = torch.tensor([ids] * config.samples, dtype=torch.long, device=device)
     noise = StateNoise.consecutive(config.seed, 0, config.samples)  # as teacher-forced evaluation
     sampling = torch.Generator(device=device).manual_seed(config.seed + 1)
+    dtype = autocast_dtype(config.autocast)
+    with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        out = _generate(config, model, model_config, prompt, counts, noise, sampling, controllers)
+    texts = [tokenizer.decode(row) for row in out.tolist()]
+    if not config.show_special:
+        for token in SPECIAL_TOKENS:
+            texts = [text.replace(token, "\n") for text in texts]
+    return texts
+
+
+def _generate(config: GenerateConfig, model, model_config, prompt, counts, noise, sampling,
+              controllers: Callable | None) -> torch.Tensor:
+    """The token ids ``[samples, P + new]``: speculative, or plain cached generation."""
     if config.draft_loops is not None:
         from rdepth.model.speculative import speculative_generate
 
@@ -56,13 +70,7 @@ def generate_text(config: GenerateConfig, controllers: Callable | None = None) -
             log.info("speculative decoding: %d of %d drafts accepted (%.0f%%) in %d passes", stats.accepted,
                      stats.drafted, 100 * stats.acceptance, stats.rounds)
             rows.append(row)
-        out = torch.cat(rows)
-    else:
-        out = generate(model, prompt, config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-                       loop_counts=counts, generator=noise, sample_generator=sampling, warm_start=config.warm_start,
-                       controller_factory=None if controllers is None else controllers(model))
-    texts = [tokenizer.decode(row) for row in out.tolist()]
-    if not config.show_special:
-        for token in SPECIAL_TOKENS:
-            texts = [text.replace(token, "\n") for text in texts]
-    return texts
+        return torch.cat(rows)
+    return generate(model, prompt, config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
+                    loop_counts=counts, generator=noise, sample_generator=sampling, warm_start=config.warm_start,
+                    controller_factory=None if controllers is None else controllers(model))

@@ -12,6 +12,9 @@ from rdepth.fields import option
 
 MAX_LR = 10.0  # AdamW steps are about lr in size: beyond this, weights are noise
 MAX_COUNT = 10**9  # steps, batch sizes and cadences beyond this are typing errors, not plans
+# Milestone checkpoints over a schedule by default: the loop-geometry series of a run (rdepth analyze)
+# keeps this many checkpoints spread over training, whatever --keep-last removes.
+MILESTONES = 8
 
 
 def _is_int(value: Any) -> bool:
@@ -28,6 +31,16 @@ class TrainConfig:
 
     ``batch_size`` is the global batch in sequences per optimizer step, split
     over ``grad_accum`` micro-steps and over data-parallel ranks.
+
+    Checkpoint rotation: after each save, checkpoints older than the newest
+    ``keep_last`` are deleted unless they are milestones (a step on the
+    ``milestone_interval`` grid, or the end of the schedule; recorded in the
+    checkpoint's state.json when saved) or the checkpoint the run resumed from.
+    The defaults (``keep_last`` 3, about ``MILESTONES`` milestones over
+    ``max_steps``) keep every checkpoint of a run of up to 8 checkpoints (every
+    CPU recipe) and bound a long one: the ``paper`` preset's ~1.5 GB checkpoints
+    every 100 of 100,000 steps are 11 folders (~17 GB), not 1,000 (~1.5 TB),
+    with 8 of them spread over training for ``rdepth analyze``.
     """
 
     data: str = option("data/wiki-bpe4096", "prepared data folder (from rdepth prepare)")
@@ -48,6 +61,12 @@ class TrainConfig:
     eval_batches: int = option(16, "validation batches per evaluation")
     eval_batch_size: int = option(16, "windows per validation batch")
     checkpoint_every: int = option(100, "steps between checkpoints")
+    keep_last: int = option(
+        3, "after each checkpoint, delete all but the newest N, keeping milestones and the checkpoint resumed "
+        "from (0: keep every checkpoint)")
+    milestone_every: int | None = option(
+        None, "steps between milestone checkpoints, which --keep-last never deletes (a multiple of "
+        "--checkpoint-every)", default_text=f"max_steps / {MILESTONES} rounded up to a multiple of checkpoint_every")
     log_every: int = option(10, "steps between metrics.jsonl records")
     seed: int = option(0, "seed of the weights, batches, loop counts and loop-state noise")
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
@@ -56,6 +75,10 @@ class TrainConfig:
     curriculum_steps: int = option(
         0, "task data: the top training difficulty rises linearly from the lowest + 1 to the highest over "
         "this many steps (0: every difficulty from the start); ignored on text")
+    warm_start: bool = option(
+        False, "train for warm-started loops (each group's loop for a token starts from the state the "
+        "previous position handed on): the parallel stand-in, a no-grad loop from noise whose hand-offs, "
+        "shifted one position, start the loop that trains (twice the groups' forward cost)")
     init_from: str | None = option(None, "start from the weights of this checkpoint or run (rdepth retrofit, "
                                    "import-hf): its model config is the base, flags override loop settings",
                                    default_text="fresh weights from --seed")
@@ -79,6 +102,13 @@ class TrainConfig:
         if not _is_int(self.curriculum_steps) or not 0 <= self.curriculum_steps <= MAX_COUNT:
             raise RdepthError(f"train config: curriculum_steps must be an integer in [0, {MAX_COUNT:,}], "
                               f"got {self.curriculum_steps!r}")
+        if not _is_int(self.keep_last) or not 0 <= self.keep_last <= MAX_COUNT:
+            raise RdepthError(f"train config: keep_last must be an integer >= 0 (0: keep all), got {self.keep_last!r}")
+        if self.milestone_every is not None and not (
+                _is_int(self.milestone_every) and 1 <= self.milestone_every <= MAX_COUNT
+                and self.milestone_every % self.checkpoint_every == 0):
+            raise RdepthError(f"train config: milestone_every must be a positive multiple of checkpoint_every "
+                              f"{self.checkpoint_every}, got {self.milestone_every!r}")
         if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
             raise RdepthError(f"train config: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip"):
@@ -110,6 +140,15 @@ class TrainConfig:
             raise RdepthError(f"train config: threads must be an integer in [0, 4096], got {self.threads!r}")
         if not isinstance(self.compile, bool):
             raise RdepthError(f"train config: compile must be true or false, got {self.compile!r}")
+
+    @property
+    def milestone_interval(self) -> int:
+        """Steps between milestone checkpoints: ``milestone_every``, else about ``max_steps / MILESTONES``
+        rounded up to a multiple of ``checkpoint_every`` (every checkpoint, for a run of at most
+        ``MILESTONES`` checkpoints)."""
+        if self.milestone_every is not None:
+            return self.milestone_every
+        return self.checkpoint_every * max(1, math.ceil(self.max_steps / (MILESTONES * self.checkpoint_every)))
 
     @property
     def end_step(self) -> int:

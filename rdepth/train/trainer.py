@@ -130,6 +130,7 @@ class Trainer:
         check_fits(self.model_config, config.eval_batch_size, self.device, "a validation batch")
         self.start_step = 0
         self.tokens_seen = 0
+        self.resumed_from: Path | None = None  # never rotated away during this run
         self.resumes: list[dict] = []
         torch.manual_seed(config.seed)  # the initial weights depend on the seed alone
         self.model = RecurrentLM(self.model_config)
@@ -269,6 +270,7 @@ class Trainer:
             raise RdepthError(f"optimizer state in {checkpoint} does not match the model ({exc})") from None
         self.start_step = step
         self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.resumed_from = checkpoint
         log.info("resuming from %s at step %d", checkpoint, self.start_step)
         if self.start_step >= self.config.end_step:
             raise RdepthError(
@@ -303,7 +305,7 @@ class Trainer:
         place in the global batch of ``step``, so ranks draw only their own rows and
         together reproduce the single-process run."""
         config, dist = self.config, self.dist
-        x_all, y_all = self.sampler.batch(step)
+        x_all, y_all = (host_for_copy(batch, self.device) for batch in self.sampler.batch(step))
         micro = config.batch_size // config.grad_accum
         per_rank = micro // dist.world_size
         for index in range(config.grad_accum):
@@ -311,8 +313,8 @@ class Trainer:
             counts = sample_loop_counts(self.model_config, step_generator(config.seed, step, 1 + index))
             noise = StateNoise.consecutive(config.seed, step * config.batch_size + lo, per_rank)
             yield (
-                x_all[lo : lo + per_rank].to(self.device),
-                y_all[lo : lo + per_rank].to(self.device),
+                x_all[lo : lo + per_rank].to(self.device, non_blocking=True),
+                y_all[lo : lo + per_rank].to(self.device, non_blocking=True),
                 counts,
                 noise,
             )
@@ -332,7 +334,7 @@ class Trainer:
             last = index == len(batches) - 1
             sync = self.ddp.no_sync() if (self.ddp is not None and not last) else _null()
             with sync, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_dtype is not None):
-                out = model(x, y, counts, generator=noise)
+                out = model(x, y, counts, generator=noise, shifted_warm_start=config.warm_start)
                 loss = out.loss / config.grad_accum
             loss.backward()
             total += loss.detach()
@@ -435,12 +437,28 @@ class Trainer:
         if not self.dist.is_main:
             return
         trainer_state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
-        state = {"tokens_seen": self.tokens_seen, "data": {"seed": self.config.seed, "next_step": done},
-                 "train_config": self.config.to_dict(),
-                 "scheduler": {"kind": "warmup_cosine", "step": done, "lr": lr_at(done - 1, self.config)},
-                 "val": val}
+        config = self.config
+        milestone = done % config.milestone_interval == 0 or done == config.max_steps
+        state = {"tokens_seen": self.tokens_seen, "data": {"seed": config.seed, "next_step": done},
+                 "train_config": config.to_dict(),
+                 "scheduler": {"kind": "warmup_cosine", "step": done, "lr": lr_at(done - 1, config)},
+                 "val": val, "milestone": milestone}
         path = ckpt.save_checkpoint(self.run_dir, done, self.model, self.model_config, trainer_state, state)
         log.debug("checkpoint %s", path)
+        protect = (path,) if self.resumed_from is None else (path, self.resumed_from)
+        removed = ckpt.rotate_checkpoints(self.run_dir, config.keep_last, config.milestone_interval, protect)
+        if removed:
+            log.info("--keep-last %d: removed %s", config.keep_last, ", ".join(removed))
+
+
+def host_for_copy(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``batch`` ready for ``.to(device, non_blocking=True)``: in pinned (page-locked) memory when
+    ``device`` is CUDA, so the copy runs asynchronously from the host; unchanged otherwise (the
+    copy is then synchronous whatever ``non_blocking`` says). Pinned buffers are kept alive by
+    torch's host allocator until their copies complete."""
+    if device.type != "cuda" or batch.is_pinned():
+        return batch
+    return batch.pin_memory()
 
 
 class _null:
@@ -495,7 +513,7 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 # Fields a resume may change. Free: where and how the run executes, and its cadences
 # (none changes the weights). Recorded: a new schedule end (e.g. a longer --max-steps).
 RESUME_FREE = ("data", "out", "device", "threads", "compile", "stop_at", "eval_every", "log_every",
-               "checkpoint_every")
+               "checkpoint_every", "keep_last", "milestone_every")
 RESUME_RECORDED = ("max_steps",)
 
 

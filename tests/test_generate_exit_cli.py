@@ -1,0 +1,114 @@
+"""``rdepth generate --exit POLICY --tau X [--k-max N]`` and ``--autocast``: the CLI against the Python API."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rdepth.run.generate_text as generate_text_module
+from rdepth.cli.main import main
+from rdepth.exits.controller import PolicyController
+from rdepth.model.generation import generate
+from rdepth.model.noise import StateNoise
+from rdepth.run.checkpoint import load_model
+from rdepth.run.heldout import run_tokenizer
+
+PROMPT = "The city"
+
+
+@pytest.fixture(scope="module")
+def run(wiki_small, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gen") / "run"
+    assert main(["train", "--data", str(wiki_small), "--out", str(out), "--max-steps", "8", "--batch-size", "4",
+                 "--eval-every", "8", "--eval-batches", "1", "--checkpoint-every", "8", "--warmup-steps", "2",
+                 "--n-layer", "3", "--n-head", "2", "--d-model", "32", "--block-size", "32", "--groups", "1|2",
+                 "--mean-loops", "2", "--threads", "1", "--lr", "3e-3"]) == 0
+    return out
+
+
+def cli_texts(capsys, run, *flags) -> list[str]:
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(run), "--prompt", PROMPT, "--max-new-tokens", "10",
+                 "--temperature", "0", "--samples", "2", "--device", "cpu", *flags]) == 0
+    return capsys.readouterr().out.split("\n---\n")[:-1]
+
+
+def api_texts(run, name, tau, k_max, autocast=None, **options) -> list[str]:
+    """The same generation composed from the Python API: PolicyController.from_name in every group."""
+    model, _ = load_model(run)
+    tokenizer = run_tokenizer(run)
+    prompt = torch.tensor([tokenizer.encode(PROMPT)] * 2)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        tokens = generate(model, prompt, 10, temperature=0.0, generator=StateNoise.consecutive(0, 0, 2),
+                          controller_factory=lambda: PolicyController.from_name(name, tau=tau, k_max=k_max,
+                                                                                decode=model.readout, **options))
+    return [tokenizer.decode(row).replace("<|endoftext|>", "\n") for row in tokens.tolist()]
+
+
+@pytest.mark.parametrize("name, tau, k_max", [("kl", 1e-2, 3), ("acceleration", 0.3, 4), ("step_norm", 1e9, 3)])
+def test_cli_exit_gives_the_python_apis_tokens(capsys, run, name, tau, k_max):
+    texts = cli_texts(capsys, run, "--exit", name, "--tau", str(tau), "--k-max", str(k_max))
+    assert len(texts) == 2 and all(text.startswith(PROMPT) for text in texts)
+    assert texts == api_texts(run, name, tau, k_max)
+    if tau == 1e9:  # every token leaves each loop after its first step: the fixed budget of one step
+        assert texts == cli_texts(capsys, run, "--loops", "1")
+
+
+def test_cli_exit_without_tau_takes_the_policys_default_and_k_max_defaults_to_twice_the_eval_loops(capsys, run):
+    _, config = load_model(run)
+    caps = [2 * k for k in config.default_eval_loops]
+    # patience 2, the policy's default
+    assert cli_texts(capsys, run, "--exit", "argmax_stable") == api_texts(run, "argmax_stable", None, caps)
+    assert cli_texts(capsys, run, "--exit", "argmax_stable", "--tau", "1") == \
+        api_texts(run, "argmax_stable", None, caps, patience=1)  # --tau is the policy's parameter
+    assert cli_texts(capsys, run, "--exit", "fixed") == api_texts(run, "fixed", None, caps)
+
+
+def test_cli_autocast_runs_generation_under_bf16(capsys, run, monkeypatch):
+    seen = []
+
+    def probe(*args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(generate_text_module, "generate", probe)
+    texts = cli_texts(capsys, run, "--exit", "kl", "--tau", "1e-2", "--k-max", "3", "--autocast", "bf16")
+    assert seen == [torch.bfloat16]
+    assert texts == api_texts(run, "kl", 1e-2, 3, autocast=torch.bfloat16)
+    cli_texts(capsys, run, "--loops", "2")
+    assert seen[-1] is False  # the default: no autocast
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--exit", "nope", "--tau", "1e-3"], "unknown exit policy 'nope'"),
+    (["--exit", "kl", "--tau", "-1"], "tau must be a positive finite number"),
+    (["--exit", "kl", "--tau", "nan"], "tau must be a positive finite number"),
+    (["--exit", "kl", "--tau", "x"], "--tau expects float"),
+    (["--exit", "kl"], "needs a threshold tau"),
+    (["--exit", "fixed", "--tau", "1e-3"], "takes no tau"),
+    (["--exit", "kl", "--tau", "1e-3", "--k-max", "0"], "k_max must be integers in 1..1024"),
+    (["--exit", "kl", "--tau", "1e-3", "--k-max", "3,3,3"], "3 k_max values for a model with 2 groups"),
+    (["--exit", "kl", "--tau", "1e-3", "--exit-profile", "p.json"], "give --exit or --exit-profile, not both"),
+    (["--exit", "kl", "--tau", "1e-3", "--loops", "2"], "--exit replaces --loops"),
+    (["--tau", "1e-3"], "give --exit too"),
+    (["--autocast", "fp8"], "autocast must be one of none, bf16, fp16"),
+])
+def test_bad_exit_flags_are_one_line_with_status_2(capsys, run, flags, fragment):
+    capsys.readouterr()
+    try:
+        code = main(["generate", "--checkpoint", str(run), "--device", "cpu", *flags])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    captured = capsys.readouterr()
+    assert code == 2
+    line = captured.err.strip()
+    assert "\n" not in line and fragment in line, line
+    assert captured.out == ""
+
+
+def test_help_lists_the_exit_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--exit POLICY", "--tau", "--k-max", "--exit-profile", "--autocast"):
+        assert flag in text, flag
