@@ -9,7 +9,7 @@ import torch
 
 from rdepth.cli.main import main
 from rdepth.config import ModelConfig
-from rdepth.exits.calibrate import choose, read_through_rest, record_iterates
+from rdepth.exits.calibrate import choose, read_through_rest, record_iterates, refine
 from rdepth.model import RecurrentLM
 from rdepth.model.noise import StateNoise
 
@@ -33,6 +33,32 @@ def test_choose_takes_the_fewest_steps_within_the_loss_per_group():
     assert choose(table, max_loss=-1.0) is None
     with pytest.raises(Exception):
         choose(table)
+
+
+def test_refine_corrects_an_estimate_that_misses_on_the_real_run():
+    """Groups interact: cutting both costs 0.003 more than the sum of their losses. The first choice
+    misses the target on the real run; refinement takes the miss off the target and finds one that meets it."""
+    table = [rows((1, 8.0, 0.0), (2, 4.0, 0.002), (3, 3.0, 0.001)),
+             rows((1, 8.0, 0.0), (2, 5.0, 0.002))]
+
+    def real(values):
+        chosen = [next(r for r in rows_ if r["value"] == v) for rows_, v in zip(table, values)]
+        both = all(v != 1 for v in values)
+        return {"loss": sum(r["loss"] for r in chosen) + (0.003 if both else 0.0),
+                "steps": sum(r["steps"] for r in chosen)}
+
+    limits = dict(max_loss=0.004, mean_steps=None)
+    assert choose(table, **limits)["values"] == [3, 2]  # 8 steps, estimated 0.003, really 0.006
+    refined = refine(table, limits, real, rounds=3)
+    assert refined["values"] == [3, 1] and refined["realised"]["calibration"]["loss"] == pytest.approx(0.001)
+    assert [h["values"] for h in refined["refinement"]] == [[3, 2], [3, 1]]
+    assert refined["refinement"][1]["limit"] == pytest.approx(0.001)  # 0.004 minus the 0.003 missed
+    # with no rounds the estimate is trusted, and the miss is what comes back
+    trusted = refine(table, limits, real, rounds=0)
+    assert trusted["values"] == [3, 2] and trusted["realised"]["calibration"]["loss"] == pytest.approx(0.006)
+    # a step budget: refinement keeps the real steps within it
+    within = refine(table, dict(max_loss=None, mean_steps=11.0), real, rounds=3)
+    assert within["realised"]["calibration"]["steps"] <= 11.0
 
 
 def test_reading_the_recorded_full_budget_states_reproduces_the_model():

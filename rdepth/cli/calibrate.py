@@ -43,6 +43,11 @@ def run(args: argparse.Namespace) -> int:
         values = ", ".join(f"{v:g}" for v in entry["values"])
         print(f"{label:>18}: {profile['parameter']} = {values}; predicted loss {unit(entry['predicted_loss'])}, "
               f"{entry['predicted_steps']:.2f} steps")
+        history = entry.get("refinement", [])
+        if len(history) > 1:
+            tried = "; ".join(f"{', '.join(f'{v:g}' for v in h['values'])}: realised {unit(h['realised_loss'])}"
+                              for h in history[:-1])
+            print(f"{'':>20}refined after {len(history) - 1} real run(s) that missed the target ({tried})")
         for split, got in entry["realised"].items():
             print(f"{'':>20}{split}: realised loss {unit(got['loss'])} (quality {got['quality']:.4f} vs full "
                   f"{got['full_budget']['quality']:.4f}), {got['steps']:.2f} steps (full "

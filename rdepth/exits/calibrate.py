@@ -19,9 +19,15 @@
    the fewest steps within ``max_quality_loss`` (or the best quality within
    ``mean_steps``) wins. The best single value shared by all groups is chosen the
    same way, as the baseline a per-group profile must beat.
-4. **Validate.** Both profiles run for real (the packed loop with exits) on the
-   calibration windows and on validation windows not used to choose them: the
-   gap between predicted and realised quality and steps is reported.
+4. **Refine.** The chosen profile runs for real (the packed loop with exits) on
+   the calibration windows. Groups interact (a group that exits early changes the
+   inputs of the groups after it, which the additive estimate does not see), so
+   it can miss the target there. While it does (at most ``refine_rounds`` times),
+   the estimate's error is taken off the target, the profiles already tried are
+   ruled out, and the choice is made again. The same for the shared value.
+5. **Validate.** Both final profiles run for real on validation windows not used
+   to choose them: the gap between target, predicted and realised quality and
+   steps is reported.
 
 The estimate is exact for the last group of a model whose later layers are
 single-pass, up to one effect the replay cannot see: a looped layer attends to
@@ -214,11 +220,12 @@ def replay_candidates(model: RecurrentLM, iterates: list[torch.Tensor], referenc
 
 
 def choose(table: list[list[dict]], *, max_loss: float | None = None, mean_steps: float | None = None,
-           shared: bool = False) -> dict | None:
+           shared: bool = False, exclude: frozenset[tuple[float, ...]] = frozenset()) -> dict | None:
     """The best combination (one row per group) under the additive estimate, or None if none qualifies.
 
     ``max_loss``: fewest total steps with summed loss <= max_loss. ``mean_steps``: lowest summed
-    loss with total steps <= mean_steps. ``shared``: only one value for every group."""
+    loss with total steps <= mean_steps. ``shared``: only one value for every group. ``exclude``:
+    value tuples not to choose (tried and found wanting)."""
     if (max_loss is None) == (mean_steps is None):
         raise RdepthError("calibrate: give exactly one of max_quality_loss and mean_steps")
     if shared:
@@ -231,6 +238,8 @@ def choose(table: list[list[dict]], *, max_loss: float | None = None, mean_steps
         combinations = itertools.product(*table)
     best, best_key = None, None
     for combination in combinations:
+        if tuple(r["value"] for r in combination) in exclude:
+            continue
         steps = sum(r["steps"] for r in combination)
         loss = sum(r["loss"] for r in combination)
         if max_loss is not None:
@@ -247,6 +256,52 @@ def choose(table: list[list[dict]], *, max_loss: float | None = None, mean_steps
         return None
     return {"values": [r["value"] for r in best], "predicted_steps": sum(r["steps"] for r in best),
             "predicted_loss": sum(r["loss"] for r in best), "per_group": [dict(r) for r in best]}
+
+
+def meets(realised: dict, limits: dict) -> bool:
+    """Whether a real run's ``loss``/``steps`` meet the target in ``limits`` (max_loss or mean_steps)."""
+    if limits["max_loss"] is not None:
+        return realised["loss"] <= limits["max_loss"] + 1e-12
+    return realised["steps"] <= limits["mean_steps"] + 1e-9
+
+
+def refine(table: list[list[dict]], limits: dict, run_calibration, rounds: int, shared: bool = False) -> dict | None:
+    """:func:`choose`, then run the choice for real (``run_calibration(values)`` -> ``{loss, steps,
+    ...}`` on the calibration windows) and, while it misses the target, choose again with the
+    estimate's error taken off the target and the tried profiles excluded (at most ``rounds`` times).
+    Returns the profile that met the target with the fewest real steps (max_loss) or the least real
+    loss (mean_steps), else the last one tried; with ``realised.calibration`` and the ``refinement``
+    history. None if nothing qualifies under the estimate."""
+    limit_key = "max_loss" if limits["max_loss"] is not None else "mean_steps"
+    measure_key = "loss" if limit_key == "max_loss" else "steps"
+    predicted_key = "predicted_" + measure_key
+    current = dict(limits)
+    tried: set[tuple[float, ...]] = set()
+    history, results = [], []
+    choice = choose(table, shared=shared, **current)
+    while choice is not None:
+        realised = run_calibration(choice["values"])
+        tried.add(tuple(choice["values"]))
+        entry = {**choice, "realised": {"calibration": realised}}
+        results.append(entry)
+        history.append({"values": choice["values"], "predicted_loss": choice["predicted_loss"],
+                        "predicted_steps": choice["predicted_steps"], "realised_loss": realised["loss"],
+                        "realised_steps": realised["steps"], "limit": current[limit_key]})
+        if meets(realised, limits) or len(history) > rounds:
+            break
+        error = realised[measure_key] - choice[predicted_key]  # what the estimate missed
+        current[limit_key] = current[limit_key] - max(error, 0.0)
+        choice = choose(table, shared=shared, exclude=frozenset(tried), **current)
+    if not results:
+        return None
+    met = [r for r in results if meets(r["realised"]["calibration"], limits)]
+    if met:
+        key = (lambda r: r["realised"]["calibration"]["steps"]) if limit_key == "max_loss" else \
+            (lambda r: r["realised"]["calibration"]["loss"])
+        best = min(met, key=key)
+    else:
+        best = results[-1]
+    return {**best, "refinement": history}
 
 
 # ------------------------------------------------------------------ the command
@@ -317,25 +372,28 @@ def calibrate_checkpoint(config: CalibrateConfig) -> dict:
     target = {"max_quality_loss": config.max_quality_loss} if config.max_quality_loss is not None else \
         {"mean_steps": config.mean_steps}
     limits = dict(max_loss=config.max_quality_loss, mean_steps=config.mean_steps)
-    per_group = choose(table, **limits)
-    shared = choose(table, shared=True, **limits)
-    if per_group is None:
-        raise RdepthError(f"calibrate: no candidate values meet {target} on the calibration data; widen --values")
+    full_budget = {name: realise(data, lambda: FixedController(k_max)) for name, data in sets.items()}
 
-    def measured(values: list[float]) -> dict:
+    def measured(values: list[float], names: Sequence[str]) -> dict:
         profile = make_profile(config.policy, values, k_max, config.policy_options())
         factory = profile_controller_factory(profile, lambda: model.readout)  # decoded rules read the head
         result = {}
-        for name, data in sets.items():
-            full = realise(data, lambda: FixedController(k_max))
-            got = realise(data, factory)
-            got["loss"] = scorer.loss(full["quality"], got["quality"])
-            got["full_budget"] = full
+        for name in names:
+            got = realise(sets[name], factory)
+            got["loss"] = scorer.loss(full_budget[name]["quality"], got["quality"])
+            got["full_budget"] = full_budget[name]
             result[name] = got
         return result
 
-    chosen = {**per_group, "realised": measured(per_group["values"])}
-    baseline = None if shared is None else {**shared, "realised": measured(shared["values"])}
+    per_group = refine(table, limits, lambda values: measured(values, ["calibration"])["calibration"],
+                       config.refine_rounds)
+    shared = refine(table, limits, lambda values: measured(values, ["calibration"])["calibration"],
+                    config.refine_rounds, shared=True)
+    if per_group is None:
+        raise RdepthError(f"calibrate: no candidate values meet {target} on the calibration data; widen --values")
+    chosen = {**per_group, "realised": {**per_group["realised"], **measured(per_group["values"], ["validation"])}}
+    baseline = None if shared is None else \
+        {**shared, "realised": {**shared["realised"], **measured(shared["values"], ["validation"])}}
     profile = make_profile(
         config.policy, per_group["values"], k_max, config.policy_options(),
         quality=scorer.name, target=target, calibrated=chosen, shared_baseline=baseline, candidates=table,
