@@ -153,8 +153,11 @@ class RecurrentLM(nn.Module):
         return self.config.default_eval_loops
 
     # ----------------------------------------------------------------- pieces
-    def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, start_pos: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token + learned position embeddings: idx ``[B, T]`` -> ``[B, T, d]``.
+
+        ``positions``: the positions as a device tensor ``[T]`` instead of ``start_pos`` (static-shape
+        decoding, where the position lives on the device; not checked against the block size).
 
         As Geiping et al., the (tied, small-init) token embedding of sandwich
         blocks is scaled by sqrt(d) on the way in, so that token identity is not
@@ -162,6 +165,8 @@ class RecurrentLM(nn.Module):
         sandwich norms; without it the tiny preset stalls at the unigram loss.
         GPT-2 blocks take the embedding unscaled, as GPT-2 does.
         """
+        if positions is not None:
+            return self.embed_scale * self.wte(idx) + self.wpe(positions)
         seq = idx.shape[-1]
         if start_pos + seq > self.config.block_size:
             raise RdepthError(

@@ -1,0 +1,246 @@
+"""Batch decode latency (ms/token): the packed path against the static-shape path, eager and as CUDA graphs.
+
+    python bench/decode_speed.py --preset paper --loops 12 [--device cuda] [--dtype bfloat16] [--json out.json]
+
+Random weights (speed does not need trained ones). After a prompt, each setting decodes --tokens
+tokens, one forward per token (teacher-forced: the same token ids for every setting), timed
+--repeats times after --warmup untimed rounds; the median ms/token is reported with its
+interquartile range, and every setting's ratio to (a) measured in the same run:
+
+  (a) packed:        model(token, cache=KVStore) per token (rdepth.model.generation's path)
+  (b) static eager:  StaticDecoder.step at the fixed budget
+  (c) static graph:  the same, replayed as one CUDA graph per token (CUDA only)
+  (d) plain:         a model of the same width and depth without loops, static path (graph on CUDA)
+  (e) exit check:    the static path with an exit rule that never fires (step_norm, tiny tau), on the
+                     path of (c) on CUDA, else (b); its extra time per loop step against a loop step's
+                     time (from the budget-1 run, (f)), the issue's "< 3% of a loop step"
+  (f) budget 1:      the static path at 1 loop per group (to get one loop step's time)
+
+--profile counts, for one token, host syncs and kernel launches (CUDA: launches and synchronising
+runtime calls; CPU: leaf aten ops and single-value reads, which would be launches and syncs on a
+GPU) of (a) and (b). Prints the device, torch version and git revision, and writes them with the
+numbers to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny", choices=["paper", "small", "tiny"])
+    parser.add_argument("--loops", default=None,
+                        help="budget per group: N or N,N,... (default: the preset's eval loops)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens before decoding")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens decoded per timed round")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and keys/values of every setting")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    parser.add_argument("--skip", default="", help="settings to leave out, e.g. 'e,f' (a is always run)")
+    parser.add_argument("--profile", action="store_true", help="count syncs and launches per token of (a) and (b)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.prompt < 1 or args.tokens < 1 or args.repeats < 1 or args.warmup < 0 or args.batch < 1:
+        parser.error("--prompt, --tokens, --repeats and --batch must be >= 1, --warmup >= 0")
+    return args
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_rounds(setup, decode, args, device) -> list[float]:
+    """ms/token of ``decode()`` (``args.tokens`` tokens) after an untimed ``setup()`` (the prompt), per round."""
+    times = []
+    for round_number in range(args.warmup + args.repeats):
+        setup()
+        sync(device)
+        start = time.perf_counter()
+        decode()
+        sync(device)
+        if round_number >= args.warmup:
+            times.append(1000 * (time.perf_counter() - start) / args.tokens)
+    return times
+
+
+def summary(times: list[float]) -> dict:
+    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return {"ms_per_token": statistics.median(times), "iqr": [quartiles[0], quartiles[2]], "rounds": times}
+
+
+def count_per_token(call, device) -> dict:
+    """Host syncs and kernel launches of ``call()`` (one token), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        call()
+        sync(device)
+    events = list(prof.events())
+    names = [event.name for event in events]
+    if device.type == "cuda":
+        launches = sum(1 for name in names if "LaunchKernel" in name or name == "cudaGraphLaunch")
+        syncs = sum(1 for name in names if name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                      "cudaEventSynchronize"))
+        reads = names.count("aten::_local_scalar_dense") + names.count("aten::nonzero")
+        return {"kernel_launches": launches, "host_syncs": syncs, "value_reads": reads}
+    work = [event for event in events if _is_work(event.name)
+            and not any(_is_work(child.name) for child in _descendants(event))]
+    reads = names.count("aten::_local_scalar_dense") + names.count("aten::nonzero")
+    return {"aten_ops": len(work), "value_reads": reads,
+            "note": "CPU: lowest-level aten ops that are not views or allocations (~ kernel launches on a GPU); "
+                    "value reads (.item(), bool(), nonzero) are host syncs on a GPU"}
+
+
+# aten ops that launch no kernel: views, metadata, allocation
+NO_WORK = {"as_strided", "view", "reshape", "_reshape_alias", "transpose", "t", "permute", "select", "slice",
+           "unsqueeze", "squeeze", "expand", "alias", "unbind", "split", "resolve_conj", "resolve_neg",
+           "result_type", "empty", "empty_strided", "empty_like", "new_empty", "detach", "contiguous", "to",
+           "type_as", "lift_fresh", "_unsafe_view", "narrow", "chunk"}
+
+
+def _is_work(name: str) -> bool:
+    return name.startswith("aten::") and name[len("aten::"):] not in NO_WORK
+
+
+def _descendants(event):
+    for child in event.cpu_children:
+        yield child
+        yield from _descendants(child)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from rdepth.config import get_preset, parse_loop_counts
+    from rdepth.exits import PolicyController
+    from rdepth.io import environment_info
+    from rdepth.model import RecurrentLM
+    from rdepth.model.noise import StateNoise
+    from rdepth.model.static_decode import StaticDecoder
+    from rdepth.run.device import device_name, resolve_device
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    skip = {part.strip() for part in args.skip.split(",") if part.strip()}
+    config = get_preset(args.preset)
+    loops = parse_loop_counts(args.loops, config.n_groups) if args.loops else config.default_eval_loops
+    if args.prompt + args.tokens > config.block_size:
+        print(f"--prompt + --tokens must fit the block size {config.block_size}", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    model = RecurrentLM(config).to(device=device, dtype=dtype).eval()
+    batch = args.batch
+    noise = StateNoise(0, range(batch))
+    ids = torch.randint(0, config.vocab_size, (batch, args.prompt + args.tokens),
+                        generator=torch.Generator().manual_seed(1)).to(device)
+    prompt, steps = ids[:, : args.prompt], [ids[:, t : t + 1] for t in range(args.prompt, ids.shape[1])]
+    results: dict = {}
+
+    # (a) the packed path
+    state = {}
+
+    def packed_setup():
+        state["cache"] = model.new_cache(batch)
+        with torch.no_grad():
+            model(prompt, loop_counts=loops, cache=state["cache"], generator=noise)
+
+    @torch.no_grad()
+    def packed_decode():
+        for token in steps:
+            model(token, loop_counts=loops, cache=state["cache"], generator=noise)
+
+    results["a_packed"] = summary(time_rounds(packed_setup, packed_decode, args, device))
+
+    def static_rounds(decoder: StaticDecoder, graph: bool) -> dict:
+        decoder.prefill(prompt)
+        if graph:
+            decoder.capture()
+        return summary(time_rounds(lambda: decoder.prefill(prompt), lambda: [decoder._advance(t) for t in steps],
+                                   args, device))
+
+    def static(budget=loops, factory=None, on=model):
+        options = {"controller_factory": factory} if factory else {"loop_counts": budget}
+        return StaticDecoder(on, batch, max(budget) if budget else (), noise=noise, **options)
+
+    graphs = device.type == "cuda"
+    if "b" not in skip:
+        results["b_static_eager"] = static_rounds(static(), graph=False)
+    if graphs and "c" not in skip:
+        results["c_static_graph"] = static_rounds(static(), graph=True)
+    if "d" not in skip:
+        plain = RecurrentLM(get_preset(args.preset, groups="")).to(device=device, dtype=dtype).eval()
+        results["d_plain_static"] = static_rounds(static((), on=plain), graph=graphs)
+        results["d_plain_static"]["path"] = "graph" if graphs else "eager"
+        del plain
+    if "e" not in skip and "f" not in skip and loops:
+        never = lambda: PolicyController.from_name("step_norm", tau=1e-30, k_max=list(loops))  # noqa: E731
+        results["e_exit_check"] = static_rounds(static(factory=never), graph=graphs)
+        results["f_budget_1"] = static_rounds(static((1,) * len(loops)), graph=graphs)
+        fixed = results.get("c_static_graph" if graphs else "b_static_eager", {}).get("ms_per_token")
+        if fixed is not None:
+            step_ms = (fixed - results["f_budget_1"]["ms_per_token"]) / max(sum(loops) - len(loops), 1)
+            check_ms = (results["e_exit_check"]["ms_per_token"] - fixed) / sum(loops)
+            results["exit_check_per_step"] = {"loop_step_ms": step_ms, "check_ms": check_ms,
+                                              "check_over_step": check_ms / step_ms if step_ms > 0 else None}
+    reference = results["a_packed"]["ms_per_token"]
+    for key, value in results.items():
+        if "ms_per_token" in value:
+            value["ratio_vs_packed"] = value["ms_per_token"] / reference
+
+    if args.profile:
+        packed_setup()
+        decoder = static()
+        decoder.prefill(prompt)
+        with torch.no_grad():
+            results["profile_per_token"] = {
+                "a_packed": count_per_token(
+                    lambda: model(steps[0], loop_counts=loops, cache=state["cache"], generator=noise), device),
+                "b_static_eager": count_per_token(lambda: decoder._advance(steps[0]), device),
+            }
+
+    info = environment_info()
+    report = {"environment": {**info, "device": device_name(device)},
+              "settings": {"preset": args.preset, "loops": list(loops), "batch": batch, "prompt": args.prompt,
+                           "tokens": args.tokens, "warmup": args.warmup, "repeats": args.repeats,
+                           "dtype": args.dtype, "threads": torch.get_num_threads()},
+              "results": results}
+    env = report["environment"]
+    print(f"device: {env['device']}  torch {env['torch']}  git {env.get('git', '?')}  dtype {args.dtype}")
+    print(f"preset {args.preset}, loops {list(loops)}, batch {batch}, prompt {args.prompt}, "
+          f"{args.tokens} tokens x {args.repeats} rounds (median [IQR] ms/token)")
+    for key, value in results.items():
+        if "ms_per_token" in value:
+            low, high = value["iqr"]
+            print(f"  {key:<18} {value['ms_per_token']:10.3f} [{low:.3f}-{high:.3f}]  x{value['ratio_vs_packed']:.3f} "
+                  f"of (a)")
+    if "exit_check_per_step" in results:
+        check = results["exit_check_per_step"]
+        share = check["check_over_step"]
+        print(f"  exit check per loop step: {check['check_ms']:.4f} ms against a loop step of "
+              f"{check['loop_step_ms']:.4f} ms ({'-' if share is None else f'{100 * share:.1f}%'})")
+    for key, counts in results.get("profile_per_token", {}).items():
+        print(f"  per token, {key}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "note"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

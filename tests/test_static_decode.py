@@ -1,0 +1,321 @@
+"""The static-shape decode path (rdepth.model.static_decode) equals the packed path: cached and
+teacher-forced, at fixed budgets and under every exit rule, in float64 on the CPU; it has no host
+sync inside a token (one per chunk with exit checks); CUDA-graph replay equals eager (GPU only)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rdepth.config import ModelConfig
+from rdepth.errors import RdepthError
+from rdepth.exits import PolicyController
+from rdepth.exits.registry import POLICIES
+from rdepth.model import RecurrentLM
+from rdepth.model.generation import generate
+from rdepth.model.noise import StateNoise
+from rdepth.model.static_decode import StaticDecoder
+
+BLOCKS = pytest.mark.parametrize("block", ["sandwich", "gpt2"])
+BATCHES = pytest.mark.parametrize("batch", [1, 3])
+K_MAX = (6, 5)
+PROMPT, LENGTH = 5, 12
+# Where the host waits for the device: a read of one value (.item(), bool(), int()) and
+# boolean-mask indexing (nonzero).
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
+
+
+def tiny_model(block: str = "sandwich", **overrides) -> RecurrentLM:
+    config = dict(n_layer=5, n_head=2, d_model=16, block_size=32, vocab_size=50, groups="1|2-3", mean_loops=3.0,
+                  backprop_depth=2, init_state_scale=1.0, tokenizer="bpe:512", block=block)
+    config.update(overrides)
+    torch.manual_seed(0)
+    model = RecurrentLM(ModelConfig(**config)).double().eval()
+    if block == "gpt2":  # init leaves biases at 0 and gains at 1: make them matter
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() == 1:
+                    param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def tokens(batch: int, length: int = LENGTH) -> torch.Tensor:
+    return torch.randint(0, 50, (batch, length), generator=torch.Generator().manual_seed(batch))
+
+
+def decode_all(decoder: StaticDecoder, idx: torch.Tensor, prompt: int = PROMPT):
+    """Prefill ``idx[:, :prompt]``, then step through the rest: logits [B, T, V], computed and used [G, B, T]."""
+    logits = [decoder.prefill(idx[:, :prompt])]
+    computed, used = [decoder.prompt_computed], [None]
+    for t in range(prompt, idx.shape[1]):
+        logits.append(decoder.step(idx[:, t : t + 1])[:, None])
+        computed.append(decoder.computed.clone()[:, :, None])
+        used.append(decoder.used.clone()[:, :, None])
+    return torch.cat(logits, 1), torch.cat(computed, 2), torch.cat(used[1:], 2)
+
+
+# ------------------------------------------------------------------ fixed budget
+@BLOCKS
+@BATCHES
+def test_fixed_budget_equals_packed_cache_and_teacher_forced(block, batch):
+    model = tiny_model(block)
+    idx = tokens(batch)
+    noise = StateNoise(3, range(batch))
+    counts = (4, 3)
+    forced = model(idx, loop_counts=counts, generator=noise).logits
+    cache = model.new_cache(batch)
+    cached = [model(idx[:, :PROMPT], loop_counts=counts, cache=cache, generator=noise).logits]
+    for t in range(PROMPT, LENGTH):
+        cached.append(model(idx[:, t : t + 1], loop_counts=counts, cache=cache, generator=noise).logits)
+    decoder = StaticDecoder(model, batch, K_MAX, loop_counts=counts, noise=noise)
+    static, computed, used = decode_all(decoder, idx)
+    torch.testing.assert_close(static, torch.cat(cached, 1), rtol=0, atol=1e-10)
+    torch.testing.assert_close(static, forced, rtol=0, atol=1e-10)
+    assert (computed == torch.tensor(counts)[:, None, None]).all() and torch.equal(used, computed[:, :, PROMPT:])
+    assert decoder.cache.steps == counts  # the cache keeps only the steps the budget runs
+
+
+def test_full_budget_is_k_max_and_a_plain_model_decodes_too():
+    model = tiny_model()
+    idx = tokens(2)
+    noise = StateNoise(0, [7, 8])
+    static, _, _ = decode_all(StaticDecoder(model, 2, K_MAX, noise=noise), idx)
+    torch.testing.assert_close(static, model(idx, loop_counts=K_MAX, generator=noise).logits, rtol=0, atol=1e-10)
+    plain = tiny_model(groups="")
+    static, _, _ = decode_all(StaticDecoder(plain, 2, ()), idx)
+    torch.testing.assert_close(static, plain(idx).logits, rtol=0, atol=1e-10)
+
+
+# ------------------------------------------------------------------ exits
+def controller_factory(model: RecurrentLM, name: str, value: float | None):
+    """Fresh controllers of rule ``name`` at threshold ``value`` (``argmax_stable``: patience)."""
+    if name == "argmax_stable":
+        return lambda: PolicyController.from_name(name, k_max=list(K_MAX), decode=model.readout,
+                                                  patience=int(value))
+    if not POLICIES[name].uses_tau:
+        return lambda: PolicyController.from_name(name, k_max=list(K_MAX))
+    return lambda: PolicyController.from_name(name, tau=value, k_max=list(K_MAX), decode=model.readout)
+
+
+def varied_setting(model: RecurrentLM, idx: torch.Tensor, noise: StateNoise, name: str):
+    """The rule's setting (from a grid) under which the tokens' loop steps vary the most."""
+    grid = [1, 2] if name == "argmax_stable" else [None] if not POLICIES[name].uses_tau else \
+        [10.0 ** (e / 2) for e in range(-12, 3)]
+    best, spread = grid[0], -1
+    for value in grid:
+        out = model(idx, controller=controller_factory(model, name, value)(), generator=noise)
+        distinct = sum(len(torch.unique(c)) for c in out.computed)
+        if distinct > spread:
+            best, spread = value, distinct
+    return best
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@BATCHES
+def test_exits_equal_the_packed_path(name, batch):
+    """Every exit rule: logits, steps computed and iterate handed on equal teacher-forced packed
+    evaluation under the same controller (later tokens read exited tokens' latest keys)."""
+    model = tiny_model()
+    idx = tokens(batch)
+    noise = StateNoise(1, range(batch))
+    setting = varied_setting(model, idx, noise, name)
+    factory = controller_factory(model, name, setting)
+    forced = model(idx, controller=factory(), generator=noise)
+    computed_forced = torch.stack(forced.computed)
+    if name != "fixed":
+        assert computed_forced.min() < computed_forced.max(), "the setting should make exits vary"
+    decoder = StaticDecoder(model, batch, K_MAX, controller_factory=factory, noise=noise, check_every=2)
+    static, computed, used = decode_all(decoder, idx)
+    torch.testing.assert_close(static, forced.logits, rtol=0, atol=1e-10)
+    assert torch.equal(computed, computed_forced)
+    assert torch.equal(used, torch.stack(forced.used)[:, :, PROMPT:])
+
+
+@BLOCKS
+@BATCHES
+def test_exits_hand_on_the_previous_state_and_equal_cached_packed(block, batch):
+    """Algorithm 1's two-hit rule hands on x^(s-1): the static path hands on the same state as the
+    packed cache decoding token by token (both block types)."""
+    model = tiny_model(block)
+    idx = tokens(batch)
+    noise = StateNoise(2, range(batch))
+    setting = varied_setting(model, idx, noise, "acceleration")
+    factory = controller_factory(model, "acceleration", setting)
+    cache = model.new_cache(batch)
+    outs = [model(idx[:, :PROMPT], controller=factory(), cache=cache, generator=noise)]
+    for t in range(PROMPT, LENGTH):
+        outs.append(model(idx[:, t : t + 1], controller=factory(), cache=cache, generator=noise))
+    cached_used = torch.cat([torch.stack(out.used) for out in outs], 2)
+    cached_computed = torch.cat([torch.stack(out.computed) for out in outs], 2)
+    assert (cached_used < cached_computed).any(), "some token should hand on the state before its last step"
+    decoder = StaticDecoder(model, batch, K_MAX, controller_factory=factory, noise=noise)
+    static, computed, used = decode_all(decoder, idx)
+    torch.testing.assert_close(static, torch.cat([out.logits for out in outs], 1), rtol=0, atol=1e-10)
+    assert torch.equal(computed, cached_computed)
+    assert torch.equal(used, cached_used[:, :, PROMPT:])
+
+
+@pytest.mark.parametrize("name", ["step_norm", "acceleration", "kl"])
+def test_check_every_changes_nothing_but_time(name):
+    model = tiny_model()
+    idx = tokens(3)
+    noise = StateNoise(4, range(3))
+    factory = controller_factory(model, name, varied_setting(model, idx, noise, name))
+    results = [decode_all(StaticDecoder(model, 3, K_MAX, controller_factory=factory, noise=noise,
+                                        check_every=every), idx) for every in (None, 1, 2, 4)]
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+# ------------------------------------------------------------------ generation
+@BLOCKS
+def test_greedy_equals_generate(block):
+    model = tiny_model(block)
+    prompt = tokens(2, 4)
+    noise = StateNoise(9, [0, 1])
+    expected = generate(model, prompt, 8, temperature=0, loop_counts=(3, 2), generator=noise)
+    assert torch.equal(StaticDecoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise).greedy(prompt, 8), expected)
+    factory = controller_factory(model, "step_norm", 0.3)
+    expected = generate(model, prompt, 8, temperature=0, controller_factory=factory, generator=noise)
+    decoder = StaticDecoder(model, 2, K_MAX, controller_factory=factory, noise=noise, check_every=3)
+    assert torch.equal(decoder.greedy(prompt, 8), expected)
+    # to the end of the block, as generate stops there
+    long = generate(model, prompt, 40, temperature=0, loop_counts=(3, 2), generator=noise)
+    assert torch.equal(StaticDecoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise).greedy(prompt, 40), long)
+    assert long.shape[1] == model.config.block_size + 1
+
+
+# ------------------------------------------------------------------ no host syncs
+def op_counts(call) -> dict[str, int]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("name, check_every", [(None, None), ("acceleration", None), ("kl", None),
+                                               ("step_norm", 2)])
+def test_a_token_has_no_host_sync_but_one_per_chunk_check(name, check_every):
+    model = tiny_model()
+    idx = tokens(3)
+    noise = StateNoise(5, range(3))
+    if name is None:
+        decoder = StaticDecoder(model, 3, K_MAX, noise=noise)
+    else:
+        factory = controller_factory(model, name, varied_setting(model, idx, noise, name))
+        decoder = StaticDecoder(model, 3, K_MAX, controller_factory=factory, noise=noise, check_every=check_every)
+    decoder.prefill(idx[:, :PROMPT])
+    counts = op_counts(lambda: decoder.step(idx[:, PROMPT : PROMPT + 1]))
+    syncs = sum(counts.get(op, 0) for op in SYNC_OPS if op != "aten::_local_scalar_dense")
+    assert counts.get("aten::nonzero", 0) == 0  # no boolean-mask indexing
+    checks = sum(1 for kind, _ in decoder._plan if kind == "check")
+    assert syncs <= checks and (check_every is None) == (checks == 0)
+    # the packed path, for contrast, syncs at every loop step
+    cache = model.new_cache(3)
+    model(idx[:, :PROMPT], loop_counts=K_MAX, cache=cache, generator=noise)
+    packed = op_counts(lambda: model(idx[:, PROMPT : PROMPT + 1], loop_counts=K_MAX, cache=cache, generator=noise))
+    assert sum(packed.get(op, 0) for op in SYNC_OPS) >= sum(K_MAX)
+
+
+@pytest.mark.parametrize("name", [None, "acceleration", "kl"])
+def test_every_piece_of_a_token_traces_as_one_graph(name):
+    """torch.compile(fullgraph=True) refuses a host read (.item(), bool()), boolean-mask indexing and
+    Python branching on tensor values: every piece of the token plan (fixed budget, and the exit
+    rules' per-step decisions with their bookkeeping) traces whole, and computes the same logits."""
+    model = tiny_model()
+    idx = tokens(3)
+    noise = StateNoise(5, range(3))
+    options = {"noise": noise}
+    if name is not None:
+        options.update(controller_factory=controller_factory(model, name, varied_setting(model, idx, noise, name)),
+                       check_every=2)
+    eager, traced = StaticDecoder(model, 3, K_MAX, **options), StaticDecoder(model, 3, K_MAX, **options)
+    for decoder in (eager, traced):
+        decoder.prefill(idx[:, :PROMPT])
+    expected = eager.step(idx[:, PROMPT : PROMPT + 1])
+    traced.tokens.copy_(idx[:, PROMPT : PROMPT + 1])
+    with torch.no_grad():
+        for kind, piece in traced._plan:
+            if kind == "run":
+                torch._dynamo.reset()  # a fresh compile per piece (they share code objects)
+                torch.compile(piece, fullgraph=True, backend="eager")()
+    torch._dynamo.reset()
+    torch.testing.assert_close(traced.logits, expected, rtol=0, atol=1e-10)
+    assert torch.equal(traced.computed, eager.computed)
+
+
+# ------------------------------------------------------------------ precision and errors
+def test_bf16_decoder_is_close_to_fp32_and_picks_the_same_clear_tokens():
+    """A constructed case: the tied embedding scaled up so that logits have clear winners."""
+    model = tiny_model().float()
+    with torch.no_grad():
+        model.wte.weight.mul_(8)
+    idx = tokens(2)
+    noise = StateNoise(6, [0, 1])
+    wide, _, _ = decode_all(StaticDecoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise), idx)
+    narrow_model = copy.deepcopy(model)
+    decoder = StaticDecoder(narrow_model, 2, K_MAX, torch.bfloat16, loop_counts=(3, 2), noise=noise)
+    assert decoder.cache.single[0][0].dtype == torch.bfloat16 and narrow_model.wte.weight.dtype == torch.bfloat16
+    narrow, _, _ = decode_all(decoder, idx)
+    assert narrow.dtype == torch.bfloat16
+    error = (narrow.float() - wide).abs().max()
+    assert error < 0.05 * wide.abs().max()
+    top2 = wide.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 4 * error
+    assert clear.float().mean() > 0.5
+    assert torch.equal(narrow.float().argmax(-1)[clear], wide.argmax(-1)[clear])
+    # greedy decoding picks the same tokens
+    prompt = idx[:, :4]
+    assert torch.equal(StaticDecoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise).greedy(prompt, 3),
+                       decoder.greedy(prompt, 3))
+
+
+def test_errors_name_the_problem():
+    model = tiny_model()
+    with pytest.raises(RdepthError, match="noise=StateNoise"):
+        StaticDecoder(model, 1, K_MAX)
+    noise = StateNoise(0, [0])
+    with pytest.raises(RdepthError, match="k_max is 6"):
+        StaticDecoder(model, 1, K_MAX, loop_counts=(7, 2), noise=noise)
+    with pytest.raises(RdepthError, match="needs a CUDA device"):
+        StaticDecoder(model, 1, K_MAX, noise=noise).capture()
+    decoder = StaticDecoder(model, 1, K_MAX, noise=noise, capacity=6)
+    decoder.prefill(tokens(1, 6))
+    with pytest.raises(RdepthError, match="cache is full"):
+        decoder.step(tokens(1, 1))
+    with pytest.raises(RdepthError, match="holds 1 rows"):
+        decoder.prefill(tokens(2, 3))
+
+
+# ------------------------------------------------------------------ CUDA graphs
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["fixed", "exits", "exits_chunked"])
+def test_cuda_graph_replay_equals_eager_without_syncs(mode):
+    model = tiny_model().cuda()
+    idx = tokens(3).cuda()
+    noise = StateNoise(8, range(3))
+    options = {"noise": noise}
+    if mode != "fixed":
+        factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
+        options.update(controller_factory=factory, check_every=2 if mode == "exits_chunked" else None)
+    eager = decode_all(StaticDecoder(model, 3, K_MAX, **options), idx)
+    decoder = StaticDecoder(model, 3, K_MAX, **options)
+    decoder.prefill(idx[:, :PROMPT])
+    decoder.capture()
+    assert decoder.captured
+    logits, computed = [], []
+    if mode != "exits_chunked":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for t in range(PROMPT, LENGTH):
+            logits.append(decoder.step(idx[:, t : t + 1]))
+            computed.append(decoder.computed.clone())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(torch.stack(logits, 1), eager[0][:, PROMPT:], rtol=0, atol=1e-10)
+    assert torch.equal(torch.stack(computed, 2), eager[1][:, :, PROMPT:])
