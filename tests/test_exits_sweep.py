@@ -138,6 +138,36 @@ def test_sweep_config_and_cli_import_without_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_an_exit_profile_is_one_more_point_equal_to_its_policy(tiny_model, windows, tmp_path):
+    """A profile with one shared value measures what the policy at that value measures; per-group
+    values are saved with the point and named in the summary."""
+    from rdepth.exits.profile import make_profile
+    from rdepth.io import write_json
+
+    shared = tmp_path / "shared.json"
+    write_json(shared, make_profile("step_norm", [0.6, 0.6], (3, 2), {}))
+    config = SweepConfig(policies=("step_norm",), taus=(0.6,), k_max=(3, 2), batch_size=4, timing=False, seed=7,
+                         fixed_ladder=False, exit_profile=str(shared))
+    result = run_sweep(tiny_model, windows, config)
+    policy, profile = result["points"]
+    assert profile["policy"] == "profile" and profile["values"] == [0.6, 0.6]
+    for key in ("ce", "mean_steps", "tokens"):
+        assert profile[key] == policy[key]
+    per_group = tmp_path / "per_group.json"
+    write_json(per_group, make_profile("step_norm", [0.6, 100.0], (3, 2), {}))
+    result = run_sweep(tiny_model, windows, SweepConfig(
+        policies=("step_norm",), taus=(0.6,), k_max=(3, 2), batch_size=4, timing=False, seed=7,
+        fixed_ladder=False, exit_profile=str(per_group), tolerance=10.0))
+    profile = result["points"][1]
+    assert profile["mean_steps"][0] == result["points"][0]["mean_steps"][0] and profile["mean_steps"][1] == 1.0
+    rows = {row["policy"]: row for row in result["summary"]["matched_quality"]["steps"]}
+    assert rows["profile"]["values"] == [0.6, 100.0]
+    with pytest.raises(RdepthError, match="group value"):
+        run_sweep(tiny_model, windows, SweepConfig(policies=("step_norm",), taus=(0.6,), k_max=(3, 2), timing=False,
+                                                   exit_profile=str(tmp_path / "one.json"))
+                  if write_json(tmp_path / "one.json", make_profile("step_norm", [0.6], (3,), {})) is None else None)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")

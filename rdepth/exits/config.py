@@ -119,7 +119,7 @@ class SweepConfig:
         None, "task data: held-out windows (problems, one per window when they fill it) per difficulty",
         default_text="all")
     exit_profile: str | None = option(
-        None, "task data: also measure this exit profile (rdepth calibrate) beside the policy grid",
+        None, "also measure this exit profile (rdepth calibrate: one threshold per group) beside the policy grid",
         default_text="none")
     accuracy_tolerance: float = option(
         0.01, "task data: accuracy below the full budget's that counts as matched (a fraction: 0.01 = one point)")

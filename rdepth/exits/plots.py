@@ -20,7 +20,7 @@ def _by_policy(result: dict, parameter: str | None = "tau") -> dict[str, list[di
     """Points grouped by policy (in sweep order), sorted by value; only ``parameter`` sweeps."""
     groups: dict[str, list[dict]] = {}
     for point in result["points"]:
-        if parameter is None or point["parameter"] == parameter:
+        if parameter is None or (point["parameter"] == parameter and "values" not in point):  # not a profile
             groups.setdefault(point["policy"], []).append(point)
     return {name: sorted(points, key=lambda p: p["value"]) for name, points in groups.items()}
 

@@ -152,6 +152,8 @@ def matched_quality(result: dict, tolerance: float = 0.01, ranking: str = "b1",
                 value=best["value"], parameter=best.get("parameter", "tau"), ppl=best["ppl"],
                 ppl_vs_full=best["ppl"] / reference["ppl"] - 1.0, steps=steps, steps_saved=1.0 - steps / full_steps,
             )
+            if "values" in best:  # a calibrated profile
+                row["values"] = best["values"]
             for timing in TIMINGS:
                 key = f"ms_per_token_{timing}"
                 if key not in best:
@@ -211,7 +213,9 @@ def packed_over_dense(result: dict, noise_threshold: float = NOISE_THRESHOLD) ->
 
 
 def _setting(row: dict) -> str:
-    return f"{row['policy']} ({row.get('parameter', 'tau')}={row['value']:g})"
+    values = row.get("values")  # a calibrated profile: one value per group
+    shown = ",".join(f"{v:g}" for v in values) if values else f"{row['value']:g}"
+    return f"{row['policy']} ({row.get('parameter', 'tau')}={shown})"
 
 
 def noise_warnings(result: dict, matched: dict, rankings: Sequence[str], noise_threshold: float) -> list[str]:
@@ -357,7 +361,8 @@ def sweep_rows(result: dict) -> list[dict]:
     for point in result["points"]:
         base = point["baseline"]
         rows.append({
-            "policy": point["policy"], "parameter": point["parameter"], "value": point["value"],
+            "policy": point["policy"], "parameter": point["parameter"],
+            "value": "|".join(f"{v:g}" for v in point["values"]) if "values" in point else point["value"],
             "ce": point["ce"], "ppl": point["ppl"], "mean_steps": _join(point["mean_steps"]),
             "mean_used": _join(point["mean_used"]), **latencies(point),
             "baseline_budget": "|".join(map(str, base["budget"])), "baseline_ce": base["ce"],

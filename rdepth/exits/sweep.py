@@ -37,6 +37,7 @@ from tqdm import tqdm
 from rdepth.errors import RdepthError
 from rdepth.exits.config import SweepConfig
 from rdepth.exits.measure import SweepMeasurer, decode_factory, policy_controller_factory
+from rdepth.exits.profile import load_profile, profile_controller_factory
 from rdepth.exits.registry import get_policy_class
 from rdepth.exits.report_section import render_sweep
 from rdepth.exits.summary import summarize, summary_of, sweep_csv
@@ -90,6 +91,19 @@ def run_sweep(
             "%s %s=%g: steps %s ppl %.4f (fixed %s: %.4f)", name, point["parameter"], value,
             [round(m, 2) for m in point["mean_steps"]], point["ppl"], budget, point["baseline"]["ppl"],
         )
+    if config.exit_profile is not None:  # a calibrated profile (rdepth calibrate): one more point
+        profile = load_profile(config.exit_profile, model.n_groups)
+        point = measurer.policy(
+            profile_controller_factory(profile, lambda: model.readout),
+            {"policy": "profile", "parameter": profile["parameter"], "value": profile["values"][0],
+             "values": list(profile["values"]), "profile_policy": profile["policy"],
+             "profile": str(config.exit_profile)},
+        )
+        budget = [max(1, min(cap, round(mean))) for mean, cap in zip(point["mean_steps"], k_max)]
+        point["baseline"] = measurer.fixed(budget)
+        points.append(point)
+        log.info("profile %s %s: steps %s ppl %.4f", profile["policy"], profile["values"],
+                 [round(m, 2) for m in point["mean_steps"]], point["ppl"])
     ladder = []
     if config.fixed_ladder:
         for steps in range(1, max(k_max) + 1):
