@@ -44,6 +44,7 @@ class ReproduceConfig:
         "accepts, e.g. wiki or a file/folder)", default_text="none: --data must be prepared")
     tokenizer: str = option("gpt2", "tokenizer for --corpus (gpt2 or bpe:N)")
     max_documents: int | None = option(None, "with --corpus: prepare only the first N documents", default_text="all")
+    workers: int | None = option(None, "with --corpus: tokenizing processes", default_text="the machine's cores")
     sizes: tuple[str, ...] | None = option(
         None, "model sizes to choose from, largest first (see rdepth.reproduce.plan.SIZES); the first is timed "
         "first", default_text="paper,small,mini on CUDA; tiny,toy on CPU")
@@ -99,7 +100,7 @@ class ReproduceConfig:
         if not (isinstance(self.train_share, (int, float)) and 0 < self.train_share < 1):
             raise RdepthError(f"reproduce: train_share must be in (0, 1), got {self.train_share!r}")
         positive = ("checkpoints", "long_loops", "timing_batch")
-        optional_positive = ("min_tokens", "analyze_sequences", "sweep_windows", "val_windows", "max_documents",
+        optional_positive = ("min_tokens", "analyze_sequences", "sweep_windows", "val_windows", "max_documents", "workers",
                              "probe_steps", "repeats")
         for name in positive + optional_positive:
             value = getattr(self, name)

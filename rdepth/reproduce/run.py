@@ -61,8 +61,11 @@ def _prepared(config: ReproduceConfig) -> Path:
     if config.corpus is None:
         raise RdepthError(f"{data} holds no prepared data (no manifest.json): prepare it with rdepth prepare, or "
                           "pass --corpus NAME to prepare it here")
+    import os
+
     return prepare(PrepareConfig(corpus=config.corpus, tokenizer=config.tokenizer, out=data,
-                                 max_documents=config.max_documents))
+                                 max_documents=config.max_documents,
+                                 workers=config.workers or max(1, len(os.sched_getaffinity(0)))))
 
 
 def _model_config(size: str, data: Path):
