@@ -327,3 +327,22 @@ def test_group_step_compiles_without_graph_breaks():
     step = torch.compile(model.group_step, fullgraph=True, backend="eager")
     state, inputs = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
     torch.testing.assert_close(step(1, state, inputs), model.group_step(1, state, inputs))
+
+
+def test_regional_compilation_does_not_recompile_when_loop_counts_change():
+    """The trainer compiles each layer: new loop counts reuse the graphs (grad and no-grad steps alike)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = RecurrentLM(tiny_config(backprop_depth=2)).train()
+    for layer in model.layers:
+        layer.compile(backend="eager")
+    idx = torch.randint(0, 50, (2, 8))
+    model(idx, idx, loop_counts=(3, 4)).loss.backward()  # steps with and without gradients
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    for counts in ((1, 6), (5, 2), (7, 7)):
+        model(idx, idx, loop_counts=counts).loss.backward()
+    assert counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()

@@ -70,7 +70,9 @@ class TrainConfig:
     log_every: int = option(10, "steps between metrics.jsonl records")
     seed: int = option(0, "seed of the weights, batches, loop counts and loop-state noise")
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
-    compile: bool = option(False, "torch.compile each layer")
+    compile: bool | None = option(
+        None, "torch.compile each layer (regional: one graph per block, reused at every loop step and count; "
+        "fuses the norms' casts)", default_text="on with CUDA, off on CPU")
     threads: int = option(0, "torch CPU threads (0: torch's default)")
     curriculum_steps: int = option(
         0, "task data: the top training difficulty rises linearly from the lowest + 1 to the highest over "
@@ -138,7 +140,7 @@ class TrainConfig:
             raise RdepthError(f"train config: seed must be an integer in [0, 2^63), got {self.seed!r}")
         if not _is_int(self.threads) or not 0 <= self.threads <= 4096:
             raise RdepthError(f"train config: threads must be an integer in [0, 4096], got {self.threads!r}")
-        if not isinstance(self.compile, bool):
+        if self.compile is not None and not isinstance(self.compile, bool):
             raise RdepthError(f"train config: compile must be true or false, got {self.compile!r}")
 
     @property

@@ -167,7 +167,7 @@ class Trainer:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = DistributedDataParallel(self.model, device_ids=ids)
-        if config.compile:
+        if config.compile if config.compile is not None else self.device.type == "cuda":
             for layer in self.model.layers:  # per block: loop counts vary, shapes do not
                 layer.compile()
         self._write_run_files()
