@@ -9,7 +9,7 @@ import torch
 
 from rdepth.cli.main import main
 from rdepth.config import ModelConfig
-from rdepth.exits.calibrate import choose, read_through_rest, record_iterates, refine
+from rdepth.exits.calibrate import better_on_calibration, choose, read_through_rest, record_iterates, refine
 from rdepth.model import RecurrentLM
 from rdepth.model.noise import StateNoise
 
@@ -59,6 +59,18 @@ def test_refine_corrects_an_estimate_that_misses_on_the_real_run():
     # a step budget: refinement keeps the real steps within it
     within = refine(table, dict(max_loss=None, mean_steps=11.0), real, rounds=3)
     assert within["realised"]["calibration"]["steps"] <= 11.0
+
+
+def test_the_real_calibration_run_decides_between_per_group_and_shared():
+    def profile(loss, steps):
+        return {"realised": {"calibration": {"loss": loss, "steps": steps}}}
+
+    loss_target, step_target = dict(max_loss=0.01, mean_steps=None), dict(max_loss=None, mean_steps=5.0)
+    assert better_on_calibration(profile(0.009, 5.0), profile(0.012, 4.0), loss_target)  # only one meets it
+    assert better_on_calibration(profile(0.009, 4.5), profile(0.002, 5.0), loss_target)  # fewer steps
+    assert not better_on_calibration(profile(0.009, 5.0), profile(0.002, 5.0), loss_target)  # tie: less loss
+    assert better_on_calibration(profile(0.010, 4.8), profile(0.014, 4.7), step_target)  # less loss
+    assert better_on_calibration(profile(0.030, 4.9), profile(0.001, 5.2), step_target)  # only one within
 
 
 def test_reading_the_recorded_full_budget_states_reproduces_the_model():

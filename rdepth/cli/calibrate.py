@@ -43,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
         values = ", ".join(f"{v:g}" for v in entry["values"])
         print(f"{label:>18}: {profile['parameter']} = {values}; predicted loss {unit(entry['predicted_loss'])}, "
               f"{entry['predicted_steps']:.2f} steps")
+        if entry.get("from_shared"):
+            print(f"{'':>20}(the best shared value did better on the calibration windows than the per-group "
+                  "choices tried, so it is the profile)")
         history = entry.get("refinement", [])
         if len(history) > 1:
             tried = "; ".join(f"{', '.join(f'{v:g}' for v in h['values'])}: realised {unit(h['realised_loss'])}"

@@ -24,7 +24,9 @@
    inputs of the groups after it, which the additive estimate does not see), so
    it can miss the target there. While it does (at most ``refine_rounds`` times),
    the estimate's error is taken off the target, the profiles already tried are
-   ruled out, and the choice is made again. The same for the shared value.
+   ruled out, and the choice is made again. The same for the shared value; a shared
+   value is a per-group profile too, so if it did better for real on the calibration
+   windows, it is the profile.
 5. **Validate.** Both final profiles run for real on validation windows not used
    to choose them: the gap between target, predicted and realised quality and
    steps is reported.
@@ -265,6 +267,17 @@ def meets(realised: dict, limits: dict) -> bool:
     return realised["steps"] <= limits["mean_steps"] + 1e-9
 
 
+def better_on_calibration(a: dict, b: dict, limits: dict) -> bool:
+    """Whether profile ``a`` did better than ``b`` on the real calibration run: meeting the target where
+    ``b`` does not, else fewer steps (max_loss) or less loss (mean_steps), the other measure breaking ties."""
+    got_a, got_b = a["realised"]["calibration"], b["realised"]["calibration"]
+    meets_a, meets_b = meets(got_a, limits), meets(got_b, limits)
+    if meets_a != meets_b:
+        return meets_a
+    first, second = ("steps", "loss") if limits["max_loss"] is not None else ("loss", "steps")
+    return (got_a[first], got_a[second]) < (got_b[first], got_b[second])
+
+
 def refine(table: list[list[dict]], limits: dict, run_calibration, rounds: int, shared: bool = False) -> dict | None:
     """:func:`choose`, then run the choice for real (``run_calibration(values)`` -> ``{loss, steps,
     ...}`` on the calibration windows) and, while it misses the target, choose again with the
@@ -391,6 +404,9 @@ def calibrate_checkpoint(config: CalibrateConfig) -> dict:
                     config.refine_rounds, shared=True)
     if per_group is None:
         raise RdepthError(f"calibrate: no candidate values meet {target} on the calibration data; widen --values")
+    if shared is not None and better_on_calibration(shared, per_group, limits):
+        # a shared value is a per-group profile too: keep whichever did better for real
+        per_group = {**shared, "from_shared": True}
     chosen = {**per_group, "realised": {**per_group["realised"], **measured(per_group["values"], ["validation"])}}
     baseline = None if shared is None else \
         {**shared, "realised": {**shared["realised"], **measured(shared["values"], ["validation"])}}
