@@ -62,18 +62,38 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_rounds(setup, decode, args, device) -> list[float]:
-    """ms/token of ``decode()`` (``args.tokens`` tokens) after an untimed ``setup()`` (the prompt), per round."""
-    times = []
+def time_rounds(setup, decode, args, device, deadline: float | None = None) -> list[float]:
+    """ms/token of ``decode()`` (``args.tokens`` tokens) after an untimed ``setup()`` (the prompt), per round.
+
+    Synchronised before and after each round; on CUDA the round is timed with device events, elsewhere
+    with the host clock. ``deadline`` (a ``time.perf_counter()`` value): no timed round starts after it,
+    but at least one is always timed."""
+    times: list[float] = []
     for round_number in range(args.warmup + args.repeats):
+        if times and deadline is not None and time.perf_counter() > deadline:
+            break
         setup()
         sync(device)
-        start = time.perf_counter()
-        decode()
-        sync(device)
+        elapsed_ms = _timed(decode, device)
         if round_number >= args.warmup:
-            times.append(1000 * (time.perf_counter() - start) / args.tokens)
+            times.append(elapsed_ms / args.tokens)
     return times
+
+
+def _timed(call, device) -> float:
+    """Milliseconds ``call()`` takes, the device drained before and after (CUDA events on CUDA)."""
+    import torch
+
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    start_s = time.perf_counter()
+    call()
+    return 1000 * (time.perf_counter() - start_s)
 
 
 def summary(times: list[float]) -> dict:
