@@ -21,6 +21,15 @@ change from token to token:
   (``torch.where`` on an ``active`` [B] mask); the controller decides on the device. To save time
   at batch 1, ``check_every`` steps run as one chunk and the host asks ``active.any()`` once per
   chunk (one sync per chunk, none per step); without ``check_every`` a token has no sync at all.
+* Row compaction (``compact=True``, with exits and ``check_every``): at each check the host reads
+  how many rows still loop (the same one sync), and the group's next chunk runs on those rows only:
+  their state, input, bookkeeping and the keys/values they read are gathered (:class:`StaticRows`,
+  the store the layers then see), computed, and scattered back, so the matmuls, the exit rule and
+  attention shrink with the rows. The rows gathered are the active ones first, in row order, then
+  stopped ones as padding up to the chunk's row count: padding rows compute exactly what
+  predication computes for a stopped row (and is discarded in the same way), so a padded chunk
+  equals an unpadded one. Eager, a chunk runs on exactly the active count; captured as CUDA graphs,
+  on the next power of two (one graph per size, ``buckets``).
 * :meth:`StaticDecoder.capture` (CUDA only) records each piece of a token (the whole token at a
   fixed budget; at exits, the stretches between checks) as a ``torch.cuda.CUDAGraph`` over static
   buffers, replayed for every token.
@@ -136,8 +145,33 @@ class StaticKV:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-# A piece of a token's plan: run a function (one CUDA graph when captured), or, after a chunk of
-# group ``group``'s loop, skip to the plan index ``skip_to`` when no row of it still loops.
+class StaticRows:
+    """Rows ``rows`` (``[P]`` long, distinct, on the device) of a :class:`StaticKV`, as the store of a
+    layer call that computes only those rows: the layers see a batch of P rows (row i is cache row
+    ``rows[i]``). ``rows`` may be a view of a buffer refilled in place (CUDA graphs)."""
+
+    def __init__(self, cache: StaticKV, rows: torch.Tensor):
+        self.cache = cache
+        self.rows = rows
+
+    def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
+               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the rows' keys/values ``[P, nh, hs]`` at the cache's position; return their rows of
+        what layer ``layer`` at step ``ctx.step`` attends to, ``[P, nh, S, hs]`` each (gathered copies)."""
+        cache = self.cache
+        if layer in cache.looped:
+            all_keys, all_values = cache.looped[layer]
+            cache_k, cache_v = all_keys[ctx.step - 1], all_values[ctx.step - 1]
+        else:
+            cache_k, cache_v = cache.single[layer]
+        cache_k[self.rows, :, cache.position] = keys  # (P, nh, hs) at (rows, :, position, :)
+        cache_v[self.rows, :, cache.position] = values
+        return cache_k.index_select(0, self.rows), cache_v.index_select(0, self.rows)
+
+
+# A piece of a token's plan: run a function (one CUDA graph when captured); a compacted chunk, run
+# with the number of rows to compute (one graph per row count); or, after a chunk of group
+# ``group``'s loop, skip to the plan index ``skip_to`` when no row of it still loops.
 _Run = Callable[[], None]
 
 
@@ -163,12 +197,18 @@ class StaticDecoder:
             loops (one host sync per chunk); None: no check, every group runs its ``k_max`` steps
             predicated (no sync at all).
         capacity: positions the cache holds (default: the block size).
+        compact: with exits and ``check_every``, run each chunk after the first on the rows that
+            still loop only (gathered and scattered back; see the module); results are unchanged.
+        buckets: with ``compact``, the rows a chunk runs on: the active count rounded up to a power of
+            two (True; padded with stopped rows) or exactly the active count (False). None: powers
+            of two once captured as CUDA graphs (one graph per size), exact counts when eager.
     """
 
     def __init__(self, model: RecurrentLM, batch_size: int, k_max: int | Sequence[int],
                  dtype: torch.dtype | None = None, *, loop_counts: Sequence[int] | str | int | None = None,
                  controller_factory: Callable[[], LoopController] | None = None,
-                 noise: StateNoise | None = None, check_every: int | None = None, capacity: int | None = None):
+                 noise: StateNoise | None = None, check_every: int | None = None, capacity: int | None = None,
+                 compact: bool = False, buckets: bool | None = None):
         config = model.config
         if dtype is not None:
             model.to(dtype)
@@ -202,6 +242,12 @@ class StaticDecoder:
         if check_every is not None and check_every < 1:
             raise RdepthError(f"StaticDecoder: check_every must be >= 1, got {check_every}")
         self.check_every = check_every
+        if compact and (controller_factory is None or check_every is None):
+            raise RdepthError("StaticDecoder: compact=True needs exits (controller_factory) and check_every "
+                              "(rows are compacted at the checks between chunks)")
+        self.compact = compact
+        self.buckets = buckets
+        self._count = batch_size  # rows still looping, as read at the last check (compact)
         if n_groups and config.init_state_scale != 0 and not isinstance(noise, StateNoise):
             raise RdepthError("StaticDecoder: the model starts its loops from noise (init_state_scale "
                               f"{config.init_state_scale}); give noise=StateNoise(seed, ids), one id per row")
@@ -216,7 +262,8 @@ class StaticDecoder:
             self.cache = StaticKV(model, batch_size, self.capacity, steps, self.dtype, self.device)
             self._allocate()
         self._plan = self._build_plan()
-        self._graphs: list[torch.cuda.CUDAGraph | None] | None = None
+        # per plan piece: its graph, or for a compacted chunk {rows: graph}; None where nothing is captured
+        self._graphs: list[torch.cuda.CUDAGraph | dict[int, torch.cuda.CUDAGraph] | None] | None = None
 
     # ---------------------------------------------------------------- buffers
     def _allocate(self) -> None:
@@ -237,6 +284,9 @@ class StaticDecoder:
         self._handed = torch.zeros_like(self._x)  # the state each stopped row hands on
         self._active = torch.zeros(batch, dtype=torch.bool, device=device)
         self._rows = torch.arange(batch, device=device)
+        # compaction: the rows still looping first (in row order), then the stopped ones
+        self._order = torch.arange(batch, device=device)
+        self._row_contexts: dict[tuple[int, int], AttentionContext] = {}  # (rows, step) -> context
         self._key_positions = torch.arange(self.capacity, device=device)
         self._mask = torch.zeros(batch, 1, 1, self.capacity, dtype=torch.bool, device=device)
         # One context per loop step (0: single-pass layers); the mask is refreshed in place per token.
@@ -254,7 +304,8 @@ class StaticDecoder:
 
     # ------------------------------------------------------------- the plan
     def _build_plan(self) -> list[tuple[str, object]]:
-        """A token as a list of ``("run", fn)`` pieces and ``("check", (group, skip_to))`` points."""
+        """A token as a list of ``("run", fn)`` pieces, ``("compact", fn(rows))`` chunks (with
+        ``compact``) and ``("check", (group, skip_to))`` points."""
         exits = self.loop_counts is None
         plan: list[tuple[str, object]] = []
         pending: list[_Run] = [self._begin_token]
@@ -273,7 +324,13 @@ class StaticDecoder:
                       for first in range(1, self.steps[group] + 1, every)]
             checks = []
             for number, chunk in enumerate(chunks):
-                plan.append(("run", lambda group=group, chunk=chunk: self._exit_steps(group, chunk)))
+                order = self.compact and number < len(chunks) - 1  # the next check compacts
+                if self.compact and number > 0:  # every row loops in the first chunk
+                    plan.append(("compact", lambda rows, group=group, chunk=chunk, order=order:
+                                 self._compact_steps(group, chunk, rows, order)))
+                else:
+                    plan.append(("run", lambda group=group, chunk=chunk, order=order:
+                                 self._exit_steps(group, chunk, order)))
                 if number < len(chunks) - 1:
                     checks.append(len(plan))
                     plan.append(("check", None))
@@ -313,7 +370,7 @@ class StaticDecoder:
         self._active.fill_(True)
         self.controller.begin(group, self._state)
 
-    def _exit_steps(self, group: int, steps: range) -> None:
+    def _exit_steps(self, group: int, steps: range, order: bool = False) -> None:
         """Loop steps ``steps`` of ``group`` for every row. A stopped row keeps its hand-off, step count
         and used index (predicated on ``active``); its further iterates, keys and controller memory
         are never read (:meth:`StaticKV.settle` rewrites the keys it wrote)."""
@@ -330,6 +387,62 @@ class StaticDecoder:
             active.masked_fill_(done, False)
             state = new  # a stopped row's iterate is never read again: no predication needed
         self._state.copy_(state)
+        if order:
+            self._order_rows()
+
+    def _order_rows(self) -> None:
+        """``_order``: the rows still looping in row order, then the stopped ones (on the device)."""
+        stopped = (~self._active).to(torch.uint8)  # 0 sorts first; stable: in row order
+        self._order.copy_(torch.sort(stopped, stable=True).indices)
+
+    def _rows_context(self, rows: int, step: int) -> AttentionContext:
+        """The attention context of loop step ``step`` (0: single-pass) over the first ``rows`` rows of
+        ``_order``: a batch of that many rows, each reading its own cache row."""
+        key = (rows, step)
+        if key not in self._row_contexts:
+            index = torch.arange(rows, device=self.device)
+            self._row_contexts[key] = AttentionContext(
+                StaticRows(self.cache, self._order[:rows]), step, index, self.cache.position.expand(rows),
+                torch.zeros_like(index), 1, rows, self._mask[:rows])  # every row's mask is the same
+        return self._row_contexts[key]
+
+    def _compact_steps(self, group: int, steps: range, rows: int, order: bool) -> None:
+        """:meth:`_exit_steps` on the first ``rows`` rows of ``_order`` only (every looping row, then
+        stopped rows as padding, which compute as predication has them compute): gather, run, scatter."""
+        if rows == self.batch_size:
+            self._exit_steps(group, steps, order)
+            return
+        picked = self._order[:rows]
+        computed, used = self.computed[group], self.used[group]
+        state = self._state.index_select(0, picked)
+        inputs = self._inputs.index_select(0, picked)
+        handed = self._handed.index_select(0, picked)
+        active = self._active.index_select(0, picked)
+        row_computed, row_used = computed.index_select(0, picked), used.index_select(0, picked)
+        last = self.steps[group]
+        for step in steps:
+            new = self.model.group_step(group, state, inputs, self._rows_context(rows, step))
+            done, handoff, used_now = self.controller.after_step(group, step, picked, state, new)
+            stopping = active if step == last else active & done
+            handed = torch.where(stopping[:, None], handoff.to(self.dtype), handed)
+            row_used = torch.where(stopping, used_now, row_used)
+            row_computed = row_computed.masked_fill(active, step)
+            active = active & ~done
+            state = new
+        self._state.index_copy_(0, picked, state)
+        self._handed.index_copy_(0, picked, handed)
+        self._active.index_copy_(0, picked, active)
+        computed.index_copy_(0, picked, row_computed)
+        used.index_copy_(0, picked, row_used)
+        if order:
+            self._order_rows()
+
+    def _chunk_rows(self) -> int:
+        """Rows the next compacted chunk runs on: the active count, or its power-of-two bucket."""
+        count = self._count
+        if self.buckets or (self.buckets is None and self._graphs is not None):
+            return min(1 << (count - 1).bit_length(), self.batch_size)
+        return count
 
     def _end_group(self, group: int) -> None:
         self.cache.settle(group, self.computed[group])
@@ -385,9 +498,21 @@ class StaticDecoder:
                 else:
                     graphs[index].replay()
                 index += 1
+            elif kind == "compact":
+                rows = self._chunk_rows()
+                if graphs is None:
+                    item(rows)
+                else:
+                    graphs[index][rows].replay()
+                index += 1
             else:
                 group, skip_to = item
-                index = index + 1 if bool(self._active.any()) else skip_to  # the one sync of a chunk
+                if self.compact:
+                    self._count = int(self._active.sum())  # the one sync of a chunk
+                    looping = self._count > 0
+                else:
+                    looping = bool(self._active.any())  # the one sync of a chunk
+                index = index + 1 if looping else skip_to
         self.length += 1
 
     @torch.no_grad()
@@ -412,14 +537,21 @@ class StaticDecoder:
         """Record the token plan's pieces as CUDA graphs; :meth:`step` replays them from now on.
 
         A fixed budget is one graph per token; with exits, one graph per chunk of ``check_every``
-        steps plus the pieces between groups. ``warmup`` eager runs on a side stream come first (at
-        the current position, which they leave where it was: the next token overwrites every slot
-        they wrote).
+        steps plus the pieces between groups; a compacted chunk has one graph per power-of-two row
+        count, replayed by the active count (``buckets=False`` cannot be captured). The controller
+        must keep its per-row memory in tensors it updates in place (every built-in rule does): a
+        compacted chunk's graphs of different sizes then hand on the same tensors. ``warmup`` eager
+        runs on a side stream come first (at the current position, which they leave where it was:
+        the next token overwrites every slot they wrote).
         """
         if self.device.type != "cuda":
             raise RdepthError(f"StaticDecoder.capture needs a CUDA device; this decoder is on {self.device}")
         if self.length >= self.capacity:
             raise RdepthError(f"StaticDecoder: the cache is full ({self.capacity} positions)")
+        if self.compact and self.buckets is False:
+            raise RdepthError("StaticDecoder.capture: compact chunks of every row count (buckets=False) "
+                              "cannot be captured; use buckets=None or True")
+        sizes = self._bucket_sizes()
         position = self.cache.position.clone()
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -428,23 +560,36 @@ class StaticDecoder:
                 for kind, item in self._plan:
                     if kind == "run":
                         item()
+                    elif kind == "compact":
+                        for rows in sizes:
+                            item(rows)
                 self.cache.position.copy_(position)
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
-        graphs: list[torch.cuda.CUDAGraph | None] = []
+        graphs: list = []
         for kind, item in self._plan:  # in plan order: a piece may read what the previous allocated
-            if kind != "run":
+            if kind == "check":
                 graphs.append(None)
-                continue
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                item()
-            graphs.append(graph)
+            elif kind == "run":
+                graphs.append(_captured(item, pool))
+            else:
+                graphs.append({rows: _captured(lambda item=item, rows=rows: item(rows), pool) for rows in sizes})
         self._graphs = graphs
+
+    def _bucket_sizes(self) -> list[int]:
+        """The row counts a captured compacted chunk may run on: powers of two below B, and B."""
+        return sorted({min(1 << n, self.batch_size) for n in range(self.batch_size.bit_length() + 1)})
 
     @property
     def captured(self) -> bool:
         return self._graphs is not None
+
+
+def _captured(piece: _Run, pool) -> "torch.cuda.CUDAGraph":
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        piece()
+    return graph
 
 
 def _sequence(pieces: list[_Run]) -> _Run:

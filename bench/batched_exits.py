@@ -1,0 +1,302 @@
+"""Batched decoding with exits: tokens/s of compacted exits against the fixed budgets of the same quality.
+
+    python bench/batched_exits.py --checkpoint RUN --data DATA --batches 8,32,128 [--policy kl --tau 1e-3,1e-2]
+    python bench/batched_exits.py --preset tiny --batches 8,32        # random weights: speed only
+    python bench/batched_exits.py ... --device cuda --dtype bfloat16 [--graphs]
+
+Per batch size B, B prompts (held-out windows of --data with a checkpoint, else random ids) are
+extended by --tokens tokens greedily at the full budget (k_max per group); that token stream is
+then decoded, teacher-forced (every setting reads the same tokens), by the static decode path
+(:class:`rdepth.model.static_decode.StaticDecoder`) in four settings:
+
+  (a) full:       the fixed budget k_max per group
+  (b) predicated: exits (--policy at --tau), every row computes every step of a chunk of
+                  --check-every steps, stopped rows predicated away; one host sync per chunk
+  (c) compacted:  the same exits, each chunk after the first run on the rows still looping only
+                  (gathered and scattered back); identical results to (b)
+  (d) matched:    a fixed budget per group equal to (b)'s realised mean steps, rounded
+  (e) same quality: the smallest fixed budget min(n, k_max) per group (n = 1, 2, ...) whose agreement
+                  is at least (b)'s (the full budget when none is smaller)
+
+Quality is the agreement of each setting's greedy token (argmax) with the full budget's, over every
+decoded position of every row. With several --tau values the threshold is chosen first, on the
+prompts of the first batch size, as the one with the fewest mean steps whose agreement is at least
+--agreement; the chosen one serves every batch size. Timing: --warmup untimed then --repeats timed
+rounds of the whole stream (prefill untimed), the settings interleaved round by round; the median
+ms per decoded token (one per row) with its interquartile range, tokens/s = B / that, and ratios
+to (a), (d) and (e). Prints the device, torch version and git revision, and writes all to --json.
+On CUDA, --graphs replays (a), (b), (d) as CUDA graphs and (c) with power-of-two row buckets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default=None, help="a run or checkpoint (default: random weights)")
+    parser.add_argument("--data", default=None, help="held-out data for the prompts (with --checkpoint)")
+    parser.add_argument("--preset", default="tiny", help="model preset when no --checkpoint is given")
+    parser.add_argument("--k-max", default="8", help="the full budget: N or N,N,... per group")
+    parser.add_argument("--policy", default="kl")
+    parser.add_argument("--tau", default="1e-3", help="threshold(s), comma-separated (see the module)")
+    parser.add_argument("--agreement", type=float, default=0.95, help="least agreement when choosing --tau")
+    parser.add_argument("--check-every", type=int, default=2)
+    parser.add_argument("--batches", default="8,32,128")
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs (CUDA only)")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    try:
+        args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
+        args.taus = [float(t) for t in args.tau.split(",") if t.strip()]
+    except ValueError:
+        parser.error("--batches takes integers and --tau numbers, comma-separated")
+    if not args.batches or min(args.batches) < 1 or not args.taus:
+        parser.error("--batches needs sizes >= 1 and --tau at least one value")
+    if args.prompt < 1 or args.tokens < 1 or args.repeats < 1 or args.warmup < 0 or args.check_every < 1:
+        parser.error("--prompt, --tokens, --repeats and --check-every must be >= 1, --warmup >= 0")
+    if args.data and not args.checkpoint:
+        parser.error("--data needs --checkpoint")
+    return args
+
+
+def summary(times: list[float]) -> dict:
+    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return {"ms_per_token": statistics.median(times), "iqr": [quartiles[0], quartiles[2]], "rounds": times}
+
+
+def timed_ms(call, device) -> float:
+    """Milliseconds ``call()`` takes, the device drained before and after (CUDA events on CUDA)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    start_s = time.perf_counter()
+    call()
+    return 1000 * (time.perf_counter() - start_s)
+
+
+class Setting:
+    """One decoder setting over the token stream: prefill, then the stream teacher-forced."""
+
+    def __init__(self, name: str, decoder, stream, prompt_length: int, graphs: bool):
+        self.name, self.decoder, self.stream, self.prompt_length = name, decoder, stream, prompt_length
+        self.graphs = graphs
+
+    def prefill(self) -> None:
+        self.decoder.prefill(self.stream[:, : self.prompt_length])
+        if self.graphs and not self.decoder.captured:
+            self.decoder.capture()
+
+    def decode(self, record: bool = False):
+        """Feed the stream's tokens after the prompt; with ``record``: argmax [B, N] and steps [G, B, N]."""
+        import torch
+
+        decoder, chosen, steps = self.decoder, [], []
+        for t in range(self.prompt_length, self.stream.shape[1] - 1):
+            decoder._advance(self.stream[:, t : t + 1])
+            if record:
+                chosen.append(decoder.logits.float().argmax(-1))
+                steps.append(decoder.computed.clone())
+        if record:
+            return torch.stack(chosen, 1), torch.stack(steps, 2)
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from rdepth.config import get_preset, parse_loop_counts
+    from rdepth.exits import PolicyController
+    from rdepth.io import environment_info
+    from rdepth.model import RecurrentLM
+    from rdepth.model.noise import StateNoise
+    from rdepth.model.static_decode import StaticDecoder
+    from rdepth.run.device import device_name, resolve_device
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    if args.graphs and device.type != "cuda":
+        print("--graphs needs a CUDA device", file=sys.stderr)
+        return 2
+    if args.checkpoint:
+        from rdepth.run.checkpoint import load_model
+
+        model, config = load_model(args.checkpoint, device)
+    else:
+        config = get_preset(args.preset)
+        torch.manual_seed(args.seed)
+        model = RecurrentLM(config).to(device)
+    model = model.to(dtype).eval()
+    if not model.n_groups:
+        print("the model has no recurrence group: nothing exits", file=sys.stderr)
+        return 2
+    k_max = parse_loop_counts(args.k_max, model.n_groups)
+    length = args.prompt + args.tokens + 1
+    if length > config.block_size:
+        print(f"--prompt + --tokens + 1 must fit the block size {config.block_size}", file=sys.stderr)
+        return 2
+
+    def prompts(batch: int) -> torch.Tensor:
+        if args.data:
+            from rdepth.run.heldout import held_out_tokens, held_out_windows
+
+            tokens, _ = held_out_tokens(args.data, args.checkpoint, config)
+            windows = held_out_windows(tokens, args.prompt, batch)[:, : args.prompt]
+            if windows.shape[0] < batch:
+                raise SystemExit(f"{args.data} holds only {windows.shape[0]} prompts of {args.prompt} tokens")
+            return windows.to(device)
+        generator = torch.Generator().manual_seed(args.seed + batch)
+        return torch.randint(0, config.vocab_size, (batch, args.prompt), generator=generator).to(device)
+
+    def factory(tau: float):
+        return lambda: PolicyController.from_name(args.policy, tau=tau, k_max=list(k_max), decode=model.readout)
+
+    def decoder(batch: int, noise, **options):
+        return StaticDecoder(model, batch, k_max, noise=noise, capacity=length, **options)
+
+    def exits(batch: int, noise, tau: float, compact: bool):
+        return decoder(batch, noise, controller_factory=factory(tau), check_every=args.check_every, compact=compact)
+
+    def stream_of(batch: int, noise) -> torch.Tensor:
+        """The prompts and the full budget's greedy continuation, [B, prompt + tokens + 1]."""
+        return decoder(batch, noise, loop_counts=k_max).greedy(prompts(batch), args.tokens + 1)
+
+    def agreement(chosen: torch.Tensor, reference: torch.Tensor) -> float:
+        return float((chosen == reference).float().mean())
+
+    def measured(chosen: torch.Tensor, steps: torch.Tensor, reference: torch.Tensor) -> dict:
+        """Agreement with the full budget, the mean loop steps per group, and the mean over tokens of
+        the most steps any row computed (the steps a batch's loop runs; steps ``[G, B, N]``)."""
+        return {"agreement": agreement(chosen, reference), "mean_steps": steps.float().mean(dim=(1, 2)).tolist(),
+                "slowest_row_steps": steps.max(dim=1).values.float().mean(dim=1).tolist()}
+
+    # Choose the threshold on the first batch size's prompts.
+    tau_trials = []
+    first = args.batches[0]
+    noise = StateNoise(args.seed, range(first))
+    stream = stream_of(first, noise)
+    reference = stream[:, args.prompt + 1:]
+    for tau in args.taus:
+        trial = Setting("trial", exits(first, noise, tau, compact=True), stream, args.prompt, False)
+        trial.prefill()
+        chosen, steps = trial.decode(record=True)
+        tau_trials.append({"tau": tau, "agreement": agreement(chosen, reference),
+                           "mean_steps": steps.float().mean(dim=(1, 2)).tolist()})
+    good = [trial for trial in tau_trials if trial["agreement"] >= args.agreement] or \
+        [max(tau_trials, key=lambda trial: trial["agreement"])]
+    tau = min(good, key=lambda trial: sum(trial["mean_steps"]))["tau"]
+
+    results = []
+    for batch in args.batches:
+        noise = StateNoise(args.seed, range(batch))
+        stream = stream_of(batch, noise)
+        reference = stream[:, args.prompt + 1:]
+        settings = {
+            "a_full": Setting("a_full", decoder(batch, noise, loop_counts=k_max), stream, args.prompt, args.graphs),
+            "b_predicated": Setting("b_predicated", exits(batch, noise, tau, False), stream, args.prompt, args.graphs),
+            "c_compacted": Setting("c_compacted", exits(batch, noise, tau, True), stream, args.prompt, args.graphs),
+        }
+        quality = {}
+        for name, setting in settings.items():
+            setting.prefill()
+            chosen, steps = setting.decode(record=True)
+            quality[name] = measured(chosen, steps, reference)
+        matched = tuple(min(max(round(mean), 1), cap) for mean, cap in
+                        zip(quality["b_predicated"]["mean_steps"], k_max))
+        settings["d_matched"] = Setting("d_matched", decoder(batch, noise, loop_counts=matched), stream, args.prompt,
+                                        args.graphs)
+        settings["d_matched"].prefill()
+        chosen, steps = settings["d_matched"].decode(record=True)
+        quality["d_matched"] = measured(chosen, steps, reference)
+        for n in range(1, max(k_max) + 1):  # untimed: the smallest uniform budget as good as the exits
+            same = tuple(min(n, cap) for cap in k_max)
+            trial = Setting("e_same_quality", decoder(batch, noise, loop_counts=same), stream, args.prompt,
+                            args.graphs)
+            trial.prefill()
+            chosen, steps = trial.decode(record=True)
+            if measured(chosen, steps, reference)["agreement"] >= quality["b_predicated"]["agreement"] or \
+                    same == tuple(k_max):
+                settings["e_same_quality"] = trial
+                quality["e_same_quality"] = measured(chosen, steps, reference)
+                break
+        times: dict[str, list[float]] = {name: [] for name in settings}
+        decoded = stream.shape[1] - 1 - args.prompt
+        for round_number in range(args.warmup + args.repeats):
+            for name, setting in settings.items():  # interleaved: drift hits every setting alike
+                setting.prefill()
+                elapsed = timed_ms(setting.decode, device)
+                if round_number >= args.warmup:
+                    times[name].append(elapsed / decoded)
+        row = {"batch": batch, "matched_budget": list(matched), "same_quality_budget": list(same), "settings": {}}
+        for name in settings:
+            stats = summary(times[name])
+            stats["tokens_per_s"] = batch * 1000 / stats["ms_per_token"]
+            row["settings"][name] = {**stats, **quality[name]}
+        full, match, same_quality = (row["settings"][name]["ms_per_token"]
+                                     for name in ("a_full", "d_matched", "e_same_quality"))
+        for stats in row["settings"].values():
+            stats["speedup_vs_full"] = full / stats["ms_per_token"]
+            stats["speedup_vs_matched"] = match / stats["ms_per_token"]
+            stats["speedup_vs_same_quality"] = same_quality / stats["ms_per_token"]
+        results.append(row)
+        print_batch(row)
+
+    info = environment_info()
+    report = {"environment": {**info, "device": device_name(device)},
+              "settings": {"checkpoint": args.checkpoint, "data": args.data,
+                           "preset": None if args.checkpoint else args.preset, "k_max": list(k_max),
+                           "policy": args.policy, "tau": tau, "tau_trials": tau_trials,
+                           "agreement_target": args.agreement, "check_every": args.check_every,
+                           "prompt": args.prompt, "tokens": args.tokens, "warmup": args.warmup,
+                           "repeats": args.repeats, "dtype": args.dtype, "graphs": args.graphs,
+                           "threads": torch.get_num_threads()},
+              "results": results}
+    env = report["environment"]
+    print(f"device: {env['device']}  torch {env['torch']}  git {env.get('git', '?')}  dtype {args.dtype}  "
+          f"threads {torch.get_num_threads()}")
+    print(f"policy {args.policy} tau {tau:g} (trials: " + ", ".join(
+        f"{t['tau']:g}: agreement {t['agreement']:.3f}, steps {sum(t['mean_steps']):.2f}" for t in tau_trials) + ")")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def print_batch(row: dict) -> None:
+    print(f"batch {row['batch']} (matched budget {row['matched_budget']}, same-quality budget "
+          f"{row['same_quality_budget']}): median [IQR] ms per decoded token-step")
+    for name, stats in row["settings"].items():
+        low, high = stats["iqr"]
+        steps = "|".join(f"{s:.2f}" for s in stats["mean_steps"])
+        slowest = "|".join(f"{s:.2f}" for s in stats["slowest_row_steps"])
+        print(f"  {name:<13} {stats['ms_per_token']:9.3f} [{low:.3f}-{high:.3f}]  {stats['tokens_per_s']:9.1f} tok/s  "
+              f"x{stats['speedup_vs_full']:.2f} of (a)  x{stats['speedup_vs_matched']:.2f} of (d)  "
+              f"x{stats['speedup_vs_same_quality']:.2f} of (e)  "
+              f"steps {steps} (slowest row {slowest})  agreement {stats['agreement']:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
