@@ -1,0 +1,52 @@
+"""Does a model leave the unigram plateau on this data? Train the `tiny` preset briefly and compare.
+
+    python scripts/unigram_plateau.py --data DATA [--data OTHER ...] [--steps 200] [--out /tmp/plateau]
+
+For each prepared text folder (the model takes the folder's tokenizer and vocabulary; --out must
+not hold earlier runs), trains the `tiny` preset with the text
+demo's settings (batch 16 x 128, lr 3e-3, warmup 33, weight decay 0.1, a 500-step schedule)
+for --steps steps, one thread, and prints the training loss every 20 steps beside the data's
+unigram entropy (from the folder's unigram.npy). The text demo's Wikipedia data falls a nat
+under its unigram entropy by step 200; issue 13's medium corpus stays on it (docs/results.md,
+"On an H100"). Same code, same settings: the data decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", action="append", required=True, help="prepared text folder (repeatable)")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out", default="/tmp/plateau")
+    args = parser.parse_args(argv)
+
+    import numpy as np
+
+    from rdepth.config import get_preset
+    from rdepth.data.shards import TokenShards
+    from rdepth.train.config import TrainConfig
+    from rdepth.train.trainer import train
+
+    for index, data in enumerate(args.data):
+        shards = TokenShards.open(data)
+        log_p = np.load(Path(data) / "unigram.npy")
+        entropy = float(-(np.exp(log_p) * log_p).sum())
+        model = get_preset("tiny", vocab_size=shards.tokenizer.vocab_size, tokenizer=shards.tokenizer.name)
+        out = Path(args.out) / f"run{index}"
+        config = TrainConfig(data=data, out=str(out), max_steps=500, stop_at=args.steps, batch_size=16, lr=3e-3,
+                             warmup_steps=33, weight_decay=0.1, eval_every=10**6, checkpoint_every=10**6,
+                             log_every=20, seed=0, threads=1, eval_batches=1)
+        train(model, config)
+        losses = [(r["step"], r["loss"]) for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r]
+        print(f"{data}: unigram entropy {entropy:.3f} nats; loss " +
+              ", ".join(f"{step}: {loss:.2f}" for step, loss in losses))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
