@@ -113,6 +113,25 @@ FLAT = [100.0, 100.1, 100.2, 100.3]
 CLIFF = [100.0, 100.2, 102.0, 130.0]
 
 
+def test_a_model_that_did_not_learn_answers_no_claim():
+    """At or above its unigram baseline the model's loops say nothing: every claim is "not tested",
+    with what was measured kept aside."""
+    summary = _geometry([_group("4", FAST, 0.55), _group("5-6", FAST, 0.6), _group("7", FAST, 0.5)],
+                        {"4->5-6": (25.0, 40.0), "5-6->7": (12.0, 30.0)})
+    rows = [{"loops": [1, 1, 1], "ppl": 3662.0}, {"loops": [6, 6, 6], "ppl": 3662.0}]
+    stuck = {"loop_budgets": rows, "unigram": {"ppl": 3175.0}, "train_loops": 6}
+    reason = C.unlearned_reason(stuck)
+    assert "did not learn past unigram statistics" in reason and "3662.0 at 6 loops" in reason
+    sweep = _sweep({"acceleration": FLAT, "kl": FLAT, "step_norm": CLIFF},
+                   {"acceleration": 1.0, "kl": 2.0, "step_norm": 1.0})
+    claims = C.judge_all(summary, sweep, stuck)
+    assert [c["verdict"] for c in claims] == [C.UNTESTED] * 4
+    assert claims[0]["ours"]["measured_anyway"].startswith("step size at 1/10")
+    learned = {**stuck, "loop_budgets": [{"loops": [1, 1, 1], "ppl": 4000.0}, {"loops": [6, 6, 6], "ppl": 900.0}]}
+    assert C.unlearned_reason(learned) is None and C.unlearned_reason(None) is None
+    assert C.judge_all(summary, sweep, learned)[0]["verdict"] == C.REPRODUCED
+
+
 def test_exit_claim_reproduced():
     claim = C.claim_exits(_sweep({"acceleration": FLAT, "kl": FLAT, "step_norm": CLIFF},
                                  {"acceleration": 1.0, "kl": 2.0, "step_norm": 0.8}))

@@ -270,9 +270,36 @@ def claim_exits(sweep: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def judge_all(geometry: dict[str, Any], sweep: dict[str, Any]) -> list[dict[str, Any]]:
-    """The four claims in the paper's order."""
-    return [claim_step_decay(geometry), claim_cosine(geometry), claim_dlr(geometry), claim_exits(sweep)]
+def unlearned_reason(quality: dict[str, Any] | None) -> str | None:
+    """Why the trained model's loops say nothing about the paper, or None: its validation perplexity at
+    the training budget is not below the unigram baseline on the same tokens (``quality``: the
+    ``loop_budgets`` rows, ``unigram`` and ``train_loops`` that ``rdepth reproduce`` measures)."""
+    if not quality or not quality.get("unigram") or not quality.get("loop_budgets"):
+        return None
+    rows = quality["loop_budgets"]
+    trained = next((row for row in rows if max(row["loops"]) == quality.get("train_loops")), rows[-1])
+    unigram = quality["unigram"]["ppl"]
+    if trained["ppl"] < unigram:
+        return None
+    return (f"the model did not learn past unigram statistics (validation perplexity {trained['ppl']:.1f} at "
+            f"{max(trained['loops'])} loops against the unigram baseline's {unigram:.1f} on the same tokens), "
+            "so its loops say nothing about the paper")
+
+
+def judge_all(geometry: dict[str, Any], sweep: dict[str, Any],
+              quality: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The four claims in the paper's order; every one "not tested" when the model did not learn
+    (:func:`unlearned_reason`)."""
+    claims = [claim_step_decay(geometry), claim_cosine(geometry), claim_dlr(geometry), claim_exits(sweep)]
+    reason = unlearned_reason(quality)
+    if reason is not None:
+        for claim in claims:
+            measured = claim["ours"].get("value")
+            _untested(claim, reason)
+            if measured:
+                claim["ours"].update(value=f"{measured} (not judged: the model did not learn)",
+                                     measured_anyway=measured)
+    return claims
 
 
 def _claim(claim_id: str, text: str, paper: dict[str, str], criteria: str) -> dict[str, Any]:
