@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", action="append", required=True, help="prepared text folder (repeatable)")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (the text demo's: 3e-3)")
+    parser.add_argument("--groups", default=None, help="recurrence groups (default: the tiny preset's; '' for none)")
     parser.add_argument("--out", default="/tmp/plateau")
     args = parser.parse_args(argv)
 
@@ -36,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         shards = TokenShards.open(data)
         log_p = np.load(Path(data) / "unigram.npy")
         entropy = float(-(np.exp(log_p) * log_p).sum())
-        model = get_preset("tiny", vocab_size=shards.tokenizer.vocab_size, tokenizer=shards.tokenizer.name)
+        fields = {} if args.groups is None else {"groups": args.groups}
+        model = get_preset("tiny", vocab_size=shards.tokenizer.vocab_size, tokenizer=shards.tokenizer.name, **fields)
         out = Path(args.out) / f"run{index}"
-        config = TrainConfig(data=data, out=str(out), max_steps=500, stop_at=args.steps, batch_size=16, lr=3e-3,
+        config = TrainConfig(data=data, out=str(out), max_steps=500, stop_at=args.steps, batch_size=16, lr=args.lr,
                              warmup_steps=33, weight_decay=0.1, eval_every=10**6, checkpoint_every=10**6,
                              log_every=20, seed=0, threads=1, eval_batches=1)
         train(model, config)
