@@ -21,6 +21,18 @@ import time
 from pathlib import Path
 
 
+def iqr(values: list[float]) -> list[float]:
+    """The interquartile range ``[q1, q3]`` of timed rates."""
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
+
+
+def git_revision() -> str:
+    """The short git revision of the checkout this script is in ('' without git)."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
@@ -76,12 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 call()
                 rates.append(args.new_tokens / (time.perf_counter() - start))
 
-    def iqr(values):
-        q = statistics.quantiles(values, n=4)
-        return [q[0], q[2]]
-
-    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
+    revision = git_revision()
     result = {
         "device": device_name(run.device), "torch": torch.__version__, "revision": revision,
         "checkpoint": str(run.checkpoint), "verify_loops": list(verify), "draft_loops": list(draft),

@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from speculative import git_revision, iqr  # the sibling benchmark's helpers (bench/ is on the path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,12 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 call()
                 rates.append(n_free / (time.perf_counter() - start))
 
-    def iqr(values):
-        q = statistics.quantiles(values, n=4)
-        return [q[0], q[2]]
-
-    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
+    revision = git_revision()
     result = {
         "device": device_name(device), "torch": torch.__version__, "revision": revision,
         "checkpoint": str(args.checkpoint), "difficulty": difficulty, "verify_loops": list(verify),
