@@ -105,7 +105,11 @@ def write_claims_page(report_dir: str | Path, doc: dict[str, Any]) -> Path:
     if quality:
         facts.append(("quality", quality))
     section.facts(facts)
-    section.table(table_rows(doc), caption="Each claim, the paper's figure and numbers, ours, and the verdict")
+    # the reasons are sentences: under the table, where they wrap, not as a column that widens it past the page
+    rows = [{key: value for key, value in row.items() if key != "why"} for row in table_rows(doc)]
+    section.table(rows, caption="Each claim, the paper's figure and numbers, ours, and the verdict")
+    section.bullets([f"Claim {row['#']} ({row['verdict']}): {row['why']}" for row in table_rows(doc) if row["why"]],
+                    caption="Why each verdict")
     figures = [(claim["figure"], f"Claim {index} ({claim['paper']['figure']}): {claim['verdict']}")
                for index, claim in enumerate(doc["claims"], 1) if claim.get("figure")]
     if figures:
