@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.exits.config import SweepConfig
     from rdepth.exits.stats import format_ratio
     from rdepth.exits.sweep import sweep_checkpoint
-
+    from rdepth.exits.summary import setting_value
     from rdepth.tasks.eval_checkpoint import is_task_data
 
     config = build(SweepConfig, {}, args)
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         if speed in row:
             ratio = {"ratio": row[speed], "range": row[f"{speed}_range"], "noise": row[f"{speed}_noise"]}
             timing = f", {format_ratio(ratio)} the full budget's speed"
-        print(f"{row['policy']:>20}: value {row['value']:g}, ppl {row['ppl']:.4f} "
+        print(f"{row['policy']:>20}: value {setting_value(row)}, ppl {row['ppl']:.4f} "
               f"({_percent(row['ppl_vs_full'])}), steps saved {100 * row['steps_saved']:.1f}%{timing}")
     full = next((r for r in summary["packed_over_dense"] if r["budget"] == result["reference"]["budget"]), None)
     if full and "b1" in full:

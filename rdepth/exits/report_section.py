@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rdepth.exits.plots import group_names, save_sweep_figures
 from rdepth.exits.stats import format_ratio
-from rdepth.exits.summary import TIMING_LABELS, summary_of
+from rdepth.exits.summary import TIMING_LABELS, setting_value, summary_of
 from rdepth.report.html import Section, add_section, format_percent, format_value
 
 SECTION_NAME = "early_exit"
@@ -27,7 +27,8 @@ def _matched_row(row: dict, ranking: str, tolerance: float, groups: str) -> dict
     if row["value"] is None:
         return {"policy": row["policy"], "setting": f"none within {100 * tolerance:g}%"}
     cells = {
-        "policy": row["policy"], "setting": row["value"], "ppl vs full (%)": format_percent(row["ppl_vs_full"]),
+        "policy": row["policy"], "setting": setting_value(row) if "values" in row else row["value"],
+        "ppl vs full (%)": format_percent(row["ppl_vs_full"]),
         "loop steps per token (all groups)": _round(row["steps"], 2),
         "steps saved (%)": format_percent(row["steps_saved"], 1, signed=False),
     }
@@ -124,7 +125,8 @@ def write_report_section(result: dict, run_dir: str | os.PathLike, figures: dict
     rows = []
     for point in result["points"]:
         rows.append({
-            "policy": point["policy"], "setting": f"{point['parameter']}={format_value(point['value'])}",
+            "policy": point["policy"],
+            "setting": f"{point['parameter']}=" + (setting_value(point) if "values" in point else format_value(point["value"])),
             f"mean loop steps (groups {groups})": [round(m, 2) for m in point["mean_steps"]],
             "teacher-forced ms/token b1": _round(point.get("ms_per_token_b1")),
             "teacher-forced ms/token batched": _round(point.get("ms_per_token_batched")),

@@ -212,10 +212,14 @@ def packed_over_dense(result: dict, noise_threshold: float = NOISE_THRESHOLD) ->
     return rows
 
 
+def setting_value(row: dict) -> str:
+    """A row's parameter value as shown: one value, or one per group for a calibrated profile."""
+    values = row.get("values")
+    return ",".join(f"{v:g}" for v in values) if values else f"{row['value']:g}"
+
+
 def _setting(row: dict) -> str:
-    values = row.get("values")  # a calibrated profile: one value per group
-    shown = ",".join(f"{v:g}" for v in values) if values else f"{row['value']:g}"
-    return f"{row['policy']} ({row.get('parameter', 'tau')}={shown})"
+    return f"{row['policy']} ({row.get('parameter', 'tau')}={setting_value(row)})"
 
 
 def noise_warnings(result: dict, matched: dict, rankings: Sequence[str], noise_threshold: float) -> list[str]:
