@@ -16,10 +16,15 @@ interquartile range, and every setting's ratio to (a) measured in the same run:
                      time (from the budget-1 run, (f)), the issue's "< 3% of a loop step"
   (f) budget 1:      the static path at 1 loop per group (to get one loop step's time)
 
+--compile adds (b)-(f) again with ``StaticDecoder(compile=True)`` (Inductor-compiled loop steps, single-pass
+layers and exit check; the CUDA graphs stay the decoder's own), as rows ``*_inductor`` of the same run,
+with their own exit-check share. Compilation happens before a setting's rounds, untimed.
+
 --profile counts, for one token, host syncs and kernel launches (CUDA: launches and synchronising
 runtime calls; CPU: leaf aten ops and single-value reads, which would be launches and syncs on a
-GPU) of (a) and (b). Prints the device, torch version and git revision, and writes them with the
-numbers to --json.
+GPU) of (a) and (b) (and of (b) compiled, with --compile; on the CPU Inductor's fused C++ kernels are
+no aten ops: only the calls it leaves to aten, matmuls and attention, are counted there). Prints the
+device, torch version and git revision, and writes them with the numbers to --json.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     parser.add_argument("--skip", default="", help="settings to leave out, e.g. 'e,f' (a is always run)")
     parser.add_argument("--profile", action="store_true", help="count syncs and launches per token of (a) and (b)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time (b)-(f) with StaticDecoder(compile=True) (Inductor), rows *_inductor")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.prompt < 1 or args.tokens < 1 or args.repeats < 1 or args.warmup < 0 or args.batch < 1:
@@ -120,7 +127,8 @@ def count_per_token(call, device) -> dict:
     work = [event for event in events if _is_work(event.name)
             and not any(_is_work(child.name) for child in _descendants(event))]
     reads = names.count("aten::_local_scalar_dense") + names.count("aten::nonzero")
-    return {"aten_ops": len(work), "value_reads": reads,
+    compiled = sum(1 for name in names if name.startswith("Torch-Compiled Region"))
+    return {"aten_ops": len(work), "value_reads": reads, "compiled_region_calls": compiled,
             "note": "CPU: lowest-level aten ops that are not views or allocations (~ kernel launches on a GPU); "
                     "value reads (.item(), bool(), nonzero) are host syncs on a GPU"}
 
@@ -191,34 +199,40 @@ def main(argv: list[str] | None = None) -> int:
     def static_rounds(decoder: StaticDecoder, graph: bool) -> dict:
         decoder.prefill(prompt)
         if graph:
-            decoder.capture()
+            decoder.capture()  # compiles first, when compiled
+        elif decoder.compiled:
+            decoder._advance(steps[0])  # compiles, untimed
         return summary(time_rounds(lambda: decoder.prefill(prompt), lambda: [decoder._advance(t) for t in steps],
                                    args, device))
 
-    def static(budget=loops, factory=None, on=model):
+    def static(budget=loops, factory=None, on=model, compiled=False):
         options = {"controller_factory": factory} if factory else {"loop_counts": budget}
-        return StaticDecoder(on, batch, max(budget) if budget else (), noise=noise, **options)
+        return StaticDecoder(on, batch, max(budget) if budget else (), noise=noise, compile=compiled, **options)
 
     graphs = device.type == "cuda"
-    if "b" not in skip:
-        results["b_static_eager"] = static_rounds(static(), graph=False)
-    if graphs and "c" not in skip:
-        results["c_static_graph"] = static_rounds(static(), graph=True)
-    if "d" not in skip:
-        plain = RecurrentLM(get_preset(args.preset, groups="")).to(device=device, dtype=dtype).eval()
-        results["d_plain_static"] = static_rounds(static((), on=plain), graph=graphs)
-        results["d_plain_static"]["path"] = "graph" if graphs else "eager"
-        del plain
-    if "e" not in skip and "f" not in skip and loops:
-        never = lambda: PolicyController.from_name("step_norm", tau=1e-30, k_max=list(loops))  # noqa: E731
-        results["e_exit_check"] = static_rounds(static(factory=never), graph=graphs)
-        results["f_budget_1"] = static_rounds(static((1,) * len(loops)), graph=graphs)
-        fixed = results.get("c_static_graph" if graphs else "b_static_eager", {}).get("ms_per_token")
-        if fixed is not None:
-            step_ms = (fixed - results["f_budget_1"]["ms_per_token"]) / max(sum(loops) - len(loops), 1)
-            check_ms = (results["e_exit_check"]["ms_per_token"] - fixed) / sum(loops)
-            results["exit_check_per_step"] = {"loop_step_ms": step_ms, "check_ms": check_ms,
-                                              "check_over_step": check_ms / step_ms if step_ms > 0 else None}
+    plain = RecurrentLM(get_preset(args.preset, groups="")).to(device=device, dtype=dtype).eval() \
+        if "d" not in skip else None
+    for suffix, compiled in [("", False)] + ([("_inductor", True)] if args.compile else []):
+        if "b" not in skip:
+            results["b_static_eager" + suffix] = static_rounds(static(compiled=compiled), graph=False)
+        if graphs and "c" not in skip:
+            results["c_static_graph" + suffix] = static_rounds(static(compiled=compiled), graph=True)
+        if plain is not None:
+            results["d_plain_static" + suffix] = static_rounds(static((), on=plain, compiled=compiled), graph=graphs)
+            results["d_plain_static" + suffix]["path"] = "graph" if graphs else "eager"
+        if "e" not in skip and "f" not in skip and loops:
+            never = lambda: PolicyController.from_name("step_norm", tau=1e-30, k_max=list(loops))  # noqa: E731
+            results["e_exit_check" + suffix] = static_rounds(static(factory=never, compiled=compiled), graph=graphs)
+            results["f_budget_1" + suffix] = static_rounds(static((1,) * len(loops), compiled=compiled),
+                                                           graph=graphs)
+            fixed = results.get(("c_static_graph" if graphs else "b_static_eager") + suffix, {}).get("ms_per_token")
+            if fixed is not None:
+                step_ms = (fixed - results["f_budget_1" + suffix]["ms_per_token"]) / max(sum(loops) - len(loops), 1)
+                check_ms = (results["e_exit_check" + suffix]["ms_per_token"] - fixed) / sum(loops)
+                results["exit_check_per_step" + suffix] = {
+                    "loop_step_ms": step_ms, "check_ms": check_ms,
+                    "check_over_step": check_ms / step_ms if step_ms > 0 else None}
+    del plain
     reference = results["a_packed"]["ms_per_token"]
     for key, value in results.items():
         if "ms_per_token" in value:
@@ -234,12 +248,19 @@ def main(argv: list[str] | None = None) -> int:
                     lambda: model(steps[0], loop_counts=loops, cache=state["cache"], generator=noise), device),
                 "b_static_eager": count_per_token(lambda: decoder._advance(steps[0]), device),
             }
+        if args.compile:
+            decoder = static(compiled=True)
+            decoder.prefill(prompt)
+            decoder._advance(steps[0])  # compiles
+            decoder.prefill(prompt)
+            results["profile_per_token"]["b_static_eager_inductor"] = count_per_token(
+                lambda: decoder._advance(steps[0]), device)
 
     info = environment_info()
     report = {"environment": {**info, "device": device_name(device)},
               "settings": {"preset": args.preset, "loops": list(loops), "batch": batch, "prompt": args.prompt,
                            "tokens": args.tokens, "warmup": args.warmup, "repeats": args.repeats,
-                           "dtype": args.dtype, "threads": torch.get_num_threads()},
+                           "dtype": args.dtype, "threads": torch.get_num_threads(), "compile": args.compile},
               "results": results}
     env = report["environment"]
     print(f"device: {env['device']}  torch {env['torch']}  git {env.get('git', '?')}  dtype {args.dtype}")
@@ -248,13 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in results.items():
         if "ms_per_token" in value:
             low, high = value["iqr"]
-            print(f"  {key:<18} {value['ms_per_token']:10.3f} [{low:.3f}-{high:.3f}]  x{value['ratio_vs_packed']:.3f} "
+            print(f"  {key:<27} {value['ms_per_token']:10.3f} [{low:.3f}-{high:.3f}]  x{value['ratio_vs_packed']:.3f} "
                   f"of (a)")
-    if "exit_check_per_step" in results:
-        check = results["exit_check_per_step"]
+    for suffix in ("", "_inductor"):
+        check = results.get("exit_check_per_step" + suffix)
+        if check is None:
+            continue
         share = check["check_over_step"]
-        print(f"  exit check per loop step: {check['check_ms']:.4f} ms against a loop step of "
-              f"{check['loop_step_ms']:.4f} ms ({'-' if share is None else f'{100 * share:.1f}%'})")
+        print(f"  exit check per loop step{suffix and ' (inductor)'}: {check['check_ms']:.4f} ms against a loop "
+              f"step of {check['loop_step_ms']:.4f} ms ({'-' if share is None else f'{100 * share:.1f}%'})")
     for key, counts in results.get("profile_per_token", {}).items():
         print(f"  per token, {key}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "note"))
     if args.json:

@@ -12,11 +12,13 @@ Sections, in order, each timed after warm-up, synchronised, repeated, kept as me
            clipping, truncated backprop) on the ``paper`` preset with the loop counts drawn as in
            training, then on a plain GPT of the same width and the mean unrolled depth: tokens/s,
            model FLOPs (:func:`train_flops_per_row`), MFU, per-layer-application throughput ratio
-  decode   batch 1 at the full budget: the packed path (``generate``'s), the static path eager and as
-           CUDA graphs; the plain 12-layer model on the static path (ms/token)
+  decode   batch 1 at the full budget: the packed path (``generate``'s), the static path eager, as CUDA
+           graphs, and with Inductor-compiled pieces captured as CUDA graphs (``compile=True``; eager on
+           a CPU); the plain 12-layer model on the same three static paths (ms/token)
   exits    batch 1: the per-step cost of an exit check (a rule that never fires against the fixed
-           budget; without and with the per-chunk host check), and a rule calibrated to about half the
-           steps against the full budget and a fixed budget of the same mean steps
+           budget; without and with the per-chunk host check), on eager and on Inductor-compiled
+           pieces (each against its own loop step), and a rule calibrated to about half the steps
+           against the full budget and a fixed budget of the same mean steps
   batched  batch 8, 32, 128 (as time allows): tokens/s with exits, at the full budget and at a fixed
            budget of the same mean steps, with the greedy-token agreement against the full budget
 
@@ -29,8 +31,9 @@ table is printed at the end.
 Training data: the ``paper`` preset's GPT-2 vocabulary needs tokenizer files that an offline GPU
 machine does not hold, and the vocabulary size is part of what is timed (the head is ~8% of the
 FLOPs). So the trainer's step runs on random token ids of the preset's vocabulary through the
-trainer's own ``BatchSampler``; the trainer object is assembled without a data folder
-(:func:`bench_trainer`), and only ``train_step`` is driven: the step users run.
+trainer's own ``BatchSampler``; the trainer is built without a data folder
+(``Trainer.on_random_tokens``, :func:`bench_trainer`), and only ``train_step`` is driven: the step
+users run.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ TARGET_DEVICES = ("H100", "H200")  # the absolute targets (ms/token, MFU) are se
 
 SECTIONS = ("ceiling", "train", "decode", "exits", "batched")
 # Share of the remaining budget each section may use (of the sections still to run).
-SHARES = {"ceiling": 0.03, "train": 0.42, "decode": 0.18, "exits": 0.15, "batched": 0.22}
+SHARES = {"ceiling": 0.03, "train": 0.38, "decode": 0.21, "exits": 0.16, "batched": 0.22}
 CUDA_ONLY = "cuda only"
 
 
@@ -303,41 +306,17 @@ def ceiling_section(args, device, deadline, context) -> dict:
 
 # ----------------------------------------------------------------------------- train
 def bench_trainer(model_config, batch: int, device, compile_layers: bool, seed: int = 0):
-    """A :class:`rdepth.train.trainer.Trainer` holding what ``train_step`` reads, without a data folder.
-
-    As ``Trainer._build`` does: seeded weights, the trainer's AdamW (fused on CUDA), bf16 autocast on
-    CUDA, ``BatchSampler`` windows (here over random ids of the model's vocabulary), each layer
-    compiled. No run folder, validation or checkpoints: only the step is timed.
+    """A :class:`rdepth.train.trainer.Trainer` on random token ids of the model's vocabulary, without a data
+    folder (:meth:`~rdepth.train.trainer.Trainer.on_random_tokens`): seeded weights, the trainer's AdamW
+    (fused on CUDA), bf16 autocast on CUDA, ``BatchSampler`` windows, each layer compiled when asked. No
+    run folder, validation or checkpoints: only the step is timed.
     """
-    import numpy as np
-    import torch
-
-    from rdepth.data.loader import BatchSampler
-    from rdepth.data.shards import token_dtype
-    from rdepth.model import RecurrentLM
     from rdepth.train.config import TrainConfig
-    from rdepth.train.distributed import DistInfo
-    from rdepth.train.trainer import Trainer, make_optimizer
+    from rdepth.train.trainer import Trainer
 
     config = TrainConfig(data="(random ids)", out="(none)", batch_size=batch, device=str(device),
                          compile=compile_layers, seed=seed, max_steps=10**6)
-    trainer = Trainer.__new__(Trainer)
-    trainer.config, trainer.device, trainer.dist, trainer.ddp = config, device, DistInfo(), None
-    trainer.model_config = model_config
-    torch.manual_seed(seed)
-    trainer.model = RecurrentLM(model_config)
-    trainer.optimizer = make_optimizer(trainer.model, config, device)
-    trainer.nonfinite = torch.zeros((), dtype=torch.bool)
-    trainer.model.to(device)
-    trainer.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
-    windows = 4 * batch * (model_config.block_size + 1)
-    ids = np.random.default_rng(seed).integers(0, model_config.vocab_size, size=windows)
-    trainer.sampler = BatchSampler(ids.astype(token_dtype(model_config.vocab_size)), batch,
-                                   model_config.block_size, seed)
-    if compile_layers:
-        for layer in trainer.model.layers:
-            layer.compile()
-    return trainer
+    return Trainer.on_random_tokens(model_config, config)
 
 
 def time_training(model_config, args, device, deadline, compile_layers: bool) -> dict:
@@ -478,16 +457,25 @@ def _rounds_args(args, repeats=None, warmup=None, tokens=None):
 
 
 def _static_timing(decoder, prompt, steps, rounds, device, deadline, graph: bool) -> dict:
-    """ms/token of ``decoder`` over the teacher-forced ``steps`` after ``prompt`` (eager or graphs)."""
+    """ms/token of ``decoder`` over the teacher-forced ``steps`` after ``prompt`` (eager or graphs). A
+    compiled decoder compiles first, untimed (in the capture's warm-up, or on one eager token);
+    ``compile_s`` records how long that took."""
     from decode_speed import summary, time_rounds
 
+    compiled = getattr(decoder, "compiled", False)
+    started = time.perf_counter()
     decoder.prefill(prompt)
     if graph:
         decoder.capture()
+    elif compiled:
+        decoder._advance(steps[0])
+    compile_s = time.perf_counter() - started
     times = time_rounds(lambda: decoder.prefill(prompt), lambda: [decoder._advance(t) for t in steps],
                         rounds, device, deadline)
     result = summary(times)
-    result["path"] = "graph" if graph else "eager"
+    result["path"] = ("inductor+" if compiled else "") + ("graph" if graph else "eager")
+    if compiled:
+        result["compile_s"] = compile_s
     return result
 
 
@@ -539,15 +527,26 @@ def decode_model(args, device, dtype):
 
 
 def _decoder(model, batch, budget, args, noise, *, loop_counts=None, factory=None, check_every=None,
-             compact=False):
+             compact=False, compile=False):
     from rdepth.model.static_decode import StaticDecoder
 
     options = {"controller_factory": factory, "check_every": check_every} if factory else \
         {"loop_counts": loop_counts or budget}
     if compact:
         options["compact"] = True
+    if compile:
+        options["compile"] = True
     return StaticDecoder(model, batch, max(budget) if budget else (), noise=noise,
                          capacity=args.capacity, **options)
+
+
+def decoder_compiles() -> bool:
+    """Whether this tree's ``StaticDecoder`` can run its pieces Inductor-compiled (``compile=True``)."""
+    import inspect
+
+    from rdepth.model.static_decode import StaticDecoder
+
+    return "compile" in inspect.signature(StaticDecoder).parameters
 
 
 def decoder_compacts() -> bool:
@@ -602,25 +601,45 @@ def decode_section(args, device, deadline, context) -> dict:
             model(token, loop_counts=budget, cache=state["cache"], generator=noise)
 
     rounds = _rounds_args(args, repeats=max(1, min(args.repeats, 3)), warmup=min(args.warmup, 1))
-    out["packed"] = summary(time_rounds(packed_setup, packed_decode, rounds, device, share(0.3)))
+    out["packed"] = summary(time_rounds(packed_setup, packed_decode, rounds, device, share(0.25)))
     out["packed"]["path"] = "packed (generate's path, eager)"
     state.clear()
-    out["static_eager"] = _static_timing(_decoder(model, 1, budget, args, noise), prompt, steps,
-                                         _rounds_args(args), device, share(0.3), graph=False)
-    out["static_graph"] = _static_timing(_decoder(model, 1, budget, args, noise), prompt, steps,
-                                         _rounds_args(args), device, share(0.3), graph=True) \
-        if graphs else {"status": CUDA_ONLY}
+
+    def static_rows(on, budget_of, noise_of, prefix, fractions) -> None:
+        """The static path on model ``on``: eager, CUDA graph, and Inductor-compiled (graph on CUDA, eager
+        on the CPU); each row its own decoder, each ``fractions`` of what the section has left."""
+        out[f"{prefix}static_eager"] = _static_timing(_decoder(on, 1, budget_of, args, noise_of), prompt, steps,
+                                                      _rounds_args(args), device, share(fractions[0]), graph=False)
+        out[f"{prefix}static_graph"] = _static_timing(_decoder(on, 1, budget_of, args, noise_of), prompt, steps,
+                                                      _rounds_args(args), device, share(fractions[1]), graph=True) \
+            if graphs else {"status": CUDA_ONLY}
+        key = f"{prefix}static_inductor"
+        if not decoder_compiles():
+            out[key] = {"status": "no compile option in this tree"}
+            return
+        try:  # a compiler failure must not lose the rows measured
+            out[key] = _static_timing(_decoder(on, 1, budget_of, args, noise_of, compile=True), prompt, steps,
+                                      _rounds_args(args), device, share(fractions[2]), graph=graphs)
+        except Exception as exc:  # noqa: BLE001
+            out[key] = {"status": "error", "error": _error_text(exc), "traceback": traceback.format_exc()}
+            print(f"  {key} failed: {_error_text(exc)}", flush=True)
+        _free(device)
+
+    static_rows(model, budget, noise, "", (0.2, 0.25, 0.4))
     plain = RecurrentLM(config.replace(groups="", eval_loops=None)).to(device=device, dtype=dtype).eval()
     out["plain_layers"] = plain.config.n_layer
-    out["plain_static_eager"] = _static_timing(_decoder(plain, 1, (), args, None), prompt, steps,
-                                               _rounds_args(args), device, share(0.5), graph=False)
-    out["plain_static_graph"] = _static_timing(_decoder(plain, 1, (), args, None), prompt, steps,
-                                               _rounds_args(args), device, deadline, graph=True) \
-        if graphs else {"status": CUDA_ONLY}
-    best = out["static_graph"] if graphs else out["static_eager"]
-    out["best_looped_ms"] = best["ms_per_token"]
-    out["best_plain_ms"] = (out["plain_static_graph"] if graphs else out["plain_static_eager"])["ms_per_token"]
-    out["speedup_graph_over_packed"] = _ratio(out["packed"]["ms_per_token"], best["ms_per_token"])
+    static_rows(plain, (), None, "plain_", (0.25, 0.4, 1.0))
+    out["fast_path"] = ("the static rows' attention views its one query per row (AttentionContext.one_per_row); "
+                        "revisions without it (e.g. 6942ad7, 5.19 ms/token on an H100) packed and unpacked the "
+                        "queries: three more kernels per layer application")
+    for name, prefix in (("looped", ""), ("plain", "plain_")):
+        rows = [f"{prefix}static_graph", f"{prefix}static_inductor"] if graphs else \
+            [f"{prefix}static_eager", f"{prefix}static_inductor"]
+        timed_rows = [row for row in rows if "ms_per_token" in out[row]]
+        best = min(timed_rows, key=lambda row: out[row]["ms_per_token"])
+        out[f"best_{name}_ms"] = out[best]["ms_per_token"]
+        out[f"best_{name}_path"] = out[best]["path"]
+    out["speedup_graph_over_packed"] = _ratio(out["packed"]["ms_per_token"], out["best_looped_ms"])
     out["seconds"] = time.perf_counter() - start
     return out
 
@@ -700,6 +719,27 @@ def exits_section(args, device, deadline, context) -> dict:
         extra = (timing["ms_per_token"] - out["full"]["ms_per_token"]) / steps_full
         checks[key] = {**timing, "check_ms_per_step": extra, "share_of_loop_step": _ratio(extra, step_ms)}
     out["check_cost"] = checks
+    # The same on the Inductor-compiled pieces (loop step and exit check fused), against their own loop step.
+    if decoder_compiles():
+        try:
+            inductor_full = timed(_decoder(model, 1, budget, args, noise, compile=True), share(0.1))
+            inductor_one = timed(_decoder(model, 1, budget, args, noise, loop_counts=(1,) * len(budget),
+                                          compile=True), share(0.1))
+            out["full_inductor"], out["budget_1_inductor"] = inductor_full, inductor_one
+            inductor_step = (inductor_full["ms_per_token"] - inductor_one["ms_per_token"]) / \
+                max(steps_full - len(budget), 1)
+            out["loop_step_ms_inductor"] = inductor_step
+            for every in [None, *args.check_every]:
+                key = ("no_host_check" if every is None else f"check_every_{every}") + "_inductor"
+                timing = timed(_decoder(model, 1, budget, args, noise, factory=never, check_every=every,
+                                        compile=True), share(0.1))
+                extra = (timing["ms_per_token"] - inductor_full["ms_per_token"]) / steps_full
+                checks[key] = {**timing, "check_ms_per_step": extra,
+                               "share_of_loop_step": _ratio(extra, inductor_step)}
+        except Exception as exc:  # noqa: BLE001 - a compiler failure must not lose the rest of the section
+            out["inductor_error"] = _error_text(exc)
+            print(f"  exits, inductor rows failed: {_error_text(exc)}", flush=True)
+        _free(device)
     # The rule at about half the steps, with each host-check interval.
     policy = _policy_factory(args.policy, tau, budget)
     reference = _observe(_decoder(model, 1, budget, args, noise), prompt, steps, None)
@@ -891,24 +931,33 @@ def evaluate_targets(report: dict) -> list[dict]:
                            f"FLOP/s ratio {train['flop_throughput_ratio']:.3f}" if train.get("flop_throughput_ratio")
                            else ""))
     decode = sections.get("decode", {}) if ok("decode") else {}
-    for key, text, value, bound in (
-            ("decode_looped_ms", "paper decode, batch 1, 12 loops/group: <= 2.5 ms/token",
-             decode.get("best_looped_ms"), 2.5),
-            ("decode_plain_ms", "plain 12-layer decode, batch 1: <= 0.8 ms/token", decode.get("best_plain_ms"), 0.8)):
+    for key, text, name, bound in (
+            ("decode_looped_ms", "paper decode, batch 1, 12 loops/group: <= 2.5 ms/token", "looped", 2.5),
+            ("decode_plain_ms", "plain 12-layer decode, batch 1: <= 0.8 ms/token", "plain", 0.8)):
+        value = decode.get(f"best_{name}_ms")
         met, gap = judge_at_most(value, bound, True)
-        path = "" if not decode else ("CUDA graph" if decode["static_graph"].get("path") == "graph" else "eager")
+        path = decode.get(f"best_{name}_path", "")
         targets.append(_target(key, text, value, "ms/token", met, gap,
                                "; ".join(part for part in (path and f"static path, {path}", absolute_note) if part)))
     exits = sections.get("exits", {}) if ok("exits") else {}
     checks = exits.get("check_cost", {})
-    chosen = f"check_every_{exits['best_check_every']}" if exits.get("best_check_every") else None
-    share = checks.get(chosen, {}).get("share_of_loop_step") if chosen else None
+    # Judged on the path that decodes the full budget faster (Inductor-compiled pieces or not).
+    compiled_full = exits.get("full_inductor", {}).get("ms_per_token")
+    suffix = "_inductor" if compiled_full is not None and compiled_full < exits["full"]["ms_per_token"] else ""
+    every = exits.get("best_check_every")
+    chosen = f"check_every_{every}" if every else None
+    share = checks.get(chosen + suffix, {}).get("share_of_loop_step") if chosen else None
     met, gap = judge_at_most(None if share is None else 100 * share, 3.0, False)
-    bare = checks.get("no_host_check", {}).get("share_of_loop_step")
+    bare = checks.get("no_host_check" + suffix, {}).get("share_of_loop_step")
+    other = checks.get(chosen + ("" if suffix else "_inductor"), {}).get("share_of_loop_step") if chosen else None
+    note = ""
+    if chosen and bare is not None:
+        note = (f"{'Inductor-compiled' if suffix else 'eager'} pieces, with a host check every {every} steps; the "
+                f"rule alone, no host check: {100 * bare:.1f}%")
+        if other is not None:
+            note += f"; {'eager' if suffix else 'Inductor-compiled'} pieces: {100 * other:.1f}%"
     targets.append(_target("exit_check_cost", "per-step exit check < 3% of a loop step (batch 1)",
-                           None if share is None else 100 * share, "% of a loop step", met, gap,
-                           (f"with a host check every {exits['best_check_every']} steps; the rule alone, no host "
-                            f"check: {100 * bare:.1f}%" if chosen and bare is not None else "")))
+                           None if share is None else 100 * share, "% of a loop step", met, gap, note))
     run = exits.get("policy_runs", {}).get(chosen, {}) if chosen else {}
     full_ms = exits.get("full", {}).get("ms_per_token")
     bound = run.get("bound_ms")
@@ -958,7 +1007,7 @@ def _cell(entry: dict, key="ms_per_token") -> str:
         return CUDA_ONLY
     value = entry.get(key)
     if value is None:
-        return "-"
+        return entry.get("status", "-")
     iqr = entry.get("iqr")
     return f"{value:.3f} [{iqr[0]:.3f}-{iqr[1]:.3f}]" if iqr and key == "ms_per_token" else f"{value:.4g}"
 
@@ -992,7 +1041,23 @@ def markdown(report: dict) -> str:
                   "| --- | --- | --- |",
                   f"| packed (generate) | {_cell(decode['packed'])} | - |",
                   f"| static eager | {_cell(decode['static_eager'])} | {_cell(decode['plain_static_eager'])} |",
-                  f"| static CUDA graph | {_cell(decode['static_graph'])} | {_cell(decode['plain_static_graph'])} |"]
+                  f"| static CUDA graph | {_cell(decode['static_graph'])} | {_cell(decode['plain_static_graph'])} |",
+                  f"| static, Inductor pieces, CUDA graph (eager on a CPU) | {_cell(decode.get('static_inductor', {}))} "
+                  f"| {_cell(decode.get('plain_static_inductor', {}))} |",
+                  "", decode.get("fast_path", "")]
+    exits = sections.get("exits", {})
+    if exits.get("status") == "ok":
+        lines += ["", "Exit check (a rule that never fires), batch 1: extra ms per loop step and share of a loop step",
+                  "", "| pieces | loop step ms | host check | extra ms/step | share |", "| --- | --- | --- | --- | --- |"]
+        for suffix, pieces, step_key in (("", "eager", "loop_step_ms"),
+                                         ("_inductor", "Inductor-compiled", "loop_step_ms_inductor")):
+            for key, entry in exits["check_cost"].items():
+                if key.endswith("_inductor") != bool(suffix):
+                    continue
+                check = key.removesuffix("_inductor").replace("check_every_", "every ").replace("no_host_check", "none")
+                share = entry.get("share_of_loop_step")
+                lines.append(f"| {pieces} | {_fmt(exits.get(step_key))} | {check} | {_fmt(entry.get('check_ms_per_step'))} "
+                             f"| {'-' if share is None else f'{100 * share:.1f}%'} |")
     train = sections.get("train", {})
     if train.get("status") in ("ok", "partial"):
         lines += ["", "Training step (the trainer's train_step)", "",

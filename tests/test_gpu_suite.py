@@ -84,14 +84,17 @@ def test_smoke_run(tmp_path):
     assert train["plain_depth"] == 18 and train["layer_application_throughput_ratio"] > 0
 
     decode = sections["decode"]
-    for key in ("packed", "static_eager", "plain_static_eager"):
+    for key in ("packed", "static_eager", "plain_static_eager", "static_inductor", "plain_static_inductor"):
         assert decode[key]["ms_per_token"] > 0, key
+    assert decode["static_inductor"]["path"] == "inductor+eager" and decode["static_inductor"]["compile_s"] > 0
     assert decode["static_graph"] == {"status": "cuda only"}
     assert decode["plain_static_graph"] == {"status": "cuda only"}
+    assert decode["best_looped_path"] in ("eager", "inductor+eager")
 
     exits = sections["exits"]
-    assert exits["loop_step_ms"] > 0
-    assert set(exits["check_cost"]) == {"no_host_check", "check_every_2"}
+    assert exits["loop_step_ms"] > 0 and exits["loop_step_ms_inductor"] > 0
+    assert set(exits["check_cost"]) == {"no_host_check", "check_every_2", "no_host_check_inductor",
+                                        "check_every_2_inductor"}
     run = exits["policy_runs"]["check_every_2"]
     assert 1 <= sum(run["mean_steps"]) / len(run["mean_steps"]) <= 12
     assert 0 <= run["agreement"] <= 1 and run["bound_ms"] is not None

@@ -205,3 +205,28 @@ def test_batches_go_to_cuda_through_pinned_memory():
     assert host_for_copy(pinned, torch.device("cuda")) is pinned  # pinned once
     on_device = pinned[1:].to("cuda", non_blocking=True)
     assert torch.equal(on_device.cpu(), batch[1:])
+
+
+def test_a_trainer_on_random_tokens_needs_no_folders_and_steps_as_its_seed_says(tmp_path):
+    """Trainer.on_random_tokens (bench/gpu_suite.py's trainer): no data or run folder is read or made; the
+    steps train (the weights move, the loss is finite) and are a function of the seed alone."""
+    from rdepth.config import ModelConfig
+    from rdepth.train.config import TrainConfig
+    from rdepth.train.trainer import Trainer
+
+    model_config = ModelConfig(n_layer=3, n_head=2, d_model=32, block_size=16, vocab_size=64, groups="1",
+                               mean_loops=3.0, backprop_depth=2, tokenizer="bpe:512")
+    config = TrainConfig(data=str(tmp_path / "no-data"), out=str(tmp_path / "no-run"), batch_size=4, device="cpu",
+                         seed=3, max_steps=10, warmup_steps=1, threads=1)
+    runs = []
+    for _ in range(2):
+        trainer = Trainer.on_random_tokens(model_config, config)
+        start = [param.detach().clone() for param in trainer.model.parameters()]
+        step_losses = [float(trainer.train_step(step)[0]) for step in range(2)]
+        runs.append((step_losses, [param.detach().clone() for param in trainer.model.parameters()]))
+    assert all(torch.isfinite(torch.tensor(runs[0][0]))) and runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert any(not torch.equal(a, b) for a, b in zip(start, runs[0][1]))
+    x, y = trainer.sampler.batch(0)
+    assert x.shape == (4, 16) and int(x.max()) < 64 and torch.equal(x[:, 1:], y[:, :-1])
+    assert not (tmp_path / "no-run").exists() and not (tmp_path / "no-data").exists()

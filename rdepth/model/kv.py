@@ -32,6 +32,12 @@ class AttentionContext:
     ``batch_index``/``position`` (each ``[N]``) locate the rows; queries are
     packed into ``[B, slots]`` by ``slot_index``; ``mask`` ``[B, 1, slots, S]``
     allows keys at positions ``<=`` the query's own.
+
+    ``one_per_row`` (a host-side flag, set by whoever builds the context, never
+    read from the device): the rows are exactly one query per batch row, in
+    batch order (N == B, ``slots == 1``, ``batch_index == arange(B)``), as in
+    batch decoding. Attention then views the queries as ``(B, nh, 1, hs)``
+    instead of packing and unpacking them (the same values, fewer kernels).
     """
 
     store: "KVStore"
@@ -42,6 +48,7 @@ class AttentionContext:
     slots: int
     n_batch: int
     mask: torch.Tensor
+    one_per_row: bool = False
 
     @classmethod
     def build(
@@ -60,7 +67,9 @@ class AttentionContext:
         query_pos[batch_index, slot_index] = position
         key_pos = torch.arange(store.capacity, device=device)
         mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
-        return cls(store, step, batch_index, position, slot_index, slots, n_batch, mask)
+        # Rows sorted by batch index, at most one per batch row and as many as batch rows: one each, in order.
+        one_per_row = slots == 1 and batch_index.numel() == n_batch
+        return cls(store, step, batch_index, position, slot_index, slots, n_batch, mask, one_per_row)
 
 
 class KVStore:

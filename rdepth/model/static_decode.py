@@ -30,9 +30,17 @@ change from token to token:
   predication computes for a stopped row (and is discarded in the same way), so a padded chunk
   equals an unpadded one. Eager, a chunk runs on exactly the active count; captured as CUDA graphs,
   on the next power of two (one graph per size, ``buckets``).
+* Every attention context holds one query per row, in row order (``one_per_row``, set on the host
+  when the context is made): attention views the queries instead of packing them (fewer kernels,
+  the same values).
 * :meth:`StaticDecoder.capture` (CUDA only) records each piece of a token (the whole token at a
   fixed budget; at exits, the stretches between checks) as a ``torch.cuda.CUDAGraph`` over static
   buffers, replayed for every token.
+* ``compile=True`` runs a loop step of each group, the single-pass runs and the exit rule's step
+  through Inductor (``torch.compile(fullgraph=True)``), so that their small ops fuse; a loop step's
+  key/value slots are handed to the compiled function as tensors (:class:`GivenKV`), so that all
+  steps of a group share one compiled function. It composes with :meth:`~StaticDecoder.capture`,
+  which compiles in its warm-up and then records the compiled kernels.
 
 Results equal the packed path (cached decoding = teacher-forced evaluation, with exits): the
 initial loop states are the same :class:`~rdepth.model.noise.StateNoise` draws (each row's
@@ -43,6 +51,7 @@ static cache.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -53,6 +62,11 @@ from rdepth.model.control import FixedController, LoopController
 from rdepth.model.kv import AttentionContext, KVStore
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM, StageKind
+
+
+# Graphs dynamo may compile per compiled function (its default is 8): with ``compile``, a decoder's
+# pieces compile a few graphs per group and single-pass stage, and each decoder in a process adds its own.
+RECOMPILE_LIMIT = 64
 
 
 class StaticKV:
@@ -98,14 +112,16 @@ class StaticKV:
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the rows' keys/values ``[B, nh, hs]`` at ``position``; return what layer ``layer``
         at step ``ctx.step`` attends to, ``[B, nh, S, hs]`` each (views, no copy)."""
+        cache_k, cache_v = self.read(layer, ctx.step)
+        return _write_at(cache_k, cache_v, self.position, keys, values)
+
+    def read(self, layer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What layer ``layer`` at loop step ``step`` (ignored for a single-pass layer) attends to:
+        ``[B, nh, S, hs]`` each, views into the cache."""
         if layer in self.looped:
             all_keys, all_values = self.looped[layer]
-            cache_k, cache_v = all_keys[ctx.step - 1], all_values[ctx.step - 1]
-        else:
-            cache_k, cache_v = self.single[layer]
-        cache_k.index_copy_(2, self.position, keys.unsqueeze(2))
-        cache_v.index_copy_(2, self.position, values.unsqueeze(2))
-        return cache_k, cache_v
+            return all_keys[step - 1], all_values[step - 1]
+        return self.single[layer]
 
     def settle(self, group: int, computed: torch.Tensor) -> None:
         """The current token's loop of ``group`` is over, row b after ``computed[b]`` steps (``[B]``
@@ -169,6 +185,31 @@ class StaticRows:
         return cache_k.index_select(0, self.rows), cache_v.index_select(0, self.rows)
 
 
+class GivenKV:
+    """The keys/values of a few layers handed in as tensors, as the store of a compiled piece: the
+    layers see the tensors given for this call (``kv``: K then V, ``[B, nh, S, hs]`` each, per layer of
+    ``layers``) and write at ``position``. A loop step's slots are chosen outside the compiled code, so
+    that every step of a group runs the same compiled function (the step is no constant inside)."""
+
+    def __init__(self, layers: Sequence[int], kv: Sequence[torch.Tensor], position: torch.Tensor):
+        self.tensors = {layer: (kv[2 * index], kv[2 * index + 1]) for index, layer in enumerate(layers)}
+        self.position = position
+
+    def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
+               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache_k, cache_v = self.tensors[layer]
+        return _write_at(cache_k, cache_v, self.position, keys, values)
+
+
+def _write_at(cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``keys``/``values`` ``[B, nh, hs]`` at ``position`` ``[1]`` of ``cache_k``/``cache_v``
+    ``[B, nh, S, hs]`` (in place); return the two caches."""
+    cache_k.index_copy_(2, position, keys.unsqueeze(2))
+    cache_v.index_copy_(2, position, values.unsqueeze(2))
+    return cache_k, cache_v
+
+
 # A piece of a token's plan: run a function (one CUDA graph when captured); a compacted chunk, run
 # with the number of rows to compute (one graph per row count); or, after a chunk of group
 # ``group``'s loop, skip to the plan index ``skip_to`` when no row of it still loops.
@@ -202,13 +243,22 @@ class StaticDecoder:
         buckets: with ``compact``, the rows a chunk runs on: the active count rounded up to a power of
             two (True; padded with stopped rows) or exactly the active count (False). None: powers
             of two once captured as CUDA graphs (one graph per size), exact counts when eager.
+        compile: run the token's heavy pieces through Inductor (``torch.compile(fullgraph=True,
+            dynamic=False)``, default mode: no CUDA graphs of its own, :meth:`capture` stays ours), so that
+            norms, residual adds, activations and the exit rule's small ops fuse: one loop step of a group
+            (a single compiled function for every step of the group: the step's key/value slots are
+            handed in as tensors, :class:`GivenKV`, so a fixed budget does not unroll into one graph),
+            each run of single-pass layers, and with exits the rule's decision with its bookkeeping
+            after a step (compiled with the step number symbolic: one graph for the middle steps of a
+            group, one each for its first and last). Compiled on first use; :meth:`capture` compiles in
+            its eager warm-up, before it records. Not with ``compact``.
     """
 
     def __init__(self, model: RecurrentLM, batch_size: int, k_max: int | Sequence[int],
                  dtype: torch.dtype | None = None, *, loop_counts: Sequence[int] | str | int | None = None,
                  controller_factory: Callable[[], LoopController] | None = None,
                  noise: StateNoise | None = None, check_every: int | None = None, capacity: int | None = None,
-                 compact: bool = False, buckets: bool | None = None):
+                 compact: bool = False, buckets: bool | None = None, compile: bool = False):
         config = model.config
         if dtype is not None:
             model.to(dtype)
@@ -247,6 +297,9 @@ class StaticDecoder:
                               "(rows are compacted at the checks between chunks)")
         self.compact = compact
         self.buckets = buckets
+        if compile and compact:
+            raise RdepthError("StaticDecoder: compile=True does not cover compacted chunks (compact=True); "
+                              "choose one")
         self._count = batch_size  # rows still looping, as read at the last check (compact)
         if n_groups and config.init_state_scale != 0 and not isinstance(noise, StateNoise):
             raise RdepthError("StaticDecoder: the model starts its loops from noise (init_state_scale "
@@ -262,6 +315,7 @@ class StaticDecoder:
             self.cache = StaticKV(model, batch_size, self.capacity, steps, self.dtype, self.device)
             self._allocate()
         self._plan = self._build_plan()
+        self._compiled = self._compile() if compile else None
         # per plan piece: its graph, or for a compacted chunk {rows: graph}; None where nothing is captured
         self._graphs: list[torch.cuda.CUDAGraph | dict[int, torch.cuda.CUDAGraph] | None] | None = None
 
@@ -292,7 +346,7 @@ class StaticDecoder:
         # One context per loop step (0: single-pass layers); the mask is refreshed in place per token.
         self._contexts = {
             step: AttentionContext(self.cache, step, self._rows, self.cache.position.expand(batch),
-                                   torch.zeros_like(self._rows), 1, batch, self._mask)
+                                   torch.zeros_like(self._rows), 1, batch, self._mask, one_per_row=True)
             for step in range(max(self.steps, default=0) + 1)
         }
         # Each group's initial states for every position, [B, S, d] (the packed path's draws).
@@ -347,7 +401,10 @@ class StaticDecoder:
         self._mask.copy_((self._key_positions <= self.cache.position).view(1, 1, 1, -1))
 
     def _run_single(self, layers: tuple[int, ...]) -> None:
-        self._x.copy_(self.model.run_layers(layers, self._x, self._contexts[0]))
+        if self._compiled is None:
+            self._x.copy_(self.model.run_layers(layers, self._x, self._contexts[0]))
+        else:
+            self._x.copy_(self._compiled["layers"](layers, self._x, *self._kv[layers, 0]))
 
     def _initial_state(self, group: int, like: torch.Tensor) -> torch.Tensor:
         """``[B, d]``: each row's initial state of ``group`` at the current position."""
@@ -360,7 +417,7 @@ class StaticDecoder:
         inputs = self._x
         state = self._initial_state(group, inputs)
         for step in range(1, self.steps[group] + 1):
-            state = self.model.group_step(group, state, inputs, self._contexts[step])
+            state = self._group_step(group, state, inputs, step)
         self._x.copy_(state)
 
     def _begin_group(self, group: int) -> None:
@@ -374,21 +431,73 @@ class StaticDecoder:
         """Loop steps ``steps`` of ``group`` for every row. A stopped row keeps its hand-off, step count
         and used index (predicated on ``active``); its further iterates, keys and controller memory
         are never read (:meth:`StaticKV.settle` rewrites the keys it wrote)."""
-        last = self.steps[group]
-        computed, used, active, handed = self.computed[group], self.used[group], self._active, self._handed
         state = self._state
+        check = self._after_step if self._compiled is None else self._compiled["check"]
         for step in steps:
-            new = self.model.group_step(group, state, self._inputs, self._contexts[step])
-            done, handoff, used_now = self.controller.after_step(group, step, self._rows, state, new)
-            stopping = active if step == last else active & done  # (B,) every row stops at the last step
-            torch.where(stopping[:, None], handoff.to(self.dtype), handed, out=handed)
-            torch.where(stopping, used_now, used, out=used)
-            computed.masked_fill_(active, step)
-            active.masked_fill_(done, False)
+            new = self._group_step(group, state, self._inputs, step)
+            check(group, step, state, new)
             state = new  # a stopped row's iterate is never read again: no predication needed
         self._state.copy_(state)
         if order:
             self._order_rows()
+
+    def _after_step(self, group: int, step: int, state: torch.Tensor, new: torch.Tensor) -> None:
+        """The exit rule after loop step ``step`` of ``group`` (``state`` -> ``new``, ``[B, d]``) and its
+        predicated bookkeeping, in place: hand-off, used index and step count of the rows stopping now,
+        and the ``active`` mask."""
+        computed, used, active, handed = self.computed[group], self.used[group], self._active, self._handed
+        done, handoff, used_now = self.controller.after_step(group, step, self._rows, state, new)
+        stopping = active if step == self.steps[group] else active & done  # (B,) all stop at the last step
+        torch.where(stopping[:, None], handoff.to(self.dtype), handed, out=handed)
+        torch.where(stopping, used_now, used, out=used)
+        computed.masked_fill_(active, step)
+        active.masked_fill_(done, False)
+
+    def _group_step(self, group: int, state: torch.Tensor, inputs: torch.Tensor, step: int) -> torch.Tensor:
+        """Loop step ``step`` of ``group`` for every row: ``[B, d]`` -> ``[B, d]`` (compiled or eager)."""
+        if self._compiled is None:
+            return self.model.group_step(group, state, inputs, self._contexts[step])
+        return self._compiled["step"](group, state, inputs, *self._kv[self.model.group_layers[group], step])
+
+    # ------------------------------------------------------------ compiling
+    def _compile(self) -> dict[str, Callable]:
+        """The compiled pieces (see the class's ``compile``) and, per (layers, step), the key/value
+        slots they are handed (``_kv``: views into the cache, made once)."""
+        self._kv: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, ...]] = {}
+        for stage in self.model.stages:
+            steps = [0] if stage.kind is StageKind.SINGLE else range(1, self.steps[stage.group] + 1)
+            for step in steps:
+                self._kv[stage.layers, step] = tuple(
+                    tensor for layer in stage.layers for tensor in self.cache.read(layer, step))
+        fixed = {"fullgraph": True, "dynamic": False}
+        # The step number of the exit rule varies (and some rules branch on it): automatic dynamic
+        # (dynamic=None) makes it symbolic after its first change; the tensors' shapes never change,
+        # so they stay static.
+        return {"layers": torch.compile(self._layers_given, **fixed),
+                "step": torch.compile(self._step_given, **fixed),
+                "check": torch.compile(self._after_step, fullgraph=True)}
+
+    def _given_context(self, layers: Sequence[int], kv: Sequence[torch.Tensor]) -> AttentionContext:
+        """The attention context of a compiled piece: every row, reading and writing ``kv`` (:class:`GivenKV`;
+        the context's step is unused)."""
+        position = self.cache.position
+        return AttentionContext(GivenKV(layers, kv, position), 0, self._rows, position.expand(self.batch_size),
+                                self._contexts[0].slot_index, 1, self.batch_size, self._mask, one_per_row=True)
+
+    def _layers_given(self, layers: tuple[int, ...], x: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
+        return self.model.run_layers(layers, x, self._given_context(layers, kv))
+
+    def _step_given(self, group: int, state: torch.Tensor, inputs: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
+        return self.model.group_step(group, state, inputs, self._given_context(self.model.group_layers[group], kv))
+
+    def _compile_scope(self):
+        """Around calls that may compile: room for every graph of the pieces (a few per group and
+        stage, more with several decoders in one process), where dynamo's default allows 8 per function
+        before it silently runs it eagerly."""
+        if self._compiled is None:
+            return contextlib.nullcontext()
+        limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        return torch._dynamo.config.patch(recompile_limit=limit)
 
     def _order_rows(self) -> None:
         """``_order``: the rows still looping in row order, then the stopped ones (on the device)."""
@@ -403,7 +512,7 @@ class StaticDecoder:
             index = torch.arange(rows, device=self.device)
             self._row_contexts[key] = AttentionContext(
                 StaticRows(self.cache, self._order[:rows]), step, index, self.cache.position.expand(rows),
-                torch.zeros_like(index), 1, rows, self._mask[:rows])  # every row's mask is the same
+                torch.zeros_like(index), 1, rows, self._mask[:rows], one_per_row=True)  # every row's mask is the same
         return self._row_contexts[key]
 
     def _compact_steps(self, group: int, steps: range, rows: int, order: bool) -> None:
@@ -488,6 +597,12 @@ class StaticDecoder:
         if self.length >= self.capacity:
             raise RdepthError(f"StaticDecoder: the cache is full ({self.capacity} positions)")
         self.tokens.copy_(tokens)
+        with self._compile_scope() if self._graphs is None else contextlib.nullcontext():
+            self._run_plan()
+        self.length += 1
+
+    def _run_plan(self) -> None:
+        """One token's plan: its pieces eager (compiled or not) or replayed, and its checks."""
         plan, graphs = self._plan, self._graphs
         index = 0
         while index < len(plan):
@@ -513,7 +628,6 @@ class StaticDecoder:
                 else:
                     looping = bool(self._active.any())  # the one sync of a chunk
                 index = index + 1 if looping else skip_to
-        self.length += 1
 
     @torch.no_grad()
     def greedy(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -542,10 +656,13 @@ class StaticDecoder:
         must keep its per-row memory in tensors it updates in place (every built-in rule does): a
         compacted chunk's graphs of different sizes then hand on the same tensors. ``warmup`` eager
         runs on a side stream come first (at the current position, which they leave where it was:
-        the next token overwrites every slot they wrote).
+        the next token overwrites every slot they wrote). With ``compile``, the first of them compiles
+        every graph (and runs Inductor's first-call tuning), so nothing compiles while recording.
         """
         if self.device.type != "cuda":
             raise RdepthError(f"StaticDecoder.capture needs a CUDA device; this decoder is on {self.device}")
+        if self._compiled is not None and warmup < 1:
+            raise RdepthError("StaticDecoder.capture: a compiled decoder needs warmup >= 1 (it compiles there)")
         if self.length >= self.capacity:
             raise RdepthError(f"StaticDecoder: the cache is full ({self.capacity} positions)")
         if self.compact and self.buckets is False:
@@ -555,7 +672,7 @@ class StaticDecoder:
         position = self.cache.position.clone()
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), self._compile_scope():  # compiled pieces compile here, not in capture
             for _ in range(warmup):
                 for kind, item in self._plan:
                     if kind == "run":
@@ -567,13 +684,15 @@ class StaticDecoder:
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
         graphs: list = []
-        for kind, item in self._plan:  # in plan order: a piece may read what the previous allocated
-            if kind == "check":
-                graphs.append(None)
-            elif kind == "run":
-                graphs.append(_captured(item, pool))
-            else:
-                graphs.append({rows: _captured(lambda item=item, rows=rows: item(rows), pool) for rows in sizes})
+        with self._compile_scope():
+            for kind, item in self._plan:  # in plan order: a piece may read what the previous allocated
+                if kind == "check":
+                    graphs.append(None)
+                elif kind == "run":
+                    graphs.append(_captured(item, pool))
+                else:
+                    graphs.append({rows: _captured(lambda item=item, rows=rows: item(rows), pool)
+                                   for rows in sizes})
         self._graphs = graphs
 
     def _bucket_sizes(self) -> list[int]:
@@ -583,6 +702,11 @@ class StaticDecoder:
     @property
     def captured(self) -> bool:
         return self._graphs is not None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the pieces run Inductor-compiled (``compile=True``)."""
+        return self._compiled is not None
 
 
 def _captured(piece: _Run, pool) -> "torch.cuda.CUDAGraph":

@@ -17,12 +17,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from rdepth.config import ModelConfig
 from rdepth.data.loader import BatchSampler
-from rdepth.data.shards import TokenShards
+from rdepth.data.shards import TokenShards, token_dtype
 from rdepth.errors import RdepthError
 from rdepth.io import LOCK_NAME, append_jsonl, environment_info, exclusive, truncate_jsonl, write_json
 from rdepth.model import RecurrentLM, sample_loop_counts, step_generator
@@ -103,11 +104,7 @@ class Trainer:
         self.dist: DistInfo = init_distributed(self.device.type)
         if self.dist.enabled and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
-        per_step = config.grad_accum * self.dist.world_size
-        if config.batch_size % per_step:
-            raise RdepthError(
-                f"batch_size {config.batch_size} is not divisible by grad_accum x world size = {per_step}"
-            )
+        _check_batch_split(config, self.dist)
         self.run_dir = Path(config.out)
         self._lock = contextlib.ExitStack()
         if self.dist.is_main:
@@ -132,15 +129,9 @@ class Trainer:
         self.tokens_seen = 0
         self.resumed_from: Path | None = None  # never rotated away during this run
         self.resumes: list[dict] = []
-        torch.manual_seed(config.seed)  # the initial weights depend on the seed alone
-        self.model = RecurrentLM(self.model_config)
-        self.optimizer = make_optimizer(self.model, config, self.device)
-        # Set when a step's loss or gradient norm is not finite; read (one host sync) only at
-        # log points and before validating or saving, so a diverged run never saves its weights.
-        self.nonfinite = torch.zeros((), dtype=torch.bool)
+        self._new_model()
         self._setup_run_dir(resume)
-        self.model.to(self.device)
-        self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+        self._place_model()
         # Data with loss masks (a task's answers) trains and validates on the masked targets only.
         # Task data (a problem index) also starts every window at a problem, with an optional curriculum.
         starts, levels = self.shards.problem_index("train") or (None, None)
@@ -167,10 +158,55 @@ class Trainer:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = DistributedDataParallel(self.model, device_ids=ids)
+        self._compile_layers()
+        self._write_run_files()
+
+    @classmethod
+    def on_random_tokens(cls, model_config: ModelConfig, config: TrainConfig, windows: int = 4) -> "Trainer":
+        """A trainer without a data folder: :meth:`train_step` draws its batches, through the same
+        :class:`BatchSampler`, from ``windows`` batches' worth of uniformly random ids of the model's
+        vocabulary (drawn once from ``config.seed``). The model (seeded weights), AdamW, bf16 autocast on
+        CUDA, the loop-count and initial-state draws and the per-layer compile are the ones a run builds.
+        One process, no run folder (``config.data`` and ``config.out`` are not read), no lock,
+        validation or checkpoints: only :meth:`train_step` is for use (speed measurements, tests)."""
+        trainer = cls.__new__(cls)
+        trainer.config, trainer.preset = config, None
+        trainer.device = resolve_device(config.device)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        trainer.dist, trainer.ddp = DistInfo(), None
+        _check_batch_split(config, trainer.dist)
+        trainer.model_config = model_config
+        trainer.start_step, trainer.tokens_seen = 0, 0
+        trainer._new_model()
+        trainer._place_model()
+        count = windows * config.batch_size * (model_config.block_size + 1)
+        ids = np.random.default_rng(config.seed).integers(0, model_config.vocab_size, size=count)
+        trainer.sampler = BatchSampler(ids.astype(token_dtype(model_config.vocab_size)), config.batch_size,
+                                       model_config.block_size, config.seed)
+        trainer._compile_layers()
+        return trainer
+
+    def _new_model(self) -> None:
+        """The model with its initial weights (a function of the seed alone) and its optimizer."""
+        torch.manual_seed(self.config.seed)
+        self.model = RecurrentLM(self.model_config)
+        self.optimizer = make_optimizer(self.model, self.config, self.device)
+        # Set when a step's loss or gradient norm is not finite; read (one host sync) only at
+        # log points and before validating or saving, so a diverged run never saves its weights.
+        self.nonfinite = torch.zeros((), dtype=torch.bool)
+
+    def _place_model(self) -> None:
+        """The model on the device; bf16 autocast there on CUDA."""
+        self.model.to(self.device)
+        self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+
+    def _compile_layers(self) -> None:
+        """``torch.compile`` each layer (``config.compile``; default: on CUDA)."""
+        config = self.config
         if config.compile if config.compile is not None else self.device.type == "cuda":
             for layer in self.model.layers:  # per block: loop counts vary, shapes do not
                 layer.compile()
-        self._write_run_files()
 
     # ---------------------------------------------------------------- set-up
     def _data_record(self) -> dict:
@@ -449,6 +485,14 @@ class Trainer:
         removed = ckpt.rotate_checkpoints(self.run_dir, config.keep_last, config.milestone_interval, protect)
         if removed:
             log.info("--keep-last %d: removed %s", config.keep_last, ", ".join(removed))
+
+
+def _check_batch_split(config: TrainConfig, dist: DistInfo) -> None:
+    per_step = config.grad_accum * dist.world_size
+    if config.batch_size % per_step:
+        raise RdepthError(
+            f"batch_size {config.batch_size} is not divisible by grad_accum x world size = {per_step}"
+        )
 
 
 def host_for_copy(batch: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""StaticDecoder(compile=True): the Inductor-compiled pieces decode as eager does (float32 on the CPU,
+within 1e-5), every loop step of a group runs one compiled function, and every graph is compiled by
+the end of the first token: decoding more tokens compiles nothing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+from rdepth.model.noise import StateNoise
+from rdepth.model.static_decode import StaticDecoder
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_static_decode import controller_factory, tiny_model, tokens, varied_setting  # noqa: E402
+
+K_MAX = (6,)  # group 0 of test_static_decode's controllers
+PROMPT, LENGTH = 4, 10
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # float32: Inductor fuses and reorders reductions
+
+
+def graphs(function) -> int:
+    """Graphs dynamo holds for ``function``'s code (one per compiled specialisation)."""
+    return len(_debug_get_cache_entry_list(function.__code__))
+
+
+@pytest.mark.parametrize("rule", [None, "step_norm"])
+def test_compiled_decoding_equals_eager_and_compiles_only_on_the_first_token(rule):
+    torch._dynamo.reset()  # count this test's graphs only
+    model = tiny_model(n_layer=3, groups="1").float()  # layers 0 and 2 single-pass, layer 1 looped
+    idx = tokens(1, LENGTH)
+    noise = StateNoise(0, [0])
+    options = {"noise": noise}
+    if rule is None:
+        options["loop_counts"] = (4,)
+    else:
+        setting = varied_setting(model, idx, noise, rule)
+        options["controller_factory"] = controller_factory(model, rule, setting)  # no check_every: every step runs
+    eager = StaticDecoder(model, 1, K_MAX, **options)
+    compiled = StaticDecoder(model, 1, K_MAX, compile=True, **options)
+    expected, got, computed = [eager.prefill(idx[:, :PROMPT])[:, -1]], [compiled.prefill(idx[:, :PROMPT])[:, -1]], []
+    counts = []
+    for t in range(PROMPT, LENGTH):
+        token = idx[:, t : t + 1]
+        expected.append(eager.step(token))
+        got.append(compiled.step(token))
+        assert torch.equal(compiled.computed, eager.computed) and torch.equal(compiled.used, eager.used)
+        computed.append(eager.computed.clone())
+        counts.append(tuple(graphs(f) for f in (StaticDecoder._layers_given, StaticDecoder._step_given,
+                                                StaticDecoder._after_step)))
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), **TOLERANCE)
+    assert torch.equal(torch.stack(got).argmax(-1), torch.stack(expected).argmax(-1))
+    # two single-pass stages, one function for all loop steps; the exit rule: steps 1, middle, last
+    assert counts[0] == ((2, 1, 0) if rule is None else (2, 1, 3))
+    assert all(count == counts[0] for count in counts), "a later token compiled again"
+    if rule is not None:
+        assert len(torch.unique(torch.cat(computed))) > 1, "the exits should vary"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rule", [None, "step_norm"])
+def test_compiled_pieces_capture_as_cuda_graphs_and_replay_as_eager_decodes(rule):
+    """compile=True composes with capture(): the warm-up compiles, the capture records the compiled
+    kernels, and replay equals eager decoding (float32, the tolerance above) with no host sync."""
+    model = tiny_model(n_layer=3, groups="1").float().cuda()
+    idx = tokens(1, LENGTH).cuda()
+    noise = StateNoise(0, [0])
+    options = {"noise": noise}
+    if rule is None:
+        options["loop_counts"] = (4,)
+    else:
+        options["controller_factory"] = controller_factory(model, rule, varied_setting(model, idx, noise, rule))
+    eager = StaticDecoder(model, 1, K_MAX, **options)
+    compiled = StaticDecoder(model, 1, K_MAX, compile=True, **options)
+    for decoder in (eager, compiled):
+        decoder.prefill(idx[:, :PROMPT])
+    compiled.capture()
+    assert compiled.captured and compiled.compiled
+    expected, computed = [], []
+    for t in range(PROMPT, LENGTH):
+        expected.append(eager.step(idx[:, t : t + 1]))
+        computed.append(eager.computed.clone())
+    got, got_computed = [], []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for t in range(PROMPT, LENGTH):
+            got.append(compiled.step(idx[:, t : t + 1]))
+            got_computed.append(compiled.computed.clone())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), **TOLERANCE)
+    assert torch.equal(torch.stack(got_computed), torch.stack(computed))
