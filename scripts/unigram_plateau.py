@@ -23,6 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", action="append", required=True, help="prepared text folder (repeatable)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (the text demo's: 3e-3)")
+    parser.add_argument("--warmup", type=int, default=33, help="linear warm-up steps (the text demo's: 33)")
+    parser.add_argument("--batch-size", type=int, default=16, help="windows per step (the text demo's: 16)")
+    parser.add_argument("--max-steps", type=int, default=500, help="length of the cosine schedule (demo: 500)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a model field of the tiny preset (repeatable), e.g. init_state_scale=0.1")
+    parser.add_argument("--size", default="tiny", help="a size of rdepth reproduce (rdepth.reproduce.plan.SIZES): "
+                        "tiny (default), mini, small, paper, toy")
     parser.add_argument("--groups", default=None, help="recurrence groups (default: the tiny preset's; '' for none)")
     parser.add_argument("--out", default="/tmp/plateau")
     args = parser.parse_args(argv)
@@ -30,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from rdepth.config import get_preset
+    from rdepth.reproduce.plan import SIZES
     from rdepth.data.shards import TokenShards
     from rdepth.train.config import TrainConfig
     from rdepth.train.trainer import train
@@ -39,10 +47,15 @@ def main(argv: list[str] | None = None) -> int:
         log_p = np.load(Path(data) / "unigram.npy")
         entropy = float(-(np.exp(log_p) * log_p).sum())
         fields = {} if args.groups is None else {"groups": args.groups}
-        model = get_preset("tiny", vocab_size=shards.tokenizer.vocab_size, tokenizer=shards.tokenizer.name, **fields)
+        for item in args.set:
+            name, _, value = item.partition("=")
+            fields[name] = json.loads(value)
+        size = SIZES[args.size]
+        model = get_preset(size.preset, **{**size.overrides, **fields}, vocab_size=shards.tokenizer.vocab_size,
+                           tokenizer=shards.tokenizer.name)
         out = Path(args.out) / f"run{index}"
-        config = TrainConfig(data=data, out=str(out), max_steps=500, stop_at=args.steps, batch_size=16, lr=args.lr,
-                             warmup_steps=33, weight_decay=0.1, eval_every=10**6, checkpoint_every=10**6,
+        config = TrainConfig(data=data, out=str(out), max_steps=args.max_steps, stop_at=args.steps,
+                             batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup, weight_decay=0.1, eval_every=10**6, checkpoint_every=10**6,
                              log_every=20, seed=0, threads=1, eval_batches=1)
         train(model, config)
         losses = [(r["step"], r["loss"]) for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r]

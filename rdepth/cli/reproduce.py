@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(f"== rdepth reproduce two-scale: done in {result['wall_seconds']:.0f} s "
           f"(budget {result['budget_seconds']:.0f} s) on {context['device']}")
-    print(f"model {context['size']}, {context['training_tokens']:,} training tokens")
+    epochs = f" ({context['epochs']:.2f} passes over the training split)" if context.get("epochs") else ""
+    print(f"model {context['size']}, {context['training_tokens']:,} training tokens{epochs}")
     unigram = context.get("unigram")
     for row in context.get("loop_budgets", []):
         print(f"  loops {max(row['loops']):>3}: validation perplexity {row['ppl']:.2f}"

@@ -23,7 +23,7 @@ MAX_MINUTES = 24 * 60
 # Per device kind: the defaults of the fields left at None.
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": dict(sizes=("paper", "small", "mini"), min_tokens=50_000_000, compile=True, probe_steps=8,
-                 analyze_sequences=32, sweep_windows=64, val_windows=256, generate_tokens=16, repeats=3),
+                 analyze_sequences=32, sweep_windows=64, val_windows=256, generate_tokens=8, repeats=3),
     "cpu": dict(sizes=("tiny", "toy"), min_tokens=200_000, compile=False, probe_steps=3, analyze_sequences=4,
                 sweep_windows=8, val_windows=32, generate_tokens=0, repeats=1),
 }
@@ -51,7 +51,7 @@ class ReproduceConfig:
     min_tokens: int | None = option(
         None, "training tokens the chosen size should reach: the largest size that reaches them in the budget "
         "is chosen (else the one that trains on the most)", default_text="50M on CUDA, 200k on CPU")
-    train_share: float = option(0.6, "share of the time left after preparing and timing that training gets; "
+    train_share: float = option(0.7, "share of the time left after preparing and timing that training gets; "
                                      "the rest is for validation, checkpoints, analysis, sweep and report")
     checkpoints: int = option(4, "checkpoints spread evenly over training (the geometry series)")
     compile: bool | None = option(None, "torch.compile the layers in training (bf16 autocast is always on with "
@@ -70,7 +70,7 @@ class ReproduceConfig:
     timing_batch: int = option(32, "windows per forward in the throughput measurement (latency is at batch 1)")
     generate_tokens: int | None = option(
         None, "also time greedy cached decoding of this many tokens at batch 1 (decode latency; 0: teacher-forced "
-        "latency only)", default_text="16 on CUDA, 0 on CPU")
+        "latency only)", default_text="8 on CUDA, 0 on CPU")
     repeats: int | None = option(None, "timed rounds of the latency measurement (median and IQR)",
                                  default_text="3 on CUDA, 1 on CPU")
     export_dir: str | None = option(

@@ -38,11 +38,13 @@ class Size:
 
 
 # Largest first. Every size keeps the paper's layout of three groups (a self-loop, a paired
-# loop, a self-loop) so that the drift between groups (claim 3) can be measured.
+# loop, a self-loop) so that the drift between groups (claim 3) can be measured. Learning rates
+# fall as 1 / width from the `tiny` size's 3e-3 at d=128 (AdamW steps in hidden matrices scale
+# with width); with :func:`warmup_steps` they leave the unigram plateau on the medium corpus.
 SIZES: dict[str, Size] = {
-    "paper": Size("paper", {}, 32, 6e-4, "the paper's model: 12 layers, d=768, context 512, groups 4|5-6|7, r=12"),
-    "small": Size("small", {}, 32, 1e-3, "12 layers, d=512, context 512, groups 4|5-6|7, r=8"),
-    "mini": Size("small", dict(n_head=6, d_model=384, block_size=256, mean_loops=6.0, backprop_depth=4), 64, 1.5e-3,
+    "paper": Size("paper", {}, 32, 5e-4, "the paper's model: 12 layers, d=768, context 512, groups 4|5-6|7, r=12"),
+    "small": Size("small", {}, 32, 7.5e-4, "12 layers, d=512, context 512, groups 4|5-6|7, r=8"),
+    "mini": Size("small", dict(n_head=6, d_model=384, block_size=256, mean_loops=6.0, backprop_depth=4), 64, 1e-3,
                  "12 layers, d=384, context 256, groups 4|5-6|7, r=6"),
     "tiny": Size("tiny", {}, 16, 3e-3, "6 layers, d=128, context 128, groups 1|2-3|4, r=4"),
     "toy": Size("tiny", dict(n_head=2, d_model=64, block_size=64, mean_loops=4.0, backprop_depth=2), 8, 3e-3,
@@ -55,11 +57,20 @@ EVAL_OVERHEAD = 1.5
 # Wall time per layer application in a forward call that is too small to be bound by FLOPs
 # (kernel launches and Python on a GPU; dispatch on a CPU).
 CALL_SECONDS = {"cuda": 3e-4, "cpu": 2e-4}
+# Wall time per layer application of one decoded token on the sweep's packed cached path at batch 1,
+# where host syncs dominate: the H100 run of the `mini` size spent 165 s in a sweep this model put at
+# 74 s with CALL_SECONDS, all of the gap in decoding (9e-4 s per layer fits it; `paper` decodes at
+# 67 ms for 56 layer applications, 1.2e-3); the CPU's `tiny` decodes at 7.9 ms for 18 (4.4e-4).
+DECODE_CALL_SECONDS = {"cuda": 1e-3, "cpu": 4.5e-4}
+# rdepth analyze per checkpoint, besides its forwards: loading, the per-step statistics, PCA and the
+# figures (H100 run: 20.9 s for 4 checkpoints against 2.0 s of forwards; CPU toy run: 4.9 s against 0.7).
+ANALYZE_SECONDS_PER_CHECKPOINT = {"cuda": 5.0, "cpu": 1.0}
 DISK_BYTES_PER_SECOND = 5e8  # a checkpoint (weights and AdamW state) written
-REPORT_SECONDS = {"cuda": 40.0, "cpu": 25.0}  # every figure and page (geometry, sweep, claims), the export
+REPORT_SECONDS = {"cuda": 10.0, "cpu": 5.0}  # the claims, the claims page, the standalone page, the export
 # A long run trains slower than the few probe steps (validation, logging, a busy machine: 10-40% on the
-# shared 2-core CPU): its step time is planned at this multiple of the probe's.
-SPEED_MARGIN = 1.2
+# shared 2-core CPU): its step time is planned at this multiple of the probe's. On the H100 the run
+# trained 5% faster than its probe (175k against 167k tokens/s: compilation and warm-up were behind it).
+SPEED_MARGIN = {"cuda": 1.05, "cpu": 1.2}
 MIN_STEPS_PER_CHECKPOINT = 2
 SAFETY_SECONDS = {"cuda": 20.0, "cpu": 5.0}  # kept free of any plan
 # The validation the trainer runs at every checkpoint: batches x windows.
@@ -223,7 +234,7 @@ def after_training_seconds(config: ModelConfig, work: Workload, seconds_per_flop
     }
     batches = math.ceil(work.analyze_sequences / ANALYZE_BATCH)
     parts["analyze"] = work.checkpoints * (
-        forward(work.analyze_sequences * T, eval_loops, batches)
+        ANALYZE_SECONDS_PER_CHECKPOINT[kind] + forward(work.analyze_sequences * T, eval_loops, batches)
         + forward(work.analyze_sequences * T, [work.long_loops] * config.n_groups, batches))
     # Quality: the full budget, each point and its fixed baseline (at most the full budget each).
     sweep_batches = math.ceil(work.sweep_windows / 8)
@@ -234,7 +245,7 @@ def after_training_seconds(config: ModelConfig, work: Workload, seconds_per_flop
     fixed = 1 + work.sweep_settings
     batched = min(work.timing_batch, work.sweep_windows)
     per_round = (settings + fixed) * (forward(T, k_max, 1) + forward(batched * T, k_max, 1)) \
-        + settings * work.generate_tokens * layer_calls(config, k_max) * call
+        + settings * work.generate_tokens * layer_calls(config, k_max) * DECODE_CALL_SECONDS[kind]
     parts["sweep"] = quality + (SWEEP_WARMUP + work.repeats) * per_round
     parts["report"] = REPORT_SECONDS[kind]
     parts["total"] = sum(parts.values())
@@ -242,6 +253,18 @@ def after_training_seconds(config: ModelConfig, work: Workload, seconds_per_flop
 
 
 # ------------------------------------------------------------------ the plan
+
+
+def warmup_steps(steps: int) -> int:
+    """Linear warm-up of a run of ``steps``: a tenth of it, at least 150 steps, at most a fifth.
+
+    The looped models stay at the unigram loss when they reach a high learning rate within a few
+    dozen steps of a random start, on the medium corpus (docs/results.md): the `tiny` size at lr 3e-3
+    does with a 33-step warm-up and leaves it with 150 (`scripts/unigram_plateau.py`); the first
+    H100 run warmed `mini` up over 28 steps and never left it.
+    """
+    return max(1, min(steps // 5, max(150, steps // 10)))
+
 
 
 @dataclass
@@ -280,7 +303,7 @@ def _candidate(name: str, config: ModelConfig, probe: Probe, remaining: float, t
                work: Workload, kind: str) -> dict[str, Any]:
     size = SIZES[name]
     tokens_per_step = size.batch_size * config.block_size
-    step_seconds = SPEED_MARGIN * tokens_per_step * expected_train_flops(config) * probe.seconds_per_flop
+    step_seconds = SPEED_MARGIN[kind] * tokens_per_step * expected_train_flops(config) * probe.seconds_per_flop
     after = after_training_seconds(config, work, probe.seconds_per_flop, kind)
     train_seconds = max(0.0, min(train_share * remaining, remaining - after["total"]))
     steps = int(train_seconds // step_seconds)
@@ -318,7 +341,7 @@ def plan_run(configs: dict[str, ModelConfig], probe: Probe, remaining_seconds: f
     return Plan(
         size=chosen["size"], model_overrides=dict(size.overrides), preset=size.preset, batch_size=size.batch_size,
         lr=size.lr, max_steps=steps, checkpoint_every=chosen["checkpoint_every"],
-        warmup_steps=max(1, min(200, steps // 15)), tokens=chosen["tokens"], step_seconds=chosen["step_seconds"],
+        warmup_steps=warmup_steps(steps), tokens=chosen["tokens"], step_seconds=chosen["step_seconds"],
         train_seconds=chosen["train_seconds"], after_training=chosen["after_training"],
         remaining_seconds=remaining_seconds, probe_size=probe.size, seconds_per_flop=probe.seconds_per_flop,
         reaches_min_tokens=bool(reaching), candidates=candidates,

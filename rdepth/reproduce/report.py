@@ -96,8 +96,9 @@ def write_claims_page(report_dir: str | Path, doc: dict[str, Any]) -> Path:
     section = Section("claims", "The paper's claims: reproduced?", order=-10)
     section.headline(f"{len(verdicts)} claims of the two-scale paper: {counts}.")
     facts = [("model", f"{context.get('size')} ({context.get('parameters') or 0:,} parameters)"),
-             ("training", f"{context.get('training_tokens', 0):,} tokens in {context.get('training_steps')} steps, "
-                          f"a checkpoint every {context.get('checkpoint_every')}"),
+             ("training", f"{context.get('training_tokens', 0):,} tokens in {context.get('training_steps')} steps"
+                          + (f" ({context['epochs']:.2f} passes over the training split)" if context.get("epochs")
+                             else "") + f", a checkpoint every {context.get('checkpoint_every')}"),
              ("device", context.get("device"))]
     if context.get("tokens_per_second"):
         facts.append(("training throughput", f"{context['tokens_per_second']:,.0f} tokens/s"))

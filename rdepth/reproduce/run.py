@@ -239,7 +239,8 @@ def run_reproduce(config: ReproduceConfig) -> dict[str, Any]:
         stage("analyze", _analyzed, run, data, config)
         block_size = _model_config(plan.size, data).block_size
         sweep_path = stage("sweep", _swept, run, data, config, block_size)
-        result = stage("claims and report", _judged, config, run, sweep_path, saved, quality, device_name(device))
+        result = stage("claims and report", _judged, config, run, sweep_path, saved, quality, device_name(device),
+                       data)
         result.update(stage_seconds=dict(stage.seconds), wall_seconds=stage.wall)
         write_json(out / RESULT_FILE, result)
         if config.export_dir:
@@ -250,8 +251,16 @@ def run_reproduce(config: ReproduceConfig) -> dict[str, Any]:
     return result
 
 
+def _epochs(tokens: int, data: Path) -> float | None:
+    """Passes over the training split that ``tokens`` training tokens make (windows are drawn at random)."""
+    from rdepth.data.shards import TokenShards
+
+    split = TokenShards.open(data).manifest["splits"]["train"]["tokens"]
+    return round(tokens / split, 3) if split else None
+
+
 def _judged(config: ReproduceConfig, run: Path, sweep_path: Path, saved: dict[str, Any], quality: dict[str, Any],
-            device: str) -> dict[str, Any]:
+            device: str, data: Path) -> dict[str, Any]:
     from rdepth.exits.summary import load_sweep
     from rdepth.geometry.summary import load_summary
     from rdepth.reproduce.claims import judge_all
@@ -267,6 +276,7 @@ def _judged(config: ReproduceConfig, run: Path, sweep_path: Path, saved: dict[st
         "training_tokens": plan["tokens"], "training_steps": plan["max_steps"],
         "tokens_per_second": train_summary.get("tokens_per_second"),
         "checkpoint_every": plan["checkpoint_every"], "final_val": train_summary.get("final_val"), **quality,
+        "epochs": _epochs(plan["tokens"], data),
     }
     claims_doc = write_claims(out, claims, context, report_dir)
     write_claims_page(report_dir, claims_doc)
