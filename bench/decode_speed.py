@@ -20,8 +20,8 @@ interquartile range, and every setting's ratio to (a) measured in the same run:
 layers and exit check; the CUDA graphs stay the decoder's own), as rows ``*_inductor`` of the same run,
 with their own exit-check share. Compilation happens before a setting's rounds, untimed.
 
---profile counts, for one token, host syncs and kernel launches (CUDA: launches and synchronising
-runtime calls; CPU: leaf aten ops and single-value reads, which would be launches and syncs on a
+--profile counts, for one token, host syncs and kernel launches (CUDA: launch calls, kernels run on the
+device and synchronising runtime calls; CPU: leaf aten ops and single-value reads, which would be launches and syncs on a
 GPU) of (a) and (b) (and of (b) compiled, with --compile; on the CPU Inductor's fused C++ kernels are
 no aten ops: only the calls it leaves to aten, matmuls and attention, are counted there). Prints the
 device, torch version and git revision, and writes them with the numbers to --json.
@@ -109,7 +109,12 @@ def summary(times: list[float]) -> dict:
 
 
 def count_per_token(call, device) -> dict:
-    """Host syncs and kernel launches of ``call()`` (one token), from the profiler."""
+    """Host syncs and kernel launches of ``call()`` (one token), from the profiler.
+
+    CUDA: ``kernel_launches`` (runtime and driver launch calls, and graph launches), ``kernels`` (kernels
+    the device ran, from its own activity records: a replayed graph's kernels too) and
+    ``copies`` (device memcpy/memset) apart."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -123,7 +128,10 @@ def count_per_token(call, device) -> dict:
         syncs = sum(1 for name in names if name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                                       "cudaEventSynchronize"))
         reads = names.count("aten::_local_scalar_dense") + names.count("aten::nonzero")
-        return {"kernel_launches": launches, "host_syncs": syncs, "value_reads": reads}
+        on_device = [event.name for event in events if event.device_type == DeviceType.CUDA]
+        copies = sum(1 for name in on_device if name.startswith(("Memcpy", "Memset")))
+        return {"kernel_launches": launches, "kernels": len(on_device) - copies, "copies": copies,
+                "host_syncs": syncs, "value_reads": reads}
     work = [event for event in events if _is_work(event.name)
             and not any(_is_work(child.name) for child in _descendants(event))]
     reads = names.count("aten::_local_scalar_dense") + names.count("aten::nonzero")

@@ -69,6 +69,7 @@ PEAK_BF16_TFLOPS = (
 TARGET_DEVICES = ("H100", "H200")  # the absolute targets (ms/token, MFU) are set for these cards
 
 SECTIONS = ("ceiling", "train", "decode", "exits", "batched")
+KERNEL_COUNT_TOKENS = 2  # decoded tokens each kernel count of the decode section profiles
 # Share of the remaining budget each section may use (of the sections still to run).
 SHARES = {"ceiling": 0.03, "train": 0.38, "decode": 0.21, "exits": 0.16, "batched": 0.22}
 CUDA_ONLY = "cuda only"
@@ -479,6 +480,29 @@ def _static_timing(decoder, prompt, steps, rounds, device, deadline, graph: bool
     return result
 
 
+def _kernels_per_token(decoder, prompt, steps, device, replay: bool = False) -> dict:
+    """Kernels per decoded token of ``decoder``, profiled (``torch.profiler``) over the first
+    :data:`KERNEL_COUNT_TOKENS` of ``steps`` after ``prompt``, one untimed token first (it compiles an
+    uncompiled decoder's pieces). On CUDA ``kernels``: the kernels the device ran (its activity records,
+    memcpy/memset apart as ``copies``), with the launch calls that started them; on a CPU ``aten_ops``,
+    the leaf aten ops (:func:`decode_speed.count_per_token`), the CPU's stand-in for launches (Inductor's
+    fused C++ kernels are no aten ops). ``per_token`` is the one of the two this device has. A captured
+    decoder runs the pieces its graphs were recorded from, eagerly (``replay=False``: the same kernels,
+    each launched), or replays its graphs (``replay=True``: one launch per graph)."""
+    from decode_speed import count_per_token
+
+    tokens = steps[:KERNEL_COUNT_TOKENS]
+    decoder.prefill(prompt)
+    decoder._advance(tokens[0], replay=replay)
+    decoder.prefill(prompt)
+    counts = count_per_token(lambda: [decoder._advance(token, replay=replay) for token in tokens], device)
+    result = {key: value / len(tokens) for key, value in counts.items() if isinstance(value, (int, float))}
+    result["per_token"] = result["kernels" if device.type == "cuda" else "aten_ops"]
+    result["run"] = ("graph replay" if replay and decoder.captured else "eager") + \
+        (", Inductor pieces" if decoder.compiled else "")
+    return result
+
+
 def _observe(decoder, prompt, steps, check_every: int | None) -> dict:
     """An untimed teacher-forced pass: the greedy token at each position ``[B, T]`` and the loop steps
     taken, per group: the rule's mean over rows and tokens, and the steps the batch executed (every row
@@ -605,22 +629,32 @@ def decode_section(args, device, deadline, context) -> dict:
     out["packed"]["path"] = "packed (generate's path, eager)"
     state.clear()
 
+    decoders = {}  # row key -> the decoder it timed, kept for the kernel counts
+
     def static_rows(on, budget_of, noise_of, prefix, fractions) -> None:
         """The static path on model ``on``: eager, CUDA graph, and Inductor-compiled (graph on CUDA, eager
         on the CPU); each row its own decoder, each ``fractions`` of what the section has left."""
-        out[f"{prefix}static_eager"] = _static_timing(_decoder(on, 1, budget_of, args, noise_of), prompt, steps,
-                                                      _rounds_args(args), device, share(fractions[0]), graph=False)
-        out[f"{prefix}static_graph"] = _static_timing(_decoder(on, 1, budget_of, args, noise_of), prompt, steps,
-                                                      _rounds_args(args), device, share(fractions[1]), graph=True) \
-            if graphs else {"status": CUDA_ONLY}
+        key = f"{prefix}static_eager"
+        decoders[key] = _decoder(on, 1, budget_of, args, noise_of)
+        out[key] = _static_timing(decoders[key], prompt, steps, _rounds_args(args), device, share(fractions[0]),
+                                  graph=False)
+        key = f"{prefix}static_graph"
+        if graphs:
+            decoders[key] = _decoder(on, 1, budget_of, args, noise_of)
+            out[key] = _static_timing(decoders[key], prompt, steps, _rounds_args(args), device, share(fractions[1]),
+                                      graph=True)
+        else:
+            out[key] = {"status": CUDA_ONLY}
         key = f"{prefix}static_inductor"
         if not decoder_compiles():
             out[key] = {"status": "no compile option in this tree"}
             return
         try:  # a compiler failure must not lose the rows measured
-            out[key] = _static_timing(_decoder(on, 1, budget_of, args, noise_of, compile=True), prompt, steps,
-                                      _rounds_args(args), device, share(fractions[2]), graph=graphs)
+            decoders[key] = _decoder(on, 1, budget_of, args, noise_of, compile=True)
+            out[key] = _static_timing(decoders[key], prompt, steps, _rounds_args(args), device, share(fractions[2]),
+                                      graph=graphs)
         except Exception as exc:  # noqa: BLE001
+            decoders.pop(key, None)
             out[key] = {"status": "error", "error": _error_text(exc), "traceback": traceback.format_exc()}
             print(f"  {key} failed: {_error_text(exc)}", flush=True)
         _free(device)
@@ -628,10 +662,18 @@ def decode_section(args, device, deadline, context) -> dict:
     static_rows(model, budget, noise, "", (0.2, 0.25, 0.4))
     plain = RecurrentLM(config.replace(groups="", eval_loops=None)).to(device=device, dtype=dtype).eval()
     out["plain_layers"] = plain.config.n_layer
-    static_rows(plain, (), None, "plain_", (0.25, 0.4, 1.0))
-    out["fast_path"] = ("the static rows' attention views its one query per row (AttentionContext.one_per_row); "
-                        "revisions without it (e.g. 6942ad7, 5.19 ms/token on an H100) packed and unpacked the "
-                        "queries: three more kernels per layer application")
+    static_rows(plain, (), None, "plain_", (0.25, 0.4, 0.75))  # the rest: the kernel counts
+    try:  # a profiler failure must not lose the rows measured
+        out["kernel_counts"] = kernel_counts(decoders, model, budget, noise, prompt, steps, args, device, deadline)
+    except Exception as exc:  # noqa: BLE001
+        out["kernel_counts"] = {"status": "error", "error": _error_text(exc), "traceback": traceback.format_exc()}
+        print(f"  kernel counts failed: {_error_text(exc)}", flush=True)
+    decoders.clear()
+    out["fast_path"] = ("the static rows' attention views its one query per row (AttentionContext.one_per_row) and "
+                        "reads an additive mask made once per token; revisions without the first (e.g. 6942ad7, "
+                        "5.19 ms/token on an H100) packed and unpacked the queries, three more kernels per layer "
+                        "application, and without the second SDPA converted a boolean mask at every layer "
+                        "application (three more)")
     for name, prefix in (("looped", ""), ("plain", "plain_")):
         rows = [f"{prefix}static_graph", f"{prefix}static_inductor"] if graphs else \
             [f"{prefix}static_eager", f"{prefix}static_inductor"]
@@ -641,6 +683,53 @@ def decode_section(args, device, deadline, context) -> dict:
         out[f"best_{name}_path"] = out[best]["path"]
     out["speedup_graph_over_packed"] = _ratio(out["packed"]["ms_per_token"], out["best_looped_ms"])
     out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def kernel_counts(decoders: dict, model, budget, noise, prompt, steps, args, device, deadline) -> dict:
+    """Kernels per decoded token of the decode section's static rows (``decoders``: row key -> the decoder
+    it timed), each counted alone (an error recorded in its place), and per loop step of the looped model:
+    (full budget - 1 loop per group) / the extra loop steps, from a budget-1 decoder counted the same way
+    (the compiled one compiles first; skipped once the section's time is out). The graph rows' kernels are
+    those of the eager rows (a graph records the launches of one eager token); on CUDA the graph row is
+    also counted replayed (``static_graph_replay``: the kernels the device ran, one launch per token)."""
+    cuda = device.type == "cuda"
+    out = {"status": "ok", "tokens": KERNEL_COUNT_TOKENS,
+           "what": "CUDA kernels" if cuda else "aten ops (CPU)",
+           "unit": ("kernels the device ran per decoded token (torch.profiler's CUDA activity records; "
+                    "memcpy/memset apart as copies)") if cuda else
+                   ("leaf aten ops per decoded token (no views or allocations): the CPU's stand-in for "
+                    "kernel launches; Inductor's fused C++ kernels are not aten ops"),
+           "per_token": {}, "per_loop_step": {}}
+    started = time.perf_counter()
+
+    def counted(decoder, replay=False) -> dict:
+        try:
+            return _kernels_per_token(decoder, prompt, steps, device, replay=replay)
+        except Exception as exc:  # noqa: BLE001
+            return {"status": "error", "error": _error_text(exc)}
+
+    for key in ("static_eager", "static_inductor", "plain_static_eager", "plain_static_inductor"):
+        out["per_token"][key] = counted(decoders[key]) if key in decoders else {"status": "no decoder (row failed)"}
+    if "static_graph" in decoders:
+        out["per_token"]["static_graph_replay"] = counted(decoders["static_graph"], replay=True)
+    extra = sum(budget) - len(budget)  # loop steps the full budget runs beyond 1 per group
+    for key, compiled in (("static_eager", False), ("static_inductor", True)):
+        full = out["per_token"][key].get("per_token")
+        if full is None or extra < 1:
+            out["per_loop_step"][key] = {"status": "no full-budget count" if extra >= 1 else "no loops"}
+            continue
+        if compiled and time.perf_counter() > deadline:
+            out["per_loop_step"][key] = {"status": "skipped: the section's time is out (a budget-1 decoder "
+                                                   "would compile)"}
+            continue
+        one = counted(_decoder(model, 1, budget, args, noise, loop_counts=(1,) * len(budget), compile=compiled))
+        if "per_token" not in one:
+            out["per_loop_step"][key] = one
+            continue
+        out["per_loop_step"][key] = {"per_loop_step": (full - one["per_token"]) / extra, "full_budget": full,
+                                     "budget_1": one["per_token"], "extra_loop_steps": extra}
+    out["seconds"] = time.perf_counter() - started
     return out
 
 
@@ -1012,6 +1101,30 @@ def _cell(entry: dict, key="ms_per_token") -> str:
     return f"{value:.3f} [{iqr[0]:.3f}-{iqr[1]:.3f}]" if iqr and key == "ms_per_token" else f"{value:.4g}"
 
 
+def _kernel_rows(counts: dict) -> list[str]:
+    """The decode table's rows of kernels per token and per loop step (:func:`kernel_counts`)."""
+    if counts.get("status") != "ok":
+        return [f"| kernels per token | {counts.get('status', '-')}: {counts.get('error', '')[:100]} | |"]
+    what, per_token, per_step = counts["what"], counts["per_token"], counts["per_loop_step"]
+
+    def cell(entry: dict, key: str) -> str:
+        value = entry.get(key)
+        return _fmt(value) if value is not None else entry.get("status", "-")
+
+    rows = [f"| {what} per token, static eager (a CUDA graph holds the same) | "
+            f"{cell(per_token['static_eager'], 'per_token')} | {cell(per_token['plain_static_eager'], 'per_token')} |",
+            f"| {what} per token, static, Inductor pieces | {cell(per_token['static_inductor'], 'per_token')} | "
+            f"{cell(per_token['plain_static_inductor'], 'per_token')} |"]
+    if "static_graph_replay" in per_token:
+        rows.append(f"| {what} per token, static CUDA graph replayed (launch calls) | "
+                    f"{cell(per_token['static_graph_replay'], 'per_token')} "
+                    f"({cell(per_token['static_graph_replay'], 'kernel_launches')}) | - |")
+    rows.append(f"| {what} per loop step, static eager / Inductor pieces | "
+                f"{cell(per_step['static_eager'], 'per_loop_step')} / "
+                f"{cell(per_step['static_inductor'], 'per_loop_step')} | - |")
+    return rows
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [
@@ -1044,6 +1157,7 @@ def markdown(report: dict) -> str:
                   f"| static CUDA graph | {_cell(decode['static_graph'])} | {_cell(decode['plain_static_graph'])} |",
                   f"| static, Inductor pieces, CUDA graph (eager on a CPU) | {_cell(decode.get('static_inductor', {}))} "
                   f"| {_cell(decode.get('plain_static_inductor', {}))} |",
+                  *_kernel_rows(decode.get("kernel_counts", {})),
                   "", decode.get("fast_path", "")]
     exits = sections.get("exits", {})
     if exits.get("status") == "ok":

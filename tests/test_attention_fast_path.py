@@ -1,6 +1,7 @@
 """The one-query attention fast path (``AttentionContext.one_per_row``): when a packed-rows call holds
 exactly one query per batch row, in batch order, attention views the queries instead of packing them.
-SDPA then sees the same values, so everything equals the packing path bit for bit."""
+SDPA then sees the same values, so everything equals the packing path bit for bit. Likewise the static
+decoder's additive mask (made once per token) against the boolean mask SDPA converts at every call."""
 
 from __future__ import annotations
 
@@ -28,11 +29,26 @@ def packing_always(decoder: StaticDecoder) -> None:
     decoder._rows_context = lambda rows, step: dataclasses.replace(rows_context(rows, step), one_per_row=False)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("block", ["sandwich", "gpt2"])
-@pytest.mark.parametrize("mode", ["fixed", "exits", "exits_compacted"])
-def test_static_decoding_is_bit_identical_with_and_without_the_fast_path(dtype, block, mode):
-    """Logits, steps computed, iterates handed on, and every key/value slot of the cache."""
+def boolean_masks(decoder: StaticDecoder) -> None:
+    """Make ``decoder`` hand attention a boolean mask (``key <= position``, SDPA converts it at every
+    call), refreshed per token beside its own additive one, as the decoder did before."""
+    boolean = torch.zeros(decoder._mask.shape, dtype=torch.bool, device=decoder.device)
+    refresh = decoder._refresh_mask
+
+    def refresh_both() -> None:
+        refresh()
+        boolean.copy_(decoder._mask == 0)
+
+    decoder._refresh_mask = refresh_both
+    for context in decoder._contexts.values():
+        context.mask = boolean
+    rows_context = decoder._rows_context
+    decoder._rows_context = lambda rows, step: dataclasses.replace(rows_context(rows, step), mask=boolean[:rows])
+
+
+def decode_pair(dtype, block, mode, change):
+    """Two equal decoders of 3 rows, ``change`` applied to the second; both decode the same tokens.
+    Returns both and their outputs (logits, computed, used)."""
     model = tiny_model(block).to(dtype)
     batch = 3
     idx = tokens(batch)
@@ -44,20 +60,91 @@ def test_static_decoding_is_bit_identical_with_and_without_the_fast_path(dtype, 
         setting = varied_setting(model, idx, noise, "acceleration")
         options.update(controller_factory=controller_factory(model, "acceleration", setting), check_every=1,
                        compact=mode == "exits_compacted")
-    fast, slow = StaticDecoder(model, batch, K_MAX, **options), StaticDecoder(model, batch, K_MAX, **options)
-    assert all(context.one_per_row for context in fast._contexts.values())
-    packing_always(slow)
-    fast_out, slow_out = decode_all(fast, idx), decode_all(slow, idx)
-    for a, b in zip(fast_out, slow_out):
+    first, second = StaticDecoder(model, batch, K_MAX, **options), StaticDecoder(model, batch, K_MAX, **options)
+    change(second)
+    return first, second, decode_all(first, idx), decode_all(second, idx)
+
+
+def assert_bit_identical(first, second, first_out, second_out, mode) -> None:
+    """Logits, steps computed, iterates handed on, and every key/value slot of the cache."""
+    for a, b in zip(first_out, second_out):
         assert a.dtype == b.dtype and torch.equal(a, b)
     if mode != "fixed":
-        assert fast_out[1].min() < fast_out[1].max(), "the exits should vary"
-    for layer in fast.cache.looped:
-        for a, b in zip(fast.cache.looped[layer], slow.cache.looped[layer]):
+        assert first_out[1].min() < first_out[1].max(), "the exits should vary"
+    for layer in first.cache.looped:
+        for a, b in zip(first.cache.looped[layer], second.cache.looped[layer]):
             assert torch.equal(a, b)
-    for layer in fast.cache.single:
-        for a, b in zip(fast.cache.single[layer], slow.cache.single[layer]):
+    for layer in first.cache.single:
+        for a, b in zip(first.cache.single[layer], second.cache.single[layer]):
             assert torch.equal(a, b)
+
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+BLOCKS = pytest.mark.parametrize("block", ["sandwich", "gpt2"])
+MODES = pytest.mark.parametrize("mode", ["fixed", "exits", "exits_compacted"])
+
+
+@DTYPES
+@BLOCKS
+@MODES
+def test_static_decoding_is_bit_identical_with_and_without_the_fast_path(dtype, block, mode):
+    fast, slow, fast_out, slow_out = decode_pair(dtype, block, mode, packing_always)
+    assert all(context.one_per_row for context in fast._contexts.values())
+    assert_bit_identical(fast, slow, fast_out, slow_out, mode)
+
+
+@DTYPES
+@BLOCKS
+@MODES
+def test_static_decoding_is_bit_identical_with_the_additive_and_the_boolean_mask(dtype, block, mode):
+    additive, boolean, additive_out, boolean_out = decode_pair(dtype, block, mode, boolean_masks)
+    assert additive._mask.dtype == dtype and boolean._contexts[0].mask.dtype == torch.bool
+    assert_bit_identical(additive, boolean, additive_out, boolean_out, mode)
+    if mode == "exits_compacted":  # compacted chunks ran, on the mask's first rows
+        assert any(rows < additive.batch_size for rows, _ in additive._row_contexts)
+        assert all(context.mask.dtype == dtype for context in additive._row_contexts.values())
+
+
+def test_the_mask_is_made_once_per_token_and_sdpa_converts_nothing():
+    """After a token at position p: 0 at keys 0..p, -inf after, in every row; the token makes the mask
+    once (one ``where``), and its attention calls convert nothing (no ``where`` inside SDPA, as there is
+    with a boolean mask)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tiny_model()
+    batch = 2
+    idx = tokens(batch)
+    wheres = []
+    for change in (None, boolean_masks):
+        decoder = StaticDecoder(model, batch, K_MAX, loop_counts=(2, 1), noise=StateNoise(2, range(batch)))
+        if change:
+            change(decoder)
+        decoder.prefill(idx[:, :4])
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            decoder.step(idx[:, 4:5])
+        events = prof.events()
+        # single-pass layers 0 and 4; layer 1 at 2 steps; layers 2-3 at 1 step
+        assert sum(event.name == "aten::scaled_dot_product_attention" for event in events) == 2 + 2 + 2
+        wheres.append((sum(event.name == "aten::where" and inside_attention(event) for event in events),
+                       sum(event.name == "aten::where" and not inside_attention(event) for event in events)))
+        if change is None:
+            expected = torch.full((decoder.capacity,), float("-inf"), dtype=torch.float64)
+            expected[:5] = 0
+            assert decoder._mask.dtype == torch.float64
+            assert torch.equal(decoder._mask, expected.expand(batch, 1, 1, -1))
+            assert all(context.mask is decoder._mask for context in decoder._contexts.values())
+    additive, boolean = wheres
+    assert additive == (0, 1) and boolean[0] >= 6
+
+
+def inside_attention(event) -> bool:
+    """Whether a profiler event ran inside ``scaled_dot_product_attention``."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == "aten::scaled_dot_product_attention":
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def test_build_sets_the_flag_only_for_one_query_per_row_in_order():

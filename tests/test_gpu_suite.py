@@ -90,6 +90,21 @@ def test_smoke_run(tmp_path):
     assert decode["static_graph"] == {"status": "cuda only"}
     assert decode["plain_static_graph"] == {"status": "cuda only"}
     assert decode["best_looped_path"] in ("eager", "inductor+eager")
+    # Kernel counts: on a CPU the same code counts leaf aten ops per token and per loop step.
+    counts = decode["kernel_counts"]
+    assert counts["status"] == "ok", counts
+    assert counts["what"] == "aten ops (CPU)" and counts["tokens"] == 2
+    per_token = counts["per_token"]
+    assert set(per_token) == {"static_eager", "static_inductor", "plain_static_eager", "plain_static_inductor"}
+    for key, entry in per_token.items():
+        assert entry["per_token"] == entry["aten_ops"] > 0 and entry["value_reads"] == 0, key
+    assert per_token["static_inductor"]["per_token"] < per_token["static_eager"]["per_token"]  # fused away
+    assert per_token["plain_static_eager"]["per_token"] < per_token["static_eager"]["per_token"]
+    for key in ("static_eager", "static_inductor"):
+        step = counts["per_loop_step"][key]
+        assert step["extra_loop_steps"] == 3 * 11 and step["budget_1"] < step["full_budget"], key
+        assert step["per_loop_step"] == (step["full_budget"] - step["budget_1"]) / 33 > 0
+    assert "aten ops (CPU) per loop step, static eager / Inductor pieces |" in markdown
 
     exits = sections["exits"]
     assert exits["loop_step_ms"] > 0 and exits["loop_step_ms_inductor"] > 0
@@ -118,6 +133,22 @@ def test_smoke_run(tmp_path):
     assert absolute["decode_looped_ms"] is None and absolute["suite_runtime"] is None
     assert "cuda only" in markdown and env_info["revision"] in markdown
     assert "| target | measured | met? |" in proc.stdout  # the table is printed at the end
+
+
+def test_kernel_rows_show_a_failed_count():
+    suite = load_suite()
+    rows = suite._kernel_rows({"status": "error", "error": "RuntimeError: no CUPTI"})
+    assert rows == ["| kernels per token | error: RuntimeError: no CUPTI | |"]
+    failed = {"status": "error", "error": "x"}
+    rows = suite._kernel_rows({"status": "ok", "what": "CUDA kernels", "per_token": {
+        "static_eager": {"per_token": 412.0}, "static_inductor": failed, "plain_static_eager": {"per_token": 90.5},
+        "plain_static_inductor": {"status": "no decoder (row failed)"},
+        "static_graph_replay": {"per_token": 412.0, "kernel_launches": 1.0}},
+        "per_loop_step": {"static_eager": {"per_loop_step": 20.25}, "static_inductor": {"status": "skipped"}}})
+    assert rows == ["| CUDA kernels per token, static eager (a CUDA graph holds the same) | 412 | 90.5 |",
+                    "| CUDA kernels per token, static, Inductor pieces | error | no decoder (row failed) |",
+                    "| CUDA kernels per token, static CUDA graph replayed (launch calls) | 412 (1) | - |",
+                    "| CUDA kernels per loop step, static eager / Inductor pieces | 20.2 / skipped | - |"]
 
 
 @pytest.mark.parametrize("argv", [["--sections", "train,nope"], ["--exit-fraction", "1.5"], ["--batches", "x"],

@@ -319,3 +319,59 @@ def test_cuda_graph_replay_equals_eager_without_syncs(mode):
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(torch.stack(logits, 1), eager[0][:, PROMPT:], rtol=0, atol=1e-10)
     assert torch.equal(torch.stack(computed, 2), eager[1][:, :, PROMPT:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_captured_decoder_run_unreplayed_equals_its_replay():
+    """``_advance(replay=False)`` (how the GPU suite counts the kernels of a captured token) runs the
+    pieces the graphs were recorded from: the same logits, steps and cache as replaying them."""
+    model = tiny_model().cuda()
+    idx = tokens(3).cuda()
+    noise = StateNoise(8, range(3))
+    factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
+    runs = []
+    for replay in (True, False):
+        decoder = StaticDecoder(model, 3, K_MAX, noise=noise, controller_factory=factory, check_every=2,
+                                compact=True)
+        decoder.prefill(idx[:, :PROMPT])
+        decoder.capture()
+        logits = []
+        for t in range(PROMPT, LENGTH):
+            decoder._advance(idx[:, t : t + 1], replay=replay)
+            logits.append(decoder.logits.clone())
+        runs.append((torch.stack(logits), decoder.computed.clone(), decoder.cache.looped))
+    (replayed, replayed_steps, replayed_kv), (direct, direct_steps, direct_kv) = runs
+    torch.testing.assert_close(direct, replayed, rtol=0, atol=1e-10)
+    assert torch.equal(direct_steps, replayed_steps)
+    for layer, pair in replayed_kv.items():
+        for a, b in zip(pair, direct_kv[layer]):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+
+
+def test_unreplayed_tokens_of_a_captured_decoder_touch_no_graph():
+    """On the CPU, with stand-in graphs that fail when replayed: ``_advance(replay=False)`` runs the plan's
+    pieces, and decodes as eager does."""
+
+    class NoReplay:
+        def replay(self):
+            raise AssertionError("replayed")
+
+    model = tiny_model()
+    idx = tokens(3)
+    noise = StateNoise(8, range(3))
+    factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
+    options = dict(noise=noise, controller_factory=factory, check_every=1, compact=True)
+    expected = decode_all(StaticDecoder(model, 3, K_MAX, **options), idx)
+    decoder = StaticDecoder(model, 3, K_MAX, **options)
+    decoder._graphs = [None if kind == "check" else
+                       NoReplay() if kind == "run" else {rows: NoReplay() for rows in decoder._bucket_sizes()}
+                       for kind, _ in decoder._plan]
+    decoder.prefill(idx[:, :PROMPT])
+    logits, computed = [], []
+    for t in range(PROMPT, LENGTH):
+        decoder._advance(idx[:, t : t + 1], replay=False)
+        logits.append(decoder.logits.clone())
+        computed.append(decoder.computed.clone())
+    torch.testing.assert_close(torch.stack(logits, 1), expected[0][:, PROMPT:], rtol=0, atol=1e-10)
+    assert torch.equal(torch.stack(computed, 2), expected[1][:, :, PROMPT:])

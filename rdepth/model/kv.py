@@ -31,7 +31,10 @@ class AttentionContext:
 
     ``batch_index``/``position`` (each ``[N]``) locate the rows; queries are
     packed into ``[B, slots]`` by ``slot_index``; ``mask`` ``[B, 1, slots, S]``
-    allows keys at positions ``<=`` the query's own.
+    allows keys at positions ``<=`` the query's own: boolean (True: read; what
+    :meth:`build` makes) or additive in the queries' dtype (0: read, -inf: not;
+    what SDPA turns a boolean mask into at every call, so the static decoder
+    makes it once per token instead).
 
     ``one_per_row`` (a host-side flag, set by whoever builds the context, never
     read from the device): the rows are exactly one query per batch row, in

@@ -33,6 +33,13 @@ change from token to token:
 * Every attention context holds one query per row, in row order (``one_per_row``, set on the host
   when the context is made): attention views the queries instead of packing them (fewer kernels,
   the same values).
+* The attention mask is additive, in the model's dtype (0 where a key may be read, -inf where not),
+  made once per token: a boolean mask would be turned into exactly this tensor by
+  ``scaled_dot_product_attention`` at every layer application (``where(mask, 0, -inf)`` in the
+  query's dtype), so every layer's attention sees the same values, at three fewer ops each (the
+  conversion's two scalar fills and its ``where``).
+  No row is ever fully masked (position 0 is always allowed), so SDPA's handling of such rows, which
+  may differ between the two kinds of mask, never comes in.
 * :meth:`StaticDecoder.capture` (CUDA only) records each piece of a token (the whole token at a
   fixed budget; at exits, the stretches between checks) as a ``torch.cuda.CUDAGraph`` over static
   buffers, replayed for every token.
@@ -342,7 +349,11 @@ class StaticDecoder:
         self._order = torch.arange(batch, device=device)
         self._row_contexts: dict[tuple[int, int], AttentionContext] = {}  # (rows, step) -> context
         self._key_positions = torch.arange(self.capacity, device=device)
-        self._mask = torch.zeros(batch, 1, 1, self.capacity, dtype=torch.bool, device=device)
+        # The additive attention mask [B, 1, 1, S] (0: read, -inf: not yet written), refilled per token
+        # (_begin_token) from these two values; the compacted contexts read its first rows.
+        self._mask = torch.zeros(batch, 1, 1, self.capacity, dtype=self.dtype, device=device)
+        self._mask_open = torch.zeros((), dtype=self.dtype, device=device)
+        self._mask_shut = torch.full((), float("-inf"), dtype=self.dtype, device=device)
         # One context per loop step (0: single-pass layers); the mask is refreshed in place per token.
         self._contexts = {
             step: AttentionContext(self.cache, step, self._rows, self.cache.position.expand(batch),
@@ -398,7 +409,13 @@ class StaticDecoder:
     def _begin_token(self) -> None:
         x = self.model.embed(self.tokens, positions=self.cache.position)  # (B, 1, d), the position on the device
         self._x.copy_(x.view(self.batch_size, -1))
-        self._mask.copy_((self._key_positions <= self.cache.position).view(1, 1, 1, -1))
+        self._refresh_mask()
+
+    def _refresh_mask(self) -> None:
+        """``_mask`` for the current position, in place: 0 at the keys written so far and this token's,
+        -inf after (what SDPA would make of the boolean mask ``key <= position``, at every call)."""
+        readable = (self._key_positions <= self.cache.position).view(1, 1, 1, -1)  # (1, 1, 1, S)
+        torch.where(readable.expand(self._mask.shape), self._mask_open, self._mask_shut, out=self._mask)
 
     def _run_single(self, layers: tuple[int, ...]) -> None:
         if self._compiled is None:
@@ -593,17 +610,21 @@ class StaticDecoder:
         return self.logits.clone()
 
     @torch.no_grad()
-    def _advance(self, tokens: torch.Tensor) -> None:
+    def _advance(self, tokens: torch.Tensor, replay: bool = True) -> None:
+        """:meth:`step` without the copy of the logits. ``replay=False``: a captured decoder runs the
+        pieces its graphs were recorded from, eagerly (compiled ones compiled, compacted chunks at the
+        recorded row counts): the same results, the graphs' kernels launched one by one (to count them)."""
         if self.length >= self.capacity:
             raise RdepthError(f"StaticDecoder: the cache is full ({self.capacity} positions)")
         self.tokens.copy_(tokens)
-        with self._compile_scope() if self._graphs is None else contextlib.nullcontext():
-            self._run_plan()
+        graphs = self._graphs if replay else None
+        with self._compile_scope() if graphs is None else contextlib.nullcontext():
+            self._run_plan(graphs)
         self.length += 1
 
-    def _run_plan(self) -> None:
-        """One token's plan: its pieces eager (compiled or not) or replayed, and its checks."""
-        plan, graphs = self._plan, self._graphs
+    def _run_plan(self, graphs: list | None) -> None:
+        """One token's plan: its pieces eager (compiled or not; ``graphs`` None) or replayed, and its checks."""
+        plan = self._plan
         index = 0
         while index < len(plan):
             kind, item = plan[index]
