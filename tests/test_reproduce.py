@@ -318,3 +318,40 @@ def test_warmup_is_a_tenth_of_the_run_at_least_150_steps_at_most_a_fifth():
     probe = Probe("tiny", 3e-11, 3)
     plan = plan_run(_configs(), probe, 1200.0, min_tokens=200_000, train_share=0.6, work=_work(), kind="cpu")
     assert plan.warmup_steps == warmup_steps(plan.max_steps)
+
+
+def test_the_plan_times_each_size_it_steps_down_to(monkeypatch, tmp_path):
+    """A larger size's seconds per FLOP flatter a smaller one: the planner times every size it picks and
+    plans again among that size and the smaller ones, until the chosen size is the one timed last."""
+    import logging
+
+    from rdepth.io import StageTimer
+    from rdepth.reproduce import run as R
+
+    speed = {"paper": 3.9e-15, "small": 8e-15, "mini": 1.4e-14}  # seconds per FLOP: smaller runs less efficiently
+    timed = []
+
+    def probe(size, config, data, kind):
+        timed.append(size)
+        return Probe(size, speed[size], 8)
+
+    monkeypatch.setattr(R, "_probe", probe)
+    monkeypatch.setattr(R, "_model_config", lambda name, data: size_config(name, 50257, "gpt2"))
+    config = ReproduceConfig(out=str(tmp_path), minutes=9, sizes=("paper", "small", "mini")).for_device("cuda")
+    saved = R._planned(config, tmp_path, "cuda", StageTimer(logging.getLogger("test")))
+    # paper's speed puts small past 50M tokens; small's own speed does not, and puts mini past them
+    assert timed == ["paper", "small", "mini"]
+    assert saved["plan"]["size"] == "mini" and saved["plan"]["reaches_min_tokens"]
+    assert [p["size"] for p in saved["probes"]] == timed
+    # with the paper size's speed for everyone, small would have won
+    assert plan_run({n: size_config(n, 50257, "gpt2") for n in ("paper", "small", "mini")}, Probe("paper", 3.9e-15, 8),
+                    540, min_tokens=50_000_000, train_share=0.7, work=R._workload(config), kind="cuda").size == "small"
+
+
+def test_the_paper_size_is_timed_on_cuda_only_when_the_budget_can_train_it():
+    from rdepth.reproduce.config import PAPER_SIZE_MINUTES
+
+    assert ReproduceConfig(minutes=9).for_device("cuda").sizes == ("small", "mini")
+    assert ReproduceConfig(minutes=PAPER_SIZE_MINUTES).for_device("cuda").sizes == ("paper", "small", "mini")
+    assert ReproduceConfig(minutes=30, sizes=("mini",)).for_device("cuda").sizes == ("mini",)
+    assert ReproduceConfig(minutes=30).for_device("cpu").sizes == ("tiny", "toy")

@@ -147,9 +147,14 @@ def _planned(config: ReproduceConfig, data: Path, kind: str, stage: StageTimer) 
                         train_share=config.train_share, work=work, kind=kind)
 
     plan = plan_now(configs)
-    if plan.size != probes[-1].size:  # time the chosen size itself, then size its run from that
+    names = list(configs)
+    while plan.size != probes[-1].size:
+        # Time the chosen size itself and plan again among it and the smaller sizes from its own
+        # speed: a larger size's seconds per FLOP flatter a smaller one, so the new plan may step
+        # down (and time that size too). Each pass times a smaller size than the last: it ends.
         probes.append(_probe(plan.size, config, data, kind))
-        plan = plan_now({plan.size: configs[plan.size]})
+        names = names[names.index(plan.size):]
+        plan = plan_now({name: configs[name] for name in names})
     log.info("plan: size %s, %d steps of %d windows (%s tokens), checkpoint every %d steps; training about %.0f s, "
              "the rest about %.0f s", plan.size, plan.max_steps, plan.batch_size, f"{plan.tokens:,}",
              plan.checkpoint_every, plan.train_seconds, plan.after_training["total"])
