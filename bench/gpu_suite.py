@@ -678,6 +678,9 @@ def decode_section(args, device, deadline, context) -> dict:
         rows = [f"{prefix}static_graph", f"{prefix}static_inductor"] if graphs else \
             [f"{prefix}static_eager", f"{prefix}static_inductor"]
         timed_rows = [row for row in rows if "ms_per_token" in out[row]]
+        if not timed_rows:  # both failed or ran out of time: their own entries say why
+            out[f"best_{name}_ms"], out[f"best_{name}_path"] = None, None
+            continue
         best = min(timed_rows, key=lambda row: out[row]["ms_per_token"])
         out[f"best_{name}_ms"] = out[best]["ms_per_token"]
         out[f"best_{name}_path"] = out[best]["path"]
