@@ -34,9 +34,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 for stability under bf16 autocast (fused kernel).
+        shape = (x.shape[-1],)
+        if x.dtype == self.weight.dtype:
+            # One fused op; for bf16/fp16 it accumulates in float32 and rounds once (the CPU kernel
+            # upcasts, the CUDA one keeps a float32 accumulator): a bf16 model's norms, e.g. in bf16
+            # decoding, without the three extra casts of the branch below.
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        # Mixed precision (bf16 activations under autocast, float32 weights): normalise in float32.
         wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        normed = F.rms_norm(wide, (x.shape[-1],), self.weight.to(wide.dtype), self.eps)
+        normed = F.rms_norm(wide, shape, self.weight.to(wide.dtype), self.eps)
         return normed.type_as(x)
 
 
