@@ -148,6 +148,28 @@ NO_WORK = {"as_strided", "view", "reshape", "_reshape_alias", "transpose", "t", 
            "type_as", "lift_fresh", "_unsafe_view", "narrow", "chunk"}
 
 
+def packed_decoding(model, prompt, steps, noise, batch: int, options):
+    """``(setup, decode, state)`` for :func:`time_rounds` on the packed path (``generate``'s): ``setup``
+    prefills a fresh cache (``state["cache"]``) with ``prompt``, ``decode`` feeds ``steps`` one token at
+    a time; ``options()`` gives each forward's loop arguments (``loop_counts=...``, or a fresh
+    ``controller=...``)."""
+    import torch
+
+    state: dict = {}
+
+    def setup() -> None:
+        state["cache"] = model.new_cache(batch)
+        with torch.no_grad():
+            model(prompt, cache=state["cache"], generator=noise, **options())
+
+    @torch.no_grad()
+    def decode() -> None:
+        for token in steps:
+            model(token, cache=state["cache"], generator=noise, **options())
+
+    return setup, decode, state
+
+
 def _is_work(name: str) -> bool:
     return name.startswith("aten::") and name[len("aten::"):] not in NO_WORK
 
@@ -190,18 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {}
 
     # (a) the packed path
-    state = {}
-
-    def packed_setup():
-        state["cache"] = model.new_cache(batch)
-        with torch.no_grad():
-            model(prompt, loop_counts=loops, cache=state["cache"], generator=noise)
-
-    @torch.no_grad()
-    def packed_decode():
-        for token in steps:
-            model(token, loop_counts=loops, cache=state["cache"], generator=noise)
-
+    packed_setup, packed_decode, state = packed_decoding(model, prompt, steps, noise, batch,
+                                                         lambda: {"loop_counts": loops})
     results["a_packed"] = summary(time_rounds(packed_setup, packed_decode, args, device))
 
     def static_rounds(decoder: StaticDecoder, graph: bool) -> dict:

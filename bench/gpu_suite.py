@@ -590,9 +590,7 @@ def _policy_factory(name, tau, budget):
 
 # ----------------------------------------------------------------------------- decode (batch 1)
 def decode_section(args, device, deadline, context) -> dict:
-    import torch
-
-    from decode_speed import summary, time_rounds
+    from decode_speed import packed_decoding, summary, time_rounds
     from rdepth.model import RecurrentLM
     from rdepth.model.noise import StateNoise
 
@@ -612,18 +610,8 @@ def decode_section(args, device, deadline, context) -> dict:
         return now + fraction * max(deadline - now, 0.0)
 
     # The packed path is the slowest per round: fewer rounds.
-    state = {}
-
-    def packed_setup():
-        state["cache"] = model.new_cache(1)
-        with torch.no_grad():
-            model(prompt, loop_counts=budget, cache=state["cache"], generator=noise)
-
-    @torch.no_grad()
-    def packed_decode():
-        for token in steps:
-            model(token, loop_counts=budget, cache=state["cache"], generator=noise)
-
+    packed_setup, packed_decode, state = packed_decoding(model, prompt, steps, noise, 1,
+                                                         lambda: {"loop_counts": budget})
     rounds = _rounds_args(args, repeats=max(1, min(args.repeats, 3)), warmup=min(args.warmup, 1))
     out["packed"] = summary(time_rounds(packed_setup, packed_decode, rounds, device, share(0.25)))
     out["packed"]["path"] = "packed (generate's path, eager)"
@@ -768,14 +756,24 @@ def calibrate_tau(model, budget, args, device, noise, prompt, steps, deadline, i
             "tries": tries}
 
 
+NO_GROUPS = {"status": "skipped", "reason": "the model has no recurrence groups"}
+
+
+def _looped_decode_model(args, device, context):
+    """The exit sections' model in the decode dtype, its config and the full budget (``--loops`` in every
+    group); ``(None, config, ())`` when the model has no recurrence groups."""
+    model, config = decode_model(args, device, context["decode_dtype"])
+    if not config.n_groups:
+        return None, config, ()
+    return model, config, (args.loops,) * config.n_groups
+
+
 def exits_section(args, device, deadline, context) -> dict:
     from rdepth.model.noise import StateNoise
 
-    dtype = context["decode_dtype"]
-    model, config = decode_model(args, device, dtype)
-    if not config.n_groups:
-        return {"status": "skipped", "reason": "the model has no recurrence groups"}
-    budget = (args.loops,) * config.n_groups
+    model, config, budget = _looped_decode_model(args, device, context)
+    if model is None:
+        return dict(NO_GROUPS)
     prompt, steps = _decode_inputs(config, 1, args, device)
     noise = StateNoise(0, [0])
     graph = device.type == "cuda"
@@ -872,14 +870,12 @@ def _agreement(tokens, reference) -> float:
 def batched_section(args, device, deadline, context) -> dict:
     import torch
 
-    from decode_speed import summary, time_rounds
+    from decode_speed import packed_decoding, summary, time_rounds
     from rdepth.model.noise import StateNoise
 
-    dtype = context["decode_dtype"]
-    model, config = decode_model(args, device, dtype)
-    if not config.n_groups:
-        return {"status": "skipped", "reason": "the model has no recurrence groups"}
-    budget = (args.loops,) * config.n_groups
+    model, config, budget = _looped_decode_model(args, device, context)
+    if model is None:
+        return dict(NO_GROUPS)
     graph = device.type == "cuda"
     tau = context.get("exit_tau")
     every = context.get("exit_check_every", args.check_every[0])
@@ -942,20 +938,9 @@ def batched_section(args, device, deadline, context) -> dict:
             row["exits_over_full"] = _ratio(row["exits"]["tokens_per_s"], row["full"]["tokens_per_s"])
             row["exits_over_fixed"] = _ratio(row["exits"]["tokens_per_s"], row["fixed_same_mean"]["tokens_per_s"])
             if batch <= 32 and time.perf_counter() < until:  # the packed path with exits (generate --exit)
-                state = {}
-
-                def packed_setup():
-                    state["cache"] = model.new_cache(batch)
-                    with torch.no_grad():
-                        model(prompt, controller=policy(), cache=state["cache"], generator=noise)
-
                 packed_steps = steps[:16]  # the slowest path per token: a shorter round
-
-                @torch.no_grad()
-                def packed_decode():
-                    for token in packed_steps:
-                        model(token, controller=policy(), cache=state["cache"], generator=noise)
-
+                packed_setup, packed_decode, state = packed_decoding(model, prompt, packed_steps, noise, batch,
+                                                                     lambda: {"controller": policy()})
                 packed = summary(time_rounds(packed_setup, packed_decode,
                                              _rounds_args(args, repeats=2, warmup=1, tokens=len(packed_steps)),
                                              device, until))
