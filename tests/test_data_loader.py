@@ -59,7 +59,7 @@ def test_sampler_errors():
 
 
 def test_held_out_windows_cover_consecutive_windows():
-    """The one window maker: window i is tokens[i*T : i*T + T + 1]."""
+    """The one window maker: window j is tokens[j*T : j*T + T + 1]; a capped count samples them evenly."""
     from rdepth.run.heldout import held_out_windows
 
     tokens = np.arange(103, dtype=np.uint16)
@@ -67,7 +67,11 @@ def test_held_out_windows_cover_consecutive_windows():
     assert tuple(windows.shape) == (10, 11) and windows.dtype == torch.int64
     assert torch.equal(windows[:, :-1].flatten(), torch.arange(100))
     assert torch.equal(windows[:, 1:].flatten(), torch.arange(1, 101))
-    assert torch.equal(held_out_windows(tokens, 10, max_windows=2), windows[:2])
+    # A capped count spreads its windows over the whole split (j = i * 10 // count), in order.
+    assert torch.equal(held_out_windows(tokens, 10, max_windows=2), windows[[0, 5]])
+    assert torch.equal(held_out_windows(tokens, 10, max_windows=3), windows[[0, 3, 6]])
+    assert torch.equal(held_out_windows(tokens, 10, max_windows=10), windows)
+    assert torch.equal(held_out_windows(tokens, 10, max_windows=50), windows)  # fewer than asked: all of them
     with pytest.raises(RdepthError):
         held_out_windows(np.arange(10), 10)
 

@@ -2,9 +2,10 @@
 
 Every evaluation (``rdepth eval``, ``analyze``, ``sweep``, the trainer's
 validation, the demo) cuts held-out tokens into the same windows with
-:func:`held_out_windows`: window i is ``tokens[i*T : i*T + T + 1]`` (inputs and
-next-token targets overlap by one), consecutive and non-overlapping, from the
-start.
+:func:`held_out_windows`: the text is cut into consecutive windows of ``T + 1`` tokens
+(``tokens[j*T : j*T + T + 1]``: inputs and next-token targets overlap by one), and a
+capped count takes windows spread evenly over the whole split, not its first ones: a
+prepared corpus keeps its sources in order, so the first windows are one source's.
 """
 
 from __future__ import annotations
@@ -87,8 +88,11 @@ def held_out_tokens(data: str | Path, checkpoint: str | Path, config: ModelConfi
 
 
 def held_out_windows(tokens: np.ndarray, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
-    """The first ``max_windows`` (default: all) consecutive windows of ``seq_len + 1`` tokens:
-    -> int64 ``[S, seq_len + 1]``. Fewer if the text is short (with a warning)."""
+    """``max_windows`` (default: all) non-overlapping windows of ``seq_len + 1`` tokens -> int64
+    ``[S, seq_len + 1]``, in text order. The text is cut into consecutive windows
+    ``tokens[j*seq_len : j*seq_len + seq_len + 1]``; with ``max_windows`` below their number the chosen
+    ``j`` are spread evenly over them (``j = i * available // max_windows``), so a capped evaluation
+    samples the whole split rather than its first documents. Fewer if the text is short (with a warning)."""
     if seq_len < 1:
         raise RdepthError(f"window length must be >= 1, got {seq_len}")
     available = (len(tokens) - 1) // seq_len
@@ -97,7 +101,8 @@ def held_out_windows(tokens: np.ndarray, seq_len: int, max_windows: int | None =
     count = available if max_windows is None else min(max_windows, available)
     if max_windows is not None and count < max_windows:
         log.warning("held-out text holds only %d windows of %d tokens (asked for %d)", count, seq_len, max_windows)
-    rows = [np.asarray(tokens[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64) for i in range(count)]
+    chosen = [i * available // count for i in range(count)]
+    rows = [np.asarray(tokens[j * seq_len : j * seq_len + seq_len + 1], dtype=np.int64) for j in chosen]
     return torch.from_numpy(np.stack(rows))
 
 
