@@ -48,6 +48,10 @@ class TrainConfig:
     max_steps: int = option(400, "optimizer steps (the cosine schedule ends here)")
     stop_at: int | None = option(None, "stop early at this step, keeping the max_steps schedule",
                                  default_text="max_steps")
+    time_limit: float | None = option(
+        None, "seconds the training loop may take (a fresh run): at 10, 30, 50 and 70 percent of the steps the "
+              "trainer times itself and ends the cosine schedule sooner if the rest would overrun; never later",
+        default_text="none", metavar="SECONDS")
     batch_size: int = option(16, "sequences per optimizer step (all ranks and micro-steps together)")
     grad_accum: int = option(1, "micro-steps per optimizer step")
     lr: float = option(2e-3, "peak learning rate")
@@ -101,6 +105,11 @@ class TrainConfig:
                 raise RdepthError(f"train config: {name} must be at most {MAX_COUNT:,}, got {value!r}")
         if self.stop_at is not None and not (_is_int(self.stop_at) and 1 <= self.stop_at <= self.max_steps):
             raise RdepthError(f"train config: stop_at must be in 1..max_steps, got {self.stop_at!r}")
+        if self.time_limit is not None and (not _is_number(self.time_limit) or not math.isfinite(self.time_limit)
+                                            or self.time_limit <= 0):
+            raise RdepthError(f"train config: time_limit must be a positive number of seconds, got {self.time_limit!r}")
+        if self.time_limit is not None and self.stop_at is not None:
+            raise RdepthError("train config: time_limit and stop_at both end a run early; give one of them")
         if not _is_int(self.curriculum_steps) or not 0 <= self.curriculum_steps <= MAX_COUNT:
             raise RdepthError(f"train config: curriculum_steps must be an integer in [0, {MAX_COUNT:,}], "
                               f"got {self.curriculum_steps!r}")

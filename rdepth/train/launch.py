@@ -70,6 +70,11 @@ def launch(preset: str, overrides: dict[str, Any], config: TrainConfig, resume: 
                  preset=None if resume else preset)
 
 
+# Settings a finished or interrupted run may be reused or resumed under: a time limit is the
+# budget left when the command started, which differs from one invocation to the next.
+REUSE_FREE = {("train", "time_limit")}
+
+
 def train_or_reuse(model_config: ModelConfig, config: TrainConfig) -> Path:
     """Train ``config.out``; reuse it when it finished ``config.max_steps`` with the same settings, or
     resume it when it was interrupted. A folder trained with other settings is an error."""
@@ -79,12 +84,15 @@ def train_or_reuse(model_config: ModelConfig, config: TrainConfig) -> Path:
         saved = json.loads(saved_path.read_text())
         wanted = {"model": model_config.to_dict(), "train": config.to_dict()}
         changed = sorted(f"{part}.{key}" for part in wanted for key in wanted[part]
-                         if saved.get(part, {}).get(key) != wanted[part][key])
+                         if saved.get(part, {}).get(key) != wanted[part][key]
+                         and (part, key) not in REUSE_FREE)
         if changed:
             raise RdepthError(f"{run} was trained with other settings ({', '.join(changed[:4])}); "
                               "pass another --out")
         summary = run / "summary.json"
-        if summary.exists() and json.loads(summary.read_text()).get("step") == config.max_steps:
+        done = json.loads(summary.read_text()) if summary.exists() else {}
+        # A time limit may have ended the schedule sooner: the summary records where it ended.
+        if done.get("step") is not None and done.get("step") == done.get("max_steps", config.max_steps):
             log.info("reusing the finished training run in %s", run)
             return run
     train(model_config, config, resume=bool(ckpt.list_checkpoints(run)))

@@ -10,6 +10,7 @@ losses and weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ from rdepth.run.device import resolve_device
 from rdepth.run.evaluate import evaluate
 from rdepth.run.heldout import held_out_problem_windows, held_out_windows
 from rdepth.train.config import TrainConfig
+from rdepth.train.timefit import first_mark, fit_points, fitted_max_steps, refit
 from rdepth.train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown_distributed
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,8 @@ class Trainer:
 
     def __init__(self, model_config: ModelConfig, config: TrainConfig, resume: bool = False,
                  preset: str | None = None):
-        self.config = config
+        self.config = config  # a time limit may end its schedule sooner (_fit_schedule)
+        self.requested_config = config  # config.json keeps the settings asked for
         self.preset = preset
         self.device = resolve_device(config.device)
         if config.threads:
@@ -129,6 +132,7 @@ class Trainer:
         self.tokens_seen = 0
         self.resumed_from: Path | None = None  # never rotated away during this run
         self.resumes: list[dict] = []
+        self.schedule_fits: list[dict] = []  # the time limit's changes to the schedule (_fit_schedule)
         self._new_model()
         self._setup_run_dir(resume)
         self._place_model()
@@ -254,7 +258,7 @@ class Trainer:
             extra["preset"] = saved_run.get("preset", self.preset)
         if self.resumes:
             extra["resumes"] = self.resumes
-        ckpt.write_run_config(self.run_dir, self.model_config, self.config.to_dict(), **extra)
+        ckpt.write_run_config(self.run_dir, self.model_config, self.requested_config.to_dict(), **extra)
         write_json(self.run_dir / "environment.json", {**environment_info(), "seed": self.config.seed,
                                                         "world_size": self.dist.world_size})
         tokenizer_dir = self.run_dir / "tokenizer"
@@ -290,6 +294,13 @@ class Trainer:
         trainer_state, state = ckpt.load_trainer_state(checkpoint)
         step = int(state["step"])
         saved_train = state.get("train_config") or saved_run.get("train")
+        if saved_train is not None and self.config.time_limit is not None and state.get("schedule_fits"):
+            # The run's time limit ended its schedule sooner: go on with that schedule.
+            fitted = TrainConfig.from_dict(saved_train)
+            self.config = dataclasses.replace(
+                self.config, max_steps=fitted.max_steps, eval_every=fitted.eval_every,
+                checkpoint_every=fitted.checkpoint_every, milestone_every=fitted.milestone_every)
+            self.schedule_fits = list(state["schedule_fits"])
         if saved_train is not None:
             self.resumes = list(saved_run.get("resumes", [])) if isinstance(saved_run.get("resumes"), list) else []
             changed = check_resume_config(TrainConfig.from_dict(saved_train), self.config, step)
@@ -404,58 +415,105 @@ class Trainer:
             self._lock.close()
 
     def _run(self) -> TrainResult:
-        config = self.config
-        tokens_per_step = config.batch_size * self.model_config.block_size
+        tokens_per_step = self.config.batch_size * self.model_config.block_size
         metrics_path = self.run_dir / "metrics.jsonl"
         final_val = None
         train_seconds = 0.0
         started = time.perf_counter()
-        steps = range(self.start_step, config.end_step)
-        bar = tqdm(steps, desc="train", disable=not self.dist.is_main, dynamic_ncols=True,
-                   initial=self.start_step, total=config.end_step)
+        self._fit = _ScheduleTimer(self.config, self.start_step, started)
+        bar = tqdm(desc="train", disable=not self.dist.is_main, dynamic_ncols=True,
+                   initial=self.start_step, total=self.config.end_step)
         window_start, window_tokens = time.perf_counter(), 0
-        for step in bar:
-            loss, counts = self.train_step(step)
-            self.tokens_seen += tokens_per_step
-            window_tokens += tokens_per_step
-            done = step + 1
-            if done % config.log_every == 0 or done == config.end_step:
-                self.check_finite(done)
-                loss_value = all_reduce_mean(loss, self.dist).item()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - window_start
-                train_seconds += elapsed
-                rate = window_tokens / max(elapsed, 1e-9)
-                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:,.0f}")
-                if self.dist.is_main:
-                    append_jsonl(metrics_path, {
-                        "step": done, "loss": loss_value, "lr": lr_at(step, config),
-                        "grad_norm": float(self.last_grad_norm),
-                        "tokens": self.tokens_seen, "tokens_per_s": rate, "loop_counts": counts,
-                        **({} if self.sampler.levels is None else {"max_difficulty": self.sampler.level(step)}),
-                    })
-                window_start, window_tokens = time.perf_counter(), 0
-            if done % config.eval_every == 0 or done == config.end_step:
-                self.check_finite(done)
-                final_val = self._validate(done)
-            if done % config.checkpoint_every == 0 or done == config.end_step:
-                self.check_finite(done)
-                self._checkpoint(done, final_val)
-            window_start = time.perf_counter() if window_tokens == 0 else window_start
-        bar.close()
+        try:
+            step = self.start_step
+            while step < self.config.end_step:
+                config = self.config  # a time limit may end the schedule sooner (_fit_schedule)
+                loss, counts = self.train_step(step)
+                self.tokens_seen += tokens_per_step
+                window_tokens += tokens_per_step
+                done = step + 1
+                if done % config.log_every == 0 or done == config.end_step:
+                    self.check_finite(done)
+                    loss_value = all_reduce_mean(loss, self.dist).item()
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - window_start
+                    train_seconds += elapsed
+                    rate = window_tokens / max(elapsed, 1e-9)
+                    bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:,.0f}")
+                    if self.dist.is_main:
+                        append_jsonl(metrics_path, {
+                            "step": done, "loss": loss_value, "lr": lr_at(step, config),
+                            "grad_norm": float(self.last_grad_norm),
+                            "tokens": self.tokens_seen, "tokens_per_s": rate, "loop_counts": counts,
+                            **({} if self.sampler.levels is None else {"max_difficulty": self.sampler.level(step)}),
+                        })
+                    window_start, window_tokens = time.perf_counter(), 0
+                if done % config.eval_every == 0 or done == config.end_step:
+                    self.check_finite(done)
+                    final_val = self._validate(done)
+                if done % config.checkpoint_every == 0 or done == config.end_step:
+                    self.check_finite(done)
+                    self._checkpoint(done, final_val)
+                if done == self._fit.mark_at:
+                    self._fit.mark_step, self._fit.mark_time = done, self._synchronized_now()
+                elif done in self._fit.fit_at and done < config.end_step:
+                    self._fit_schedule(done, bar)
+                window_start = time.perf_counter() if window_tokens == 0 else window_start
+                bar.update(1)
+                step = done
+        finally:  # on an error too: the message then starts on a line of its own
+            bar.close()
         wall = time.perf_counter() - started
+        config = self.config
         trained = (config.end_step - self.start_step) * tokens_per_step
         result = TrainResult(self.run_dir, config.end_step, final_val, trained / max(train_seconds, 1e-9), wall)
         if self.dist.is_main:
             baseline = self.shards.manifest.get("unigram_baseline", {})
             write_json(self.run_dir / "summary.json", {
-                "step": result.step, "final_val": final_val, "tokens_per_second": result.tokens_per_second,
+                "step": result.step, "max_steps": config.max_steps, "final_val": final_val,
+                "tokens_per_second": result.tokens_per_second, "tokens": self.tokens_seen,
                 "wall_seconds": wall, "unigram_baseline": baseline,
                 "parameters": self.model.num_parameters(), "device": str(self.device),
+                **({"schedule_fits": self.schedule_fits} if self.schedule_fits else {}),
             })
         shutdown_distributed()
         return result
+
+    def _synchronized_now(self) -> float:
+        """The clock once the device has finished the work queued so far."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _fit_schedule(self, done: int, bar) -> None:
+        """At a fit point of a run with a time limit: time the steps since the last mark and end
+        the schedule sooner if the rest would overrun (:mod:`rdepth.train.timefit`). Every rank
+        applies the mean of the ranks' answers, so all keep one schedule."""
+        now = self._synchronized_now()
+        fit = self._fit
+        step_seconds = (now - fit.mark_time) / max(1, done - fit.mark_step)
+        wanted = fitted_max_steps(done, now - fit.started, step_seconds, self.config.time_limit,
+                                  self.config.max_steps)
+        if self.dist.enabled:
+            wanted = int(all_reduce_mean(torch.tensor(float(wanted), device=self.device), self.dist).item())
+        fit.mark_step, fit.mark_time = done, now
+        if wanted >= self.config.max_steps:
+            return
+        first = not self.schedule_fits and done < self.config.checkpoint_every
+        old = self.config
+        self.config = refit(old, wanted, scale_cadences=first)
+        record = {"step": done, "max_steps": [old.max_steps, wanted], "step_seconds": step_seconds,
+                  "elapsed": now - fit.started, "time_limit": old.time_limit}
+        if first:
+            record["checkpoint_every"] = [old.checkpoint_every, self.config.checkpoint_every]
+        self.schedule_fits.append(record)
+        bar.total = self.config.end_step
+        bar.refresh()
+        log.info("time limit %.0f s: %.3f s per step at step %d, so the schedule ends at step %d, not %d",
+                 old.time_limit, step_seconds, done, wanted, old.max_steps)
+        if self.dist.is_main:
+            append_jsonl(self.run_dir / "metrics.jsonl", {"step": done, "schedule_fit": record})
 
     def _validate(self, done: int) -> dict | None:
         if not self.dist.is_main:
@@ -478,13 +536,27 @@ class Trainer:
         state = {"tokens_seen": self.tokens_seen, "data": {"seed": config.seed, "next_step": done},
                  "train_config": config.to_dict(),
                  "scheduler": {"kind": "warmup_cosine", "step": done, "lr": lr_at(done - 1, config)},
-                 "val": val, "milestone": milestone}
+                 "val": val, "milestone": milestone,
+                 **({"schedule_fits": self.schedule_fits} if self.schedule_fits else {})}
         path = ckpt.save_checkpoint(self.run_dir, done, self.model, self.model_config, trainer_state, state)
         log.debug("checkpoint %s", path)
         protect = (path,) if self.resumed_from is None else (path, self.resumed_from)
         removed = ckpt.rotate_checkpoints(self.run_dir, config.keep_last, config.milestone_interval, protect)
         if removed:
             log.info("--keep-last %d: removed %s", config.keep_last, ", ".join(removed))
+
+
+class _ScheduleTimer:
+    """Where a run with a time limit times itself: the steps at which it may end its schedule
+    sooner (``fit_at``), the step that starts the first timing (``mark_at``, past the compiling
+    first steps) and the last timing mark. A resumed run keeps its schedule: nothing to time."""
+
+    def __init__(self, config: TrainConfig, start_step: int, started: float):
+        fresh = config.time_limit is not None and start_step == 0
+        self.fit_at = set(fit_points(config.max_steps)) if fresh else set()
+        self.mark_at = first_mark(config.max_steps) if fresh else None
+        self.started = started
+        self.mark_step, self.mark_time = 0, started
 
 
 def _check_batch_split(config: TrainConfig, dist: DistInfo) -> None:
@@ -557,7 +629,7 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 # Fields a resume may change. Free: where and how the run executes, and its cadences
 # (none changes the weights). Recorded: a new schedule end (e.g. a longer --max-steps).
 RESUME_FREE = ("data", "out", "device", "threads", "compile", "stop_at", "eval_every", "log_every",
-               "checkpoint_every", "keep_last", "milestone_every")
+               "checkpoint_every", "keep_last", "milestone_every", "time_limit")
 RESUME_RECORDED = ("max_steps",)
 
 
