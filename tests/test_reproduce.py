@@ -284,6 +284,12 @@ def test_toy_run_end_to_end(wiki_small, tmp_path, capsys):
     train_tokens = json.loads((wiki_small / "manifest.json").read_text())["splits"]["train"]["tokens"]
     assert context["epochs"] == pytest.approx(context["training_tokens"] / train_tokens, abs=1e-3)
     assert result["plan"]["size"] in ("tiny", "toy") and result["plan"]["max_steps"] % 4 == 0
+    # Training ran under a time limit that leaves the planned later stages their time, and the claims
+    # report the steps it took (its limit may have ended the schedule sooner than planned).
+    limit = json.loads((out / "train" / "config.json").read_text())["train"]["time_limit"]
+    assert 1.0 <= limit <= 120 - result["plan"]["after_training"]["total"]
+    summary = json.loads((out / "train" / "summary.json").read_text())
+    assert context["training_steps"] == summary["step"] == summary["max_steps"] <= result["plan"]["max_steps"]
     assert result["wall_seconds"] < 150  # the budget is 120 s; a busy machine may run over a little
     html = (out / "report.html").read_text()
     assert "data:image/png;base64," in html and 'src="figures/' not in html
@@ -309,6 +315,18 @@ def test_the_after_training_estimate_matches_the_h100_run_it_was_calibrated_on()
     # Half the decoded tokens take a good part of the sweep off (the CUDA default is now 8).
     assert after_training_seconds(config, Workload(**{**work.__dict__, "generate_tokens": 8}), 1.4083307529675732e-14,
                                   "cuda")["sweep"] < 0.7 * parts["sweep"]
+
+
+def test_training_may_take_what_the_later_stages_leave():
+    from rdepth.reproduce.plan import SAFETY_SECONDS
+    from rdepth.reproduce.run import training_time_limit
+
+    config = ReproduceConfig(minutes=9).for_device("cuda")
+    plan = plan_run(_configs(), Probe("tiny", 3e-11, 3), 500.0, min_tokens=1, train_share=0.7, work=_work(),
+                    kind="cuda")
+    after = plan.after_training["total"]
+    assert training_time_limit(config, plan, 40.0, "cuda") == pytest.approx(540 - 40 - SAFETY_SECONDS["cuda"] - after)
+    assert training_time_limit(config, plan, 540.0, "cuda") == 1.0  # nothing left: the first fit ends it
 
 
 def test_warmup_is_a_tenth_of_the_run_at_least_150_steps_at_most_a_fifth():
@@ -351,7 +369,7 @@ def test_the_plan_times_each_size_it_steps_down_to(monkeypatch, tmp_path):
 def test_the_paper_size_is_timed_on_cuda_only_when_the_budget_can_train_it():
     from rdepth.reproduce.config import PAPER_SIZE_MINUTES
 
-    assert ReproduceConfig(minutes=9).for_device("cuda").sizes == ("small", "mini")
+    assert ReproduceConfig(minutes=9).for_device("cuda").sizes == ("mini",)
     assert ReproduceConfig(minutes=PAPER_SIZE_MINUTES).for_device("cuda").sizes == ("paper", "small", "mini")
     assert ReproduceConfig(minutes=30, sizes=("mini",)).for_device("cuda").sizes == ("mini",)
     assert ReproduceConfig(minutes=30).for_device("cpu").sizes == ("tiny", "toy")

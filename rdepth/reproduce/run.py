@@ -37,7 +37,7 @@ from typing import Any
 from rdepth.errors import RdepthError
 from rdepth.io import StageTimer, exclusive, read_json_if_present, read_jsonl, write_json
 from rdepth.reproduce.config import ReproduceConfig
-from rdepth.reproduce.plan import (SIZES, VAL_BATCH_SIZE, VAL_BATCHES, Plan, Probe, Workload, plan_run,
+from rdepth.reproduce.plan import (SAFETY_SECONDS, SIZES, VAL_BATCH_SIZE, VAL_BATCHES, Plan, Probe, Workload, plan_run,
                                    probe_from_steps)
 
 log = logging.getLogger(__name__)
@@ -77,13 +77,14 @@ def _model_config(size: str, data: Path):
 
 
 def _train_config(config: ReproduceConfig, data: Path, out: Path, *, steps: int, batch: int, lr: float,
-                  warmup: int, every: int, log_every: int, eval_batches: int, eval_batch_size: int):
+                  warmup: int, every: int, log_every: int, eval_batches: int, eval_batch_size: int,
+                  time_limit: float | None = None):
     from rdepth.train.config import TrainConfig
 
     return TrainConfig(data=str(data), out=str(out), max_steps=steps, batch_size=batch, lr=lr, warmup_steps=warmup,
                        eval_every=every, checkpoint_every=every, eval_batches=eval_batches,
                        eval_batch_size=eval_batch_size, log_every=log_every, seed=config.seed, device=config.device,
-                       compile=bool(config.compile), threads=config.threads)
+                       compile=bool(config.compile), threads=config.threads, time_limit=time_limit)
 
 
 def _probe(size: str, config: ReproduceConfig, data: Path, kind: str) -> Probe:
@@ -167,13 +168,21 @@ def _planned(config: ReproduceConfig, data: Path, kind: str, stage: StageTimer) 
     return saved
 
 
-def _trained(config: ReproduceConfig, data: Path, plan: Plan) -> Path:
+def training_time_limit(config: ReproduceConfig, plan: Plan, elapsed: float, kind: str) -> float:
+    """Seconds the training loop may take so that the whole command ends inside its budget: what is
+    left after ``elapsed``, less the safety margin and the stages after training as planned. The
+    trainer shortens its schedule to fit (``TrainConfig.time_limit``) when it runs slower than the probe."""
+    return max(1.0, config.budget_seconds - elapsed - SAFETY_SECONDS[kind] - plan.after_training["total"])
+
+
+def _trained(config: ReproduceConfig, data: Path, plan: Plan, time_limit: float) -> Path:
     from rdepth.train.launch import train_or_reuse
 
+    log.info("training may take %.0f s (planned %.0f s)", time_limit, plan.train_seconds)
     train_config = _train_config(
         config, data, Path(config.out) / "train", steps=plan.max_steps, batch=plan.batch_size, lr=plan.lr,
         warmup=plan.warmup_steps, every=plan.checkpoint_every, log_every=max(1, min(50, plan.max_steps // 20)),
-        eval_batches=VAL_BATCHES, eval_batch_size=VAL_BATCH_SIZE)
+        eval_batches=VAL_BATCHES, eval_batch_size=VAL_BATCH_SIZE, time_limit=round(time_limit, 1))
     return train_or_reuse(_model_config(plan.size, data), train_config)
 
 
@@ -239,7 +248,7 @@ def run_reproduce(config: ReproduceConfig) -> dict[str, Any]:
         data = stage("prepare", _prepared, config)
         saved = stage("probe and plan", _planned, config, data, device.type, stage)
         plan = Plan.from_dict(saved["plan"])
-        run = stage("train", _trained, config, data, plan)
+        run = stage("train", _trained, config, data, plan, training_time_limit(config, plan, stage.wall, device.type))
         quality = stage("loop budgets", _loop_budgets, run, data, config)
         stage("analyze", _analyzed, run, data, config)
         block_size = _model_config(plan.size, data).block_size
@@ -276,12 +285,17 @@ def _judged(config: ReproduceConfig, run: Path, sweep_path: Path, saved: dict[st
     claims = judge_all(load_summary(report_dir), load_sweep(sweep_path), quality)
     train_summary = read_json_if_present(run / "summary.json") or {}
     plan = saved["plan"]
+    # What the run trained: its time limit may have ended the schedule before the plan's steps.
+    steps = int(train_summary.get("step", plan["max_steps"]))
+    tokens = steps * plan["batch_size"] * _model_config(plan["size"], data).block_size
+    fits = train_summary.get("schedule_fits") or []
     context = {
         "device": device, "size": plan["size"], "parameters": train_summary.get("parameters"),
-        "training_tokens": plan["tokens"], "training_steps": plan["max_steps"],
+        "training_tokens": tokens, "training_steps": steps, "planned_steps": plan["max_steps"],
         "tokens_per_second": train_summary.get("tokens_per_second"),
-        "checkpoint_every": plan["checkpoint_every"], "final_val": train_summary.get("final_val"), **quality,
-        "epochs": _epochs(plan["tokens"], data),
+        "checkpoint_every": fits[0]["checkpoint_every"][1] if fits and "checkpoint_every" in fits[0]
+        else plan["checkpoint_every"],
+        "final_val": train_summary.get("final_val"), **quality, "epochs": _epochs(tokens, data),
     }
     claims_doc = write_claims(out, claims, context, report_dir)
     write_claims_page(report_dir, claims_doc)
