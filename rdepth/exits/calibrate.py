@@ -321,8 +321,9 @@ def refine(table: list[list[dict]], limits: dict, run_calibration, rounds: int, 
 
 
 def _split_text(run, config: CalibrateConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(calibration, validation) windows: the first ``windows`` held-out windows, then the next
-    ``validation_windows`` (half and half when the text holds fewer)."""
+    """(calibration, validation) windows: of ``windows + validation_windows`` held-out windows spread
+    over the split (:func:`rdepth.run.heldout.held_out_windows`), the first ``windows`` in text order,
+    then the rest (half and half when the text holds fewer)."""
     windows = run.windows(config.windows + config.validation_windows)
     if windows.shape[0] < 2:
         raise RdepthError("calibrate: the held-out text holds fewer than two windows")

@@ -141,7 +141,7 @@ def sweep_checkpoint(config: SweepConfig) -> dict:
     """``rdepth sweep`` as one call: sweep ``config.checkpoint`` on ``config.data``, write ``config.out``.
 
     Opens the run (:func:`rdepth.run.opened.open_run`) on ``config.device``,
-    evaluates its first ``config.max_windows`` held-out windows of
+    evaluates ``config.max_windows`` held-out windows (spread over the split) of
     ``config.block_size`` tokens (default: the model's block size, at most the
     text), writes ``sweep.json`` (with ``checkpoint``, ``data`` and the
     ``summary``), ``sweep.csv``, ``figures/`` and the ``index.html`` section into
