@@ -15,7 +15,7 @@ from rdepth.model.noise import StateNoise
 from rdepth.model.static_decode import StaticDecoder
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_static_decode import controller_factory, tiny_model, tokens, varied_setting  # noqa: E402
+from test_static_decode import controller_factory, step_through, tiny_model, tokens, varied_setting  # noqa: E402
 
 K_MAX = (6,)  # group 0 of test_static_decode's controllers
 PROMPT, LENGTH = 4, 10
@@ -80,17 +80,7 @@ def test_compiled_pieces_capture_as_cuda_graphs_and_replay_as_eager_decodes(rule
         decoder.prefill(idx[:, :PROMPT])
     compiled.capture()
     assert compiled.captured and compiled.compiled
-    expected, computed = [], []
-    for t in range(PROMPT, LENGTH):
-        expected.append(eager.step(idx[:, t : t + 1]))
-        computed.append(eager.computed.clone())
-    got, got_computed = [], []
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for t in range(PROMPT, LENGTH):
-            got.append(compiled.step(idx[:, t : t + 1]))
-            got_computed.append(compiled.computed.clone())
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    expected, computed = step_through(eager, idx, PROMPT)
+    got, got_computed = step_through(compiled, idx, PROMPT, forbid_syncs=True)
     torch.testing.assert_close(torch.stack(got), torch.stack(expected), **TOLERANCE)
     assert torch.equal(torch.stack(got_computed), torch.stack(computed))

@@ -56,6 +56,22 @@ def decode_all(decoder: StaticDecoder, idx: torch.Tensor, prompt: int = PROMPT):
     return torch.cat(logits, 1), torch.cat(computed, 2), torch.cat(used[1:], 2)
 
 
+def step_through(decoder: StaticDecoder, idx: torch.Tensor, prompt: int = PROMPT, forbid_syncs: bool = False):
+    """Step a prefilled ``decoder`` through ``idx[:, prompt:]`` -> (logits, computed), one entry per token;
+    with ``forbid_syncs`` a host synchronisation is an error (CUDA's sync debug mode)."""
+    logits, computed = [], []
+    if forbid_syncs:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for t in range(prompt, idx.shape[1]):
+            logits.append(decoder.step(idx[:, t : t + 1]))
+            computed.append(decoder.computed.clone())
+    finally:
+        if forbid_syncs:
+            torch.cuda.set_sync_debug_mode("default")
+    return logits, computed
+
+
 # ------------------------------------------------------------------ fixed budget
 @BLOCKS
 @BATCHES
@@ -308,15 +324,7 @@ def test_cuda_graph_replay_equals_eager_without_syncs(mode):
     decoder.prefill(idx[:, :PROMPT])
     decoder.capture()
     assert decoder.captured
-    logits, computed = [], []
-    if mode != "exits_chunked":
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        for t in range(PROMPT, LENGTH):
-            logits.append(decoder.step(idx[:, t : t + 1]))
-            computed.append(decoder.computed.clone())
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    logits, computed = step_through(decoder, idx, forbid_syncs=mode != "exits_chunked")
     torch.testing.assert_close(torch.stack(logits, 1), eager[0][:, PROMPT:], rtol=0, atol=1e-10)
     assert torch.equal(torch.stack(computed, 2), eager[1][:, :, PROMPT:])
 

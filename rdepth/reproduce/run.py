@@ -287,7 +287,7 @@ def _judged(config: ReproduceConfig, run: Path, sweep_path: Path, saved: dict[st
     plan = saved["plan"]
     # What the run trained: its time limit may have ended the schedule before the plan's steps.
     steps = int(train_summary.get("step", plan["max_steps"]))
-    tokens = steps * plan["batch_size"] * _model_config(plan["size"], data).block_size
+    tokens = int(train_summary.get("tokens", plan["tokens"]))
     fits = train_summary.get("schedule_fits") or []
     context = {
         "device": device, "size": plan["size"], "parameters": train_summary.get("parameters"),
