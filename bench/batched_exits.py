@@ -7,7 +7,7 @@
 Per batch size B, B prompts (held-out windows of --data with a checkpoint, else random ids) are
 extended by --tokens tokens greedily at the full budget (k_max per group); that token stream is
 then decoded, teacher-forced (every setting reads the same tokens), by the static decode path
-(:class:`rdepth.model.static_decode.StaticDecoder`) in four settings:
+(:class:`rdepth.model.static_decode.Decoder`) in four settings:
 
   (a) full:       the fixed budget k_max per group
   (b) predicated: exits (--policy at --tau), every row computes every step of a chunk of
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     from rdepth.io import environment_info
     from rdepth.model import RecurrentLM
     from rdepth.model.noise import StateNoise
-    from rdepth.model.static_decode import StaticDecoder
+    from rdepth.model.decoder import Decoder
     from rdepth.run.device import device_name, resolve_device
 
     if args.threads:
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return lambda: PolicyController.from_name(args.policy, tau=tau, k_max=list(k_max), decode=model.readout)
 
     def decoder(batch: int, noise, **options):
-        return StaticDecoder(model, batch, k_max, noise=noise, capacity=length, **options)
+        return Decoder(model, batch, k_max, noise=noise, capacity=length, **options)
 
     def exits(batch: int, noise, tau: float, compact: bool):
         return decoder(batch, noise, controller_factory=factory(tau), check_every=args.check_every, compact=compact)

@@ -8,7 +8,7 @@ tokens, one forward per token (teacher-forced: the same token ids for every sett
 interquartile range, and every setting's ratio to (a) measured in the same run:
 
   (a) packed:        model(token, cache=KVStore) per token (rdepth.model.generation's path)
-  (b) static eager:  StaticDecoder.step at the fixed budget
+  (b) static eager:  Decoder.step at the fixed budget
   (c) static graph:  the same, replayed as one CUDA graph per token (CUDA only)
   (d) plain:         a model of the same width and depth without loops, static path (graph on CUDA)
   (e) exit check:    the static path with an exit rule that never fires (step_norm, tiny tau), on the
@@ -16,7 +16,7 @@ interquartile range, and every setting's ratio to (a) measured in the same run:
                      time (from the budget-1 run, (f)), the issue's "< 3% of a loop step"
   (f) budget 1:      the static path at 1 loop per group (to get one loop step's time)
 
---compile adds (b)-(f) again with ``StaticDecoder(compile=True)`` (Inductor-compiled loop steps, single-pass
+--compile adds (b)-(f) again with ``Decoder(compile=True)`` (Inductor-compiled loop steps, single-pass
 layers and exit check; the CUDA graphs stay the decoder's own), as rows ``*_inductor`` of the same run,
 with their own exit-check share. Compilation happens before a setting's rounds, untimed.
 
@@ -54,7 +54,7 @@ def parse_args(argv):
     parser.add_argument("--skip", default="", help="settings to leave out, e.g. 'e,f' (a is always run)")
     parser.add_argument("--profile", action="store_true", help="count syncs and launches per token of (a) and (b)")
     parser.add_argument("--compile", action="store_true",
-                        help="also time (b)-(f) with StaticDecoder(compile=True) (Inductor), rows *_inductor")
+                        help="also time (b)-(f) with Decoder(compile=True) (Inductor), rows *_inductor")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.prompt < 1 or args.tokens < 1 or args.repeats < 1 or args.warmup < 0 or args.batch < 1:
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     from rdepth.io import environment_info
     from rdepth.model import RecurrentLM
     from rdepth.model.noise import StateNoise
-    from rdepth.model.static_decode import StaticDecoder
+    from rdepth.model.decoder import Decoder
     from rdepth.run.device import device_name, resolve_device
 
     if args.threads:
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          lambda: {"loop_counts": loops})
     results["a_packed"] = summary(time_rounds(packed_setup, packed_decode, args, device))
 
-    def static_rounds(decoder: StaticDecoder, graph: bool) -> dict:
+    def static_rounds(decoder: Decoder, graph: bool) -> dict:
         decoder.prefill(prompt)
         if graph:
             decoder.capture()  # compiles first, when compiled
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def static(budget=loops, factory=None, on=model, compiled=False):
         options = {"controller_factory": factory} if factory else {"loop_counts": budget}
-        return StaticDecoder(on, batch, max(budget) if budget else (), noise=noise, compile=compiled, **options)
+        return Decoder(on, batch, max(budget) if budget else (), noise=noise, compile=compiled, **options)
 
     graphs = device.type == "cuda"
     plain = RecurrentLM(get_preset(args.preset, groups="")).to(device=device, dtype=dtype).eval() \

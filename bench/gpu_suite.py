@@ -552,7 +552,7 @@ def decode_model(args, device, dtype):
 
 def _decoder(model, batch, budget, args, noise, *, loop_counts=None, factory=None, check_every=None,
              compact=False, compile=False):
-    from rdepth.model.static_decode import StaticDecoder
+    from rdepth.model.decoder import Decoder
 
     options = {"controller_factory": factory, "check_every": check_every} if factory else \
         {"loop_counts": loop_counts or budget}
@@ -560,26 +560,26 @@ def _decoder(model, batch, budget, args, noise, *, loop_counts=None, factory=Non
         options["compact"] = True
     if compile:
         options["compile"] = True
-    return StaticDecoder(model, batch, max(budget) if budget else (), noise=noise,
+    return Decoder(model, batch, max(budget) if budget else (), noise=noise,
                          capacity=args.capacity, **options)
 
 
 def decoder_compiles() -> bool:
-    """Whether this tree's ``StaticDecoder`` can run its pieces Inductor-compiled (``compile=True``)."""
+    """Whether this tree's ``Decoder`` can run its pieces Inductor-compiled (``compile=True``)."""
     import inspect
 
-    from rdepth.model.static_decode import StaticDecoder
+    from rdepth.model.decoder import Decoder
 
-    return "compile" in inspect.signature(StaticDecoder).parameters
+    return "compile" in inspect.signature(Decoder).parameters
 
 
 def decoder_compacts() -> bool:
-    """Whether this tree's ``StaticDecoder`` can run exit chunks on the still-looping rows only."""
+    """Whether this tree's ``Decoder`` can run exit chunks on the still-looping rows only."""
     import inspect
 
-    from rdepth.model.static_decode import StaticDecoder
+    from rdepth.model.decoder import Decoder
 
-    return "compact" in inspect.signature(StaticDecoder).parameters
+    return "compact" in inspect.signature(Decoder).parameters
 
 
 def _policy_factory(name, tau, budget):

@@ -14,14 +14,14 @@ import torch
 
 from rdepth.model.kv import AttentionContext, KVStore
 from rdepth.model.noise import StateNoise
-from rdepth.model.static_decode import StaticDecoder
+from rdepth.model.decoder import Decoder
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_static_decode import (  # noqa: E402
+from test_decoder import (  # noqa: E402
     K_MAX, controller_factory, decode_all, tiny_model, tokens, varied_setting)
 
 
-def packing_always(decoder: StaticDecoder) -> None:
+def packing_always(decoder: Decoder) -> None:
     """Make ``decoder`` take the packing path everywhere (its contexts lose the flag)."""
     for context in decoder._contexts.values():
         context.one_per_row = False
@@ -29,7 +29,7 @@ def packing_always(decoder: StaticDecoder) -> None:
     decoder._rows_context = lambda rows, step: dataclasses.replace(rows_context(rows, step), one_per_row=False)
 
 
-def boolean_masks(decoder: StaticDecoder) -> None:
+def boolean_masks(decoder: Decoder) -> None:
     """Make ``decoder`` hand attention a boolean mask (``key <= position``, SDPA converts it at every
     call), refreshed per token beside its own additive one, as the decoder did before."""
     boolean = torch.zeros(decoder._mask.shape, dtype=torch.bool, device=decoder.device)
@@ -53,14 +53,14 @@ def decode_pair(dtype, block, mode, change):
     batch = 3
     idx = tokens(batch)
     noise = StateNoise(2, range(batch))
-    options = {"noise": noise}
+    options = {"noise": noise, "prefix_attention": False if mode != "exits_compacted" else None}
     if mode == "fixed":
         options["loop_counts"] = (4, 3)
     else:
         setting = varied_setting(model, idx, noise, "acceleration")
         options.update(controller_factory=controller_factory(model, "acceleration", setting), check_every=1,
                        compact=mode == "exits_compacted")
-    first, second = StaticDecoder(model, batch, K_MAX, **options), StaticDecoder(model, batch, K_MAX, **options)
+    first, second = Decoder(model, batch, K_MAX, **options), Decoder(model, batch, K_MAX, **options)
     change(second)
     return first, second, decode_all(first, idx), decode_all(second, idx)
 
@@ -116,7 +116,8 @@ def test_the_mask_is_made_once_per_token_and_sdpa_converts_nothing():
     idx = tokens(batch)
     wheres = []
     for change in (None, boolean_masks):
-        decoder = StaticDecoder(model, batch, K_MAX, loop_counts=(2, 1), noise=StateNoise(2, range(batch)))
+        decoder = Decoder(model, batch, K_MAX, loop_counts=(2, 1), noise=StateNoise(2, range(batch)),
+                          prefix_attention=False)
         if change:
             change(decoder)
         decoder.prefill(idx[:, :4])

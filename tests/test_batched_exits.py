@@ -1,4 +1,4 @@
-"""Row compaction of the static decode path (StaticDecoder(compact=True)) equals predication and the
+"""Row compaction of the static decode path (Decoder(compact=True)) equals predication and the
 packed path, in float64 on the CPU, under every exit rule and both block types; padding a compacted
 chunk with stopped rows (power-of-two buckets) changes nothing; bench/batched_exits.py runs."""
 
@@ -17,23 +17,23 @@ from rdepth.errors import RdepthError
 from rdepth.exits.registry import POLICIES
 from rdepth.model.noise import StateNoise
 from rdepth.model.kv import AttentionContext
-from rdepth.model.static_decode import StaticDecoder, StaticKV, StaticRows
+from rdepth.model.decoder import Decoder, StaticKV, StaticRows
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_static_decode import (  # noqa: E402
+from test_decoder import (  # noqa: E402
     K_MAX, PROMPT, controller_factory, decode_all, tiny_model, tokens, varied_setting)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def compacted_rows(decoder: StaticDecoder) -> list[int]:
+def compacted_rows(decoder: Decoder) -> list[int]:
     """Record the row count of every compacted chunk the decoder runs (wraps its chunk function)."""
     sizes: list[int] = []
     run = decoder._compact_steps
 
-    def recording(group, steps, rows, order):
+    def recording(plan, group, steps, rows, order):
         sizes.append(rows)
-        run(group, steps, rows, order)
+        run(plan, group, steps, rows, order)
 
     decoder._compact_steps = recording
     return sizes
@@ -51,10 +51,10 @@ def test_compacted_equals_predicated_and_packed(name, block, batch):
     factory = controller_factory(model, name, varied_setting(model, idx, noise, name))
     forced = model(idx, controller=factory(), generator=noise)
     expected_computed, expected_used = torch.stack(forced.computed), torch.stack(forced.used)[:, :, PROMPT:]
-    predicated = decode_all(StaticDecoder(model, batch, K_MAX, controller_factory=factory, noise=noise,
+    predicated = decode_all(Decoder(model, batch, K_MAX, controller_factory=factory, noise=noise,
                                           check_every=1), idx)
     for buckets in (False, True):
-        decoder = StaticDecoder(model, batch, K_MAX, controller_factory=factory, noise=noise, check_every=1,
+        decoder = Decoder(model, batch, K_MAX, controller_factory=factory, noise=noise, check_every=1,
                                 compact=True, buckets=buckets)
         sizes = compacted_rows(decoder)
         logits, computed, used = decode_all(decoder, idx)
@@ -79,14 +79,14 @@ def test_compaction_at_every_chunk_length_and_the_hand_off(check_every):
     noise = StateNoise(2, range(batch))
     factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
     options = dict(controller_factory=factory, noise=noise, check_every=check_every)
-    predicated = decode_all(StaticDecoder(model, batch, K_MAX, **options), idx)
-    decoder = StaticDecoder(model, batch, K_MAX, compact=True, **options)
+    predicated = decode_all(Decoder(model, batch, K_MAX, **options), idx)
+    decoder = Decoder(model, batch, K_MAX, compact=True, **options)
     compacted = decode_all(decoder, idx)
     torch.testing.assert_close(compacted[0], predicated[0], rtol=0, atol=1e-10)
     assert torch.equal(compacted[1], predicated[1]) and torch.equal(compacted[2], predicated[2])
     assert (compacted[2] < compacted[1][:, :, PROMPT:]).any(), "some token should hand on x^(s-1)"
     handed = decoder._handed.clone()  # the last token's hand-off of the last group
-    reference = StaticDecoder(model, batch, K_MAX, **options)
+    reference = Decoder(model, batch, K_MAX, **options)
     decode_all(reference, idx)
     torch.testing.assert_close(handed, reference._handed, rtol=0, atol=1e-10)
 
@@ -100,7 +100,7 @@ def test_bucket_padding_with_stopped_rows_changes_nothing():
     idx = tokens(batch)
     noise = StateNoise(3, range(batch))
     factory = controller_factory(model, "step_norm", varied_setting(model, idx, noise, "step_norm"))
-    decoders = [StaticDecoder(model, batch, K_MAX, controller_factory=factory, noise=noise, check_every=1,
+    decoders = [Decoder(model, batch, K_MAX, controller_factory=factory, noise=noise, check_every=1,
                               compact=True) for _ in range(2)]
     active = torch.tensor([True, False, True, False, False, True, False, False])
     for decoder in decoders:
@@ -109,15 +109,15 @@ def test_bucket_padding_with_stopped_rows_changes_nothing():
         with torch.no_grad():
             decoder._begin_token()
             decoder._run_single((0,))
-            decoder._begin_group(0)
-            decoder._exit_steps(0, range(1, 2))
+            decoder._begin_group(decoder._plan, 0)
+            decoder._exit_steps(decoder._plan, 0, range(1, 2))
             decoder._active.copy_(active)  # three rows still loop
             decoder._order_rows()
     assert torch.equal(decoders[0]._order[:3], torch.tensor([0, 2, 5]))
     stopped_handed = decoders[1]._handed[~active].clone()
     with torch.no_grad():
-        decoders[0]._compact_steps(0, range(2, 3), 3, False)
-        decoders[1]._compact_steps(0, range(2, 3), 4, False)  # padded with stopped row 1
+        decoders[0]._compact_steps(decoders[0]._plan, 0, range(2, 3), 3, False)
+        decoders[1]._compact_steps(decoders[1]._plan, 0, range(2, 3), 4, False)  # padded with stopped row 1
     exact, padded = decoders
     for name in ("_state", "_handed"):
         torch.testing.assert_close(getattr(exact, name)[active], getattr(padded, name)[active], rtol=0, atol=1e-12)
@@ -152,10 +152,10 @@ def test_compact_needs_exits_and_checks():
     model = tiny_model()
     noise = StateNoise(0, [0])
     with pytest.raises(RdepthError, match="compact=True needs exits"):
-        StaticDecoder(model, 1, K_MAX, noise=noise, compact=True)
+        Decoder(model, 1, K_MAX, noise=noise, compact=True)
     factory = controller_factory(model, "step_norm", 0.3)
     with pytest.raises(RdepthError, match="check_every"):
-        StaticDecoder(model, 1, K_MAX, noise=noise, controller_factory=factory, compact=True)
+        Decoder(model, 1, K_MAX, noise=noise, controller_factory=factory, compact=True, check_every=None)
 
 
 def test_bench_batched_exits_runs(tmp_path):
@@ -181,17 +181,17 @@ def test_bench_batched_exits_runs(tmp_path):
 
 def test_a_compacted_token_syncs_once_per_check():
     """The compaction reads the active count at the checks it already had, and nothing more."""
-    from test_static_decode import SYNC_OPS, op_counts
+    from test_decoder import SYNC_OPS, op_counts
 
     model = tiny_model()
     batch = 8
     idx = tokens(batch)
     noise = StateNoise(5, range(batch))
     factory = controller_factory(model, "step_norm", varied_setting(model, idx, noise, "step_norm"))
-    decoder = StaticDecoder(model, batch, K_MAX, controller_factory=factory, noise=noise, check_every=2, compact=True)
+    decoder = Decoder(model, batch, K_MAX, controller_factory=factory, noise=noise, check_every=2, compact=True)
     decoder.prefill(idx[:, :PROMPT])
     counts = op_counts(lambda: decoder.step(idx[:, PROMPT:PROMPT + 1]))
-    checks = sum(1 for kind, _ in decoder._plan if kind == "check")
+    checks = sum(1 for kind, _ in decoder._plan.pieces if kind == "check")
     assert counts.get("aten::nonzero", 0) == 0
     assert 0 < sum(counts.get(op, 0) for op in SYNC_OPS) <= checks
 
@@ -208,9 +208,9 @@ def test_captured_compaction_with_buckets_equals_eager(check_every):
     noise = StateNoise(8, range(batch))
     factory = controller_factory(model, "step_norm", varied_setting(model, idx, noise, "step_norm"))
     options = dict(controller_factory=factory, noise=noise, check_every=check_every)
-    predicated = decode_all(StaticDecoder(model, batch, K_MAX, **options), idx)
-    eager = decode_all(StaticDecoder(model, batch, K_MAX, compact=True, **options), idx)
-    decoder = StaticDecoder(model, batch, K_MAX, compact=True, **options)
+    predicated = decode_all(Decoder(model, batch, K_MAX, **options), idx)
+    eager = decode_all(Decoder(model, batch, K_MAX, compact=True, **options), idx)
+    decoder = Decoder(model, batch, K_MAX, compact=True, **options)
     sizes = compacted_rows(decoder)
     decoder.prefill(idx[:, :PROMPT])
     decoder.capture()

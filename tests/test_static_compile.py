@@ -1,4 +1,4 @@
-"""StaticDecoder(compile=True): the Inductor-compiled pieces decode as eager does (float32 on the CPU,
+"""Decoder(compile=True): the Inductor-compiled pieces decode as eager does (float32 on the CPU,
 within 1e-5), every loop step of a group runs one compiled function, and every graph is compiled by
 the end of the first token: decoding more tokens compiles nothing."""
 
@@ -12,12 +12,12 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from rdepth.model.noise import StateNoise
-from rdepth.model.static_decode import StaticDecoder
+from rdepth.model.decoder import Decoder
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_static_decode import controller_factory, step_through, tiny_model, tokens, varied_setting  # noqa: E402
+from test_decoder import controller_factory, step_through, tiny_model, tokens, varied_setting  # noqa: E402
 
-K_MAX = (6,)  # group 0 of test_static_decode's controllers
+K_MAX = (6,)  # group 0 of test_decoder's controllers
 PROMPT, LENGTH = 4, 10
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # float32: Inductor fuses and reorders reductions
 
@@ -38,9 +38,10 @@ def test_compiled_decoding_equals_eager_and_compiles_only_on_the_first_token(rul
         options["loop_counts"] = (4,)
     else:
         setting = varied_setting(model, idx, noise, rule)
-        options["controller_factory"] = controller_factory(model, rule, setting)  # no check_every: every step runs
-    eager = StaticDecoder(model, 1, K_MAX, **options)
-    compiled = StaticDecoder(model, 1, K_MAX, compile=True, **options)
+        # no host check: every step runs predicated, the step and the rule in one compiled call
+        options.update(controller_factory=controller_factory(model, rule, setting), check_every=None)
+    eager = Decoder(model, 1, K_MAX, **options)
+    compiled = Decoder(model, 1, K_MAX, compile=True, **options)
     expected, got, computed = [eager.prefill(idx[:, :PROMPT])[:, -1]], [compiled.prefill(idx[:, :PROMPT])[:, -1]], []
     counts = []
     for t in range(PROMPT, LENGTH):
@@ -49,12 +50,13 @@ def test_compiled_decoding_equals_eager_and_compiles_only_on_the_first_token(rul
         got.append(compiled.step(token))
         assert torch.equal(compiled.computed, eager.computed) and torch.equal(compiled.used, eager.used)
         computed.append(eager.computed.clone())
-        counts.append(tuple(graphs(f) for f in (StaticDecoder._layers_given, StaticDecoder._step_given,
-                                                StaticDecoder._after_step)))
+        counts.append(tuple(graphs(f) for f in (Decoder._layers_given, Decoder._step_given,
+                                                Decoder._step_check_given)))
     torch.testing.assert_close(torch.stack(got), torch.stack(expected), **TOLERANCE)
     assert torch.equal(torch.stack(got).argmax(-1), torch.stack(expected).argmax(-1))
-    # two single-pass stages, one function for all loop steps; the exit rule: steps 1, middle, last
-    assert counts[0] == ((2, 1, 0) if rule is None else (2, 1, 3))
+    # two single-pass stages, one function for all loop steps; with exits the step and its rule are one
+    # compiled region (the step inlined into it): steps 1, middle, last
+    assert counts[0] == ((2, 1, 0) if rule is None else (2, 0, 3))
     assert all(count == counts[0] for count in counts), "a later token compiled again"
     if rule is not None:
         assert len(torch.unique(torch.cat(computed))) > 1, "the exits should vary"
@@ -73,9 +75,10 @@ def test_compiled_pieces_capture_as_cuda_graphs_and_replay_as_eager_decodes(rule
     if rule is None:
         options["loop_counts"] = (4,)
     else:
-        options["controller_factory"] = controller_factory(model, rule, varied_setting(model, idx, noise, rule))
-    eager = StaticDecoder(model, 1, K_MAX, **options)
-    compiled = StaticDecoder(model, 1, K_MAX, compile=True, **options)
+        options.update(controller_factory=controller_factory(model, rule, varied_setting(model, idx, noise, rule)),
+                       check_every=None)
+    eager = Decoder(model, 1, K_MAX, **options)
+    compiled = Decoder(model, 1, K_MAX, compile=True, **options)
     for decoder in (eager, compiled):
         decoder.prefill(idx[:, :PROMPT])
     compiled.capture()

@@ -9,8 +9,9 @@ Two kinds of call are timed, both under the sweep's autocast:
   gathered, per-token keys/values) that every exit policy takes, and that a
   fixed budget takes with :class:`rdepth.model.control.FixedController`.
 * :func:`generate_call`: greedy cached generation of ``new_tokens`` tokens
-  after a prompt (always the packed path, with a key/value cache): its wall
-  time / ``B*new_tokens`` is the decode latency (prompt forward amortised).
+  after a prompt through the one decoder (:class:`rdepth.model.decoder.Decoder`,
+  what ``rdepth generate`` runs): its wall time / ``B*new_tokens`` is the decode
+  latency (prompt pass amortised).
 
 :func:`time_interleaved` times several calls against each other: each is warmed
 up, then every round calls each once in a shuffled order, so the reference and
@@ -94,6 +95,7 @@ def generate_call(
     """A zero-argument call generating ``new_tokens`` greedy tokens after ``prompt`` ``[B, P]`` with the
     key/value cache (the prompt's forward included), under ``autocast_dtype``."""
     from rdepth.model.generation import generate
+    from rdepth.model.noise import StateNoise
 
     _one_mode("generate_call", controller_factory, loop_counts)
     if new_tokens < 1 or prompt.shape[1] + new_tokens > model.config.block_size:
@@ -101,14 +103,13 @@ def generate_call(
             f"time_generate: need 1 <= new_tokens and prompt + new tokens <= block size {model.config.block_size}"
         )
     device = prompt.device
-    generator = torch.Generator(device=device)
+    noise = StateNoise(seed, range(prompt.shape[0]))
 
     @torch.no_grad()
     def call() -> None:
-        generator.manual_seed(seed)
         with _autocast(device, autocast_dtype):
             generate(model, prompt, new_tokens, temperature=0.0, loop_counts=loop_counts,
-                     controller_factory=controller_factory, generator=generator)
+                     controller_factory=controller_factory, generator=noise)
 
     return call
 
@@ -154,58 +155,3 @@ def time_interleaved(
         if progress is not None:
             progress(round_index)
     return samples
-
-
-def _summary(times_ms: list[float], work: int) -> dict:
-    stats = spread(times_ms)
-    return {
-        "ms_per_token": stats["median"] / work,
-        "ms_per_token_iqr": [q / work for q in stats["iqr"]],
-        "median_ms": stats["median"],
-        "all_ms": times_ms,
-    }
-
-
-def time_forward(
-    model: RecurrentLM,
-    idx: torch.Tensor,
-    *,
-    controller_factory: Callable[[], LoopController] | None = None,
-    loop_counts: Sequence[int] | None = None,
-    warmup: int = 2,
-    repeats: int = 5,
-    seed: int = 0,
-    autocast_dtype: torch.dtype | None = None,
-) -> dict:
-    """Teacher-forced milliseconds per token of ``model(idx)`` alone (see :func:`forward_call`).
-
-    Returns ``ms_per_token`` (median call time / ``B*T``), ``ms_per_token_iqr``,
-    ``median_ms``, ``all_ms``, ``batch_size`` and ``seq_len``. To compare two
-    settings, time them together with :func:`time_interleaved`.
-    """
-    model.eval()
-    call = forward_call(model, idx, controller_factory=controller_factory, loop_counts=loop_counts, seed=seed,
-                        autocast_dtype=autocast_dtype)
-    times_ms = time_interleaved({"call": call}, idx.device, warmup=warmup, repeats=repeats, seed=seed)["call"]
-    return {**_summary(times_ms, idx.numel()), "batch_size": int(idx.shape[0]), "seq_len": int(idx.shape[1])}
-
-
-def time_generate(
-    model: RecurrentLM,
-    prompt: torch.Tensor,
-    new_tokens: int,
-    *,
-    controller_factory: Callable[[], LoopController] | None = None,
-    loop_counts: Sequence[int] | None = None,
-    warmup: int = 1,
-    repeats: int = 3,
-    seed: int = 0,
-    autocast_dtype: torch.dtype | None = None,
-) -> dict:
-    """Milliseconds per generated token of greedy cached generation after ``prompt`` ``[B, P]`` alone
-    (see :func:`generate_call`); ``ms_per_token`` (median / ``B * new_tokens``), ``ms_per_token_iqr``,
-    ``median_ms`` and ``all_ms``."""
-    call = generate_call(model, prompt, new_tokens, controller_factory=controller_factory, loop_counts=loop_counts,
-                         seed=seed, autocast_dtype=autocast_dtype)
-    times_ms = time_interleaved({"call": call}, prompt.device, warmup=warmup, repeats=repeats, seed=seed)["call"]
-    return _summary(times_ms, prompt.shape[0] * new_tokens)

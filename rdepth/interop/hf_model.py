@@ -4,8 +4,11 @@
 modules it imports into one self-contained file, so an exported folder loads with
 ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` without rdepth
 installed. The wrapper adds no computation: ``forward`` calls ``RecurrentLM``,
-dense for a plain call, packed rows with rdepth's key/value cache when generating
-(exact under recurrence, as ``rdepth generate``).
+dense for a plain call, packed rows with rdepth's key/value cache when called with
+one; ``generate`` runs rdepth's one decoder (:class:`rdepth.model.decoder.Decoder`,
+exact under recurrence, as ``rdepth generate``) for greedy and sampled decoding,
+and hands anything it does not cover (beam search, top-p, logits processors,
+streamers, dict outputs) to transformers' own loop over ``forward``.
 
 Per-call arguments of ``forward`` and ``generate``:
 
@@ -37,6 +40,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from rdepth.config import ModelConfig, parse_loop_counts
 from rdepth.exits.controller import PolicyController
 from rdepth.interop.hf_config import RdepthConfig
+from rdepth.model.decoder import Decoder
 from rdepth.model.kv import KVStore
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM
@@ -194,3 +198,60 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             if name in kwargs:
                 inputs[name] = kwargs[name]
         return inputs
+
+    # ------------------------------------------------------------- generate
+    # Keyword arguments generate() takes itself; any other (beam search, top_p, processors, streamers,
+    # dict outputs, ...) goes to transformers' own loop.
+    _DECODER_KWARGS = frozenset({"max_new_tokens", "max_length", "do_sample", "temperature", "top_k",
+                                 "eos_token_id", "pad_token_id", "use_cache", "num_beams",
+                                 "num_return_sequences"})
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                 loop_counts: Sequence[int] | int | str | None = None, state_seed: int | None = None,
+                 sequence_ids: Sequence[int] | None = None, exit_policy: dict | bool | None = None, **kwargs):
+        """Greedy (``do_sample=False``) or sampled (``temperature``, ``top_k``) continuation of
+        ``input_ids`` ``[B, T]`` through rdepth's decoder; ``max_new_tokens`` (or ``max_length``) and
+        ``eos_token_id`` as in transformers (finished rows continue with ``pad_token_id``). The
+        rdepth arguments as :meth:`forward`'s. Other generation options go to transformers' loop."""
+        options = {**self.generation_config.to_diff_dict(), **kwargs} if self.generation_config else dict(kwargs)
+        simple = (input_ids is not None and set(kwargs) <= self._DECODER_KWARGS
+                  and int(options.get("num_beams") or 1) == 1 and int(options.get("num_return_sequences") or 1) == 1
+                  and options.get("use_cache", True) is not False and not options.get("top_p"))
+        if not simple:
+            return super().generate(input_ids, attention_mask=attention_mask, loop_counts=loop_counts,
+                                    state_seed=state_seed, sequence_ids=sequence_ids, exit_policy=exit_policy,
+                                    **kwargs)
+        _check_padding(attention_mask, cached=True)
+        batch, length = input_ids.shape
+        new = options.get("max_new_tokens")
+        if new is None:
+            new = int(options.get("max_length") or 20) - length
+        controller = self.exit_controller(exit_policy)
+        factory = None if controller is None else (lambda: self.exit_controller(exit_policy))
+        counts = None if factory is not None else self.resolve_loop_counts(loop_counts)
+        if counts is None and factory is None:
+            counts = self.model.config.default_eval_loops
+        decoder = Decoder(self.model, batch, loop_counts=counts, controller_factory=factory,
+                          noise=self.state_noise(batch, state_seed, sequence_ids))
+        sample = bool(options.get("do_sample"))
+        temperature = float(options.get("temperature") or 1.0) if sample else 0.0
+        top_k = options.get("top_k") if sample else None
+        tokens = decoder.generate(input_ids, max(int(new), 0), temperature=temperature, top_k=top_k or None)
+        return _stop_at_eos(tokens, length, options.get("eos_token_id"), options.get("pad_token_id"))
+
+
+def _stop_at_eos(tokens: torch.Tensor, prompt: int, eos, pad) -> torch.Tensor:
+    """transformers' stopping: after a row's first end token (``eos``: an id or a list) its later tokens
+    become ``pad`` (default: the first end token), and the batch ends where every row has ended."""
+    if eos is None:
+        return tokens
+    ends = torch.tensor([eos] if isinstance(eos, int) else list(eos), device=tokens.device)
+    generated = tokens[:, prompt:]
+    is_end = torch.isin(generated, ends)
+    after = (is_end.long().cumsum(dim=1) - is_end.long()) > 0  # strictly after the first end token
+    generated = generated.masked_fill(after, int(pad if pad is not None else ends[0]))
+    finished = is_end.long().cumsum(dim=1) > 0
+    done_at = finished.all(dim=0).nonzero()
+    keep = int(done_at[0]) + 1 if done_at.numel() else generated.shape[1]
+    return torch.cat([tokens[:, :prompt], generated[:, :keep]], dim=1)

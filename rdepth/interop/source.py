@@ -56,6 +56,8 @@ MODELING_PARTS: tuple[Part, ...] = (
     Part("rdepth.model.noise"),
     Part("rdepth.model.schedule"),
     Part("rdepth.model.recurrent"),
+    Part("rdepth.model.static_decode"),
+    Part("rdepth.model.decoder"),
     Part("rdepth.exits.base"),
     Part("rdepth.exits.policies"),
     Part("rdepth.exits.registry"),

@@ -1,4 +1,4 @@
-"""Text generation with a key/value cache that is exact under recurrence."""
+"""Text generation with a key/value cache that is exact under recurrence: a call of the one decoder."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from rdepth.errors import RdepthError
 from rdepth.model.control import LoopController
-from rdepth.model.recurrent import Noise, RecurrentLM
+from rdepth.model.decoder import Decoder
+from rdepth.model.noise import StateNoise
+from rdepth.model.recurrent import RecurrentLM
 
 
 @torch.no_grad()
@@ -20,39 +23,29 @@ def generate(
     top_k: int | None = None,
     loop_counts: Sequence[int] | None = None,
     controller_factory: Callable[[], LoopController] | None = None,
-    generator: Noise = None,
+    generator: StateNoise | None = None,
     sample_generator: torch.Generator | None = None,
     warm_start: bool = False,
+    check_every: int | None | str = "auto",
 ) -> torch.Tensor:
-    """Extend ``idx`` ``[B, T0]`` by up to ``max_new_tokens`` tokens.
+    """Extend ``idx`` ``[B, T0]`` by up to ``max_new_tokens`` tokens through :class:`Decoder`.
 
-    The prompt is processed once, then one token per forward, each reading the
-    cached keys/values of every earlier position at the same loop step (or its
-    last computed step when it exited early). ``temperature=0`` is greedy.
-    Generation stops at the model's block size. ``warm_start``: each group's loop
-    starts from the state it handed on at the previous token (see
-    :meth:`RecurrentLM.forward`); the prompt then runs token by token.
+    The prompt runs once, then one token per step, each reading the cached keys/values of every
+    earlier position at the same loop step (or its last computed step when it exited early).
+    ``temperature=0`` is greedy; sampling draws from ``sample_generator`` on the device.
+    Generation stops at the model's block size. ``generator``: the initial loop states (a
+    :class:`StateNoise`, one id per row; default ids ``0..B-1`` with seed 0). ``warm_start``: each
+    group's loop starts from the state it handed on at the previous token.
+    ``controller_factory``: per-token exits (``loop_counts`` is then unused).
     """
-    model.eval()
-    cache = model.new_cache(idx.shape[0])
-    tokens = idx
-    step_input = idx
-    for _ in range(max_new_tokens):
-        if cache.length + step_input.shape[1] > model.config.block_size:
-            break
-        controller = controller_factory() if controller_factory is not None else None
-        out = model(step_input, loop_counts=loop_counts, generator=generator, controller=controller, cache=cache,
-                    warm_start=warm_start)
-        logits = out.logits[:, -1, :].float()
-        if temperature <= 0:
-            next_token = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            next_token = torch.multinomial(probs, 1, generator=sample_generator)
-        tokens = torch.cat([tokens, next_token], dim=1)
-        step_input = next_token
-    return tokens
+    if generator is not None and not isinstance(generator, StateNoise):
+        raise RdepthError("generate: the initial loop states come from a StateNoise (one sequence id per row)")
+    if temperature < 0 or (top_k is not None and top_k < 1):
+        raise RdepthError(f"generate: temperature must be >= 0 and top_k >= 1, got {temperature}, {top_k}")
+    if idx.shape[1] > model.config.block_size:
+        raise RdepthError(f"generate: a prompt of {idx.shape[1]} tokens exceeds the model's block size "
+                          f"{model.config.block_size}")
+    decoder = Decoder(model, idx.shape[0], loop_counts=None if controller_factory is not None else loop_counts,
+                      controller_factory=controller_factory, noise=generator, warm_start=warm_start,
+                      check_every=check_every)
+    return decoder.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=sample_generator)

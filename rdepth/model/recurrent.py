@@ -215,6 +215,29 @@ class RecurrentLM(nn.Module):
             nn.init.trunc_normal_(state, 0.0, std, -3 * std, 3 * std, generator=noise)
         return state.to(device=inputs.device, dtype=inputs.dtype)
 
+    def group_input(self, group: int, inputs: torch.Tensor) -> torch.Tensor:
+        """The loop-invariant half of ``group``'s adapter, ``W_e e``: ``inputs`` ``[..., d]`` -> ``[..., d]``.
+
+        The adapter is one ``Linear(2d, d)`` on ``concat(state, e)``, i.e. ``W_s s + W_e e`` with
+        ``W = [W_s | W_e]``; ``e`` does not change while the group loops, so its half is computed once
+        per group and every loop step adds it (:meth:`loop_step`). The same parameters as ever:
+        checkpoints load unchanged."""
+        width = self.config.d_model
+        return F.linear(inputs, self.adapters[group].weight[:, width:])
+
+    def loop_step(
+        self,
+        group: int,
+        state: torch.Tensor,
+        projected: torch.Tensor,
+        attn: AttentionContext | None = None,
+    ) -> torch.Tensor:
+        """One loop step of ``group`` given its input half ``projected`` (:meth:`group_input`):
+        ``layers_g(W_s state + projected)``."""
+        width = self.config.d_model
+        x = F.linear(state, self.adapters[group].weight[:, :width]) + projected
+        return self.run_layers(self.group_layers[group], x, attn)
+
     def group_step(
         self,
         group: int,
@@ -222,9 +245,9 @@ class RecurrentLM(nn.Module):
         inputs: torch.Tensor,
         attn: AttentionContext | None = None,
     ) -> torch.Tensor:
-        """One loop step of ``group``: ``layers_g(adapter_g(concat(state, inputs)))``."""
-        x = self.adapters[group](torch.cat([state, inputs], dim=-1))
-        return self.run_layers(self.group_layers[group], x, attn)
+        """One loop step of ``group``: ``layers_g(adapter_g(concat(state, inputs)))``, computed as
+        :meth:`loop_step` of :meth:`group_input` (drivers that loop should compute the input half once)."""
+        return self.loop_step(group, state, self.group_input(group, inputs), attn)
 
     def readout(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and the tied head; logits over the real vocabulary."""
@@ -313,9 +336,10 @@ class RecurrentLM(nn.Module):
                 continue
             group = stage.group
             inputs = x
+            projected = self.group_input(group, inputs)  # W_e e, once for every loop step
             state = self.init_state(group, inputs, noise)
             if shifted_warm_start:
-                state = self._shifted_start(group, state, inputs, counts[group])
+                state = self._shifted_start(group, state, projected, counts[group])
             if observer is not None:
                 observer(group, 0, state, None)
             # Truncated backprop: the first steps run without a graph.
@@ -324,19 +348,21 @@ class RecurrentLM(nn.Module):
             grad_on = torch.is_grad_enabled()
             for step in range(1, steps + 1):
                 with torch.set_grad_enabled(grad_on and step > free_steps):
-                    state = self.group_step(group, state, inputs)
+                    state = self.loop_step(group, state, projected)
                 if observer is not None:
                     observer(group, step, state, None)
             x = state
         return x
 
     @torch.no_grad()
-    def _shifted_start(self, group: int, noise_state: torch.Tensor, inputs: torch.Tensor, steps: int) -> torch.Tensor:
+    def _shifted_start(self, group: int, noise_state: torch.Tensor, projected: torch.Tensor,
+                       steps: int) -> torch.Tensor:
         """Start states ``[B, T, d]`` for :meth:`forward`'s ``shifted_warm_start``: position 0 keeps its
-        noise, position t the state position t-1 hands on after ``steps`` steps from noise."""
+        noise, position t the state position t-1 hands on after ``steps`` steps from noise
+        (``projected``: the group's input half, :meth:`group_input`)."""
         state = noise_state
         for _ in range(steps):
-            state = self.group_step(group, state, inputs)
+            state = self.loop_step(group, state, projected)
         return torch.cat([noise_state[:, :1], state[:, :-1]], dim=1)
 
     def _forward_warm(self, idx, controller, cache, noise, observer):
@@ -369,6 +395,7 @@ class RecurrentLM(nn.Module):
                 continue
             group = stage.group
             inputs = x
+            projected = self.group_input(group, inputs)  # W_e e, once for every loop step
             if warm and group in store.warm:  # one position per call: the row's previous handed-on state
                 state = store.warm[group].to(inputs.dtype)
             else:
@@ -380,7 +407,7 @@ class RecurrentLM(nn.Module):
                 rows = loop.rows
                 ctx = AttentionContext.build(store, step, batch_index[rows], position[rows])
                 prev = state[rows]
-                new = self.group_step(group, prev, inputs[rows], ctx)
+                new = self.loop_step(group, prev, projected[rows], ctx)
                 state = state.index_copy(0, rows, new.to(state.dtype))
                 if observer is not None:
                     active = torch.zeros(batch * seq, dtype=torch.bool, device=device)

@@ -21,9 +21,13 @@ because
 - the initial loop states come from :class:`~rdepth.model.noise.StateNoise`,
   keyed by position, so drafting and verifying a position start from the same
   state as plain decoding does;
-- rolling back is setting the cache length: entries past it are overwritten,
-  step by step, before anything reads them (a position's step count is rewritten
-  at every step it computes, and later steps fall back to its latest key/value).
+- rolling back is setting the cache length (:meth:`Decoder.rollback`): entries past
+  it are overwritten, step by step, before anything reads them.
+
+Drafts, verification and the plain greedy fill all run on the one decoder
+(:class:`rdepth.model.decoder.Decoder`): a draft is a one-token step at the draft
+budget, a verification one lock-step pass over the drafts at the verifying budget
+(one token at a time when the verifying budget has exits).
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from rdepth.config import parse_loop_counts
 from rdepth.errors import RdepthError
 from rdepth.model.control import LoopController
+from rdepth.model.decoder import Decoder
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM
 
@@ -56,11 +62,16 @@ class SpeculativeStats:
                 "acceptance": self.acceptance}
 
 
-def _runner(model: RecurrentLM, noise: StateNoise):
-    def run(tokens: torch.Tensor, cache, counts, factory) -> torch.Tensor:
-        controller = factory() if factory is not None else None
-        return model(tokens, loop_counts=counts, controller=controller, cache=cache, generator=noise).logits
-    return run
+def _decoder(model: RecurrentLM, noise: StateNoise, counts, factory, draft_counts=None,
+             draft_factory=None) -> Decoder:
+    """A batch-1 decoder at the verifying budget whose cache keeps the larger of the two budgets."""
+    budgets = [budget for budget in (counts, draft_counts) if budget is not None]
+    for factory_ in (factory, draft_factory):
+        if factory_ is not None:
+            controller = factory_()
+            budgets.append(tuple(controller.max_steps(group) for group in range(model.n_groups)))
+    k_max = tuple(max(steps) for steps in zip(*budgets)) if model.n_groups else None
+    return Decoder(model, 1, loop_counts=counts, controller_factory=factory, noise=noise, keep_steps=k_max)
 
 
 def _free_positions(template: torch.Tensor, free: torch.Tensor, block_size: int) -> list[int]:
@@ -76,6 +87,13 @@ def _free_positions(template: torch.Tensor, free: torch.Tensor, block_size: int)
     return [int(r) for r in torch.nonzero(free).flatten() if int(r) <= block_size]
 
 
+def _eval_counts(model: RecurrentLM, loop_counts) -> tuple[int, ...]:
+    """Explicit counts, else the model's eval counts (whatever mode the model is in)."""
+    if loop_counts is None:
+        return model.config.default_eval_loops
+    return parse_loop_counts(loop_counts, model.n_groups)
+
+
 @torch.no_grad()
 def greedy_fill(
     model: RecurrentLM,
@@ -89,15 +107,13 @@ def greedy_fill(
     """Plain greedy decoding of a template ``[1, N]``: each position where ``free`` ``[N]`` is
     true gets the argmax of the logits before it, the given tokens up to it fed in one chunk
     through the cache. Free positions past the block size keep the template's token."""
-    model.eval()
     positions = _free_positions(template, free, model.config.block_size)
     noise = noise if noise is not None else StateNoise(0, [0])
-    counts = None if controller_factory is not None else model.resolve_loop_counts(loop_counts)
-    run = _runner(model, noise)
-    out = template.clone()
-    cache = model.new_cache(1)
+    counts = None if controller_factory is not None else _eval_counts(model, loop_counts)
+    decoder = _decoder(model, noise, counts, controller_factory)
+    out = template.to(decoder.device).clone()
     for position in positions:
-        out[0, position] = run(out[:, cache.length:position], cache, counts, controller_factory)[0, -1].argmax()
+        out[0, position] = decoder.extend(out[:, decoder.length:position])[0, -1].argmax()
     return out
 
 
@@ -127,46 +143,44 @@ def speculative_fill(
         raise RdepthError("speculative decoding needs draft_tokens >= 1")
     if draft_loops is None and draft_controller_factory is None:
         raise RdepthError("speculative decoding needs a draft budget (draft_loops or a draft controller)")
-    model.eval()
     positions = _free_positions(template, free, model.config.block_size)
     noise = noise if noise is not None else StateNoise(0, [0])
-    verify_counts = None if controller_factory is not None else model.resolve_loop_counts(loop_counts)
-    draft_counts = None if draft_controller_factory is not None else model.resolve_loop_counts(draft_loops)
-    run = _runner(model, noise)
-    out = template.clone()
+    verify_counts = None if controller_factory is not None else _eval_counts(model, loop_counts)
+    draft_counts = None if draft_controller_factory is not None else _eval_counts(model, draft_loops)
+    decoder = _decoder(model, noise, verify_counts, controller_factory, draft_counts, draft_controller_factory)
+    out = template.to(decoder.device).clone()
     stats = SpeculativeStats()
     if not positions:
         return out, stats
-    cache = model.new_cache(1)
     first = positions[0]
-    out[0, first] = run(out[:, :first], cache, verify_counts, controller_factory)[0, -1].argmax()
-    # Invariant: the cache holds positions < cache.length at the verifying budget, and the token at
-    # cache.length (the last decided free position, or a given one) is final.
+    out[0, first] = decoder.extend(out[:, :first])[0, -1].argmax()
+    # Invariant: the decoder holds positions < decoder.length at the verifying budget, and the token at
+    # decoder.length (the last decided free position, or a given one) is final.
     decided = 1  # positions[:decided] are final
     while decided < len(positions):
-        start = cache.length
+        start = decoder.length
         drafted: list[int] = []
         while len(drafted) < draft_tokens and decided + len(drafted) < len(positions):
             position = positions[decided + len(drafted)]
-            out[0, position] = run(out[:, cache.length:position], cache, draft_counts,
-                                   draft_controller_factory)[0, -1].argmax()
+            out[0, position] = decoder.extend(out[:, decoder.length:position], loop_counts=draft_counts,
+                                              controller_factory=draft_controller_factory)[0, -1].argmax()
             drafted.append(position)
         following = decided + len(drafted)  # the free position after the drafts, if any
         end = positions[following] if following < len(positions) else drafted[-1]
-        cache.length = start  # verify from the last final token on, over the drafts
-        verified = run(out[:, start:end], cache, verify_counts, controller_factory).argmax(-1)[0]
+        decoder.rollback(start)  # verify from the last final token on, over the drafts
+        verified = decoder.extend(out[:, start:end]).argmax(-1)[0]
         accepted = 0
         for position in drafted:
             choice = verified[position - 1 - start]
             if choice != out[0, position]:
                 out[0, position] = choice  # the verifying budget's own token: final
-                cache.length = position
+                decoder.rollback(position)
                 break
             accepted += 1
         else:
             if following < len(positions):  # every draft kept: the next free position comes free
                 out[0, end] = verified[end - 1 - start]
-            cache.length = end
+            decoder.rollback(end)
         stats.rounds += 1
         stats.drafted += len(drafted)
         stats.accepted += accepted

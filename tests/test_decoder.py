@@ -16,7 +16,7 @@ from rdepth.exits.registry import POLICIES
 from rdepth.model import RecurrentLM
 from rdepth.model.generation import generate
 from rdepth.model.noise import StateNoise
-from rdepth.model.static_decode import StaticDecoder
+from rdepth.model.decoder import Decoder
 
 BLOCKS = pytest.mark.parametrize("block", ["sandwich", "gpt2"])
 BATCHES = pytest.mark.parametrize("batch", [1, 3])
@@ -45,7 +45,7 @@ def tokens(batch: int, length: int = LENGTH) -> torch.Tensor:
     return torch.randint(0, 50, (batch, length), generator=torch.Generator().manual_seed(batch))
 
 
-def decode_all(decoder: StaticDecoder, idx: torch.Tensor, prompt: int = PROMPT):
+def decode_all(decoder: Decoder, idx: torch.Tensor, prompt: int = PROMPT):
     """Prefill ``idx[:, :prompt]``, then step through the rest: logits [B, T, V], computed and used [G, B, T]."""
     logits = [decoder.prefill(idx[:, :prompt])]
     computed, used = [decoder.prompt_computed], [None]
@@ -56,7 +56,7 @@ def decode_all(decoder: StaticDecoder, idx: torch.Tensor, prompt: int = PROMPT):
     return torch.cat(logits, 1), torch.cat(computed, 2), torch.cat(used[1:], 2)
 
 
-def step_through(decoder: StaticDecoder, idx: torch.Tensor, prompt: int = PROMPT, forbid_syncs: bool = False):
+def step_through(decoder: Decoder, idx: torch.Tensor, prompt: int = PROMPT, forbid_syncs: bool = False):
     """Step a prefilled ``decoder`` through ``idx[:, prompt:]`` -> (logits, computed), one entry per token;
     with ``forbid_syncs`` a host synchronisation is an error (CUDA's sync debug mode)."""
     logits, computed = [], []
@@ -85,7 +85,7 @@ def test_fixed_budget_equals_packed_cache_and_teacher_forced(block, batch):
     cached = [model(idx[:, :PROMPT], loop_counts=counts, cache=cache, generator=noise).logits]
     for t in range(PROMPT, LENGTH):
         cached.append(model(idx[:, t : t + 1], loop_counts=counts, cache=cache, generator=noise).logits)
-    decoder = StaticDecoder(model, batch, K_MAX, loop_counts=counts, noise=noise)
+    decoder = Decoder(model, batch, K_MAX, loop_counts=counts, noise=noise)
     static, computed, used = decode_all(decoder, idx)
     torch.testing.assert_close(static, torch.cat(cached, 1), rtol=0, atol=1e-10)
     torch.testing.assert_close(static, forced, rtol=0, atol=1e-10)
@@ -97,10 +97,10 @@ def test_full_budget_is_k_max_and_a_plain_model_decodes_too():
     model = tiny_model()
     idx = tokens(2)
     noise = StateNoise(0, [7, 8])
-    static, _, _ = decode_all(StaticDecoder(model, 2, K_MAX, noise=noise), idx)
+    static, _, _ = decode_all(Decoder(model, 2, K_MAX, noise=noise), idx)
     torch.testing.assert_close(static, model(idx, loop_counts=K_MAX, generator=noise).logits, rtol=0, atol=1e-10)
     plain = tiny_model(groups="")
-    static, _, _ = decode_all(StaticDecoder(plain, 2, ()), idx)
+    static, _, _ = decode_all(Decoder(plain, 2, ()), idx)
     torch.testing.assert_close(static, plain(idx).logits, rtol=0, atol=1e-10)
 
 
@@ -142,7 +142,7 @@ def test_exits_equal_the_packed_path(name, batch):
     computed_forced = torch.stack(forced.computed)
     if name != "fixed":
         assert computed_forced.min() < computed_forced.max(), "the setting should make exits vary"
-    decoder = StaticDecoder(model, batch, K_MAX, controller_factory=factory, noise=noise, check_every=2)
+    decoder = Decoder(model, batch, K_MAX, controller_factory=factory, noise=noise, check_every=2)
     static, computed, used = decode_all(decoder, idx)
     torch.testing.assert_close(static, forced.logits, rtol=0, atol=1e-10)
     assert torch.equal(computed, computed_forced)
@@ -166,7 +166,7 @@ def test_exits_hand_on_the_previous_state_and_equal_cached_packed(block, batch):
     cached_used = torch.cat([torch.stack(out.used) for out in outs], 2)
     cached_computed = torch.cat([torch.stack(out.computed) for out in outs], 2)
     assert (cached_used < cached_computed).any(), "some token should hand on the state before its last step"
-    decoder = StaticDecoder(model, batch, K_MAX, controller_factory=factory, noise=noise)
+    decoder = Decoder(model, batch, K_MAX, controller_factory=factory, noise=noise)
     static, computed, used = decode_all(decoder, idx)
     torch.testing.assert_close(static, torch.cat([out.logits for out in outs], 1), rtol=0, atol=1e-10)
     assert torch.equal(computed, cached_computed)
@@ -179,7 +179,7 @@ def test_check_every_changes_nothing_but_time(name):
     idx = tokens(3)
     noise = StateNoise(4, range(3))
     factory = controller_factory(model, name, varied_setting(model, idx, noise, name))
-    results = [decode_all(StaticDecoder(model, 3, K_MAX, controller_factory=factory, noise=noise,
+    results = [decode_all(Decoder(model, 3, K_MAX, controller_factory=factory, noise=noise,
                                         check_every=every), idx) for every in (None, 1, 2, 4)]
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
@@ -192,14 +192,14 @@ def test_greedy_equals_generate(block):
     prompt = tokens(2, 4)
     noise = StateNoise(9, [0, 1])
     expected = generate(model, prompt, 8, temperature=0, loop_counts=(3, 2), generator=noise)
-    assert torch.equal(StaticDecoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise).greedy(prompt, 8), expected)
+    assert torch.equal(Decoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise).greedy(prompt, 8), expected)
     factory = controller_factory(model, "step_norm", 0.3)
     expected = generate(model, prompt, 8, temperature=0, controller_factory=factory, generator=noise)
-    decoder = StaticDecoder(model, 2, K_MAX, controller_factory=factory, noise=noise, check_every=3)
+    decoder = Decoder(model, 2, K_MAX, controller_factory=factory, noise=noise, check_every=3)
     assert torch.equal(decoder.greedy(prompt, 8), expected)
     # to the end of the block, as generate stops there
     long = generate(model, prompt, 40, temperature=0, loop_counts=(3, 2), generator=noise)
-    assert torch.equal(StaticDecoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise).greedy(prompt, 40), long)
+    assert torch.equal(Decoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise).greedy(prompt, 40), long)
     assert long.shape[1] == model.config.block_size + 1
 
 
@@ -220,15 +220,15 @@ def test_a_token_has_no_host_sync_but_one_per_chunk_check(name, check_every):
     idx = tokens(3)
     noise = StateNoise(5, range(3))
     if name is None:
-        decoder = StaticDecoder(model, 3, K_MAX, noise=noise)
+        decoder = Decoder(model, 3, K_MAX, noise=noise)
     else:
         factory = controller_factory(model, name, varied_setting(model, idx, noise, name))
-        decoder = StaticDecoder(model, 3, K_MAX, controller_factory=factory, noise=noise, check_every=check_every)
+        decoder = Decoder(model, 3, K_MAX, controller_factory=factory, noise=noise, check_every=check_every)
     decoder.prefill(idx[:, :PROMPT])
     counts = op_counts(lambda: decoder.step(idx[:, PROMPT : PROMPT + 1]))
     syncs = sum(counts.get(op, 0) for op in SYNC_OPS if op != "aten::_local_scalar_dense")
     assert counts.get("aten::nonzero", 0) == 0  # no boolean-mask indexing
-    checks = sum(1 for kind, _ in decoder._plan if kind == "check")
+    checks = sum(1 for kind, _ in decoder._plan.pieces if kind == "check")
     assert syncs <= checks and (check_every is None) == (checks == 0)
     # the packed path, for contrast, syncs at every loop step
     cache = model.new_cache(3)
@@ -249,13 +249,14 @@ def test_every_piece_of_a_token_traces_as_one_graph(name):
     if name is not None:
         options.update(controller_factory=controller_factory(model, name, varied_setting(model, idx, noise, name)),
                        check_every=2)
-    eager, traced = StaticDecoder(model, 3, K_MAX, **options), StaticDecoder(model, 3, K_MAX, **options)
+    eager, traced = Decoder(model, 3, K_MAX, **options), Decoder(model, 3, K_MAX, **options)
     for decoder in (eager, traced):
         decoder.prefill(idx[:, :PROMPT])
     expected = eager.step(idx[:, PROMPT : PROMPT + 1])
     traced.tokens.copy_(idx[:, PROMPT : PROMPT + 1])
+    traced.cache.limit = traced.length + 1  # what _advance sets before the pieces (eager: the written prefix)
     with torch.no_grad():
-        for kind, piece in traced._plan:
+        for kind, piece in traced._plan.pieces:
             if kind == "run":
                 torch._dynamo.reset()  # a fresh compile per piece (they share code objects)
                 torch.compile(piece, fullgraph=True, backend="eager")()
@@ -272,10 +273,12 @@ def test_bf16_decoder_is_close_to_fp32_and_picks_the_same_clear_tokens():
         model.wte.weight.mul_(8)
     idx = tokens(2)
     noise = StateNoise(6, [0, 1])
-    wide, _, _ = decode_all(StaticDecoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise), idx)
+    wide, _, _ = decode_all(Decoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise), idx)
     narrow_model = copy.deepcopy(model)
-    decoder = StaticDecoder(narrow_model, 2, K_MAX, torch.bfloat16, loop_counts=(3, 2), noise=noise)
-    assert decoder.cache.single[0][0].dtype == torch.bfloat16 and narrow_model.wte.weight.dtype == torch.bfloat16
+    decoder = Decoder(narrow_model, 2, K_MAX, torch.bfloat16, loop_counts=(3, 2), noise=noise)
+    # the decoder converts a copy: the caller's model stays float32
+    assert decoder.cache.single[0][0].dtype == torch.bfloat16 and decoder.model.wte.weight.dtype == torch.bfloat16
+    assert narrow_model.wte.weight.dtype == torch.float32
     narrow, _, _ = decode_all(decoder, idx)
     assert narrow.dtype == torch.bfloat16
     error = (narrow.float() - wide).abs().max()
@@ -286,20 +289,20 @@ def test_bf16_decoder_is_close_to_fp32_and_picks_the_same_clear_tokens():
     assert torch.equal(narrow.float().argmax(-1)[clear], wide.argmax(-1)[clear])
     # greedy decoding picks the same tokens
     prompt = idx[:, :4]
-    assert torch.equal(StaticDecoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise).greedy(prompt, 3),
+    assert torch.equal(Decoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise).greedy(prompt, 3),
                        decoder.greedy(prompt, 3))
 
 
 def test_errors_name_the_problem():
     model = tiny_model()
-    with pytest.raises(RdepthError, match="noise=StateNoise"):
-        StaticDecoder(model, 1, K_MAX)
+    with pytest.raises(RdepthError, match="noise must be a StateNoise"):
+        Decoder(model, 1, K_MAX, noise=torch.Generator())
     noise = StateNoise(0, [0])
     with pytest.raises(RdepthError, match="k_max is 6"):
-        StaticDecoder(model, 1, K_MAX, loop_counts=(7, 2), noise=noise)
+        Decoder(model, 1, K_MAX, loop_counts=(7, 2), noise=noise)
     with pytest.raises(RdepthError, match="needs a CUDA device"):
-        StaticDecoder(model, 1, K_MAX, noise=noise).capture()
-    decoder = StaticDecoder(model, 1, K_MAX, noise=noise, capacity=6)
+        Decoder(model, 1, K_MAX, noise=noise).capture()
+    decoder = Decoder(model, 1, K_MAX, noise=noise, capacity=6)
     decoder.prefill(tokens(1, 6))
     with pytest.raises(RdepthError, match="cache is full"):
         decoder.step(tokens(1, 1))
@@ -319,8 +322,8 @@ def test_cuda_graph_replay_equals_eager_without_syncs(mode):
     if mode != "fixed":
         factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
         options.update(controller_factory=factory, check_every=2 if mode == "exits_chunked" else None)
-    eager = decode_all(StaticDecoder(model, 3, K_MAX, **options), idx)
-    decoder = StaticDecoder(model, 3, K_MAX, **options)
+    eager = decode_all(Decoder(model, 3, K_MAX, **options), idx)
+    decoder = Decoder(model, 3, K_MAX, **options)
     decoder.prefill(idx[:, :PROMPT])
     decoder.capture()
     assert decoder.captured
@@ -340,7 +343,7 @@ def test_a_captured_decoder_run_unreplayed_equals_its_replay():
     factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
     runs = []
     for replay in (True, False):
-        decoder = StaticDecoder(model, 3, K_MAX, noise=noise, controller_factory=factory, check_every=2,
+        decoder = Decoder(model, 3, K_MAX, noise=noise, controller_factory=factory, check_every=2,
                                 compact=True)
         decoder.prefill(idx[:, :PROMPT])
         decoder.capture()
@@ -370,12 +373,14 @@ def test_unreplayed_tokens_of_a_captured_decoder_touch_no_graph():
     noise = StateNoise(8, range(3))
     factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
     options = dict(noise=noise, controller_factory=factory, check_every=1, compact=True)
-    expected = decode_all(StaticDecoder(model, 3, K_MAX, **options), idx)
-    decoder = StaticDecoder(model, 3, K_MAX, **options)
+    expected = decode_all(Decoder(model, 3, K_MAX, **options), idx)
+    decoder = Decoder(model, 3, K_MAX, **options)
     decoder._graphs = [None if kind == "check" else
                        NoReplay() if kind == "run" else {rows: NoReplay() for rows in decoder._bucket_sizes()}
-                       for kind, _ in decoder._plan]
-    decoder.prefill(idx[:, :PROMPT])
+                       for kind, _ in decoder._plan.pieces]
+    decoder.rollback(0)
+    for t in range(PROMPT):  # the prompt unreplayed too
+        decoder._advance(idx[:, t : t + 1], replay=False)
     logits, computed = [], []
     for t in range(PROMPT, LENGTH):
         decoder._advance(idx[:, t : t + 1], replay=False)
