@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from rdepth.config import get_preset
 from rdepth.exits.config import SweepConfig
-from rdepth.exits.measure import policy_controller_factory
+from rdepth.exits.controller import controller_factory
 from rdepth.exits.registry import POLICIES, get_policy_class
 from rdepth.exits.sweep import run_sweep
 from rdepth.model import RecurrentLM
@@ -149,7 +149,7 @@ def test_every_policy_runs_under_bf16_on_the_packed_path_and_matches_fp32(model,
     torch.manual_seed(4)
     idx = torch.randint(0, 64, (2, 16))
     for label, value, exact in _settings(name):
-        factory = policy_controller_factory(name, value, K_MAX, lambda: model.readout)
+        factory = controller_factory(name, value, K_MAX, lambda: model.readout)
         wide, low = _forward(model, idx, factory, None), _forward(model, idx, factory, torch.bfloat16)
         assert low.logits.dtype == torch.bfloat16 and torch.isfinite(low.logits).all(), label
         for computed in low.computed:
@@ -177,7 +177,7 @@ def test_every_policy_generates_under_bf16_with_the_cache_as_fp32_would(model, n
     torch.manual_seed(5)
     prompt = torch.randint(0, 64, (2, 4))
     for label, value, exact in _settings(name):
-        factory = policy_controller_factory(name, value, K_MAX, lambda: model.readout)
+        factory = controller_factory(name, value, K_MAX, lambda: model.readout)
         with _autocast(torch.bfloat16):
             tokens = generate(model, prompt, 8, temperature=0.0, controller_factory=factory,
                               generator=StateNoise.consecutive(0, 0, 2))

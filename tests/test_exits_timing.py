@@ -78,13 +78,13 @@ def test_rounds_time_every_setting_once_in_a_shuffled_order():
 
 
 class _AutocastProbe(RecurrentLM):
-    """Records whether autocast was on during each forward."""
+    """Records whether autocast was on at each readout (the decoder reads out once per pass)."""
 
     seen: list
 
-    def forward(self, *args, **kwargs):
+    def readout(self, *args, **kwargs):
         self.seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
-        return super().forward(*args, **kwargs)
+        return super().readout(*args, **kwargs)
 
 
 def test_generation_is_timed_under_the_sweeps_autocast():
@@ -94,7 +94,7 @@ def test_generation_is_timed_under_the_sweeps_autocast():
     model.seen = []
     prompt = torch.randint(0, 40, (1, 4))
     generate_call(model, prompt, 3, loop_counts=[2], autocast_dtype=torch.bfloat16)()
-    assert model.seen == [torch.bfloat16] * 3  # the prompt's forward and two single-token steps
+    assert model.seen == [torch.bfloat16] * 3  # the prompt's pass and two single-token steps
     model.seen = []
     generate_call(model, prompt, 3, loop_counts=[2])()
     assert model.seen == [False] * 3

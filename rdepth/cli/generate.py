@@ -47,12 +47,12 @@ def policy_controllers(config):
     every group, decoded rules reading the model's head. A bad name, tau or k_max fails here, before
     the checkpoint is loaded."""
     from rdepth.exits.config import resolve_k_max
-    from rdepth.exits.measure import policy_controller_factory
+    from rdepth.exits.controller import controller_factory
 
-    policy_controller_factory(config.exit, config.tau, config.k_max or (1,))
+    controller_factory(config.exit, config.tau, config.k_max or (1,))
 
     def controllers(model):
         k_max = resolve_k_max("generate", config.k_max, model.n_groups, model.config.default_eval_loops)
-        return policy_controller_factory(config.exit, config.tau, k_max, lambda: model.readout)
+        return controller_factory(config.exit, config.tau, k_max, lambda: model.readout)
 
     return controllers

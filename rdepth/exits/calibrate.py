@@ -56,11 +56,10 @@ import torch
 
 from rdepth.errors import RdepthError
 from rdepth.exits.config import CalibrateConfig
-from rdepth.exits.controller import PolicyController
+from rdepth.exits.controller import PolicyController, controller_factory
 from rdepth.exits.evaluate import evaluate_with_exits
 from rdepth.exits.profile import make_profile, profile_controller_factory
 from rdepth.exits.recorded import drive_recorded
-from rdepth.exits.registry import get_policy_class
 from rdepth.io import environment_info, write_json
 from rdepth.model import RecurrentLM
 from rdepth.model.control import FixedController
@@ -185,13 +184,7 @@ def read_through_rest(model: RecurrentLM, group: int, outputs: torch.Tensor, k_m
 
 
 def _controller_for(policy: str, value: float, k_max: int, options: dict, decode) -> PolicyController:
-    cls = get_policy_class(policy)
-    if cls.sweep_parameter == "tau":
-        build = lambda group: cls(tau=value, k_max=k_max, **options)  # noqa: E731
-    else:
-        chosen = int(value) if float(value).is_integer() else value
-        build = lambda group: cls(k_max=k_max, **{cls.sweep_parameter: chosen}, **options)  # noqa: E731
-    return PolicyController(build, decode=decode)
+    return controller_factory(policy, value, k_max, lambda: decode, options)()
 
 
 @torch.no_grad()

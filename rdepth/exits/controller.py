@@ -14,7 +14,7 @@ import torch
 
 from rdepth.errors import RdepthError
 from rdepth.exits.base import Decode, ExitPolicy
-from rdepth.exits.registry import make_policy
+from rdepth.exits.registry import get_policy_class
 
 PolicySource = Union[Sequence[ExitPolicy], Callable[[int], ExitPolicy]]
 
@@ -61,25 +61,12 @@ class PolicyController:
         decode: Decode | None = None,
         **options: Any,
     ) -> "PolicyController":
-        """The same rule in every group; ``k_max`` and ``tau`` are one value or one per group (an
-        exit profile's calibrated thresholds)."""
-
-        caps = None if isinstance(k_max, int) else tuple(k_max)
-        taus = None if tau is None or isinstance(tau, (int, float)) else tuple(float(t) for t in tau)
-        if caps is not None and taus is not None and len(caps) != len(taus):
-            raise RdepthError(f"PolicyController: {len(taus)} tau values for {len(caps)} k_max values")
-
-        def factory(group: int) -> ExitPolicy:
-            if caps is not None and group >= len(caps):
-                raise RdepthError(f"PolicyController: k_max has {len(caps)} values; the model asked for group {group}")
-            if taus is not None and group >= len(taus):
-                raise RdepthError(f"PolicyController: tau has {len(taus)} values; the model asked for group {group}")
-            return make_policy(name, tau=tau if taus is None else taus[group],
-                               k_max=k_max if caps is None else caps[group], **options)
-
-        for group in range(max(1, len(caps or ()), len(taus or ()))):
-            factory(group)  # bad settings fail here, before the model runs
-        return cls(factory, decode=decode)
+        """The same rule in every group (:func:`controller_factory`'s controller); ``tau`` and ``k_max``
+        one value or one per group, further policy ``options`` by keyword."""
+        if tau is None and get_policy_class(name).sweep_parameter in options:
+            parameter = get_policy_class(name).sweep_parameter
+            tau = options.pop(parameter)
+        return controller_factory(name, tau, k_max, None if decode is None else (lambda: decode), options)()
 
     @staticmethod
     def _checked(policy: Any, group: int) -> ExitPolicy:
@@ -126,3 +113,51 @@ class PolicyController:
         done, handoff, used = policy.after_step(step, rows, prev, new)
         self.decode.settle(group, rows, done, handoff)
         return done, handoff, used
+
+
+def controller_factory(
+    policy: str,
+    value: float | Sequence[float] | None = None,
+    k_max: int | Sequence[int] = 32,
+    decode_factory: Callable[[], Decode] | None = None,
+    options: dict | None = None,
+) -> Callable[[], PolicyController]:
+    """The one way from a policy name and its threshold(s) to loop controllers: a factory of fresh
+    :class:`PolicyController` objects running ``policy`` in every group.
+
+    Args:
+        policy: a registered rule (:mod:`rdepth.exits.policies`).
+        value: its swept parameter (``tau``, or e.g. ``argmax_stable``'s ``patience``), one value or
+            one per group (an exit profile's calibrated values); None: the rule's default (a rule with a
+            threshold then refuses).
+        k_max: the most loop steps, one value or one per group.
+        decode_factory: a fresh reading per controller (``lambda: model.readout``, or a
+            :class:`~rdepth.exits.decode.RestDecode` maker) for rules that read the distribution.
+        options: further policy options (e.g. the KL direction).
+
+    Every group's settings are checked here, before any model runs (one-line errors).
+    """
+    cls = get_policy_class(policy)
+    options = dict(options or {})
+    caps = None if isinstance(k_max, int) else tuple(int(k) for k in k_max)
+    values = None if value is None or isinstance(value, (int, float)) else tuple(value)
+    if caps is not None and values is not None and len(caps) != len(values):
+        raise RdepthError(f"exit policy {policy}: {len(values)} values for {len(caps)} k_max values")
+
+    def build(group: int) -> ExitPolicy:
+        for name, per_group in (("k_max", caps), ("values", values)):
+            if per_group is not None and group >= len(per_group):
+                raise RdepthError(f"exit policy {policy}: {name} has {len(per_group)} entries; the model asked "
+                                  f"for group {group}")
+        cap = k_max if caps is None else caps[group]
+        chosen = value if values is None else values[group]
+        if chosen is None:
+            return cls(k_max=cap, **options)
+        if cls.sweep_parameter == "tau":
+            return cls(tau=chosen, k_max=cap, **options)
+        chosen = int(chosen) if float(chosen).is_integer() else chosen
+        return cls(k_max=cap, **{cls.sweep_parameter: chosen}, **options)
+
+    for group in range(max(1, len(caps or ()), len(values or ()))):
+        build(group)  # bad settings fail here, before the model runs
+    return lambda: PolicyController(build, decode=decode_factory() if decode_factory is not None else None)

@@ -20,18 +20,17 @@ separate reference. Generation is always packed (it needs the cache).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from tqdm import tqdm
 
 from rdepth.errors import RdepthError
-from rdepth.exits.base import Decode, ExitPolicy
+from rdepth.exits.base import Decode
 from rdepth.exits.config import SweepConfig
 from rdepth.exits.controller import PolicyController
 from rdepth.exits.decode import make_decode
 from rdepth.exits.evaluate import evaluate_with_exits
-from rdepth.exits.registry import get_policy_class
 from rdepth.exits.stats import spread
 from rdepth.exits.timing import Call, forward_call, generate_call, time_interleaved
 from rdepth.model import RecurrentLM
@@ -43,40 +42,9 @@ PACKED_KEYS = ("ms_per_token_b1", "ms_per_token_batched", "ms_per_token_generate
 DENSE_KEYS = ("dense_ms_per_token_b1", "dense_ms_per_token_batched")
 
 
-def policy_controller_factory(
-    name: str, value: float | None, k_max: Sequence[int], new_decode: Callable[[], Decode] | None = None,
-    options: dict | None = None,
-) -> Callable[[], PolicyController]:
-    """A factory of fresh controllers running ``name`` with its sweep parameter set to ``value`` (None: the
-    policy's own default, e.g. ``argmax_stable``'s patience; a policy with a threshold then refuses) and
-    ``k_max[g]`` steps at most in group g.
-
-    ``new_decode``: a zero-argument factory of readings (:func:`decode_factory`),
-    called once per controller, since a
-    :class:`~rdepth.exits.decode.RestDecode` keeps per-forward state.
-    ``options``: further policy options (e.g. the KL direction).
-    """
-    cls = get_policy_class(name)
-    options = dict(options or {})
-
-    def build_policy(group: int) -> ExitPolicy:
-        if value is None:
-            return cls(k_max=int(k_max[group]), **options)
-        if cls.sweep_parameter == "tau":
-            return cls(tau=value, k_max=int(k_max[group]), **options)
-        return cls(k_max=int(k_max[group]), **{cls.sweep_parameter: _as_option(value)}, **options)
-
-    build_policy(0)  # validate the settings before any work
-    return lambda: PolicyController(build_policy, decode=new_decode() if new_decode is not None else None)
-
-
 def decode_factory(model: RecurrentLM, config: SweepConfig, seq_len: int) -> Callable[[], Decode]:
     """Fresh readings of ``config.decode`` (``head`` or ``rest``) for windows of ``seq_len`` tokens."""
     return lambda: make_decode(model, config.decode, seq_len=seq_len, loops=config.decode_loops, seed=config.seed)
-
-
-def _as_option(value: float) -> Any:
-    return int(value) if float(value).is_integer() else value
 
 
 class SweepMeasurer:

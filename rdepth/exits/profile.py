@@ -64,19 +64,7 @@ def load_profile(path: str | Path, n_groups: int | None = None) -> dict:
 
 def profile_controller_factory(profile: dict, decode_factory: Callable[[], Any] | None = None) -> Callable:
     """A factory of fresh controllers running the profile's policy with each group's own value."""
-    from rdepth.exits.controller import PolicyController
-    from rdepth.exits.registry import get_policy_class
+    from rdepth.exits.controller import controller_factory
 
-    cls = get_policy_class(profile["policy"])
-    values, k_max, options = profile["values"], profile["k_max"], profile.get("options", {})
-
-    def build(group: int):
-        value = values[group]
-        if cls.sweep_parameter == "tau":
-            return cls(tau=value, k_max=k_max[group], **options)
-        value = int(value) if float(value).is_integer() else value
-        return cls(k_max=k_max[group], **{cls.sweep_parameter: value}, **options)
-
-    for group in range(len(values)):
-        build(group)  # validate before any work
-    return lambda: PolicyController(build, decode=decode_factory() if decode_factory is not None else None)
+    return controller_factory(profile["policy"], profile["values"], profile["k_max"], decode_factory,
+                              profile.get("options", {}))

@@ -36,7 +36,8 @@ from tqdm import tqdm
 
 from rdepth.errors import RdepthError
 from rdepth.exits.config import SweepConfig
-from rdepth.exits.measure import SweepMeasurer, decode_factory, policy_controller_factory
+from rdepth.exits.controller import controller_factory
+from rdepth.exits.measure import SweepMeasurer, decode_factory
 from rdepth.exits.profile import load_profile, profile_controller_factory
 from rdepth.exits.registry import get_policy_class
 from rdepth.exits.report_section import render_sweep
@@ -80,7 +81,7 @@ def run_sweep(
     new_decode = decode_factory(model, config, seq_len)
     points = []
     for name, value in tqdm(settings, desc="sweep", disable=not progress):
-        factory = policy_controller_factory(name, value, k_max, new_decode, config.policy_options(name))
+        factory = controller_factory(name, value, k_max, new_decode, config.policy_options(name))
         point = measurer.policy(
             factory, {"policy": name, "parameter": get_policy_class(name).sweep_parameter, "value": value},
         )

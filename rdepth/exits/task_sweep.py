@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from rdepth.errors import RdepthError
 from rdepth.exits.config import SweepConfig
-from rdepth.exits.measure import decode_factory, policy_controller_factory
+from rdepth.exits.controller import controller_factory
+from rdepth.exits.measure import decode_factory
 from rdepth.exits.profile import load_profile, profile_controller_factory
 from rdepth.exits.registry import get_policy_class
 from rdepth.exits.stats import spread
@@ -130,7 +131,7 @@ def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: Swee
         for name in config.policies:
             parameter = get_policy_class(name).sweep_parameter
             for value in config.values(name):
-                factory = policy_controller_factory(name, value, k_max, new_decode, config.policy_options(name))
+                factory = controller_factory(name, value, k_max, new_decode, config.policy_options(name))
                 settings.append(({"label": f"{name} {parameter}={value:g}", "policy": name, "parameter": parameter,
                                   "value": value}, factory))
         if config.exit_profile is not None:

@@ -29,7 +29,6 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from rdepth.errors import RdepthError
-from rdepth.exits.stats import spread
 from rdepth.model import RecurrentLM
 from rdepth.model.control import LoopController
 

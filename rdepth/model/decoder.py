@@ -195,6 +195,7 @@ class Decoder:
         self.buckets = buckets
         self.warm_start = bool(warm_start)
         self._count = batch_size  # rows still looping, as read at the last check (compact)
+        self._counts_of: _Plan | None = None  # the fixed plan whose counts computed/used hold
         if noise is None:
             noise = StateNoise(0, range(batch_size))
         if not isinstance(noise, StateNoise):
@@ -369,14 +370,18 @@ class Decoder:
         return self._compiled["step"](group, state, self._inputs, *self._kv[self.model.group_layers[group], step])
 
     def _fixed_loop(self, plan: _Plan, group: int) -> None:
-        """Every row runs the budget's steps; the slots of steps it did not run take its last key."""
-        self._inputs.copy_(self.model.group_input(group, self._x))
+        """Every row runs the budget's steps; the slots of steps it did not run take its last key.
+        (``computed``/``used`` are set when the plan starts: they are the same for every token.)"""
+        if self._compiled is None:
+            projected = self.model.group_input(group, self._x)
+            step_fn = lambda state, step: self.model.loop_step(group, state, projected, self._contexts[step])  # noqa: E731
+        else:
+            self._inputs.copy_(self.model.group_input(group, self._x))
+            step_fn = lambda state, step: self._loop_step(group, state, step)  # noqa: E731
         state = self._initial_state(group)
         steps = plan.steps[group]
         for step in range(1, steps + 1):
-            state = self._loop_step(group, state, step)
-        self.computed[group].fill_(steps)
-        self.used[group].fill_(steps)
+            state = step_fn(state, step)
         if steps < self.steps[group]:
             self.cache.settle_all(group, steps, self._here())
         self._hand_on(group, state)
@@ -611,6 +616,11 @@ class Decoder:
         if self.length >= self.capacity:
             raise RdepthError(f"decoder: the cache is full ({self.capacity} positions)")
         plan = self._plan_for(budget or self.budget)
+        if plan.budget.fixed and self._counts_of is not plan:  # a fixed budget's counts, once per change
+            counts = torch.tensor(plan.steps, dtype=torch.long, device=self.device).view(-1, 1)
+            self.computed.copy_(counts.expand_as(self.computed))
+            self.used.copy_(self.computed)
+        self._counts_of = plan if plan.budget.fixed else None
         self.tokens.copy_(tokens)
         graphs = self._graphs if (replay and plan is self._plan) else None
         if self._prefix:
@@ -674,6 +684,7 @@ class Decoder:
             self.computed[group].fill_(counts[group])
             self.used[group].fill_(counts[group])
             x = state
+        self._counts_of = None
         logits = model.readout(x).view(batch, length, -1)
         self.logits.copy_(logits[:, -1])
         self.length = end

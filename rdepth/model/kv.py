@@ -105,8 +105,10 @@ class KVStore:
     def update(
         self, layer: int, ctx: AttentionContext, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the rows' keys/values ``[N, nh, hs]``; return what layer ``layer``
-        at step ``ctx.step`` attends to, ``[B, nh, capacity, hs]`` each."""
+        """Write the rows' keys/values ``[N, nh, hs]`` (or ``[N, nh, 1, hs]``, one query per row); return
+        what layer ``layer`` at step ``ctx.step`` attends to, ``[B, nh, capacity, hs]`` each."""
+        if keys.dim() == 4:
+            keys, values = keys.squeeze(2), values.squeeze(2)
         b, pos = ctx.batch_index, ctx.position
         if layer not in self.latest:
             self.latest[layer] = self._zeros(keys)

@@ -76,14 +76,14 @@ class CausalSelfAttention(nn.Module):
             return self.proj(y.transpose(1, 2).reshape(batch, seq, dim))
 
         rows, dim = x.shape
+        if attn.one_per_row:  # row i is batch row i's only query: views, no packing (same values)
+            q, k, v = self.qkv(x).view(rows, 3, self.n_head, 1, self.head_dim).unbind(1)  # each (B, nh, 1, hs)
+            keys, values = attn.store.update(self.layer_index, attn, k, v)  # (B, nh, S, hs)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn.mask)  # (B, nh, 1, hs)
+            return self.proj(y.reshape(rows, dim))
         qkv = self.qkv(x).view(rows, 3, self.n_head, self.head_dim)
         q, k, v = qkv.unbind(1)  # each (N, nh, hs)
         keys, values = attn.store.update(self.layer_index, attn, k, v)  # (B, nh, S, hs)
-        if attn.one_per_row:  # row i is batch row i's only query: a view, no packing (same values)
-            y = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, values, attn_mask=attn.mask
-            )  # (B, nh, 1, hs)
-            return self.proj(y.reshape(rows, dim))
         # Pack each batch row's queries into (B, nh, A, hs); padding slots are masked.
         packed = q.new_zeros(attn.n_batch, attn.slots, self.n_head, self.head_dim)
         packed[attn.batch_index, attn.slot_index] = q

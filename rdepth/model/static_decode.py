@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import torch
@@ -62,13 +61,14 @@ class StaticKV:
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         # Positions a read covers (eager decoding: the written prefix, position included); None: all.
         self.limit: int | None = None
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # 1-based step numbers of the slots, shaped to broadcast over [steps, B, nh, 1, hs]
         self._step_numbers = {group: torch.arange(1, n + 1, device=device).view(n, 1, 1, 1, 1)
                               for group, n in enumerate(self.steps)}
 
     def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the rows' keys/values ``[B, nh, hs]`` at ``position``; return what layer ``layer``
+        """Write the rows' keys/values ``[B, nh, 1, hs]`` at ``position``; return what layer ``layer``
         at step ``ctx.step`` attends to, ``[B, nh, S, hs]`` each (views, no copy)."""
         cache_k, cache_v = self.read(layer, ctx.step)
         return _write_at(cache_k, cache_v, self.position, keys, values)
@@ -82,11 +82,17 @@ class StaticKV:
         return keys, values
 
     def slots(self, layer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole ``[B, nh, capacity, hs]`` key and value tensors of ``layer`` at ``step``."""
-        if layer in self.looped:
-            all_keys, all_values = self.looped[layer]
-            return all_keys[step - 1], all_values[step - 1]
-        return self.single[layer]
+        """The whole ``[B, nh, capacity, hs]`` key and value tensors of ``layer`` at ``step`` (views made once)."""
+        key = (layer, step if layer in self.looped else 0)
+        views = self._views.get(key)
+        if views is None:
+            if layer in self.looped:
+                all_keys, all_values = self.looped[layer]
+                views = (all_keys[step - 1], all_values[step - 1])
+            else:
+                views = self.single[layer]
+            self._views[key] = views
+        return views
 
     def settle_all(self, group: int, computed: int, span: slice) -> None:
         """Every row computed ``computed`` loop steps of ``group`` at the positions ``span`` (host
@@ -135,8 +141,8 @@ class StaticRows:
             cache_k, cache_v = all_keys[ctx.step - 1], all_values[ctx.step - 1]
         else:
             cache_k, cache_v = cache.single[layer]
-        cache_k[self.rows, :, cache.position] = keys  # (P, nh, hs) at (rows, :, position, :)
-        cache_v[self.rows, :, cache.position] = values
+        cache_k[self.rows, :, cache.position] = keys.squeeze(2)  # (P, nh, hs) at (rows, :, position, :)
+        cache_v[self.rows, :, cache.position] = values.squeeze(2)
         return cache_k.index_select(0, self.rows), cache_v.index_select(0, self.rows)
 
 
@@ -158,8 +164,10 @@ class GivenKV:
 
 def _write_at(cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write ``keys``/``values`` ``[B, nh, hs]`` at ``position`` ``[1]`` of ``cache_k``/``cache_v``
-    ``[B, nh, S, hs]`` (in place); return the two caches."""
-    cache_k.index_copy_(2, position, keys.unsqueeze(2))
-    cache_v.index_copy_(2, position, values.unsqueeze(2))
+    """Write ``keys``/``values`` ``[B, nh, 1, hs]`` at ``position`` ``[1]`` of ``cache_k``/``cache_v``
+    ``[B, nh, S, hs]`` (in place; cast to the cache's dtype under autocast); return the two caches."""
+    if keys.dtype != cache_k.dtype:
+        keys, values = keys.to(cache_k.dtype), values.to(cache_v.dtype)
+    cache_k.index_copy_(2, position, keys)
+    cache_v.index_copy_(2, position, values)
     return cache_k, cache_v

@@ -1,0 +1,286 @@
+"""Exit policies against fixed budgets in wall time, on the one decoder (rdepth.model.decoder.Decoder).
+
+    python bench/exit_wall.py task --run runs/demo/train --data runs/demo/data [--difficulty 4] [--json out.json]
+    python bench/exit_wall.py generate [--run runs/demo/train] [--json out.json]
+
+``task`` (a trained task model, decoding one problem at a time, and batches of problems):
+
+1. Quality and steps of every fixed budget 1..K and every policy setting of the grid on ``--problems``
+   held-out problems (``rdepth.tasks.evaluate.heldout_accuracy``: teacher-forced, which the decoder
+   equals exactly). The quality bar is the full budget's accuracy less ``--tolerance`` (1 point).
+2. For each policy, its cheapest setting that meets the bar; the cheapest fixed budget that meets it.
+3. Wall time of decoding ``--timed-problems`` problems token by token (each position one decoder step,
+   the problem's tokens fed in, the same path as ``rdepth generate``) for the full budget, the cheapest
+   fixed budget, every chosen policy setting, and each policy setting nearest half the full budget's
+   steps: ``--rounds`` interleaved rounds (order shuffled per round) after a warm-up, median and range
+   per setting, the executed loop steps per token beside each row, and the ratio against the cheapest
+   fixed budget and the full budget measured in the same run. Batch 1 and each ``--batch`` size.
+4. Ops and host reads per token (aten ops and single-value reads under the profiler, one problem).
+
+``generate``: ``rdepth generate``'s path at the full budget against the earlier packed path
+(``model(token, cache=KVStore)`` per token), batch 1, greedy, on the ``tiny`` preset (random weights)
+and on ``--run`` if given: ms per token and their ratio, and whether the tokens are identical.
+
+Prints the device, torch version and git revision, and writes everything to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+TAUS = {"step_norm": (0.5, 1, 2, 4, 8), "step_norm_rel": (0.02, 0.05, 0.1, 0.2, 0.3),
+        "acceleration": (0.5, 1, 2, 4, 8), "acceleration_rel": (0.1, 0.2, 0.4, 0.6, 0.8),
+        "cosine": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1), "kl": (1e-3, 1e-2, 0.03, 0.1, 0.3)}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["task", "generate"])
+    parser.add_argument("--run", default=None, help="a trained run (task mode: a task model)")
+    parser.add_argument("--data", default=None, help="its prepared data (task mode)")
+    parser.add_argument("--difficulty", type=int, default=4)
+    parser.add_argument("--problems", type=int, default=256, help="problems for accuracy and steps")
+    parser.add_argument("--timed-problems", type=int, default=16, help="problems decoded per timed round")
+    parser.add_argument("--batch", default="16", help="batch sizes timed beside batch 1 (comma list; '' none)")
+    parser.add_argument("--policies", default="step_norm,step_norm_rel,acceleration,acceleration_rel,cosine,kl")
+    parser.add_argument("--tolerance", type=float, default=0.01, help="accuracy below the full budget's allowed")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=48, help="generate mode: tokens per timed call")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    return parser.parse_args(argv)
+
+
+def revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def interleaved(calls: dict, rounds: int, warmup: int, seed: int) -> dict[str, list[float]]:
+    """Seconds per call of each of ``calls``: warm-up, then ``rounds`` rounds in a shuffled order."""
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    order, samples = random.Random(seed), {label: [] for label in calls}
+    for _ in range(rounds):
+        labels = list(calls)
+        order.shuffle(labels)
+        for label in labels:
+            start = time.perf_counter()
+            calls[label]()
+            samples[label].append(time.perf_counter() - start)
+    return samples
+
+
+def counts_per_token(run_tokens, tokens: int) -> dict:
+    """Aten ops and host reads (single-value reads) per token of ``run_tokens()``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_tokens()
+    events = [event for event in prof.events() if event.name.startswith("aten::")]
+    top = [event for event in events if event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::")]
+    reads = sum(event.name == "aten::_local_scalar_dense" for event in events)
+    return {"ops_per_token": len(top) / tokens, "host_reads_per_token": reads / tokens}
+
+
+# ----------------------------------------------------------------------------- task mode
+def task_mode(args) -> dict:
+    import torch
+
+    from rdepth.exits.controller import controller_factory
+    from rdepth.model.decoder import Decoder
+    from rdepth.model.noise import StateNoise
+    from rdepth.run.opened import open_run
+    from rdepth.tasks.data import load_heldout
+    from rdepth.tasks.evaluate import heldout_accuracy
+
+    run = open_run(args.run, args.data, "cpu")
+    model = run.model.eval()
+    k_max = model.config.default_eval_loops
+    if model.n_groups != 1:
+        raise SystemExit("task mode expects a one-group task model")
+    full = k_max[0]
+    heldout = load_heldout(args.data, args.difficulty).first_problems(args.problems)
+    settings = {f"fixed {k}": {"loop_counts": (k,)} for k in range(1, full + 1)}
+    for name in [p for p in args.policies.split(",") if p]:
+        for tau in TAUS[name]:
+            settings[f"{name} {tau:g}"] = {"policy": name, "tau": tau,
+                                            "factory": controller_factory(name, tau, full, lambda: model.readout)}
+    quality = {}
+    for label, setting in settings.items():
+        result = heldout_accuracy(model, heldout, loop_counts=setting.get("loop_counts"),
+                                  controller_factory=setting.get("factory"), batch_size=64, seed=args.seed)
+        steps = float(setting["loop_counts"][0]) if "loop_counts" in setting else _mean_steps(result, heldout)
+        quality[label] = {"accuracy": result["accuracy"], "steps": steps}
+        print(f"  {label:<26} accuracy {100 * result['accuracy']:5.1f}%  steps/token {steps:5.2f}", flush=True)
+    bar = quality[f"fixed {full}"]["accuracy"] - args.tolerance
+    meets = {label: q for label, q in quality.items() if q["accuracy"] >= bar - 1e-12}
+    fixed_ok = [label for label in meets if label.startswith("fixed")]
+    cheapest_fixed = min(fixed_ok, key=lambda label: quality[label]["steps"])
+    chosen = {}
+    for name in [p for p in args.policies.split(",") if p]:
+        ok = [label for label in meets if label.split()[0] == name]
+        if ok:
+            chosen[name] = min(ok, key=lambda label: quality[label]["steps"])
+    half = {}
+    for name in chosen:
+        labels = [label for label in quality if label.split()[0] == name]
+        half[name] = min(labels, key=lambda label: abs(quality[label]["steps"] - full / 2))
+    timed = sorted({f"fixed {full}", cheapest_fixed, *chosen.values(), *half.values()},
+                   key=lambda label: (not label.startswith("fixed"), label))
+    windows = torch.from_numpy(heldout.tokens[: max(args.timed_problems, max(_batches(args), default=1)), :-1]
+                               .astype("int64"))
+
+    def decode_call(label: str, batch: int):
+        setting = settings[label]
+        rows = windows[:batch] if batch > 1 else windows
+        decoders = [Decoder(model, batch, loop_counts=setting.get("loop_counts"),
+                            controller_factory=setting.get("factory"),
+                            noise=StateNoise(args.seed, range(first, first + batch)))
+                    for first in range(0, len(rows) if batch == 1 else batch, batch)]
+        work = rows if batch > 1 else rows  # [N, T]
+        stats = {"steps": 0, "tokens": 0}
+
+        def call():
+            for index, decoder in enumerate(decoders):
+                problem = work[index * batch:(index + 1) * batch]
+                decoder.reset()
+                for t in range(problem.shape[1]):
+                    decoder._advance(problem[:, t:t + 1])
+                    stats["steps"] += int(decoder.computed.sum())
+                    stats["tokens"] += batch
+        return call, stats, len(decoders) * batch * windows.shape[1]
+
+    report = {"difficulty": args.difficulty, "problems": int(heldout.problem_ids.max()) + 1, "full_budget": full,
+              "quality_bar": bar, "quality": quality, "cheapest_fixed": cheapest_fixed, "chosen": chosen,
+              "half_steps": half, "timing": {}}
+    for batch in [1, *_batches(args)]:
+        calls, stats, work = {}, {}, {}
+        for label in timed:
+            calls[label], stats[label], work[label] = decode_call(label, batch)
+        samples = interleaved(calls, args.rounds, args.warmup, args.seed)
+        rows = {}
+        for label in timed:
+            median = statistics.median(samples[label])
+            rows[label] = {"ms_per_token": 1e3 * median / work[label],
+                           "range_ms_per_token": [1e3 * min(samples[label]) / work[label],
+                                                  1e3 * max(samples[label]) / work[label]],
+                           "executed_steps_per_token": stats[label]["steps"] / max(stats[label]["tokens"], 1)}
+        base, top = rows[cheapest_fixed]["ms_per_token"], rows[f"fixed {full}"]["ms_per_token"]
+        for label, row in rows.items():
+            row["speedup_vs_cheapest_fixed"] = base / row["ms_per_token"]
+            row["latency_vs_full"] = row["ms_per_token"] / top
+        report["timing"][f"batch {batch}"] = rows
+        print(f"batch {batch}: ms/token (median, range), executed steps/token, vs {cheapest_fixed}, vs full", flush=True)
+        for label, row in rows.items():
+            low, high = row["range_ms_per_token"]
+            print(f"  {label:<26}{row['ms_per_token']:8.3f} [{low:.3f}-{high:.3f}] {row['executed_steps_per_token']:5.2f}"
+                  f"  x{row['speedup_vs_cheapest_fixed']:.3f}  {row['latency_vs_full']:.3f} of full "
+                  f"(acc {100 * quality[label]['accuracy']:.1f}%)", flush=True)
+    problem = windows[:1]
+    report["counts"] = {}
+    for label in timed:
+        decoder = Decoder(model, 1, loop_counts=settings[label].get("loop_counts"),
+                          controller_factory=settings[label].get("factory"), noise=StateNoise(args.seed, [0]))
+
+        def run_tokens(decoder=decoder):
+            decoder.reset()
+            for t in range(problem.shape[1]):
+                decoder._advance(problem[:, t:t + 1])
+
+        run_tokens()
+        report["counts"][label] = counts_per_token(run_tokens, problem.shape[1])
+        print(f"  {label:<26} ops/token {report['counts'][label]['ops_per_token']:7.1f}  host reads/token "
+              f"{report['counts'][label]['host_reads_per_token']:5.2f}", flush=True)
+    return report
+
+
+def _batches(args) -> list[int]:
+    return [int(b) for b in args.batch.split(",") if b.strip()]
+
+
+def _mean_steps(result: dict, heldout) -> float:
+    answers = int(heldout.answer_mask[:, 1:].sum())
+    others = int((~heldout.answer_mask[:, 1:]).sum())
+    return (result["mean_steps_answer"] * answers + result["mean_steps_other"] * others) / max(answers + others, 1)
+
+
+# ------------------------------------------------------------------------- generate mode
+def generate_mode(args) -> dict:
+    import torch
+
+    from rdepth.config import get_preset
+    from rdepth.model import RecurrentLM
+    from rdepth.model.generation import generate
+    from rdepth.model.noise import StateNoise
+
+    models = {}
+    torch.manual_seed(args.seed)
+    models["tiny (random weights)"] = RecurrentLM(get_preset("tiny")).eval()
+    if args.run:
+        from rdepth.run.checkpoint import load_model
+
+        models[f"{args.run}"] = load_model(args.run, torch.device("cpu"))[0].eval()
+    report = {}
+    for name, model in models.items():
+        prompt_len = min(16, model.config.block_size // 4)
+        new = min(args.tokens, model.config.block_size - prompt_len)
+        prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len),
+                               generator=torch.Generator().manual_seed(args.seed))
+
+        @torch.no_grad()
+        def packed(model=model, prompt=prompt, new=new):
+            cache, noise, tokens, step = model.new_cache(1), StateNoise(args.seed, [0]), [prompt], prompt
+            for _ in range(new):
+                logits = model(step, cache=cache, generator=noise).logits[:, -1]
+                step = logits.float().argmax(-1, keepdim=True)
+                tokens.append(step)
+            return torch.cat(tokens, 1)
+
+        def decoder(model=model, prompt=prompt, new=new):
+            return generate(model, prompt, new, temperature=0, generator=StateNoise(args.seed, [0]))
+
+        identical = torch.equal(packed(), decoder())
+        samples = interleaved({"packed": packed, "decoder": decoder}, args.rounds, args.warmup, args.seed)
+        ms = {label: 1e3 * statistics.median(times) / new for label, times in samples.items()}
+        report[name] = {"ms_per_token": ms, "speedup": ms["packed"] / ms["decoder"], "identical_tokens": identical,
+                        "tokens": new, "loops": list(model.config.default_eval_loops)}
+        print(f"{name}: packed {ms['packed']:.3f} ms/token, decoder {ms['decoder']:.3f} ms/token, "
+              f"x{ms['packed'] / ms['decoder']:.2f}, identical tokens: {identical}", flush=True)
+    return report
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    header = {"device": "cpu", "threads": args.threads, "torch": torch.__version__, "revision": revision(),
+              "argv": sys.argv[1:] if argv is None else argv}
+    print(f"device: cpu ({args.threads} threads)  torch {torch.__version__}  git {header['revision']}", flush=True)
+    if args.mode == "task":
+        if not (args.run and args.data):
+            raise SystemExit("task mode needs --run and --data")
+        result = task_mode(args)
+    else:
+        result = generate_mode(args)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({**header, args.mode: result}, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
