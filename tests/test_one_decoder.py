@@ -1,0 +1,83 @@
+"""Every path that decodes token by token drives the one decoder (rdepth.model.decoder.Decoder).
+
+A token-by-token loop is a loop whose body feeds the model through a key/value cache: a call with a
+``cache=`` keyword, a new packed cache (``new_cache``), or a decoder's position step (``_advance``).
+Only the decoder itself may hold one; the model's teacher-forced warm start
+(``RecurrentLM._forward_warm``, positions one at a time inside ``forward``) is the one other place.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rdepth"
+ALLOWED = {("model/decoder.py", None), ("model/recurrent.py", "_forward_warm")}
+
+
+def _feeds_a_cache(call: ast.Call) -> bool:
+    if any(keyword.arg == "cache" for keyword in call.keywords):
+        return True
+    return isinstance(call.func, ast.Attribute) and call.func.attr in {"new_cache", "_advance"}
+
+
+def token_loops() -> list[tuple[str, str | None, int]]:
+    """(module, enclosing function, line) of every loop that feeds the model through a cache."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        relative = path.relative_to(PACKAGE).as_posix()
+
+        def visit(node, function):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                function = node.name
+            if isinstance(node, (ast.For, ast.While)):
+                calls = [n for n in ast.walk(node) if isinstance(n, ast.Call) and _feeds_a_cache(n)]
+                if calls:
+                    found.append((relative, function, node.lineno))
+            for child in ast.iter_child_nodes(node):
+                visit(child, function)
+
+        visit(tree, None)
+    return found
+
+
+def test_no_module_but_the_decoder_drives_a_token_by_token_loop():
+    loops = token_loops()
+    outside = [(module, function, line) for module, function, line in loops
+               if (module, None) not in ALLOWED and (module, function) not in ALLOWED]
+    assert outside == []
+    assert any(module == "model/decoder.py" for module, _, _ in loops)  # the scan does see the decoder's loop
+
+
+def test_every_decoding_entry_point_runs_the_decoder(monkeypatch):
+    """generate, speculative decoding and greedy fills construct a Decoder (counted), and none of them
+    calls the model's forward with a cache."""
+    from rdepth.config import get_preset
+    from rdepth.model import RecurrentLM, decoder as decoder_module, generation, speculative
+    from rdepth.model.noise import StateNoise
+
+    made = []
+    original = decoder_module.Decoder.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(decoder_module.Decoder, "__init__", counting)
+    torch.manual_seed(0)
+    model = RecurrentLM(get_preset("tiny", n_layer=3, d_model=32, n_head=2, block_size=24, vocab_size=50,
+                                   groups="1")).eval()
+
+    def no_cache_forward(*args, **kwargs):
+        assert kwargs.get("cache") is None, "a decoding path called forward with a cache"
+        return RecurrentLM.forward(model, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", no_cache_forward)
+    prompt = torch.randint(0, 50, (1, 4))
+    plain = generation.generate(model, prompt, 6, temperature=0, loop_counts=(3,), generator=StateNoise(0, [0]))
+    fast, _ = speculative.speculative_generate(model, prompt, 6, draft_loops=1, loop_counts=(3,),
+                                               noise=StateNoise(0, [0]))
+    assert torch.equal(plain, fast) and len(made) == 2
