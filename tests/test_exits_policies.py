@@ -304,3 +304,25 @@ def test_controller_keeps_groups_independent():
     with pytest.raises(RdepthError, match="same policy object"):
         policy = make_policy("fixed", k_max=3)
         PolicyController([policy, policy])
+
+
+def test_kl_every_reads_the_head_at_every_kth_step_and_compares_consecutive_readings():
+    """Constructed logits (the decode is the identity): the distribution settles at step 2; the exact
+    rule exits at step 3 (KL(p3 || p2) = 0), ``every=2`` reads steps 2 and 4 only and exits at 4."""
+    from rdepth.exits.recorded import replay
+
+    logits = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [5.0, 0.0, 0.0], [5.0, 0.0, 0.0], [5.0, 0.0, 0.0],
+                           [5.0, 0.0, 0.0]], dtype=torch.float64).unsqueeze(1)  # [K+1 = 6, N = 1, 3]
+    reads = []
+
+    def decode(state):
+        reads.append(state.shape[0])
+        return state
+
+    used, computed = replay("kl", logits, 1e-6, decode=decode)
+    assert (int(computed[0]), int(used[0])) == (3, 3) and len(reads) == 3
+    reads.clear()
+    used, computed = replay("kl", logits, 1e-6, decode=decode, every=2)
+    assert (int(computed[0]), int(used[0])) == (4, 4) and len(reads) == 2  # the head read at steps 2 and 4
+    with pytest.raises(RdepthError, match="every must be a positive integer"):
+        replay("kl", logits, 1e-6, decode=decode, every=0)

@@ -32,6 +32,10 @@ decoded, so their first comparison is at step 2):
 * ``entropy_diff``: ``|H(p^(s)) - H(p^(s-1))| < tau`` (nats).
 * ``argmax_stable``: no tau; exits when the top token has not changed for
   ``patience`` consecutive steps.
+
+``kl`` and ``entropy_diff`` take ``every=k``: the head is read at every k-th step only and the rule
+compares consecutive readings (KL off the hot path; ``bench/exit_wall.py`` reports its agreement
+with the exact rule).
 """
 
 from __future__ import annotations
@@ -181,9 +185,25 @@ class CosinePolicy(ExitPolicy):
 
 
 class _DecodedPolicy(ExitPolicy):
-    """Rules on the decoded distribution ``p^(s) = softmax(decode(x^(s)))``."""
+    """Rules on the decoded distribution ``p^(s) = softmax(decode(x^(s)))``.
+
+    ``every`` (option, default 1): the head is read at every ``every``-th loop step only (steps
+    ``every``, ``2 * every``, ...) and the rule compares consecutive readings, so the O(V) work of a
+    token is 1/every of the exact rule's; a token can then exit only at those steps."""
 
     needs_decode = True
+
+    def _check_every(self) -> None:
+        every = self.options["every"]
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise RdepthError(f"exit policy {self.name}: every must be a positive integer, got {every!r}")
+
+    def _reads(self, step: int) -> bool:
+        """Whether the head is read after loop step ``step``."""
+        return step % self.options["every"] == 0
+
+    def _first_reading(self, step: int) -> bool:
+        return step == self.options["every"]
 
     def _log_probs(self, new: torch.Tensor) -> torch.Tensor:
         logits = self.decode(new)  # (A, V)
@@ -197,10 +217,11 @@ class KLPolicy(_DecodedPolicy):
     previous log-probs ``[N, V]``."""
 
     name = "kl"
-    option_defaults = {"direction": "new_old"}
+    option_defaults = {"direction": "new_old", "every": 1}
     DIRECTIONS = ("new_old", "old_new")
 
     def _validate_options(self) -> None:
+        self._check_every()
         if self.options["direction"] not in self.DIRECTIONS:
             raise RdepthError(
                 f"exit policy {self.name}: direction must be one of {', '.join(self.DIRECTIONS)}, "
@@ -211,10 +232,12 @@ class KLPolicy(_DecodedPolicy):
         self.prev_log_probs: torch.Tensor | None = None
 
     def _exits(self, step, rows, prev, new):
+        if not self._reads(step):
+            return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         log_probs = self._log_probs(new)  # (A, V)
         if self.prev_log_probs is None:
             self.prev_log_probs = log_probs.new_zeros((self.n_rows, log_probs.shape[-1]))
-        if step == 1:
+        if self._first_reading(step):
             exits = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         else:
             prev_log_probs = self.prev_log_probs[rows]
@@ -232,14 +255,20 @@ class EntropyDiffPolicy(_DecodedPolicy):
     """``|H(p^(s)) - H(p^(s-1))| < tau``, entropies in nats."""
 
     name = "entropy_diff"
+    option_defaults = {"every": 1}
+
+    def _validate_options(self) -> None:
+        self._check_every()
 
     def _reset(self, state):
         self.prev_entropy = torch.zeros(state.shape[0], dtype=torch.float64, device=state.device)
 
     def _exits(self, step, rows, prev, new):
+        if not self._reads(step):
+            return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         log_probs = self._log_probs(new)
         entropy = -(log_probs.exp() * log_probs).sum(-1).to(torch.float64)
-        if step == 1:
+        if self._first_reading(step):
             exits = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         else:
             exits = (entropy - self.prev_entropy[rows]).abs() < self.tau
