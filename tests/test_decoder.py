@@ -388,3 +388,75 @@ def test_unreplayed_tokens_of_a_captured_decoder_touch_no_graph():
         computed.append(decoder.computed.clone())
     torch.testing.assert_close(torch.stack(logits, 1), expected[0][:, PROMPT:], rtol=0, atol=1e-10)
     assert torch.equal(torch.stack(computed, 2), expected[1][:, :, PROMPT:])
+
+
+# --------------------------------------------------------------- the one decoder's other duties
+@pytest.mark.parametrize("name", [None, "acceleration", "kl"])
+def test_warm_start_equals_teacher_forced_warm_start(name):
+    """Each group's loop starts from the state it handed on at the previous position: the decoder,
+    token by token, equals forward(warm_start=True) (float64), with exits too, and a rollback
+    restarts from the right state."""
+    model = tiny_model()
+    idx = tokens(2)
+    noise = StateNoise(4, range(2))
+    options = {"loop_counts": (3, 2)}
+    if name is not None:
+        options = {"controller_factory": controller_factory(model, name, varied_setting(model, idx, noise, name))}
+    reference = model(idx, generator=noise, warm_start=True,
+                      **({"loop_counts": (3, 2)} if name is None else {"controller": options["controller_factory"]()}))
+    decoder = Decoder(model, 2, K_MAX, noise=noise, warm_start=True, **options)
+    logits = decoder.prefill(idx[:, :PROMPT])
+    rest = torch.cat([decoder.step(idx[:, t:t + 1])[:, None] for t in range(PROMPT, LENGTH)], 1)
+    torch.testing.assert_close(torch.cat([logits, rest], 1), reference.logits, rtol=0, atol=1e-10)
+    if name is not None:  # the exits differ from a cold start, or the test would not tell warm from cold
+        cold = model(idx, generator=noise, controller=options["controller_factory"]())
+        assert not torch.equal(torch.stack(cold.computed), torch.stack(reference.computed))
+    decoder.rollback(PROMPT + 2)
+    again = decoder.extend(idx[:, PROMPT + 2:])
+    torch.testing.assert_close(again, reference.logits[:, PROMPT + 2:], rtol=0, atol=1e-10)
+
+
+def test_extend_at_another_budget_then_rollback_equals_the_budget_alone():
+    """Drafting at a smaller budget writes keys the verifying budget must not read: after a rollback, the
+    verifying budget's pass equals teacher-forced evaluation; the lock-step pass equals token by token."""
+    model = tiny_model()
+    idx = tokens(3)
+    noise = StateNoise(1, range(3))
+    forced = model(idx, loop_counts=(4, 3), generator=noise).logits
+    decoder = Decoder(model, 3, K_MAX, loop_counts=(4, 3), noise=noise)
+    decoder.prefill(idx[:, :PROMPT])
+    drafted = decoder.extend(idx[:, PROMPT:PROMPT + 4], loop_counts=(1, 1))
+    assert decoder.length == PROMPT + 4 and torch.equal(decoder.prompt_computed[:, :, -1], torch.ones(2, 3).long())
+    assert drafted.shape == (3, 4, 50)
+    decoder.rollback(PROMPT)
+    torch.testing.assert_close(decoder.extend(idx[:, PROMPT:]), forced[:, PROMPT:], rtol=0, atol=1e-10)
+    one_by_one = Decoder(model, 3, K_MAX, loop_counts=(4, 3), noise=noise)
+    one_by_one.prefill(idx[:, :1])
+    steps = torch.stack([one_by_one.step(idx[:, t:t + 1]) for t in range(1, LENGTH)], 1)
+    torch.testing.assert_close(steps, forced[:, 1:], rtol=0, atol=1e-10)
+    with pytest.raises(RdepthError, match="cannot roll back"):
+        decoder.rollback(LENGTH + 1)
+    with pytest.raises(RdepthError, match="exceed the capacity"):
+        decoder.extend(torch.zeros(3, 40, dtype=torch.long))
+
+
+def test_sampling_is_the_generators_draw_and_the_model_is_left_as_found():
+    """Temperature / top-k draws on the device from the given generator: the same seed gives the same
+    tokens, top_k=1 is greedy; the caller's model keeps its mode and dtype."""
+    model = tiny_model().float().train()
+    prompt = tokens(2)[:, :4]
+    noise = StateNoise(0, range(2))
+
+    def sample(seed, **options):
+        decoder = Decoder(model, 2, K_MAX, loop_counts=(2, 2), noise=noise)
+        return decoder.generate(prompt, 8, generator=torch.Generator().manual_seed(seed), **options)
+
+    hot = sample(1, temperature=5.0)
+    assert torch.equal(hot, sample(1, temperature=5.0)) and not torch.equal(hot, sample(2, temperature=5.0))
+    greedy = Decoder(model, 2, K_MAX, loop_counts=(2, 2), noise=noise).greedy(prompt, 8)
+    assert torch.equal(sample(3, temperature=5.0, top_k=1), greedy)
+    assert model.training and next(model.parameters()).dtype == torch.float32
+    Decoder(model, 2, K_MAX, torch.float64, loop_counts=(2, 2), noise=noise).greedy(prompt, 2)
+    assert model.training and next(model.parameters()).dtype == torch.float32
+    with pytest.raises(RdepthError, match="temperature must be >= 0"):
+        generate(model, prompt, 2, temperature=-1.0)

@@ -164,8 +164,10 @@ class GivenKV:
 
 def _write_at(cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write ``keys``/``values`` ``[B, nh, 1, hs]`` at ``position`` ``[1]`` of ``cache_k``/``cache_v``
+    """Write ``keys``/``values`` ``[B, nh, 1, hs]`` (or ``[B, nh, hs]``) at ``position`` ``[1]`` of ``cache_k``/``cache_v``
     ``[B, nh, S, hs]`` (in place; cast to the cache's dtype under autocast); return the two caches."""
+    if keys.dim() == 3:  # [B, nh, hs] from the packing path of attention
+        keys, values = keys.unsqueeze(2), values.unsqueeze(2)
     if keys.dtype != cache_k.dtype:
         keys, values = keys.to(cache_k.dtype), values.to(cache_v.dtype)
     cache_k.index_copy_(2, position, keys)
