@@ -102,6 +102,7 @@ class ExitPolicy:
         self.options = {**self.option_defaults, **options}
         self._validate_options()
         self.n_rows = 0
+        self._step_tensors: dict[tuple, torch.Tensor] = {}
 
     def _validate_options(self) -> None:
         """Check ``self.options``; raise :class:`RdepthError` naming a bad one."""
@@ -142,18 +143,21 @@ class ExitPolicy:
         if not 1 <= step <= self.k_max:
             raise RdepthError(f"exit policy {self.name}: step {step} outside 1..k_max={self.k_max}")
         exits = self._exits(step, rows, prev, new)
-        if step == self.k_max:
-            done = torch.ones_like(exits)
-        else:
-            done = exits
+        done = torch.ones_like(exits) if step == self.k_max else exits
         if self.hands_on_previous:
-            use_prev = exits
-            handoff = torch.where(use_prev[:, None], prev, new)
-            used = torch.full_like(rows, step) - use_prev.long()
-        else:
-            handoff = new
-            used = torch.full_like(rows, step)
-        return done, handoff, used
+            handoff = torch.where(exits[:, None], prev, new)
+            return done, handoff, self._steps(step, rows) - exits.long()
+        return done, new, self._steps(step, rows)
+
+    def _steps(self, step: int, rows: torch.Tensor) -> torch.Tensor:
+        """``[A]`` long, every entry ``step``: made once per (step, A) and reused (read only)."""
+        if torch.compiler.is_compiling():  # inside a compiled region: a constant it folds
+            return torch.full_like(rows, step)
+        key = (step, rows.shape[0], rows.device)
+        cached = self._step_tensors.get(key)
+        if cached is None:
+            cached = self._step_tensors[key] = torch.full_like(rows, step)
+        return cached
 
     # -- to implement ---------------------------------------------------------------
 

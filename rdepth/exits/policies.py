@@ -52,6 +52,11 @@ def _norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=-1)
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the rules' compute dtype (float32, or float64 for float64 states); no call when it is."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def _check_eps(policy: ExitPolicy) -> None:
     eps = policy.options["eps"]
     if not (isinstance(eps, (int, float)) and eps >= 0):
@@ -76,8 +81,7 @@ class StepNormPolicy(ExitPolicy):
     name = "step_norm"
 
     def _exits(self, step, rows, prev, new):
-        dtype = compute_dtype(new)
-        return _norm(new.to(dtype) - prev.to(dtype)) < self.tau
+        return _norm(_wide(new) - _wide(prev)) < self.tau
 
 
 @register_policy
@@ -91,9 +95,8 @@ class StepNormRelPolicy(ExitPolicy):
         _check_eps(self)
 
     def _exits(self, step, rows, prev, new):
-        dtype = compute_dtype(new)
-        prev = prev.to(dtype)
-        ratio = _norm(new.to(dtype) - prev) / (_norm(prev) + self.options["eps"])
+        prev = _wide(prev)
+        ratio = _norm(_wide(new) - prev) / (_norm(prev) + self.options["eps"])
         return ratio < self.tau
 
 
@@ -121,9 +124,8 @@ class _TwoHitPolicy(ExitPolicy):
         self.prev_small = torch.zeros(state.shape[0], dtype=torch.bool, device=state.device)
 
     def _exits(self, step, rows, prev, new):
-        dtype = compute_dtype(new)
-        prev = prev.to(dtype)
-        delta = new.to(dtype) - prev  # (A, d)
+        prev = _wide(prev)
+        delta = _wide(new) - prev  # (A, d)
         if step == 1:  # no previous update yet
             exits = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         else:
@@ -179,8 +181,7 @@ class CosinePolicy(ExitPolicy):
         _check_eps(self)
 
     def _exits(self, step, rows, prev, new):
-        dtype = compute_dtype(new)
-        cosine = F.cosine_similarity(new.to(dtype), prev.to(dtype), dim=-1, eps=self.options["eps"])
+        cosine = F.cosine_similarity(_wide(new), _wide(prev), dim=-1, eps=self.options["eps"])
         return (1.0 - cosine) < self.tau
 
 

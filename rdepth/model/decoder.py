@@ -389,12 +389,17 @@ class Decoder:
     def _host_loop(self, plan: _Plan, group: int) -> None:
         """Batch 1, eager: the loop breaks at the row's exit (one host read per step, nothing predicated)."""
         controller = plan.controller
-        self._inputs.copy_(self.model.group_input(group, self._x))
+        if self._compiled is None:
+            projected = self.model.group_input(group, self._x)
+            step_fn = lambda state, step: self.model.loop_step(group, state, projected, self._contexts[step])  # noqa: E731
+        else:
+            self._inputs.copy_(self.model.group_input(group, self._x))
+            step_fn = lambda state, step: self._loop_step(group, state, step)  # noqa: E731
         state = self._initial_state(group)
         controller.begin(group, state)
         last = plan.steps[group]
         for step in range(1, last + 1):
-            new = self._loop_step(group, state, step)
+            new = step_fn(state, step)
             done, handoff, used_now = controller.after_step(group, step, self._rows, state, new)
             if step == last or bool(done):  # the one host read of a step
                 break
@@ -403,7 +408,7 @@ class Decoder:
         self.used[group].copy_(used_now)
         if step < self.steps[group]:
             self.cache.settle_all(group, step, self._here())
-        self._hand_on(group, handoff.to(self.dtype))
+        self._hand_on(group, handoff)
 
     def _begin_group(self, plan: _Plan, group: int) -> None:
         self._inputs.copy_(self.model.group_input(group, self._x))

@@ -77,8 +77,8 @@ class StaticKV:
         """What layer ``layer`` at loop step ``step`` (ignored for a single-pass layer) attends to:
         ``[B, nh, S, hs]`` each (``S``: :attr:`limit` or the capacity), views into the cache."""
         keys, values = self.slots(layer, step)
-        if self.limit is not None:
-            return keys[:, :, : self.limit], values[:, :, : self.limit]
+        if self.limit is not None:  # narrow: a view, without getitem's index parsing (hot path)
+            return keys.narrow(2, 0, self.limit), values.narrow(2, 0, self.limit)
         return keys, values
 
     def slots(self, layer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,10 +97,12 @@ class StaticKV:
     def settle_all(self, group: int, computed: int, span: slice) -> None:
         """Every row computed ``computed`` loop steps of ``group`` at the positions ``span`` (host
         indices): their slots of the later steps take the key/value of that step."""
+        start, length = span.start, span.stop - span.start
         for layer, tensors in self.looped.items():
             if self.group_of[layer] == group:
                 for tensor in tensors:
-                    tensor[computed:, :, :, span] = tensor[computed - 1 : computed, :, :, span]
+                    column = tensor.narrow(3, start, length)  # [K, B, nh, T, hs], a view
+                    column.narrow(0, computed, column.shape[0] - computed).copy_(column.narrow(0, computed - 1, 1))
 
     def settle(self, group: int, computed: torch.Tensor) -> None:
         """The current token's loop of ``group`` is over, row b after ``computed[b]`` steps (``[B]``
