@@ -1,6 +1,7 @@
 """Exit policies against fixed budgets in wall time, on the one decoder (rdepth.model.decoder.Decoder).
 
     python bench/exit_wall.py task --run runs/demo/train --data runs/demo/data [--difficulty 4] [--json out.json]
+    python bench/exit_wall.py text --run RUN --data DATA --problems 64 [--json out.json]
     python bench/exit_wall.py generate [--run runs/demo/train] [--json out.json]
 
 ``task`` (a trained task model, decoding one problem at a time, and batches of problems):
@@ -16,6 +17,10 @@
    per setting, the executed loop steps per token beside each row, and the ratio against the cheapest
    fixed budget and the full budget measured in the same run. Batch 1 and each ``--batch`` size.
 4. Ops and host reads per token (aten ops and single-value reads under the profiler, one problem).
+
+``text`` (a trained text model): the same with perplexity on ``--problems`` held-out windows spread over
+the split, the bar the full budget's perplexity plus ``--tolerance`` (0.5%), and the first ``--tokens``
+positions of ``--timed-problems`` windows decoded per timed round.
 
 ``generate``: ``rdepth generate``'s path at the full budget against the earlier packed path
 (``model(token, cache=KVStore)`` per token), batch 1, greedy, on the ``tiny`` preset (random weights)
@@ -41,7 +46,7 @@ TAUS = {"step_norm": (0.5, 1, 2, 4, 8), "step_norm_rel": (0.02, 0.05, 0.1, 0.2, 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["task", "generate"])
+    parser.add_argument("mode", choices=["task", "text", "generate"])
     parser.add_argument("--run", default=None, help="a trained run (task mode: a task model)")
     parser.add_argument("--data", default=None, help="its prepared data (task mode)")
     parser.add_argument("--difficulty", type=int, default=4)
@@ -49,14 +54,20 @@ def parse_args(argv):
     parser.add_argument("--timed-problems", type=int, default=16, help="problems decoded per timed round")
     parser.add_argument("--batch", default="16", help="batch sizes timed beside batch 1 (comma list; '' none)")
     parser.add_argument("--policies", default="step_norm,step_norm_rel,acceleration,acceleration_rel,cosine,kl")
-    parser.add_argument("--tolerance", type=float, default=0.01, help="accuracy below the full budget's allowed")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="quality allowed below the full budget's: accuracy points (task, default 0.01) or "
+                             "relative perplexity (text, default 0.005)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--tokens", type=int, default=48, help="generate mode: tokens per timed call")
+    parser.add_argument("--tokens", type=int, default=48,
+                        help="generate mode: tokens per timed call; text mode: positions decoded per window")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.tolerance is None:
+        args.tolerance = 0.005 if args.mode == "text" else 0.01
+    return args
 
 
 def revision() -> str:
@@ -95,77 +106,114 @@ def counts_per_token(run_tokens, tokens: int) -> dict:
     return {"ops_per_token": len(top) / tokens, "host_reads_per_token": reads / tokens}
 
 
-# ----------------------------------------------------------------------------- task mode
-def task_mode(args) -> dict:
-    import torch
-
+# ---------------------------------------------------------------------- task and text modes
+def settings_for(model, args) -> dict:
+    """Fixed budgets (k in every group, 1..the eval budget) and every policy x tau of the grid."""
     from rdepth.exits.controller import controller_factory
-    from rdepth.model.decoder import Decoder
-    from rdepth.model.noise import StateNoise
-    from rdepth.run.opened import open_run
-    from rdepth.tasks.data import load_heldout
-    from rdepth.tasks.evaluate import heldout_accuracy
 
-    run = open_run(args.run, args.data, "cpu")
-    model = run.model.eval()
-    k_max = model.config.default_eval_loops
-    if model.n_groups != 1:
-        raise SystemExit("task mode expects a one-group task model")
-    full = k_max[0]
-    heldout = load_heldout(args.data, args.difficulty).first_problems(args.problems)
-    settings = {f"fixed {k}": {"loop_counts": (k,)} for k in range(1, full + 1)}
+    full = model.config.default_eval_loops
+    settings = {}
+    for k in range(1, max(full) + 1):
+        counts = tuple(min(k, cap) for cap in full)
+        settings[f"fixed {','.join(map(str, counts))}"] = {"loop_counts": counts}
     for name in [p for p in args.policies.split(",") if p]:
         for tau in TAUS[name]:
             settings[f"{name} {tau:g}"] = {"policy": name, "tau": tau,
                                             "factory": controller_factory(name, tau, full, lambda: model.readout)}
+    return settings
+
+
+def task_quality(model, args, settings):
+    """Accuracy (higher is better) and loop steps per token of every setting on the held-out problems."""
+    from rdepth.tasks.data import load_heldout
+    from rdepth.tasks.evaluate import heldout_accuracy
+
+    heldout = load_heldout(args.data, args.difficulty).first_problems(args.problems)
     quality = {}
     for label, setting in settings.items():
         result = heldout_accuracy(model, heldout, loop_counts=setting.get("loop_counts"),
                                   controller_factory=setting.get("factory"), batch_size=64, seed=args.seed)
-        steps = float(setting["loop_counts"][0]) if "loop_counts" in setting else _mean_steps(result, heldout)
+        steps = float(sum(setting["loop_counts"])) if "loop_counts" in setting else _mean_steps(result, heldout)
         quality[label] = {"accuracy": result["accuracy"], "steps": steps}
         print(f"  {label:<26} accuracy {100 * result['accuracy']:5.1f}%  steps/token {steps:5.2f}", flush=True)
-    bar = quality[f"fixed {full}"]["accuracy"] - args.tolerance
-    meets = {label: q for label, q in quality.items() if q["accuracy"] >= bar - 1e-12}
-    fixed_ok = [label for label in meets if label.startswith("fixed")]
-    cheapest_fixed = min(fixed_ok, key=lambda label: quality[label]["steps"])
-    chosen = {}
+    windows = heldout.tokens[:, :-1].astype("int64")
+    info = {"difficulty": args.difficulty, "problems": int(heldout.problem_ids.max()) + 1}
+    return quality, windows, info, "accuracy"
+
+
+def text_quality(model, args, settings):
+    """Perplexity (lower is better) and loop steps per token of every setting on held-out windows."""
+    from rdepth.exits.evaluate import evaluate_with_exits
+    from rdepth.run.heldout import held_out_windows
+    from rdepth.run.opened import open_run
+
+    run = open_run(args.run, args.data, "cpu")
+    windows = held_out_windows(run.tokens, model.config.block_size, args.problems)
+    quality = {}
+    for label, setting in settings.items():
+        result = evaluate_with_exits(model, windows, controller=setting.get("factory"),
+                                     loop_counts=setting.get("loop_counts"), batch_size=16, seed=args.seed)
+        quality[label] = {"ppl": result.ppl, "steps": float(sum(result.mean_steps))}
+        print(f"  {label:<26} ppl {result.ppl:8.2f}  steps/token {quality[label]['steps']:5.2f}", flush=True)
+    info = {"windows": int(windows.shape[0]), "window_tokens": int(windows.shape[1] - 1)}
+    return quality, windows[:, :-1].numpy(), info, "ppl"
+
+
+def compare_mode(args, text: bool) -> dict:
+    import torch
+
+    from rdepth.model.decoder import Decoder
+    from rdepth.model.noise import StateNoise
+    from rdepth.run.checkpoint import load_model
+
+    model = load_model(args.run, torch.device("cpu"))[0].eval()
+    settings = settings_for(model, args)
+    quality, windows, info, key = (text_quality if text else task_quality)(model, args, settings)
+    full_label = f"fixed {','.join(map(str, model.config.default_eval_loops))}"
+    full = quality[full_label][key]
+    if key == "accuracy":
+        bar = full - args.tolerance
+        meets = {label for label, q in quality.items() if q[key] >= bar - 1e-12}
+    else:
+        bar = full * (1 + args.tolerance)
+        meets = {label for label, q in quality.items() if q[key] <= bar}
+    cheapest_fixed = min((label for label in meets if label.startswith("fixed")),
+                         key=lambda label: quality[label]["steps"])
+    chosen, half = {}, {}
+    full_steps = quality[full_label]["steps"]
     for name in [p for p in args.policies.split(",") if p]:
-        ok = [label for label in meets if label.split()[0] == name]
+        labels = [label for label in quality if label.split()[0] == name]
+        ok = [label for label in labels if label in meets]
         if ok:
             chosen[name] = min(ok, key=lambda label: quality[label]["steps"])
-    half = {}
-    for name in chosen:
-        labels = [label for label in quality if label.split()[0] == name]
-        half[name] = min(labels, key=lambda label: abs(quality[label]["steps"] - full / 2))
-    timed = sorted({f"fixed {full}", cheapest_fixed, *chosen.values(), *half.values()},
+        half[name] = min(labels, key=lambda label: abs(quality[label]["steps"] - full_steps / 2))
+    timed = sorted({full_label, cheapest_fixed, *chosen.values(), *half.values()},
                    key=lambda label: (not label.startswith("fixed"), label))
-    windows = torch.from_numpy(heldout.tokens[: max(args.timed_problems, max(_batches(args), default=1)), :-1]
-                               .astype("int64"))
+    count = max(args.timed_problems, *_batches(args), 1)
+    windows = torch.from_numpy(windows[:count])
+    if text:
+        windows = windows[:, : args.tokens]  # decode the first --tokens positions of each window
 
     def decode_call(label: str, batch: int):
-        setting = settings[label]
-        rows = windows[:batch] if batch > 1 else windows
+        setting, stats = settings[label], {"steps": 0, "tokens": 0}
+        rows = windows[:args.timed_problems] if batch == 1 else windows[:batch]
         decoders = [Decoder(model, batch, loop_counts=setting.get("loop_counts"),
                             controller_factory=setting.get("factory"),
                             noise=StateNoise(args.seed, range(first, first + batch)))
-                    for first in range(0, len(rows) if batch == 1 else batch, batch)]
-        work = rows if batch > 1 else rows  # [N, T]
-        stats = {"steps": 0, "tokens": 0}
+                    for first in range(0, rows.shape[0], batch)]
 
         def call():
             for index, decoder in enumerate(decoders):
-                problem = work[index * batch:(index + 1) * batch]
+                part = rows[index * batch:(index + 1) * batch]
                 decoder.reset()
-                for t in range(problem.shape[1]):
-                    decoder._advance(problem[:, t:t + 1])
+                for t in range(part.shape[1]):
+                    decoder._advance(part[:, t:t + 1])
                     stats["steps"] += int(decoder.computed.sum())
                     stats["tokens"] += batch
-        return call, stats, len(decoders) * batch * windows.shape[1]
+        return call, stats, rows.numel()
 
-    report = {"difficulty": args.difficulty, "problems": int(heldout.problem_ids.max()) + 1, "full_budget": full,
-              "quality_bar": bar, "quality": quality, "cheapest_fixed": cheapest_fixed, "chosen": chosen,
-              "half_steps": half, "timing": {}}
+    report = {**info, "metric": key, "full_budget": full_label, "quality_bar": bar, "quality": quality,
+              "cheapest_fixed": cheapest_fixed, "chosen": chosen, "half_steps": half, "timing": {}}
     for batch in [1, *_batches(args)]:
         calls, stats, work = {}, {}, {}
         for label in timed:
@@ -178,17 +226,19 @@ def task_mode(args) -> dict:
                            "range_ms_per_token": [1e3 * min(samples[label]) / work[label],
                                                   1e3 * max(samples[label]) / work[label]],
                            "executed_steps_per_token": stats[label]["steps"] / max(stats[label]["tokens"], 1)}
-        base, top = rows[cheapest_fixed]["ms_per_token"], rows[f"fixed {full}"]["ms_per_token"]
+        base, top = rows[cheapest_fixed]["ms_per_token"], rows[full_label]["ms_per_token"]
         for label, row in rows.items():
             row["speedup_vs_cheapest_fixed"] = base / row["ms_per_token"]
             row["latency_vs_full"] = row["ms_per_token"] / top
         report["timing"][f"batch {batch}"] = rows
-        print(f"batch {batch}: ms/token (median, range), executed steps/token, vs {cheapest_fixed}, vs full", flush=True)
+        print(f"batch {batch}: ms/token (median, range), executed steps/token, vs {cheapest_fixed}, vs full",
+              flush=True)
         for label, row in rows.items():
             low, high = row["range_ms_per_token"]
-            print(f"  {label:<26}{row['ms_per_token']:8.3f} [{low:.3f}-{high:.3f}] {row['executed_steps_per_token']:5.2f}"
-                  f"  x{row['speedup_vs_cheapest_fixed']:.3f}  {row['latency_vs_full']:.3f} of full "
-                  f"(acc {100 * quality[label]['accuracy']:.1f}%)", flush=True)
+            shown = (f"{100 * quality[label][key]:.1f}%" if key == "accuracy" else f"ppl {quality[label][key]:.2f}")
+            print(f"  {label:<26}{row['ms_per_token']:8.3f} [{low:.3f}-{high:.3f}] "
+                  f"{row['executed_steps_per_token']:5.2f}  x{row['speedup_vs_cheapest_fixed']:.3f}  "
+                  f"{row['latency_vs_full']:.3f} of full ({shown})", flush=True)
     problem = windows[:1]
     report["counts"] = {}
     for label in timed:
@@ -270,10 +320,10 @@ def main(argv=None) -> int:
     header = {"device": "cpu", "threads": args.threads, "torch": torch.__version__, "revision": revision(),
               "argv": sys.argv[1:] if argv is None else argv}
     print(f"device: cpu ({args.threads} threads)  torch {torch.__version__}  git {header['revision']}", flush=True)
-    if args.mode == "task":
+    if args.mode in ("task", "text"):
         if not (args.run and args.data):
-            raise SystemExit("task mode needs --run and --data")
-        result = task_mode(args)
+            raise SystemExit(f"{args.mode} mode needs --run and --data")
+        result = compare_mode(args, text=args.mode == "text")
     else:
         result = generate_mode(args)
     if args.json:
