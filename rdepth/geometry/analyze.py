@@ -76,6 +76,8 @@ def answer_masks(opened, count: int, seq_len: int | None) -> torch.Tensor | None
     from rdepth.data.shards import TokenShards
     from rdepth.run.heldout import held_out_problem_windows, held_out_windows
 
+    if not (Path(opened.data) / "val_mask.bin").is_file():  # plain text, or a text file given as data
+        return None
     mask = TokenShards.open(opened.data).loss_mask("val")
     if mask is None:
         return None
