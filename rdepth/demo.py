@@ -42,8 +42,9 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "text": dict(preset="tiny", max_steps=500, batch_size=16, checkpoint_every=125, weight_decay=0.1,
                  warmup_steps=None, curriculum_steps=0),
 }
-# Pointer chasing to a fixed point with 16 nodes listed in order, every symbol queried and every
-# distractor chain as long as the main one (no shortcut): one problem fills a 64-token context.
+# Pointer chasing to a fixed point with 16 nodes listed in order, every symbol queried and the
+# distractor chains as long as the main one but for a shorter leftover chain: one problem fills a
+# 64-token context.
 DEFAULT_TASK_PARAMS = '{"chase": {"nodes": 16, "queries": 16, "ordered": true, "min_distractor_hops": 15}}'
 BASELINES = ("no_loop", "deep")
 

@@ -104,8 +104,8 @@ def thread_plan_text(config: DemoConfig, at) -> str:
     from rdepth.threads import REPRODUCIBLE_THREADS, describe, thread_plan
 
     processes, threads = side_by_side(config), run_threads(config)
-    text = (f"threads: {describe(at)}; {processes} training process{'es' if processes > 1 else ''} side by side, "
-            f"{threads} torch thread{'s' if threads > 1 else ''} each")
+    runs = f"{processes} training processes side by side" if processes > 1 else "1 training process"
+    text = f"threads: {describe(at)}; {runs}, {threads} torch thread{'s' if threads > 1 else ''} each"
     if config.threads and config.threads != REPRODUCIBLE_THREADS:
         return text + (f" (--threads {config.threads}: the numbers may differ from a run at the default "
                        f"{REPRODUCIBLE_THREADS}, such as the README's table)")
