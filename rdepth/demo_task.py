@@ -112,6 +112,8 @@ def thread_plan_text(config: DemoConfig, at) -> str:
     text += " (fixed: the numbers do not depend on the machine or its load)"
     if processes * threads > at.cores:
         text += f"; {at.cores} core{'s' if at.cores != 1 else ''} for {processes} processes: slower, same numbers"
+    elif at.load >= at.cores:
+        text += "; the machine is busy (load at or above its cores): slower, same numbers"
     elif thread_plan(at.cores, processes, at.load) > threads:
         text += f"; --threads {thread_plan(at.cores, processes, at.load)} would use more cores, with other numbers"
     return text

@@ -114,6 +114,8 @@ def test_the_demo_prints_its_plan(tmp_path):
     assert text.startswith("threads: 2 usable cores, load 0.0; 2 training processes side by side, 1 torch thread each")
     assert "do not depend on the machine" in text
     assert "1 core for 2 processes" in thread_plan_text(_demo_config(tmp_path), Machine(cores=1, load=0.0))
+    assert "the machine is busy" in thread_plan_text(_demo_config(tmp_path), Machine(cores=2, load=2.5))
+    assert "busy" not in text
     assert "--threads 4 would use more cores" in thread_plan_text(_demo_config(tmp_path), Machine(cores=8, load=0.0))
     typed = thread_plan_text(_demo_config(tmp_path, threads=2), idle)
     assert "2 torch threads each" in typed and "may differ from a run at the default 1" in typed
