@@ -56,6 +56,7 @@ def summarize_task_demo(out: str | os.PathLike) -> dict[str, Any]:
                    for name, table in tables.items()},
         "training": demo.get("training", {}),
         "stage_seconds": demo.get("stage_seconds", {}),
+        "threads": demo.get("threads"),
         "wall_seconds": demo.get("wall_seconds"),
         "config": {k: demo["config"].get(k) for k in ("task", "task_params", "max_steps", "batch_size", "lr",
                                                       "curriculum_steps", "train_tokens")},
@@ -115,7 +116,7 @@ def draw_task_overview(report_dir: str | os.PathLike, overview: dict[str, Any]) 
         color = colors[index % len(colors)]
         loops = sorted(int(k) for k in row)
         style = "o-" if int(difficulty) <= high else "s--"
-        harder = "" if int(difficulty) <= high else f" ({int(difficulty) / high:g}x the top)"
+        harder = "" if int(difficulty) <= high else f" ({int(difficulty) / high:.2g}x the top)"
         handles += axis.plot(loops, [100 * row[str(k)] for k in loops], style, color=color, markersize=5,
                              linewidth=1.8, label=f"difficulty {difficulty}{harder}")
         for name in baselines:
@@ -234,6 +235,15 @@ def percent_cell(fraction: float | None) -> str | None:
     return None if fraction is None else f"{100 * fraction:.1f}"
 
 
+def _threads_fact(threads: dict[str, Any] | None) -> str:
+    if not threads:
+        return "not recorded"
+    each = threads["per_process"]
+    return (f"{each} torch thread{'s' if each != 1 else ''} per process, {threads['side_by_side']} training "
+            f"process{'es' if threads['side_by_side'] != 1 else ''} side by side; {threads['cores']} usable cores, "
+            f"load {threads['load_at_start']:.1f} at the start")
+
+
 def table_budgets(budgets: list[int], most: int = 5) -> list[int]:
     """At most ``most`` of the measured budgets for the first screen's table (the figure shows all):
     powers of two from 1, and the largest."""
@@ -272,6 +282,7 @@ def task_overview_section(overview: dict[str, Any], figures: list[tuple[str, str
         ("Task", f"{config['task']} {config['task_params']}"),
         ("Trained", f"{config['max_steps']} steps × {config['batch_size']} problems, lr {config['lr']}, "
                     f"curriculum over {config['curriculum_steps']} steps"),
+        ("Threads", _threads_fact(overview.get("threads"))),
         ("Time", f"{overview['wall_seconds']:.0f} s for the whole demo ("
                  + ", ".join(f"{k} {v:.0f} s" for k, v in overview["stage_seconds"].items()) + ")"),
     ])

@@ -43,7 +43,8 @@ def loop_scale_rows(summary: dict[str, Any], budget: str | None = None) -> list[
             if headline["last_effective_rank"] is not None:
                 row["eff. rank (last Δ)"] = headline["last_effective_rank"]
             row["median conv. step"] = group["convergence"]["median"]
-            row["never conv."] = group["convergence"]["never_fraction"]
+            never = group["convergence"]["never_fraction"]  # a share: in percent, as the page's other shares
+            row["never conv. %"] = None if never is None else f"{100 * never:.1f}"
             rows.append(row)
     return rows
 
