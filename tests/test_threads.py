@@ -127,3 +127,26 @@ def test_demo_threads_must_be_a_count(bad, tmp_path):
 
     with pytest.raises(RdepthError, match="threads"):
         _demo_config(tmp_path, threads=bad)
+
+
+def test_verbose_is_accepted_after_the_command_too():
+    from rdepth.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["demo", "--verbose"]).verbose is True
+    assert parser.parse_args(["-v", "demo"]).verbose is True
+    assert parser.parse_args(["demo"]).verbose is False
+
+
+def test_the_demo_quiets_the_sweep_and_geometry_loggers_unless_verbose():
+    import logging
+
+    from rdepth.cli.demo import CHATTY_LOGGERS, quiet
+
+    sweep = logging.getLogger("rdepth.exits.task_sweep")
+    with quiet(CHATTY_LOGGERS):
+        assert not sweep.isEnabledFor(logging.INFO) and sweep.isEnabledFor(logging.WARNING)
+        assert logging.getLogger("rdepth.demo_task").level == logging.NOTSET  # the stages still log
+    with quiet(CHATTY_LOGGERS, enabled=False):
+        assert logging.getLogger("rdepth.exits").level == logging.NOTSET
+    assert logging.getLogger("rdepth.exits").level == logging.NOTSET  # restored after

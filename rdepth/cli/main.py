@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(subparsers)
+    for command in subparsers.choices.values():  # `rdepth demo --verbose` as well as `rdepth -v demo`
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="debug logging, and every stage's own log lines")
     return parser
 
 
