@@ -42,8 +42,9 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "text": dict(preset="tiny", max_steps=500, batch_size=16, checkpoint_every=125, weight_decay=0.1,
                  warmup_steps=None, curriculum_steps=0),
 }
-# Pointer chasing to a fixed point with 16 nodes listed in order, every symbol queried and every
-# distractor chain as long as the main one (no shortcut): one problem fills a 64-token context.
+# Pointer chasing to a fixed point with 16 nodes listed in order, every symbol queried and the
+# distractor chains as long as the main one but for a shorter leftover chain: one problem fills a
+# 64-token context.
 DEFAULT_TASK_PARAMS = '{"chase": {"nodes": 16, "queries": 16, "ordered": true, "min_distractor_hops": 15}}'
 BASELINES = ("no_loop", "deep")
 
@@ -69,9 +70,8 @@ class DemoConfig:
     baselines: tuple[str, ...] = option(
         ("no_loop",), "task mode: baselines trained on the same data and steps: no_loop (the same layers, once "
         "each), deep (a plain model as deep as the looped one unrolled at its training mean); 'none' for none")
-    parallel: bool = option(False, "task mode: train the baselines in a second process beside the looped model "
-                                   "(one CPU thread each; slower than one after the other with two threads on an "
-                                   "idle 2-core machine)")
+    parallel: bool = option(True, "task mode: train the baselines in a second process beside the looped model "
+                                  "(each at the same fixed thread count, so the numbers do not change)")
     preset: str | None = option(None, "model preset", default_text="task (task mode) or tiny (text mode)")
     max_steps: int | None = option(None, "training steps", default_text="2600 (task) or 500 (text)")
     batch_size: int | None = option(None, "training sequences per step", default_text="32 (task) or 16 (text)")
@@ -87,7 +87,8 @@ class DemoConfig:
     sweep_sequences: int = option(8, "text mode: held-out windows for the exit sweep")
     max_documents: int | None = option(None, "prepare only the first N documents", default_text="all")
     model_overrides: str = option("", "JSON object of model fields, e.g. '{\"d_model\": 64}'")
-    threads: int = option(0, "torch CPU threads (0: torch's default)")
+    threads: int = option(0, "torch CPU threads per process (0: task mode 1, fixed so that the numbers do not "
+                             "depend on the machine; text mode from the cores free at start)")
     seed: int = option(0, "training seed of every run (weights, batches, loop counts, loop-state noise)")
 
     def __post_init__(self) -> None:
@@ -113,8 +114,8 @@ class DemoConfig:
                 raise RdepthError(f"demo config: {name} must be a positive integer, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise RdepthError(f"demo config: seed must be an integer in [0, 2^63), got {self.seed!r}")
-        if not isinstance(self.threads, int) or self.threads < 0:
-            raise RdepthError(f"demo config: threads must be >= 0, got {self.threads!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 0 <= self.threads <= 4096:
+            raise RdepthError(f"demo config: threads must be an integer in [0, 4096], got {self.threads!r}")
         if not self.lr > 0:
             raise RdepthError(f"demo config: lr must be > 0, got {self.lr!r}")
         if self.data is None:
@@ -209,7 +210,7 @@ def _analyze(run: Path, data: Path, config: DemoConfig) -> Path:
     out = Path(config.out) / "report"
     return run_analysis(AnalyzeConfig(checkpoints=[str(run)], data=str(data), out=str(out),
                                       sequences=config.analyze_sequences, long_loops=config.long_loops,
-                                      device="cpu"))
+                                      device="cpu", progress=False))
 
 
 def _sweep(run: Path, data: Path, config: DemoConfig) -> Path:
@@ -225,14 +226,13 @@ def _sweep(run: Path, data: Path, config: DemoConfig) -> Path:
 
 def run_demo(config: DemoConfig) -> dict:
     """Run every stage; returns (and writes to OUT/demo.json) the headline numbers."""
-    import torch
-
     if config.mode == "task":
         from rdepth.demo_task import run_task_demo
 
         return run_task_demo(config)
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    from rdepth.threads import apply_plan
+
+    apply_plan(config.threads)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     stage = StageTimer(log)

@@ -7,8 +7,8 @@
    the same data, steps and seed, each baseline: ``no_loop`` (the same layers
    once each) and optionally ``deep`` (a plain model as deep as the looped one
    unrolled at its training mean, Saunshi et al.'s comparison). With
-   ``parallel`` the baselines train in a second process while the looped model
-   trains in this one (one CPU thread each);
+   ``parallel`` (the default) the baselines train in a second process while the
+   looped model trains in this one;
 3. exact-match accuracy per held-out difficulty at each test loop budget (the
    test-time-compute curve), each baseline at its own depth;
 4. the exit policies on the top training difficulty: accuracy and loop steps on
@@ -18,6 +18,12 @@
 
 Every stage calls the same pipeline function as its command; a re-run into the
 same folder reuses what finished with the same settings.
+
+Threads: every process of the demo computes with :data:`rdepth.threads.REPRODUCIBLE_THREADS`
+torch thread (``--threads N`` overrides it), so its numbers are the same on any machine and under
+any load: a matrix product split over another number of threads rounds differently, and training
+amplifies that (losses part after a few dozen steps). The speed comes from training the runs side
+by side instead. :func:`thread_plan_text` says so at the start.
 """
 
 from __future__ import annotations
@@ -80,27 +86,59 @@ def baseline_model_config(model_config, name: str):
     raise RdepthError(f"unknown baseline {name!r}")
 
 
+def run_threads(config: DemoConfig) -> int:
+    """Torch threads of every process of the task demo: ``--threads``, else the fixed count."""
+    from rdepth.threads import REPRODUCIBLE_THREADS
+
+    return config.threads or REPRODUCIBLE_THREADS
+
+
+def side_by_side(config: DemoConfig) -> int:
+    """Processes that train at the same time: the looped run's and, with ``parallel``, the baselines'."""
+    return 2 if config.parallel and config.baselines else 1
+
+
+def thread_plan_text(config: DemoConfig, at) -> str:
+    """One line on the threads: how many processes, how many threads each, and whether the numbers
+    may differ from a run at the fixed count. ``at``: :class:`rdepth.threads.Machine`."""
+    from rdepth.threads import REPRODUCIBLE_THREADS, describe, thread_plan
+
+    processes, threads = side_by_side(config), run_threads(config)
+    runs = f"{processes} training processes side by side" if processes > 1 else "1 training process"
+    text = f"threads: {describe(at)}; {runs}, {threads} torch thread{'s' if threads > 1 else ''} each"
+    if config.threads and config.threads != REPRODUCIBLE_THREADS:
+        return text + (f" (--threads {config.threads}: the numbers may differ from a run at the default "
+                       f"{REPRODUCIBLE_THREADS}, such as the README's table)")
+    text += " (fixed: the numbers do not depend on the machine or its load)"
+    if processes * threads > at.cores:
+        text += f"; {at.cores} core{'s' if at.cores != 1 else ''} for {processes} processes: slower, same numbers"
+    elif at.load >= at.cores:
+        text += "; the machine is busy (load at or above its cores): slower, same numbers"
+    elif thread_plan(at.cores, processes, at.load) > threads:
+        text += f"; --threads {thread_plan(at.cores, processes, at.load)} would use more cores, with other numbers"
+    return text
+
+
 def _runs(config: DemoConfig, data: Path) -> dict[str, tuple[Any, Any]]:
     """name -> (model config, train config) of the looped run and each baseline."""
     from rdepth.train.trainer import data_model_config_for
 
     looped = data_model_config_for(config.model_config(), data)
-    runs = {"looped": (looped, config.train_config(data, "train"))}
+    threads = run_threads(config)
+    runs = {"looped": (looped, replace(config.train_config(data, "train"), threads=threads))}
     for name in config.baselines:
-        runs[name] = (baseline_model_config(looped, name), config.train_config(data, f"baseline_{name}"))
+        runs[name] = (baseline_model_config(looped, name),
+                      replace(config.train_config(data, f"baseline_{name}"), threads=threads))
     return runs
 
 
 def _train_quietly(model_dict: dict, train_dict: dict, log_path: str) -> None:
-    """A child process: train one run with one CPU thread, its log and progress bar in ``log_path``."""
-    import torch
-
+    """A child process: train one run at its config's thread count, its log and progress bar in ``log_path``."""
     from rdepth.config import ModelConfig
     from rdepth.train.config import TrainConfig
     from rdepth.train.launch import train_or_reuse
 
     os.environ["TQDM_DISABLE"] = "1"  # the log holds lines, not a redrawn bar
-    torch.set_num_threads(1)
     with open(log_path, "a") as handle:
         sys.stdout = sys.stderr = handle
         logging.basicConfig(level=logging.INFO, stream=handle, force=True,
@@ -110,15 +148,12 @@ def _train_quietly(model_dict: dict, train_dict: dict, log_path: str) -> None:
 
 def _train_all(config: DemoConfig, data: Path) -> dict[str, Path]:
     """Train the looped run and its baselines (baselines in a second process with ``parallel``)."""
-    import torch
-
     from rdepth.train.launch import train_or_reuse
 
     runs = _runs(config, data)
     baselines = [name for name in runs if name != "looped"]
     child = None
     if config.parallel and baselines:
-        torch.set_num_threads(1)
         log_path = Path(config.out) / "baselines.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         context = multiprocessing.get_context("spawn")
@@ -129,8 +164,6 @@ def _train_all(config: DemoConfig, data: Path) -> dict[str, Path]:
         child.start()
         log.info("training the baselines (%s) in process %d beside the looped model; their log: %s",
                  ", ".join(baselines), child.pid, log_path)
-    elif config.threads:
-        torch.set_num_threads(config.threads)
     try:
         paths = {"looped": train_or_reuse(*runs["looped"])}
     except BaseException:  # the looped run failed or was interrupted: do not leave the baselines training
@@ -164,8 +197,8 @@ def _accuracy(config: DemoConfig, data: Path, runs: dict[str, Path]) -> dict[str
         tables[name] = task_accuracy_table(opened.model, data, budgets, batch_size=64)
         tables[name]["parameters"] = opened.model.num_parameters()
         tables[name]["model"] = opened.config.to_dict()
-        for line in format_accuracy_table(tables[name]):
-            log.info("%s: %s", name, line)
+        for line in format_accuracy_table(tables[name]):  # the command prints them all at the end
+            log.debug("%s: %s", name, line)
     return tables
 
 
@@ -183,11 +216,19 @@ def _analyze(config: DemoConfig, data: Path, run: Path) -> Path:
     from rdepth.geometry.config import AnalyzeConfig
 
     return run_analysis(AnalyzeConfig(checkpoints=[str(run)], data=str(data), out=str(Path(config.out) / "report"),
-                                      sequences=config.analyze_sequences, long_loops=config.long_loops, device="cpu"))
+                                      sequences=config.analyze_sequences, long_loops=config.long_loops, device="cpu",
+                                      progress=False))
 
 
 def run_task_demo(config: DemoConfig) -> dict:
     """Every stage of the task demo; returns (and writes to OUT/demo.json) the headline numbers."""
+    import torch
+
+    from rdepth.threads import machine
+
+    at = machine()
+    torch.set_num_threads(run_threads(config))  # every stage, this process and the baselines' alike
+    log.info("%s", thread_plan_text(config, at))
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     stage = StageTimer(log)
@@ -217,6 +258,8 @@ def run_task_demo(config: DemoConfig) -> dict:
         "sweep_summary": None if sweep is None else sweep["summary"],
         "stage_seconds": stage.seconds,
         "wall_seconds": stage.wall,
+        "threads": {"per_process": run_threads(config), "side_by_side": side_by_side(config),
+                    "cores": at.cores, "load_at_start": round(at.load, 2)},
     }
     write_json(out / "demo.json", result)
     from rdepth.demo_task_report import write_task_first_screen

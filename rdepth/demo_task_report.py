@@ -56,6 +56,7 @@ def summarize_task_demo(out: str | os.PathLike) -> dict[str, Any]:
                    for name, table in tables.items()},
         "training": demo.get("training", {}),
         "stage_seconds": demo.get("stage_seconds", {}),
+        "threads": demo.get("threads"),
         "wall_seconds": demo.get("wall_seconds"),
         "config": {k: demo["config"].get(k) for k in ("task", "task_params", "max_steps", "batch_size", "lr",
                                                       "curriculum_steps", "train_tokens")},
@@ -94,35 +95,58 @@ def summarize_task_demo(out: str | os.PathLike) -> dict[str, Any]:
     return overview
 
 
+# Baselines have no loop budget: each is drawn at its own place left of 1 loop on the same axis.
+BASELINE_PLACES = {"no_loop": (0.5, "D", "no loop"), "deep": (0.3, "^", "deep\nplain")}
+
+
 def draw_task_overview(report_dir: str | os.PathLike, overview: dict[str, Any]) -> list[tuple[str, str]]:
-    """Accuracy against test loops per difficulty, baselines as dashed lines; (path, caption) pairs."""
+    """Accuracy against test loops per difficulty, each baseline as a marker left of 1 loop; (path, caption)
+    pairs. Drawn for the page's full width (1000 px at the figure saver's resolution)."""
+    from matplotlib.lines import Line2D
+
     from rdepth.report.figures import pyplot, save_report_figure
 
     plt = pyplot()
-    figure, axis = plt.subplots(figsize=(5.6, 3.6))
+    figure, axis = plt.subplots(figsize=(10, 4.4))
     low, high = overview["train_difficulties"]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    baselines = [name for name in BASELINE_PLACES if name in overview["baselines"]]
+    handles = []
     for index, (difficulty, row) in enumerate(sorted(overview["looped"].items(), key=lambda item: int(item[0]))):
         color = colors[index % len(colors)]
         loops = sorted(int(k) for k in row)
         style = "o-" if int(difficulty) <= high else "s--"
-        axis.plot(loops, [100 * row[str(k)] for k in loops], style, color=color, label=f"d={difficulty}",
-                  markersize=4)
-        baseline = overview["baselines"].get("no_loop", {}).get(difficulty)
-        if baseline is not None:
-            axis.axhline(100 * baseline, color=color, linestyle=":", linewidth=1)
+        harder = "" if int(difficulty) <= high else f" ({int(difficulty) / high:.2g}x the top)"
+        handles += axis.plot(loops, [100 * row[str(k)] for k in loops], style, color=color, markersize=5,
+                             linewidth=1.8, label=f"difficulty {difficulty}{harder}")
+        for name in baselines:
+            value = overview["baselines"][name].get(difficulty)
+            place, marker, _ = BASELINE_PLACES[name]
+            if value is not None:
+                axis.plot([place], [100 * value], marker, color=color, markersize=9, markerfacecolor="none",
+                          markeredgewidth=1.8)
+    for name in baselines:
+        place, marker, _ = BASELINE_PLACES[name]
+        handles.append(Line2D([], [], linestyle="none", marker=marker, markerfacecolor="none", color="0.3",
+                              markersize=9, markeredgewidth=1.8, label=BASELINE_NAMES.get(name, name)))
     axis.axvline(overview["train_mean_loops"], color="grey", linewidth=0.8)
     axis.set_xscale("log", base=2)
-    axis.set_xticks(overview["budgets"], [str(b) for b in overview["budgets"]])
-    axis.set_xlabel("loops at test time (grey line: training mean)")
+    ticks = [BASELINE_PLACES[name][0] for name in baselines] + list(overview["budgets"])
+    labels = [BASELINE_PLACES[name][2] for name in baselines] + [str(b) for b in overview["budgets"]]
+    axis.set_xticks(ticks, labels)
+    axis.minorticks_off()
+    if baselines:
+        axis.axvline(0.7, color="0.8", linewidth=0.8)  # baselines (no loop budget) | the looped model
+    axis.set_xlabel(f"loops at test time (grey line: the training mean, {overview['train_mean_loops']:g})")
     axis.set_ylabel("exact match (%)")
-    axis.set_ylim(-2, 102)
+    axis.set_ylim(-3, 103)
     axis.grid(alpha=0.3)
-    axis.legend(fontsize=7, ncol=2)
+    axis.legend(handles=handles, fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     figure.tight_layout()
     path = save_report_figure(figure, report_dir, "overview_task_accuracy")
     return [(path, f"Exact match against test loops per difficulty (solid: trained on {low}..{high}; dashed: "
-                   "harder than training); dotted lines: the no-loop baseline at the same difficulty.")]
+                   "harder than training). Open markers at the left: the baselines, trained on the same data and "
+                   "steps, at the same difficulty (same colour).")]
 
 
 def _pct(value: float | None) -> str:
@@ -196,13 +220,28 @@ def findings(overview: dict[str, Any]) -> list[str]:
                      f"{100 * exits['tolerance']:g} point(s) of the full budget.")
     for group in (overview.get("geometry") or {}).get("groups", []):
         floor = group["noise_floor_step"]
-        lines.append(f"Loop geometry (group {group['name']}): step size at step 5 is "
-                     f"{format_value(group['decay_5_over_0'])}x the first; "
+        decay = group["decay_5_over_0"]
+        lines.append(f"Loop geometry (group {group['name']}): "
+                     + ("" if decay is None else f"step size at step 5 is {format_value(decay)}x the first; ")
                      + ("steps never reach the noise floor within the budget" if floor is None else
                         f"steps reach the noise floor at step {floor}")
                      + f"; consecutive steps settle at cosine {format_value(group['settled_cosine'])} (the paper's "
                      "text model: 0.5-0.65, a slow spiral; a negative cosine is a back-and-forth oscillation).")
     return lines
+
+
+def percent_cell(fraction: float | None) -> str | None:
+    """A table cell in percent with one decimal, ``0.0`` and ``50.0`` included (one format per column)."""
+    return None if fraction is None else f"{100 * fraction:.1f}"
+
+
+def _threads_fact(threads: dict[str, Any] | None) -> str:
+    if not threads:
+        return "not recorded"
+    each = threads["per_process"]
+    return (f"{each} torch thread{'s' if each != 1 else ''} per process, {threads['side_by_side']} training "
+            f"process{'es' if threads['side_by_side'] != 1 else ''} side by side; {threads['cores']} usable cores, "
+            f"load {threads['load_at_start']:.1f} at the start")
 
 
 def table_budgets(budgets: list[int], most: int = 5) -> list[int]:
@@ -217,15 +256,15 @@ def table_budgets(budgets: list[int], most: int = 5) -> list[int]:
 def task_overview_section(overview: dict[str, Any], figures: list[tuple[str, str]]) -> Section:
     section = Section(SECTION, "Result", order=0)
     section.headline(headline_text(overview))
-    section.figures(figures, aside=True)
-    budgets = table_budgets(overview["budgets"], most=6 - len(overview["baselines"]))  # fits beside the figure
+    for path, caption in figures:
+        section.figure(path, caption)
+    budgets = table_budgets(overview["budgets"], most=7 - len(overview["baselines"]))
     rows = []
     for difficulty, row in sorted(overview["looped"].items(), key=lambda item: int(item[0])):
         entry: dict[str, Any] = {"difficulty": int(difficulty)}
-        entry.update({f"{k} loop{'s' if k > 1 else ''}": round(100 * row[str(k)], 1) for k in budgets})
+        entry.update({f"{k} loop{'s' if k > 1 else ''}": percent_cell(row[str(k)]) for k in budgets})
         for name, accuracies in overview["baselines"].items():
-            entry[SHORT_NAMES.get(name, name)] = None if accuracies.get(difficulty) is None else \
-                round(100 * accuracies[difficulty], 1)
+            entry[SHORT_NAMES.get(name, name)] = percent_cell(accuracies.get(difficulty))
         rows.append(entry)
     low, high = overview["train_difficulties"]
     section.table(rows, caption=f"Exact match (%) on held-out problems: the looped model at test loop "
@@ -243,6 +282,7 @@ def task_overview_section(overview: dict[str, Any], figures: list[tuple[str, str
         ("Task", f"{config['task']} {config['task_params']}"),
         ("Trained", f"{config['max_steps']} steps × {config['batch_size']} problems, lr {config['lr']}, "
                     f"curriculum over {config['curriculum_steps']} steps"),
+        ("Threads", _threads_fact(overview.get("threads"))),
         ("Time", f"{overview['wall_seconds']:.0f} s for the whole demo ("
                  + ", ".join(f"{k} {v:.0f} s" for k, v in overview["stage_seconds"].items()) + ")"),
     ])

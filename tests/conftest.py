@@ -17,9 +17,13 @@ def wiki_small(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def one_thread(monkeypatch):
     """Every test runs torch on one thread: tiny tensors gain nothing from thread hand-offs, and
-    the suite's wall time stays steady on a shared 2-core machine."""
+    the suite's wall time stays steady on a shared 2-core machine. Commands called in-process plan
+    their threads for a 1-core machine (rdepth.threads), so they keep that one thread too."""
+    from rdepth.threads import Machine
+
+    monkeypatch.setattr("rdepth.threads.machine", lambda: Machine(cores=1, load=0.0))
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

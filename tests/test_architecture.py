@@ -13,11 +13,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "rdepth"
 
 # Who may import whom, by top-level part of the package (a subpackage or a module).
-BASE = {"errors", "io", "fields"}
+BASE = {"errors", "io", "fields", "threads"}
 ALLOWED = {
     "errors": set(),
     "io": {"errors"},
     "fields": set(),
+    "threads": set(),  # the thread plan: os and torch only
     "config": BASE,
     "model": BASE | {"config"},
     "data": BASE,

@@ -34,7 +34,7 @@ def test_task_demo_end_to_end(tmp_path, capsys):
             "--loop-budgets", "1,2", "--baselines", "no_loop,deep", "--parallel"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "Loops matter" in printed and "d=6" in printed and "baseline deep" in printed
+    assert "Loops matter" in printed and "d=6" in printed and "  deep plain" in printed
 
     result = json.loads((out / "demo.json").read_text())
     assert set(result["accuracy"]) == {"looped", "no_loop", "deep"}
@@ -49,6 +49,26 @@ def test_task_demo_end_to_end(tmp_path, capsys):
     assert overview["headline"]["difficulty"] == 3 and overview["exits"]["difficulty"] == 3
     page = (out / "report" / "index.html").read_text()
     assert "Result" in page and "Early exit on the task" in page and "step_000003" in page
+    # The overview table: one format per column (percent, one decimal), the baselines as columns.
+    assert "<td class=\"num\">0.0</td>" in page or "<td class=\"num\">100.0</td>" in page
+    assert "no loop" in page and "deep plain" in page
+    assert "no loop" in printed.split("exact match (%)")[1]  # the final table's baseline rows
+    # The geometry's cross-entropy on a task is on the answers, as training and rdepth eval score it.
+    geometry = json.loads((out / "report" / "geometry" / "summary.json").read_text())
+    assert geometry["loss_tokens"] == "answers"
+    from rdepth.geometry.analyze import answer_masks
+    from rdepth.run.evaluate import evaluate
+    from rdepth.run.opened import open_run
+
+    opened = open_run(out / "train", out / "data", "cpu")
+    windows = opened.windows(2)
+    masks = answer_masks(opened, 2, None)
+    assert masks.shape == windows.shape and 0 < int(masks.sum()) < masks.numel()
+    last = geometry["checkpoints"][-1]["budgets"]["train"]
+    on_answers = evaluate(opened.model, windows, loop_counts=last["loop_counts"], masks=masks)["ce"]
+    on_all = evaluate(opened.model, windows, loop_counts=last["loop_counts"])["ce"]
+    assert last["loss"] == pytest.approx(on_answers, rel=1e-6) and on_answers != pytest.approx(on_all, rel=1e-3)
+    assert json.loads((out / "demo.json").read_text())["threads"]["per_process"] == 1
     sweep = json.loads((out / "report" / "task_sweep.json").read_text())
     assert {p["policy"] for p in sweep["difficulties"][0]["points"]} == {"acceleration", "step_norm", "kl",
                                                                           "argmax_stable"}

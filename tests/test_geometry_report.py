@@ -66,7 +66,7 @@ def test_settled_cosine_ignores_steps_at_the_noise_floor():
 def test_report_rows_read_the_saved_headline():
     (row,) = loop_scale_rows(_summary())
     assert row["|Δ5|/|Δ0|"] == pytest.approx(1 / 32) and row["settled cos"] == pytest.approx(0.8)
-    assert row["eff. rank (last Δ)"] == 3.0 and row["never conv."] == 0.25 and row["noise floor at k"] is None
+    assert row["eff. rank (last Δ)"] == 3.0 and row["never conv. %"] == "25.0" and row["noise floor at k"] is None
     summary = _summary()  # the page shows what was saved, never a recomputation from the curves
     summary["checkpoints"][0]["budgets"]["long"]["groups"][0]["headline"].update(
         settled_cosine=-0.25, decay_10_over_1=0.125)
@@ -108,3 +108,31 @@ def test_dlr_stats_skip_undefined_values():
     assert "4->5-6: n/a against the mean refinement step" in at_a_glance(summary)
     (row,) = drift_scale_rows(summary)
     assert row["x(1) ÷ mean |Δ(k)|, k≥1 [first_refine] median"] is None
+
+
+def _one_group_summary() -> dict:
+    summary = _summary()
+    for budget in summary["checkpoints"][0]["budgets"].values():
+        budget["dlr"] = {}  # one looped group: no boundary, no drift
+    return summary
+
+
+def test_one_looped_group_has_no_drift_figure_and_says_why(tmp_path):
+    from rdepth.geometry.plots import has_boundaries
+
+    assert has_boundaries(_summary()) and not has_boundaries(_one_group_summary())
+    assert "one looped group, so no hand-offs between groups" in at_a_glance(_one_group_summary())
+    section = geometry_section(tmp_path, _one_group_summary(), [])
+    notes = [block["text"] for block in section.blocks if block["kind"] == "note"]
+    assert any(note.startswith("No drift-to-loop ratio (Fig. 2): the model has one looped group") for note in notes)
+    assert not any("No drift-to-loop" in str(block) for block in geometry_section(tmp_path, _summary(), []).blocks)
+
+
+def test_the_loss_caption_names_the_tokens_scored(tmp_path):
+    def loss_caption(summary: dict) -> str:
+        blocks = geometry_section(tmp_path, summary, []).blocks
+        return next(b["caption"] for b in blocks if b["kind"] == "table" and "cross-entropy" in b["caption"])
+
+    task = {**_summary(), "loss_tokens": "answers"}
+    assert "on the answer tokens (what the model is trained to predict) among this section's 16" in loss_caption(task)
+    assert "on this section's 16 held-out tokens" in loss_caption(_summary())

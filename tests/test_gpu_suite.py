@@ -56,6 +56,21 @@ def test_peak_table():
     assert suite.peak_tflops("cpu (1 threads)") is None
 
 
+def skipped_at_time_budget(entry: dict) -> bool:
+    """A setting the suite skipped because its section's share of ``--budget-s`` was spent (a loaded
+    machine): only these two reasons count, any other status fails the caller's checks."""
+    return entry.get("status") == "skipped" and entry.get("reason") == "out of time" or \
+        str(entry.get("status", "")).startswith("skipped: the section's time is out")
+
+
+def test_skip_at_the_time_budget_is_recognised_and_nothing_else():
+    assert skipped_at_time_budget({"status": "skipped", "reason": "out of time"})
+    assert skipped_at_time_budget({"status": "skipped: the section's time is out (a budget-1 decoder would compile)"})
+    assert not skipped_at_time_budget({"status": "skipped", "reason": "the model has no recurrence groups"})
+    assert not skipped_at_time_budget({"status": "error", "error": "RuntimeError"})
+    assert not skipped_at_time_budget({"per_loop_step": 1.0})
+
+
 def test_smoke_run(tmp_path):
     """Every section runs on the tiny preset on the CPU and leaves numbers (or 'cuda only')."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -102,6 +117,8 @@ def test_smoke_run(tmp_path):
     assert per_token["plain_static_eager"]["per_token"] < per_token["static_eager"]["per_token"]
     for key in ("static_eager", "static_inductor"):
         step = counts["per_loop_step"][key]
+        if key == "static_inductor" and skipped_at_time_budget(step):
+            continue  # a loaded machine: the suite skips the compile at its time budget, and says so
         assert step["extra_loop_steps"] == 3 * 11 and step["budget_1"] < step["full_budget"], key
         assert step["per_loop_step"] == (step["full_budget"] - step["budget_1"]) / 33 > 0
     assert "aten ops (CPU) per loop step, static eager / Inductor pieces |" in markdown
@@ -110,13 +127,19 @@ def test_smoke_run(tmp_path):
     assert exits["loop_step_ms"] > 0 and exits["loop_step_ms_inductor"] > 0
     assert set(exits["check_cost"]) == {"no_host_check", "check_every_2", "no_host_check_inductor",
                                         "check_every_2_inductor"}
-    run = exits["policy_runs"]["check_every_2"]
-    assert 1 <= sum(run["mean_steps"]) / len(run["mean_steps"]) <= 12
-    assert 0 <= run["agreement"] <= 1 and run["bound_ms"] is not None
+    runs = exits["policy_runs"]
+    ran = [run for run in runs.values() if not skipped_at_time_budget(run)]
+    assert ran and not skipped_at_time_budget(next(iter(runs.values())))  # the first always runs
+    for run in ran:
+        assert 1 <= sum(run["mean_steps"]) / len(run["mean_steps"]) <= 12
+        assert 0 <= run["agreement"] <= 1 and run["bound_ms"] is not None
 
     batched = sections["batched"]
     assert set(batched["by_batch"]) == {"2", "4"}
+    assert batched["by_batch"]["2"]["status"] == "ok"  # the first batch always runs
     for row in batched["by_batch"].values():
+        if skipped_at_time_budget(row):
+            continue
         assert row["status"] == "ok"
         for key in ("full", "exits_predicated", "exits", "fixed_same_mean"):
             assert row[key]["tokens_per_s"] > 0

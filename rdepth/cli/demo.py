@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 
 from rdepth.cli.options import add_dataclass_flags, build
+
+# Loggers whose per-setting lines (the exit sweep's grid, the geometry's checkpoints, matplotlib's font
+# cache) the demo's terminal leaves out: the report and demo.json hold the numbers. --verbose shows them.
+CHATTY_LOGGERS = ("rdepth.exits", "rdepth.geometry", "matplotlib")
 
 
 def register(subparsers) -> None:
@@ -28,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.demo import DemoConfig, run_demo
 
     config = build(DemoConfig, {}, args)
-    result = run_demo(config)
+    with quiet(CHATTY_LOGGERS, enabled=not getattr(args, "verbose", False)):
+        result = run_demo(config)
     if config.mode == "task":
         return _print_task(config, result)
     budgets, base = result["loop_budgets"], result["unigram_baseline"]
@@ -49,21 +56,48 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def quiet(names: tuple[str, ...], enabled: bool = True):
+    """Raise ``names``' loggers to WARNING while the block runs (their levels are restored after)."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    if enabled:
+        for logger in loggers:
+            logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def task_table_lines(accuracy: dict) -> list[str]:
+    """The final table: the looped model's row per test loop budget, then one row per baseline
+    (labelled by name) under the same difficulty columns."""
+    from rdepth.demo_task_report import SHORT_NAMES
+    from rdepth.tasks.evaluate import format_accuracy_table
+
+    looped = accuracy["looped"]
+    lines = format_accuracy_table(looped)
+    for name, table in accuracy.items():
+        if name == "looped":
+            continue
+        rows = format_accuracy_table({"difficulties": looped["difficulties"], "rows": table["rows"]})[1:]
+        lines += [SHORT_NAMES.get(name, name).rjust(12) + row[12:] for row in rows]
+    return lines
+
+
 def _print_task(config, result: dict) -> int:
     from rdepth.demo_task_report import findings, headline_text
-    from rdepth.tasks.evaluate import format_accuracy_table
 
     overview = result["overview"]
     print()
     print("== rdepth demo (task): done in %.0f s" % result["wall_seconds"])
     print(headline_text(overview))
-    print("exact match (%) of the looped model per held-out difficulty and test loops:")
-    for line in format_accuracy_table(result["accuracy"]["looped"]):
+    print("exact match (%) per held-out difficulty: the looped model at each test loop budget, then the baselines "
+          "(trained on the same data and steps):")
+    for line in task_table_lines(result["accuracy"]):
         print(line)
-    for name, table in result["accuracy"].items():
-        if name != "looped":
-            print(f"baseline {name}: " + ", ".join(f"d={row['difficulty']} {100 * row['accuracy']:.1f}"
-                                                   for row in table["rows"]))
     for line in findings(overview):
         print("- " + line)
     for name, path in result["outputs"].items():

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(subparsers)
+    for command in subparsers.choices.values():  # `rdepth demo --verbose` as well as `rdepth -v demo`
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="debug logging, and every stage's own log lines")
     return parser
 
 
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    _plan_threads(args)
     previous = _terminate_like_interrupt()
     try:
         out = _output_folder(args) if args.command in LOCKED_COMMANDS else None
@@ -127,6 +131,25 @@ def _output_folder(args: argparse.Namespace) -> str | None:
             default = next((f.default for f in dataclasses.fields(cls) if f.name == "out"), None)
             return str(default) if isinstance(default, (str, os.PathLike)) and str(default) else None
     return None
+
+
+# Commands that plan their own threads (the demo runs processes side by side at a fixed count).
+OWN_THREAD_PLAN = ("demo",)
+
+
+def _plan_threads(args: argparse.Namespace) -> None:
+    """Torch's threads for a compute command typed without ``--threads``: from the cores free at start
+    (:mod:`rdepth.threads`), shared with the other ranks of a ``torchrun`` launch on this machine."""
+    keys = [key for key in vars(args) if key.endswith(".threads")]
+    if not keys or args.command in OWN_THREAD_PLAN or any(getattr(args, key) for key in keys):
+        return
+    from rdepth.threads import apply_plan, describe, machine
+
+    at = machine()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    threads = apply_plan(0, max(1, ranks), at)
+    logging.getLogger(__name__).debug("torch threads: %d (%s, %d process%s)", threads, describe(at), ranks,
+                                      "es" if ranks != 1 else "")
 
 
 class Terminated(KeyboardInterrupt):

@@ -46,11 +46,14 @@ def run_budget(
     loop_counts: tuple[int, ...],
     config: AnalyzeConfig,
     device: torch.device,
+    masks: torch.Tensor | None = None,
 ) -> tuple[StreamResult, float]:
     """Run every window ``[S, T + 1]`` through ``model`` at ``loop_counts`` with an observer attached.
 
     Returns the observer's statistics and the mean next-token cross-entropy (nats/token),
-    computed exactly as :func:`rdepth.run.evaluate.evaluate` computes it.
+    computed exactly as :func:`rdepth.run.evaluate.evaluate` computes it: over the targets where
+    ``masks`` (bool ``[S, T + 1]``; a task's answers) is True, else over every token. The observer
+    sees every token either way.
     """
     observer = GeometryObserver(config.threshold, config.keep_sequence, config.rank)
 
@@ -60,11 +63,28 @@ def run_budget(
     total_loss, total_tokens = 0.0, 0
     with torch.no_grad():
         for output, tokens in eval_outputs(model, windows, forward, batch_size=config.batch_size, device=device,
-                                           seed=config.seed, progress=True,
+                                           seed=config.seed, progress=config.progress, masks=masks,
                                            desc=f"loops {','.join(map(str, loop_counts))}"):
             total_loss += output.loss.item() * tokens
             total_tokens += tokens
     return observer.result(), total_loss / max(total_tokens, 1)
+
+
+def answer_masks(opened, count: int, seq_len: int | None) -> torch.Tensor | None:
+    """On data with loss masks (a task, trained on its answers only): bool ``[S, T + 1]`` masks aligned
+    with ``opened.windows(count, seq_len)``, True at the answers; None for plain text."""
+    from rdepth.data.shards import TokenShards
+    from rdepth.run.heldout import held_out_problem_windows, held_out_windows
+
+    if not (Path(opened.data) / "val_mask.bin").is_file():  # plain text, or a text file given as data
+        return None
+    mask = TokenShards.open(opened.data).loss_mask("val")
+    if mask is None:
+        return None
+    length = opened.seq_len(seq_len)
+    if opened.starts is not None:
+        return held_out_problem_windows(mask, opened.starts, length, count).bool()
+    return held_out_windows(mask, length, count).bool()
 
 
 def _architecture(config) -> tuple:
@@ -83,12 +103,15 @@ def analyze(config: AnalyzeConfig) -> dict[str, Any]:
     out = Path(config.out)
     opened = open_run(checkpoints[0], config.data, device)
     windows = opened.windows(config.sequences, config.seq_len)
+    masks = answer_masks(opened, config.sequences, config.seq_len)
     tokenizer = tokenizer_for(config.data, opened.checkpoint)
     group_names = [spec.name for spec in opened.config.group_specs]
     if not group_names:
         raise RdepthError(f"checkpoint {checkpoints[0]} has no recurrence groups: nothing to analyze")
     reference = _architecture(opened.config)
     summary = new_summary(asdict(config), group_names, windows.shape[0], windows.shape[1] - 1)
+    # The loss is on what the model was trained to predict: a task's answers, or every token of text.
+    summary["loss_tokens"] = "all" if masks is None else "answers"
     loaded: tuple | None = (opened.model, opened.config)
     del opened
     last_long: StreamResult | None = None
@@ -102,7 +125,7 @@ def analyze(config: AnalyzeConfig) -> dict[str, Any]:
                    "long": (config.long_loops,) * len(group_names)}
         saved: dict[str, Any] = {}
         for budget, counts in budgets.items():
-            result, loss = run_budget(model, windows, counts, config, device)
+            result, loss = run_budget(model, windows, counts, config, device, masks)
             saved[budget] = save_budget(out, checkpoint.name, budget, result, group_names, list(counts), loss)
             if budget == "long":
                 last_long = result

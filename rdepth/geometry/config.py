@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError
 from rdepth.fields import option
+from rdepth.threads import THREADS_HELP
 
 
 @dataclass
@@ -35,7 +36,8 @@ class AnalyzeConfig:
     rank: bool = option(True, "compute the effective rank of the updates")
     top_tokens: int = option(20, "rows in the slowest-converging-token table")
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
-    threads: int = option(0, "torch CPU threads (0: torch's default)")
+    threads: int = option(0, THREADS_HELP)
+    progress: bool = option(True, "progress bars while measuring (the demo turns them off)")
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoints, (str, bytes)):

@@ -89,6 +89,11 @@ def figure_pca(arrays: dict[str, np.ndarray], group_names: list[str], tokens: in
 # ------------------------------------------------------------------ Fig 2
 
 
+def has_boundaries(summary: dict[str, Any], budget: str = "train") -> bool:
+    """Whether the model hands a state from one looped group to another (a drift to measure)."""
+    return bool(summary["checkpoints"][0]["budgets"][budget]["dlr"])
+
+
 def figure_dlr(summary: dict[str, Any], budget: str = "train"):
     """Fig. 2: mean DLR (band: 10th-90th percentile over tokens) per boundary across
     checkpoints; solid = the default drift over Eq. 2's all-step mean, dash-dot = the same
@@ -232,12 +237,14 @@ def draw_all(out: str | Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
                         f"Fig. 1: PCA trajectories ({_label(last)}, training budget, sequence "
                         f"{summary['settings']['keep_sequence']}); tight arcs inside loops (inset), "
                         "larger jumps at group hand-offs (x marks)."))
+    if has_boundaries(summary):  # one looped group hands on to no other: no drift to plot
+        figures.append((
+            "fig2_dlr", lambda: figure_dlr(summary),
+            "Fig. 2: drift-to-loop ratio per boundary across checkpoints (log scale; dotted line = 1). Solid: drift "
+            "to the next group's first iterate x(1) over the earlier group's mean step over all steps k≥0 (Eq. 2's "
+            "denominator, dominated by the jump Δ(0) from the random initial state); dash-dot: the same drift over "
+            "the mean refinement step, k≥1; dashed: Eq. 2 as written (from the random x(0), over all steps)."))
     figures += [
-        ("fig2_dlr", lambda: figure_dlr(summary),
-         "Fig. 2: drift-to-loop ratio per boundary across checkpoints (log scale; dotted line = 1). Solid: drift "
-         "to the next group's first iterate x(1) over the earlier group's mean step over all steps k≥0 (Eq. 2's "
-         "denominator, dominated by the jump Δ(0) from the random initial state); dash-dot: the same drift over the "
-         "mean refinement step, k≥1; dashed: Eq. 2 as written (from the random x(0), over all steps)."),
         ("fig3_loop_dynamics", lambda: figure_loop_dynamics(summary, "train"),
          "Fig. 3: step norms (top, log scale) and consecutive-step cosines (bottom) per group, training budget."),
     ]

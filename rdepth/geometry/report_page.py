@@ -43,7 +43,8 @@ def loop_scale_rows(summary: dict[str, Any], budget: str | None = None) -> list[
             if headline["last_effective_rank"] is not None:
                 row["eff. rank (last Δ)"] = headline["last_effective_rank"]
             row["median conv. step"] = group["convergence"]["median"]
-            row["never conv."] = group["convergence"]["never_fraction"]
+            never = group["convergence"]["never_fraction"]  # a share: in percent, as the page's other shares
+            row["never conv. %"] = None if never is None else f"{100 * never:.1f}"
             rows.append(row)
     return rows
 
@@ -123,13 +124,16 @@ def at_a_glance(summary: dict[str, Any]) -> str:
               if (value := g["headline"]["decay_10_over_1"]) is not None]
     settled = [f"group {g['name']}: {value:.2f}" for g in groups
                if (value := g["headline"]["settled_cosine"]) is not None]
-    text = (f"At {last['label']}, a hand-off between groups moves a token this many mean loop steps "
-            f"(median DLR, drift to the next group's first iterate, '{default}'): {medians(default)} against the "
-            "mean of all loop steps (Eq. 2's denominator, which includes the jump Δ(0) from the random initial "
-            "state)")
-    if refine and any(refine in d for d in dlr.values()):
-        text += f"; {medians(refine)} against the mean refinement step Δ(k), k ≥ 1 ('{refine}')"
-    text += "."
+    if not dlr:
+        text = f"At {last['label']}: one looped group, so no hand-offs between groups to measure."
+    else:
+        text = (f"At {last['label']}, a hand-off between groups moves a token this many mean loop steps "
+                f"(median DLR, drift to the next group's first iterate, '{default}'): {medians(default)} against "
+                "the mean of all loop steps (Eq. 2's denominator, which includes the jump Δ(0) from the random "
+                "initial state)")
+        if refine and any(refine in d for d in dlr.values()):
+            text += f"; {medians(refine)} against the mean refinement step Δ(k), k ≥ 1 ('{refine}')"
+        text += "."
     if decays:
         text += f" Within a loop, the step-size decay |Δ10|/|Δ1| per group is {'; '.join(decays)}."
     if settled:
@@ -175,11 +179,17 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
         section.table(drift_scale_long_rows(summary), caption=(
             f"Drift scale (training budget, {summary['checkpoints'][-1]['label']}): drift-to-loop ratio over tokens "
             "(p10/p90: 10th/90th percentiles); every checkpoint is in Fig. 2 and geometry/summary.json"))
+    else:
+        section.note("No drift-to-loop ratio (Fig. 2): the model has one looped group, so no state is handed on "
+                     "from one group to another.")
     if loss_rows(summary):
+        scored = ("the answer tokens (what the model is trained to predict) among "
+                  if summary.get("loss_tokens") == "answers" else "")
         section.table(loss_rows(summary), caption=(
-            f"Validation cross-entropy (nats/token) on this section's {summary['sequences'] * summary['seq_len']:,} "
-            f"held-out tokens ({summary['sequences']} windows × {summary['seq_len']}), a subset of the held-out "
-            "split: other sections' evaluations use other windows, so their numbers differ"))
+            f"Validation cross-entropy (nats/token) on {scored}this section's "
+            f"{summary['sequences'] * summary['seq_len']:,} held-out tokens ({summary['sequences']} windows × "
+            f"{summary['seq_len']}), a subset of the held-out split: other sections' evaluations use other windows, "
+            "so their numbers differ"))
     for path, caption in figures:
         section.figure(path, caption)
     slowest = load_slowest(out)

@@ -14,6 +14,7 @@ from typing import Any
 
 from rdepth.errors import RdepthError
 from rdepth.fields import option
+from rdepth.threads import THREADS_HELP
 
 # The paper's threshold grid (Appendix D) and its three rules, plus the scale-free forms.
 PAPER_TAUS = (1e-5, 1e-4, 1e-3, 1e-2)
@@ -83,7 +84,7 @@ class ReproduceConfig:
         None, "also copy the few files worth bringing back (at most 8, see docs/reproduce.md) into this folder",
         default_text="none")
     seed: int = option(0, "seed of the training run and of every held-out measurement")
-    threads: int = option(0, "torch CPU threads (0: torch's default)")
+    threads: int = option(0, THREADS_HELP)
 
     def __post_init__(self) -> None:
         from rdepth.reproduce.plan import SIZES

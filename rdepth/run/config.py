@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError
 from rdepth.fields import option
+from rdepth.threads import THREADS_HELP
 
 DEVICE_HELP = "auto (CUDA when present), cpu or cuda[:N]"
 AUTOCAST_NAMES = ("none", "bf16", "fp16")
@@ -57,7 +58,7 @@ class EvalConfig:
     max_batches: int | None = option(None, "evaluate at most this many batches", default_text="all")
     seed: int = option(0, "seed of the initial loop-state noise")
     device: str = option("auto", DEVICE_HELP)
-    threads: int = option(0, "torch CPU threads (0: torch's default)")
+    threads: int = option(0, THREADS_HELP)
     progress: bool = option(True, "show a progress bar")
     json: str | None = option(None, "also write the results to this JSON file")
     warm_start: bool = option(False, "start each group's loop from the state it handed on at the previous "
@@ -116,7 +117,7 @@ class GenerateConfig:
         default_text="twice the model's eval loops")
     autocast: str = option("none", "autocast dtype of the forward passes: none, bf16 or fp16")
     device: str = option("auto", DEVICE_HELP)
-    threads: int = option(0, "torch CPU threads (0: torch's default)")
+    threads: int = option(0, THREADS_HELP)
 
     def __post_init__(self) -> None:
         check_positive("generate", self, ("max_new_tokens", "samples", "top_k", "draft_tokens"))

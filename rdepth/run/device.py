@@ -26,4 +26,5 @@ def device_name(device: torch.device) -> str:
     """A readable name for result files: the GPU model, or the CPU and its thread count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"cpu ({threads} thread{'s' if threads != 1 else ''})"

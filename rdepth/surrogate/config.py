@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 from rdepth.errors import RdepthError
 from rdepth.fields import option
+from rdepth.threads import THREADS_HELP
 
 SIMILARITY_NAMES = ("pooled_cosine", "token_cosine", "cka")  # rdepth.surrogate.similarity.SIMILARITIES
 PHASE_METHOD_NAMES = ("dp", "maxcut")  # rdepth.surrogate.phases.PHASE_METHODS
@@ -89,7 +90,7 @@ class SurrogateRunConfig:
     similarity: str = option("pooled_cosine", f"layer similarity used to choose phases: {', '.join(SIMILARITY_NAMES)}")
     phase_method: str = option("dp", "phase finder: dp (exact dynamic programme) or maxcut (recursive max-cut)")
     init: str = option("first", "block initialisation: first or middle layer of its phase, or random")
-    threads: int = option(0, "torch CPU threads (0 = torch's default)")
+    threads: int = option(0, THREADS_HELP)
     seed: int = option(0, "random seed of the sentence sample, the initialisation and the fitting (sets fit.seed)")
     fit: FitConfig = dataclasses.field(default_factory=FitConfig, metadata={"cli": False})
 

@@ -24,8 +24,9 @@ shortcut whose success grows as the main chain uses up the symbols and fewer
 chains remain; shorter distractor chains leave more fixed points to choose from, and
 distractors much shorter than the main chain give it away (a query whose path is longer
 than any distractor's must end where the main chain does): ``min_distractor_hops`` equal to
-the difficulty makes every chain as long as the main one, so that only following the arrows
-answers. The main chain's start is always one of
+the difficulty makes the distractor chains as long as the main one while enough symbols remain
+(the last one takes what is left: 16 nodes at difficulty 4 give chains of 5, 5, 5 and 1 symbols),
+so that following the arrows is what answers. The main chain's start is always one of
 the queries; the others start anywhere else. **Difficulty** = hops on the
 main chain = the sequential lookups its answer needs (the other queries need
 at most as many).

@@ -9,6 +9,7 @@ from typing import Any
 
 from rdepth.errors import RdepthError
 from rdepth.fields import option
+from rdepth.threads import THREADS_HELP
 
 MAX_LR = 10.0  # AdamW steps are about lr in size: beyond this, weights are noise
 MAX_COUNT = 10**9  # steps, batch sizes and cadences beyond this are typing errors, not plans
@@ -77,7 +78,7 @@ class TrainConfig:
     compile: bool | None = option(
         None, "torch.compile each layer (regional: one graph per block, reused at every loop step and count; "
         "fuses the norms' casts)", default_text="on with CUDA, off on CPU")
-    threads: int = option(0, "torch CPU threads (0: torch's default)")
+    threads: int = option(0, THREADS_HELP)
     curriculum_steps: int = option(
         0, "task data: the top training difficulty rises linearly from the lowest + 1 to the highest over "
         "this many steps (0: every difficulty from the start); ignored on text")
