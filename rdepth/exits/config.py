@@ -15,6 +15,7 @@ from rdepth.errors import RdepthError
 from rdepth.exits.stats import NOISE_THRESHOLD
 from rdepth.fields import option
 from rdepth.run.config import DEVICE_HELP, check_autocast_name, check_device_name
+from rdepth.threads import THREADS_HELP
 
 DEFAULT_TAUS = (1e-5, 1e-4, 1e-3, 1e-2)
 # Tokens of the timed cached generation (the decode latency) when --generate-tokens is not given.
@@ -126,8 +127,7 @@ class SweepConfig:
     seed: int = option(0, "seed of the initial loop-state noise")
     device: str = option("auto", DEVICE_HELP)
     progress: bool = option(True, "show a progress bar over the sweep points")
-    threads: int = option(0, "torch CPU threads (0: torch's default); fewer threads than cores steadies timings "
-                             "on a shared machine")
+    threads: int = option(0, THREADS_HELP + "; fewer threads than cores steadies timings on a shared machine")
 
     def __post_init__(self) -> None:
         from rdepth.exits.registry import get_policy_class, sweepable_policies
@@ -272,7 +272,7 @@ class CalibrateConfig:
                              default_text="RUN/exit_profile_<policy>.json")
     seed: int = option(0, "seed of the initial loop-state noise")
     device: str = option("auto", DEVICE_HELP)
-    threads: int = option(0, "torch CPU threads (0: torch's default)")
+    threads: int = option(0, THREADS_HELP)
 
     def __post_init__(self) -> None:
         from rdepth.exits.registry import get_policy_class

@@ -52,6 +52,11 @@ def render_task_sweep(result: dict, out: str | Path, *, report: bool = True) -> 
     return paths
 
 
+def _percent(fraction: float | None) -> float | None:
+    """A saved fraction as percent, like the table's accuracies (None stays None)."""
+    return None if fraction is None else 100 * fraction
+
+
 def task_section(result: dict, figure_path: str) -> Section:
     tolerance = 100 * result["summary"]["tolerance"]
     section = Section(SECTION, "Early exit on the task", order=21)
@@ -67,11 +72,11 @@ def task_section(result: dict, figure_path: str) -> Section:
             "its steps": best["steps"] if best else None,
             "steps on answers": best["mean_steps_answer"] if best else None,
             "steps on the rest": best["mean_steps_other"] if best else None,
-            "steps saved vs full": summary.get("steps_saved_vs_full"),
+            "steps saved vs full %": _percent(summary.get("steps_saved_vs_full")),
             "cheapest fixed as accurate": cheapest.get("label"),
-            "steps saved vs it": summary.get("steps_saved_vs_cheapest_fixed"),
-            "wall time saved vs full": summary.get("time_saved_vs_full"),
-            "wall time saved vs that fixed": summary.get("time_saved_vs_cheapest_fixed"),
+            "steps saved vs it %": _percent(summary.get("steps_saved_vs_cheapest_fixed")),
+            "wall time saved vs full %": _percent(summary.get("time_saved_vs_full")),
+            "wall time saved vs that fixed %": _percent(summary.get("time_saved_vs_cheapest_fixed")),
         })
     section.table(rows, caption="The cheapest exit policy that stays within the tolerance of the full budget's "
                                 "exact-match accuracy, against the full budget and the cheapest fixed budget at "

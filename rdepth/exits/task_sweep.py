@@ -150,7 +150,7 @@ def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: Swee
                 key = f"{heldout.difficulty}:{entry['label']}"
                 calls[key] = forward_call(model, timing_idx, controller_factory=factory, seed=config.seed)
                 work[key] = (entry, timing_idx.numel())
-            log.info("d=%d %s: accuracy %.3f, steps %.2f (answers %.2f, other %.2f)", heldout.difficulty,
+            log.debug("d=%d %s: accuracy %.3f, steps %.2f (answers %.2f, other %.2f)", heldout.difficulty,
                      entry["label"], entry["accuracy"], entry["steps"], entry["mean_steps_answer"],
                      entry["mean_steps_other"])
         blocks.append({"difficulty": heldout.difficulty, "problems": int(heldout.problem_ids.max()) + 1,
