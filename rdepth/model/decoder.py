@@ -369,15 +369,19 @@ class Decoder:
             return self.model.loop_step(group, state, self._inputs, self._contexts[step])
         return self._compiled["step"](group, state, self._inputs, *self._kv[self.model.group_layers[group], step])
 
+    def _stepper(self, group: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """``(state, step) -> new`` for this token's loop of ``group``, its input half computed once
+        (kept local when eager; in the static ``_inputs`` buffer for the compiled step)."""
+        if self._compiled is None:
+            projected = self.model.group_input(group, self._x)
+            return lambda state, step: self.model.loop_step(group, state, projected, self._contexts[step])
+        self._inputs.copy_(self.model.group_input(group, self._x))
+        return lambda state, step: self._loop_step(group, state, step)
+
     def _fixed_loop(self, plan: _Plan, group: int) -> None:
         """Every row runs the budget's steps; the slots of steps it did not run take its last key.
         (``computed``/``used`` are set when the plan starts: they are the same for every token.)"""
-        if self._compiled is None:
-            projected = self.model.group_input(group, self._x)
-            step_fn = lambda state, step: self.model.loop_step(group, state, projected, self._contexts[step])  # noqa: E731
-        else:
-            self._inputs.copy_(self.model.group_input(group, self._x))
-            step_fn = lambda state, step: self._loop_step(group, state, step)  # noqa: E731
+        step_fn = self._stepper(group)
         state = self._initial_state(group)
         steps = plan.steps[group]
         for step in range(1, steps + 1):
@@ -389,12 +393,7 @@ class Decoder:
     def _host_loop(self, plan: _Plan, group: int) -> None:
         """Batch 1, eager: the loop breaks at the row's exit (one host read per step, nothing predicated)."""
         controller = plan.controller
-        if self._compiled is None:
-            projected = self.model.group_input(group, self._x)
-            step_fn = lambda state, step: self.model.loop_step(group, state, projected, self._contexts[step])  # noqa: E731
-        else:
-            self._inputs.copy_(self.model.group_input(group, self._x))
-            step_fn = lambda state, step: self._loop_step(group, state, step)  # noqa: E731
+        step_fn = self._stepper(group)
         state = self._initial_state(group)
         controller.begin(group, state)
         last = plan.steps[group]
@@ -785,10 +784,6 @@ class Decoder:
     @property
     def compiled(self) -> bool:
         return self._compiled is not None
-
-    @property
-    def _plan_pieces(self) -> list[tuple[str, object]]:
-        return self._plan.pieces
 
 
 class _ChunkKV:
