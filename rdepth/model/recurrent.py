@@ -12,7 +12,10 @@ same code: :meth:`embed`, :meth:`run_layers`, :meth:`init_state`,
 :meth:`group_step`, :meth:`readout`. :meth:`forward` composes them in two
 layouts (see :mod:`rdepth.model.layers`): dense ``[B, T, d]`` for training and
 fixed-budget evaluation, and packed rows when a loop controller (per-token
-exits) or a key/value cache (generation) is given.
+exits) or a key/value cache is given. Token-by-token decoding is
+:class:`rdepth.model.decoder.Decoder`, which drives these pieces over its own
+static cache; the cache mode here serves teacher-forced warm start and the
+exported model's ``forward(use_cache=True)``.
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ class RecurrentLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def new_cache(self, batch_size: int) -> KVStore:
-        """An empty key/value cache for :func:`rdepth.model.generation.generate`."""
+        """An empty packed key/value cache for :meth:`forward` (decoding uses :class:`rdepth.model.decoder.Decoder`)."""
         return KVStore(batch_size, self.config.block_size, self.looped_layers, keep_steps=True)
 
     def resolve_loop_counts(
@@ -274,7 +277,8 @@ class RecurrentLM(nn.Module):
         evaluation); in training mode gradients flow through the last
         ``backprop_depth`` steps of each loop only. With either: packed rows,
         per-token exits decided by ``controller`` (default: the fixed counts),
-        keys/values appended to ``cache`` (generation).
+        keys/values appended to ``cache`` (the exported model's cached calls; decoding itself runs
+        :class:`rdepth.model.decoder.Decoder`).
         ``targets`` ``[B, T]`` (-1 = ignore) adds the mean cross-entropy.
         ``generator``: where the initial loop states come from (:data:`Noise`);
         a ``torch.Generator`` also drives the training draw of loop counts.
@@ -297,7 +301,7 @@ class RecurrentLM(nn.Module):
             if controller is None:
                 counts = self.resolve_loop_counts(loop_counts, _generator_of(generator))
                 controller = FixedController(counts)
-            if cache is None:  # the cache generation uses, so that both compute the same
+            if cache is None:  # a private cache: positions one at a time, as decoding computes them
                 cache = self.new_cache(idx.shape[0])
             x, computed, used = self._forward_warm(idx, controller, cache, generator, observer)
             output = ModelOutput(self.readout(x), None, counts, computed, used)
