@@ -167,10 +167,8 @@ class Decoder:
             self.budget = Budget(controller_factory=controller_factory)
             probe = controller_factory()
             first_steps = tuple(probe.max_steps(group) for group in range(n_groups))
-        self.loop_counts = self.budget.counts
-        self.controller_factory = controller_factory
-        self.k_max = parse_loop_counts(k_max, n_groups) if (k_max is not None and n_groups) else first_steps
-        for group, (n, cap) in enumerate(zip(first_steps, self.k_max)):
+        caps = parse_loop_counts(k_max, n_groups) if (k_max is not None and n_groups) else first_steps
+        for group, (n, cap) in enumerate(zip(first_steps, caps)):
             if not 1 <= n <= cap:
                 raise RdepthError(f"decoder: group {group} would run {n} loop steps; k_max is {cap}")
         # loop steps the cache keeps per group: the budget's, or more for other budgets (keep_steps)
@@ -217,7 +215,6 @@ class Decoder:
         self._compiled = self._compile() if compile else None
         self._plans: dict[Budget, _Plan] = {}
         self._plan = self._plan_for(self.budget)
-        self.controller = self._plan.controller
         # per plan piece of the main budget: its graph ({rows: graph} for a compacted chunk)
         self._graphs: list | None = None
 
@@ -746,7 +743,6 @@ class Decoder:
             self._make_contexts()
             self._plans.clear()
             self._plan = self._plan_for(self.budget)
-            self.controller = self._plan.controller
         sizes = self._bucket_sizes()
         position = self.cache.position.clone()
         side = torch.cuda.Stream(device=self.device)
