@@ -14,7 +14,7 @@ from rdepth.model import RecurrentLM
 from rdepth.model.noise import StateNoise
 from rdepth.tasks.accuracy import problem_correct
 from rdepth.tasks.data import load_heldout
-from rdepth.tasks.evaluate import heldout_accuracy
+from rdepth.tasks.evaluate import heldout_accuracy, heldout_accuracy_budgets, task_accuracy_table
 
 PARAMS = json.dumps({"chase": {"nodes": 8, "queries": 2, "ordered": True}})
 
@@ -49,6 +49,28 @@ def test_accuracy_equals_a_direct_computation(task_data):
     assert result["problems"] == 24 == solved.size
     assert result["accuracy"] == pytest.approx(float(solved.mean()))
     assert result["answer_tokens"] == int(heldout.answer_mask[:, 1:].sum())
+
+
+@pytest.mark.parametrize("layout, budgets", [
+    (dict(n_layer=2, groups="1"), [1, 4, 2, 7, 4]),                              # one group: one shared pass
+    (dict(n_layer=4, groups="1|2"), [(1, 3), (2, 1), (1, 1), (2, 5), (1, 6)]),   # two families of the last group
+    (dict(n_layer=4, groups="0-1|3"), [(2, 2), (1, 3), (2, 4)]),                 # a coda layer after the last group
+    (dict(n_layer=2, groups=""), [None]),                                         # no loop at all
+])
+def test_budgets_sharing_a_trajectory_equal_separate_runs(task_data, layout, budgets):
+    """One pass per family of budgets gives exactly what a run at each budget gives: same accuracy,
+    same answer cross-entropy to the last bit (the same operations on the same tensors)."""
+    torch.manual_seed(0)
+    model = RecurrentLM(ModelConfig(n_head=2, d_model=16, block_size=48, vocab_size=42, mean_loops=2.0,
+                                    backprop_depth=2, tokenizer="task:chase", **layout)).eval()
+    heldout = load_heldout(task_data, 3)
+    shared = heldout_accuracy_budgets(model, heldout, budgets, batch_size=7, seed=2)
+    separate = [heldout_accuracy(model, heldout, loop_counts=budget, batch_size=7, seed=2) for budget in budgets]
+    assert shared == separate
+    assert len({row["answer_ce"] for row in shared}) == len({tuple(row["loop_counts"]) for row in shared})
+    table = task_accuracy_table(model, task_data, budgets, difficulties=[1, 3], batch_size=7, seed=2)
+    assert [row["difficulty"] for row in table["rows"]] == [1, 3] * len(budgets)  # budget-major
+    assert table["rows"][1::2] == separate
 
 
 def test_train_and_eval_on_task_data(task_data, tmp_path, capsys):
