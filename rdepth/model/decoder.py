@@ -21,7 +21,10 @@ How a token runs:
   host after each step whether the row stopped (one read per step, no predication) and breaks:
   the steps it saves are wall time. Otherwise exits are predicated: every row computes every step
   of a chunk of ``check_every`` steps, a stopped row keeps its hand-off, and the host reads one flag
-  per chunk (``check_every=None``: none at all).
+  per chunk (``check_every=None``: none at all). With ``compact``, the chunks after the first run
+  on the rows still looping only (the active count read at the check): their keys/values are
+  written in place in the cache by row index and attention reads the whole store, each query
+  packed into its own row (no per-layer copies of any row's keys).
 * **Prefix-only attention.** Eager, a token attends to the positions written so far only (a view of
   the cache's first ``length + 1`` positions, no mask): the work grows with the position, not the
   capacity. Captured as CUDA graphs or compiled, shapes must not change, so the whole cache is read
@@ -124,13 +127,15 @@ class Decoder:
             (:meth:`extend`'s ``loop_counts`` / ``controller_factory``) must fit under them.
         warm_start: each group's loop starts from the state it handed on at the previous position.
         compact: with exits and ``check_every``, run each chunk after the first on the rows that still
-            loop only (gathered and scattered back); results are unchanged.
+            loop only (their states gathered and scattered back; their keys/values written and read in
+            place in the cache by row index, never copied); results are unchanged.
         buckets: with ``compact``, the row counts of a chunk: powers of two (True), exact (False), or
             powers of two once captured (None).
         compile: run the loop step with its exit rule, and each run of single-pass layers, through
             Inductor (``torch.compile(fullgraph=True)``): one compiled call per loop step.
-        prefix_attention: read only the written positions (no mask); default: when eager and uncompacted.
-            False reads the whole cache under the additive mask, as captured graphs do.
+        prefix_attention: read only the written positions (no mask); default: when eager (not ``compile``).
+            False reads the whole cache under the additive mask, as captured graphs do (capture() switches
+            to that).
     """
 
     def __init__(self, model: RecurrentLM, batch_size: int, k_max: int | Sequence[int] | None = None,
@@ -205,10 +210,10 @@ class Decoder:
         self.prompt_computed: torch.Tensor | None = None  # [G, B, T] loop steps of the last extend's tokens
         # Eager decoding reads the written prefix of the cache only; graphs and compiled pieces need
         # fixed shapes (the whole cache under a mask).
-        if prefix_attention and (compile or compact):
-            raise RdepthError("decoder: prefix_attention needs eager, uncompacted decoding (compile and compact "
-                              "read the whole cache at fixed shapes)")
-        self._prefix = (not compile and not compact) if prefix_attention is None else bool(prefix_attention)
+        if prefix_attention and compile:
+            raise RdepthError("decoder: prefix_attention needs eager decoding (compiled pieces read the whole "
+                              "cache at fixed shapes)")
+        self._prefix = (not compile) if prefix_attention is None else bool(prefix_attention)
         with torch.no_grad():
             self.cache = StaticKV(model, batch_size, self.capacity, self.steps, self.dtype, self.device)
             self._allocate()
@@ -455,13 +460,16 @@ class Decoder:
         self._order.copy_(torch.sort(stopped, stable=True).indices)
 
     def _rows_context(self, rows: int, step: int) -> AttentionContext:
-        """The attention context of loop step ``step`` over the first ``rows`` rows of ``_order``."""
+        """The attention context of loop step ``step`` over the first ``rows`` rows of ``_order``: their
+        keys/values written in place by row index, each query packed into its own cache row and attending
+        over the whole store (no copies, see :class:`StaticRows`)."""
         key = (rows, step)
         if key not in self._row_contexts:
+            picked = self._order[:rows]
             index = torch.arange(rows, device=self.device)
             self._row_contexts[key] = AttentionContext(
-                StaticRows(self.cache, self._order[:rows]), step, index, self.cache.position.expand(rows),
-                torch.zeros_like(index), 1, rows, self._mask[:rows], one_per_row=True)
+                StaticRows(self.cache, picked), step, picked, self.cache.position.expand(rows),
+                torch.zeros_like(index), 1, self.batch_size, None if self._prefix else self._mask)
         return self._row_contexts[key]
 
     def _compact_steps(self, plan: _Plan, group: int, steps: range, rows: int, order: bool) -> None:
@@ -741,6 +749,7 @@ class Decoder:
         if self._prefix:  # graphs need fixed shapes: read the whole cache under the mask
             self._prefix = False
             self._make_contexts()
+            self._row_contexts.clear()
             self._plans.clear()
             self._plan = self._plan_for(self.budget)
         sizes = self._bucket_sizes()

@@ -9,7 +9,8 @@
   that token computed step k, else its last computed one) is applied once, when a token's loop
   ends (:meth:`StaticKV.settle` / :meth:`StaticKV.settle_all`: the token's slots of the steps it
   skipped take its last key), so that step k reads its slot as it is, with no scan of the cache.
-* :class:`StaticRows`: a subset of the rows as the store of a compacted layer call (batched exits).
+* :class:`StaticRows`: a subset of the rows as the store of a compacted layer call (batched exits):
+  written in place by row index, read whole (no copies).
 * :class:`GivenKV`: the slots of a loop step handed to a compiled piece as tensors, so that every
   step of a group runs the same compiled function.
 """
@@ -126,8 +127,15 @@ class StaticKV:
 
 class StaticRows:
     """Rows ``rows`` (``[P]`` long, distinct, on the device) of a :class:`StaticKV`, as the store of a
-    layer call that computes only those rows: the layers see a batch of P rows (row i is cache row
-    ``rows[i]``). ``rows`` may be a view of a buffer refilled in place (CUDA graphs)."""
+    layer call that computes only those rows (batched exits, compacted chunks). ``rows`` may be a view
+    of a buffer refilled in place (CUDA graphs).
+
+    Nothing is copied: the P rows' keys/values are written in place at (row, position), and attention
+    reads the whole store (all B rows, views), each query packed into its own row by the context's
+    ``batch_index`` (the attention's packing path, the same tensor as ``rows``) and the other rows'
+    outputs dropped. Reading B rows' keys once moves fewer bytes than gathering P rows' copies
+    (read P, write P, read P again) for P > B / 3, and costs no kernel per layer call.
+    """
 
     def __init__(self, cache: StaticKV, rows: torch.Tensor):
         self.cache = cache
@@ -135,17 +143,18 @@ class StaticRows:
 
     def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the rows' keys/values ``[P, nh, hs]`` at the cache's position; return their rows of
-        what layer ``layer`` at step ``ctx.step`` attends to, ``[P, nh, S, hs]`` each (gathered copies)."""
+        """Write the rows' keys/values ``[P, nh, hs]`` (or ``[P, nh, 1, hs]``) at the cache's position,
+        in place; return what layer ``layer`` at step ``ctx.step`` attends to for every cache row,
+        ``[B, nh, S, hs]`` each (views, as :meth:`StaticKV.read`)."""
         cache = self.cache
-        if layer in cache.looped:
-            all_keys, all_values = cache.looped[layer]
-            cache_k, cache_v = all_keys[ctx.step - 1], all_values[ctx.step - 1]
-        else:
-            cache_k, cache_v = cache.single[layer]
-        cache_k[self.rows, :, cache.position] = keys.squeeze(2)  # (P, nh, hs) at (rows, :, position, :)
-        cache_v[self.rows, :, cache.position] = values.squeeze(2)
-        return cache_k.index_select(0, self.rows), cache_v.index_select(0, self.rows)
+        cache_k, cache_v = cache.slots(layer, ctx.step)
+        if keys.dim() == 4:
+            keys, values = keys.squeeze(2), values.squeeze(2)
+        if keys.dtype != cache_k.dtype:
+            keys, values = keys.to(cache_k.dtype), values.to(cache_v.dtype)
+        cache_k[self.rows, :, cache.position] = keys  # (P, nh, hs) at (rows, :, position, :)
+        cache_v[self.rows, :, cache.position] = values
+        return cache.read(layer, ctx.step)
 
 
 class GivenKV:

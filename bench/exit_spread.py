@@ -1,0 +1,85 @@
+"""Realistic exit spreads for random weights: each row's exit step drawn on the device from a histogram.
+
+On random weights every token converges alike, so a batch's rows leave the loop together and batched
+exits look better than they are. :class:`HistogramExits` is a loop controller
+(:class:`rdepth.model.control.LoopController`) that ignores the states and stops each row at a step
+drawn, per token and group, from a recorded histogram of a trained model's exits (``exit_histogram.json``
+beside this file, written by ``record_histogram``): the batch then leaves the loop as a trained model's
+batch would. Draws happen on the device (``torch.multinomial`` with a seeded device generator), so a
+token needs no host read and can be captured.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_HISTOGRAM = HERE / "exit_histogram.json"
+
+
+class HistogramExits:
+    """Stop each row of group g at a step drawn from ``probabilities[g]`` (index s - 1: the chance of
+    stopping after step s). ``begin`` draws one exit step per row; ``after_step`` stops the rows whose
+    step has come and hands on their newest state (used index = the step).
+
+    Args:
+        probabilities: per group, the exit-step distribution (normalised here), length = k_max of the group.
+        seed: of the device generator (the same seed draws the same exits).
+        device: where the draws happen (the decoder's device).
+    """
+
+    def __init__(self, probabilities: Sequence[Sequence[float]], seed: int = 0, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.probabilities = []
+        for weights in probabilities:
+            tensor = torch.tensor([float(w) for w in weights], dtype=torch.float64)
+            if tensor.numel() < 1 or (tensor < 0).any() or tensor.sum() <= 0:
+                raise ValueError(f"exit histogram: bad weights {list(weights)}")
+            self.probabilities.append((tensor / tensor.sum()).to(torch.float32).to(self.device))
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.exit_step: dict[int, torch.Tensor] = {}
+
+    def max_steps(self, group: int) -> int:
+        return self.probabilities[group].numel()
+
+    def begin(self, group: int, state: torch.Tensor) -> None:
+        drawn = torch.multinomial(self.probabilities[group], state.shape[0], replacement=True,
+                                  generator=self.generator)  # [N], on the device
+        if group in self.exit_step and self.exit_step[group].shape == drawn.shape:
+            self.exit_step[group].copy_(drawn + 1)  # the same address for captured graphs
+        else:
+            self.exit_step[group] = drawn + 1
+
+    def after_step(self, group, step, rows, prev, new):
+        done = self.exit_step[group].index_select(0, rows) <= step
+        return done, new, torch.full_like(rows, step)
+
+    def mean_steps(self) -> list[float]:
+        """The expected exit step per group."""
+        return [float((p.cpu().double() * torch.arange(1, p.numel() + 1, dtype=torch.float64)).sum())
+                for p in self.probabilities]
+
+
+def load_histogram(path: str | Path = DEFAULT_HISTOGRAM) -> dict:
+    """The recorded histogram: ``{"groups": [[count per exit step 1..k], ...], "source": {...}}``."""
+    return json.loads(Path(path).read_text())
+
+
+def factory(histogram: dict, k_max: Sequence[int], seed: int = 0, device="cpu"):
+    """A decoder ``controller_factory`` drawing from ``histogram``, folded onto ``k_max`` steps per group
+    (a recorded step beyond k_max counts as k_max; a model with more groups than recorded reuses the
+    last recorded group's histogram)."""
+    recorded = histogram["groups"]
+    probabilities = []
+    for group, cap in enumerate(k_max):
+        counts = recorded[min(group, len(recorded) - 1)]
+        folded = [0.0] * cap
+        for index, count in enumerate(counts):
+            folded[min(index, cap - 1)] += float(count)
+        probabilities.append(folded)
+    return lambda: HistogramExits(probabilities, seed, device)
