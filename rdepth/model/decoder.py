@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -136,6 +137,10 @@ class Decoder:
         prefix_attention: read only the written positions (no mask); default: when eager (not ``compile``).
             False reads the whole cache under the additive mask, as captured graphs do (capture() switches
             to that).
+        batch_quantile: with exits, q in (0, 1]: a group's loop stops for the whole batch once at most
+            ``floor((1 - q) * B)`` of its rows still loop; those stragglers stop at that step and hand on
+            their newest state (used index = the step). Opt-in (None: each row runs to its own exit);
+            1.0 is the per-row behaviour. Rows then depend on their batch: no batch-of-one equality.
     """
 
     def __init__(self, model: RecurrentLM, batch_size: int, k_max: int | Sequence[int] | None = None,
@@ -144,7 +149,8 @@ class Decoder:
                  noise: StateNoise | None = None, check_every: int | None | str = "auto",
                  capacity: int | None = None, keep_steps: int | Sequence[int] | None = None,
                  warm_start: bool = False, compact: bool = False,
-                 buckets: bool | None = None, compile: bool = False, prefix_attention: bool | None = None):
+                 buckets: bool | None = None, compile: bool = False, prefix_attention: bool | None = None,
+                 batch_quantile: float | None = None):
         config = model.config
         parameter = next(model.parameters())
         if dtype is not None and dtype != parameter.dtype:
@@ -195,6 +201,16 @@ class Decoder:
         if compile and compact:
             raise RdepthError("decoder: compile=True does not cover compacted chunks (compact=True); choose one")
         self.compact = compact
+        if batch_quantile is not None:
+            if controller_factory is None:
+                raise RdepthError("decoder: batch_quantile needs exits (controller_factory)")
+            if isinstance(batch_quantile, bool) or not isinstance(batch_quantile, (int, float)) \
+                    or not 0 < batch_quantile <= 1:
+                raise RdepthError(f"decoder: batch_quantile must be in (0, 1], got {batch_quantile!r}")
+        self.batch_quantile = batch_quantile
+        # rows that may still loop once the others stopped (a host int: the threshold is fixed per decoder)
+        self._stragglers = (int(math.floor((1 - batch_quantile) * batch_size + 1e-9))
+                            if batch_quantile is not None else 0)
         self.buckets = buckets
         self.warm_start = bool(warm_start)
         self._count = batch_size  # rows still looping, as read at the last check (compact)
@@ -439,11 +455,25 @@ class Decoder:
         bookkeeping, in place: hand-off, used index and step count of the rows stopping now, ``active``."""
         computed, used, active, handed = self.computed[group], self.used[group], self._active, self._handed
         done, handoff, used_now = plan.controller.after_step(group, step, self._rows, state, new)
+        done, handoff, used_now = self._quantile_stop(active, done, handoff, used_now, new, step)
         stopping = active if step == plan.steps[group] else active & done  # all stop at the last step
         torch.where(stopping[:, None], handoff.to(self.dtype), handed, out=handed)
         torch.where(stopping, used_now, used, out=used)
         computed.masked_fill_(active, step)
         active.masked_fill_(done, False)
+
+    def _quantile_stop(self, active: torch.Tensor, done: torch.Tensor, handoff: torch.Tensor,
+                       used_now: torch.Tensor, new: torch.Tensor, step: int):
+        """The batch-quantile exit (``batch_quantile``): when at most ``_stragglers`` of the rows (``[R]``, every
+        looping row among them) would loop on after this step, they stop too, handing on ``new`` (used index
+        ``step``). On the device, no host read; without the option, the rule's decision as it is."""
+        if self.batch_quantile is None or self._stragglers == 0:  # 0: only when none loops on (per row)
+            return done, handoff, used_now
+        still = active & ~done  # [R]: rows the rule keeps looping
+        cut = still & (still.sum() <= self._stragglers)  # all of them, or none
+        handoff = torch.where(cut[:, None], new.to(handoff.dtype), handoff)
+        used_now = torch.where(cut, torch.full_like(used_now, step), used_now)
+        return done | cut, handoff, used_now
 
     def _end_group(self, group: int) -> None:
         self.cache.settle(group, self.computed[group])
@@ -489,6 +519,7 @@ class Decoder:
         for step in steps:
             new = self.model.loop_step(group, state, inputs, self._rows_context(rows, step))
             done, handoff, used_now = plan.controller.after_step(group, step, picked, state, new)
+            done, handoff, used_now = self._quantile_stop(active, done, handoff, used_now, new, step)
             stopping = active if step == last else active & done
             handed = torch.where(stopping[:, None], handoff.to(self.dtype), handed)
             row_used = torch.where(stopping, used_now, row_used)
