@@ -43,7 +43,8 @@ def boolean_masks(decoder: Decoder) -> None:
     for context in decoder._contexts.values():
         context.mask = boolean
     rows_context = decoder._rows_context
-    decoder._rows_context = lambda rows, step: dataclasses.replace(rows_context(rows, step), mask=boolean)
+    decoder._rows_context = lambda rows, step: dataclasses.replace(
+        rows_context(rows, step), mask=boolean[:rows] if rows_context(rows, step).one_per_row else boolean)
 
 
 def decode_pair(dtype, block, mode, change):

@@ -24,7 +24,8 @@ How a token runs:
   per chunk (``check_every=None``: none at all). With ``compact``, the chunks after the first run
   on the rows still looping only (the active count read at the check): their keys/values are
   written in place in the cache by row index and attention reads the whole store, each query
-  packed into its own row (no per-layer copies of any row's keys).
+  packed into its own row (no per-layer copies of any row's keys); under a third of the batch,
+  copies of the rows' keys move fewer bytes than reading every row, and are read instead.
 * **Prefix-only attention.** Eager, a token attends to the positions written so far only (a view of
   the cache's first ``length + 1`` positions, no mask): the work grows with the position, not the
   capacity. Captured as CUDA graphs or compiled, shapes must not change, so the whole cache is read
@@ -128,8 +129,9 @@ class Decoder:
             (:meth:`extend`'s ``loop_counts`` / ``controller_factory``) must fit under them.
         warm_start: each group's loop starts from the state it handed on at the previous position.
         compact: with exits and ``check_every``, run each chunk after the first on the rows that still
-            loop only (their states gathered and scattered back; their keys/values written and read in
-            place in the cache by row index, never copied); results are unchanged.
+            loop only (their states gathered and scattered back; their keys/values written in place in the
+            cache by row index, read in place or, under a third of the batch, as copies); results are
+            unchanged.
         buckets: with ``compact``, the row counts of a chunk: powers of two (True), exact (False), or
             powers of two once captured (None).
         compile: run the loop step with its exit rule, and each run of single-pass layers, through
@@ -490,16 +492,23 @@ class Decoder:
         self._order.copy_(torch.sort(stopped, stable=True).indices)
 
     def _rows_context(self, rows: int, step: int) -> AttentionContext:
-        """The attention context of loop step ``step`` over the first ``rows`` rows of ``_order``: their
-        keys/values written in place by row index, each query packed into its own cache row and attending
-        over the whole store (no copies, see :class:`StaticRows`)."""
+        """The attention context of loop step ``step`` over the first ``rows`` rows of ``_order``, their
+        keys/values written in place by row index. Attention reads whichever moves fewer bytes
+        (:class:`StaticRows`): the whole store, each query packed into its own cache row (no copies;
+        B rows read), or, when 3 * rows < B, copies of the rows (3 * rows read and written)."""
         key = (rows, step)
         if key not in self._row_contexts:
             picked = self._order[:rows]
             index = torch.arange(rows, device=self.device)
-            self._row_contexts[key] = AttentionContext(
-                StaticRows(self.cache, picked), step, picked, self.cache.position.expand(rows),
-                torch.zeros_like(index), 1, self.batch_size, None if self._prefix else self._mask)
+            mask = None if self._prefix else self._mask
+            if 3 * rows < self.batch_size:  # gathered: one query per row of the copies
+                self._row_contexts[key] = AttentionContext(
+                    StaticRows(self.cache, picked, gather=True), step, index, self.cache.position.expand(rows),
+                    torch.zeros_like(index), 1, rows, None if mask is None else mask[:rows], one_per_row=True)
+            else:  # indexed: the queries packed into their rows of the whole store
+                self._row_contexts[key] = AttentionContext(
+                    StaticRows(self.cache, picked), step, picked, self.cache.position.expand(rows),
+                    torch.zeros_like(index), 1, self.batch_size, mask)
         return self._row_contexts[key]
 
     def _compact_steps(self, plan: _Plan, group: int, steps: range, rows: int, order: bool) -> None:
