@@ -4,9 +4,9 @@ On random weights every token converges alike, so a batch's rows leave the loop 
 exits look better than they are. :class:`HistogramExits` is a loop controller
 (:class:`rdepth.model.control.LoopController`) that ignores the states and stops each row at a step
 drawn, per token and group, from a recorded histogram of a trained model's exits (``exit_histogram.json``
-beside this file, written by ``record_histogram``): the batch then leaves the loop as a trained model's
-batch would. Draws happen on the device (``torch.multinomial`` with a seeded device generator), so a
-token needs no host read and can be captured.
+beside this file, written by ``python bench/exit_spread.py record``): the batch then leaves the loop as
+a trained model's batch would. The draws live on the device, so a token needs no host read and can be
+captured.
 """
 
 from __future__ import annotations
@@ -23,46 +23,58 @@ DEFAULT_HISTOGRAM = HERE / "exit_histogram.json"
 
 class HistogramExits:
     """Stop each row of group g at a step drawn from ``probabilities[g]`` (index s - 1: the chance of
-    stopping after step s). ``begin`` draws one exit step per row; ``after_step`` stops the rows whose
-    step has come and hands on their newest state (used index = the step).
+    stopping after step s), handing on its newest state (used index = the step).
+
+    A pool of ``pool`` exit steps per group is drawn once on the device (``torch.multinomial``, seeded);
+    each ``begin`` takes the next N of them (a device-side offset, advanced in place), so that a token
+    draws new exits with no host read and no random-number call (CUDA-graph safe, deterministic).
 
     Args:
-        probabilities: per group, the exit-step distribution (normalised here), length = k_max of the group.
-        seed: of the device generator (the same seed draws the same exits).
-        device: where the draws happen (the decoder's device).
+        probabilities: per group, the exit-step weights (normalised here), length = k_max of the group.
+        seed: of the draws (the same seed, the same exits).
+        device: where the pool lives (the decoder's device).
+        pool: draws kept per group.
     """
 
-    def __init__(self, probabilities: Sequence[Sequence[float]], seed: int = 0, device: str | torch.device = "cpu"):
+    def __init__(self, probabilities: Sequence[Sequence[float]], seed: int = 0, device: str | torch.device = "cpu",
+                 pool: int = 4096):
         self.device = torch.device(device)
-        self.probabilities = []
+        generator = torch.Generator().manual_seed(seed)
+        self.pools, self.caps = [], []
         for weights in probabilities:
             tensor = torch.tensor([float(w) for w in weights], dtype=torch.float64)
             if tensor.numel() < 1 or (tensor < 0).any() or tensor.sum() <= 0:
                 raise ValueError(f"exit histogram: bad weights {list(weights)}")
-            self.probabilities.append((tensor / tensor.sum()).to(torch.float32).to(self.device))
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
+            drawn = torch.multinomial(tensor / tensor.sum(), pool, replacement=True, generator=generator) + 1
+            self.pools.append(drawn.to(self.device))
+            self.caps.append(tensor.numel())
+        self.offset = [torch.zeros(1, dtype=torch.long, device=self.device) for _ in self.pools]
         self.exit_step: dict[int, torch.Tensor] = {}
+        self._arange: dict[int, torch.Tensor] = {}
 
     def max_steps(self, group: int) -> int:
-        return self.probabilities[group].numel()
+        return self.caps[group]
 
     def begin(self, group: int, state: torch.Tensor) -> None:
-        drawn = torch.multinomial(self.probabilities[group], state.shape[0], replacement=True,
-                                  generator=self.generator)  # [N], on the device
+        rows = state.shape[0]
+        if rows not in self._arange:
+            self._arange[rows] = torch.arange(rows, device=self.device)
+        pool = self.pools[group]
+        index = (self.offset[group] + self._arange[rows]) % pool.numel()
+        drawn = pool.index_select(0, index)
         if group in self.exit_step and self.exit_step[group].shape == drawn.shape:
-            self.exit_step[group].copy_(drawn + 1)  # the same address for captured graphs
+            self.exit_step[group].copy_(drawn)  # the same address for captured graphs
         else:
-            self.exit_step[group] = drawn + 1
+            self.exit_step[group] = drawn
+        self.offset[group].add_(rows)
 
     def after_step(self, group, step, rows, prev, new):
         done = self.exit_step[group].index_select(0, rows) <= step
         return done, new, torch.full_like(rows, step)
 
     def mean_steps(self) -> list[float]:
-        """The expected exit step per group."""
-        return [float((p.cpu().double() * torch.arange(1, p.numel() + 1, dtype=torch.float64)).sum())
-                for p in self.probabilities]
+        """The mean exit step of each group's pool."""
+        return [float(pool.double().mean()) for pool in self.pools]
 
 
 def load_histogram(path: str | Path = DEFAULT_HISTOGRAM) -> dict:
