@@ -1019,7 +1019,7 @@ def spread_section(args, device, deadline, context) -> dict:
             for q in out["quantiles"]:
                 variants[f"quantile_{q:g}"] = {"compact": out["compaction"], "batch_quantile": q}
             for name, options in variants.items():
-                if time.perf_counter() > until:
+                if time.perf_counter() > until and name != "spread_predicated":  # the first always runs
                     row[name] = {"status": "skipped", "reason": "out of time"}
                     continue
                 exits = Decoder(model, batch, max(budget), noise=noise, capacity=args.capacity,
