@@ -94,6 +94,8 @@ def parse_args(argv):
     parser.add_argument("--train-batch", type=int, default=None,
                         help="sequences per training step (default 32; 2 smoke)")
     parser.add_argument("--train-steps", type=int, default=None, help="timed training steps (default 12; 2 smoke)")
+    parser.add_argument("--train-compile-scope", choices=("layer", "step"), default="layer",
+                        help="TrainConfig.compile_scope: each layer compiled, or each loop step one region")
     parser.add_argument("--train-warmup", type=int, default=None, help="untimed steps first (default 3; 1 smoke)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="torch.compile each layer in training (auto: on CUDA, as the trainer)")
@@ -312,7 +314,7 @@ def ceiling_section(args, device, deadline, context) -> dict:
 
 
 # ----------------------------------------------------------------------------- train
-def bench_trainer(model_config, batch: int, device, compile_layers: bool, seed: int = 0):
+def bench_trainer(model_config, batch: int, device, compile_layers: bool, seed: int = 0, compile_scope: str = "layer"):
     """A :class:`rdepth.train.trainer.Trainer` on random token ids of the model's vocabulary, without a data
     folder (:meth:`~rdepth.train.trainer.Trainer.on_random_tokens`): seeded weights, the trainer's AdamW
     (fused on CUDA), bf16 autocast on CUDA, ``BatchSampler`` windows, each layer compiled when asked. No
@@ -321,8 +323,9 @@ def bench_trainer(model_config, batch: int, device, compile_layers: bool, seed: 
     from rdepth.train.config import TrainConfig
     from rdepth.train.trainer import Trainer
 
+    scope = {} if compile_scope == "layer" else {"compile_scope": compile_scope}  # older trees: no field
     config = TrainConfig(data="(random ids)", out="(none)", batch_size=batch, device=str(device),
-                         compile=compile_layers, seed=seed, max_steps=10**6)
+                         compile=compile_layers, seed=seed, max_steps=10**6, **scope)
     return Trainer.on_random_tokens(model_config, config)
 
 
@@ -336,9 +339,10 @@ def time_training(model_config, args, device, deadline, compile_layers: bool) ->
     while True:
         trainer = None
         try:
-            trainer = bench_trainer(model_config, batch, device, compile_layers)
+            trainer = bench_trainer(model_config, batch, device, compile_layers,
+                                    compile_scope=args.train_compile_scope)
             return {**_timed_steps(trainer, model_config, batch, args, device, deadline),
-                    "out_of_memory_at_batch": out_of_memory}
+                    "out_of_memory_at_batch": out_of_memory, "compile_scope": args.train_compile_scope}
         except torch.cuda.OutOfMemoryError:
             if batch == 1:
                 raise
