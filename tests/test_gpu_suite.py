@@ -84,7 +84,7 @@ def test_smoke_run(tmp_path):
     for key in ("device", "torch", "revision", "code_sha256", "python"):
         assert env_info.get(key), key
     sections = report["sections"]
-    assert list(sections) == ["ceiling", "train", "decode", "exits", "batched"]
+    assert list(sections) == ["ceiling", "train", "decode", "exits", "batched", "spread", "loss"]
     assert sections["ceiling"]["status"] == "cuda only"
     for name in ("train", "decode", "exits", "batched"):
         assert sections[name]["status"] == "ok", sections[name].get("traceback", sections[name])
