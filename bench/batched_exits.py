@@ -17,6 +17,14 @@ then decoded, teacher-forced (every setting reads the same tokens), by the stati
   (d) matched:    a fixed budget per group equal to (b)'s realised mean steps, rounded
   (e) same quality: the smallest fixed budget min(n, k_max) per group (n = 1, 2, ...) whose agreement
                   is at least (b)'s (the full budget when none is smaller)
+  (f) quantile q: (c) with the batch-quantile exit (``Decoder(batch_quantile=q)``, one setting per
+                  --quantile value): a group stops for the whole batch once at most (1 - q) of its rows
+                  still loop, the stragglers handing on their newest state
+  (g) matched to f: a fixed budget per group equal to each (f)'s realised mean steps, rounded
+
+With --task-difficulty D (--data a prepared task): the rows are held-out problems of difficulty D, decoded
+teacher-forced on their own tokens (not a greedy stream), and each setting also reports its answer
+accuracy (the share of answer tokens among the decoded positions whose argmax is right).
 
 Quality is the agreement of each setting's greedy token (argmax) with the full budget's, over every
 decoded position of every row. With several --tau values the threshold is chosen first, on the
@@ -48,6 +56,9 @@ def parse_args(argv):
     parser.add_argument("--tau", default="1e-3", help="threshold(s), comma-separated (see the module)")
     parser.add_argument("--agreement", type=float, default=0.95, help="least agreement when choosing --tau")
     parser.add_argument("--check-every", type=int, default=2)
+    parser.add_argument("--quantile", default="", help="batch-quantile exits to add, comma-separated q in (0, 1]")
+    parser.add_argument("--task-difficulty", type=int, default=None,
+                        help="rows are held-out problems of this difficulty of a task --data (answer accuracy)")
     parser.add_argument("--batches", default="8,32,128")
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)
@@ -63,6 +74,7 @@ def parse_args(argv):
     try:
         args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
         args.taus = [float(t) for t in args.tau.split(",") if t.strip()]
+        args.quantiles = [float(q) for q in args.quantile.split(",") if q.strip()]
     except ValueError:
         parser.error("--batches takes integers and --tau numbers, comma-separated")
     if not args.batches or min(args.batches) < 1 or not args.taus:
@@ -71,6 +83,10 @@ def parse_args(argv):
         parser.error("--prompt, --tokens, --repeats and --check-every must be >= 1, --warmup >= 0")
     if args.data and not args.checkpoint:
         parser.error("--data needs --checkpoint")
+    if any(not 0 < q <= 1 for q in args.quantiles):
+        parser.error("--quantile values must be in (0, 1]")
+    if args.task_difficulty is not None and not args.data:
+        parser.error("--task-difficulty needs --data (a prepared task)")
     return args
 
 
@@ -172,34 +188,67 @@ def main(argv: list[str] | None = None) -> int:
         generator = torch.Generator().manual_seed(args.seed + batch)
         return torch.randint(0, config.vocab_size, (batch, args.prompt), generator=generator).to(device)
 
+    answers = {}  # batch -> answer mask of the decoded targets [B, N] (task mode)
+
+    def task_stream(batch: int) -> torch.Tensor:
+        """Held-out problems of --task-difficulty, [B, prompt + tokens + 1], their answer mask kept."""
+        import numpy as np
+
+        from rdepth.tasks.data import load_heldout
+
+        heldout = load_heldout(args.data, args.task_difficulty)
+        if heldout.tokens.shape[0] < batch or heldout.tokens.shape[1] < length:
+            raise SystemExit(f"{args.data}: difficulty {args.task_difficulty} holds {heldout.tokens.shape[0]} windows "
+                             f"of {heldout.tokens.shape[1]} tokens; {batch} of {length} needed")
+        answers[batch] = torch.from_numpy(np.asarray(heldout.answer_mask[:batch, args.prompt + 1:length], dtype=bool))
+        return torch.from_numpy(np.asarray(heldout.tokens[:batch, :length], dtype=np.int64)).to(device)
+
     def factory(tau: float):
         return lambda: PolicyController.from_name(args.policy, tau=tau, k_max=list(k_max), decode=model.readout)
 
     def decoder(batch: int, noise, **options):
         return Decoder(model, batch, k_max, noise=noise, capacity=length, **options)
 
-    def exits(batch: int, noise, tau: float, compact: bool):
-        return decoder(batch, noise, controller_factory=factory(tau), check_every=args.check_every, compact=compact)
+    def exits(batch: int, noise, tau: float, compact: bool, quantile: float | None = None):
+        return decoder(batch, noise, controller_factory=factory(tau), check_every=args.check_every, compact=compact,
+                       batch_quantile=quantile)
 
     def stream_of(batch: int, noise) -> torch.Tensor:
-        """The prompts and the full budget's greedy continuation, [B, prompt + tokens + 1]."""
+        """The prompts and the full budget's greedy continuation, [B, prompt + tokens + 1] (task mode: the
+        held-out problems' own tokens)."""
+        if args.task_difficulty is not None:
+            return task_stream(batch)
         return decoder(batch, noise, loop_counts=k_max).greedy(prompts(batch), args.tokens + 1)
 
     def agreement(chosen: torch.Tensor, reference: torch.Tensor) -> float:
         return float((chosen == reference).float().mean())
 
-    def measured(chosen: torch.Tensor, steps: torch.Tensor, reference: torch.Tensor) -> dict:
+    def measured(chosen: torch.Tensor, steps: torch.Tensor, reference: torch.Tensor, targets=None) -> dict:
         """Agreement with the full budget, the mean loop steps per group, and the mean over tokens of
-        the most steps any row computed (the steps a batch's loop runs; steps ``[G, B, N]``)."""
-        return {"agreement": agreement(chosen, reference), "mean_steps": steps.float().mean(dim=(1, 2)).tolist(),
-                "slowest_row_steps": steps.max(dim=1).values.float().mean(dim=1).tolist()}
+        the most steps any row computed (the steps a batch's loop runs; steps ``[G, B, N]``); task mode:
+        the answer accuracy against ``targets`` (the stream's next tokens)."""
+        row = {"agreement": agreement(chosen, reference), "mean_steps": steps.float().mean(dim=(1, 2)).tolist(),
+               "slowest_row_steps": steps.max(dim=1).values.float().mean(dim=1).tolist()}
+        if targets is not None:
+            mask = answers[chosen.shape[0]].to(chosen.device)
+            row["answer_accuracy"] = float((chosen == targets)[mask].float().mean())
+            row["answer_tokens"] = int(mask.sum())
+        return row
+
+    def full_reference(batch: int, noise, stream: torch.Tensor) -> torch.Tensor:
+        """The full budget's argmax at every decoded position (task mode; else the greedy stream is it)."""
+        if args.task_difficulty is None:
+            return stream[:, args.prompt + 1:]
+        full = Setting("reference", decoder(batch, noise, loop_counts=k_max), stream, args.prompt, False)
+        full.prefill()
+        return full.decode(record=True)[0]
 
     # Choose the threshold on the first batch size's prompts.
     tau_trials = []
     first = args.batches[0]
     noise = StateNoise(args.seed, range(first))
     stream = stream_of(first, noise)
-    reference = stream[:, args.prompt + 1:]
+    reference = full_reference(first, noise, stream)
     for tau in args.taus:
         trial = Setting("trial", exits(first, noise, tau, compact=True), stream, args.prompt, False)
         trial.prefill()
@@ -214,34 +263,47 @@ def main(argv: list[str] | None = None) -> int:
     for batch in args.batches:
         noise = StateNoise(args.seed, range(batch))
         stream = stream_of(batch, noise)
-        reference = stream[:, args.prompt + 1:]
+        reference = full_reference(batch, noise, stream)
+        targets = stream[:, args.prompt + 1:] if args.task_difficulty is not None else None
         settings = {
             "a_full": Setting("a_full", decoder(batch, noise, loop_counts=k_max), stream, args.prompt, args.graphs),
             "b_predicated": Setting("b_predicated", exits(batch, noise, tau, False), stream, args.prompt, args.graphs),
             "c_compacted": Setting("c_compacted", exits(batch, noise, tau, True), stream, args.prompt, args.graphs),
         }
+        for q in args.quantiles:
+            settings[f"f_quantile_{q:g}"] = Setting(f"f_quantile_{q:g}", exits(batch, noise, tau, True, q), stream,
+                                                    args.prompt, args.graphs)
         quality = {}
         for name, setting in settings.items():
             setting.prefill()
             chosen, steps = setting.decode(record=True)
-            quality[name] = measured(chosen, steps, reference)
+            quality[name] = measured(chosen, steps, reference, targets)
+        for q in args.quantiles:  # each quantile exit's own matched fixed budget
+            counts = tuple(min(max(round(mean), 1), cap) for mean, cap in
+                           zip(quality[f"f_quantile_{q:g}"]["mean_steps"], k_max))
+            name = f"g_matched_{q:g}"
+            settings[name] = Setting(name, decoder(batch, noise, loop_counts=counts), stream, args.prompt, args.graphs)
+            settings[name].prefill()
+            chosen, steps = settings[name].decode(record=True)
+            quality[name] = measured(chosen, steps, reference, targets)
+            quality[name]["budget"] = list(counts)
         matched = tuple(min(max(round(mean), 1), cap) for mean, cap in
                         zip(quality["b_predicated"]["mean_steps"], k_max))
         settings["d_matched"] = Setting("d_matched", decoder(batch, noise, loop_counts=matched), stream, args.prompt,
                                         args.graphs)
         settings["d_matched"].prefill()
         chosen, steps = settings["d_matched"].decode(record=True)
-        quality["d_matched"] = measured(chosen, steps, reference)
+        quality["d_matched"] = measured(chosen, steps, reference, targets)
         for n in range(1, max(k_max) + 1):  # untimed: the smallest uniform budget as good as the exits
             same = tuple(min(n, cap) for cap in k_max)
             trial = Setting("e_same_quality", decoder(batch, noise, loop_counts=same), stream, args.prompt,
                             args.graphs)
             trial.prefill()
             chosen, steps = trial.decode(record=True)
-            if measured(chosen, steps, reference)["agreement"] >= quality["b_predicated"]["agreement"] or \
+            if measured(chosen, steps, reference, targets)["agreement"] >= quality["b_predicated"]["agreement"] or \
                     same == tuple(k_max):
                 settings["e_same_quality"] = trial
-                quality["e_same_quality"] = measured(chosen, steps, reference)
+                quality["e_same_quality"] = measured(chosen, steps, reference, targets)
                 break
         times: dict[str, list[float]] = {name: [] for name in settings}
         decoded = stream.shape[1] - 1 - args.prompt
@@ -271,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                            "preset": None if args.checkpoint else args.preset, "k_max": list(k_max),
                            "policy": args.policy, "tau": tau, "tau_trials": tau_trials,
                            "agreement_target": args.agreement, "check_every": args.check_every,
+                           "quantiles": args.quantiles, "task_difficulty": args.task_difficulty,
                            "prompt": args.prompt, "tokens": args.tokens, "warmup": args.warmup,
                            "repeats": args.repeats, "dtype": args.dtype, "graphs": args.graphs,
                            "threads": torch.get_num_threads()},
@@ -295,7 +358,8 @@ def print_batch(row: dict) -> None:
         print(f"  {name:<13} {stats['ms_per_token']:9.3f} [{low:.3f}-{high:.3f}]  {stats['tokens_per_s']:9.1f} tok/s  "
               f"x{stats['speedup_vs_full']:.2f} of (a)  x{stats['speedup_vs_matched']:.2f} of (d)  "
               f"x{stats['speedup_vs_same_quality']:.2f} of (e)  "
-              f"steps {steps} (slowest row {slowest})  agreement {stats['agreement']:.3f}")
+              f"steps {steps} (slowest row {slowest})  agreement {stats['agreement']:.3f}"
+              + (f"  answers {stats['answer_accuracy']:.3f}" if "answer_accuracy" in stats else ""))
 
 
 if __name__ == "__main__":

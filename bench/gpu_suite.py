@@ -68,10 +68,12 @@ PEAK_BF16_TFLOPS = (
 )
 TARGET_DEVICES = ("H100", "H200")  # the absolute targets (ms/token, MFU) are set for these cards
 
-SECTIONS = ("ceiling", "train", "decode", "exits", "batched")
+SECTIONS = ("ceiling", "train", "decode", "exits", "batched", "spread", "loss")
 KERNEL_COUNT_TOKENS = 2  # decoded tokens each kernel count of the decode section profiles
 # Share of the remaining budget each section may use (of the sections still to run).
-SHARES = {"ceiling": 0.03, "train": 0.38, "decode": 0.21, "exits": 0.16, "batched": 0.22}
+SHARES = {"ceiling": 0.03, "train": 0.33, "decode": 0.19, "exits": 0.14, "batched": 0.16, "spread": 0.12,
+          "loss": 0.03}
+QUANTILES = (0.9, 0.75)  # the batch-quantile exits of the spread section
 CUDA_ONLY = "cuda only"
 
 
@@ -92,6 +94,8 @@ def parse_args(argv):
     parser.add_argument("--train-batch", type=int, default=None,
                         help="sequences per training step (default 32; 2 smoke)")
     parser.add_argument("--train-steps", type=int, default=None, help="timed training steps (default 12; 2 smoke)")
+    parser.add_argument("--train-compile-scope", choices=("layer", "step"), default="layer",
+                        help="TrainConfig.compile_scope: each layer compiled, or each loop step one region")
     parser.add_argument("--train-warmup", type=int, default=None, help="untimed steps first (default 3; 1 smoke)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="torch.compile each layer in training (auto: on CUDA, as the trainer)")
@@ -107,6 +111,9 @@ def parse_args(argv):
     parser.add_argument("--check-every", default=None,
                         help="chunk sizes between host checks for exits (default 2,4; 2 smoke)")
     parser.add_argument("--capacity", type=int, default=None, help="decode cache positions (default: the block size)")
+    parser.add_argument("--spread-batches", default=None, help="spread section batch sizes (default 32,128; 4 smoke)")
+    parser.add_argument("--histogram", default=None,
+                        help="exit-step histogram JSON of the spread section (default bench/exit_histogram.json)")
     parser.add_argument("--revision", default=None,
                         help="code revision to record (default: git rev-parse here; give it where .git is absent)")
     args = parser.parse_args(argv)
@@ -115,7 +122,7 @@ def parse_args(argv):
                     train_batch=2 if smoke else 32, train_steps=2 if smoke else 12, train_warmup=1 if smoke else 3,
                     prompt=8 if smoke else 16, tokens=8 if smoke else 64, repeats=2 if smoke else 5,
                     warmup=1 if smoke else 2, batches="2,4" if smoke else "8,32,128",
-                    check_every="2" if smoke else "2,4")
+                    check_every="2" if smoke else "2,4", spread_batches="4" if smoke else "32,128")
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -125,10 +132,11 @@ def parse_args(argv):
         parser.error(f"--sections: unknown {', '.join(unknown)} (choose from {', '.join(SECTIONS)})")
     try:
         args.batches = [int(b) for b in str(args.batches).split(",") if b.strip()]
+        args.spread_batches = [int(b) for b in str(args.spread_batches).split(",") if b.strip()]
         args.check_every = [int(c) for c in str(args.check_every).split(",") if c.strip()]
     except ValueError:
         parser.error("--batches and --check-every take comma-separated integers")
-    sizes = args.batches + args.check_every + [args.train_batch, args.train_steps, args.prompt, args.tokens,
+    sizes = args.batches + args.spread_batches + args.check_every + [args.train_batch, args.train_steps, args.prompt, args.tokens,
                                                 args.repeats, args.loops]
     if min(sizes) < 1 or args.train_warmup < 0 or args.warmup < 0:
         parser.error("sizes, counts and repeats must be >= 1 (warm-ups >= 0)")
@@ -306,7 +314,7 @@ def ceiling_section(args, device, deadline, context) -> dict:
 
 
 # ----------------------------------------------------------------------------- train
-def bench_trainer(model_config, batch: int, device, compile_layers: bool, seed: int = 0):
+def bench_trainer(model_config, batch: int, device, compile_layers: bool, seed: int = 0, compile_scope: str = "layer"):
     """A :class:`rdepth.train.trainer.Trainer` on random token ids of the model's vocabulary, without a data
     folder (:meth:`~rdepth.train.trainer.Trainer.on_random_tokens`): seeded weights, the trainer's AdamW
     (fused on CUDA), bf16 autocast on CUDA, ``BatchSampler`` windows, each layer compiled when asked. No
@@ -315,8 +323,9 @@ def bench_trainer(model_config, batch: int, device, compile_layers: bool, seed: 
     from rdepth.train.config import TrainConfig
     from rdepth.train.trainer import Trainer
 
+    scope = {} if compile_scope == "layer" else {"compile_scope": compile_scope}  # older trees: no field
     config = TrainConfig(data="(random ids)", out="(none)", batch_size=batch, device=str(device),
-                         compile=compile_layers, seed=seed, max_steps=10**6)
+                         compile=compile_layers, seed=seed, max_steps=10**6, **scope)
     return Trainer.on_random_tokens(model_config, config)
 
 
@@ -330,9 +339,10 @@ def time_training(model_config, args, device, deadline, compile_layers: bool) ->
     while True:
         trainer = None
         try:
-            trainer = bench_trainer(model_config, batch, device, compile_layers)
+            trainer = bench_trainer(model_config, batch, device, compile_layers,
+                                    compile_scope=args.train_compile_scope)
             return {**_timed_steps(trainer, model_config, batch, args, device, deadline),
-                    "out_of_memory_at_batch": out_of_memory}
+                    "out_of_memory_at_batch": out_of_memory, "compile_scope": args.train_compile_scope}
         except torch.cuda.OutOfMemoryError:
             if batch == 1:
                 raise
@@ -956,6 +966,151 @@ def batched_section(args, device, deadline, context) -> dict:
     return out
 
 
+def decoder_quantiles() -> bool:
+    """Whether this tree's ``Decoder`` has the batch-quantile exit (``batch_quantile``)."""
+    import inspect
+
+    from rdepth.model.decoder import Decoder
+
+    return "batch_quantile" in inspect.signature(Decoder).parameters
+
+
+def spread_section(args, device, deadline, context) -> dict:
+    """Batched exits on a trained model's exit spread: each row's exit step drawn on the device from
+    ``bench/exit_histogram.json`` (:mod:`exit_spread`), so a batch's rows leave the loop as trained rows do,
+    on random weights. Per batch size: the full budget; the spread's exits predicated and compacted
+    (chunks of the best ``--check-every``); the batch-quantile exits (``QUANTILES``, compacted) where the
+    decoder has them; a fixed budget of each one's mean steps; kernels (CPU: aten ops) per token of the
+    compacted and quantile decoders."""
+    import torch
+
+    from exit_spread import DEFAULT_HISTOGRAM, factory, load_histogram
+    from rdepth.model.decoder import Decoder
+    from rdepth.model.noise import StateNoise
+
+    model, config, budget = _looped_decode_model(args, device, context)
+    if model is None:
+        return dict(NO_GROUPS)
+    graph = device.type == "cuda"
+    every = context.get("exit_check_every", args.check_every[0])
+    histogram_path = args.histogram or str(DEFAULT_HISTOGRAM)
+    histogram = load_histogram(histogram_path)
+    out = {"status": "ok", "loops": list(budget), "path": "graph" if graph else "eager", "check_every": every,
+           "histogram": {"path": histogram_path, "source": histogram.get("source"),
+                         "mean_steps": histogram.get("mean_steps")},
+           "quantiles": list(QUANTILES) if decoder_quantiles() else [], "compaction": decoder_compacts()}
+    rounds = _rounds_args(args)
+    by_batch = {}
+    for position, batch in enumerate(args.spread_batches):
+        left = len(args.spread_batches) - position
+        until = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) / left
+        if by_batch and time.perf_counter() > deadline:
+            by_batch[str(batch)] = {"status": "skipped", "reason": "out of time"}
+            continue
+        print(f"  exit spread, batch {batch}", flush=True)
+        prompt, steps = _decode_inputs(config, batch, args, device)
+        noise = StateNoise(0, range(batch))
+        spread = factory(histogram, budget, seed=0, device=device)
+        row = {}
+        try:
+            full = _decoder(model, batch, budget, args, noise)
+            reference = _observe(full, prompt, steps, None)
+            row["full"] = _with_rate(_static_timing(full, prompt, steps, rounds, device, until, graph), batch)
+            del full
+            variants = {"spread_predicated": {}}
+            if out["compaction"]:
+                variants["spread_compacted"] = {"compact": True}
+            for q in out["quantiles"]:
+                variants[f"quantile_{q:g}"] = {"compact": out["compaction"], "batch_quantile": q}
+            for name, options in variants.items():
+                if time.perf_counter() > until and name != "spread_predicated":  # the first always runs
+                    row[name] = {"status": "skipped", "reason": "out of time"}
+                    continue
+                exits = Decoder(model, batch, max(budget), noise=noise, capacity=args.capacity,
+                                controller_factory=spread, check_every=every, **options)
+                seen = _observe(exits, prompt, steps, every)
+                row[name] = _with_rate(_static_timing(exits, prompt, steps, rounds, device, until, graph), batch)
+                row[name].update(mean_steps=seen["mean_steps"], executed_steps=seen["executed_steps"],
+                                 agreement=_agreement(seen["tokens"], reference["tokens"]))
+                if name != "spread_predicated":
+                    try:
+                        row[name]["kernels_per_token"] = _kernels_per_token(exits, prompt, steps, device)
+                    except Exception as exc:  # noqa: BLE001 - a count that fails leaves the timing
+                        row[name]["kernels_per_token"] = {"status": "error", "error": _error_text(exc)}
+                counts = tuple(min(args.loops, max(1, round(m))) for m in seen["mean_steps"])
+                fixed_name = f"fixed_{name}"
+                if time.perf_counter() < until:
+                    fixed = _decoder(model, batch, budget, args, noise, loop_counts=counts)
+                    row[fixed_name] = _with_rate(_static_timing(fixed, prompt, steps, rounds, device, until, graph),
+                                                 batch)
+                    row[fixed_name]["loop_counts"] = list(counts)
+                    row[f"{name}_over_fixed"] = _ratio(row[name]["tokens_per_s"], row[fixed_name]["tokens_per_s"])
+                    del fixed
+                row[f"{name}_over_full"] = _ratio(row[name]["tokens_per_s"], row["full"]["tokens_per_s"])
+                del exits
+            row["status"] = "ok"
+        except torch.cuda.OutOfMemoryError as exc:
+            row = {"status": "error", "error": _error_text(exc)}
+        _free(device)
+        by_batch[str(batch)] = row
+    out["by_batch"] = by_batch
+    return out
+
+
+def loss_section(args, device, deadline, context) -> dict:
+    """The training loss's head: ``lm_loss(F.linear(h, W))`` (the logits made whole) against the fused
+    head + cross-entropy (:func:`rdepth.model.fused_loss.linear_cross_entropy`), forward + backward at the
+    training shape (``--train-batch`` x block size rows, bf16 autocast on CUDA): ms and peak memory."""
+    import torch
+    import torch.nn.functional as F
+
+    from decode_speed import summary
+    from rdepth.config import get_preset
+
+    try:
+        from rdepth.model.fused_loss import linear_cross_entropy
+    except ImportError:
+        return {"status": "not in this tree (rdepth.model.fused_loss)"}
+    from rdepth.model.recurrent import lm_loss
+
+    config = get_preset(args.preset)
+    rows, d, vocab = args.train_batch * config.block_size, config.d_model, config.vocab_size
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    hidden = torch.randn(rows, d, generator=generator).to(device).requires_grad_()
+    weight = (0.02 * torch.randn(vocab, d, generator=generator)).to(device).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), generator=generator).to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    paths = {"unfused": lambda: lm_loss(F.linear(hidden, weight), targets),
+             "fused": lambda: linear_cross_entropy(hidden, weight, targets)}
+    out = {"status": "ok", "rows": rows, "d_model": d, "vocab": vocab,
+           "dtype": "bfloat16 autocast" if device.type == "cuda" else "float32"}
+    for name, loss_of in paths.items():
+        times = []
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        for round_number in range(args.warmup + args.repeats):
+            if time.perf_counter() > deadline and times:
+                break
+            hidden.grad = weight.grad = None
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            with autocast:
+                loss = loss_of()
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if round_number >= args.warmup:
+                times.append(1000 * (time.perf_counter() - started))
+        timing = summary(times)
+        out[name] = {"ms": timing["ms_per_token"], "iqr": timing["iqr"], "rounds": timing["rounds"], "loss": float(loss)}
+        if device.type == "cuda":
+            out[name]["peak_mib_over_inputs"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    out["unfused_over_fused_ms"] = _ratio(out["unfused"]["ms"], out["fused"]["ms"])
+    return out
+
+
 def _with_rate(timing: dict, batch: int) -> dict:
     timing["tokens_per_s"] = batch * 1000 / timing["ms_per_token"]
     return timing
@@ -1194,7 +1349,46 @@ def markdown(report: dict) -> str:
                          f"{row['exits']['agreement']:.2f} | {rate(row.get('packed_exits'))} |")
         lines += ["", "exits/full and exits/fixed use the faster exit path of the row."]
         lines += ["", batched.get("quality_note", "")]
+    lines += _spread_lines(sections.get("spread", {})) + _loss_lines(sections.get("loss", {}))
     return "\n".join(lines) + "\n"
+
+
+def _spread_lines(spread: dict) -> list[str]:
+    """The spread section's table: tokens/s, ratio to the full budget and to the fixed budget of the
+    same mean steps, mean and executed steps, kernels per token."""
+    if spread.get("status") != "ok":
+        return [] if not spread else ["", f"Exit spread: {spread.get('status')} {spread.get('error', '')}"]
+    lines = ["", f"Batched exits on a trained model's exit spread ({spread['histogram']['path']}, "
+                 f"check every {spread['check_every']}), tokens/s", "",
+             "| batch | setting | tokens/s | x full | x fixed, same mean | fixed budget | mean steps | "
+             "executed steps | kernels per token |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for batch, row in spread.get("by_batch", {}).items():
+        if row.get("status") != "ok":
+            lines.append(f"| {batch} | {row.get('status')} | | | | | | | |")
+            continue
+        lines.append(f"| {batch} | full budget | {row['full']['tokens_per_s']:,.0f} | 1 | | | | | |")
+        for name, entry in row.items():
+            if name == "full" or name.startswith("fixed_") or not isinstance(entry, dict) or "tokens_per_s" not in entry:
+                continue
+            fixed = row.get(f"fixed_{name}", {})
+            kernels = entry.get("kernels_per_token", {}).get("per_token")
+            lines.append(f"| {batch} | {name} | {entry['tokens_per_s']:,.0f} | {_fmt(row.get(name + '_over_full'))} | "
+                         f"{_fmt(row.get(name + '_over_fixed'))} | {fixed.get('loop_counts', '-')} | "
+                         f"{'/'.join(f'{m:.2f}' for m in entry['mean_steps'])} | "
+                         f"{'/'.join(f'{m:.2f}' for m in entry['executed_steps'])} | {_fmt(kernels)} |")
+    return lines
+
+
+def _loss_lines(loss: dict) -> list[str]:
+    if loss.get("status") != "ok":
+        return [] if not loss else ["", f"Loss head: {loss.get('status')} {loss.get('error', '')}"]
+    lines = ["", f"Training loss head, forward + backward, {loss['rows']} rows x {loss['vocab']} ({loss['dtype']})", "",
+             "| path | ms | peak MiB over inputs | loss |", "| --- | --- | --- | --- |"]
+    for name in ("unfused", "fused"):
+        entry = loss[name]
+        lines.append(f"| {name} | {entry['ms']:.2f} | {_fmt(entry.get('peak_mib_over_inputs'))} | {entry['loss']:.4f} |")
+    return lines
 
 
 def _error_text(exc: BaseException) -> str:
@@ -1230,7 +1424,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_suite: {env['device']}, torch {env['torch']}, CUDA {env['cuda']}, revision {env['revision']}, "
           f"budget {args.budget_s:.0f} s", flush=True)
     runners = {"ceiling": ceiling_section, "train": train_section, "decode": decode_section,
-               "exits": exits_section, "batched": batched_section}
+               "exits": exits_section, "batched": batched_section, "spread": spread_section,
+               "loss": loss_section}
     for name in args.sections:
         deadline = budget.deadline_for(name)
         print(f"[{budget.elapsed():6.1f} s] {name} (until +{deadline - time.perf_counter():.0f} s)", flush=True)

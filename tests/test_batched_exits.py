@@ -85,6 +85,9 @@ def test_compaction_at_every_chunk_length_and_the_hand_off(check_every):
     torch.testing.assert_close(compacted[0], predicated[0], rtol=0, atol=1e-10)
     assert torch.equal(compacted[1], predicated[1]) and torch.equal(compacted[2], predicated[2])
     assert (compacted[2] < compacted[1][:, :, PROMPT:]).any(), "some token should hand on x^(s-1)"
+    modes = {context.store.gather for context in decoder._row_contexts.values()}
+    if check_every == 1:  # many chunks: some of few rows (copies read), some of many (the store in place)
+        assert modes == {True, False}
     handed = decoder._handed.clone()  # the last token's hand-off of the last group
     reference = Decoder(model, batch, K_MAX, **options)
     decode_all(reference, idx)
@@ -106,6 +109,7 @@ def test_bucket_padding_with_stopped_rows_changes_nothing():
     for decoder in decoders:
         decoder.prefill(idx[:, :PROMPT])
         decoder.tokens.copy_(idx[:, PROMPT:PROMPT + 1])
+        decoder.cache.limit = decoder.length + 1  # as _advance sets it (eager: the written prefix)
         with torch.no_grad():
             decoder._begin_token()
             decoder._run_single((0,))
@@ -128,7 +132,7 @@ def test_bucket_padding_with_stopped_rows_changes_nothing():
             torch.testing.assert_close(a[1, active, :, PROMPT], b[1, active, :, PROMPT], rtol=0, atol=1e-12)
 
 
-def test_a_row_view_reads_and_writes_only_its_rows():
+def test_a_row_view_writes_only_its_rows_and_reads_the_store_in_place():
     model = tiny_model()
     cache = StaticKV(model, 4, 6, (2, 2), torch.float64, torch.device("cpu"))
     cache.position.fill_(3)
@@ -145,7 +149,12 @@ def test_a_row_view_reads_and_writes_only_its_rows():
     untouched = torch.ones_like(single, dtype=torch.bool)
     untouched[rows, :, 3] = False
     assert torch.equal(single[untouched], before[untouched])
-    assert torch.equal(read_k, single[rows])
+    assert read_k.data_ptr() == single.data_ptr() and read_k.shape == single.shape  # the store itself, no copy
+    cache.limit = 4  # eager prefix reading: the written positions' view
+    read_k, _ = view.update(0, context, keys, keys)
+    assert read_k.data_ptr() == single.data_ptr() and read_k.shape[2] == 4
+    gathered, _ = StaticRows(cache, rows, gather=True).update(0, context, keys, keys)  # few rows: copies
+    assert torch.equal(gathered, single[rows, :, :4])
 
 
 def test_compact_needs_exits_and_checks():

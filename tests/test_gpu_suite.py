@@ -84,7 +84,7 @@ def test_smoke_run(tmp_path):
     for key in ("device", "torch", "revision", "code_sha256", "python"):
         assert env_info.get(key), key
     sections = report["sections"]
-    assert list(sections) == ["ceiling", "train", "decode", "exits", "batched"]
+    assert list(sections) == ["ceiling", "train", "decode", "exits", "batched", "spread", "loss"]
     assert sections["ceiling"]["status"] == "cuda only"
     for name in ("train", "decode", "exits", "batched"):
         assert sections[name]["status"] == "ok", sections[name].get("traceback", sections[name])
@@ -145,6 +145,18 @@ def test_smoke_run(tmp_path):
             assert row[key]["tokens_per_s"] > 0
         assert row["exits"]["variant"] in ("exits_predicated", "exits_compacted")
         assert 0 <= row["exits"]["agreement"] <= 1
+
+    spread = sections["spread"]  # exits drawn from the recorded histogram of a trained model
+    assert spread["status"] == "ok" and spread["histogram"]["source"]["policy"]
+    row = spread["by_batch"]["4"]
+    assert row["status"] == "ok" and row["full"]["tokens_per_s"] > 0
+    assert row["spread_predicated"]["tokens_per_s"] > 0
+    steps = row["spread_predicated"]["mean_steps"]
+    assert all(1 <= m < 12 for m in steps)  # the drawn exits, not the full budget
+    assert all(e >= m for e, m in zip(row["spread_predicated"]["executed_steps"], steps))
+    loss = sections["loss"]
+    assert loss["status"] == "ok" and abs(loss["fused"]["loss"] - loss["unfused"]["loss"]) < 1e-4
+    assert "Batched exits on a trained model's exit spread" in markdown
 
     ids = [target["id"] for target in report["targets"]]
     assert ids == ["train_mfu", "train_layer_ratio", "decode_looped_ms", "decode_plain_ms", "exit_check_cost",

@@ -21,7 +21,11 @@ How a token runs:
   host after each step whether the row stopped (one read per step, no predication) and breaks:
   the steps it saves are wall time. Otherwise exits are predicated: every row computes every step
   of a chunk of ``check_every`` steps, a stopped row keeps its hand-off, and the host reads one flag
-  per chunk (``check_every=None``: none at all).
+  per chunk (``check_every=None``: none at all). With ``compact``, the chunks after the first run
+  on the rows still looping only (the active count read at the check): their keys/values are
+  written in place in the cache by row index and attention reads the whole store, each query
+  packed into its own row (no per-layer copies of any row's keys); under a third of the batch,
+  copies of the rows' keys move fewer bytes than reading every row, and are read instead.
 * **Prefix-only attention.** Eager, a token attends to the positions written so far only (a view of
   the cache's first ``length + 1`` positions, no mask): the work grows with the position, not the
   capacity. Captured as CUDA graphs or compiled, shapes must not change, so the whole cache is read
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -124,13 +129,20 @@ class Decoder:
             (:meth:`extend`'s ``loop_counts`` / ``controller_factory``) must fit under them.
         warm_start: each group's loop starts from the state it handed on at the previous position.
         compact: with exits and ``check_every``, run each chunk after the first on the rows that still
-            loop only (gathered and scattered back); results are unchanged.
+            loop only (their states gathered and scattered back; their keys/values written in place in the
+            cache by row index, read in place or, under a third of the batch, as copies); results are
+            unchanged.
         buckets: with ``compact``, the row counts of a chunk: powers of two (True), exact (False), or
             powers of two once captured (None).
         compile: run the loop step with its exit rule, and each run of single-pass layers, through
             Inductor (``torch.compile(fullgraph=True)``): one compiled call per loop step.
-        prefix_attention: read only the written positions (no mask); default: when eager and uncompacted.
-            False reads the whole cache under the additive mask, as captured graphs do.
+        prefix_attention: read only the written positions (no mask); default: when eager (not ``compile``).
+            False reads the whole cache under the additive mask, as captured graphs do (capture() switches
+            to that).
+        batch_quantile: with exits, q in (0, 1]: a group's loop stops for the whole batch once at most
+            ``floor((1 - q) * B)`` of its rows still loop; those stragglers stop at that step and hand on
+            their newest state (used index = the step). Opt-in (None: each row runs to its own exit);
+            1.0 is the per-row behaviour. Rows then depend on their batch: no batch-of-one equality.
     """
 
     def __init__(self, model: RecurrentLM, batch_size: int, k_max: int | Sequence[int] | None = None,
@@ -139,7 +151,8 @@ class Decoder:
                  noise: StateNoise | None = None, check_every: int | None | str = "auto",
                  capacity: int | None = None, keep_steps: int | Sequence[int] | None = None,
                  warm_start: bool = False, compact: bool = False,
-                 buckets: bool | None = None, compile: bool = False, prefix_attention: bool | None = None):
+                 buckets: bool | None = None, compile: bool = False, prefix_attention: bool | None = None,
+                 batch_quantile: float | None = None):
         config = model.config
         parameter = next(model.parameters())
         if dtype is not None and dtype != parameter.dtype:
@@ -190,6 +203,16 @@ class Decoder:
         if compile and compact:
             raise RdepthError("decoder: compile=True does not cover compacted chunks (compact=True); choose one")
         self.compact = compact
+        if batch_quantile is not None:
+            if controller_factory is None:
+                raise RdepthError("decoder: batch_quantile needs exits (controller_factory)")
+            if isinstance(batch_quantile, bool) or not isinstance(batch_quantile, (int, float)) \
+                    or not 0 < batch_quantile <= 1:
+                raise RdepthError(f"decoder: batch_quantile must be in (0, 1], got {batch_quantile!r}")
+        self.batch_quantile = batch_quantile
+        # rows that may still loop once the others stopped (a host int: the threshold is fixed per decoder)
+        self._stragglers = (int(math.floor((1 - batch_quantile) * batch_size + 1e-9))
+                            if batch_quantile is not None else 0)
         self.buckets = buckets
         self.warm_start = bool(warm_start)
         self._count = batch_size  # rows still looping, as read at the last check (compact)
@@ -205,10 +228,10 @@ class Decoder:
         self.prompt_computed: torch.Tensor | None = None  # [G, B, T] loop steps of the last extend's tokens
         # Eager decoding reads the written prefix of the cache only; graphs and compiled pieces need
         # fixed shapes (the whole cache under a mask).
-        if prefix_attention and (compile or compact):
-            raise RdepthError("decoder: prefix_attention needs eager, uncompacted decoding (compile and compact "
-                              "read the whole cache at fixed shapes)")
-        self._prefix = (not compile and not compact) if prefix_attention is None else bool(prefix_attention)
+        if prefix_attention and compile:
+            raise RdepthError("decoder: prefix_attention needs eager decoding (compiled pieces read the whole "
+                              "cache at fixed shapes)")
+        self._prefix = (not compile) if prefix_attention is None else bool(prefix_attention)
         with torch.no_grad():
             self.cache = StaticKV(model, batch_size, self.capacity, self.steps, self.dtype, self.device)
             self._allocate()
@@ -434,11 +457,25 @@ class Decoder:
         bookkeeping, in place: hand-off, used index and step count of the rows stopping now, ``active``."""
         computed, used, active, handed = self.computed[group], self.used[group], self._active, self._handed
         done, handoff, used_now = plan.controller.after_step(group, step, self._rows, state, new)
+        done, handoff, used_now = self._quantile_stop(active, done, handoff, used_now, new, step)
         stopping = active if step == plan.steps[group] else active & done  # all stop at the last step
         torch.where(stopping[:, None], handoff.to(self.dtype), handed, out=handed)
         torch.where(stopping, used_now, used, out=used)
         computed.masked_fill_(active, step)
         active.masked_fill_(done, False)
+
+    def _quantile_stop(self, active: torch.Tensor, done: torch.Tensor, handoff: torch.Tensor,
+                       used_now: torch.Tensor, new: torch.Tensor, step: int):
+        """The batch-quantile exit (``batch_quantile``): when at most ``_stragglers`` of the rows (``[R]``, every
+        looping row among them) would loop on after this step, they stop too, handing on ``new`` (used index
+        ``step``). On the device, no host read; without the option, the rule's decision as it is."""
+        if self.batch_quantile is None or self._stragglers == 0:  # 0: only when none loops on (per row)
+            return done, handoff, used_now
+        still = active & ~done  # [R]: rows the rule keeps looping
+        cut = still & (still.sum() <= self._stragglers)  # all of them, or none
+        handoff = torch.where(cut[:, None], new.to(handoff.dtype), handoff)
+        used_now = torch.where(cut, torch.full_like(used_now, step), used_now)
+        return done | cut, handoff, used_now
 
     def _end_group(self, group: int) -> None:
         self.cache.settle(group, self.computed[group])
@@ -455,13 +492,23 @@ class Decoder:
         self._order.copy_(torch.sort(stopped, stable=True).indices)
 
     def _rows_context(self, rows: int, step: int) -> AttentionContext:
-        """The attention context of loop step ``step`` over the first ``rows`` rows of ``_order``."""
+        """The attention context of loop step ``step`` over the first ``rows`` rows of ``_order``, their
+        keys/values written in place by row index. Attention reads whichever moves fewer bytes
+        (:class:`StaticRows`): the whole store, each query packed into its own cache row (no copies;
+        B rows read), or, when 3 * rows < B, copies of the rows (3 * rows read and written)."""
         key = (rows, step)
         if key not in self._row_contexts:
+            picked = self._order[:rows]
             index = torch.arange(rows, device=self.device)
-            self._row_contexts[key] = AttentionContext(
-                StaticRows(self.cache, self._order[:rows]), step, index, self.cache.position.expand(rows),
-                torch.zeros_like(index), 1, rows, self._mask[:rows], one_per_row=True)
+            mask = None if self._prefix else self._mask
+            if 3 * rows < self.batch_size:  # gathered: one query per row of the copies
+                self._row_contexts[key] = AttentionContext(
+                    StaticRows(self.cache, picked, gather=True), step, index, self.cache.position.expand(rows),
+                    torch.zeros_like(index), 1, rows, None if mask is None else mask[:rows], one_per_row=True)
+            else:  # indexed: the queries packed into their rows of the whole store
+                self._row_contexts[key] = AttentionContext(
+                    StaticRows(self.cache, picked), step, picked, self.cache.position.expand(rows),
+                    torch.zeros_like(index), 1, self.batch_size, mask)
         return self._row_contexts[key]
 
     def _compact_steps(self, plan: _Plan, group: int, steps: range, rows: int, order: bool) -> None:
@@ -481,6 +528,7 @@ class Decoder:
         for step in steps:
             new = self.model.loop_step(group, state, inputs, self._rows_context(rows, step))
             done, handoff, used_now = plan.controller.after_step(group, step, picked, state, new)
+            done, handoff, used_now = self._quantile_stop(active, done, handoff, used_now, new, step)
             stopping = active if step == last else active & done
             handed = torch.where(stopping[:, None], handoff.to(self.dtype), handed)
             row_used = torch.where(stopping, used_now, row_used)
@@ -741,6 +789,7 @@ class Decoder:
         if self._prefix:  # graphs need fixed shapes: read the whole cache under the mask
             self._prefix = False
             self._make_contexts()
+            self._row_contexts.clear()
             self._plans.clear()
             self._plan = self._plan_for(self.budget)
         sizes = self._bucket_sizes()

@@ -9,7 +9,8 @@
   that token computed step k, else its last computed one) is applied once, when a token's loop
   ends (:meth:`StaticKV.settle` / :meth:`StaticKV.settle_all`: the token's slots of the steps it
   skipped take its last key), so that step k reads its slot as it is, with no scan of the cache.
-* :class:`StaticRows`: a subset of the rows as the store of a compacted layer call (batched exits).
+* :class:`StaticRows`: a subset of the rows as the store of a compacted layer call (batched exits):
+  written in place by row index, read whole (no copies) or, for few rows, as gathered copies.
 * :class:`GivenKV`: the slots of a loop step handed to a compiled piece as tensors, so that every
   step of a group runs the same compiled function.
 """
@@ -126,26 +127,41 @@ class StaticKV:
 
 class StaticRows:
     """Rows ``rows`` (``[P]`` long, distinct, on the device) of a :class:`StaticKV`, as the store of a
-    layer call that computes only those rows: the layers see a batch of P rows (row i is cache row
-    ``rows[i]``). ``rows`` may be a view of a buffer refilled in place (CUDA graphs)."""
+    layer call that computes only those rows (batched exits, compacted chunks). ``rows`` may be a view
+    of a buffer refilled in place (CUDA graphs). The rows' keys/values are written in place at (row,
+    position); what attention reads is one of two things:
 
-    def __init__(self, cache: StaticKV, rows: torch.Tensor):
+    * ``gather=False`` (indexed): the whole store, all B rows (views, nothing copied); each query is
+      packed into its own row by the context's ``batch_index`` (the attention's packing path) and the
+      other rows' outputs are dropped. Attention reads B rows' keys.
+    * ``gather=True``: copies of the P rows (``index_select``), attention over P rows: it reads P rows,
+      writes P and reads P again (3P), two copies per layer call.
+
+    The decoder picks per compacted chunk whichever moves fewer bytes (indexed when 3P >= B).
+    """
+
+    def __init__(self, cache: StaticKV, rows: torch.Tensor, gather: bool = False):
         self.cache = cache
         self.rows = rows
+        self.gather = gather
 
     def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the rows' keys/values ``[P, nh, hs]`` at the cache's position; return their rows of
-        what layer ``layer`` at step ``ctx.step`` attends to, ``[P, nh, S, hs]`` each (gathered copies)."""
+        """Write the rows' keys/values ``[P, nh, hs]`` (or ``[P, nh, 1, hs]``) at the cache's position,
+        in place; return what layer ``layer`` at step ``ctx.step`` attends to: every cache row's,
+        ``[B, nh, S, hs]`` each (views, as :meth:`StaticKV.read`), or with ``gather`` the P rows' copies."""
         cache = self.cache
-        if layer in cache.looped:
-            all_keys, all_values = cache.looped[layer]
-            cache_k, cache_v = all_keys[ctx.step - 1], all_values[ctx.step - 1]
-        else:
-            cache_k, cache_v = cache.single[layer]
-        cache_k[self.rows, :, cache.position] = keys.squeeze(2)  # (P, nh, hs) at (rows, :, position, :)
-        cache_v[self.rows, :, cache.position] = values.squeeze(2)
-        return cache_k.index_select(0, self.rows), cache_v.index_select(0, self.rows)
+        cache_k, cache_v = cache.slots(layer, ctx.step)
+        if keys.dim() == 4:
+            keys, values = keys.squeeze(2), values.squeeze(2)
+        if keys.dtype != cache_k.dtype:
+            keys, values = keys.to(cache_k.dtype), values.to(cache_v.dtype)
+        cache_k[self.rows, :, cache.position] = keys  # (P, nh, hs) at (rows, :, position, :)
+        cache_v[self.rows, :, cache.position] = values
+        read_k, read_v = cache.read(layer, ctx.step)
+        if self.gather:
+            return read_k.index_select(0, self.rows), read_v.index_select(0, self.rows)
+        return read_k, read_v
 
 
 class GivenKV:

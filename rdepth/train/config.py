@@ -26,6 +26,8 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+COMPILE_SCOPES = ("layer", "step")  # what one compiled graph covers (TrainConfig.compile_scope)
+
 @dataclass
 class TrainConfig:
     """Optimisation, schedule, evaluation and checkpointing of one run.
@@ -78,6 +80,10 @@ class TrainConfig:
     compile: bool | None = option(
         None, "torch.compile each layer (regional: one graph per block, reused at every loop step and count; "
         "fuses the norms' casts)", default_text="on with CUDA, off on CPU")
+    compile_scope: str = option(
+        "layer", "what one compiled graph covers with compile: layer (each layer) or step (each loop step: the "
+        "adapter and the group's layers, a few graphs per group, the same for every step and loop count; "
+        "single-pass layers per layer)")
     threads: int = option(0, THREADS_HELP)
     curriculum_steps: int = option(
         0, "task data: the top training difficulty rises linearly from the lowest + 1 to the highest over "
@@ -152,6 +158,9 @@ class TrainConfig:
             raise RdepthError(f"train config: threads must be an integer in [0, 4096], got {self.threads!r}")
         if self.compile is not None and not isinstance(self.compile, bool):
             raise RdepthError(f"train config: compile must be true or false, got {self.compile!r}")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise RdepthError(f"train config: compile_scope must be one of {', '.join(COMPILE_SCOPES)}, "
+                              f"got {self.compile_scope!r}")
 
     @property
     def milestone_interval(self) -> int:

@@ -206,11 +206,16 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
 
     def _compile_layers(self) -> None:
-        """``torch.compile`` each layer (``config.compile``; default: on CUDA)."""
+        """``torch.compile`` each layer, or each loop step and the single-pass layers
+        (``config.compile``, default on CUDA; ``config.compile_scope``)."""
         config = self.config
         if config.compile if config.compile is not None else self.device.type == "cuda":
-            for layer in self.model.layers:  # per block: loop counts vary, shapes do not
-                layer.compile()
+            if config.compile_scope == "step":
+                compile_loop_steps(self.model)
+            looped = {layer for layers in self.model.group_layers for layer in layers}
+            for index, layer in enumerate(self.model.layers):  # per block: loop counts vary, shapes do not
+                if config.compile_scope == "layer" or index not in looped:
+                    layer.compile()
 
     # ---------------------------------------------------------------- set-up
     def _data_record(self) -> dict:
@@ -628,7 +633,7 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 # Fields a resume may change. Free: where and how the run executes, and its cadences
 # (none changes the weights). Recorded: a new schedule end (e.g. a longer --max-steps).
-RESUME_FREE = ("data", "out", "device", "threads", "compile", "stop_at", "eval_every", "log_every",
+RESUME_FREE = ("data", "out", "device", "threads", "compile", "compile_scope", "stop_at", "eval_every", "log_every",
                "checkpoint_every", "keep_last", "milestone_every", "time_limit")
 RESUME_RECORDED = ("max_steps",)
 
@@ -650,3 +655,13 @@ def check_resume_config(saved: TrainConfig, wanted: TrainConfig, step: int) -> d
 def train(model_config: ModelConfig, config: TrainConfig, resume: bool = False,
           preset: str | None = None) -> TrainResult:
     return Trainer(model_config, config, resume, preset).run()
+
+
+def compile_loop_steps(model, **options) -> None:
+    """One compiled region per loop step: ``model.loop_step`` (the adapter and the group's layers) through
+    ``torch.compile(fullgraph=True, dynamic=False)``, set on the instance, so every driver of the dense
+    loop calls it. Shapes do not change with the step or the loop count, so dynamo keeps three graphs per
+    group (steps without gradients, the first step with them, the later ones) and recompiles nothing
+    when the drawn loop counts change (``options``: e.g. a
+    ``backend``, for tests)."""
+    model.loop_step = torch.compile(model.loop_step, fullgraph=True, dynamic=False, **options)

@@ -1,0 +1,77 @@
+"""The fused head + cross-entropy (rdepth.model.fused_loss) equals the cross-entropy of model.readout(x) in
+float64 (lm_loss itself scores in fp32: equal to fp32 rounding in float32):
+the loss and the gradients of the hidden states, the final norm and the tied head, over chunk sizes that
+split the rows unevenly, with ignored targets; under bf16 autocast it stays within bf16 rounding."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rdepth.model.fused_loss import linear_cross_entropy, readout_loss
+import torch.nn.functional as F
+
+from rdepth.model.recurrent import lm_loss
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_decoder import tiny_model  # noqa: E402
+
+
+def case(dtype=torch.float64):
+    model = tiny_model().to(dtype)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, model.config.d_model, dtype=dtype, generator=generator).requires_grad_()
+    targets = torch.randint(0, model.config.vocab_size, (3, 7), generator=generator)
+    targets[0, :3] = -1
+    targets[2, 6] = -1
+    return model, x, targets
+
+
+def unfused(model, x, targets):
+    """The unfused loss in the inputs' dtype (float64 here): the whole logits, then cross-entropy."""
+    logits = model.readout(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
+
+
+def gradients(model, x, loss):
+    parameters = [x, model.norm_f.weight, model.wte.weight]
+    return torch.autograd.grad(loss, parameters)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 5, 21, None])
+def test_fused_equals_unfused_in_float64(chunk_rows):
+    model, x, targets = case()
+    expected = unfused(model, x, targets)
+    fused = readout_loss(model, x, targets, chunk_rows)
+    assert fused.dtype == torch.float64
+    torch.testing.assert_close(fused, expected, rtol=0, atol=1e-13)
+    for got, want in zip(gradients(model, x, fused), gradients(model, x, unfused(model, x, targets))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+
+
+def test_fused_equals_lm_loss_in_float32():
+    model, x, targets = case(torch.float32)
+    fused, current = readout_loss(model, x, targets, 5), lm_loss(model.readout(x), targets)
+    torch.testing.assert_close(fused, current, rtol=1e-6, atol=1e-6)
+    for got, want in zip(gradients(model, x, fused), gradients(model, x, lm_loss(model.readout(x), targets))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_every_target_ignored_is_nan_as_cross_entropy():
+    hidden, weight = torch.randn(4, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    assert torch.isnan(linear_cross_entropy(hidden, weight, torch.full((4,), -1)))
+
+
+def test_bf16_autocast_stays_within_bf16_rounding():
+    model, x, targets = case(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = readout_loss(model, x, targets, 4)
+        unfused = lm_loss(model.readout(x), targets)
+    assert fused.dtype == torch.float32
+    torch.testing.assert_close(fused, unfused.float(), rtol=2e-2, atol=2e-2)
+    grad_fused = torch.autograd.grad(fused, x)[0]
+    grad_unfused = torch.autograd.grad(unfused, x)[0]
+    torch.testing.assert_close(grad_fused, grad_unfused, rtol=5e-2, atol=5e-3)
