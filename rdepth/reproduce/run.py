@@ -282,7 +282,7 @@ def _judged(config: ReproduceConfig, run: Path, sweep_path: Path, saved: dict[st
 
     out = Path(config.out)
     report_dir = out / "report"
-    claims = judge_all(load_summary(report_dir), load_sweep(sweep_path), quality)
+    claims = judge_all(load_summary(report_dir), load_sweep(sweep_path), quality, {"training": config.seed})
     train_summary = read_json_if_present(run / "summary.json") or {}
     plan = saved["plan"]
     # What the run trained: its time limit may have ended the schedule before the plan's steps.
