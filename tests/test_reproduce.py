@@ -501,7 +501,7 @@ def test_the_plan_times_each_size_it_steps_down_to(monkeypatch, tmp_path):
         return Probe(size, speed[size], 8)
 
     monkeypatch.setattr(R, "_probe", probe)
-    monkeypatch.setattr(R, "_model_config", lambda name, data: size_config(name, 50257, "gpt2"))
+    monkeypatch.setattr(R, "_model_config", lambda name, data, config: size_config(name, 50257, "gpt2"))
     config = ReproduceConfig(out=str(tmp_path), minutes=9, sizes=("paper", "small", "mini")).for_device("cuda")
     saved = R._planned(config, tmp_path, "cuda", StageTimer(logging.getLogger("test")))
     # paper's speed puts small past 50M tokens; small's own speed does not, and puts mini past them
@@ -520,3 +520,16 @@ def test_the_paper_size_is_timed_on_cuda_only_when_the_budget_can_train_it():
     assert ReproduceConfig(minutes=PAPER_SIZE_MINUTES).for_device("cuda").sizes == ("paper", "small", "mini")
     assert ReproduceConfig(minutes=30, sizes=("mini",)).for_device("cuda").sizes == ("mini",)
     assert ReproduceConfig(minutes=30).for_device("cpu").sizes == ("tiny", "toy")
+
+
+def test_the_papers_loop_recipe_overrides_every_size(wiki_small):
+    """--mean-loops 12 --backprop-depth 8 --loop-state residual reach the model of whatever size is planned."""
+    from rdepth.reproduce.run import _model_config
+
+    config = ReproduceConfig(out="x", mean_loops=12.0, backprop_depth=8, loop_state="residual")
+    model = _model_config("mini", wiki_small, config)
+    assert (model.mean_loops, model.backprop_depth, model.loop_state, model.d_model) == (12.0, 8, "residual", 384)
+    plain = _model_config("mini", wiki_small, ReproduceConfig(out="x"))
+    assert (plain.mean_loops, plain.backprop_depth, plain.loop_state) == (6.0, 4, "sandwich")
+    with pytest.raises(RdepthError, match="loop_state must be one of"):
+        ReproduceConfig(out="x", loop_state="highway")
