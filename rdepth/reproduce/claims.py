@@ -1,12 +1,13 @@
-"""The two-scale paper's four claims, judged from the saved summaries (pure functions, torch-free).
+"""The two-scale paper's five claims, judged from the saved summaries (pure functions, torch-free).
 
 Inputs are what the analyses saved: the geometry summary (``geometry/summary.json``,
 :mod:`rdepth.geometry.summary`) and the sweep result (``sweep.json``,
 :mod:`rdepth.exits.summary`). Each claim function returns a dict: ``id``,
 ``claim`` (the paper's sentence), ``paper`` (its figure and numbers), ``ours``
 (the numbers measured, the text shown), ``verdict`` (one of :data:`VERDICTS`),
-``why`` (sentences) and ``criteria`` (how the verdict is decided, with the
-constants). The report draws nothing from anything else.
+``why`` (sentences), ``criteria`` (how the verdict is decided, with the
+constants) and ``judged_on`` (the budget, precision, seeds and spread it rests on). The report
+draws nothing from anything else.
 """
 
 from __future__ import annotations
