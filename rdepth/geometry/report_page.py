@@ -254,7 +254,8 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
         return section
     constants = summary["headline_definitions"]
     section.note(
-        f"Measured on {summary['sequences']} held-out windows of {summary['seq_len']} tokens "
+        f"Measured in {settings.get('precision', 'float32')} on {summary['sequences']} held-out windows of "
+        f"{summary['seq_len']} tokens "
         f"({summary['sequences'] * summary['seq_len']:,} tokens) from {settings['data']}; groups are named by "
         "their 0-based layer range; window i starts from the same initial-state noise in every checkpoint (and in "
         "rdepth eval). Step k's update is "
@@ -264,7 +265,7 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
         f"floor (mean relative step size {constants['noise_floor']:g}; 'noise floor at k' is the first update "
         "under it, blank if never). "
         "Effective rank: exp of the entropy of the normalised singular values of the N x d matrix of "
-        "updates at one step; once steps shrink to float32 rounding level it measures noise (near d). "
+        "updates at one step; once steps shrink to rounding level it measures noise (near d). "
         "All numbers are in geometry/summary.json and geometry/<checkpoint>/<budget>.npz.")
     return section
 
