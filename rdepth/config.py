@@ -24,6 +24,9 @@ MAX_BLOCK_SIZE = 65536
 # Layer types RecurrentLM builds (rdepth.model.layers.BLOCKS): Geiping et al.'s sandwich block,
 # and GPT-2's pre-LayerNorm block, which imported GPT-2 models keep.
 BLOCK_TYPES = ("sandwich", "gpt2")
+# What a recurrence group's loop carries (RecurrentLM.loop_step): Geiping et al.'s state, replaced by
+# the group's output each step, or a residual stream that each step adds the group's output to.
+LOOP_STATES = ("sandwich", "residual")
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,10 @@ class ModelConfig:
         "residual sum, no biases, SiLU MLP, token embedding times sqrt(d)) or 'gpt2' (pre-LayerNorm with "
         "biases, GELU-tanh MLP: imported GPT-2 models)")
     tokenizer: str = option("gpt2", "tokenizer spec (taken from the prepared data)", cli=False)
+    loop_state: str = option(
+        "sandwich", "what a loop carries: 'sandwich' (Geiping et al.: s <- layers(adapter(s, e)), the "
+        "state replaced each step) or 'residual' (a residual stream: s <- s + layers(adapter(rmsnorm(s), e)), "
+        "pre-norm, no new parameters)")
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "d_model", "block_size", "vocab_size", "mlp_ratio"):
@@ -164,6 +171,9 @@ class ModelConfig:
             )
         if self.block not in BLOCK_TYPES:
             raise RdepthError(f"model config: block must be one of {', '.join(BLOCK_TYPES)}, got {self.block!r}")
+        if self.loop_state not in LOOP_STATES:
+            raise RdepthError(
+                f"model config: loop_state must be one of {', '.join(LOOP_STATES)}, got {self.loop_state!r}")
         self.group_specs  # validates the group string
         if self.eval_loops is not None:
             self.eval_loops = parse_loop_counts(self.eval_loops, len(self.group_specs))

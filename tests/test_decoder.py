@@ -20,6 +20,8 @@ from rdepth.model.decoder import Decoder
 
 BLOCKS = pytest.mark.parametrize("block", ["sandwich", "gpt2"])
 BATCHES = pytest.mark.parametrize("batch", [1, 3])
+# What a loop carries: Geiping et al.'s replaced state, or a residual stream (ModelConfig.loop_state).
+LOOP_STATES = pytest.mark.parametrize("loop_state", ["sandwich", "residual"])
 K_MAX = (6, 5)
 PROMPT, LENGTH = 5, 12
 # Where the host waits for the device: a read of one value (.item(), bool(), int()) and
@@ -75,8 +77,9 @@ def step_through(decoder: Decoder, idx: torch.Tensor, prompt: int = PROMPT, forb
 # ------------------------------------------------------------------ fixed budget
 @BLOCKS
 @BATCHES
-def test_fixed_budget_equals_packed_cache_and_teacher_forced(block, batch):
-    model = tiny_model(block)
+@LOOP_STATES
+def test_fixed_budget_equals_packed_cache_and_teacher_forced(block, batch, loop_state):
+    model = tiny_model(block, loop_state=loop_state)
     idx = tokens(batch)
     noise = StateNoise(3, range(batch))
     counts = (4, 3)
@@ -151,10 +154,11 @@ def test_exits_equal_the_packed_path(name, batch):
 
 @BLOCKS
 @BATCHES
-def test_exits_hand_on_the_previous_state_and_equal_cached_packed(block, batch):
+@LOOP_STATES
+def test_exits_hand_on_the_previous_state_and_equal_cached_packed(block, batch, loop_state):
     """Algorithm 1's two-hit rule hands on x^(s-1): the static path hands on the same state as the
-    packed cache decoding token by token (both block types)."""
-    model = tiny_model(block)
+    packed cache decoding token by token (both block types, both loop states)."""
+    model = tiny_model(block, loop_state=loop_state)
     idx = tokens(batch)
     noise = StateNoise(2, range(batch))
     setting = varied_setting(model, idx, noise, "acceleration")
@@ -392,11 +396,12 @@ def test_unreplayed_tokens_of_a_captured_decoder_touch_no_graph():
 
 # --------------------------------------------------------------- the one decoder's other duties
 @pytest.mark.parametrize("name", [None, "acceleration", "kl"])
-def test_warm_start_equals_teacher_forced_warm_start(name):
+@LOOP_STATES
+def test_warm_start_equals_teacher_forced_warm_start(name, loop_state):
     """Each group's loop starts from the state it handed on at the previous position: the decoder,
     token by token, equals forward(warm_start=True) (float64), with exits too, and a rollback
     restarts from the right state."""
-    model = tiny_model()
+    model = tiny_model(loop_state=loop_state)
     idx = tokens(2)
     noise = StateNoise(4, range(2))
     options = {"loop_counts": (3, 2)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -52,12 +53,13 @@ def tiny_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def analyzed(tiny_run, tmp_path_factory):
-    """``rdepth analyze`` run once on both checkpoints (5 windows, batches of 2, long budget 7)."""
+    """``rdepth analyze`` run once on both checkpoints (5 windows, batches of 2, long budget 12, DLR curve K = 1..4, Jacobian at 2 positions)."""
     run, text, _ = tiny_run
     out = tmp_path_factory.mktemp("analyzed") / "out"
     code = main([
         "analyze", "--checkpoints", str(run), "--data", str(text), "--out", str(out),
-        "--sequences", "5", "--batch-size", "2", "--long-loops", "7", "--top-tokens", "4", "--device", "cpu",
+        "--sequences", "5", "--batch-size", "2", "--long-loops", "12", "--top-tokens", "4", "--device", "cpu",
+        "--dlr-curve-loops", "4", "--dlr-curve-sequences", "2", "--jacobian-positions", "2",
     ])
     assert code == 0
     return out
@@ -74,10 +76,10 @@ def test_analyze_writes_numbers_figures_and_report(tiny_run, analyzed):
     assert [c["label"] for c in summary["checkpoints"]] == ["step_000010", "step_000020"]
     assert [c["step"] for c in summary["checkpoints"]] == [10, 20]
     assert summary["groups"] == ["1", "2-3", "4"]
-    assert summary["budgets"] == {"train": [3, 3, 3], "long": [7, 7, 7]}
+    assert summary["budgets"] == {"train": [3, 3, 3], "long": [12, 12, 12]}
     last = summary["checkpoints"][-1]["budgets"]
-    assert len(last["long"]["groups"][0]["step_size"]["mean"]) == 7
-    assert len(last["long"]["groups"][0]["cosine"]["mean"]) == 6
+    assert len(last["long"]["groups"][0]["step_size"]["mean"]) == 12
+    assert len(last["long"]["groups"][0]["cosine"]["mean"]) == 11
     assert set(last["train"]["dlr"]) == {"1->2-3", "2-3->4"}
     assert set(last["train"]["dlr"]["1->2-3"]) == set(metrics.DLR_DEFINITIONS)
 
@@ -85,6 +87,7 @@ def test_analyze_writes_numbers_figures_and_report(tiny_run, analyzed):
     windows = _windows(run)
     batches = windows.split(2)
     iterates = [[[] for _ in batches] for _ in range(3)]  # [group][batch] -> states [B, T, d]
+    last_model = copy.deepcopy(last_model).double()  # analyze measures in float64 by default
     with torch.no_grad():
         last_model.eval()
         for number, batch in enumerate(batches):
@@ -121,7 +124,9 @@ def test_analyze_writes_numbers_figures_and_report(tiny_run, analyzed):
 def test_analyze_saves_its_headline_numbers(analyzed):
     summary = load_summary(analyzed)
     assert summary["format_version"] == FORMAT_VERSION and summary["scale_budget"] == "long"
-    assert summary["headline_definitions"] == {"settled_steps": 5, "noise_floor": 1e-5}
+    assert summary["headline_definitions"] == {"settled_steps": 5, "noise_floor": 1e-3, "plateau_window": 10,
+                                               "plateau_max_decay": 2.0}
+    assert summary["settings"]["precision"] == "float64"
     for entry in summary["checkpoints"]:
         for budget in entry["budgets"].values():
             for group in budget["groups"]:
@@ -141,6 +146,7 @@ def test_analyze_loss_equals_eval_whatever_the_batch_size(tiny_run, analyzed):
     assert summary["sequences"] == windows.shape[0] and summary["seq_len"] == windows.shape[1] - 1
     for entry in summary["checkpoints"]:
         model, _ = load_model(entry["path"])
+        model = model.double()  # analyze measures in its precision, float64 by default
         for budget in entry["budgets"].values():
             for batch_size in (1, 3, 5):
                 result = evaluate(model, windows, loop_counts=budget["loop_counts"], batch_size=batch_size)
@@ -204,3 +210,39 @@ def test_train_loops_are_integers_that_reach_the_model_as_counts(tiny_run, capsy
         main(["analyze", "--checkpoints", str(run), "--data", str(text), "--out", "o", "--train-loops", "2,x"])
     assert exit_info.value.code == 2
     assert "--train-loops expects comma-separated int values" in capsys.readouterr().err
+
+
+def test_dlr_curve_is_saved_per_budget_and_recomputes_from_its_arrays(analyzed):
+    """The DLR loop-budget curve: K = 1..4 on the last checkpoint; each saved median is the median of the
+    per-token ratios in its NPZ (recomputed here with numpy, not through rdepth)."""
+    summary = load_summary(analyzed)
+    curve = summary["dlr_curve"]
+    assert curve["loops"] == [1, 2, 3, 4] and curve["sequences"] == 2
+    assert curve["checkpoint"] == summary["checkpoints"][-1]["label"]
+    with np.load(analyzed / curve["arrays"]) as npz:
+        for boundary, definitions in curve["boundaries"].items():
+            for definition, stats in definitions.items():
+                for index, loops in enumerate(curve["loops"]):
+                    values = npz[f"{boundary}/{definition}/{loops}"]
+                    finite = values[np.isfinite(values)]
+                    if finite.size == 0:
+                        assert stats["median"][index] is None  # a "_refine" ratio at K = 1
+                    else:
+                        assert stats["median"][index] == pytest.approx(float(np.median(finite)), rel=1e-6)
+    # at the long budget's K the curve's literal DLR is the long budget's own (same windows and noise)
+    assert set(curve["boundaries"]) == set(summary["checkpoints"][-1]["budgets"]["long"]["dlr"])
+
+
+def test_jacobian_spectra_are_saved_per_checkpoint(analyzed):
+    summary = load_summary(analyzed)
+    for entry in summary["checkpoints"]:
+        spectra = entry["jacobian"]
+        assert spectra["loop_counts"] == [12, 12, 12] and len(spectra["positions"]) == 2
+        assert all(6 <= p < 24 for p in spectra["positions"])  # past the first quarter of 24 positions
+        for group in spectra["groups"]:
+            rows = group["eigenvalues"]
+            assert len(rows) == 2 and len(rows[0]) == 6
+            moduli = [row["modulus"] for row in rows[0]]
+            assert moduli == sorted(moduli, reverse=True)
+            assert group["spectral_radius"]["median"] == pytest.approx(
+                float(np.median([position[0]["modulus"] for position in rows])))

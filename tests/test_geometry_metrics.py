@@ -202,3 +202,30 @@ def test_bad_shapes_are_user_errors():
         step_sizes(torch.zeros(3, 4))
     with pytest.raises(RdepthError, match="at least 3 iterates"):
         step_cosines(torch.zeros(2, 4, 5))
+
+
+def test_cosine_of_tiny_steps_is_exact_and_a_zero_step_gives_zero():
+    """Steps of 1e-7 at a known angle (cos = 0.6): an additive 1e-12 in the denominator would read
+    0.6 / (1 + 1e-12 / 1e-14) ~ 0.006; the exact cosine reads 0.6. A step that does not move gives 0."""
+    from rdepth.geometry.metrics import step_cosines
+
+    scale = 1e-7
+    states = torch.tensor([[0.0, 0.0], [scale, 0.0], [scale + 0.6 * scale, 0.8 * scale],
+                           [scale + 0.6 * scale, 0.8 * scale]], dtype=torch.float64).unsqueeze(1)  # [4, 1, 2]
+    cosines = step_cosines(states)[:, 0]
+    assert cosines[0].item() == pytest.approx(0.6, rel=1e-12)
+    assert cosines[1].item() == 0.0
+
+
+def test_plateau_and_settled_spread_headlines():
+    from rdepth.geometry.summary import NOISE_FLOOR, plateau, settled_spread
+
+    flat = [1.0] + [0.1] * 20  # levels off at a nonzero size
+    contracting = [0.5 ** k for k in range(21)]  # halves every step: 1,024x over the window
+    assert plateau(flat, [0.01] * 21) == {"ratio": 1.0, "last_relative": 0.01, "window": 10, "holds": True}
+    shrinking = plateau(contracting, [0.01] * 21)
+    assert shrinking["ratio"] == pytest.approx(2.0 ** -10) and not shrinking["holds"]
+    assert not plateau(flat, [NOISE_FLOOR / 2] * 21)["holds"]  # level, but at the noise floor
+    assert plateau(flat[:10], [0.01] * 10) is None  # shorter than the window
+    assert settled_spread([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7], None) == pytest.approx(0.5)
+    assert settled_spread([0.1, 0.2, 0.3, 0.4], 3) == pytest.approx(0.15)  # cosines 0, 1 usable

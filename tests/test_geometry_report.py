@@ -12,7 +12,7 @@ from rdepth.geometry.summary import (DLR_LABELS, NOISE_FLOOR, SETTLED_STEPS, gro
 
 def _group(steps: int = 12) -> dict:
     sizes = [0.5**k for k in range(steps)]  # geometric decay: |D5|/|D0| = 1/32
-    cosines = [0.1 * j for j in range(steps - 1)]  # last five: 0.6 .. 1.0 -> mean 0.8
+    cosines = [0.1 * j for j in range(steps - 1)]
     group = {
         "name": "4", "steps": steps,
         "step_size": {"mean": sizes, "std": [0.0] * steps},
@@ -46,9 +46,14 @@ def test_group_headline_known_ratios():
     assert headline["decay_5_over_0"] == pytest.approx(1 / 32)
     assert headline["decay_10_over_0"] == pytest.approx(1 / 1024)
     assert headline["decay_10_over_1"] == pytest.approx(1 / 512)
-    assert headline["settled_cosine"] == pytest.approx(0.8)
+    # relative sizes 0.5^k / 10 fall under the 1e-3 floor at k = 7 (0.00078): cosines 0-5 count (cosine j
+    # compares updates j and j+1 <= 6), the last five of them 0.1 .. 0.5 -> 0.3
+    assert headline["noise_floor_step"] == 7
+    assert headline["settled_cosine"] == pytest.approx(0.3)
+    assert headline["settled_cosine_std"] == 0.0
+    assert headline["plateau"]["ratio"] == pytest.approx(2.0 ** -10) and not headline["plateau"]["holds"]
     assert headline["first_step_size"] == 1.0 and headline["second_step_size"] == 0.5
-    assert headline["last_effective_rank"] == 3.0 and headline["noise_floor_step"] is None
+    assert headline["last_effective_rank"] == 3.0
     short = group_headline(_group(steps=3))
     assert short["decay_5_over_0"] is None and short["decay_10_over_1"] is None
     assert step_ratio([0.0, 1.0], 1, 0) is None
@@ -65,8 +70,8 @@ def test_settled_cosine_ignores_steps_at_the_noise_floor():
 
 def test_report_rows_read_the_saved_headline():
     (row,) = loop_scale_rows(_summary())
-    assert row["|Δ5|/|Δ0|"] == pytest.approx(1 / 32) and row["settled cos"] == pytest.approx(0.8)
-    assert row["eff. rank (last Δ)"] == 3.0 and row["never conv. %"] == "25.0" and row["noise floor at k"] is None
+    assert row["|Δ5|/|Δ0|"] == pytest.approx(1 / 32) and row["settled cos"] == pytest.approx(0.3)
+    assert row["eff. rank (last Δ)"] == 3.0 and row["never conv. %"] == "25.0" and row["noise floor at k"] == 7
     summary = _summary()  # the page shows what was saved, never a recomputation from the curves
     summary["checkpoints"][0]["budgets"]["long"]["groups"][0]["headline"].update(
         settled_cosine=-0.25, decay_10_over_1=0.125)
@@ -88,7 +93,7 @@ def test_drift_rows_and_glance_text(tmp_path):
                               ((0, "first"), (1, "first_refine")) for stat in ("mean", "median")]
     text = at_a_glance(_summary())
     assert "4->5-6: 4 against the mean of all loop steps (Eq. 2's denominator" in text
-    assert "4->5-6: 31 against the mean refinement step" in text and "0.8" in text
+    assert "4->5-6: 31 against the mean refinement step" in text and "0.30" in text
     note = dlr_note(_summary())
     assert "Eq. 2 as written is 'literal'" in note and "first_refine = x(1) ÷ mean |Δ(k)|, k≥1" in note
     section = geometry_section(tmp_path, _summary(), [("figures/f.png", "a figure")])

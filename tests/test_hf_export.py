@@ -323,3 +323,30 @@ def test_gpt2_block_model_exports_exactly(tmp_path):
         for counts in ((1,), (3,)):
             ours = model(ids, loop_counts=counts, generator=StateNoise(0, [0])).logits
             assert torch.equal(hf(ids, loop_counts=list(counts)).logits, ours)
+
+
+def test_residual_loop_state_exports_exactly(tmp_path):
+    """The loop-state option travels with the export: config.json names it, the bundled code steps the
+    residual stream, and the logits (fixed budgets, cached and uncached generation) equal rdepth's."""
+    from rdepth.interop.config import ExportConfig
+    from rdepth.interop.export import export_run
+
+    run, model = tiny_run(tmp_path / "run", groups="1|2-3", n_layer=5, loop_state="residual")
+    out = export_run(ExportConfig(checkpoint=str(run), out=str(tmp_path / "hf")))
+    assert json.loads((out / "config.json").read_text())["loop_state"] == "residual"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    with torch.no_grad():
+        for counts in ((1, 1), (3, 5)):
+            ours = model(ids, loop_counts=counts, generator=StateNoise(0, [0])).logits
+            assert torch.equal(hf(ids, loop_counts=list(counts)).logits, ours)
+        sandwich = model.config.replace(loop_state="sandwich")
+        from rdepth.model import RecurrentLM
+
+        other = RecurrentLM(sandwich).eval()
+        other.load_state_dict(model.state_dict())  # same weights, the other loop: other logits
+        assert not torch.equal(other(ids, loop_counts=(3, 5), generator=StateNoise(0, [0])).logits,
+                               model(ids, loop_counts=(3, 5), generator=StateNoise(0, [0])).logits)
+        cached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True)
+        uncached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)

@@ -139,9 +139,51 @@ def test_parameters_shared_across_loop_steps():
     torch.testing.assert_close(s, states[(0, 3)], rtol=0, atol=0)
 
 
+LOOP_STATES = pytest.mark.parametrize("loop_state", ["sandwich", "residual"])
+
+
+def test_loop_state_steps_by_hand_and_the_default_is_unchanged():
+    """loop_step by hand: 'sandwich' (the default) is layers(W_s s + W_e e), bit for bit as before the
+    option existed; 'residual' is s + layers(W_s rmsnorm(s) + W_e e), with the same parameters."""
+    torch.manual_seed(1)
+    config = tiny_config()
+    assert config.loop_state == "sandwich"
+    model = RecurrentLM(config).eval()  # float32: bit-identity where it is hardest
+    residual = RecurrentLM(config.replace(loop_state="residual")).eval()
+    residual.load_state_dict(model.state_dict())  # no new parameters
+    e = torch.randn(2, 7, 16)
+    s = torch.randn(2, 7, 16)
+    weight = model.adapters[0].weight
+    with torch.no_grad():
+        linear = torch.nn.functional.linear
+        by_hand = model.run_layers((1,), linear(s, weight[:, :16]) + linear(e, weight[:, 16:]))
+        assert torch.equal(model.loop_step(0, s, model.group_input(0, e)), by_hand)
+        unsplit = model.run_layers((1,), torch.cat([s, e], -1) @ weight.T)  # the adapter on concat(s, e)
+        torch.testing.assert_close(model.group_step(0, s, e), unsplit, rtol=1e-5, atol=1e-6)
+        normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + config.norm_eps)
+        expected = s + residual.run_layers((1,), normed @ weight[:, :16].T + e @ weight[:, 16:].T)
+        torch.testing.assert_close(residual.loop_step(0, s, residual.group_input(0, e)), expected,
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_loop_state_is_validated_and_old_configs_load_as_the_default(tmp_path):
+    from rdepth.run.checkpoint import load_model, save_checkpoint
+
+    with pytest.raises(RdepthError, match="loop_state must be one of sandwich, residual"):
+        tiny_config(loop_state="highway")
+    old = tiny_config().to_dict()
+    del old["loop_state"]  # a checkpoint written before the field existed
+    assert ModelConfig.from_dict(old).loop_state == "sandwich"
+    model = RecurrentLM(tiny_config(loop_state="residual"))
+    save_checkpoint(tmp_path / "run", 3, model, model.config)
+    loaded, config = load_model(tmp_path / "run")
+    assert config.loop_state == "residual" and loaded.config.loop_state == "residual"
+
+
 @BLOCKS
-def test_dense_equals_packed_path(block):
-    model = tiny_model(block=block, init_state_scale=1.0)
+@LOOP_STATES
+def test_dense_equals_packed_path(block, loop_state):
+    model = tiny_model(block=block, init_state_scale=1.0, loop_state=loop_state)
     idx = torch.randint(0, 50, (3, 10))
     dense = model(idx, loop_counts=(4, 2), generator=torch.Generator().manual_seed(1))
     packed = model(idx, controller=FixedController((4, 2)), generator=torch.Generator().manual_seed(1))
@@ -150,8 +192,9 @@ def test_dense_equals_packed_path(block):
 
 
 @BLOCKS
-def test_cached_decoding_equals_uncached(block):
-    model = tiny_model(block=block)
+@LOOP_STATES
+def test_cached_decoding_equals_uncached(block, loop_state):
+    model = tiny_model(block=block, loop_state=loop_state)
     idx = torch.randint(0, 50, (2, 14))
     full = model(idx, loop_counts=(5, 3)).logits
     cache = model.new_cache(2)

@@ -86,6 +86,93 @@ def test_one_group_has_no_drift_to_measure():
     assert C.claim_cosine(_geometry([_group("1", FAST, None)]))["verdict"] == C.UNTESTED
 
 
+def _with_curve(summary: dict, literal_slope: float, free: float) -> dict:
+    """A DLR loop-budget curve K = 1..30 whose Eq. 2 median grows as ``literal_slope`` x K and whose
+    start-free variant stays at ``free``."""
+    loops = list(range(1, 31))
+    boundary = {"literal": {"median": [literal_slope * k for k in loops], "p10": [0.5 * literal_slope * k for k in loops],
+                            "p90": [2 * literal_slope * k for k in loops]},
+                "output_refine": {"median": [free] * 30, "p10": [free] * 30, "p90": [free] * 30}}
+    summary["dlr_curve"] = {"loops": loops, "sequences": 2, "boundaries": {"4->5-6": boundary, "5-6->7": boundary}}
+    summary["groups"] = ["4", "5-6", "7"]
+    return summary
+
+
+def test_dlr_is_judged_at_the_papers_budget_on_the_curve():
+    """Eq. 2 ~0.73 K (the issue's small-model reading): 4.4 at the training mean 6 is "partly", but the
+    paper's budget of 12 loops reads 8.8 and 30 would read 22: the verdict is taken at K = 12 and names it."""
+    summary = _with_curve(_geometry([_group("4", FAST, 0.55)], {"4->5-6": (4.4, 9.0), "5-6->7": (4.4, 9.0)}),
+                          0.73, 3.0)
+    dlr = C.claim_dlr(summary)
+    assert [b["literal_median"] for b in dlr["ours"]["boundaries"]] == [pytest.approx(0.73 * 12)] * 2
+    assert dlr["verdict"] == C.PARTLY and dlr["judged_on"]["loops"] == [12, 12, 12]
+    assert "K = 12" in dlr["judged_on"]["budget"] and "K = 30" in " ".join(dlr["why"])
+    assert dlr["ours"]["boundaries"][0]["output_refine_median"] == 3.0  # the start-free measure, shown beside it
+    summary = _with_curve(summary, 1.0, 3.0)  # 12 at K = 12: an order of magnitude
+    assert C.claim_dlr(summary)["verdict"] == C.REPRODUCED
+    short = _with_curve(summary, 1.0, 3.0)
+    short["dlr_curve"]["loops"] = [1, 2, 3, 4]
+    for stats in short["dlr_curve"]["boundaries"]["4->5-6"].values():
+        for key in stats:
+            stats[key] = stats[key][:4]
+    short["dlr_curve"]["boundaries"]["5-6->7"] = short["dlr_curve"]["boundaries"]["4->5-6"]
+    assert C.claim_dlr(short)["judged_on"]["loops"] == [4, 4, 4]  # the largest budget the curve has
+
+
+def _series(values: list[dict[str, float]]) -> dict:
+    """A summary whose checkpoints' settled cosines are ``values`` (one dict per checkpoint)."""
+    checkpoints = []
+    for number, settled in enumerate(values):
+        groups = [_group(name, FAST, value) for name, value in settled.items()]
+        budgets = {"long": {"groups": groups, "dlr": {}, "loop_counts": [30] * len(groups)}}
+        checkpoints.append({"label": f"step_{number:06d}", "step": 100 * (number + 1), "path": "x", "budgets": budgets})
+    return {"checkpoints": checkpoints, "scale_budget": "long", "settings": {"precision": "float64", "seed": 3},
+            "sequences": 4, "seq_len": 64}
+
+
+def test_cosine_trend_over_checkpoints():
+    rising = _series([{"4": -0.3, "7": 0.2}, {"4": 0.1, "7": 0.4}, {"4": 0.55, "7": 0.6}])
+    claim = C.claim_cosine(rising, {"training": 1})
+    assert claim["verdict"] == C.REPRODUCED and claim["ours"]["trend"]["holds"]
+    group = claim["ours"]["trend"]["groups"][0]
+    assert group["slope_per_1000_steps"] == pytest.approx(4.25)  # (-0.3, 0.1, 0.55) at steps 100, 200, 300
+    assert claim["judged_on"] == {"budget": "long", "loops": [30, 30], "precision": "float64",
+                                  "seeds": {"training": 1, "analysis": 3}, "tokens": 256,
+                                  "checkpoint": "step_000002", "spread": None}
+    assert "increasingly orthogonal" in " ".join(claim["why"])  # the paper's wording, said to pull two ways
+    falling = _series([{"4": 0.55, "7": 0.6}, {"4": 0.55, "7": 0.9}, {"4": 0.56, "7": 0.6}])
+    assert C.claim_cosine(falling)["ours"]["trend"]["holds"]  # same distance (0): inside the band counts
+    away = _series([{"4": -0.3, "7": 0.2}, {"4": -0.4, "7": 0.1}, {"4": -0.5, "7": -0.2}])
+    claim = C.claim_cosine(away)
+    assert not claim["ours"]["trend"]["holds"] and claim["verdict"] == C.NOT
+    toward = _series([{"4": -0.9, "7": -0.8}, {"4": -0.6, "7": -0.5}, {"4": -0.3, "7": -0.2}])
+    claim = C.claim_cosine(toward)  # negative everywhere (level: not), but rising toward the band: partly
+    assert claim["ours"]["trend"]["holds"] and claim["verdict"] == C.PARTLY
+    assert "moves toward the band in every group" in " ".join(claim["why"])
+    drift = _series([{"4": 0.6, "7": 0.6}, {"4": 0.6, "7": 0.6}])
+    drift["checkpoints"][0]["budgets"]["long"]["groups"][1]["headline"]["settled_cosine"] = 0.7  # inside the slack
+    assert C.claim_cosine(drift)["verdict"] == C.REPRODUCED
+
+
+def test_plateau_claim():
+    flat = [12.0] + [0.1] * 29
+    contracting = [12.0] + [0.5 ** k for k in range(29)]
+
+    def group(name, sizes):
+        entry = _group(name, sizes, 0.5)
+        relative = [s / 10 for s in sizes]
+        entry["step_size"]["std"] = [0.01] * len(sizes)
+        entry["headline"]["plateau"] = __import__("rdepth.geometry.summary", fromlist=["plateau"]).plateau(sizes, relative)
+        return entry
+
+    summary = _geometry([group("4", flat), group("7", flat)])
+    assert C.claim_plateau(summary)["verdict"] == C.REPRODUCED
+    summary = _geometry([group("4", flat), group("7", contracting)])
+    claim = C.claim_plateau(summary)
+    assert claim["verdict"] == C.PARTLY and "x0.00098 over 10 steps" in claim["ours"]["value"]
+    assert C.claim_plateau(_geometry([group("4", contracting)]))["verdict"] == C.NOT
+
+
 # ------------------------------------------------------------------ constructed sweeps
 
 
@@ -125,7 +212,7 @@ def test_a_model_that_did_not_learn_answers_no_claim():
     sweep = _sweep({"acceleration": FLAT, "kl": FLAT, "step_norm": CLIFF},
                    {"acceleration": 1.0, "kl": 2.0, "step_norm": 1.0})
     claims = C.judge_all(summary, sweep, stuck)
-    assert [c["verdict"] for c in claims] == [C.UNTESTED] * 4
+    assert [c["verdict"] for c in claims] == [C.UNTESTED] * 5
     assert claims[0]["ours"]["measured_anyway"].startswith("step size at 1/10")
     learned = {**stuck, "loop_budgets": [{"loops": [1, 1, 1], "ppl": 4000.0}, {"loops": [6, 6, 6], "ppl": 900.0}]}
     assert C.unlearned_reason(learned) is None and C.unlearned_reason(None) is None
@@ -155,6 +242,21 @@ def test_exit_claim_partly_and_not():
                                  {"acceleration": 1.0, "kl": 1.01, "step_norm": 0.8}))
     assert claim["verdict"] == C.NOT
     assert "noise" in claim["ours"]["checks"]["faster_than_kl"]["reason"]
+
+
+def test_flat_acceleration_needs_steps_saved():
+    """Flat perplexity at 100% of the steps says nothing: acceleration must save >= 10% at some tau."""
+    sweep = _sweep({"acceleration": FLAT, "kl": FLAT, "step_norm": CLIFF}, {"acceleration": 1.0, "kl": 2.0, "step_norm": 1.0})
+    check = C.claim_exits(sweep)["ours"]["checks"]["acceleration_flat"]
+    assert check["holds"] and check["most_steps_saved"] == pytest.approx(0.25)  # 18 of 24 steps
+    for point in sweep["points"]:
+        if point["policy"] == "acceleration":
+            point["mean_steps"], point["steps"] = [7.5, 7.5, 7.5], 22.5  # saves 6.25%: barely fires
+    claim = C.claim_exits(sweep)
+    check = claim["ours"]["checks"]["acceleration_flat"]
+    assert check["flat"] and not check["saves_enough"] and not check["holds"]
+    assert claim["verdict"] == C.PARTLY and "barely fires" in " ".join(claim["why"])
+    assert "rescaled threshold" in " ".join(claim["why"])
 
 
 def test_exit_claim_untested_without_the_policies():
@@ -260,6 +362,48 @@ def test_corpus_is_prepared_when_data_is_not(tmp_path):
 # ------------------------------------------------------------------ end to end
 
 
+def assert_verdicts_recompute_from_saved_arrays(out) -> None:
+    """Recompute the geometry verdicts of ``OUT/claims.json`` from the saved numbers with code written
+    here (numpy, not rdepth's judging): the DLR from its per-token NPZ at the judged budget, the settled
+    cosine and the plateau from the saved per-step curves."""
+    import numpy as np
+
+    doc = json.loads((out / "claims.json").read_text())
+    claims = {claim["id"]: claim for claim in doc["claims"]}
+    geometry = json.loads((out / "report" / "geometry" / "summary.json").read_text())
+    # DLR: the median of Eq. 2's per-token ratios at K = loops judged
+    dlr = claims["dlr"]
+    loops = dlr["judged_on"]["loops"][0]
+    with np.load(out / "report" / geometry["dlr_curve"]["arrays"]) as npz:
+        medians = [float(np.median(npz[f"{b['boundary']}/literal/{loops}"])) for b in dlr["ours"]["boundaries"]]
+    for boundary, median in zip(dlr["ours"]["boundaries"], medians):
+        assert boundary["literal_median"] == pytest.approx(median, rel=1e-5)
+    expected = ("reproduced" if all(m >= 10 for m in medians) else "partly" if all(m > 1 for m in medians)
+                else "not reproduced")
+    assert dlr["verdict"] == expected
+    # settled cosine and plateau: from the long budget's mean curves at the final checkpoint
+    groups = geometry["checkpoints"][-1]["budgets"]["long"]["groups"]
+    settled = []
+    for group in groups:
+        relative, cosines, sizes = (group["relative_step_size"]["mean"], group["cosine"]["mean"],
+                                    group["step_size"]["mean"])
+        floor = next((k for k, value in enumerate(relative) if value < 1e-3), None)
+        usable = cosines if floor is None else cosines[: max(floor - 1, 0)]
+        settled.append(float(np.mean(usable[-5:])) if usable else None)
+        plateau = sizes[-1] / sizes[-11] >= 0.5 and relative[-1] >= 1e-3
+        row = next(g for g in claims["plateau"]["ours"]["groups"] if g["group"] == group["name"])
+        assert row["holds"] == plateau
+    measured = [value for value in settled if value is not None]
+    for row, value in zip(claims["cosine"]["ours"]["groups"], settled):
+        assert row["settled_cosine"] == (None if value is None else pytest.approx(value))
+    inside = sum(0.45 <= value <= 0.70 for value in measured)
+    level = ("reproduced" if inside == len(measured) else "partly" if inside or all(v > 0 for v in measured)
+             else "not reproduced")
+    if level == "not reproduced" and claims["cosine"]["ours"]["trend"]["holds"]:
+        level = "partly"
+    assert claims["cosine"]["verdict"] == level
+
+
 @pytest.mark.slow
 def test_toy_run_end_to_end(wiki_small, tmp_path, capsys):
     out, export = tmp_path / "run", tmp_path / "export"
@@ -267,15 +411,18 @@ def test_toy_run_end_to_end(wiki_small, tmp_path, capsys):
             "--device", "cpu", "--threads", "1", "--train-share", "0.3", "--export-dir", str(export)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "| # | claim | paper | ours | verdict |" in printed
+    assert "| # | claim | paper | ours | judged on | verdict |" in printed
     doc = json.loads((out / "claims.json").read_text())
-    assert [claim["id"] for claim in doc["claims"]] == ["step_decay", "cosine", "dlr", "exits"]
+    assert [claim["id"] for claim in doc["claims"]] == ["step_decay", "plateau", "cosine", "dlr", "exits"]
     for claim in doc["claims"]:
         assert claim["verdict"] in C.VERDICTS and claim["verdict"] != C.UNTESTED
         assert claim["ours"]["value"] and claim["paper"]["figure"] and claim["figure"]
         assert (out / "report" / claim["figure"]).is_file()
-    assert isinstance(doc["claims"][2]["ours"]["boundaries"][0]["literal_median"], float)  # three groups: DLR
-    exits = doc["claims"][3]["ours"]["policies"]
+        assert claim["judged_on"]["seeds"]["training"] == 0 and claim["judged_on"]["precision"]
+    assert isinstance(doc["claims"][3]["ours"]["boundaries"][0]["literal_median"], float)  # three groups: DLR
+    assert doc["claims"][3]["judged_on"]["loops"] == [12, 12, 12]  # the paper's budget, on the curve
+    assert_verdicts_recompute_from_saved_arrays(out)
+    exits = doc["claims"][4]["ours"]["policies"]
     assert {"acceleration", "kl", "step_norm"} <= set(exits) and len(exits["kl"]) == 4
     assert exits["kl"][0]["ms_per_token_b1"] > 0 and exits["kl"][0]["tokens_per_s_batched"] > 0
     context = doc["context"]
@@ -354,7 +501,7 @@ def test_the_plan_times_each_size_it_steps_down_to(monkeypatch, tmp_path):
         return Probe(size, speed[size], 8)
 
     monkeypatch.setattr(R, "_probe", probe)
-    monkeypatch.setattr(R, "_model_config", lambda name, data: size_config(name, 50257, "gpt2"))
+    monkeypatch.setattr(R, "_model_config", lambda name, data, config: size_config(name, 50257, "gpt2"))
     config = ReproduceConfig(out=str(tmp_path), minutes=9, sizes=("paper", "small", "mini")).for_device("cuda")
     saved = R._planned(config, tmp_path, "cuda", StageTimer(logging.getLogger("test")))
     # paper's speed puts small past 50M tokens; small's own speed does not, and puts mini past them
@@ -373,3 +520,16 @@ def test_the_paper_size_is_timed_on_cuda_only_when_the_budget_can_train_it():
     assert ReproduceConfig(minutes=PAPER_SIZE_MINUTES).for_device("cuda").sizes == ("paper", "small", "mini")
     assert ReproduceConfig(minutes=30, sizes=("mini",)).for_device("cuda").sizes == ("mini",)
     assert ReproduceConfig(minutes=30).for_device("cpu").sizes == ("tiny", "toy")
+
+
+def test_the_papers_loop_recipe_overrides_every_size(wiki_small):
+    """--mean-loops 12 --backprop-depth 8 --loop-state residual reach the model of whatever size is planned."""
+    from rdepth.reproduce.run import _model_config
+
+    config = ReproduceConfig(out="x", mean_loops=12.0, backprop_depth=8, loop_state="residual")
+    model = _model_config("mini", wiki_small, config)
+    assert (model.mean_loops, model.backprop_depth, model.loop_state, model.d_model) == (12.0, 8, "residual", 384)
+    plain = _model_config("mini", wiki_small, ReproduceConfig(out="x"))
+    assert (plain.mean_loops, plain.backprop_depth, plain.loop_state) == (6.0, 4, "sandwich")
+    with pytest.raises(RdepthError, match="loop_state must be one of"):
+        ReproduceConfig(out="x", loop_state="highway")

@@ -6,7 +6,8 @@ the model runs the same held-out windows through the run layer's one
 evaluation loop (:func:`rdepth.run.evaluate.eval_outputs`), with a
 :class:`~rdepth.geometry.stream.GeometryObserver` attached. Window i starts
 from the same initial-state noise in every checkpoint, every budget and in
-``rdepth eval``, so the saved loss equals ``rdepth eval``'s for the same
+``rdepth eval``, so the saved loss equals ``rdepth eval``'s (on the model in the analysis precision,
+float64 by default) for the same
 checkpoint, windows, budget and seed, whatever the batch size.
 
 The numbers are saved in :mod:`rdepth.geometry.summary`'s format; figures
@@ -29,7 +30,8 @@ from rdepth.errors import RdepthError
 from rdepth.geometry.config import AnalyzeConfig
 from rdepth.geometry.slowest import slowest_tokens
 from rdepth.geometry.stream import GeometryObserver, StreamResult
-from rdepth.geometry.summary import checkpoint_entry, new_summary, save_budget, write_slowest, write_summary
+from rdepth.geometry.summary import (GEOMETRY_DIR, checkpoint_entry, new_summary, save_budget, write_slowest,
+                                     write_summary)
 from rdepth.model import RecurrentLM
 from rdepth.run.checkpoint import checkpoint_step, find_checkpoints, load_model
 from rdepth.run.device import resolve_device
@@ -87,6 +89,68 @@ def answer_masks(opened, count: int, seq_len: int | None) -> torch.Tensor | None
     return held_out_windows(mask, length, count).bool()
 
 
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+DLR_CURVE_FILE = "dlr_curve.npz"
+
+
+def dlr_curve(model: RecurrentLM, windows: torch.Tensor, group_names: list[str], config: AnalyzeConfig,
+              device: torch.device, out: Path, label: str) -> dict[str, Any]:
+    """DLR against the loop budget: every group at K = 1..``config.dlr_curve_loops`` on the first
+    ``config.dlr_curve_sequences`` windows (same noise per window as every other budget).
+
+    Saves the per-token ratios as ``OUT/geometry/<label>/dlr_curve.npz`` (keys
+    ``<boundary>/<definition>/<K>``) and returns, per boundary and definition, the median and the
+    10th/90th percentiles over tokens at each K.
+    """
+    from rdepth.geometry.arrays import save_npz
+    from rdepth.geometry.summary import _stats
+
+    small = windows[: config.dlr_curve_sequences]
+    quiet = AnalyzeConfig(**{**asdict(config), "rank": False, "progress": False, "keep_sequence": 0})
+    budgets = list(range(1, config.dlr_curve_loops + 1))
+    curve: dict[str, dict[str, dict[str, list]]] = {}
+    arrays: dict[str, Any] = {}
+    for loops in budgets:
+        result, _ = run_budget(model, small, (loops,) * len(group_names), quiet, device)
+        for boundary, definitions in result.boundaries.items():
+            a, b = (int(part) for part in boundary.split("->"))
+            name = f"{group_names[a]}->{group_names[b]}"
+            for definition, values in definitions.items():
+                stats = _stats(values)
+                entry = curve.setdefault(name, {}).setdefault(definition, {"median": [], "p10": [], "p90": []})
+                for key in entry:
+                    entry[key].append(stats[key])
+                arrays[f"{name}/{definition}/{loops}"] = values.astype("float32")
+    path = out / GEOMETRY_DIR / label / DLR_CURVE_FILE
+    save_npz(path, arrays)
+    return {"checkpoint": label, "loops": budgets, "sequences": int(small.shape[0]), "boundaries": curve,
+            "arrays": path.relative_to(out).as_posix()}
+
+
+def jacobian_spectra(model: RecurrentLM, windows: torch.Tensor, loop_counts: tuple[int, ...],
+                     config: AnalyzeConfig, device: torch.device) -> dict[str, Any]:
+    """The own-state Jacobian spectra (:mod:`rdepth.geometry.jacobian`) at each group's last iterate after
+    ``loop_counts`` steps: one position per window in the first ``config.jacobian_positions`` windows,
+    drawn from ``config.seed`` among the positions past the first quarter of the window."""
+    from rdepth.geometry.jacobian import TOP_EIGENVALUES, spectra
+    from rdepth.model.noise import StateNoise
+
+    count = min(config.jacobian_positions, windows.shape[0])
+    idx = windows[:count, :-1].to(device)
+    length = idx.shape[1]
+    generator = torch.Generator().manual_seed(config.seed)
+    low = length // 4
+    positions = [int(p) for p in torch.randint(low, length, (count,), generator=generator)]
+    was_training = model.training
+    model.eval()
+    try:
+        groups = spectra(model, idx, positions, loop_counts, StateNoise.consecutive(config.seed, 0, count))
+    finally:
+        model.train(was_training)
+    return {"loop_counts": list(loop_counts), "positions": positions, "windows": list(range(count)),
+            "top": TOP_EIGENVALUES, "groups": groups}
+
+
 def _architecture(config) -> tuple:
     return config.to_dict()["groups"], config.d_model, config.n_layer
 
@@ -118,6 +182,7 @@ def analyze(config: AnalyzeConfig) -> dict[str, Any]:
     for checkpoint in checkpoints:
         started = time.perf_counter()
         model, model_config = loaded or load_model(checkpoint, device)
+        model = model.to(DTYPES[config.precision])
         loaded = None
         if _architecture(model_config) != reference:
             raise RdepthError(f"checkpoint {checkpoint} has a different architecture from {checkpoints[0]}")
@@ -130,6 +195,10 @@ def analyze(config: AnalyzeConfig) -> dict[str, Any]:
             if budget == "long":
                 last_long = result
         entry = checkpoint_entry(checkpoint.name, checkpoint_step(checkpoint), str(checkpoint), saved)
+        if config.jacobian_positions:
+            entry["jacobian"] = jacobian_spectra(model, windows, budgets["long"], config, device)
+        if config.dlr_curve_loops and checkpoint == checkpoints[-1] and len(group_names) > 1:
+            summary["dlr_curve"] = dlr_curve(model, windows, group_names, config, device, out, checkpoint.name)
         entry["seconds"] = time.perf_counter() - started
         log.info("%s: train-budget loss %.4f, long-budget loss %.4f (%.1f s)", checkpoint.name,
                  saved["train"]["loss"], saved["long"]["loss"], entry["seconds"])

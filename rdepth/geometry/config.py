@@ -9,6 +9,9 @@ from rdepth.errors import RdepthError
 from rdepth.fields import option
 from rdepth.threads import THREADS_HELP
 
+# The dtypes ``rdepth analyze`` can run a model in (AnalyzeConfig.precision).
+PRECISIONS = ("float64", "float32")
+
 
 @dataclass
 class AnalyzeConfig:
@@ -38,6 +41,15 @@ class AnalyzeConfig:
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
     threads: int = option(0, THREADS_HELP)
     progress: bool = option(True, "progress bars while measuring (the demo turns them off)")
+    precision: str = option(
+        "float64", "dtype the model runs in while measured: float64 (loop geometry free of float32 rounding "
+        "where a loop contracts to tiny steps) or float32 (the dtype it trained in)")
+    dlr_curve_loops: int = option(
+        30, "the DLR loop-budget curve: every group at K = 1..N loops, on the last checkpoint (0: off)")
+    dlr_curve_sequences: int = option(4, "held-out windows of the DLR loop-budget curve (the first ones)")
+    jacobian_positions: int = option(
+        4, "sampled positions (one per window) whose own-state Jacobian spectrum is measured at each "
+        "group's last iterate of the long budget, every checkpoint (0: off)")
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoints, (str, bytes)):
@@ -50,7 +62,13 @@ class AnalyzeConfig:
                 raise RdepthError(f"analyze: train_loops must be positive integers (N or N,N,...), "
                                   f"got {self.train_loops!r}")
             self.train_loops = tuple(counts)
-        for name in ("sequences", "batch_size", "long_loops", "top_tokens"):
+        if self.precision not in PRECISIONS:
+            raise RdepthError(f"analyze: precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        for name in ("dlr_curve_loops", "jacobian_positions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOOPS:
+                raise RdepthError(f"analyze: {name} must be an integer in 0..{MAX_LOOPS}, got {value!r}")
+        for name in ("sequences", "batch_size", "long_loops", "top_tokens", "dlr_curve_sequences"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise RdepthError(f"analyze: {name} must be a positive integer, got {value!r}")

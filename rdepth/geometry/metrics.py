@@ -19,8 +19,8 @@ import torch
 
 from rdepth.errors import RdepthError
 
-# Added to denominators so that a zero update gives cosine 0 (not NaN) and a
-# zero state gives an infinite-free relative step.
+# Added to denominators of step-size ratios so that a zero state gives an infinite-free
+# relative step and a zero mean step a finite DLR. Not used by the cosine (see :func:`cosine`).
 EPS = 1e-12
 
 
@@ -55,17 +55,31 @@ def relative_step_sizes(states: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     return step_sizes(states) / (states[:-1].norm(dim=-1) + eps)
 
 
-def step_cosines(states: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+def cosine(dots: torch.Tensor, norms_a: torch.Tensor, norms_b: torch.Tensor) -> torch.Tensor:
+    """dots / (norms_a * norms_b), elementwise in float64, and 0 where a norm is exactly 0.
+
+    The epsilon is relative, not additive: a fixed ``+1e-12`` in the denominator pulls the cosine of
+    two steps of size 1e-6 toward 0 by a factor 1/(1 + 1e-12/1e-12) = 1/2, and its bias grows as the
+    loop contracts. Here the only guard is against an exact zero (a step that did not move), so the
+    cosine of any two non-zero steps is exact however small they are (their float rounding noise is
+    the noise floor's business, :data:`rdepth.geometry.summary.NOISE_FLOOR`).
+    """
+    denominator = norms_a.double() * norms_b.double()
+    safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+    return torch.where(denominator > 0, dots.double() / safe, torch.zeros_like(denominator))
+
+
+def step_cosines(states: torch.Tensor) -> torch.Tensor:
     """Consecutive-step cosine cos(Delta^(j), Delta^(j+1)): [K+1, N, d] -> [K-1, N].
 
     Row j compares step j with step j+1 (the paper's cos(Delta^(k), Delta^(k-1))
-    with k = j+1). A zero update gives cosine 0.
+    with k = j+1). A zero update gives cosine 0 (:func:`cosine`).
     """
     _check_states(states, min_steps=2)
     delta = updates(states)
     dots = (delta[1:] * delta[:-1]).sum(dim=-1)
     norms = delta.norm(dim=-1)
-    return dots / (norms[1:] * norms[:-1] + eps)
+    return cosine(dots, norms[1:], norms[:-1])
 
 
 def accelerations(states: torch.Tensor) -> torch.Tensor:

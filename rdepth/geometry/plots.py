@@ -221,6 +221,65 @@ def figure_effective_rank(summary: dict[str, Any], budget: str = "long"):
     return figure
 
 
+def figure_dlr_budget(summary: dict[str, Any]):
+    """DLR against the loop budget K (the saved ``dlr_curve``): Eq. 2 as written, which grows about like K,
+    beside the hand-off drift over the refinement steps, which does not depend on the random start."""
+    plt = _pyplot()
+    curve = summary["dlr_curve"]
+    loops = curve["loops"]
+    figure, axis = plt.subplots(figsize=(6, 3.8))
+    for index, (boundary, definitions) in enumerate(curve["boundaries"].items()):
+        colour = f"C{index}"
+        for definition, style, label in (("literal", "--", "Eq. 2 (x(0), all steps)"),
+                                         ("output_refine", "-", "hand-offs x(K), refinement steps")):
+            stats = definitions.get(definition)
+            if not stats:
+                continue
+            median = np.array([np.nan if v is None else v for v in stats["median"]], dtype=float)
+            low = np.array([np.nan if v is None else v for v in stats["p10"]], dtype=float)
+            high = np.array([np.nan if v is None else v for v in stats["p90"]], dtype=float)
+            axis.plot(loops, median, style, color=colour, label=f"{boundary}: {label}")
+            axis.fill_between(loops, low, high, color=colour, alpha=0.08)
+    axis.axvline(12, color="grey", linewidth=0.8, linestyle=":")
+    axis.axhline(10, color="k", linewidth=0.5, linestyle=":")
+    axis.set_yscale("log")
+    plain_log_ticks(axis.yaxis)
+    axis.set_xlabel("loop budget K (every group)")
+    axis.set_ylabel("DLR (median over tokens, p10-p90 band)")
+    axis.set_title(f"DLR against the loop budget ({curve['checkpoint']}; paper's r = 12 dotted)")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    return figure
+
+
+def figure_jacobian(summary: dict[str, Any]):
+    """The own-state Jacobian's leading eigenvalues at each group's last iterate (last checkpoint), in the
+    complex plane with the unit circle: modulus = contraction per step, angle = turning per step."""
+    plt = _pyplot()
+    spectra = summary["checkpoints"][-1]["jacobian"]
+    names = summary["groups"]
+    figure, axes = plt.subplots(1, len(names), figsize=(3.6 * len(names), 3.6), squeeze=False)
+    circle = np.linspace(0, 2 * np.pi, 200)
+    for axis, name, group in zip(axes[0], names, spectra["groups"]):
+        axis.plot(np.cos(circle), np.sin(circle), color="grey", linewidth=0.6)
+        for position, rows in enumerate(group["eigenvalues"]):
+            axis.scatter([r["real"] for r in rows], [r["imag"] for r in rows], s=14, color=f"C{position}",
+                         label=f"position {spectra['positions'][position]}")
+        radius = group["spectral_radius"]["median"]
+        angle = group["leading_angle_deg"]["median"]
+        axis.set_title(f"group {name}: |λ1| {radius:.2f}, ∠ {angle:.0f}°", fontsize=9)
+        axis.set_aspect("equal")
+        axis.axhline(0, color="k", linewidth=0.4)
+        axis.axvline(0, color="k", linewidth=0.4)
+        axis.set_xlabel("Re λ")
+    axes[0, 0].set_ylabel("Im λ")
+    axes[0, -1].legend(fontsize=6)
+    figure.suptitle(f"Own-state Jacobian eigenvalues at the last of {spectra['loop_counts'][0]} loop steps "
+                    f"(top {spectra['top']} per position)", fontsize=10)
+    figure.tight_layout()
+    return figure
+
+
 # ------------------------------------------------------------------ all
 
 
@@ -255,6 +314,18 @@ def draw_all(out: str | Path, summary: dict[str, Any]) -> list[tuple[str, str]]:
             ("fig5_long_cosines", lambda: figure_long_cosines(summary),
              "Fig. 5: consecutive-step cosine at the long fixed budget across checkpoints."),
         ]
+    if summary.get("dlr_curve"):
+        figures.append(("fig2b_dlr_budget", lambda: figure_dlr_budget(summary),
+                        "DLR against the loop budget K = 1..N (median over tokens, p10-p90 band): Eq. 2 as written "
+                        "(dashed) grows about like K, so a DLR verdict must name its K (the paper's r = 12, dotted); "
+                        "solid: the two groups' hand-off states over the earlier group's refinement steps, free of "
+                        "the random start."))
+    if last.get("jacobian"):
+        figures.append(("fig_jacobian", lambda: figure_jacobian(summary),
+                        "Leading eigenvalues of each group's own-state Jacobian at its last iterate (last "
+                        "checkpoint, sampled positions): inside the unit circle contracts; the angle is the turning "
+                        "per step (near 180°: steps flip back and forth, negative cosines; near 0°: they keep "
+                        "going, positive cosines)."))
     rank_budget = summary["scale_budget"]
     if "effective_rank" in last["budgets"][rank_budget]["groups"][0]:
         figures.append(("fig_effective_rank", lambda: figure_effective_rank(summary, rank_budget),

@@ -38,6 +38,8 @@ def loop_scale_rows(summary: dict[str, Any], budget: str | None = None) -> list[
                 "|Δ5|/|Δ0|": headline["decay_5_over_0"], "|Δ10|/|Δ0|": headline["decay_10_over_0"],
                 "|Δ10|/|Δ1|": headline["decay_10_over_1"],
                 "settled cos": headline["settled_cosine"],
+                "± (tokens)": headline.get("settled_cosine_std"),
+                "plateau (last/first, 10 steps)": (headline.get("plateau") or {}).get("ratio"),
                 "noise floor at k": headline["noise_floor_step"],
             }
             if headline["last_effective_rank"] is not None:
@@ -46,6 +48,41 @@ def loop_scale_rows(summary: dict[str, Any], budget: str | None = None) -> list[
             never = group["convergence"]["never_fraction"]  # a share: in percent, as the page's other shares
             row["never conv. %"] = None if never is None else f"{100 * never:.1f}"
             rows.append(row)
+    return rows
+
+
+def jacobian_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per checkpoint and group: the own-state Jacobian's leading eigenvalue at the last iterate
+    (median, min, max over the sampled positions)."""
+    rows = []
+    for entry in summary["checkpoints"]:
+        spectra = entry.get("jacobian")
+        if not spectra:
+            continue
+        for name, group in zip(summary["groups"], spectra["groups"]):
+            radius, angle = group["spectral_radius"], group["leading_angle_deg"]
+            rows.append({"checkpoint": entry["label"], "group": name, "positions": len(spectra["positions"]),
+                         "|λ1| median": radius["median"], "|λ1| min-max": f"{radius['min']:.3g}-{radius['max']:.3g}",
+                         "∠λ1 median (deg)": angle["median"],
+                         "∠λ1 min-max": f"{angle['min']:.0f}-{angle['max']:.0f}"})
+    return rows
+
+
+def dlr_budget_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The DLR loop-budget curve at a few budgets: Eq. 2 and the start-free hand-off drift, medians."""
+    curve = summary.get("dlr_curve")
+    if not curve:
+        return []
+    rows = []
+    for index, loops in enumerate(curve["loops"]):
+        if loops not in (1, 2, 4, 8, 12, 16, 20, 30) and loops != curve["loops"][-1]:
+            continue
+        row: dict[str, Any] = {"K": loops}
+        for boundary, definitions in curve["boundaries"].items():
+            row[f"{boundary} Eq. 2"] = (definitions.get("literal") or {}).get("median", [None] * (index + 1))[index]
+            row[f"{boundary} hand-off/refine"] = (definitions.get("output_refine") or {}).get(
+                "median", [None] * (index + 1))[index]
+        rows.append(row)
     return rows
 
 
@@ -138,8 +175,9 @@ def at_a_glance(summary: dict[str, Any]) -> str:
         text += f" Within a loop, the step-size decay |Δ10|/|Δ1| per group is {'; '.join(decays)}."
     if settled:
         text += (f" Settled cosine of consecutive steps per group: {'; '.join(settled)} (mean of the last "
-                 f"{summary['headline_definitions']['settled_steps']} cosines of the {budget} budget above the "
-                 "float noise floor).")
+                 f"{summary['headline_definitions']['settled_steps']} cosines of the {budget} budget whose steps are "
+                 f"above {summary['headline_definitions']['noise_floor']:g} of the state, measured in "
+                 f"{(summary.get('settings') or {}).get('precision', 'float32')}).")
     return text
 
 
@@ -182,6 +220,18 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
     else:
         section.note("No drift-to-loop ratio (Fig. 2): the model has one looped group, so no state is handed on "
                      "from one group to another.")
+    if dlr_budget_rows(summary):
+        curve = summary["dlr_curve"]
+        section.table(dlr_budget_rows(summary), caption=(
+            f"DLR against the loop budget ({curve['checkpoint']}, {curve['sequences']} windows, median over tokens): "
+            "Eq. 2 as written grows about like K (its denominator is dominated by the jump from the random start), "
+            "so a verdict must name its K; 'hand-off/refine' is the two groups' output states over the earlier "
+            "group's refinement steps, free of the random start"))
+    if jacobian_rows(summary):
+        section.table(jacobian_rows(summary), caption=(
+            "Own-state Jacobian at each group's last iterate of the long budget: |λ1| is the contraction per step of "
+            "the leading direction, ∠λ1 its turning per step (180°: each step flips the last, a negative cosine; "
+            "0°: steps keep their direction)"))
     if loss_rows(summary):
         scored = ("the answer tokens (what the model is trained to predict) among "
                   if summary.get("loss_tokens") == "answers" else "")
@@ -204,7 +254,8 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
         return section
     constants = summary["headline_definitions"]
     section.note(
-        f"Measured on {summary['sequences']} held-out windows of {summary['seq_len']} tokens "
+        f"Measured in {settings.get('precision', 'float32')} on {summary['sequences']} held-out windows of "
+        f"{summary['seq_len']} tokens "
         f"({summary['sequences'] * summary['seq_len']:,} tokens) from {settings['data']}; groups are named by "
         "their 0-based layer range; window i starts from the same initial-state noise in every checkpoint (and in "
         "rdepth eval). Step k's update is "
@@ -214,7 +265,7 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
         f"floor (mean relative step size {constants['noise_floor']:g}; 'noise floor at k' is the first update "
         "under it, blank if never). "
         "Effective rank: exp of the entropy of the normalised singular values of the N x d matrix of "
-        "updates at one step; once steps shrink to float32 rounding level it measures noise (near d). "
+        "updates at one step; once steps shrink to rounding level it measures noise (near d). "
         "All numbers are in geometry/summary.json and geometry/<checkpoint>/<budget>.npz.")
     return section
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from rdepth.errors import RdepthError
-from rdepth.geometry.metrics import (DLR_DENOMINATORS, DLR_DEFINITIONS, EPS, dlr_next_index,
+from rdepth.geometry.metrics import (DLR_DENOMINATORS, DLR_DEFINITIONS, EPS, cosine, dlr_next_index,
                                      effective_rank_from_gram)
 
 # Per-step statistics; "cosine" and "acceleration" compare step j with j+1.
@@ -200,8 +200,7 @@ class GeometryObserver:
                 acc.grams[index] += gram
         if current.prev_delta is not None:
             before = current.prev_delta if rows is None else current.prev_delta[rows]
-            cosine = (delta * before).sum(dim=-1) / (size * before.norm(dim=-1) + EPS)
-            acc.moments["cosine"].add(index - 1, cosine)
+            acc.moments["cosine"].add(index - 1, cosine((delta * before).sum(dim=-1), size, before.norm(dim=-1)))
             acc.moments["acceleration"].add(index - 1, (delta - before).norm(dim=-1))
         # per-token bookkeeping, then move on
         select = slice(None) if rows is None else rows

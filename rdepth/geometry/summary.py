@@ -14,9 +14,12 @@ here, once, when the analysis runs, and saved; readers never recompute. The
 headline numbers of a group at one budget (``group["headline"]``):
 
 * ``noise_floor_step``: first update index whose mean relative step size is
-  under ``NOISE_FLOOR`` (float32 rounding noise), None if never;
+  under ``NOISE_FLOOR`` (1e-3 of the state), None if never;
 * ``settled_cosine``: mean of the last ``SETTLED_STEPS`` consecutive-step
-  cosines whose steps are still above the noise floor;
+  cosines whose steps are still above the noise floor; ``settled_cosine_std``: the
+  mean over the same steps of the cosine's standard deviation over tokens (its spread);
+* ``plateau``: whether step sizes level off at a nonzero value over the last
+  ``PLATEAU_WINDOW`` steps (:func:`plateau`);
 * ``first_step_size`` / ``second_step_size``: ||Delta^(0)||, ||Delta^(1)||;
 * ``decay_5_over_0``, ``decay_10_over_0``, ``decay_10_over_1``: step-size decay
   ratios ||Delta^(k)|| / ||Delta^(j)|| (None when the loop is too short);
@@ -55,7 +58,10 @@ SLOWEST_FILE = "slowest_tokens.json"
 # "headline_definitions"); loop-state noise keyed per held-out window, as ``rdepth eval``.
 # 3: DLR under both denominators (``<numerator>`` and ``<numerator>_refine``), "dlr_labels",
 # "dlr_default_refine"; DLR statistics over defined values only (null when none is).
-FORMAT_VERSION = 3
+# 4: noise floor 1e-3 relative, exact cosines (no additive epsilon), "precision" in the settings,
+# plateau and settled-cosine spread in the headline, the DLR loop-budget curve ("dlr_curve") and
+# the own-state Jacobian spectrum per checkpoint ("jacobian").
+FORMAT_VERSION = 4
 
 DLR_NUMERATOR_TEXT = {
     "literal": "||x_{g+1}^(0) - x_g^(K_g)||, x^(0) the next group's random initial state",
@@ -86,9 +92,19 @@ DLR_LABELS = {
 DEFAULT_DLR_REFINE = f"{DEFAULT_DLR}_refine"
 
 SETTLED_STEPS = 5
-# A mean relative step size ||Delta|| / ||x|| under this is float32 rounding
-# noise (eps ~1.2e-7 per coordinate): cosines between such steps are random.
-NOISE_FLOOR = 1e-5
+# Steps whose mean relative size ||Delta|| / ||x|| is under this are left out of the settled
+# cosine. In float32 the rounding noise of a difference of two states is ~1e-7 of the state per
+# coordinate, and a step of 1e-5 relative is already a few percent noise in its direction: a
+# slowly contracting group then read -0.22 (float32) against -0.09 (float64). 1e-3 keeps the
+# cosine to steps at least ~1,000x above float32 noise; ``rdepth analyze`` also runs in float64
+# by default (``precision``), so the floor, not rounding, decides which steps count.
+NOISE_FLOOR = 1e-3
+# The plateau test: over the last PLATEAU_WINDOW steps of the long budget the mean step size
+# shrinks by less than PLATEAU_MAX_DECAY (last / first of the window >= 1 / PLATEAU_MAX_DECAY) and
+# stays above the noise floor in relative size: the paper's "norms plateau at a small nonzero
+# value due to rotation". A loop contracting 2x per step shrinks ~1,000x over the window.
+PLATEAU_WINDOW = 10
+PLATEAU_MAX_DECAY = 2.0
 
 
 # ------------------------------------------------------------------ headline numbers
@@ -108,6 +124,26 @@ def settled_cosine(cosine_means: list[float], floor: int | None) -> float | None
     """
     usable = cosine_means if floor is None else cosine_means[: max(floor - 1, 0)]
     return float(np.mean(usable[-SETTLED_STEPS:])) if usable else None
+
+
+def settled_spread(cosine_stds: list[float], floor: int | None) -> float | None:
+    """The mean token-level standard deviation of the cosines :func:`settled_cosine` averages."""
+    usable = cosine_stds if floor is None else cosine_stds[: max(floor - 1, 0)]
+    return float(np.mean(usable[-SETTLED_STEPS:])) if usable else None
+
+
+def plateau(sizes: list[float], relative: list[float]) -> dict[str, Any] | None:
+    """Do the mean step sizes level off at a nonzero value? None when the loop is shorter than the window.
+
+    ``ratio`` = sizes[-1] / sizes[-1 - PLATEAU_WINDOW] (1: flat; 1e-3: still contracting);
+    ``holds`` when ratio >= 1 / PLATEAU_MAX_DECAY and the last relative step is >= NOISE_FLOOR.
+    """
+    if len(sizes) <= PLATEAU_WINDOW or len(relative) != len(sizes):
+        return None
+    first, last = sizes[-1 - PLATEAU_WINDOW], sizes[-1]
+    ratio = last / first if first > 0 else None
+    holds = ratio is not None and ratio >= 1.0 / PLATEAU_MAX_DECAY and relative[-1] >= NOISE_FLOOR
+    return {"ratio": ratio, "last_relative": relative[-1], "window": PLATEAU_WINDOW, "holds": bool(holds)}
 
 
 def step_ratio(sizes: list[float], k: int, base: int) -> float | None:
@@ -130,6 +166,8 @@ def group_headline(group: dict[str, Any]) -> dict[str, Any]:
         "decay_10_over_1": step_ratio(sizes, 10, 1),
         "noise_floor_step": floor,
         "settled_cosine": settled_cosine(group["cosine"]["mean"], floor),
+        "settled_cosine_std": settled_spread(group["cosine"]["std"], floor),
+        "plateau": plateau(sizes, group["relative_step_size"]["mean"]),
         "last_effective_rank": ranks[-1] if ranks else None,
     }
 
@@ -207,7 +245,8 @@ def new_summary(settings: dict[str, Any], groups: list[str], sequences: int, seq
         "dlr_default_refine": DEFAULT_DLR_REFINE,
         "dlr_terms": {"numerators": {DLR_NUMERATOR_LABEL[n]: t for n, t in DLR_NUMERATOR_TEXT.items()},
                       "denominators": {DLR_DENOMINATOR_LABEL[d]: t for d, t in DLR_DENOMINATOR_TEXT.items()}},
-        "headline_definitions": {"settled_steps": SETTLED_STEPS, "noise_floor": NOISE_FLOOR},
+        "headline_definitions": {"settled_steps": SETTLED_STEPS, "noise_floor": NOISE_FLOOR,
+                                 "plateau_window": PLATEAU_WINDOW, "plateau_max_decay": PLATEAU_MAX_DECAY},
         "groups": list(groups), "sequences": int(sequences), "seq_len": int(seq_len),
         "budgets": dict(budgets or {}), "checkpoints": [],
     }

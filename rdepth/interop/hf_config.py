@@ -46,6 +46,7 @@ class RdepthConfig(PreTrainedConfig):
     norm_eps: float = 1e-6
     block: str = "sandwich"
     tokenizer: str = "gpt2"
+    loop_state: str = "sandwich"
     # the exported model's own
     loop_counts: list[int] | None = None
     state_seed: int = 0

@@ -6,7 +6,12 @@ output) starts from a random state ``s_0`` and iterates (Geiping et al.)::
 
     s_k = layers_g(adapter_g(concat(s_{k-1}, e)))        k = 1 .. K_g
 
-and hands ``s_K`` to the next stage. The pieces are public so that training,
+and hands ``s_K`` to the next stage. With ``loop_state="residual"`` the loop
+carries a residual stream instead, pre-norm on the state::
+
+    s_k = s_{k-1} + layers_g(adapter_g(concat(rmsnorm(s_{k-1}), e)))
+
+(the same parameters; the norm has no weight). The pieces are public so that training,
 loop geometry, early exit, generation and surrogate fitting all drive the
 same code: :meth:`embed`, :meth:`run_layers`, :meth:`init_state`,
 :meth:`group_step`, :meth:`readout`. :meth:`forward` composes them in two
@@ -236,10 +241,15 @@ class RecurrentLM(nn.Module):
         attn: AttentionContext | None = None,
     ) -> torch.Tensor:
         """One loop step of ``group`` given its input half ``projected`` (:meth:`group_input`):
-        ``layers_g(W_s state + projected)``."""
+        ``layers_g(W_s state + projected)`` (``loop_state`` "sandwich"), or
+        ``state + layers_g(W_s rmsnorm(state) + projected)`` ("residual"). Every driver (training,
+        the Decoder, exits, geometry, the export) steps a loop through here."""
         width = self.config.d_model
-        x = F.linear(state, self.adapters[group].weight[:, :width]) + projected
-        return self.run_layers(self.group_layers[group], x, attn)
+        residual = self.config.loop_state == "residual"
+        carried = F.rms_norm(state, (width,), eps=self.config.norm_eps) if residual else state
+        x = F.linear(carried, self.adapters[group].weight[:, :width]) + projected
+        update = self.run_layers(self.group_layers[group], x, attn)
+        return state + update if residual else update
 
     def group_step(
         self,

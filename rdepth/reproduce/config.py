@@ -85,6 +85,15 @@ class ReproduceConfig:
         default_text="none")
     seed: int = option(0, "seed of the training run and of every held-out measurement")
     threads: int = option(0, THREADS_HELP)
+    mean_loops: float | None = option(
+        None, "every size's mean training loop count instead of its own (the paper's recipe: 12)",
+        default_text="the size's")
+    backprop_depth: int | None = option(
+        None, "every size's truncated-backprop depth instead of its own (the paper's recipe: 8)",
+        default_text="the size's")
+    loop_state: str | None = option(
+        None, "every size's loop state: sandwich (Geiping et al.) or residual (a residual stream)",
+        default_text="sandwich")
 
     def __post_init__(self) -> None:
         from rdepth.reproduce.plan import SIZES
@@ -97,6 +106,11 @@ class ReproduceConfig:
         if self.device not in ("auto", "cpu", "cuda") and not (
                 isinstance(self.device, str) and self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise RdepthError(f"reproduce: device must be auto, cpu or cuda[:N], got {self.device!r}")
+        loops = {name: getattr(self, name) for name in ("mean_loops", "backprop_depth", "loop_state")}
+        if any(value is not None for value in loops.values()):
+            from rdepth.config import get_preset
+
+            get_preset("tiny", **{k: v for k, v in loops.items() if v is not None})  # validates them, one line
         if self.sizes is not None:
             self.sizes = tuple(self.sizes)
             if not self.sizes:

@@ -19,17 +19,20 @@ from rdepth.errors import RdepthError
 from rdepth.io import read_json_object, write_json, write_text
 from rdepth.report.figures import FIGURES_DIR
 from rdepth.report.html import Section, add_section
+from rdepth.reproduce.claims import judged_text
 
 log = logging.getLogger(__name__)
 
 CLAIMS_FILE = "claims.json"
-CLAIMS_FORMAT = 1
+# 2: a fifth claim (the step-norm plateau), each claim's "judged_on" (budget, precision, seeds, spread).
+CLAIMS_FORMAT = 2
 PAPER = "Two-Scale Latent Dynamics for Recurrent-Depth Transformers (Pappone, Crisostomi, Rodolà)"
 # Per claim: the figures that show it, best first (stems under report/figures); the first that exists is used.
 CLAIM_FIGURES = {
     "step_decay": ("fig3b_loop_dynamics_long", "fig3_loop_dynamics"),
+    "plateau": ("fig3b_loop_dynamics_long", "fig3_loop_dynamics"),
     "cosine": ("fig5_long_cosines", "fig3b_loop_dynamics_long", "fig3_loop_dynamics"),
-    "dlr": ("fig2_dlr",),
+    "dlr": ("fig2b_dlr_budget", "fig2_dlr"),
     "exits": ("figure4", "pareto"),
 }
 # What comes back from a GPU run: (file under OUT, name in the export folder). At most 8 files.
@@ -64,15 +67,16 @@ def write_claims(out: str | Path, claims: list[dict[str, Any]], context: dict[st
 def table_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per claim: the claim, the paper's figure and numbers, ours, the verdict and why."""
     return [{"#": index, "claim": claim["claim"], "paper": f"{claim['paper']['figure']}: {claim['paper']['value']}",
-             "ours": claim["ours"].get("value", ""), "verdict": claim["verdict"], "why": " ".join(claim["why"])}
+             "ours": claim["ours"].get("value", ""), "judged on": judged_text(claim), "verdict": claim["verdict"],
+             "why": " ".join(claim["why"])}
             for index, claim in enumerate(doc["claims"], 1)]
 
 
 def markdown_table(doc: dict[str, Any]) -> str:
     """The claims table as Markdown (for a results page or an issue comment)."""
-    lines = ["| # | claim | paper | ours | verdict |", "|---|---|---|---|---|"]
+    lines = ["| # | claim | paper | ours | judged on | verdict |", "|---|---|---|---|---|---|"]
     for row in table_rows(doc):
-        cells = [str(row[key]).replace("|", "/") for key in ("#", "claim", "paper", "ours", "verdict")]
+        cells = [str(row[key]).replace("|", "/") for key in ("#", "claim", "paper", "ours", "judged on", "verdict")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

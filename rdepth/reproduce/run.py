@@ -68,12 +68,18 @@ def _prepared(config: ReproduceConfig) -> Path:
                                  workers=config.workers or max(1, len(os.sched_getaffinity(0)))))
 
 
-def _model_config(size: str, data: Path):
+def loop_overrides(config: ReproduceConfig) -> dict:
+    """The loop-schedule fields ``config`` sets for every size (mean loops, backprop depth, loop state)."""
+    values = {name: getattr(config, name) for name in ("mean_loops", "backprop_depth", "loop_state")}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def _model_config(size: str, data: Path, config: ReproduceConfig):
     from rdepth.config import get_preset
     from rdepth.train.trainer import data_model_config_for
 
     spec = SIZES[size]
-    return data_model_config_for(get_preset(spec.preset, **spec.overrides), data)
+    return data_model_config_for(get_preset(spec.preset, **{**spec.overrides, **loop_overrides(config)}), data)
 
 
 def _train_config(config: ReproduceConfig, data: Path, out: Path, *, steps: int, batch: int, lr: float,
@@ -91,7 +97,7 @@ def _probe(size: str, config: ReproduceConfig, data: Path, kind: str) -> Probe:
     """Time ``config.probe_steps`` training steps of ``size`` after its warm-up steps, with the trainer."""
     from rdepth.train.trainer import train
 
-    model_config = _model_config(size, data)
+    model_config = _model_config(size, data, config)
     spec = SIZES[size]
     warm = PROBE_WARMUP[kind]
     steps = warm + config.probe_steps
@@ -139,7 +145,7 @@ def _planned(config: ReproduceConfig, data: Path, kind: str, stage: StageTimer) 
                               "pass another --out")
         log.info("reusing the plan in %s", path)
         return saved
-    configs = {name: _model_config(name, data) for name in config.sizes}
+    configs = {name: _model_config(name, data, config) for name in config.sizes}
     probes = [_probe(config.sizes[0], config, data, kind)]
     work = _workload(config)
 
@@ -183,7 +189,7 @@ def _trained(config: ReproduceConfig, data: Path, plan: Plan, time_limit: float)
         config, data, Path(config.out) / "train", steps=plan.max_steps, batch=plan.batch_size, lr=plan.lr,
         warmup=plan.warmup_steps, every=plan.checkpoint_every, log_every=max(1, min(50, plan.max_steps // 20)),
         eval_batches=VAL_BATCHES, eval_batch_size=VAL_BATCH_SIZE, time_limit=round(time_limit, 1))
-    return train_or_reuse(_model_config(plan.size, data), train_config)
+    return train_or_reuse(_model_config(plan.size, data, config), train_config)
 
 
 def _loop_budgets(run: Path, data: Path, config: ReproduceConfig) -> dict[str, Any]:
@@ -251,7 +257,7 @@ def run_reproduce(config: ReproduceConfig) -> dict[str, Any]:
         run = stage("train", _trained, config, data, plan, training_time_limit(config, plan, stage.wall, device.type))
         quality = stage("loop budgets", _loop_budgets, run, data, config)
         stage("analyze", _analyzed, run, data, config)
-        block_size = _model_config(plan.size, data).block_size
+        block_size = _model_config(plan.size, data, config).block_size
         sweep_path = stage("sweep", _swept, run, data, config, block_size)
         result = stage("claims and report", _judged, config, run, sweep_path, saved, quality, device_name(device),
                        data)
@@ -282,7 +288,7 @@ def _judged(config: ReproduceConfig, run: Path, sweep_path: Path, saved: dict[st
 
     out = Path(config.out)
     report_dir = out / "report"
-    claims = judge_all(load_summary(report_dir), load_sweep(sweep_path), quality)
+    claims = judge_all(load_summary(report_dir), load_sweep(sweep_path), quality, {"training": config.seed})
     train_summary = read_json_if_present(run / "summary.json") or {}
     plan = saved["plan"]
     # What the run trained: its time limit may have ended the schedule before the plan's steps.
