@@ -93,7 +93,7 @@ def export_config_dict(model_config, loop_counts, state_seed: int, eot_id: int,
         },
         "bos_token_id": eot_id,
         "eos_token_id": eot_id,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": True,  # the head is the token embedding
         "use_cache": True,
         "dtype": "float32",
     }
