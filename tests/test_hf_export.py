@@ -394,3 +394,32 @@ def test_gpt2_block_model_exports_exactly(tmp_path):
         for counts in ((1,), (3,)):
             ours = model(ids, loop_counts=counts, generator=StateNoise(0, [0])).logits
             assert torch.equal(hf(ids, loop_counts=list(counts)).logits, ours)
+
+
+def test_model_card_has_front_matter_training_record_and_version_range(tmp_path):
+    from rdepth.interop.config import ExportConfig
+    from rdepth.interop.export import export_run
+    from rdepth.interop.hf_config import TESTED_RANGE
+    from rdepth.run.checkpoint import write_run_config
+
+    run, model = tiny_run(tmp_path / "run", groups="1|2-3", n_layer=5)
+    write_run_config(run, model.config, {"data": "data/wiki-bpe4096", "seed": 3, "lr": 0.002, "batch_size": 16},
+                     data={"tokenizer": "bpe:320", "splits_sha256": {"train": "ab" * 32, "val": "cd" * 32}},
+                     preset="tiny")
+    checkpoint = next((run / "checkpoints").glob("step_*"))
+    (checkpoint / "state.json").write_text(json.dumps({"step": 7, "tokens_seen": 57344}))
+    out = export_run(ExportConfig(checkpoint=str(run), out=str(tmp_path / "hf"), loops="3,2", license="apache-2.0"))
+    card = (out / "README.md").read_text()
+    front = card.split("---")[1]
+    assert "library_name: transformers" in front and "pipeline_tag: text-generation" in front
+    assert "license: apache-2.0" in front
+    for text in ("`data/wiki-bpe4096`", "tokenizer `bpe:320`", "Steps: 7", "Tokens seen: 57,344", "Preset: `tiny`",
+                 "`1|2-3`", "`[3, 2]`", TESTED_RANGE, f'from_pretrained("{out}"', "block size) 64 tokens"):
+        assert text in card, text
+    assert "path/to" not in card
+    # a run with no training record says so
+    bare, _ = tiny_run(tmp_path / "bare")
+    card = (export_run(ExportConfig(checkpoint=str(bare), out=str(tmp_path / "hf2"))).joinpath("README.md")).read_text()
+    assert "Not recorded" in card and "license: other" in card
+    with pytest.raises(RdepthError, match="--license"):
+        ExportConfig(checkpoint=str(bare), out=str(tmp_path / "hf3"), license="apache 2.0")

@@ -104,3 +104,11 @@ def test_older_transformers_gets_one_line_naming_the_range(monkeypatch):
         exec(compile(config_source(), "configuration_rdepth.py", "exec"), {"__name__": "configuration_rdepth"})
     message = str(error.value)
     assert "\n" not in message and "transformers >= 4.46" in message and "4.40.2" in message
+
+
+def test_the_stated_range_names_every_tested_release():
+    from rdepth.interop.hf_config import TESTED_RANGE
+
+    for pins in hf_venvs.VENVS.values():
+        assert pins[0].split("==")[1] in TESTED_RANGE
+    assert transformers.__version__ in TESTED_RANGE  # the project's pin, the newest tested

@@ -31,7 +31,7 @@ import dataclasses
 import transformers
 
 MIN_TRANSFORMERS = (4, 46)  # the oldest release the export runs on (tested)
-TESTED_RANGE = "transformers 4.46.3, 4.57.6, 5.0.0 and 5.24.0 (>= 4.46 supported)"
+TESTED_RANGE = "transformers >= 4.46 (tested on 4.46.3, 4.57.6, 5.0.0 and 5.24.0)"
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -43,8 +43,7 @@ def _version(text: str) -> tuple[int, int]:
 
 
 if _version(transformers.__version__) < MIN_TRANSFORMERS:
-    raise ImportError(f"this rdepth export needs transformers >= 4.46 (tested: {TESTED_RANGE}); "
-                      f"found {transformers.__version__}")
+    raise ImportError(f"this rdepth export needs {TESTED_RANGE}; found transformers {transformers.__version__}")
 
 try:  # 5.0 and later
     from transformers import PreTrainedConfig as _BaseConfig
