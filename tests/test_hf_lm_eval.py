@@ -108,8 +108,35 @@ def test_local_task_per_loop_budget(run, task_folder, tmp_path, monkeypatch, cap
     for budget in summary["budgets"]:
         metrics = budget["results"][TASK]
         assert metrics["sample_len"] == 24 and 0 <= metrics["acc"] <= 1 and 0 <= metrics["acc_norm"] <= 1
+        # the harness's standard error of a mean of 0/1 scores: sample std / sqrt(n) = sqrt(p(1-p)/(n-1))
+        for name in ("acc", "acc_norm"):
+            p = metrics[name]
+            assert metrics[f"{name}_stderr"] == pytest.approx((p * (1 - p) / 23) ** 0.5, rel=1e-9)
     printed = capsys.readouterr().out
     assert "loops        1,1" in printed and "loops        3,1" in printed and "acc " in printed
+    first = summary["budgets"][0]["results"][TASK]
+    assert f"acc {first['acc']:.4f} ± {first['acc_stderr']:.4f}" in printed
+
+
+def test_over_long_requests_are_cut_from_the_left_or_refused_by_name(run):
+    lm_eval_or_skip()
+    from rdepth.errors import RdepthError
+    from rdepth.interop.lm_eval_model import RdepthLM
+
+    folder, model = run
+    tokenizer = tiny_tokenizer()
+    lm = RdepthLM(str(folder), loops="2:3")
+    context, continuation = " ".join(sentences(20, seed=5)), " The old castle on the hill."
+    ids = tokenizer.encode(context + continuation)
+    assert len(ids) > 64 + 1
+    ((score, _),) = lm.loglikelihood(instances("loglikelihood", [(context, continuation)]), disable_tqdm=True)
+    kept = ids[-(64 + 1):]  # the harness's cut: the last block_size + 1 tokens
+    expected, _ = hand_scores(model, kept, len(kept) - (len(ids) - len(tokenizer.encode(context))), (2, 3))
+    assert score == pytest.approx(expected, abs=1e-5)
+    too_long = " " + " ".join(sentences(20, seed=6))
+    with pytest.raises(RdepthError, match=r"continuation of \d+ tokens is longer than the model's block size 64 "
+                                          r"\(request: context 'A river'"):
+        lm.loglikelihood(instances("loglikelihood", [("A river", too_long)]), disable_tqdm=True)
 
 
 def test_unknown_task_is_a_one_line_error(run, task_folder, monkeypatch, capsys):

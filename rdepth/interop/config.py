@@ -103,8 +103,13 @@ class LmEvalConfig:
     device: str = option("cpu", "cpu or cuda[:N]")
     threads: int = option(0, "torch CPU threads (0: torch's default)")
     json: str | None = option(None, "also write the results to this JSON file")
+    bootstrap_iters: int = option(1000, "bootstrap resamples for the standard errors of metrics that are not "
+                                  "means (a mean's is sample std / sqrt(n)); 0: no standard errors")
 
     def __post_init__(self) -> None:
+        if not isinstance(self.bootstrap_iters, int) or isinstance(self.bootstrap_iters, bool) \
+                or self.bootstrap_iters < 0:
+            raise RdepthError(f"lm-eval: bootstrap_iters must be >= 0, got {self.bootstrap_iters!r}")
         if not [task for task in self.tasks.split(",") if task.strip()]:
             raise RdepthError("lm-eval: --tasks must name at least one task")
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:
