@@ -252,6 +252,6 @@ def test_sentence_endings_leave_out_sentences_too_long_for_a_small_block():
 
     short = sentences(12, seed=2)
     long = "The " + " ".join(["old river"] * 40) + "."
-    examples = sentence_endings(" ".join(short + [long]), count=50, max_words=48)
+    examples = sentence_endings(" ".join(short + [long]), count=50, min_words=5, max_words=48)
     assert len(examples) == 12 and all("old river old river old river" not in c for e in examples
                                        for c in e["choices"] + [e["context"]])
