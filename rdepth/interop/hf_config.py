@@ -15,7 +15,7 @@ are the exported model's own:
 
 Supported ``transformers``: 4.46 through the newest tested release (:data:`TESTED_RANGE`).
 What differs between them is feature-detected here and in the wrapper: the config base class
-(``PreTrainedConfig`` from 5.0, ``PretrainedConfig`` before; a dataclass from 5.24, whose fields
+(``PreTrainedConfig`` from 5.0, ``PretrainedConfig`` before; a dataclass in 5.24 (not in 5.0; detected), whose fields
 are the class annotations, a plain class before, which needs the ``__init__`` below) and the
 cache's name (``cache`` from 5.24, ``past_key_values`` before; see :mod:`rdepth.interop.hf_model`).
 An older ``transformers`` fails at import with a one-line message naming the range.
@@ -50,7 +50,7 @@ try:  # 5.0 and later
 except ImportError:  # 4.x
     from transformers import PretrainedConfig as _BaseConfig
 
-# Fields the base class's own __init__ takes (before 5.24 it sets them itself, overwriting ours).
+# Fields the base class's own __init__ takes (where the base is not a dataclass, it sets them itself, overwriting ours).
 _BASE_FIELDS = ("tie_word_embeddings",)
 
 
@@ -87,7 +87,7 @@ class RdepthConfig(_BaseConfig):
     tie_word_embeddings: bool = True
     use_cache: bool = True
 
-    if not dataclasses.is_dataclass(_BaseConfig):  # before 5.24: the fields are set here
+    if not dataclasses.is_dataclass(_BaseConfig):  # 4.x, 5.0: the fields are set here
         def __init__(self, **kwargs):
             for name in _own_fields():
                 value = kwargs.pop(name, getattr(type(self), name))
