@@ -31,8 +31,9 @@ ALLOWED = {
     "geometry": BASE | {"config", "model", "data", "run", "report"},
     # a surrogate's phases are read as loops with the geometry tools
     "surrogate": BASE | {"config", "model", "data", "run", "report", "geometry"},
-    # exported Hugging Face models bundle the model and the exit rules
-    "interop": BASE | {"config", "model", "data", "run", "exits"},
+    # exported Hugging Face models bundle the model and the exit rules; lm-eval's local chase task
+    # draws problems with a task data folder's own parameters
+    "interop": BASE | {"config", "model", "data", "run", "exits", "tasks"},
     "demo": BASE | {"config", "model", "data", "run", "train", "exits", "geometry", "report", "tasks",
                     "demo_report", "demo_task"},
     # the demo's task mode (rdepth.demo calls it; it does not import rdepth.demo)

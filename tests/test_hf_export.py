@@ -87,19 +87,90 @@ def test_zero_initial_state(tmp_path):
         assert torch.equal(hf(ids, state_seed=5).logits, expected)
 
 
-def test_right_padding_leaves_real_tokens_exact_and_left_padding_is_refused(exported):
+def test_padding_on_either_side_leaves_real_tokens_exact(exported):
     _, _, _, hf = exported
     ids = tiny_tokenizer().encode(PROMPT)
-    short = ids[:5]
-    batch = torch.tensor([ids, short + [0] * (len(ids) - 5)])
-    mask = torch.tensor([[1] * len(ids), [1] * 5 + [0] * (len(ids) - 5)])
+    short, pads = ids[:5], len(ids) - 5
+    right = torch.tensor([ids, short + [0] * pads])
+    left = torch.tensor([ids, [0] * pads + short])
+    right_mask = torch.tensor([[1] * len(ids), [1] * 5 + [0] * pads])
     with torch.no_grad():
-        padded = hf(batch, attention_mask=mask).logits
         alone = hf(torch.tensor([short])).logits
+        full = hf(torch.tensor([ids])).logits
         # the same maths (causal attention never reads the pads); a different length rounds differently
-        torch.testing.assert_close(padded[1, :5], alone[0], rtol=1e-5, atol=1e-5)
-        with pytest.raises(ValueError, match="right-padded"):
-            hf(batch, attention_mask=mask.flip(1))
+        from_right = hf(right, attention_mask=right_mask).logits
+        torch.testing.assert_close(from_right[1, :5], alone[0], rtol=1e-5, atol=1e-5)
+        # left pads: the row is shifted to start at position 0 (learned positions) and shifted back
+        from_left = hf(left, attention_mask=right_mask.flip(1)).logits
+        assert torch.equal(from_left[1, pads:], from_right[1, :5]) and torch.equal(from_left[0], from_right[0])
+        torch.testing.assert_close(from_left[0], full[0], rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="contiguous"):  # a gap inside a row
+            hf(right, attention_mask=torch.tensor([[1] * len(ids), [1, 0] * (len(ids) // 2) + [1] * (len(ids) % 2)]))
+        with pytest.raises(ValueError, match="cache takes no padding"):
+            hf(left, attention_mask=right_mask.flip(1), use_cache=True)
+
+
+def test_left_padded_batch_generates_each_rows_unpadded_tokens(exported):
+    _, model, out, hf = exported
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.pad_token == "<|endoftext|>" and tokenizer.padding_side == "left"
+    prompts = [PROMPT, "A small village", "The north tower and the market"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert set(batch) == {"input_ids", "attention_mask"}
+    tokens = hf.generate(**batch, max_new_tokens=12, do_sample=False, loop_counts=[2, 3, 1],
+                         sequence_ids=[4, 5, 6])
+    width = batch.input_ids.shape[1]
+    for row, prompt, sequence in zip(tokens, prompts, (4, 5, 6)):
+        ids = torch.tensor([tiny_tokenizer().encode(prompt)])
+        alone = generate(model, ids, 12, temperature=0, loop_counts=(2, 3, 1), generator=StateNoise(0, [sequence]))
+        assert row[width - ids.shape[1]:].tolist() == alone[0].tolist()
+    with pytest.raises(ValueError, match="left-padded"):
+        right = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="right")
+        hf.generate(**right, max_new_tokens=4)
+
+
+def test_generation_past_the_block_size_is_a_clear_error(exported):
+    _, model, _, hf = exported
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    room = model.config.block_size - ids.shape[1]
+    assert hf.generate(ids, max_new_tokens=room, do_sample=False).shape[1] == model.config.block_size
+    for options in ({}, {"output_scores": True, "return_dict_in_generate": True}):  # decoder, transformers' loop
+        with pytest.raises(ValueError, match=f"block_size = {model.config.block_size}"):
+            hf.generate(ids, max_new_tokens=room + 1, do_sample=False, **options)
+    with pytest.raises(ValueError, match="block_size"):
+        hf(torch.zeros(1, model.config.block_size + 1, dtype=torch.long))
+
+
+def test_resized_embeddings_keep_the_head_tied_and_reload(tmp_path):
+    run, model = tiny_run(tmp_path / "run", groups="1|2-3", n_layer=5)
+    from rdepth.interop.config import ExportConfig
+    from rdepth.interop.export import export_run
+
+    out = export_run(ExportConfig(checkpoint=str(run), out=str(tmp_path / "hf")))
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        before = hf(ids).logits
+    hf.resize_token_embeddings(vocab + 1)
+    with torch.no_grad():
+        after = hf(ids).logits
+    assert after.shape[-1] == vocab + 1 and torch.equal(after[..., :vocab], before)
+    # the new token's embedding row is its head row: both start at the mean of the old rows
+    assert torch.equal(hf.get_input_embeddings().weight[vocab], model.wte.weight[:vocab].mean(dim=0))
+    labels = ids.clone()
+    labels[0, -1] = vocab
+    hf.train()
+    loss = hf(ids, labels=labels).loss
+    loss.backward()
+    assert torch.isfinite(loss) and hf.get_input_embeddings().weight.grad[vocab].abs().sum() > 0
+    hf.eval()
+    hf.save_pretrained(tmp_path / "resized")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "resized", trust_remote_code=True).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, after)
+    assert again.config.vocab_size == vocab + 1
 
 
 def test_greedy_generate_equals_rdepth_generate(exported):
@@ -350,3 +421,32 @@ def test_residual_loop_state_exports_exactly(tmp_path):
         cached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True)
         uncached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached)
+
+
+def test_model_card_has_front_matter_training_record_and_version_range(tmp_path):
+    from rdepth.interop.config import ExportConfig
+    from rdepth.interop.export import export_run
+    from rdepth.interop.hf_config import TESTED_RANGE
+    from rdepth.run.checkpoint import write_run_config
+
+    run, model = tiny_run(tmp_path / "run", groups="1|2-3", n_layer=5)
+    write_run_config(run, model.config, {"data": "data/wiki-bpe4096", "seed": 3, "lr": 0.002, "batch_size": 16},
+                     data={"tokenizer": "bpe:320", "splits_sha256": {"train": "ab" * 32, "val": "cd" * 32}},
+                     preset="tiny")
+    checkpoint = next((run / "checkpoints").glob("step_*"))
+    (checkpoint / "state.json").write_text(json.dumps({"step": 7, "tokens_seen": 57344}))
+    out = export_run(ExportConfig(checkpoint=str(run), out=str(tmp_path / "hf"), loops="3,2", license="apache-2.0"))
+    card = (out / "README.md").read_text()
+    front = card.split("---")[1]
+    assert "library_name: transformers" in front and "pipeline_tag: text-generation" in front
+    assert "license: apache-2.0" in front
+    for text in ("`data/wiki-bpe4096`", "tokenizer `bpe:320`", "Steps: 7", "Tokens seen: 57,344", "Preset: `tiny`",
+                 "`1|2-3`", "`[3, 2]`", TESTED_RANGE, f'from_pretrained("{out}"', "block size) 64 tokens"):
+        assert text in card, text
+    assert "path/to" not in card
+    # a run with no training record says so
+    bare, _ = tiny_run(tmp_path / "bare")
+    card = (export_run(ExportConfig(checkpoint=str(bare), out=str(tmp_path / "hf2"))).joinpath("README.md")).read_text()
+    assert "Not recorded" in card and "license: other" in card
+    with pytest.raises(RdepthError, match="--license"):
+        ExportConfig(checkpoint=str(bare), out=str(tmp_path / "hf3"), license="apache 2.0")

@@ -108,8 +108,35 @@ def test_local_task_per_loop_budget(run, task_folder, tmp_path, monkeypatch, cap
     for budget in summary["budgets"]:
         metrics = budget["results"][TASK]
         assert metrics["sample_len"] == 24 and 0 <= metrics["acc"] <= 1 and 0 <= metrics["acc_norm"] <= 1
+        # the harness's standard error of a mean of 0/1 scores: sample std / sqrt(n) = sqrt(p(1-p)/(n-1))
+        for name in ("acc", "acc_norm"):
+            p = metrics[name]
+            assert metrics[f"{name}_stderr"] == pytest.approx((p * (1 - p) / 23) ** 0.5, rel=1e-9)
     printed = capsys.readouterr().out
     assert "loops        1,1" in printed and "loops        3,1" in printed and "acc " in printed
+    first = summary["budgets"][0]["results"][TASK]
+    assert f"acc {first['acc']:.4f} ± {first['acc_stderr']:.4f}" in printed
+
+
+def test_over_long_requests_are_cut_from_the_left_or_refused_by_name(run):
+    lm_eval_or_skip()
+    from rdepth.errors import RdepthError
+    from rdepth.interop.lm_eval_model import RdepthLM
+
+    folder, model = run
+    tokenizer = tiny_tokenizer()
+    lm = RdepthLM(str(folder), loops="2:3")
+    context, continuation = " ".join(sentences(20, seed=5)), " The old castle on the hill."
+    ids = tokenizer.encode(context + continuation)
+    assert len(ids) > 64 + 1
+    ((score, _),) = lm.loglikelihood(instances("loglikelihood", [(context, continuation)]), disable_tqdm=True)
+    kept = ids[-(64 + 1):]  # the harness's cut: the last block_size + 1 tokens
+    expected, _ = hand_scores(model, kept, len(kept) - (len(ids) - len(tokenizer.encode(context))), (2, 3))
+    assert score == pytest.approx(expected, abs=1e-5)
+    too_long = " " + " ".join(sentences(20, seed=6))
+    with pytest.raises(RdepthError, match=r"continuation of \d+ tokens is longer than the model's block size 64 "
+                                          r"\(request: context 'A river'"):
+        lm.loglikelihood(instances("loglikelihood", [("A river", too_long)]), disable_tqdm=True)
 
 
 def test_unknown_task_is_a_one_line_error(run, task_folder, monkeypatch, capsys):
@@ -179,3 +206,52 @@ def test_negative_threads_is_a_one_line_error(monkeypatch, capsys):
     code = cli(monkeypatch, "lm-eval", "--checkpoint", "x", "--tasks", "t", "--threads", "-1")
     err = capsys.readouterr().err.strip()
     assert code == 2 and "threads must be >= 0" in err and "\n" not in err
+
+
+def test_chase_generation_task_scores_a_task_model(tmp_path, monkeypatch, capsys):
+    """The local chase task: fresh problems with the data's parameters, answers the task's own; the
+    harness's exact_match equals the model's greedy answers counted by hand."""
+    lm_eval_or_skip()
+    from rdepth.data.task_vocab import TaskVocab
+    from rdepth.interop.lm_eval_task import write_chase_task
+    from rdepth.tasks.data import TaskDataConfig, prepare_task_data
+    from rdepth.tasks.registry import get_task
+
+    params = {"chase": {"nodes": 8, "queries": 4, "ordered": True}}
+    data = prepare_task_data(TaskDataConfig(task="chase", train_difficulties=(1, 3), train_tokens=4000,
+                                            val_tokens=1000, heldout_difficulties=(2, 4), heldout_problems=4,
+                                            block_size=24, task_params=json.dumps(params), out=tmp_path / "data"))
+    names = write_chase_task(data, tmp_path / "tasks", count=6)
+    assert names == ["rdepth_chase_d2", "rdepth_chase_d4"]
+    vocab = TaskVocab("task:chase")
+    task = get_task("chase", **params["chase"])
+    rows = [json.loads(line) for line in (tmp_path / "tasks" / "rdepth_chase_d4.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 * 4 and {row["difficulty"] for row in rows} == {4}
+    for row in rows[3::4]:  # the last query of each problem: its answer is the task's own
+        ids = vocab.encode(row["context"] + " " + row["answer"])
+        assert task.solve(ids)[-1] == ids[-1]
+    folder, model = tiny_run(tmp_path / "run", groups="1", n_layer=3, tokenizer=vocab, block_size=24)
+    out = tmp_path / "chase.json"
+    assert cli(monkeypatch, "lm-eval", "--checkpoint", folder, "--tasks", "rdepth_chase_d4", "--include-path",
+               tmp_path / "tasks", "--loops", "2", "--json", out, "--threads", "1") == 0
+    metrics = json.loads(out.read_text())["budgets"][0]["results"]["rdepth_chase_d4"]
+    with torch.no_grad():
+        right = 0
+        for row in rows:
+            ids = torch.tensor([vocab.encode(row["context"])])
+            logits = model(ids, loop_counts=(2,), generator=StateNoise(0, [0])).logits[0, -1]
+            right += vocab.decode([int(logits.argmax())]) == row["answer"]
+    p = right / len(rows)
+    assert metrics["exact_match"] == pytest.approx(p)
+    assert metrics["exact_match_stderr"] == pytest.approx((p * (1 - p) / (len(rows) - 1)) ** 0.5)
+    assert "exact_match" in capsys.readouterr().out
+
+
+def test_sentence_endings_leave_out_sentences_too_long_for_a_small_block():
+    from rdepth.interop.lm_eval_task import sentence_endings
+
+    short = sentences(12, seed=2)
+    long = "The " + " ".join(["old river"] * 40) + "."
+    examples = sentence_endings(" ".join(short + [long]), count=50, min_words=5, max_words=48)
+    assert len(examples) == 12 and all("old river old river old river" not in c for e in examples
+                                       for c in e["choices"] + [e["context"]])

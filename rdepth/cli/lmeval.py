@@ -38,13 +38,18 @@ def run(args: argparse.Namespace) -> int:
             raise RdepthError("lm-eval is not installed: pip install 'rdepth[lm-eval]'") from None
         raise
     summary = evaluate_budgets(config.checkpoint, config.task_list, config.loops or [None], config.include_path,
-                               config.limit, config.batch_size, config.seed, config.device)
+                               config.limit, config.batch_size, config.seed, config.device, config.bootstrap_iters)
     for budget in summary["budgets"]:
         loops = ",".join(map(str, budget["loops"]))
         for task, metrics in budget["results"].items():
-            shown = "  ".join(f"{name} {value:.4f}" for name, value in metrics.items()
-                              if "stderr" not in name and name != "sample_len")
+            shown = "  ".join(_with_error(name, value, metrics.get(f"{name}_stderr"))
+                              for name, value in metrics.items() if "stderr" not in name and name != "sample_len")
             print(f"loops {loops:>10}  {task}: {shown}  ({metrics.get('sample_len', '?')} examples)")
     if config.json:
         write_json(config.json, summary)
     return 0
+
+
+def _with_error(name: str, value: float, stderr: float | None) -> str:
+    """``acc 0.4300 ± 0.0350`` (the standard error where the harness computed one)."""
+    return f"{name} {value:.4f}" + (f" ± {stderr:.4f}" if isinstance(stderr, (int, float)) else "")

@@ -23,6 +23,8 @@ class ExportConfig:
     exit_k_max: str = option("32", "loop cap of --exit-policy: N or N,N,... per group")
     exit_profile: str | None = option(None, "default exit rule from an exit profile (rdepth calibrate): its "
                                       "policy, one threshold per group and its caps", default_text="none")
+    license: str = option("other", "licence identifier in the model card's front matter (a Hub licence id, "
+                          "e.g. apache-2.0; the weights' terms follow from the training data)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.state_seed, int) or not 0 <= self.state_seed < 2**62:
@@ -31,6 +33,8 @@ class ExportConfig:
             raise RdepthError("export: --exit-tau needs --exit-policy")
         if self.exit_profile is not None and self.exit_policy is not None:
             raise RdepthError("export: give --exit-policy or --exit-profile, not both")
+        if not self.license or any(ch.isspace() or ch in ":#\"'" for ch in self.license):
+            raise RdepthError(f"export: --license must be one identifier such as apache-2.0, got {self.license!r}")
 
     def exit_spec(self) -> dict | None:
         """The ``exit_policy`` of the exported config.json (None without --exit-policy or --exit-profile)."""
@@ -99,8 +103,13 @@ class LmEvalConfig:
     device: str = option("cpu", "cpu or cuda[:N]")
     threads: int = option(0, "torch CPU threads (0: torch's default)")
     json: str | None = option(None, "also write the results to this JSON file")
+    bootstrap_iters: int = option(1000, "bootstrap resamples for the standard errors of metrics that are not "
+                                  "means (a mean's is sample std / sqrt(n)); 0: no standard errors")
 
     def __post_init__(self) -> None:
+        if not isinstance(self.bootstrap_iters, int) or isinstance(self.bootstrap_iters, bool) \
+                or self.bootstrap_iters < 0:
+            raise RdepthError(f"lm-eval: bootstrap_iters must be >= 0, got {self.bootstrap_iters!r}")
         if not [task for task in self.tasks.split(",") if task.strip()]:
             raise RdepthError("lm-eval: --tasks must name at least one task")
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:

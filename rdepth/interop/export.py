@@ -9,7 +9,8 @@ The folder holds::
     configuration_rdepth.py
     tokenizer.json, tokenizer_config.json
     generation_config.json
-    README.md                how to load it, and what the loop settings mean
+    README.md                the model card (rdepth.interop.model_card): front matter, training
+                             record, loop counts, how to load, the transformers range
 
 so that ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` and
 ``AutoTokenizer.from_pretrained(DIR)`` load it without rdepth installed.
@@ -17,7 +18,6 @@ so that ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` an
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from rdepth.config import parse_loop_counts
 from rdepth.errors import RdepthError
 from rdepth.interop.config import ExportConfig
 from rdepth.interop.hf_tokenizer import write_tokenizer_files
+from rdepth.interop.model_card import model_card
 from rdepth.interop.output import check_new_folder, staged_folder
 from rdepth.interop.source import CONFIG_FILE, MODELING_FILE, write_modeling_files
 from rdepth.io import write_json, write_text
@@ -34,34 +35,6 @@ from rdepth.run.heldout import run_tokenizer
 log = logging.getLogger(__name__)
 
 WEIGHT_PREFIX = "model."  # RdepthForCausalLM holds the RecurrentLM as .model
-
-MODEL_CARD = """# rdepth recurrent-depth model (exported)
-
-Exported by `rdepth export` from `{checkpoint}`.
-
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained("path/to/{name}", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("path/to/{name}")
-ids = tokenizer("The", return_tensors="pt").input_ids
-out = model.generate(ids, max_new_tokens=20, do_sample=False, loop_counts={loops})
-```
-
-- Layers `{groups}` loop as recurrence groups (0-based, `a-b` inclusive); each group
-  runs `loop_counts` steps (one per group, default {loops}; pass `loop_counts=N`,
-  `[N, N, ...]` or `"N:N:..."` to `forward`/`generate`, or set `config.loop_counts`).
-- The initial loop state is random but deterministic: keyed by (`state_seed`,
-  sequence id, group) and the token's position; `state_seed` (default {seed}) and
-  `sequence_ids` are per-call arguments. `init_state_scale: 0` in config.json gives a
-  zero state instead.
-- Per-token early exit: `exit_policy` in config.json (default {exit_policy}) or per call,
-  e.g. `model.generate(ids, exit_policy={{"name": "acceleration", "tau": 1e-3, "k_max": 12}})`;
-  with a policy each token loops until its rule stops it (`loop_counts` unused).
-- Right padding only; no beam search; `generate` uses rdepth's key/value cache, which
-  is exact under recurrence.
-- `modeling_rdepth.py` is generated from rdepth's own source; do not edit it.
-"""
-
 
 def check_exit_spec(spec: dict | None, n_groups: int) -> None:
     """Build the exit rule once, so a bad name, threshold or cap fails at export, not at load."""
@@ -93,7 +66,7 @@ def export_config_dict(model_config, loop_counts, state_seed: int, eot_id: int,
         },
         "bos_token_id": eot_id,
         "eos_token_id": eot_id,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": True,  # the head is the token embedding
         "use_cache": True,
         "dtype": "float32",
     }
@@ -128,9 +101,9 @@ def export_run(config: ExportConfig) -> Path:
         })
         write_modeling_files(folder)
         write_tokenizer_files(tokenizer, folder, model_config.block_size)
-        shown = list(counts or model_config.default_eval_loops)
-        write_text(folder / "README.md", MODEL_CARD.format(
-            checkpoint=checkpoint, name=Path(config.out).name, loops=shown, groups=model_config.groups,
-            seed=config.state_seed, exit_policy=json.dumps(exit_spec)))
+        write_text(folder / "README.md", model_card(
+            checkpoint=checkpoint, out=str(config.out), model_config=model_config,
+            loops=counts or model_config.default_eval_loops, state_seed=config.state_seed, exit_policy=exit_spec,
+            license=config.license, parameters=sum(p.numel() for p in model.parameters())))
     log.info("exported %s to %s", checkpoint, config.out)
     return Path(config.out)

@@ -13,15 +13,48 @@ are the exported model's own:
 - ``exit_policy``: per-token early exit, e.g. ``{"name": "acceleration", "tau":
   0.001, "k_max": 12}`` (``None``: fixed loop counts).
 
+Supported ``transformers``: 4.46 through the newest tested release (:data:`TESTED_RANGE`).
+What differs between them is feature-detected here and in the wrapper: the config base class
+(``PreTrainedConfig`` from 5.0, ``PretrainedConfig`` before; a dataclass in 5.24 (not in 5.0; detected), whose fields
+are the class annotations, a plain class before, which needs the ``__init__`` below) and the
+cache's name (``cache`` from 5.24, ``past_key_values`` before; see :mod:`rdepth.interop.hf_model`).
+An older ``transformers`` fails at import with a one-line message naming the range.
+
 This file must import nothing from rdepth: it is copied into exported folders.
 """
 
 from __future__ import annotations
 
-from transformers import PreTrainedConfig
+import copy
+import dataclasses
+
+import transformers
+
+MIN_TRANSFORMERS = (4, 46)  # the oldest release the export runs on (tested)
+TESTED_RANGE = "transformers >= 4.46 (tested on 4.46.3, 4.57.6, 5.0.0 and 5.24.0)"
 
 
-class RdepthConfig(PreTrainedConfig):
+def _version(text: str) -> tuple[int, int]:
+    numbers = []
+    for part in text.split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        numbers.append(int(digits or 0))
+    return tuple(numbers)
+
+
+if _version(transformers.__version__) < MIN_TRANSFORMERS:
+    raise ImportError(f"this rdepth export needs {TESTED_RANGE}; found transformers {transformers.__version__}")
+
+try:  # 5.0 and later
+    from transformers import PreTrainedConfig as _BaseConfig
+except ImportError:  # 4.x
+    from transformers import PretrainedConfig as _BaseConfig
+
+# Fields the base class's own __init__ takes (where the base is not a dataclass, it sets them itself, overwriting ours).
+_BASE_FIELDS = ("tie_word_embeddings",)
+
+
+class RdepthConfig(_BaseConfig):
     model_type = "rdepth"
     attribute_map = {
         "hidden_size": "d_model",
@@ -51,6 +84,21 @@ class RdepthConfig(PreTrainedConfig):
     loop_counts: list[int] | None = None
     state_seed: int = 0
     exit_policy: dict | None = None
-    # the head reads the token embedding directly: there is no separate output matrix to tie
-    tie_word_embeddings: bool = False
+    # the head is the token embedding itself (RecurrentLM.readout): tied
+    tie_word_embeddings: bool = True
     use_cache: bool = True
+
+    if not dataclasses.is_dataclass(_BaseConfig):  # 4.x, 5.0: the fields are set here
+        def __init__(self, **kwargs):
+            for name in _own_fields():
+                value = kwargs.pop(name, getattr(type(self), name))
+                if name in _BASE_FIELDS:
+                    kwargs[name] = value
+                else:
+                    setattr(self, name, copy.deepcopy(value))
+            super().__init__(**kwargs)
+
+
+def _own_fields() -> list[str]:
+    """The annotated fields of :class:`RdepthConfig` (rdepth's ModelConfig and the export's own)."""
+    return [name for name in RdepthConfig.__dict__.get("__annotations__", {})]

@@ -22,9 +22,20 @@ Per-call arguments of ``forward`` and ``generate``:
   default ``config.exit_policy``; ``False`` turns a configured one off for a call.
   With a policy, ``loop_counts`` is unused: each token loops until its rule stops it.
 
-Padding: right padding only (each row's mask is ones then zeros; causal attention
-keeps the real tokens exact); learned positions make left padding change the
-answer, so it is refused. Beam search is not supported (the cache is not reordered).
+Padding: a row's ones in ``attention_mask`` must be contiguous (left or right padding).
+``forward`` shifts each row so its real tokens start at position 0 (learned positions:
+a token's position is its place among the row's real tokens), runs, and shifts the
+logits back, so a padded row's real logits equal the unpadded row's. ``generate``
+takes left-padded prompts: rows with the same real length decode together through
+rdepth's decoder, so each row's tokens equal its unpadded generation. rdepth's cache
+(``use_cache`` in transformers' own loop) takes no padding. Beam search is not
+supported (the cache is not reordered). A sequence longer than ``block_size``
+(learned positions end there) is refused with a message, in ``forward`` and before
+``generate`` starts.
+
+Versions: transformers 4.46 to the newest (see ``configuration_rdepth.py``). The cache
+travels as ``cache`` from 5.24 and as ``past_key_values`` before (:data:`CACHE_FIELD`,
+detected from the output class); ``forward`` takes either name.
 """
 
 from __future__ import annotations
@@ -44,6 +55,12 @@ from rdepth.model.decoder import Decoder
 from rdepth.model.kv import KVStore
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM
+
+# The output field (and generation keyword) that carries the cache: "cache" from transformers 5.24,
+# "past_key_values" before.
+CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} \
+    else "past_key_values"
+
 
 def model_config_of(config: RdepthConfig) -> ModelConfig:
     """The rdepth model config held in a Hugging Face config (the fields of ModelConfig)."""
@@ -68,19 +85,40 @@ class RdepthCache:
         return self.store.length
 
 
-def _check_padding(attention_mask: torch.Tensor | None, cached: bool) -> None:
-    """Right padding only (ones then zeros per row); no padding at all with a cache."""
+def padding_offsets(attention_mask: torch.Tensor | None, cached: bool) -> torch.Tensor | None:
+    """Per row, the index of its first real token ``[B]`` (None: no padding at all).
+
+    A row's ones must be contiguous (left padding, right padding or both); rdepth's cache takes none."""
     if attention_mask is None or attention_mask.ndim != 2:
-        return
+        return None
     mask = attention_mask.bool()
     if bool(mask.all()):
-        return
+        return None
     if cached:
-        raise ValueError("rdepth models generate without padding: pass one prompt, or prompts of equal length")
-    ones_then_zeros = (mask.long().cumprod(dim=1) == mask.long()).all()
-    if not bool(ones_then_zeros):
-        raise ValueError("rdepth models take right-padded batches only (learned positions make left padding "
-                         "change the outputs); pad on the right")
+        raise ValueError("rdepth's key/value cache takes no padding: generate() left-padded prompts through "
+                         "rdepth's decoder (greedy or sampling, no beam search), or pass use_cache=False")
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    first = torch.where(mask, positions, mask.shape[1]).min(dim=1).values.clamp(max=mask.shape[1] - 1)
+    count = mask.sum(dim=1)
+    contiguous = (mask == ((positions >= first[:, None]) & (positions < (first + count)[:, None]))).all()
+    if not bool(contiguous):
+        raise ValueError("rdepth models take padded rows whose attention_mask ones are contiguous "
+                         "(left or right padding), not gaps inside a row")
+    return first
+
+
+def shift_rows(tensor: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """Row b of ``tensor`` ``[B, T, ...]`` rotated left by ``shifts[b]`` along T (negative: right)."""
+    length = tensor.shape[1]
+    index = (torch.arange(length, device=tensor.device)[None, :] + shifts.to(tensor.device)[:, None]) % length
+    index = index.view(*index.shape, *([1] * (tensor.ndim - 2))).expand_as(tensor)
+    return tensor.gather(1, index)
+
+
+def check_length(length: int, block_size: int, what: str) -> None:
+    if length > block_size:
+        raise ValueError(f"{what} is {length} positions; this rdepth model reads at most block_size = "
+                         f"{block_size} (learned positions end there): shorten the prompt or max_new_tokens")
 
 
 class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
@@ -88,6 +126,10 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules = ["SandwichBlock", "GPT2Block"]
+    # save_pretrained copies a class's code when it is marked for an auto class; transformers 4.46
+    # does not mark a class it loaded from remote code, so the exported module marks itself (rdepth's
+    # own module, which imports rdepth, is never copied).
+    _auto_class = None if __name__.startswith("rdepth.") else "AutoModelForCausalLM"
 
     def __init__(self, config: RdepthConfig):
         super().__init__(config)
@@ -109,7 +151,42 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         self.model.wte = value
 
     def get_output_embeddings(self) -> None:
-        return None  # the head is the token embedding itself (RecurrentLM.readout)
+        # The head is the token embedding itself (RecurrentLM.readout: logits = norm(x) @ wte.weight^T,
+        # config.tie_word_embeddings = True): there is no second matrix to tie or resize.
+        return None
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> torch.nn.Embedding:
+        """``new_num_tokens`` tokens (the head follows: it is the embedding). New rows start at the mean of
+        the old real rows (``mean_resizing``, as transformers does) or at rdepth's initialisation; the
+        embedding keeps rdepth's padding to a multiple of 64 rows, so the saved folder reloads.
+        ``pad_to_multiple_of`` rounds ``new_num_tokens`` up first."""
+        old = self.model.wte
+        if new_num_tokens is None:
+            return old
+        if pad_to_multiple_of:
+            new_num_tokens = -(-int(new_num_tokens) // int(pad_to_multiple_of)) * int(pad_to_multiple_of)
+        old_tokens = self.model.config.vocab_size
+        config = dataclasses.replace(self.model.config, vocab_size=int(new_num_tokens))
+        new = torch.nn.Embedding(config.padded_vocab_size, old.embedding_dim, device=old.weight.device,
+                                 dtype=old.weight.dtype)
+        with torch.no_grad():
+            keep = min(old_tokens, int(new_num_tokens))
+            new.weight.zero_()
+            new.weight[:keep] = old.weight[:keep]
+            if new_num_tokens > old_tokens:
+                added = new.weight[old_tokens:int(new_num_tokens)]
+                if mean_resizing:
+                    added.copy_(old.weight[:old_tokens].float().mean(dim=0).to(added.dtype).expand_as(added))
+                else:
+                    torch.nn.init.normal_(added, 0.0, self.model.base_std)
+        new.weight.requires_grad_(old.weight.requires_grad)
+        self.model.wte = new
+        self.model.config = config
+        self.config.vocab_size = int(new_num_tokens)
+        if hasattr(self, "vocab_size"):
+            self.vocab_size = int(new_num_tokens)
+        return new
 
     # -------------------------------------------------------------- settings
     def resolve_loop_counts(self, loop_counts: Sequence[int] | int | str | None) -> tuple[int, ...] | None:
@@ -152,6 +229,7 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         cache: RdepthCache | None = None,
         labels: torch.LongTensor | None = None,
+        past_key_values: RdepthCache | None = None,
         use_cache: bool | None = None,
         loop_counts: Sequence[int] | int | str | None = None,
         state_seed: int | None = None,
@@ -166,11 +244,21 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         A plain call runs the dense forward (``use_cache`` defaults to off); with a
         ``cache`` or ``use_cache=True`` it runs packed rows against rdepth's key/value
         cache and returns the cache for the next call; with an exit policy, packed
-        rows under rdepth's loop controller (exited tokens cost nothing).
+        rows under rdepth's loop controller (exited tokens cost nothing). The cache arrives as
+        ``cache`` (transformers >= 5.24) or ``past_key_values`` (before). Padded rows (contiguous ones
+        in ``attention_mask``) are shifted to start at position 0 and back: their real logits are the
+        unpadded row's.
         """
         if input_ids is None:
             raise ValueError("rdepth models take input_ids (inputs_embeds is not supported)")
-        _check_padding(attention_mask, cached=cache is not None or bool(use_cache))
+        if cache is None and isinstance(past_key_values, RdepthCache):
+            cache = past_key_values
+        cached = cache is not None or bool(use_cache)
+        offsets = padding_offsets(attention_mask, cached=cached)
+        check_length((cache.get_seq_length() if cache is not None else 0) + input_ids.shape[1],
+                     self.model.config.block_size, "the sequence")
+        if offsets is not None:
+            input_ids = shift_rows(input_ids, offsets)
         controller = self.exit_controller(exit_policy)
         counts = self.resolve_loop_counts(loop_counts) if controller is None else None
         if cache is None and use_cache:
@@ -183,14 +271,21 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             noise = self.state_noise(input_ids.shape[0], state_seed, sequence_ids)
             output = self.model(input_ids, loop_counts=counts, generator=noise, controller=controller)
         logits = output.logits
+        if offsets is not None:
+            logits = shift_rows(logits, -offsets)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
 
-    def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, past_key_values=None,
+                                      **kwargs):
         """Only the tokens the cache has not seen; the rdepth arguments passed through."""
+        if cache is None and isinstance(past_key_values, RdepthCache):
+            cache = past_key_values
+        if not isinstance(cache, RdepthCache):
+            cache = None  # a cache transformers made itself (none is ours) is not used
         if cache is not None:
             input_ids = input_ids[:, cache.get_seq_length():]
         inputs = {"input_ids": input_ids, "cache": cache, "attention_mask": attention_mask}
@@ -200,11 +295,34 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         return inputs
 
     # ------------------------------------------------------------- generate
-    # Keyword arguments generate() takes itself; any other (beam search, top_p, processors, streamers,
-    # dict outputs, ...) goes to transformers' own loop.
+    # Settings generate() covers itself through rdepth's decoder; any other setting that asks for
+    # something (beam search, top_p, processors, streamers, dict outputs, ...) goes to transformers' loop.
     _DECODER_KWARGS = frozenset({"max_new_tokens", "max_length", "do_sample", "temperature", "top_k",
                                  "eos_token_id", "pad_token_id", "use_cache", "num_beams",
                                  "num_return_sequences"})
+    # Settings that ask for nothing at these values (a generation config lists them, e.g. transformers
+    # 5.0's pipeline passes every field), and settings that say nothing about decoding.
+    _NEUTRAL = {"top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
+                "length_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0,
+                "min_length": 0, "min_new_tokens": 0, "early_stopping": False, "epsilon_cutoff": 0.0,
+                "eta_cutoff": 0.0, "remove_invalid_values": False, "output_scores": False, "output_logits": False,
+                "return_dict_in_generate": False, "output_attentions": False, "output_hidden_states": False,
+                "num_beam_groups": 1, "diversity_penalty": 0.0, "renormalize_logits": False}
+    _SILENT = frozenset({"transformers_version", "_from_model_config", "bos_token_id", "num_assistant_tokens",
+                         "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind",
+                         "target_lookbehind", "is_assistant", "decoder_start_token_id", "forced_bos_token_id",
+                         "forced_eos_token_id", "cache_implementation", "return_legacy_cache", "disable_compile",
+                         "generation_kwargs", "compile_config"})
+
+    def _asks_for_more(self, options: dict) -> bool:
+        """Whether ``options`` ask for anything rdepth's decoder does not do."""
+        for name, value in options.items():
+            if name in self._DECODER_KWARGS or name in self._SILENT or value is None:
+                continue
+            if name not in self._NEUTRAL or value != self._NEUTRAL[name]:
+                return True
+        return (int(options.get("num_beams") or 1) != 1 or int(options.get("num_return_sequences") or 1) != 1
+                or options.get("use_cache", True) is False)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -214,31 +332,52 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         ``input_ids`` ``[B, T]`` through rdepth's decoder; ``max_new_tokens`` (or ``max_length``) and
         ``eos_token_id`` as in transformers (finished rows continue with ``pad_token_id``). The
         rdepth arguments as :meth:`forward`'s. Other generation options go to transformers' loop."""
-        options = {**self.generation_config.to_diff_dict(), **kwargs} if self.generation_config else dict(kwargs)
-        simple = (input_ids is not None and set(kwargs) <= self._DECODER_KWARGS
-                  and int(options.get("num_beams") or 1) == 1 and int(options.get("num_return_sequences") or 1) == 1
-                  and options.get("use_cache", True) is not False and not options.get("top_p"))
+        passed = kwargs.pop("generation_config", None)  # transformers' pipeline passes its own
+        settings = passed.to_diff_dict() if passed is not None else {}
+        base = self.generation_config.to_diff_dict() if self.generation_config is not None else {}
+        options = {**base, **settings, **kwargs}
+        simple = input_ids is not None and not self._asks_for_more(options)
+        if input_ids is not None:
+            new = options.get("max_new_tokens")
+            if new is None:
+                new = int(options.get("max_length") or 20) - input_ids.shape[1]
+            new = max(int(new), 0)
+            if not simple:
+                check_length(input_ids.shape[1] + new, self.model.config.block_size, "prompt + max_new_tokens")
         if not simple:
+            if passed is not None:
+                kwargs["generation_config"] = passed
             return super().generate(input_ids, attention_mask=attention_mask, loop_counts=loop_counts,
                                     state_seed=state_seed, sequence_ids=sequence_ids, exit_policy=exit_policy,
                                     **kwargs)
-        _check_padding(attention_mask, cached=True)
         batch, length = input_ids.shape
-        new = options.get("max_new_tokens")
-        if new is None:
-            new = int(options.get("max_length") or 20) - length
+        offsets = padding_offsets(attention_mask, cached=False)
+        if offsets is not None and bool((attention_mask.bool()[:, -1] == 0).any()):
+            raise ValueError("rdepth generate() takes left-padded prompts (tokenizer.padding_side = 'left'): "
+                             "a row's last token must be real")
+        real = torch.full((batch,), length) if offsets is None else length - offsets.cpu()
+        check_length(int(real.max()) + new, self.model.config.block_size, "prompt + max_new_tokens")
         controller = self.exit_controller(exit_policy)
         factory = None if controller is None else (lambda: self.exit_controller(exit_policy))
         counts = None if factory is not None else self.resolve_loop_counts(loop_counts)
         if counts is None and factory is None:
             counts = self.model.config.default_eval_loops
-        decoder = Decoder(self.model, batch, loop_counts=counts, controller_factory=factory,
-                          noise=self.state_noise(batch, state_seed, sequence_ids))
+        noise = self.state_noise(batch, state_seed, sequence_ids)
         sample = bool(options.get("do_sample"))
         temperature = float(options.get("temperature") or 1.0) if sample else 0.0
         top_k = options.get("top_k") if sample else None
-        tokens = decoder.generate(input_ids, max(int(new), 0), temperature=temperature, top_k=top_k or None)
-        return _stop_at_eos(tokens, length, options.get("eos_token_id"), options.get("pad_token_id"))
+        out = torch.empty(batch, length + new, dtype=input_ids.dtype, device=input_ids.device)
+        out[:, :length] = input_ids
+        # Rows of one real length decode together, from their real tokens (left padding stripped): each
+        # row's tokens are its unpadded generation's (learned positions start at its first real token).
+        for size in sorted(set(real.tolist())):
+            rows = (real == size).nonzero().flatten()
+            decoder = Decoder(self.model, len(rows), loop_counts=counts, controller_factory=factory,
+                              noise=StateNoise(noise.seed, [noise.sequence_ids[int(r)] for r in rows]))
+            prompt = input_ids[rows.to(input_ids.device), length - size:]
+            tokens = decoder.generate(prompt, new, temperature=temperature, top_k=top_k or None)
+            out[rows.to(out.device), length:] = tokens[:, size:].to(out.device)
+        return _stop_at_eos(out, length, options.get("eos_token_id"), options.get("pad_token_id"))
 
 
 def _stop_at_eos(tokens: torch.Tensor, prompt: int, eos, pad) -> torch.Tensor:

@@ -8,7 +8,8 @@ Both rdepth tokenizers are byte-level BPEs, so both become one ``tokenizers`` JS
 
 One difference is documented rather than hidden: rdepth encodes the text
 ``<|endoftext|>`` literally, while a Hugging Face tokenizer reads it as the special
-token (its id is the model's ``eos_token_id``).
+token (its id is the model's ``eos_token_id``). The pad token is that end token, and padding is
+on the left (what batched ``generate`` needs; the model's ``forward`` takes either side).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def write_tokenizer_files(tokenizer, directory: Path, max_length: int) -> None:
         "bos_token": EOT_TEXT,
         "eos_token": EOT_TEXT,
         "unk_token": EOT_TEXT,
+        "pad_token": EOT_TEXT,  # batches pad with the end token; the attention mask marks it
+        "padding_side": "left",
+        "model_input_names": ["input_ids", "attention_mask"],  # no token_type_ids  # batched generate() needs left padding; forward takes either side
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
         "add_bos_token": False,

@@ -116,11 +116,19 @@ class RdepthLM(TemplateLM):
         return results
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        # As the harness's own models: the context is cut from the left to fit the block; a continuation
+        # longer than the block cannot be scored whole, so it is refused (the harness's hf model asserts).
         limit = self.max_length + 1  # inputs of block_size tokens predict block_size targets
         rows = []
-        for _, context_enc, continuation_enc in requests:
+        for key, context_enc, continuation_enc in requests:
             if not continuation_enc:
                 raise RdepthError("lm-eval request with an empty continuation")
+            if len(continuation_enc) > self.max_length:
+                context, continuation = key if isinstance(key, tuple) and len(key) == 2 else ("?", "?")
+                raise RdepthError(f"lm-eval: a continuation of {len(continuation_enc)} tokens is longer than the "
+                                  f"model's block size {self.max_length} (request: context "
+                                  f"{_shorten(context)!r}, continuation {_shorten(continuation)!r}); "
+                                  "the harness cannot score it whole")
             whole = (context_enc + continuation_enc)[-limit:]
             split = max(len(whole) - len(continuation_enc), 0)
             rows.append((whole[:split], whole[split:]))
@@ -154,8 +162,9 @@ class RdepthLM(TemplateLM):
             context, gen_kwargs = request.args
             until = gen_kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            max_new = int(gen_kwargs.get("max_gen_toks", 64))
-            ids = self.tok_encode(context)[-(self.max_length - 1):] or [self.eot_token_id]
+            max_new = min(int(gen_kwargs.get("max_gen_toks", 64)), self.max_length - 1)
+            # the context cut from the left to leave room for the new tokens, as the harness's own models do
+            ids = self.tok_encode(context)[-(self.max_length - max_new):] or [self.eot_token_id]
             prompt = torch.tensor([ids], device=self._device)
             tokens = generate(self.model, prompt, max_new, temperature=0, loop_counts=self.loop_counts,
                               generator=StateNoise(self.seed, [0]))
@@ -171,20 +180,32 @@ class RdepthLM(TemplateLM):
         return outputs
 
 
+def _shorten(text: str, keep: int = 40) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= 2 * keep else f"{text[:keep]}...{text[-keep:]}"
+
+
 def evaluate_budgets(checkpoint: str, tasks: list[str], budgets: list[str | None], include_path: str | None = None,
-                     limit: int | None = None, batch_size: int = 8, seed: int = 0, device: str = "cpu") -> dict:
-    """Run ``tasks`` at each loop budget: ``{"budgets": [{"loops": [...], "results": {task: {metric: value}}}]}``."""
+                     limit: int | None = None, batch_size: int = 8, seed: int = 0, device: str = "cpu",
+                     bootstrap_iters: int = 1000) -> dict:
+    """Run ``tasks`` at each loop budget: ``{"budgets": [{"loops": [...], "results": {task: {metric: value}}}]}``.
+
+    Each metric comes with its standard error, ``METRIC_stderr``, as the harness computes it: for a
+    mean over examples (``acc``, ``acc_norm``, ``exact_match``) the standard error of the mean,
+    ``sample std / sqrt(n)``; for other aggregations (perplexities, corpus scores) a bootstrap of
+    ``bootstrap_iters`` resamples (0: no standard errors)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     lm = RdepthLM(checkpoint, seed=seed, batch_size=batch_size, device=device)
-    summary = {"checkpoint": str(checkpoint), "tasks": list(tasks), "limit": limit, "seed": seed, "budgets": []}
+    summary = {"checkpoint": str(checkpoint), "tasks": list(tasks), "limit": limit, "seed": seed,
+               "bootstrap_iters": bootstrap_iters, "budgets": []}
     for budget in budgets or [None]:
         lm.loop_counts = parse_budget(budget, lm.model_config.n_groups) or lm.model_config.default_eval_loops
         try:
             output = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                                     log_samples=False, bootstrap_iters=0)
+                                     log_samples=False, bootstrap_iters=bootstrap_iters)
         except KeyError as exc:
             raise RdepthError(f"lm-eval: unknown task {exc} (is --include-path set?)") from None
         results = {task: {key.removesuffix(",none"): value for key, value in metrics.items()

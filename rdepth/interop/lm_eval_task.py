@@ -1,10 +1,14 @@
-"""A local ``lm-eval`` task from held-out text: pick the true ending of a sentence.
-
-No hub access is needed: the task is a JSON-lines file plus a task YAML that the
+"""Local ``lm-eval`` tasks: no hub access, a JSON-lines file plus a task YAML per task, which the
 harness reads with ``--include_path DIR`` (``TaskManager(include_path=DIR)``).
-Each example is a sentence of the held-out text cut in two: the first half is the
-context, the true second half is one choice and the second halves of other
-sentences are the rest. Accuracy at chance is ``1 / choices``.
+
+- :func:`write_task`, for text models: pick the true ending of a held-out sentence (multiple
+  choice, scored by log-likelihood). Each example is a sentence cut in two: the first half is the
+  context, the true second half is one choice and the second halves of other sentences are the
+  rest. Accuracy at chance is ``1 / choices``. Sentences longer than ``max_words`` are left out, so
+  an ending fits a small model's block.
+- :func:`write_chase_task`, for task models (trained on ``task:chase`` data): fresh pointer-chasing
+  problems drawn with the training data's own task parameters, one task per difficulty; the model
+  generates each query's answer (``generate_until``, one token) and ``exact_match`` scores it.
 """
 
 from __future__ import annotations
@@ -43,11 +47,13 @@ metadata:
 """
 
 
-def sentence_endings(text: str, count: int, choices: int = 4, seed: int = 0, min_words: int = 6) -> list[dict]:
-    """Up to ``count`` examples ``{"context", "choices", "label"}`` from the sentences of ``text``."""
-    sentences = [s.strip() for s in SENTENCE_END.split(text) if len(s.split()) >= min_words]
+def sentence_endings(text: str, count: int, choices: int = 4, seed: int = 0, min_words: int = 6,
+                     max_words: int = 48) -> list[dict]:
+    """Up to ``count`` examples ``{"context", "choices", "label"}`` from the sentences of ``text`` of
+    ``min_words`` to ``max_words`` words."""
+    sentences = [s.strip() for s in SENTENCE_END.split(text) if min_words <= len(s.split()) <= max_words]
     if len(sentences) < choices:
-        raise RdepthError(f"held-out text has {len(sentences)} sentences of >= {min_words} words; "
+        raise RdepthError(f"held-out text has {len(sentences)} sentences of {min_words} to {max_words} words; "
                           f"a {choices}-way task needs at least {choices}")
     rng = random.Random(seed)
     halves = []
@@ -78,3 +84,79 @@ def write_task(text: str, folder: str | Path, name: str = "rdepth_heldout_ending
     write_text(folder / f"{name}.yaml", TASK_YAML.format(name=name, data=json.dumps(str(data)),
                                                          cache=json.dumps(str(folder / ".cache"))))
     return folder
+
+
+CHASE_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+  cache_dir: {cache}
+test_split: test
+output_type: generate_until
+doc_to_text: context
+doc_to_target: answer
+generation_kwargs:
+  until: ["?"]
+  max_gen_toks: 1
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def chase_examples(task, difficulty: int, count: int, seed: int) -> list[dict]:
+    """``count`` problems of ``difficulty``, one example per answer: ``{"context", "answer", "difficulty"}``,
+    the context being the problem up to that answer (the earlier answers included, as teacher-forced
+    accuracy reads them), starting where training and held-out windows start a problem."""
+    import numpy as np
+
+    from rdepth.data.task_vocab import TaskVocab
+
+    vocab = TaskVocab("task:chase")
+    rng = np.random.default_rng([seed, difficulty])
+    examples = []
+    for _ in range(count):
+        problem = task.sample(rng, difficulty)
+        for position in problem.answer_positions:
+            examples.append({"context": vocab.decode(problem.tokens[:position]),
+                             "answer": vocab.decode([problem.tokens[position]]), "difficulty": difficulty})
+    return examples
+
+
+def write_chase_task(data: str | Path, folder: str | Path, name: str = "rdepth_chase",
+                     difficulties: tuple[int, ...] | None = None, count: int = 100, seed: int = 1234) -> list[str]:
+    """Write one chase task per difficulty (``NAME_dD.yaml`` + ``.jsonl``) into ``folder`` from the
+    task data folder ``data`` (its manifest gives the chase parameters; default difficulties: its
+    held-out ones); returns the task names. ``seed`` draws problems apart from the data's own seed."""
+    from rdepth.tasks.data import task_manifest
+    from rdepth.tasks.registry import get_task
+
+    if not re.fullmatch(r"[A-Za-z0-9_]+", name):
+        raise RdepthError(f"task name {name!r}: use letters, digits and _")
+    manifest = task_manifest(data)
+    chase = [entry for entry in manifest.get("tasks", []) if entry.get("name") == "chase"]
+    if not chase:
+        raise RdepthError(f"{data} holds no chase task (its tasks: "
+                          f"{', '.join(e.get('name', '?') for e in manifest.get('tasks', []))})")
+    task = get_task("chase", **chase[0]["params"])
+    if difficulties is None:
+        difficulties = tuple(int(d) for d in manifest.get("heldout", {}))
+    if not difficulties:
+        raise RdepthError("write_chase_task: no difficulties given and none recorded in the data")
+    folder = Path(folder).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for difficulty in difficulties:
+        task_name = f"{name}_d{difficulty}"
+        rows = chase_examples(task, int(difficulty), count, seed)
+        path = folder / f"{task_name}.jsonl"
+        write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
+        write_text(folder / f"{task_name}.yaml", CHASE_YAML.format(
+            name=task_name, data=json.dumps(str(path)), cache=json.dumps(str(folder / ".cache"))))
+        names.append(task_name)
+    return names

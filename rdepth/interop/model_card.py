@@ -1,0 +1,122 @@
+"""The README.md (Hugging Face model card) of an exported folder.
+
+Front matter the Hub reads (``library_name``, ``pipeline_tag``, ``license``, ``tags``), then what the
+run recorded: its training data (``RUN/config.json``: data folder, tokenizer, shard digests), steps
+and tokens seen (the checkpoint's ``state.json``), the architecture and its loop counts, how to load
+the folder, the supported ``transformers`` range, and the limits. A run that recorded no training
+(an ``import-hf`` or ``retrofit`` run at step 0) says so rather than guessing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rdepth.interop.hf_config import TESTED_RANGE
+
+
+def _training_lines(run: dict, state: dict) -> list[str]:
+    train = run.get("train") or {}
+    data = run.get("data") or {}
+    lines = []
+    if train.get("data"):
+        lines.append(f"- Data: `{train['data']}` (prepared token shards; tokenizer `{data.get('tokenizer', '?')}`)")
+        digests = data.get("splits_sha256") or {}
+        if digests:
+            lines.append("- Shard digests (sha256): " + ", ".join(f"{k} `{v[:16]}`" for k, v in sorted(digests.items())))
+    if run.get("preset"):
+        lines.append(f"- Preset: `{run['preset']}`")
+    step = state.get("step")
+    if step is not None:
+        lines.append(f"- Steps: {step:,}")
+    if state.get("tokens_seen"):
+        lines.append(f"- Tokens seen: {int(state['tokens_seen']):,}")
+    for name, label in (("seed", "Seed"), ("lr", "Peak learning rate"), ("batch_size", "Batch size (sequences)")):
+        if train.get(name) is not None:
+            lines.append(f"- {label}: {train[name]}")
+    if not train:
+        lines.append("- Not recorded: this checkpoint's run holds no training record (e.g. an `rdepth import-hf` "
+                     "or `rdepth retrofit` run that was not trained further).")
+    return lines
+
+
+def model_card(*, checkpoint: Path, out: str, model_config, loops, state_seed: int, exit_policy: dict | None,
+               license: str, parameters: int) -> str:
+    """The text of README.md for the folder ``out`` exported from ``checkpoint``."""
+    from rdepth.run.checkpoint import read_run_config
+
+    run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint
+    run = read_run_config(run_dir) if (run_dir / "config.json").exists() and run_dir != checkpoint else {}
+    state_path = checkpoint / "state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    config = model_config
+    loops = list(loops)
+    front = "\n".join([
+        "---",
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        f"license: {license}",
+        "tags:",
+        "- rdepth",
+        "- recurrent-depth",
+        "- looped-transformer",
+        "---",
+    ])
+    groups = config.groups or "none (a plain transformer)"
+    body = f"""
+# rdepth recurrent-depth model
+
+Exported by `rdepth export` from `{checkpoint}`.
+
+## Model
+
+- {config.n_layer} layers ({config.block} blocks), d_model {config.d_model}, {config.n_head} heads,
+  context (block size) {config.block_size} tokens, vocabulary {config.vocab_size}, {parameters:,} parameters.
+- Recurrence groups (0-based layers, `a-b` inclusive): `{groups}`. Each group runs `loop_counts` steps
+  per token; trained with a random count per step (lognormal-Poisson, mean {config.mean_loops}, gradients
+  through the last {config.backprop_depth} steps).
+- Default loop counts of this export: `{loops}` (per group); pass `loop_counts=N`, `[N, N, ...]` or
+  `"N:N:..."` to `forward`/`generate`, or set `loop_counts` in config.json.
+- The initial loop state is random but deterministic: keyed by (`state_seed`, sequence id, group) and
+  the token's position; `state_seed` (default {state_seed}) and `sequence_ids` are per-call arguments.
+  `init_state_scale: 0` in config.json gives a zero state instead.
+- Per-token early exit: `exit_policy` (default {json.dumps(exit_policy)}), in config.json or per call,
+  e.g. `model.generate(ids, exit_policy={{"name": "acceleration", "tau": 1e-3, "k_max": 12}})`.
+
+## Training
+
+{chr(10).join(_training_lines(run, state))}
+
+## How to load
+
+Needs torch and {TESTED_RANGE}. The code is in this folder
+(`trust_remote_code=True`); rdepth itself is not needed. An older transformers stops at import with a message naming the range.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{out}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{out}", trust_remote_code=True)
+ids = tokenizer("The", return_tensors="pt").input_ids
+out = model.generate(ids, max_new_tokens=20, do_sample=False, loop_counts={loops})
+print(tokenizer.decode(out[0]))
+
+# a batch: the tokenizer pads on the left with its pad token (<|endoftext|>)
+batch = tokenizer(["The", "A longer prompt"], return_tensors="pt", padding=True)
+out = model.generate(**batch, max_new_tokens=20, do_sample=False)
+```
+
+(After uploading this folder to the Hub, use its repository id in place of the path.)
+
+## Limits
+
+- A sequence (prompt + new tokens) of at most {config.block_size} tokens: the positions are learned, and
+  longer input is refused with a message (no sliding window).
+- Padding: `forward` takes left or right padding (rows are shifted to start at position 0, so a padded
+  row's logits are its unpadded ones); batched `generate` takes left padding. rdepth's key/value cache
+  takes none, so transformers' own generation loop (beam search, `top_p`, logits processors, dict
+  outputs) needs prompts of equal length; greedy and temperature/top-k sampling run rdepth's decoder.
+- No beam search (the cache is not reordered); `inputs_embeds` are not taken.
+- The head is the token embedding (`tie_word_embeddings: true`); `resize_token_embeddings` resizes both.
+- `modeling_rdepth.py` is generated from rdepth's own source; do not edit it.
+"""
+    return front + "\n" + body

@@ -1,0 +1,91 @@
+"""Run an exported folder the way a transformers user would, and save what it gave (no tests here).
+
+``python tests/hf_probe.py FOLDER OUT.pt`` runs in any environment with torch and transformers,
+rdepth unimportable (``tests/test_hf_versions.py`` runs it in venvs holding older transformers
+releases and compares the results with rdepth's own). It saves a dict of:
+
+- ``version``: transformers' version;
+- ``ids``: the tokenizer's ids of each prompt;
+- ``logits[counts]``: forward logits of the first prompt at each loop budget;
+- ``greedy[counts]``: greedy ``generate`` (rdepth's decoder) of the first prompt;
+- ``hf_loop_cached`` / ``hf_loop_uncached``: greedy through transformers' own loop (with rdepth's
+  cache, and re-running the whole sequence each step);
+- ``left_padded``: ``generate`` of every prompt in one left-padded batch; ``pipeline``: the batched
+  text-generation pipeline's texts;
+- ``resized``: after ``resize_token_embeddings(V + 1)``: the logits' width, a loss on the new token,
+  and whether the saved folder reloads with equal logits;
+- ``too_long``: the message ``generate`` gives past the block size.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+
+import torch
+
+PROMPTS = ["The old castle on the hill above the river", "A small village", "The north tower and the market"]
+BUDGETS = ((1, 1, 1), (3, 2, 5))
+NEW = 8
+
+
+def probe(folder: str) -> dict:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    out: dict = {"version": transformers.__version__, "tied": bool(model.config.tie_word_embeddings),
+                 "pad_token": tokenizer.pad_token, "padding_side": tokenizer.padding_side}
+    out["ids"] = [tokenizer(p).input_ids for p in PROMPTS]
+    first = torch.tensor([out["ids"][0]])
+    out["logits"], out["greedy"] = {}, {}
+    with torch.no_grad():
+        for counts in BUDGETS:
+            out["logits"][counts] = model(first, loop_counts=list(counts)).logits
+            out["greedy"][counts] = model.generate(first, max_new_tokens=NEW, do_sample=False,
+                                                   loop_counts=list(counts)).tolist()
+        # transformers' own loop: dict outputs are not rdepth's decoder's, so generate() hands them on
+        looped = model.generate(first, max_new_tokens=NEW, do_sample=False, loop_counts=[3, 2, 5],
+                                return_dict_in_generate=True, output_scores=True)
+        out["hf_loop_cached"] = looped.sequences.tolist()
+        out["hf_loop_uncached"] = model.generate(first, max_new_tokens=NEW, do_sample=False, loop_counts=[3, 2, 5],
+                                                 use_cache=False).tolist()
+        batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+        out["left_padded"] = model.generate(**batch, max_new_tokens=NEW, do_sample=False,
+                                            loop_counts=[3, 2, 5]).tolist()
+        out["left_padded_mask"] = batch.attention_mask.tolist()
+        out["padded_logits"] = model(**batch, loop_counts=[3, 2, 5]).logits
+        generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+        texts = generator(PROMPTS, batch_size=3, max_new_tokens=NEW, do_sample=False, loop_counts=[3, 2, 5])
+        out["pipeline"] = [t[0]["generated_text"] for t in texts]
+        try:
+            model.generate(first, max_new_tokens=model.config.block_size, do_sample=False)
+            out["too_long"] = None
+        except ValueError as error:
+            out["too_long"] = str(error)
+    vocab = model.config.vocab_size
+    before = out["logits"][(3, 2, 5)]
+    model.resize_token_embeddings(vocab + 1)
+    with torch.no_grad():
+        logits = model(first, loop_counts=[3, 2, 5]).logits
+    labels = first.clone()
+    labels[0, -1] = vocab  # the new token
+    model.train()
+    loss = model(first, labels=labels, loop_counts=[3, 2, 5]).loss
+    loss.backward()
+    model.eval()
+    with tempfile.TemporaryDirectory() as saved:
+        model.save_pretrained(saved)
+        again = AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=True).eval()
+        with torch.no_grad():
+            reloaded = again(first, loop_counts=[3, 2, 5]).logits
+    out["resized"] = {"width": logits.shape[-1], "old_columns_diff": float((logits[..., :vocab] - before).abs().max()),
+                      "loss": float(loss.detach()), "reloads_equal": bool(torch.equal(reloaded, logits))}
+    return out
+
+
+if __name__ == "__main__":
+    sys.modules["rdepth"] = None  # any import of rdepth fails: the folder must stand alone
+    torch.save(probe(sys.argv[1]), sys.argv[2])

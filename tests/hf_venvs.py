@@ -1,0 +1,64 @@
+"""Virtual environments holding older ``transformers`` releases, for the export's version tests.
+
+No tests here. ``python tests/hf_venvs.py [DIR]`` builds one venv per entry of :data:`VENVS` under
+``DIR`` (default ``.hf-venvs`` in the clone, gitignored); ``.ci/run`` runs it before the tests, and
+``tests/test_hf_versions.py`` runs a small script in each venv that exists (it skips the ones that
+do not). Each venv sees the system's packages (``--system-site-packages``: torch, safetensors,
+numpy) and pins its own ``transformers`` and what that release needs (``tokenizers``,
+``huggingface-hub``), which shadow the system's copies inside the venv only.
+
+A venv already built with the same pins is kept (a ``pins.txt`` inside records them), so a second
+run costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DIR = ROOT / ".hf-venvs"
+
+# name -> pip requirements. The oldest supported release, the last 4.x, the first 5.x; the newest
+# (the project's pin) is the system's own and is tested by tests/test_hf_export.py.
+VENVS: dict[str, tuple[str, ...]] = {
+    "tf4.46": ("transformers==4.46.3", "tokenizers>=0.20,<0.21", "huggingface-hub>=0.23.2,<1"),
+    "tf4.57": ("transformers==4.57.6", "tokenizers>=0.22,<=0.23.0", "huggingface-hub>=0.34,<1"),
+    "tf5.0": ("transformers==5.0.0", "tokenizers>=0.22,<=0.23.0", "huggingface-hub>=1.3,<2"),
+}
+
+
+def venv_dir() -> Path:
+    """Where the venvs live: ``$RDEPTH_HF_VENVS``, else ``.hf-venvs`` in the clone."""
+    return Path(os.environ.get("RDEPTH_HF_VENVS") or DEFAULT_DIR)
+
+
+def python_of(folder: Path) -> Path:
+    return folder / "bin" / "python"
+
+
+def ready(folder: Path, pins: tuple[str, ...]) -> bool:
+    """A venv built with exactly these pins (its marker is written last, after pip succeeded)."""
+    marker = folder / "pins.txt"
+    return python_of(folder).exists() and marker.exists() and marker.read_text() == "\n".join(pins)
+
+
+def build(root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for name, pins in VENVS.items():
+        folder = root / name
+        if ready(folder, pins):
+            print(f"hf venv {name}: ready", flush=True)
+            continue
+        print(f"hf venv {name}: installing {' '.join(pins)}", flush=True)
+        (folder / "pins.txt").unlink(missing_ok=True)
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(folder)], check=True)
+        subprocess.run([str(python_of(folder)), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                        *pins], check=True)
+        (folder / "pins.txt").write_text("\n".join(pins))
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]) if len(sys.argv) > 1 else venv_dir())
