@@ -236,14 +236,18 @@ class NormController:
 
 
 def _exit_tau(model, idx):
-    """A threshold at the median step norm of step 3, so exits really vary."""
+    """A threshold amid the step norms of step 3, so exits really vary: halfway between the two middle
+    norms, never equal to one, so that no token sits on the threshold (where paths that sum in
+    another order could decide it either way)."""
     norms = []
 
     def keep(group, step, state, active):
         norms.append(state.clone())
 
     model(idx, loop_counts=(8, 8), observer=keep)
-    return float((norms[3] - norms[2]).norm(dim=-1).median())
+    ordered = (norms[3] - norms[2]).norm(dim=-1).flatten().sort().values
+    middle = ordered.numel() // 2
+    return float((ordered[middle - 1] + ordered[middle]) / 2)
 
 
 @BLOCKS
