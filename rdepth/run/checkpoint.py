@@ -282,8 +282,11 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
     """Rebuild a model from a checkpoint (or run) folder: returns ``(model, config)``."""
     from rdepth.model import RecurrentLM
 
+    from rdepth.config import check_fits_memory
+
     checkpoint = resolve_checkpoint(path)
     config = load_model_config(checkpoint)
+    check_fits_memory(config, f"checkpoint config {checkpoint / 'config.json'}")
     model = RecurrentLM(config)
     load_weights(checkpoint, model)
     return model.to(device).eval(), config

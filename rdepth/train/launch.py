@@ -8,13 +8,13 @@ executes and a new ``max_steps`` (recorded in config.json's ``resumes``).
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from rdepth.config import ModelConfig, get_preset
 from rdepth.errors import RdepthError
+from rdepth.io import read_json_object
 from rdepth.run import checkpoint as ckpt
 from rdepth.train.config import TrainConfig
 from rdepth.train.trainer import TrainResult, train
@@ -81,7 +81,7 @@ def train_or_reuse(model_config: ModelConfig, config: TrainConfig) -> Path:
     run = Path(config.out)
     saved_path = run / "config.json"
     if saved_path.exists():
-        saved = json.loads(saved_path.read_text())
+        saved = ckpt.read_run_config(run)  # validated like user input: JSON objects all the way down
         wanted = {"model": model_config.to_dict(), "train": config.to_dict()}
         changed = sorted(f"{part}.{key}" for part in wanted for key in wanted[part]
                          if saved.get(part, {}).get(key) != wanted[part][key]
@@ -90,9 +90,13 @@ def train_or_reuse(model_config: ModelConfig, config: TrainConfig) -> Path:
             raise RdepthError(f"{run} was trained with other settings ({', '.join(changed[:4])}); "
                               "pass another --out")
         summary = run / "summary.json"
-        done = json.loads(summary.read_text()) if summary.exists() else {}
+        done = read_json_object(summary, "run summary") if summary.exists() else {}
         # A time limit may have ended the schedule sooner: the summary records where it ended.
-        if done.get("step") is not None and done.get("step") == done.get("max_steps", config.max_steps):
+        step, max_steps = done.get("step"), done.get("max_steps", config.max_steps)
+        for name, value in (("step", step), ("max_steps", max_steps)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise RdepthError(f"run summary {summary}: {name} must be an integer >= 0, got {value!r}: corrupt")
+        if step is not None and step == max_steps:
             log.info("reusing the finished training run in %s", run)
             return run
     train(model_config, config, resume=bool(ckpt.list_checkpoints(run)))
