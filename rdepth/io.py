@@ -36,10 +36,13 @@ from rdepth.errors import RdepthError
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, *, overwrite: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success move it into place.
 
-    On an exception the temporary file is removed and ``path`` is untouched.
+    On an exception the temporary file is removed and ``path`` is untouched. With
+    ``overwrite=False`` the file is put in place by a hard link, which the kernel refuses when
+    ``path`` exists: of two writers racing for one name exactly one wins, and the other gets a
+    one-line RdepthError (a check-then-write would let both "succeed" and the second replace the first).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -51,7 +54,13 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with open(tmp_path, "rb") as handle:  # flush to disk before the rename
             os.fsync(handle.fileno())
         os.chmod(tmp_path, 0o666 & ~current_umask())  # mkstemp's 0600 would hide reports from others
-        os.replace(tmp_path, path)
+        if overwrite:
+            os.replace(tmp_path, path)
+        else:
+            try:
+                os.link(tmp_path, path)
+            except FileExistsError:
+                raise RdepthError(f"{path} exists; pass another output (nothing is overwritten)") from None
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
@@ -64,13 +73,20 @@ def current_umask() -> int:
     return umask
 
 
-def write_text(path: str | os.PathLike, text: str) -> None:
-    with atomic_path(path) as tmp:
+def write_text(path: str | os.PathLike, text: str, *, overwrite: bool = True) -> None:
+    with atomic_path(path, overwrite=overwrite) as tmp:
         tmp.write_text(text)
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+def write_json(path: str | os.PathLike, obj: Any, *, overwrite: bool = True, strict: bool = False) -> None:
+    """``obj`` as indented JSON, atomically. ``strict``: standard JSON only (a NaN or infinity, which
+    Python would write as the non-standard ``NaN``/``Infinity``, is an error): for files other commands
+    read back as input, such as exit profiles."""
+    try:
+        text = json.dumps(obj, indent=2, sort_keys=False, default=_json_default, allow_nan=not strict)
+    except ValueError as exc:
+        raise RdepthError(f"cannot write {path}: {exc} (a number is not finite)") from None
+    write_text(path, text + "\n", overwrite=overwrite)
 
 
 def _json_default(obj: Any) -> Any:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import typing
 from typing import Any
 
-from rdepth.errors import RdepthError
+from rdepth.errors import RdepthError, check_utf8
 
 
 def flag_name(name: str) -> str:
@@ -34,10 +35,24 @@ def _scalar(kind: Any) -> type:
     return kind if kind in (bool, int, float, str) else str
 
 
+def _parse(kind: type, text: str, name: str):
+    """``kind(text)``, refusing what no flag means: a non-finite float (nan, inf: every float field is a
+    finite quantity) and text that is not valid UTF-8 (argv bytes Python kept as surrogates)."""
+    value = kind(text)
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{flag_name(name)} expects a finite number, got {text!r}")
+    if kind is str:
+        try:
+            check_utf8(flag_name(name), value)
+        except RdepthError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def _converter(kind: type, name: str):
     def convert(text: str):
         try:
-            return kind(text)
+            return _parse(kind, text, name)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag_name(name)} expects {kind.__name__}, got {text!r}") from None
 
@@ -51,7 +66,7 @@ def _tuple_converter(kind: type, name: str):
         if not parts:
             raise argparse.ArgumentTypeError(f"{flag_name(name)} expects a comma-separated list, got {text!r}")
         try:
-            return tuple(kind(part) for part in parts)
+            return tuple(_parse(kind, part, name) for part in parts)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{flag_name(name)} expects comma-separated {kind.__name__} values, got {text!r}"

@@ -93,7 +93,7 @@ def run_sweep(
             [round(m, 2) for m in point["mean_steps"]], point["ppl"], budget, point["baseline"]["ppl"],
         )
     if config.exit_profile is not None:  # a calibrated profile (rdepth calibrate): one more point
-        profile = load_profile(config.exit_profile, model.n_groups)
+        profile = load_profile(config.exit_profile, model.n_groups, config.checkpoint, config.force_profile)
         point = measurer.policy(
             profile_controller_factory(profile, lambda: model.readout),
             {"policy": "profile", "parameter": profile["parameter"], "value": profile["values"][0],

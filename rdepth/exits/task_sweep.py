@@ -135,7 +135,7 @@ def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: Swee
                 settings.append(({"label": f"{name} {parameter}={value:g}", "policy": name, "parameter": parameter,
                                   "value": value}, factory))
         if config.exit_profile is not None:
-            profile = load_profile(config.exit_profile, model.n_groups)
+            profile = load_profile(config.exit_profile, model.n_groups, config.checkpoint, config.force_profile)
             values = ",".join(f"{v:g}" for v in profile["values"])
             settings.append(({"label": f"profile {profile['policy']} {values}", "policy": "profile",
                               "parameter": profile["parameter"], "value": profile["values"][0],

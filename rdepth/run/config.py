@@ -11,6 +11,8 @@ from rdepth.fields import option
 from rdepth.threads import THREADS_HELP
 
 MAX_SAMPLES = 1024  # continuations generated side by side: each holds a key/value cache of the whole context
+PROFILE_FORCE_HELP = ("apply --exit-profile even when it was calibrated on other weights (its recorded weights "
+                      "SHA-256 differs) or records none")
 DEVICE_HELP = "auto (CUDA when present), cpu or cuda[:N]"
 AUTOCAST_NAMES = ("none", "bf16", "fp16")
 
@@ -67,6 +69,7 @@ class EvalConfig:
     exit_profile: str | None = option(
         None, "evaluate with per-token exits from this exit profile (rdepth calibrate) instead of --loops",
         default_text="none")
+    force_profile: bool = option(False, PROFILE_FORCE_HELP)
     baseline: list[str] | None = option(
         None, "task data: another checkpoint or run (e.g. a no-loop or deeper plain model trained on the same "
         "data) evaluated at its own loop counts in the same table; repeatable", default_text="none")
@@ -107,6 +110,7 @@ class GenerateConfig:
                                      "(Geiping et al.'s continuous compute; the prompt runs token by token)")
     exit_profile: str | None = option(
         None, "per-token exits from this exit profile (rdepth calibrate) instead of --loops", default_text="none")
+    force_profile: bool = option(False, PROFILE_FORCE_HELP)
     exit: str | None = option(
         None, "per-token exits by this exit policy (a name as in rdepth sweep --policies) at --tau, in every "
         "group, instead of --loops", default_text="none", metavar="POLICY")
