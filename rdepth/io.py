@@ -325,6 +325,8 @@ def exclusive(folder: str | os.PathLike, command: str, *, beside: bool = False) 
     handle = _acquire(path, folder, command)
     _HELD[key] = 1
     try:
+        if not beside:
+            recover_folder(folder)  # what a killed writer left: finish its swap, drop its temporary files
         yield folder
     finally:
         del _HELD[key]
@@ -378,3 +380,116 @@ def _acquire(path: Path, folder: Path, command: str):
         handle.flush()
         return handle
     raise RdepthError(f"cannot lock {path}: it keeps being replaced")
+
+
+# ---------------------------------------------------------------- whole replacement of a re-run's files
+
+STAGING_NAME = ".rdepth-staging"  # a re-run's new files, written here first
+JOURNAL_NAME = ".rdepth-swap.json"  # written once the staging folder is complete: the commit point
+
+
+@contextlib.contextmanager
+def staged_output(out: str | os.PathLike, *, seed: tuple[str, ...] = ()) -> Iterator[Path]:
+    """Yield a staging folder in which a command writes its whole result for ``out``; on success every
+    file written there replaces its namesake in ``out`` (:func:`commit_staged`).
+
+    A kill before the commit point leaves ``out`` as it was (the staging folder is removed by the next
+    command that locks ``out``); a kill after it is finished by that command (:func:`recover_folder`),
+    so readers see the old result or the new one, never a mix. ``seed``: folders of ``out`` copied into
+    the staging folder first, because the writer reads and extends them (a report page's saved
+    sections). Call it while holding ``out``'s lock (:func:`exclusive`). On an exception the staging
+    folder is removed and ``out`` is untouched.
+    """
+    import shutil
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / STAGING_NAME
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        for name in seed:
+            if (out / name).is_dir() and not (out / name).is_symlink():
+                shutil.copytree(out / name, staging / name)
+        yield staging
+        commit_staged(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def commit_staged(out: Path) -> None:
+    """Write the journal (the list of staged files; its atomic write is the commit point), then move
+    each staged file over its namesake in ``out`` and drop the journal and the staging folder."""
+    staging = out / STAGING_NAME
+    files = sorted(str(path.relative_to(staging)) for path in staging.rglob("*") if path.is_file())
+    write_json(out / JOURNAL_NAME, {"files": files})
+    _roll_forward(out)
+
+
+def _roll_forward(out: Path) -> None:
+    import shutil
+
+    journal = out / JOURNAL_NAME
+    try:
+        files = json.loads(journal.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        files = []  # a journal that is not whole was never committed (its write is atomic): nothing to do
+    staging = out / STAGING_NAME
+    for name in files:
+        source, target = staging / name, out / name
+        if ".." in Path(name).parts or not source.is_file():
+            continue  # moved already before a kill
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, target)
+    shutil.rmtree(staging, ignore_errors=True)
+    journal.unlink(missing_ok=True)
+
+
+def output_folder_name(folder: str | os.PathLike) -> str:
+    """The name of the folder a result is for: ``OUT``'s own name, also while it is being written in
+    ``OUT/.rdepth-staging`` (page titles name the run, never the staging folder)."""
+    folder = Path(folder).resolve()
+    return folder.parent.name if folder.name == STAGING_NAME else folder.name
+
+
+def final_path(path: str | os.PathLike) -> Path:
+    """Where a file written in a staging folder will live once the staging is committed."""
+    path = Path(path)
+    parts = path.parts
+    if STAGING_NAME in parts:
+        index = parts.index(STAGING_NAME)
+        return Path(*parts[:index], *parts[index + 1:])
+    return path
+
+
+# What a report re-run copies into its staging folder first: the page's saved sections and the
+# figures other sections' blocks show (the page is re-rendered whole from them).
+REPORT_SEED = ("report", "figures")
+
+
+def _is_leftover_tmp(path: Path) -> bool:
+    """A temporary file of :func:`atomic_path` (``.NAME.XXXXXXXX.tmp``) that a kill left behind."""
+    return path.is_file() and path.name.startswith(".") and path.name.endswith(".tmp")
+
+
+def recover_folder(folder: str | os.PathLike) -> list[str]:
+    """Run by every command when it locks ``folder``: finish a committed swap (:func:`staged_output`),
+    remove an uncommitted staging folder, and remove leftover temporary files of atomic writes in
+    ``folder`` and its direct subfolders. Returns what was removed or finished."""
+    import shutil
+
+    folder = Path(folder)
+    done = []
+    if (folder / JOURNAL_NAME).is_file():
+        _roll_forward(folder)
+        done.append(JOURNAL_NAME)
+    if (folder / STAGING_NAME).exists():
+        shutil.rmtree(folder / STAGING_NAME, ignore_errors=True)
+        done.append(STAGING_NAME)
+    if folder.is_dir():
+        for parent in [folder, *(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink())]:
+            for path in parent.iterdir():
+                if _is_leftover_tmp(path):
+                    path.unlink(missing_ok=True)
+                    done.append(str(path.relative_to(folder)))
+    return done
