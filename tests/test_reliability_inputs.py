@@ -92,8 +92,17 @@ def test_task_data_needs_the_disk_space(tmp_path, capsys, monkeypatch):
 # ---------------------------------------------------------------- 2. user text
 def test_non_utf8_prompt_names_the_byte_offset(run_copy, capsys):
     prompt = b"ab\xff\xfecd".decode("utf-8", "surrogateescape")  # what Python makes of such argv bytes
-    assert main(["generate", "--checkpoint", str(run_copy), "--prompt", prompt, "--threads", "1"]) == 2
-    assert "prompt is not valid UTF-8 at byte offset 2 (0xff)" in error_line(capsys)
+    with pytest.raises(SystemExit) as exit_status:  # refused while parsing, like every text flag
+        main(["generate", "--checkpoint", str(run_copy), "--prompt", prompt, "--threads", "1"])
+    assert exit_status.value.code == 2
+    assert "--prompt is not valid UTF-8 at byte offset 2 (0xff)" in error_line(capsys)
+
+
+def test_non_utf8_prompt_in_the_library_names_the_byte_offset(run_copy):
+    from rdepth.run.config import GenerateConfig
+
+    with pytest.raises(RdepthError, match="prompt is not valid UTF-8 at byte offset 1"):
+        GenerateConfig(checkpoint=str(run_copy), prompt=b"a\xc3(".decode("utf-8", "surrogateescape"))
 
 
 def test_user_text_is_never_mathtext(tmp_path):
@@ -173,3 +182,11 @@ def test_reuse_check_validates_the_runs_own_files(run_copy, name, content, fragm
     with pytest.raises(RdepthError, match=fragment):
         train_or_reuse(model_config, train_config)
     assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == before
+
+
+def test_resume_refuses_a_new_time_limit(trained, tmp_path, capsys):
+    run = Path(shutil.copytree(trained, tmp_path / "run"))
+    before = (run / "config.json").read_text()
+    assert main(["train", "--resume", "--out", str(run), "--time-limit", "2", "--threads", "1"]) == 2
+    assert "--time-limit fits a fresh run's schedule" in error_line(capsys)
+    assert (run / "config.json").read_text() == before

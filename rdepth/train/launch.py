@@ -47,6 +47,10 @@ def train_config_for(overrides: dict[str, Any], resume: bool) -> TrainConfig:
     """The flags the user typed over the defaults; when resuming, over the saved config."""
     if not resume:
         return TrainConfig(**overrides)
+    if overrides.get("time_limit") is not None:
+        raise RdepthError("--time-limit fits a fresh run's schedule to a wall-clock budget; a resumed run keeps the "
+                          "schedule it was saved with, so a new limit would not apply: drop --time-limit (use "
+                          "--stop-at to end the resumed run sooner)")
     out = overrides.get("out", TrainConfig.out)
     saved = saved_train_config(out)
     if saved is None:
