@@ -35,24 +35,24 @@ def _scalar(kind: Any) -> type:
     return kind if kind in (bool, int, float, str) else str
 
 
-def _parse(kind: type, text: str, name: str):
-    """``kind(text)``, refusing what no flag means: a non-finite float (nan, inf: every float field is a
-    finite quantity) and text that is not valid UTF-8 (argv bytes Python kept as surrogates)."""
-    value = kind(text)
-    if kind is float and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{flag_name(name)} expects a finite number, got {text!r}")
-    if kind is str:
-        try:
-            check_utf8(flag_name(name), value)
-        except RdepthError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
+def check_typed_value(name: str, value: Any) -> None:
+    """A one-line error for what no flag means: a non-finite float (nan, inf: every float field is a
+    finite quantity) and text that is not valid UTF-8 (argv bytes Python kept as surrogates);
+    ``value`` may be a tuple or list of them."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            check_typed_value(name, item)
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RdepthError(f"{name} must be a finite number, got {value!r} ({flag_name(name)})")
+    if isinstance(value, str):
+        check_utf8(flag_name(name), value)
 
 
 def _converter(kind: type, name: str):
     def convert(text: str):
         try:
-            return _parse(kind, text, name)
+            return kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag_name(name)} expects {kind.__name__}, got {text!r}") from None
 
@@ -66,7 +66,7 @@ def _tuple_converter(kind: type, name: str):
         if not parts:
             raise argparse.ArgumentTypeError(f"{flag_name(name)} expects a comma-separated list, got {text!r}")
         try:
-            return tuple(_parse(kind, part, name) for part in parts)
+            return tuple(kind(part) for part in parts)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{flag_name(name)} expects comma-separated {kind.__name__} values, got {text!r}"
@@ -168,6 +168,7 @@ def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     for key, value in vars(args).items():
         if key.startswith(prefix) and value is not None:
             name = key[len(prefix):]
+            check_typed_value(name, value)  # every flag of every command passes here
             is_grid = isinstance(value, list) and value and isinstance(value[0], tuple)
             values[name] = dict(value) if is_grid else value
     return values

@@ -63,13 +63,13 @@ def load_profile(path: str | Path, n_groups: int | None = None, checkpoint: str 
     (its ``run`` identity, :func:`rdepth.run.checkpoint.run_identity`) unless ``force``."""
     profile = read_json_object(Path(path), "exit profile")
     check_profile(profile, f"exit profile {path}")
-    if checkpoint is not None and not force:
-        from rdepth.run.checkpoint import check_run_identity, resolve_checkpoint
-
-        check_run_identity(profile.get("run"), resolve_checkpoint(checkpoint), f"exit profile {path}", FORCE_FLAG)
     if n_groups is not None and len(profile["values"]) != n_groups:
         raise RdepthError(f"exit profile {path} has {len(profile['values'])} group value(s) for a model with "
                           f"{n_groups} group(s)")
+    if checkpoint and not force:
+        from rdepth.run.checkpoint import check_run_identity, resolve_checkpoint
+
+        check_run_identity(profile.get("run"), resolve_checkpoint(checkpoint), f"exit profile {path}", FORCE_FLAG)
     return profile
 
 
