@@ -93,7 +93,7 @@ def test_task_data_needs_the_disk_space(tmp_path, capsys, monkeypatch):
 def test_non_utf8_prompt_names_the_byte_offset(run_copy, capsys):
     prompt = b"ab\xff\xfecd".decode("utf-8", "surrogateescape")  # what Python makes of such argv bytes
     assert main(["generate", "--checkpoint", str(run_copy), "--prompt", prompt, "--threads", "1"]) == 2
-    assert "--prompt is not valid UTF-8 at byte offset 2 (0xff)" in error_line(capsys)
+    assert "prompt is not valid UTF-8 at byte offset 2 (0xff)" in error_line(capsys)
 
 
 def test_non_utf8_prompt_in_the_library_names_the_byte_offset(run_copy):
@@ -188,3 +188,10 @@ def test_resume_refuses_a_new_time_limit(trained, tmp_path, capsys):
     assert main(["train", "--resume", "--out", str(run), "--time-limit", "2", "--threads", "1"]) == 2
     assert "--time-limit fits a fresh run's schedule" in error_line(capsys)
     assert (run / "config.json").read_text() == before
+
+
+def test_every_text_flag_must_be_utf8(tmp_path, capsys):
+    """The command line's own check (rdepth.cli.options), for flags whose config keeps text as given."""
+    folder = b"runs/\xe9t\xe9".decode("utf-8", "surrogateescape")
+    assert main(["prepare", "--corpus", "task:chase", "--out", folder]) == 2
+    assert "--out is not valid UTF-8 at byte offset 5 (0xe9)" in error_line(capsys)

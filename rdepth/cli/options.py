@@ -161,14 +161,16 @@ def add_dataclass_flags(
                                metavar=meta.get("metavar") or kind.__name__.upper(), **common)
 
 
-def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The fields of ``cls`` the user set on the command line (repeated grids as a dict)."""
+def overrides(args: argparse.Namespace, cls: type, check: bool = True) -> dict[str, Any]:
+    """The fields of ``cls`` the user set on the command line (repeated grids as a dict); with ``check``,
+    non-finite numbers and non-UTF-8 text are refused (:func:`check_typed_value`)."""
     prefix = f"{cls.__name__}."
     values = {}
     for key, value in vars(args).items():
         if key.startswith(prefix) and value is not None:
             name = key[len(prefix):]
-            check_typed_value(name, value)  # every flag of every command passes here
+            if check:
+                check_typed_value(name, value)
             is_grid = isinstance(value, list) and value and isinstance(value[0], tuple)
             values[name] = dict(value) if is_grid else value
     return values
@@ -176,8 +178,11 @@ def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
 
 def build(cls: type, base: dict[str, Any], args: argparse.Namespace):
     """``cls(**base)`` with the command-line overrides applied and validated."""
-    values = {**base, **overrides(args, cls)}
+    given = overrides(args, cls, check=False)
     try:
-        return cls(**values)
+        built = cls(**{**base, **given})  # the config's own message first, where it checks the value itself
     except TypeError as exc:
         raise RdepthError(f"bad {cls.__name__}: {exc}") from None
+    for name, value in given.items():  # then what no field means, for every flag of every command
+        check_typed_value(name, value)
+    return built
