@@ -467,15 +467,22 @@ def final_path(path: str | os.PathLike) -> Path:
 REPORT_SEED = ("report", "figures")
 
 
+# mkstemp's names in atomic_path: ".NAME." + 8 random characters + ".tmp"
+_TMP_PATTERN = __import__("re").compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+# The subfolders rdepth writes with atomic_path (never any other folder of the user's).
+RDEPTH_SUBFOLDERS = ("checkpoints", "figures", "report", "report/sections", "geometry")
+
+
 def _is_leftover_tmp(path: Path) -> bool:
     """A temporary file of :func:`atomic_path` (``.NAME.XXXXXXXX.tmp``) that a kill left behind."""
-    return path.is_file() and path.name.startswith(".") and path.name.endswith(".tmp")
+    return bool(_TMP_PATTERN.match(path.name)) and path.is_file() and not path.is_symlink()
 
 
 def recover_folder(folder: str | os.PathLike) -> list[str]:
     """Run by every command when it locks ``folder``: finish a committed swap (:func:`staged_output`),
     remove an uncommitted staging folder, and remove leftover temporary files of atomic writes in
-    ``folder`` and its direct subfolders. Returns what was removed or finished."""
+    ``folder`` and the subfolders rdepth writes there (:data:`RDEPTH_SUBFOLDERS`). Returns what was
+    removed or finished."""
     import shutil
 
     folder = Path(folder)
@@ -487,7 +494,9 @@ def recover_folder(folder: str | os.PathLike) -> list[str]:
         shutil.rmtree(folder / STAGING_NAME, ignore_errors=True)
         done.append(STAGING_NAME)
     if folder.is_dir():
-        for parent in [folder, *(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink())]:
+        for parent in [folder, *(folder / name for name in RDEPTH_SUBFOLDERS)]:
+            if not parent.is_dir() or parent.is_symlink():
+                continue
             for path in parent.iterdir():
                 if _is_leftover_tmp(path):
                     path.unlink(missing_ok=True)

@@ -260,3 +260,16 @@ def test_atomic_path_leaves_nothing_on_error(tmp_path):
             tmp.write_text("half")
             raise ValueError
     assert list(tmp_path.iterdir()) == []
+
+
+def test_recovery_removes_only_rdepths_own_temporary_files(tmp_path):
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "notes").mkdir()
+    (out / "checkpoints" / ".latest.k2x9aqzz.tmp").write_text("step_000003")  # a resume killed mid-write
+    (out / "notes" / ".draft.abcdefgh.tmp").write_text("someone's")  # not a folder rdepth writes
+    (out / ".vimrc.tmp").write_text("someone's")  # not atomic_path's pattern
+    with exclusive(out, "train"):
+        pass
+    assert not (out / "checkpoints" / ".latest.k2x9aqzz.tmp").exists()
+    assert (out / "notes" / ".draft.abcdefgh.tmp").exists() and (out / ".vimrc.tmp").exists()
