@@ -73,6 +73,12 @@ def current_umask() -> int:
     return umask
 
 
+def ordinary_mode(path: str | os.PathLike) -> None:
+    """Give a file written by a library that creates it private (safetensors: 0600) the mode of every
+    other file rdepth writes (0666 less the umask: 0644 usually)."""
+    os.chmod(path, 0o666 & ~current_umask())
+
+
 def write_text(path: str | os.PathLike, text: str, *, overwrite: bool = True) -> None:
     with atomic_path(path, overwrite=overwrite) as tmp:
         tmp.write_text(text)

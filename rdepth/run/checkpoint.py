@@ -31,7 +31,7 @@ import torch
 
 from rdepth.config import ModelConfig
 from rdepth.errors import RdepthError
-from rdepth.io import current_umask, read_json_object, write_json, write_text
+from rdepth.io import ordinary_mode, read_json_object, write_json, write_text
 
 STEP_PATTERN = re.compile(r"^step_(\d+)$")
 
@@ -71,7 +71,7 @@ def save_checkpoint(
         for path in staging.iterdir():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-            os.chmod(path, 0o666 & ~current_umask())  # safetensors writes 0600; a checkpoint is an ordinary file
+            ordinary_mode(path)  # safetensors writes 0600; a checkpoint is an ordinary file
         if final.exists():  # re-saving the same step: replace it whole
             old = root / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
