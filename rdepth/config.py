@@ -21,6 +21,7 @@ from rdepth.fields import option
 # Upper limits that keep a typo from running until killed (a loop count of 1e9, a 1e8-token context).
 MAX_LOOPS = 1024
 MAX_BLOCK_SIZE = 65536
+MAX_LAYERS = 1024  # far beyond any trained model; a layer count of 1e6 would build for minutes first
 # Layer types RecurrentLM builds (rdepth.model.layers.BLOCKS): Geiping et al.'s sandwich block,
 # and GPT-2's pre-LayerNorm block, which imported GPT-2 models keep.
 BLOCK_TYPES = ("sandwich", "gpt2")
@@ -153,6 +154,8 @@ class ModelConfig:
             raise RdepthError(
                 f"model config: d_model={self.d_model} is not divisible by n_head={self.n_head}"
             )
+        if self.n_layer > MAX_LAYERS:
+            raise RdepthError(f"model config: n_layer must be <= {MAX_LAYERS}, got {self.n_layer!r}")
         if self.block_size > MAX_BLOCK_SIZE:
             raise RdepthError(f"model config: block_size must be <= {MAX_BLOCK_SIZE}, got {self.block_size!r}")
         if not (1 <= self.mean_loops <= MAX_LOOPS):
@@ -213,6 +216,14 @@ class ModelConfig:
         looped = sum(len(g.layers) for g in self.group_specs)
         return (self.n_layer - looped) + self.mean_loops * looped
 
+    @property
+    def weight_count(self) -> int:
+        """Weights of the model, approximately (attention and MLP matrices, the groups' adapters,
+        the embeddings): what :func:`check_fits_memory` sizes before anything is allocated."""
+        d = self.d_model
+        return int(self.n_layer * (4 + 3 * self.mlp_ratio) * d * d + self.n_groups * 2 * d * d
+                   + (self.padded_vocab_size + self.block_size) * d)
+
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         if data["eval_loops"] is not None:
@@ -254,6 +265,43 @@ PRESETS: dict[str, dict[str, Any]] = {
         groups="1", mean_loops=6.0, backprop_depth=4, tokenizer="task:chase",
     ),
 }
+
+
+def machine_memory_bytes() -> int | None:
+    """Memory this process may use: the machine's physical memory, or its cgroup's limit when lower
+    (None when neither can be read)."""
+    import os
+
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as handle:
+                text = handle.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def check_fits_memory(config: ModelConfig, what: str = "model config", copies: int = 1) -> None:
+    """A one-line error, before anything is allocated, when ``copies`` float32 copies of the model's
+    weights (1 to evaluate; 4 to train: weights, gradients and Adam's two moments) exceed the memory
+    of this machine (:func:`machine_memory_bytes`). Names the fields that set the size."""
+    need = 4 * copies * config.weight_count
+    have = machine_memory_bytes()
+    if have is None or need <= have:
+        return
+    gib = 2**30
+    raise RdepthError(
+        f"{what}: a model with n_layer={config.n_layer}, d_model={config.d_model}, vocab_size={config.vocab_size} "
+        f"has about {config.weight_count:,} weights and needs about {need / gib:,.1f} GiB "
+        f"{'to train' if copies > 1 else 'for its weights'}, more than this machine's {have / gib:,.1f} GiB of "
+        "memory: choose smaller sizes")
 
 
 def get_preset(name: str, **overrides: Any) -> ModelConfig:

@@ -40,7 +40,7 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "task": dict(preset="task", max_steps=2600, batch_size=32, checkpoint_every=650, weight_decay=0.01,
                  warmup_steps=50, curriculum_steps=1000),
     "text": dict(preset="tiny", max_steps=500, batch_size=16, checkpoint_every=125, weight_decay=0.1,
-                 warmup_steps=None, curriculum_steps=0),
+                 warmup_steps=None, curriculum_steps=0, corpus="wiki", tokenizer="bpe:4096"),
 }
 # Pointer chasing to a fixed point with 16 nodes listed in order, every symbol queried and the
 # distractor chains as long as the main one but for a shorter leftover chain: one problem fills a
@@ -56,8 +56,10 @@ class DemoConfig:
                                "text: the tiny preset on the Wikipedia corpus")
     data: str | None = option(None, "prepared data folder (reused when it holds the same corpus and tokenizer)",
                               default_text="OUT/data")
-    corpus: str = option("wiki", "text mode: corpus to prepare: wiki, shakespeare or a text file/folder")
-    tokenizer: str = option("bpe:4096", "text mode: tokenizer to prepare the corpus with: gpt2 or bpe:N")
+    corpus: str | None = option(None, "text mode: corpus to prepare: wiki, shakespeare or a text file/folder "
+                                      "(an error in task mode)", default_text="wiki")
+    tokenizer: str | None = option(None, "text mode: tokenizer to prepare the corpus with: gpt2 or bpe:N "
+                                         "(an error in task mode)", default_text="bpe:4096")
     task: str = option("chase", "task mode: the task (or mixture) to train on")
     task_params: str = option(DEFAULT_TASK_PARAMS, "task mode: JSON of per-task parameters")
     train_difficulties: tuple[int, ...] = option((1, 4), "task mode: training difficulty range LOW,HIGH")
@@ -94,6 +96,11 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise RdepthError(f"demo config: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "task":  # a flag that does not apply is an error, never silently ignored
+            given = [name for name in ("corpus", "tokenizer") if getattr(self, name) is not None]
+            if given:
+                raise RdepthError(f"demo: --{given[0]} applies to --mode text only (task mode generates its data "
+                                  "with the task vocabulary): drop it or pass --mode text")
         for name, value in MODE_DEFAULTS[self.mode].items():
             if name != "warmup_steps" and getattr(self, name) is None:
                 setattr(self, name, value)

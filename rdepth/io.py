@@ -36,10 +36,13 @@ from rdepth.errors import RdepthError
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, *, overwrite: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success move it into place.
 
-    On an exception the temporary file is removed and ``path`` is untouched.
+    On an exception the temporary file is removed and ``path`` is untouched. With
+    ``overwrite=False`` the file is put in place by a hard link, which the kernel refuses when
+    ``path`` exists: of two writers racing for one name exactly one wins, and the other gets a
+    one-line RdepthError (a check-then-write would let both "succeed" and the second replace the first).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -51,7 +54,13 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with open(tmp_path, "rb") as handle:  # flush to disk before the rename
             os.fsync(handle.fileno())
         os.chmod(tmp_path, 0o666 & ~current_umask())  # mkstemp's 0600 would hide reports from others
-        os.replace(tmp_path, path)
+        if overwrite:
+            os.replace(tmp_path, path)
+        else:
+            try:
+                os.link(tmp_path, path)
+            except FileExistsError:
+                raise RdepthError(f"{path} exists; pass another output (nothing is overwritten)") from None
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
@@ -64,13 +73,26 @@ def current_umask() -> int:
     return umask
 
 
-def write_text(path: str | os.PathLike, text: str) -> None:
-    with atomic_path(path) as tmp:
+def ordinary_mode(path: str | os.PathLike) -> None:
+    """Give a file written by a library that creates it private (safetensors: 0600) the mode of every
+    other file rdepth writes (0666 less the umask: 0644 usually)."""
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def write_text(path: str | os.PathLike, text: str, *, overwrite: bool = True) -> None:
+    with atomic_path(path, overwrite=overwrite) as tmp:
         tmp.write_text(text)
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+def write_json(path: str | os.PathLike, obj: Any, *, overwrite: bool = True, strict: bool = False) -> None:
+    """``obj`` as indented JSON, atomically. ``strict``: standard JSON only (a NaN or infinity, which
+    Python would write as the non-standard ``NaN``/``Infinity``, is an error): for files other commands
+    read back as input, such as exit profiles."""
+    try:
+        text = json.dumps(obj, indent=2, sort_keys=False, default=_json_default, allow_nan=not strict)
+    except ValueError as exc:
+        raise RdepthError(f"cannot write {path}: {exc} (a number is not finite)") from None
+    write_text(path, text + "\n", overwrite=overwrite)
 
 
 def _json_default(obj: Any) -> Any:
@@ -309,6 +331,8 @@ def exclusive(folder: str | os.PathLike, command: str, *, beside: bool = False) 
     handle = _acquire(path, folder, command)
     _HELD[key] = 1
     try:
+        if not beside:
+            recover_folder(folder)  # what a killed writer left: finish its swap, drop its temporary files
         yield folder
     finally:
         del _HELD[key]
@@ -362,3 +386,125 @@ def _acquire(path: Path, folder: Path, command: str):
         handle.flush()
         return handle
     raise RdepthError(f"cannot lock {path}: it keeps being replaced")
+
+
+# ---------------------------------------------------------------- whole replacement of a re-run's files
+
+STAGING_NAME = ".rdepth-staging"  # a re-run's new files, written here first
+JOURNAL_NAME = ".rdepth-swap.json"  # written once the staging folder is complete: the commit point
+
+
+@contextlib.contextmanager
+def staged_output(out: str | os.PathLike, *, seed: tuple[str, ...] = ()) -> Iterator[Path]:
+    """Yield a staging folder in which a command writes its whole result for ``out``; on success every
+    file written there replaces its namesake in ``out`` (:func:`commit_staged`).
+
+    A kill before the commit point leaves ``out`` as it was (the staging folder is removed by the next
+    command that locks ``out``); a kill after it is finished by that command (:func:`recover_folder`),
+    so readers see the old result or the new one, never a mix. ``seed``: folders of ``out`` copied into
+    the staging folder first, because the writer reads and extends them (a report page's saved
+    sections). Call it while holding ``out``'s lock (:func:`exclusive`). On an exception the staging
+    folder is removed and ``out`` is untouched.
+    """
+    import shutil
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / STAGING_NAME
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        for name in seed:
+            if (out / name).is_dir() and not (out / name).is_symlink():
+                shutil.copytree(out / name, staging / name)
+        yield staging
+        commit_staged(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def commit_staged(out: Path) -> None:
+    """Write the journal (the list of staged files; its atomic write is the commit point), then move
+    each staged file over its namesake in ``out`` and drop the journal and the staging folder."""
+    staging = out / STAGING_NAME
+    files = sorted(str(path.relative_to(staging)) for path in staging.rglob("*") if path.is_file())
+    write_json(out / JOURNAL_NAME, {"files": files})
+    _roll_forward(out)
+
+
+def _roll_forward(out: Path) -> None:
+    import shutil
+
+    journal = out / JOURNAL_NAME
+    try:
+        files = json.loads(journal.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        files = []  # a journal that is not whole was never committed (its write is atomic): nothing to do
+    staging = out / STAGING_NAME
+    for name in files:
+        source, target = staging / name, out / name
+        if ".." in Path(name).parts or not source.is_file():
+            continue  # moved already before a kill
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, target)
+    shutil.rmtree(staging, ignore_errors=True)
+    journal.unlink(missing_ok=True)
+
+
+def output_folder_name(folder: str | os.PathLike) -> str:
+    """The name of the folder a result is for: ``OUT``'s own name, also while it is being written in
+    ``OUT/.rdepth-staging`` (page titles name the run, never the staging folder)."""
+    folder = Path(folder).resolve()
+    return folder.parent.name if folder.name == STAGING_NAME else folder.name
+
+
+def final_path(path: str | os.PathLike) -> Path:
+    """Where a file written in a staging folder will live once the staging is committed."""
+    path = Path(path)
+    parts = path.parts
+    if STAGING_NAME in parts:
+        index = parts.index(STAGING_NAME)
+        return Path(*parts[:index], *parts[index + 1:])
+    return path
+
+
+# What a report re-run copies into its staging folder first: the page's saved sections and the
+# figures other sections' blocks show (the page is re-rendered whole from them).
+REPORT_SEED = ("report", "figures")
+
+
+# mkstemp's names in atomic_path: ".NAME." + 8 random characters + ".tmp"
+_TMP_PATTERN = __import__("re").compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+# The subfolders rdepth writes with atomic_path (never any other folder of the user's).
+RDEPTH_SUBFOLDERS = ("checkpoints", "figures", "report", "report/sections", "geometry")
+
+
+def _is_leftover_tmp(path: Path) -> bool:
+    """A temporary file of :func:`atomic_path` (``.NAME.XXXXXXXX.tmp``) that a kill left behind."""
+    return bool(_TMP_PATTERN.match(path.name)) and path.is_file() and not path.is_symlink()
+
+
+def recover_folder(folder: str | os.PathLike) -> list[str]:
+    """Run by every command when it locks ``folder``: finish a committed swap (:func:`staged_output`),
+    remove an uncommitted staging folder, and remove leftover temporary files of atomic writes in
+    ``folder`` and the subfolders rdepth writes there (:data:`RDEPTH_SUBFOLDERS`). Returns what was
+    removed or finished."""
+    import shutil
+
+    folder = Path(folder)
+    done = []
+    if (folder / JOURNAL_NAME).is_file():
+        _roll_forward(folder)
+        done.append(JOURNAL_NAME)
+    if (folder / STAGING_NAME).exists():
+        shutil.rmtree(folder / STAGING_NAME, ignore_errors=True)
+        done.append(STAGING_NAME)
+    if folder.is_dir():
+        for parent in [folder, *(folder / name for name in RDEPTH_SUBFOLDERS)]:
+            if not parent.is_dir() or parent.is_symlink():
+                continue
+            for path in parent.iterdir():
+                if _is_leftover_tmp(path):
+                    path.unlink(missing_ok=True)
+                    done.append(str(path.relative_to(folder)))
+    return done

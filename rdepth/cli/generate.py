@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     def profile_controllers(model):
         from rdepth.exits.profile import load_profile, profile_controller_factory
 
-        profile = load_profile(config.exit_profile, model.n_groups)
+        profile = load_profile(config.exit_profile, model.n_groups, config.checkpoint, config.force_profile)
         return profile_controller_factory(profile, lambda: model.readout)
 
     controllers = None

@@ -103,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         print(f"rdepth {args.command}: error: out of memory (choose smaller sizes)", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # torch's allocators raise RuntimeError, not MemoryError
+        if not is_out_of_memory(exc):
+            raise
+        print(f"rdepth {args.command}: error: out of memory ({_one_line(exc)[:160]}; choose smaller sizes)",
+              file=sys.stderr)
+        return 2
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -167,6 +173,16 @@ def _terminate_like_interrupt():
         raise Terminated()
 
     return signal.signal(signal.SIGTERM, handler)
+
+
+# What torch's CPU and CUDA allocators say when an allocation fails.
+OUT_OF_MEMORY_TEXT = ("can't allocate memory", "out of memory", "not enough memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for an allocator's failure (torch raises RuntimeError or its subclass OutOfMemoryError)."""
+    text = str(exc).lower()
+    return type(exc).__name__ == "OutOfMemoryError" or any(words in text for words in OUT_OF_MEMORY_TEXT)
 
 
 def _one_line(exc: BaseException) -> str:

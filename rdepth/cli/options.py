@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import typing
 from typing import Any
 
-from rdepth.errors import RdepthError
+from rdepth.errors import RdepthError, check_utf8
 
 
 def flag_name(name: str) -> str:
@@ -32,6 +33,20 @@ def _strip_optional(annotation: Any) -> Any:
 
 def _scalar(kind: Any) -> type:
     return kind if kind in (bool, int, float, str) else str
+
+
+def check_typed_value(name: str, value: Any) -> None:
+    """A one-line error for what no flag means: a non-finite float (nan, inf: every float field is a
+    finite quantity) and text that is not valid UTF-8 (argv bytes Python kept as surrogates);
+    ``value`` may be a tuple or list of them."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            check_typed_value(name, item)
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RdepthError(f"{name} must be a finite number, got {value!r} ({flag_name(name)})")
+    if isinstance(value, str):
+        check_utf8(flag_name(name), value)
 
 
 def _converter(kind: type, name: str):
@@ -146,13 +161,16 @@ def add_dataclass_flags(
                                metavar=meta.get("metavar") or kind.__name__.upper(), **common)
 
 
-def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The fields of ``cls`` the user set on the command line (repeated grids as a dict)."""
+def overrides(args: argparse.Namespace, cls: type, check: bool = True) -> dict[str, Any]:
+    """The fields of ``cls`` the user set on the command line (repeated grids as a dict); with ``check``,
+    non-finite numbers and non-UTF-8 text are refused (:func:`check_typed_value`)."""
     prefix = f"{cls.__name__}."
     values = {}
     for key, value in vars(args).items():
         if key.startswith(prefix) and value is not None:
             name = key[len(prefix):]
+            if check:
+                check_typed_value(name, value)
             is_grid = isinstance(value, list) and value and isinstance(value[0], tuple)
             values[name] = dict(value) if is_grid else value
     return values
@@ -160,8 +178,11 @@ def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
 
 def build(cls: type, base: dict[str, Any], args: argparse.Namespace):
     """``cls(**base)`` with the command-line overrides applied and validated."""
-    values = {**base, **overrides(args, cls)}
+    given = overrides(args, cls, check=False)
     try:
-        return cls(**values)
+        built = cls(**{**base, **given})  # the config's own message first, where it checks the value itself
     except TypeError as exc:
         raise RdepthError(f"bad {cls.__name__}: {exc}") from None
+    for name, value in given.items():  # then what no field means, for every flag of every command
+        check_typed_value(name, value)
+    return built

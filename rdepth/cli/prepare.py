@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.data.prepare import PrepareConfig
     from rdepth.tasks.prepare import prepare_any
 
-    for line in prepare_any(build(PrepareConfig, {}, args), overrides(args, _task_config())):
+    for line in prepare_any(build(PrepareConfig, {}, args), overrides(args, _task_config()),
+                            text_fields=set(overrides(args, PrepareConfig))):
         print(line)
     return 0
 

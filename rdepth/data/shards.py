@@ -276,8 +276,9 @@ class TokenShards:
         self.val = val
 
     @classmethod
-    def open(cls, directory: str | os.PathLike, verify: bool = False) -> "TokenShards":
-        """Open and check a prepared folder; ``verify`` also re-hashes each shard.
+    def open(cls, directory: str | os.PathLike, verify: bool | tuple[str, ...] = False) -> "TokenShards":
+        """Open and check a prepared folder; ``verify`` also re-hashes each shard (True) or the
+        named splits (``("val",)``: what evaluation reads, a small share of the data).
 
         RdepthError (naming the file) for a missing folder or manifest, a manifest
         field of the wrong type, a shard whose size disagrees with the manifest's token
@@ -304,7 +305,7 @@ class TokenShards:
             if actual != expected:
                 raise RdepthError(f"shard {path} has {actual} bytes, the manifest says {expected} "
                                   f"({info['tokens']} {dtype.name} tokens): truncated or corrupt")
-            if verify and file_sha256(path) != info["sha256"]:
+            if (verify is True or (verify and split in verify)) and file_sha256(path) != info["sha256"]:
                 raise RdepthError(f"shard {path} fails its SHA-256 check: corrupt")
             arrays[split] = np.memmap(path, dtype=dtype, mode="r")
         return cls(directory, manifest, arrays["train"], arrays["val"])

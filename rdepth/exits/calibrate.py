@@ -60,10 +60,11 @@ from rdepth.exits.controller import PolicyController, controller_factory
 from rdepth.exits.evaluate import evaluate_with_exits
 from rdepth.exits.profile import make_profile, profile_controller_factory
 from rdepth.exits.recorded import drive_recorded
-from rdepth.io import environment_info, write_json
+from rdepth.io import environment_info, exclusive, write_json
 from rdepth.model import RecurrentLM
 from rdepth.model.control import FixedController
 from rdepth.model.noise import StateNoise
+from rdepth.run.checkpoint import resolve_checkpoint, run_identity
 from rdepth.run.opened import open_run
 
 log = logging.getLogger(__name__)
@@ -317,7 +318,13 @@ def _split_text(run, config: CalibrateConfig) -> tuple[torch.Tensor, torch.Tenso
     """(calibration, validation) windows: of ``windows + validation_windows`` held-out windows spread
     over the split (:func:`rdepth.run.heldout.held_out_windows`), the first ``windows`` in text order,
     then the rest (half and half when the text holds fewer)."""
-    windows = run.windows(config.windows + config.validation_windows)
+    available = run.available_windows()
+    wanted = config.windows + config.validation_windows
+    if wanted > available:
+        raise RdepthError(f"calibrate: --windows {config.windows} and --validation-windows {config.validation_windows} "
+                          f"ask for {wanted} held-out windows; {run.data} holds {available} of "
+                          f"{run.seq_len()} tokens: ask for at most {available} in all")
+    windows = run.windows(wanted)
     if windows.shape[0] < 2:
         raise RdepthError("calibrate: the held-out text holds fewer than two windows")
     cut = config.windows if windows.shape[0] > config.windows else windows.shape[0] // 2
@@ -340,21 +347,34 @@ def _split_task(config: CalibrateConfig):
 
 
 def calibrate_checkpoint(config: CalibrateConfig) -> dict:
-    """Record, replay, choose, validate, save the profile (``config.out``); returns the saved profile."""
+    """Record, replay, choose, validate, save the profile (``config.out``); returns the saved profile.
+
+    The folder the profile goes to is locked for the whole run (:func:`rdepth.io.exclusive`, the
+    trainer's lock when it is the run folder), an existing profile is refused before any work, and the
+    profile is put in place only if nobody wrote that name meanwhile (never overwritten)."""
     from rdepth.tasks.eval_checkpoint import is_task_data
 
     if config.threads:
         torch.set_num_threads(config.threads)
+    task = is_task_data(config.data)
+    if not task and config.difficulty is not None:
+        raise RdepthError("calibrate: --difficulty chooses a held-out set of task data; "
+                          f"{config.data} is text data: drop it")
     out = Path(config.out) if config.out else None
-    run = open_run(config.checkpoint, config.data, config.device)
     if out is None:
-        folder = run.checkpoint.parent.parent if run.checkpoint.parent.name == "checkpoints" else run.checkpoint
+        checkpoint = resolve_checkpoint(config.checkpoint)
+        folder = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint
         out = folder / f"exit_profile_{config.policy}.json"
     if out.exists():
         raise RdepthError(f"{out} exists; pass another --out (nothing is overwritten)")
+    with exclusive(out.parent, "calibrate"):
+        return _calibrate(config, out, task)
+
+
+def _calibrate(config: CalibrateConfig, out: Path, task: bool) -> dict:
+    run = open_run(config.checkpoint, config.data, config.device)
     model = run.model.eval()
     k_max = config.resolve_k_max(model.n_groups, model.config.default_eval_loops)
-    task = is_task_data(config.data)
     if task:
         difficulty, calibration, validation = _split_task(config)
         windows = torch.from_numpy(np.asarray(calibration.tokens, dtype=np.int64))
@@ -407,9 +427,9 @@ def calibrate_checkpoint(config: CalibrateConfig) -> dict:
     profile = make_profile(
         config.policy, per_group["values"], k_max, config.policy_options(),
         quality=scorer.name, target=target, calibrated=chosen, shared_baseline=baseline, candidates=table,
-        checkpoint=str(run.checkpoint), data={"path": str(run.data), **data_record},
+        checkpoint=str(run.checkpoint), run=run_identity(run.checkpoint), data={"path": str(run.data), **data_record},
         config=asdict(config), environment=environment_info(),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    write_json(out, profile)
+    write_json(out, profile, overwrite=False, strict=True)
     profile["path"] = str(out)
     return profile

@@ -14,7 +14,7 @@ from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError
 from rdepth.exits.stats import NOISE_THRESHOLD
 from rdepth.fields import option
-from rdepth.run.config import DEVICE_HELP, check_autocast_name, check_device_name
+from rdepth.run.config import DEVICE_HELP, PROFILE_FORCE_HELP, check_autocast_name, check_device_name
 from rdepth.threads import THREADS_HELP
 
 DEFAULT_TAUS = (1e-5, 1e-4, 1e-3, 1e-2)
@@ -122,6 +122,7 @@ class SweepConfig:
     exit_profile: str | None = option(
         None, "also measure this exit profile (rdepth calibrate: one threshold per group) beside the policy grid",
         default_text="none")
+    force_profile: bool = option(False, PROFILE_FORCE_HELP)
     accuracy_tolerance: float = option(
         0.01, "task data: accuracy below the full budget's that counts as matched (a fraction: 0.01 = one point)")
     seed: int = option(0, "seed of the initial loop-state noise")
@@ -258,7 +259,8 @@ class CalibrateConfig:
         None, "candidate values of the policy's parameter", default_text="1e-6 .. 3 (tau) or the policy's grid")
     k_max: tuple[int, ...] | None = option(
         None, "loop-step cap N (every group) or N,N,... (per group)", default_text="twice the model's eval loops")
-    windows: int = option(128, "held-out windows the thresholds are chosen on (at most half of a task's held-out set)")
+    windows: int = option(128, "held-out windows the thresholds are chosen on (text: with --validation-windows at most "
+                                "the split holds, an error beyond; task: capped at half the held-out set)")
     validation_windows: int = option(128, "further held-out windows the chosen profile is checked on")
     difficulty: int | None = option(None, "task data: the held-out difficulty to calibrate on",
                                     default_text="the top training difficulty")
@@ -285,8 +287,9 @@ class CalibrateConfig:
         if self.max_quality_loss is not None and not (
                 isinstance(self.max_quality_loss, (int, float)) and 0 <= self.max_quality_loss < 1):
             raise RdepthError(f"calibrate: max_quality_loss must be in [0, 1), got {self.max_quality_loss!r}")
-        if self.mean_steps is not None and not (isinstance(self.mean_steps, (int, float)) and self.mean_steps > 0):
-            raise RdepthError(f"calibrate: mean_steps must be > 0, got {self.mean_steps!r}")
+        if self.mean_steps is not None and not (isinstance(self.mean_steps, (int, float)) and
+                                                0 < self.mean_steps <= MAX_LOOPS * 1024):
+            raise RdepthError(f"calibrate: mean_steps must be a finite number > 0, got {self.mean_steps!r}")
         if self.values is not None:
             self.values = tuple(float(v) for v in self.values)
             if not self.values or not all(math.isfinite(v) and v > 0 for v in self.values):

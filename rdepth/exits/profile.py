@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError
 from rdepth.io import read_json_object
 
@@ -46,19 +47,29 @@ def check_profile(profile: dict, where: str) -> None:
         raise RdepthError(f"{where}: values and k_max must be lists of the same length (one per group)")
     if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
         raise RdepthError(f"{where}: values must be positive finite numbers, got {values}")
-    if not all(isinstance(k, int) and k >= 1 for k in k_max):
-        raise RdepthError(f"{where}: k_max must be positive integers, got {k_max}")
+    if not all(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_LOOPS for k in k_max):
+        raise RdepthError(f"{where}: k_max must be integers in 1..{MAX_LOOPS} (the loop bound), got {k_max}")
     if not isinstance(profile.get("options", {}), dict):
         raise RdepthError(f"{where}: options must be an object")
 
 
-def load_profile(path: str | Path, n_groups: int | None = None) -> dict:
-    """Read and check a profile; with ``n_groups``, it must have one value per group of the model."""
+FORCE_FLAG = "--force-profile"
+
+
+def load_profile(path: str | Path, n_groups: int | None = None, checkpoint: str | Path | None = None,
+                 force: bool = False) -> dict:
+    """Read and check a profile; with ``n_groups``, it must have one value per group of the model; with
+    ``checkpoint`` (a checkpoint or run folder), it must have been calibrated on those weights
+    (its ``run`` identity, :func:`rdepth.run.checkpoint.run_identity`) unless ``force``."""
     profile = read_json_object(Path(path), "exit profile")
     check_profile(profile, f"exit profile {path}")
     if n_groups is not None and len(profile["values"]) != n_groups:
         raise RdepthError(f"exit profile {path} has {len(profile['values'])} group value(s) for a model with "
                           f"{n_groups} group(s)")
+    if checkpoint and not force:
+        from rdepth.run.checkpoint import check_run_identity, resolve_checkpoint
+
+        check_run_identity(profile.get("run"), resolve_checkpoint(checkpoint), f"exit profile {path}", FORCE_FLAG)
     return profile
 
 

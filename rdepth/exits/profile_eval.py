@@ -24,7 +24,7 @@ def evaluate_profile_checkpoint(config: EvalConfig) -> dict[str, Any]:
     if config.threads:
         torch.set_num_threads(config.threads)
     run = open_run(config.checkpoint, config.data, config.device)
-    profile = load_profile(config.exit_profile, run.model.n_groups)
+    profile = load_profile(config.exit_profile, run.model.n_groups, run.checkpoint, config.force_profile)
     factory = profile_controller_factory(profile, lambda: run.model.readout)
     full = lambda: FixedController(profile["k_max"])  # noqa: E731
     summary: dict[str, Any] = {"checkpoint": str(run.checkpoint), "data": str(run.data),

@@ -93,7 +93,7 @@ def run_sweep(
             [round(m, 2) for m in point["mean_steps"]], point["ppl"], budget, point["baseline"]["ppl"],
         )
     if config.exit_profile is not None:  # a calibrated profile (rdepth calibrate): one more point
-        profile = load_profile(config.exit_profile, model.n_groups)
+        profile = load_profile(config.exit_profile, model.n_groups, config.checkpoint, config.force_profile)
         point = measurer.policy(
             profile_controller_factory(profile, lambda: model.readout),
             {"policy": "profile", "parameter": profile["parameter"], "value": profile["values"][0],
@@ -149,6 +149,10 @@ def sweep_checkpoint(config: SweepConfig) -> dict:
     ``config.out``, and returns the result with ``paths`` (name -> written file)
     added. Nothing is written if the run or the data cannot be opened.
     """
+    from rdepth.io import REPORT_SEED, final_path, staged_output
+    from rdepth.report.html import check_page_folder
+
+    check_page_folder(config.out)  # before any work: someone's index.html is never replaced
     if config.threads:
         torch.set_num_threads(config.threads)
     run = open_run(config.checkpoint, config.data, config.device)
@@ -156,6 +160,7 @@ def sweep_checkpoint(config: SweepConfig) -> dict:
     result = run_sweep(run.model, windows, config, device=run.device, progress=config.progress)
     result["checkpoint"] = str(run.checkpoint)
     result["data"] = str(run.data)
-    paths = write_sweep(result, config.out)
+    with staged_output(config.out, seed=REPORT_SEED) as staging:  # swapped in whole: old or new, never a mix
+        paths = {name: final_path(path) for name, path in write_sweep(result, staging).items()}
     log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
     return {**result, "paths": {name: str(path) for name, path in paths.items()}}

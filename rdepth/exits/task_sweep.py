@@ -135,7 +135,7 @@ def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: Swee
                 settings.append(({"label": f"{name} {parameter}={value:g}", "policy": name, "parameter": parameter,
                                   "value": value}, factory))
         if config.exit_profile is not None:
-            profile = load_profile(config.exit_profile, model.n_groups)
+            profile = load_profile(config.exit_profile, model.n_groups, config.checkpoint, config.force_profile)
             values = ",".join(f"{v:g}" for v in profile["values"])
             settings.append(({"label": f"profile {profile['policy']} {values}", "policy": "profile",
                               "parameter": profile["parameter"], "value": profile["values"][0],
@@ -205,6 +205,10 @@ def sweep_task_checkpoint(config: SweepConfig) -> dict:
     """``rdepth sweep`` on task data: open the run, load the first ``config.task_windows`` windows of
     the held-out sets of ``config.difficulties`` (default: the top training difficulty), sweep, write
     ``OUT/task_sweep.json`` and the report section; returns the result with ``paths``."""
+    from rdepth.io import REPORT_SEED, final_path, staged_output
+    from rdepth.report.html import check_page_folder
+
+    check_page_folder(config.out)  # before any work: someone's index.html is never replaced
     if config.threads:
         torch.set_num_threads(config.threads)
     run = open_run(config.checkpoint, config.data, config.device)
@@ -214,10 +218,11 @@ def sweep_task_checkpoint(config: SweepConfig) -> dict:
     result = run_task_sweep(run.model, heldouts, config, device=run.device, tolerance=config.accuracy_tolerance,
                             progress=config.progress)
     result["checkpoint"], result["data"] = str(run.checkpoint), str(run.data)
-    out = Path(config.out)
-    paths = {"json": out / TASK_SWEEP_FILE}
-    write_json(paths["json"], result)
     from rdepth.exits.task_report import render_task_sweep
 
-    paths.update(render_task_sweep(result, out))
+    with staged_output(config.out, seed=REPORT_SEED) as out:  # swapped in whole: old or new, never a mix
+        paths = {"json": out / TASK_SWEEP_FILE}
+        write_json(paths["json"], result)
+        paths.update(render_task_sweep(result, out))
+        paths = {name: final_path(path) for name, path in paths.items()}
     return {**result, "paths": {name: str(path) for name, path in paths.items()}}

@@ -220,10 +220,20 @@ def run_analysis(config: AnalyzeConfig) -> Path:
     from rdepth.geometry.report_page import write_report
     from rdepth.report.html import check_page_folder
 
+    from dataclasses import replace
+
+    from rdepth.geometry.summary import write_summary
+    from rdepth.io import REPORT_SEED, final_path, staged_output
+
     check_page_folder(config.out)  # before any work: someone's index.html is never replaced
-    summary = analyze(config)
-    figures = draw_all(config.out, summary)
-    return write_report(config.out, summary, figures)
+    # Written whole into a staging folder, then swapped in: a kill leaves the old analysis or the new one.
+    with staged_output(config.out, seed=REPORT_SEED) as staging:
+        summary = analyze(replace(config, out=str(staging)))
+        summary["settings"]["out"] = str(config.out)
+        write_summary(staging, summary)
+        figures = draw_all(staging, summary)
+        page = write_report(staging, summary, figures)
+    return final_path(page)
 
 
 __all__ = ["AnalyzeConfig", "analyze", "run_analysis", "run_budget"]

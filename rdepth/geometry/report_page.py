@@ -274,7 +274,9 @@ def write_report(out: str | Path, summary: dict[str, Any], figures: list[tuple[s
     """Add (or replace) the geometry section in OUT's report page; returns index.html's path."""
     from rdepth.report import add_section
 
-    folder = Path(out).resolve()
+    from rdepth.io import final_path
+
+    folder = final_path(Path(out).resolve())  # OUT itself, also while written in its staging folder
     name = folder.parent.name if folder.name == "report" else folder.name  # the run, for OUT/report pages
     return add_section(out, geometry_section(out, summary, figures), title=f"rdepth report: {name}")
 

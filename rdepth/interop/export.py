@@ -28,7 +28,7 @@ from rdepth.interop.hf_tokenizer import write_tokenizer_files
 from rdepth.interop.model_card import model_card
 from rdepth.interop.output import check_new_folder, staged_folder
 from rdepth.interop.source import CONFIG_FILE, MODELING_FILE, write_modeling_files
-from rdepth.io import write_json, write_text
+from rdepth.io import ordinary_mode, write_json, write_text
 from rdepth.run.checkpoint import is_rdepth_run, load_model, resolve_checkpoint
 from rdepth.run.heldout import run_tokenizer
 
@@ -93,6 +93,7 @@ def export_run(config: ExportConfig) -> Path:
         weights = {WEIGHT_PREFIX + name: tensor.detach().float().contiguous().cpu()
                    for name, tensor in model.state_dict().items()}
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        ordinary_mode(folder / "model.safetensors")  # safetensors writes 0600; an export is shared
         write_json(folder / "config.json",
                    export_config_dict(model_config, counts, config.state_seed, tokenizer.eot_id, exit_spec))
         write_json(folder / "generation_config.json", {

@@ -22,6 +22,10 @@ def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
+    # Labels, titles, legends and ticks often carry text a user chose (folder names, run labels): a '$'
+    # there must be a dollar sign, never the start of a formula (an unbalanced one is a parse error).
+    # A plot that means a formula passes ``parse_math=True`` to that one text.
+    matplotlib.rcParams["text.parse_math"] = False
     import matplotlib.pyplot as plt
 
     return plt

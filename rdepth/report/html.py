@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from rdepth.errors import RdepthError
-from rdepth.io import write_json, write_text
+from rdepth.io import output_folder_name, write_json, write_text
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def add_section(run_dir: str | os.PathLike, section: Section, title: str | None 
     run_dir = Path(run_dir)
     check_page_folder(run_dir)
     if not (run_dir / META_FILE).exists():
-        write_json(run_dir / META_FILE, {"title": title or run_dir.resolve().name, "intro": ""})
+        write_json(run_dir / META_FILE, {"title": title or output_folder_name(run_dir), "intro": ""})
     write_json(run_dir / SECTIONS_DIR / f"{section.name}.json", section.to_dict())
     return render(run_dir)
 
@@ -198,7 +198,7 @@ def render(run_dir: str | os.PathLike) -> Path:
     run_dir = Path(run_dir)
     meta_path = run_dir / META_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    title = meta.get("title") or run_dir.resolve().name
+    title = meta.get("title") or output_folder_name(run_dir)
     sections = load_sections(run_dir)
     parts = [_HEAD.format(title=html.escape(title)), f"<h1>{html.escape(title)}</h1>"]
     if meta.get("intro"):

@@ -31,7 +31,7 @@ import torch
 
 from rdepth.config import ModelConfig
 from rdepth.errors import RdepthError
-from rdepth.io import read_json_object, write_json, write_text
+from rdepth.io import ordinary_mode, read_json_object, write_json, write_text
 
 STEP_PATTERN = re.compile(r"^step_(\d+)$")
 
@@ -71,6 +71,7 @@ def save_checkpoint(
         for path in staging.iterdir():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
+            ordinary_mode(path)  # safetensors writes 0600; a checkpoint is an ordinary file
         if final.exists():  # re-saving the same step: replace it whole
             old = root / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -275,15 +276,50 @@ def load_weights(checkpoint: Path, model: torch.nn.Module) -> None:
                 f"checkpoint {checkpoint} does not match the model: {name} has shape "
                 f"{tuple(tensor.shape)}, the model expects {tuple(expected[name].shape)}"
             )
+        # load_state_dict would cast integer weights silently (a uniform model) and keep NaNs (ce nan, exit 0)
+        if not tensor.is_floating_point():
+            raise RdepthError(f"checkpoint weights {weights_path}: {name} is stored as {str(tensor.dtype)[6:]}, "
+                              "not a floating-point type: corrupt")
+        if not bool(torch.isfinite(tensor).all()):
+            raise RdepthError(f"checkpoint weights {weights_path}: {name} holds NaN or infinite values: "
+                              "corrupt or diverged")
     model.load_state_dict(weights)
+
+
+def run_identity(checkpoint: Path) -> dict[str, Any]:
+    """What identifies the weights a result was computed on: the SHA-256 of ``model.safetensors``
+    and the checkpoint's model config. Saved in exit profiles; applying one to other weights is refused
+    (:func:`check_run_identity`)."""
+    from rdepth.data.shards import file_sha256
+
+    checkpoint = Path(checkpoint)
+    return {"weights_sha256": file_sha256(checkpoint / "model.safetensors"),
+            "model_config": load_model_config(checkpoint).to_dict()}
+
+
+def check_run_identity(recorded: Any, checkpoint: Path, what: str, force_flag: str) -> None:
+    """A one-line error unless ``recorded`` (a :func:`run_identity` saved with ``what``) names the weights
+    of ``checkpoint``; a file that records none is refused the same way (it cannot be checked)."""
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("weights_sha256"), str):
+        raise RdepthError(f"{what} records no run identity (weights SHA-256), so it cannot be checked against "
+                          f"{checkpoint}: calibrate again, or pass {force_flag} to apply it anyway")
+    current = run_identity(checkpoint)
+    if recorded["weights_sha256"] != current["weights_sha256"]:
+        same_shape = recorded.get("model_config") == current["model_config"]
+        raise RdepthError(f"{what} was made for other weights than {checkpoint / 'model.safetensors'}"
+                          f"{' (a model of the same shape)' if same_shape else ''}: calibrate for this run, or "
+                          f"pass {force_flag} to apply it anyway")
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
     """Rebuild a model from a checkpoint (or run) folder: returns ``(model, config)``."""
     from rdepth.model import RecurrentLM
 
+    from rdepth.config import check_fits_memory
+
     checkpoint = resolve_checkpoint(path)
     config = load_model_config(checkpoint)
+    check_fits_memory(config, f"checkpoint config {checkpoint / 'config.json'}")
     model = RecurrentLM(config)
     load_weights(checkpoint, model)
     return model.to(device).eval(), config

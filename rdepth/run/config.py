@@ -6,10 +6,13 @@ import math
 from dataclasses import dataclass
 
 from rdepth.config import MAX_LOOPS
-from rdepth.errors import RdepthError
+from rdepth.errors import RdepthError, check_utf8
 from rdepth.fields import option
 from rdepth.threads import THREADS_HELP
 
+MAX_SAMPLES = 1024  # continuations generated side by side: each holds a key/value cache of the whole context
+PROFILE_FORCE_HELP = ("apply --exit-profile even when it was calibrated on other weights (its recorded weights "
+                      "SHA-256 differs) or records none")
 DEVICE_HELP = "auto (CUDA when present), cpu or cuda[:N]"
 AUTOCAST_NAMES = ("none", "bf16", "fp16")
 
@@ -66,6 +69,7 @@ class EvalConfig:
     exit_profile: str | None = option(
         None, "evaluate with per-token exits from this exit profile (rdepth calibrate) instead of --loops",
         default_text="none")
+    force_profile: bool = option(False, PROFILE_FORCE_HELP)
     baseline: list[str] | None = option(
         None, "task data: another checkpoint or run (e.g. a no-loop or deeper plain model trained on the same "
         "data) evaluated at its own loop counts in the same table; repeatable", default_text="none")
@@ -95,7 +99,7 @@ class GenerateConfig:
     temperature: float = option(0.8, "sampling temperature; 0 = greedy")
     top_k: int | None = option(40, "sample only from the k most likely tokens", default_text="no limit")
     loops: str | None = option(None, "loop counts N or N,N,... per group", default_text="the model's eval loop counts")
-    samples: int = option(1, "independent continuations")
+    samples: int = option(1, f"independent continuations (at most {MAX_SAMPLES})")
     seed: int = option(0, "seed of the initial loop-state noise and of sampling")
     draft_loops: str | None = option(
         None, "self-speculative decoding: draft with these loop counts (N or N,N,...), verify at --loops; "
@@ -106,6 +110,7 @@ class GenerateConfig:
                                      "(Geiping et al.'s continuous compute; the prompt runs token by token)")
     exit_profile: str | None = option(
         None, "per-token exits from this exit profile (rdepth calibrate) instead of --loops", default_text="none")
+    force_profile: bool = option(False, PROFILE_FORCE_HELP)
     exit: str | None = option(
         None, "per-token exits by this exit policy (a name as in rdepth sweep --policies) at --tau, in every "
         "group, instead of --loops", default_text="none", metavar="POLICY")
@@ -121,6 +126,11 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         check_positive("generate", self, ("max_new_tokens", "samples", "top_k", "draft_tokens"))
+        if self.samples > MAX_SAMPLES:
+            raise RdepthError(f"generate: samples must be <= {MAX_SAMPLES}, got {self.samples}")
+        if not isinstance(self.prompt, str):
+            raise RdepthError(f"generate: prompt must be text, got {self.prompt!r}")
+        check_utf8("generate: prompt", self.prompt)
         if self.exit_profile is not None and self.exit is not None:
             raise RdepthError("generate: give --exit or --exit-profile, not both")
         if self.exit is None and (self.tau is not None or self.k_max is not None):

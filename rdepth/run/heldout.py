@@ -59,7 +59,7 @@ def held_out_tokens(data: str | Path, checkpoint: str | Path, config: ModelConfi
 
     data = Path(data)
     if data.is_dir():
-        shards = TokenShards.open(data)
+        shards = TokenShards.open(data, verify=("val",))  # as train checks its shards: never score damaged ids
         spec = shards.manifest.get("tokenizer")
         if spec != config.tokenizer or int(shards.manifest["vocab_size"]) != config.vocab_size:
             raise RdepthError(

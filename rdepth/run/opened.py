@@ -42,6 +42,12 @@ class OpenedRun:
         """Window length: ``requested`` (default the block size), at most the block size and the text."""
         return max(1, min(requested or self.config.block_size, self.config.block_size, len(self.tokens) - 1))
 
+    def available_windows(self, seq_len: int | None = None) -> int:
+        """How many held-out windows :meth:`windows` can give at most (the split's size, not a cap)."""
+        if self.starts is not None:
+            return int(self.windows(None, seq_len).shape[0])
+        return (len(self.tokens) - 1) // self.seq_len(seq_len)
+
     def windows(self, max_windows: int | None = None, seq_len: int | None = None) -> torch.Tensor:
         """Held-out windows ``[S, T + 1]`` (see :func:`rdepth.run.heldout.held_out_windows`); on task
         data each starts at a problem (:func:`rdepth.run.heldout.held_out_problem_windows`), as in training."""

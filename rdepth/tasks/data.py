@@ -69,6 +69,12 @@ def heldout_file(difficulty: int) -> str:
     return f"heldout_d{difficulty}.npz"
 
 
+# Tokens per generated split: about 4 bytes each on disk (ids, answer mask, problem index) and read whole
+# once for the unigram baseline; 2^30 is ~4 GiB per split and an hour or more of generation.
+MAX_TASK_TOKENS = 1 << 30
+BYTES_PER_TASK_TOKEN = 4
+
+
 @dataclass
 class TaskDataConfig:
     """What ``prepare_task_data`` builds. ``out`` defaults to ``data/task-<names>``.
@@ -82,8 +88,8 @@ class TaskDataConfig:
     train_difficulties: tuple[int, ...] = option((1, 6), "training difficulty range LOW,HIGH (inclusive)")
     heldout_difficulties: tuple[int, ...] | None = option(
         None, "held-out difficulties", default_text="the training range plus 1.5x and 2x its top")
-    train_tokens: int = option(2_000_000, "training tokens to generate")
-    val_tokens: int = option(100_000, "validation tokens to generate")
+    train_tokens: int = option(2_000_000, f"training tokens to generate (at most {MAX_TASK_TOKENS:,})")
+    val_tokens: int = option(100_000, f"validation tokens to generate (at most {MAX_TASK_TOKENS:,})")
     heldout_problems: int = option(256, "problems per held-out difficulty")
     block_size: int = option(128, "the model's context length (problems never straddle a held-out window)")
     seed: int = option(0, "seed of every generated problem")
@@ -105,8 +111,8 @@ class TaskDataConfig:
             raise RdepthError(f"task_params: {', '.join(unknown)} not in the mixture {self.task!r}")
         self.tasks = [(get_task(name, **self.task_params.get(name, {})), weight) for name, weight in self.mixture]
         check_int("task data", "block_size", self.block_size, 2, 1 << 20)
-        check_int("task data", "train_tokens", self.train_tokens, self.block_size + 1, 1 << 40)
-        check_int("task data", "val_tokens", self.val_tokens, self.block_size + 1, 1 << 40)
+        check_int("task data", "train_tokens", self.train_tokens, self.block_size + 1, MAX_TASK_TOKENS)
+        check_int("task data", "val_tokens", self.val_tokens, self.block_size + 1, MAX_TASK_TOKENS)
         check_int("task data", "heldout_problems", self.heldout_problems, 1, 1 << 30)
         check_int("task data", "seed", self.seed, 0, (1 << 63) - 1)
         if len(tuple(self.train_difficulties)) != 2:
@@ -168,10 +174,25 @@ def heldout_problems(cfg: TaskDataConfig, difficulty: int) -> list[Problem]:
     return [tasks[i % len(tasks)].sample(rng, difficulty) for i in range(cfg.heldout_problems * len(tasks))]
 
 
+def check_free_space(out: Path, need: int) -> None:
+    """A one-line error, before anything is generated, when the disk holding ``out`` has less than
+    ``need`` bytes free."""
+    import shutil
+
+    probe = Path(out).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if need > free:
+        raise RdepthError(f"task data: the splits need about {need / 2**30:,.1f} GiB, more than the "
+                          f"{free / 2**30:,.1f} GiB free on the disk of {out}: ask for fewer tokens")
+
+
 def prepare_task_data(cfg: TaskDataConfig) -> Path:
     """Build the task-data folder ``cfg.out`` (layout in the module docstring); return its path."""
     started = time.perf_counter()
     check_output_folder(cfg.out)
+    check_free_space(cfg.out, (cfg.train_tokens + cfg.val_tokens) * BYTES_PER_TASK_TOKEN)
     vocab = TaskVocab(cfg.spec)
     masks_info = {}
     with ShardWriter(cfg.out, vocab.vocab_size, vocab.eot_id) as writer:

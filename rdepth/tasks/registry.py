@@ -31,6 +31,9 @@ def get_task(name: str, **params) -> Task:
         raise RdepthError(f"task {name}: unknown parameter(s) {', '.join(sorted(params))}") from None
 
 
+MAX_WEIGHT = 1e6  # a mixture weight; the ratio of two is what counts, and their sum must stay finite
+
+
 def parse_mixture(text: str) -> list[tuple[str, float]]:
     """``"chase*3+assign"`` -> [("chase", 3.0), ("assign", 1.0)]; a ``task:`` prefix is allowed."""
     if not isinstance(text, str):
@@ -45,8 +48,9 @@ def parse_mixture(text: str) -> list[tuple[str, float]]:
             weight = float(weight_text) if weight_text else 1.0
         except ValueError:
             raise RdepthError(f"task mixture {text!r}: weight {weight_text!r} is not a number") from None
-        if not weight > 0:
-            raise RdepthError(f"task mixture {text!r}: weights must be positive")
+        if not (0 < weight <= MAX_WEIGHT):  # also refuses nan and inf, whose probabilities would be nan
+            raise RdepthError(f"task mixture {text!r}: weight {weight_text!r} of {name} must be a positive finite "
+                              f"number <= {MAX_WEIGHT:g}")
         if any(name == seen for seen, _ in mixture):
             raise RdepthError(f"task mixture {text!r}: {name} appears twice")
         mixture.append((name, weight))

@@ -12,6 +12,8 @@ token, i.e. the target a model reading ``tokens[:i]`` should emit.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Iterator, Sequence, Union
 
@@ -30,8 +32,8 @@ def as_mixture(tasks: TaskMix) -> tuple[list[Task], np.ndarray]:
     if isinstance(tasks, Task):
         return [tasks], np.ones(1)
     pairs = list(tasks)
-    if not pairs or not all(isinstance(t, Task) and w > 0 for t, w in pairs):
-        raise RdepthError("a task mixture needs (task, positive weight) pairs")
+    if not pairs or not all(isinstance(t, Task) and 0 < float(w) < math.inf for t, w in pairs):
+        raise RdepthError("a task mixture needs (task, positive finite weight) pairs")
     weights = np.array([float(w) for _, w in pairs])
     return [t for t, _ in pairs], weights / weights.sum()
 

@@ -53,7 +53,8 @@ class TrainConfig:
                                  default_text="max_steps")
     time_limit: float | None = option(
         None, "seconds the training loop may take (a fresh run): at 10, 30, 50 and 70 percent of the steps the "
-              "trainer times itself and ends the cosine schedule sooner if the rest would overrun; never later",
+              "trainer times itself and ends the cosine schedule sooner if the rest would overrun; never later. "
+              "Refused with --resume (a resumed run keeps its saved schedule; --stop-at ends it sooner)",
         default_text="none", metavar="SECONDS")
     batch_size: int = option(16, "sequences per optimizer step (all ranks and micro-steps together)")
     grad_accum: int = option(1, "micro-steps per optimizer step")

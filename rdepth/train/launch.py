@@ -8,13 +8,13 @@ executes and a new ``max_steps`` (recorded in config.json's ``resumes``).
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from rdepth.config import ModelConfig, get_preset
 from rdepth.errors import RdepthError
+from rdepth.io import read_json_object
 from rdepth.run import checkpoint as ckpt
 from rdepth.train.config import TrainConfig
 from rdepth.train.trainer import TrainResult, train
@@ -47,6 +47,10 @@ def train_config_for(overrides: dict[str, Any], resume: bool) -> TrainConfig:
     """The flags the user typed over the defaults; when resuming, over the saved config."""
     if not resume:
         return TrainConfig(**overrides)
+    if overrides.get("time_limit") is not None:
+        raise RdepthError("--time-limit fits a fresh run's schedule to a wall-clock budget; a resumed run keeps the "
+                          "schedule it was saved with, so a new limit would not apply: drop --time-limit (use "
+                          "--stop-at to end the resumed run sooner)")
     out = overrides.get("out", TrainConfig.out)
     saved = saved_train_config(out)
     if saved is None:
@@ -81,7 +85,7 @@ def train_or_reuse(model_config: ModelConfig, config: TrainConfig) -> Path:
     run = Path(config.out)
     saved_path = run / "config.json"
     if saved_path.exists():
-        saved = json.loads(saved_path.read_text())
+        saved = ckpt.read_run_config(run)  # validated like user input: JSON objects all the way down
         wanted = {"model": model_config.to_dict(), "train": config.to_dict()}
         changed = sorted(f"{part}.{key}" for part in wanted for key in wanted[part]
                          if saved.get(part, {}).get(key) != wanted[part][key]
@@ -90,9 +94,13 @@ def train_or_reuse(model_config: ModelConfig, config: TrainConfig) -> Path:
             raise RdepthError(f"{run} was trained with other settings ({', '.join(changed[:4])}); "
                               "pass another --out")
         summary = run / "summary.json"
-        done = json.loads(summary.read_text()) if summary.exists() else {}
+        done = read_json_object(summary, "run summary") if summary.exists() else {}
         # A time limit may have ended the schedule sooner: the summary records where it ended.
-        if done.get("step") is not None and done.get("step") == done.get("max_steps", config.max_steps):
+        step, max_steps = done.get("step"), done.get("max_steps", config.max_steps)
+        for name, value in (("step", step), ("max_steps", max_steps)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise RdepthError(f"run summary {summary}: {name} must be an integer >= 0, got {value!r}: corrupt")
+        if step is not None and step == max_steps:
             log.info("reusing the finished training run in %s", run)
             return run
     train(model_config, config, resume=bool(ckpt.list_checkpoints(run)))

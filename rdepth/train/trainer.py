@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rdepth.config import ModelConfig
+from rdepth.config import ModelConfig, check_fits_memory
 from rdepth.data.loader import BatchSampler
 from rdepth.data.shards import TokenShards, token_dtype
 from rdepth.errors import RdepthError
@@ -193,6 +193,7 @@ class Trainer:
 
     def _new_model(self) -> None:
         """The model with its initial weights (a function of the seed alone) and its optimizer."""
+        check_fits_memory(self.model_config, "train", copies=4)
         torch.manual_seed(self.config.seed)
         self.model = RecurrentLM(self.model_config)
         self.optimizer = make_optimizer(self.model, self.config, self.device)
