@@ -16,7 +16,7 @@ import torch
 
 from rdepth.errors import RdepthError
 from rdepth.io import atomic_path, environment_info, write_json
-from rdepth.surrogate.bank import StateBank, build_bank
+from rdepth.surrogate.bank import build_bank
 from rdepth.surrogate.dynamics import dynamics_summary
 from rdepth.surrogate.config import SurrogateRunConfig
 from rdepth.surrogate.evaluate import evaluate_text, surrogate_fn, truncated_fn

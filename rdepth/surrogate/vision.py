@@ -22,7 +22,7 @@ import torch
 from rdepth.errors import RdepthError
 from rdepth.io import atomic_path, environment_info, write_json
 from rdepth.surrogate.basins import class_basins, findings, perturbation_recovery
-from rdepth.surrogate.bank import StateBank, build_bank
+from rdepth.surrogate.bank import build_bank
 from rdepth.surrogate.choose import choose_phases
 from rdepth.surrogate.config import SurrogateRunConfig
 from rdepth.surrogate.dynamics import dynamics_summary
@@ -37,7 +37,6 @@ from rdepth.surrogate.vit import (N_CLASSES, ViTClassifier, accuracy, image_batc
 
 log = logging.getLogger(__name__)
 
-FeatureFn = "Callable[[torch.Tensor], torch.Tensor]"  # images (B, 1, H, W) -> final [CLS] features (B, D)
 
 
 def vision_teacher(config: SurrogateRunConfig, out: Path, train: tuple, test: tuple) -> tuple[ViTClassifier, dict]:
