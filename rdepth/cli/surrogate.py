@@ -13,7 +13,7 @@ from rdepth.cli.options import add_dataclass_flags, build
 
 
 def register(subparsers) -> None:
-    from rdepth.surrogate.config import FitConfig, SurrogateRunConfig
+    from rdepth.surrogate.config import FitConfig, SurrogateRunConfig, VisionConfig
 
     parser = subparsers.add_parser(
         "surrogate", help="fit a block-recurrent (Raptor) surrogate of a transformer",
@@ -22,14 +22,16 @@ def register(subparsers) -> None:
     )
     add_dataclass_flags(parser, SurrogateRunConfig, title="surrogate")
     add_dataclass_flags(parser, FitConfig, title="fitting")
+    add_dataclass_flags(parser, VisionConfig, title="vision teacher (vit-fmnist)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from rdepth.surrogate.config import FitConfig, SurrogateRunConfig
+    from rdepth.surrogate.config import FitConfig, SurrogateRunConfig, VisionConfig
     from rdepth.surrogate.run import run_surrogate
 
-    config = build(SurrogateRunConfig, {"fit": build(FitConfig, {}, args)}, args)
+    config = build(SurrogateRunConfig, {"fit": build(FitConfig, {}, args), "vision": build(VisionConfig, {}, args)},
+                   args)
     print(f"report: {run_surrogate(config)}")
     return 0

@@ -74,11 +74,44 @@ class FitConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The vision teacher's training and the image sets of a vision run (``--teacher vit-fmnist``)."""
+
+    vit_epochs: int = option(3, "epochs of the ViT teacher's training on all 60,000 Fashion-MNIST training "
+                             "images (a teacher already saved in OUT/teacher with the same settings is reused)")
+    images_fit: int = option(4096, "training images whose layer states the surrogates fit")
+    images_probe: int = option(10000, "training images the linear probes are trained on")
+    images_test: int = option(10000, "test images the probes are scored on")
+    images_dynamics: int = option(2000, "test images of the fidelity and dynamics measurements")
+    image_batch: int = option(128, "images per batch (state banks and fitting)")
+    compare_k: tuple[int, ...] = option((1, 2, 3), "block counts of the retention table (the surrogate of --k "
+                                        "is saved and its dynamics drawn; --k is added if missing)")
+    perturbation: float = option(0.05, "self-correction test: perturbation norm relative to each token's state")
+    data_dir: str = option("/usr/share/datasets/fashion-mnist", "folder of the Fashion-MNIST idx .gz files "
+                           "(Debian package dataset-fashion-mnist)")
+
+    def __post_init__(self) -> None:
+        for name in ("vit_epochs", "images_fit", "images_probe", "images_test", "images_dynamics", "image_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise RdepthError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.compare_k or any(not isinstance(k, int) or k < 1 for k in self.compare_k):
+            raise RdepthError(f"compare_k must list block counts >= 1, got {self.compare_k!r}")
+        if not 0.0 < self.perturbation < 1.0:
+            raise RdepthError(f"perturbation must lie in (0, 1), got {self.perturbation}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class SurrogateRunConfig:
     """Everything one ``rdepth surrogate`` run needs; every CLI flag is a field (fitting: ``fit``)."""
 
-    teacher: str = option("minilm-l6", "packaged teacher (minilm-l6, minilm-l3), a Hugging Face checkpoint "
-                          "folder (BERT or GPT-2) or an rdepth run trained with --groups ''")
+    teacher: str = option("minilm-l6", "packaged teacher (minilm-l6, minilm-l3; vision: vit-fmnist, "
+                          "vit-fmnist-sd, trained on Fashion-MNIST in OUT/teacher or reused from there), a Hugging "
+                          "Face checkpoint folder (BERT or GPT-2), an rdepth run trained with --groups '' or a "
+                          "saved ViT teacher folder (OUT/teacher of a vision run)")
     k: int = option(2, "number of distinct recurrent blocks (phases)")
     out: str = option("runs/surrogate", "run folder (report, numbers, surrogate checkpoint)")
     corpus: str = option("wiki", "text for fitting and evaluation: a corpus name (wiki) or a .txt/.jsonl "
@@ -93,6 +126,7 @@ class SurrogateRunConfig:
     threads: int = option(0, THREADS_HELP)
     seed: int = option(0, "random seed of the sentence sample, the initialisation and the fitting (sets fit.seed)")
     fit: FitConfig = dataclasses.field(default_factory=FitConfig, metadata={"cli": False})
+    vision: VisionConfig = dataclasses.field(default_factory=VisionConfig, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         for name in ("k", "n_fit", "n_eval", "max_length", "batch_size", "threads", "seed"):

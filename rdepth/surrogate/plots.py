@@ -119,3 +119,63 @@ def plot_bars(rows: list[dict], value: str, label: str, title: str):
     ax.tick_params(axis="x", rotation=30, labelsize=7)
     fig.tight_layout()
     return fig
+
+
+def plot_retention(results: dict, probe: str):
+    """Probe accuracy against k for Raptor and the baselines, with the teacher and the pixel floor.
+
+    ``probe``: "teacher_probe" or "own_probe" (which accuracy of the saved retention numbers).
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    ks = [int(k) for k in results["by_k"]]
+    for kind in ("raptor", "equal_split", "truncated"):
+        colour, style = MODEL_STYLES[kind]
+        values = [results["by_k"][str(k)]["models"][kind][f"{probe}_accuracy"] for k in ks]
+        ax.plot(ks, values, style, color=colour, marker="o", label=kind)
+    ax.axhline(results["teacher"]["own_probe_accuracy"], color="k", lw=1, label="teacher")
+    ax.axhline(results["floor"]["pixel_probe_accuracy"], color="grey", lw=1, ls="--", label="pixel probe (floor)")
+    ax.set_xticks(ks)
+    ax.set_xlabel("k (distinct blocks)")
+    ax.set_ylabel(f"test accuracy ({probe.replace('_', ' ')})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_basins(dynamics: dict[str, dict]):
+    """Within- and between-class [CLS] angles over depth, and the nearest-class-direction rate."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for name in ("teacher", "raptor"):
+        colour, style = MODEL_STYLES[name]
+        basins = dynamics[name]["basins"]
+        depths = np.arange(len(basins["within"]))
+        axes[0].plot(depths, basins["within"], style, color=colour, marker="o", label=f"{name}: within class")
+        axes[0].plot(depths, basins["between"], style, color=colour, marker="s", alpha=0.6,
+                     label=f"{name}: between classes")
+        axes[1].plot(depths, basins["nearest_class"], style, color=colour, marker="o", label=name)
+    axes[0].set_ylabel("[CLS] angle (deg)")
+    axes[1].set_ylabel("nearest class direction is own (fraction)")
+    for ax in axes:
+        ax.set_xlabel("depth")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    return fig
+
+
+def plot_perturbation(dynamics: dict[str, dict]):
+    """Angle between perturbed and clean [CLS] from the perturbed depth to the last, per depth perturbed."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
+    for ax, name in zip(axes, ("teacher", "raptor")):
+        for entry in dynamics[name]["perturbation"]:
+            depths = np.arange(entry["depth"], entry["depth"] + len(entry["angle"]))
+            ax.plot(depths, entry["angle"], marker="o", ms=3, label=f"perturbed at {entry['depth']}")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("depth")
+        ax.set_yscale("log")
+    axes[0].set_ylabel("angle to the clean [CLS] (deg)")
+    axes[1].legend(fontsize=6)
+    fig.tight_layout()
+    return fig

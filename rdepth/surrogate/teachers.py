@@ -1,8 +1,10 @@
 """Teachers by name or path: the registry of packaged teachers, and each teacher's sentence encoder.
 
-A teacher is named from :data:`PACKAGED_TEACHERS` (the MiniLMs of :mod:`.minilm`);
-anything else is a path: an rdepth run or checkpoint folder of a non-recurrent
-model (:mod:`.rdepth_teacher`) or a Hugging Face checkpoint directory (:mod:`.hf_loader`).
+A teacher is named from :data:`PACKAGED_TEACHERS` (the MiniLMs of :mod:`.minilm`) or from
+:data:`rdepth.surrogate.vit.VISION_TEACHERS` (ViTs that ``rdepth surrogate`` trains on
+Fashion-MNIST); anything else is a path: a saved ViT teacher folder (:mod:`.vit`), an rdepth
+run or checkpoint folder of a non-recurrent model (:mod:`.rdepth_teacher`) or a Hugging Face
+checkpoint directory (:mod:`.hf_loader`). :func:`is_vision_teacher` tells the two pipelines apart.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from rdepth.surrogate.minilm import load_minilm_l6, minilm_l6_dir
 from rdepth.surrogate.onnx_loader import load_minilm_l3
 from rdepth.surrogate.rdepth_teacher import RdepthTextTokenizer, load_rdepth_teacher
 from rdepth.surrogate.text import TextTokenizer
+from rdepth.surrogate.vit import VISION_TEACHERS, is_vit_folder
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,19 @@ PACKAGED_TEACHERS: dict[str, PackagedTeacher] = {
 }
 
 
+def is_vision_teacher(name_or_path: str) -> bool:
+    """A named vision teacher or a saved ViT teacher folder (the image pipeline, :mod:`.vision`)."""
+    return name_or_path in VISION_TEACHERS or is_vit_folder(name_or_path)
+
+
 def resolve_teacher(name_or_path: str) -> Path:
     """The folder holding the teacher's tokenizer: a packaged name's, or the user-given path."""
     if name_or_path in PACKAGED_TEACHERS:
         return PACKAGED_TEACHERS[name_or_path].tokenizer_dir()
     path = Path(name_or_path)
     if not path.is_dir():
-        raise RdepthError(f"teacher {name_or_path!r} is neither a known name ({sorted(PACKAGED_TEACHERS)}) "
+        raise RdepthError(f"teacher {name_or_path!r} is neither a known name "
+                          f"({sorted(PACKAGED_TEACHERS) + sorted(VISION_TEACHERS)}) "
                           "nor an existing checkpoint directory")
     return path
 

@@ -1,18 +1,25 @@
-"""Small Vision Transformers on Fashion-MNIST, with optional stochastic depth.
+"""Small Vision Transformers on Fashion-MNIST, with optional stochastic depth: rdepth's vision teachers.
 
 The ViT is a :class:`Teacher` (patch embedding + [CLS] + positions, L pre-norm layers, final
 LayerNorm) plus a linear head on the [CLS] state, so the surrogate machinery reads it like
-any other teacher. Fashion-MNIST comes from Debian's ``dataset-fashion-mnist`` package
-(idx ``.gz`` files under :data:`FASHION_MNIST_DIR`).
+any other teacher. It is its own model family (the Raptor paper's teacher), not a
+:class:`rdepth.model.RecurrentLM`. Fashion-MNIST comes from Debian's ``dataset-fashion-mnist``
+package (idx ``.gz`` files under :data:`FASHION_MNIST_DIR`).
+
+Named teachers (:data:`VISION_TEACHERS`) are trained by ``rdepth surrogate --teacher vit-fmnist``
+and saved as a teacher folder (:func:`save_vit`: ``vit.safetensors`` + ``vit_config.json``)
+that later runs reuse (:func:`load_vit`).
 """
 
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import struct
 import time
-from dataclasses import asdict, dataclass
+import zlib
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,11 +40,14 @@ N_CLASSES = 10
 def _read_idx(path: Path) -> torch.Tensor:
     """An idx file (gzip) as a uint8 tensor of its declared shape."""
     if not path.is_file():
-        raise RdepthError(f"{path} is missing: apt-get install -y dataset-fashion-mnist")
+        raise RdepthError(f"Fashion-MNIST file {path} is missing: install the Debian package "
+                          "(apt-get install -y dataset-fashion-mnist) or pass --data-dir")
     try:
         data = gzip.decompress(path.read_bytes())
-    except (OSError, EOFError) as exc:
+    except (OSError, EOFError, zlib.error) as exc:
         raise RdepthError(f"{path} is not a readable gzip file ({exc})") from None
+    if len(data) < 4:
+        raise RdepthError(f"{path} is too short to be an idx file")
     zero, dtype_code, n_dims = struct.unpack(">HBB", data[:4])
     if zero != 0 or dtype_code != 0x08:
         raise RdepthError(f"{path} is not a uint8 idx file")
@@ -56,8 +66,15 @@ def load_fashion_mnist(split: str, directory: Path = FASHION_MNIST_DIR) -> tuple
     if split not in FASHION_MNIST_FILES:
         raise RdepthError(f"split must be one of {sorted(FASHION_MNIST_FILES)}, got {split!r}")
     image_file, label_file = FASHION_MNIST_FILES[split]
-    images = _read_idx(directory / image_file).float().div(255.0)
-    labels = _read_idx(directory / label_file).long()
+    directory = Path(directory)
+    raw_images, raw_labels = _read_idx(directory / image_file), _read_idx(directory / label_file)
+    if raw_images.ndim != 3 or raw_labels.ndim != 1 or len(raw_images) != len(raw_labels):
+        raise RdepthError(f"{directory}: {split} images {tuple(raw_images.shape)} and labels "
+                          f"{tuple(raw_labels.shape)} do not match (corrupt Fashion-MNIST files?)")
+    if int(raw_labels.max()) >= N_CLASSES:
+        raise RdepthError(f"{directory / label_file}: labels must lie in 0..{N_CLASSES - 1}")
+    images = raw_images.float().div(255.0)
+    labels = raw_labels.long()
     images = (images - 0.2860) / 0.3530  # Fashion-MNIST training-set mean and std
     return images[:, None], labels
 
@@ -79,8 +96,9 @@ class ViTConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.image_size % self.patch:
-            raise RdepthError(f"vit: patch {self.patch} does not divide image_size {self.image_size}")
+        if self.image_size % self.patch or self.d_model % self.n_heads:
+            raise RdepthError(f"vit: patch {self.patch} must divide image_size {self.image_size} and n_heads "
+                              f"{self.n_heads} must divide d_model {self.d_model}")
         if not 0.0 <= self.drop_path < 1.0:
             raise RdepthError(f"vit: drop_path must lie in [0, 1), got {self.drop_path}")
         for name in ("n_layers", "epochs", "batch_size", "n_train"):
@@ -89,6 +107,26 @@ class ViTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def n_tokens(self) -> int:
+        """[CLS] + patches."""
+        return (self.image_size // self.patch) ** 2 + 1
+
+
+# name -> the teacher's architecture and training (epochs are set per run, --vit-epochs)
+VISION_TEACHERS: dict[str, ViTConfig] = {
+    "vit-fmnist": ViTConfig(d_model=64, n_layers=8, n_heads=4, d_ff=128, patch=7, drop_path=0.0, n_train=60000),
+    "vit-fmnist-sd": ViTConfig(d_model=64, n_layers=8, n_heads=4, d_ff=128, patch=7, drop_path=0.1, n_train=60000),
+}
+VIT_CONFIG_FILE, VIT_WEIGHTS_FILE = "vit_config.json", "vit.safetensors"
+
+
+def vision_teacher_config(name: str, epochs: int, seed: int) -> ViTConfig:
+    """The registry's architecture for ``name`` with this run's epochs and seed."""
+    if name not in VISION_TEACHERS:
+        raise RdepthError(f"unknown vision teacher {name!r}; known: {sorted(VISION_TEACHERS)}")
+    return replace(VISION_TEACHERS[name], epochs=epochs, seed=seed)
 
 
 class PatchEmbedding(nn.Module):
@@ -157,6 +195,50 @@ def train_vit(config: ViTConfig, images: torch.Tensor, labels: torch.Tensor) -> 
     model.backbone.requires_grad_(False)
     return model, {"steps": total, "seconds": round(time.perf_counter() - started, 1),
                    "final_train_loss": sum(losses[-20:]) / len(losses[-20:])}
+
+
+def is_vit_folder(path: str | Path) -> bool:
+    return (Path(path) / VIT_CONFIG_FILE).is_file()
+
+
+def save_vit(model: "ViTClassifier", config: ViTConfig, directory: str | Path, info: dict) -> None:
+    """Write the teacher folder: weights (safetensors) then its config and training record."""
+    from safetensors.torch import save_file
+
+    from rdepth.io import atomic_path, write_json
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: value.detach().contiguous() for name, value in model.state_dict().items()}
+    with atomic_path(directory / VIT_WEIGHTS_FILE) as tmp:
+        save_file(tensors, str(tmp))
+    write_json(directory / VIT_CONFIG_FILE, {"vit": config.to_dict(), **info})
+
+
+def load_vit(directory: str | Path) -> tuple["ViTClassifier", dict]:
+    """A frozen ViT from a teacher folder, and the saved record (``vit`` config, accuracy, ...)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config_path, weights_path = directory / VIT_CONFIG_FILE, directory / VIT_WEIGHTS_FILE
+    if not config_path.is_file() or not weights_path.is_file():
+        raise RdepthError(f"{directory} is not a ViT teacher folder ({VIT_CONFIG_FILE} + {VIT_WEIGHTS_FILE})")
+    try:
+        record = json.loads(config_path.read_text())
+        config = ViTConfig(**record["vit"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RdepthError(f"{config_path} is not a valid ViT config ({type(exc).__name__})") from None
+    try:
+        tensors = load_file(str(weights_path))
+    except Exception as exc:
+        raise RdepthError(f"{weights_path} is not a readable safetensors file ({type(exc).__name__})") from None
+    model = ViTClassifier(config)
+    try:
+        model.load_state_dict(tensors)
+    except RuntimeError:
+        raise RdepthError(f"{weights_path} does not match the ViT of {config_path}") from None
+    model.eval().requires_grad_(False)
+    return model, record
 
 
 @torch.no_grad()
