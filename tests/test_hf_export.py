@@ -340,7 +340,9 @@ def test_exit_policies_match_rdepths_controller(exported, rule):
     with torch.no_grad():
         ours = model(ids, generator=StateNoise(0, [0]), controller=controller())
         theirs = hf(ids, exit_policy=rule)
-        assert torch.equal(theirs.logits, ours.logits)
+        # The same exits; the logits to float32 rounding (the two paths gather rows in another order,
+        # which changes the last bits on some CPUs' kernels; fixed budgets stay bit-equal above).
+        torch.testing.assert_close(theirs.logits, ours.logits, rtol=0, atol=1e-5)
         assert all(bool((c < c.max()).any()) for c in ours.computed) or name == "argmax_stable"  # exits differ
     tokens = generate(model, ids, 10, temperature=0, controller_factory=controller,
                       generator=StateNoise.consecutive(0, 0, 1))
