@@ -130,7 +130,9 @@ def test_sweep_cli_on_task_data(task_data, tmp_path, capsys):
     from rdepth.exits.profile import make_profile
 
     profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(make_profile("step_norm", [0.1], [2])))
+    from rdepth.run.checkpoint import resolve_checkpoint, run_identity
+
+    profile.write_text(json.dumps(make_profile("step_norm", [0.1], [2], run=run_identity(resolve_checkpoint(run)))))
     assert main(["sweep", "--checkpoint", str(run), "--data", str(task_data), "--out", str(out),
                  "--policies", "acceleration", "--taus", "1e-2", "--k-max", "2", "--repeats", "1",
                  "--no-progress", "--difficulties", "2,6", "--exit-profile", str(profile)]) == 0

@@ -50,7 +50,7 @@ def test_refit_scales_the_cadences_on_the_first_fit_only():
 
 @pytest.mark.parametrize("flags, fragment", [
     (("--time-limit", "0"), "time_limit must be a positive number"),
-    (("--time-limit", "nan"), "time_limit must be a positive number"),
+    (("--time-limit", "nan"), "time_limit must be a finite number"),
     (("--time-limit", "5", "--stop-at", "3"), "time_limit and stop_at"),
 ])
 def test_bad_time_limits_are_one_line_errors(wiki_small, tmp_path, capsys, flags, fragment):

@@ -28,7 +28,7 @@ dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
-  cache_dir: {cache}
+  cache_dir: {cache_dir}
 test_split: test
 output_type: multiple_choice
 doc_to_text: context
@@ -82,7 +82,7 @@ def write_task(text: str, folder: str | Path, name: str = "rdepth_heldout_ending
     data = folder / f"{name}.jsonl"
     write_text(data, "".join(json.dumps(example) + "\n" for example in examples))
     write_text(folder / f"{name}.yaml", TASK_YAML.format(name=name, data=json.dumps(str(data)),
-                                                         cache=json.dumps(str(folder / ".cache"))))
+                                                         cache_dir=json.dumps(str(folder / ".cache"))))
     return folder
 
 
@@ -91,7 +91,7 @@ dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
-  cache_dir: {cache}
+  cache_dir: {cache_dir}
 test_split: test
 output_type: generate_until
 doc_to_text: context
@@ -157,6 +157,6 @@ def write_chase_task(data: str | Path, folder: str | Path, name: str = "rdepth_c
         path = folder / f"{task_name}.jsonl"
         write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
         write_text(folder / f"{task_name}.yaml", CHASE_YAML.format(
-            name=task_name, data=json.dumps(str(path)), cache=json.dumps(str(folder / ".cache"))))
+            name=task_name, data=json.dumps(str(path)), cache_dir=json.dumps(str(folder / ".cache"))))
         names.append(task_name)
     return names
