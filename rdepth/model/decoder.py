@@ -666,9 +666,9 @@ class Decoder:
             raise RdepthError(f"decoder: the cache is full ({self.capacity} positions)")
         plan = self._plan_for(budget or self.budget)
         if plan.budget.fixed and self._counts_of is not plan:  # a fixed budget's counts, once per change
-            counts = torch.tensor(plan.steps, dtype=torch.long, device=self.device).view(-1, 1)
-            self.computed.copy_(counts.expand_as(self.computed))
-            self.used.copy_(self.computed)
+            for group, n in enumerate(plan.steps):  # fills from host ints: no host-to-device copy, no sync
+                self.computed[group].fill_(n)
+                self.used[group].fill_(n)
         self._counts_of = plan if plan.budget.fixed else None
         self.tokens.copy_(tokens)
         graphs = self._graphs if (replay and plan is self._plan) else None
