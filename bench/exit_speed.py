@@ -36,7 +36,7 @@ USAGE = __doc__.split("\n\n")[0]
 def parse_args(argv: list[str] | None):
     """``(from_sweep, None)`` to re-read a saved sweep, else ``(None, SweepConfig)``."""
     from rdepth.cli.options import add_dataclass_flags, build
-    from rdepth.exits.config import SweepConfig
+    from rdepth.sweep.config import SweepConfig
 
     saved = argparse.ArgumentParser(add_help=False)
     saved.add_argument("--from-sweep")
@@ -63,8 +63,8 @@ def _ratio(row: dict, name: str) -> str:
 def summarise(result: dict) -> None:
     """Print the matched-quality comparison, the packed/dense ratios and the noise warnings from
     ``result["summary"]``."""
-    from rdepth.exits.stats import format_ratio
-    from rdepth.exits.summary import summary_of
+    from rdepth.sweep.stats import format_ratio
+    from rdepth.sweep.summary import summary_of
 
     summary = summary_of(result)
     env = result["environment"]
@@ -118,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from_sweep, config = parse_args(argv)
         if from_sweep:
-            from rdepth.exits.summary import load_sweep
+            from rdepth.sweep.summary import load_sweep
 
             result = load_sweep(from_sweep)
         else:
-            from rdepth.exits.sweep import sweep_checkpoint
+            from rdepth.sweep.run import sweep_checkpoint
 
             if not config.timing:
                 raise RdepthError("the benchmark compares latencies: leave timing on")

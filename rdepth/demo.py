@@ -223,8 +223,8 @@ def _analyze(run: Path, data: Path, config: DemoConfig) -> Path:
 
 
 def _sweep(run: Path, data: Path, config: DemoConfig) -> Path:
-    from rdepth.exits.config import SweepConfig
-    from rdepth.exits.sweep import sweep_checkpoint
+    from rdepth.sweep.config import SweepConfig
+    from rdepth.sweep.run import sweep_checkpoint
 
     out = Path(config.out) / "report"
     sweep_checkpoint(SweepConfig(checkpoint=str(run), data=str(data), out=str(out),

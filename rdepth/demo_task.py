@@ -203,8 +203,8 @@ def _accuracy(config: DemoConfig, data: Path, runs: dict[str, Path]) -> dict[str
 
 
 def _sweep(config: DemoConfig, data: Path, run: Path) -> dict:
-    from rdepth.exits.config import SweepConfig
-    from rdepth.exits.task_sweep import sweep_task_checkpoint
+    from rdepth.sweep.config import SweepConfig
+    from rdepth.sweep.task import sweep_task_checkpoint
 
     return sweep_task_checkpoint(SweepConfig(
         checkpoint=str(run), data=str(data), out=str(Path(config.out) / "report"), policies=EXIT_POLICIES,

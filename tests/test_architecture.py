@@ -26,24 +26,27 @@ ALLOWED = {
     "run": BASE | {"config", "model", "data"},
     "train": BASE | {"config", "model", "data", "run"},
     "tasks": BASE | {"config", "model", "data", "run", "report"},
-    # exits on a reasoning task read its held-out sets and accuracy
-    "exits": BASE | {"config", "model", "data", "run", "report", "tasks"},
+    # the exit rules; a profile evaluated on a reasoning task reads its held-out sets and accuracy
+    "exits": BASE | {"config", "model", "run", "tasks"},
+    # the workflows on the exit rules: the latency-quality sweep and the calibration of profiles
+    "sweep": BASE | {"config", "model", "data", "run", "report", "tasks", "exits"},
+    "calibrate": BASE | {"config", "model", "data", "run", "report", "tasks", "exits"},
     "geometry": BASE | {"config", "model", "data", "run", "report"},
     # a surrogate's phases are read as loops with the geometry tools
     "surrogate": BASE | {"config", "model", "data", "run", "report", "geometry"},
     # exported Hugging Face models bundle the model and the exit rules; lm-eval's local chase task
     # draws problems with a task data folder's own parameters
     "interop": BASE | {"config", "model", "data", "run", "exits", "tasks"},
-    "demo": BASE | {"config", "model", "data", "run", "train", "exits", "geometry", "report", "tasks",
+    "demo": BASE | {"config", "model", "data", "run", "train", "exits", "sweep", "geometry", "report", "tasks",
                     "demo_report", "demo_task"},
     # the demo's task mode (rdepth.demo calls it; it does not import rdepth.demo)
-    "demo_task": BASE | {"config", "model", "data", "run", "train", "exits", "geometry", "report", "tasks",
+    "demo_task": BASE | {"config", "model", "data", "run", "train", "exits", "sweep", "geometry", "report", "tasks",
                          "demo_task_report"},
     "demo_task_report": BASE | {"report"},
     # the demo's first screen: reads the saved files, renders with the page builder
     "demo_report": BASE | {"report"},
     # rdepth reproduce: trains and runs the analyses like the demo, then judges the paper's claims
-    "reproduce": BASE | {"config", "model", "data", "run", "train", "exits", "geometry", "report"},
+    "reproduce": BASE | {"config", "model", "data", "run", "train", "exits", "sweep", "geometry", "report"},
     "cli": None,  # the command line sits above everything
     "__main__": None,
     "__init__": set(),

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from rdepth.config import get_preset
-from rdepth.exits.config import SweepConfig
+from rdepth.sweep.config import SweepConfig
 from rdepth.exits.controller import controller_factory
 from rdepth.exits.registry import POLICIES, get_policy_class
-from rdepth.exits.sweep import run_sweep
+from rdepth.sweep.run import run_sweep
 from rdepth.model import RecurrentLM
 from rdepth.model.generation import generate
 from rdepth.model.noise import StateNoise

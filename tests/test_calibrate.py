@@ -9,7 +9,7 @@ import torch
 
 from rdepth.cli.main import main
 from rdepth.config import ModelConfig
-from rdepth.exits.calibrate import better_on_calibration, choose, read_through_rest, record_iterates, refine
+from rdepth.calibrate.run import better_on_calibration, choose, read_through_rest, record_iterates, refine
 from rdepth.model import RecurrentLM
 from rdepth.model.noise import StateNoise
 

@@ -11,9 +11,9 @@ from rdepth.config import get_preset
 from rdepth.errors import RdepthError
 from rdepth.exits import PolicyController, make_policy
 from rdepth.exits.base import ExitPolicy
-from rdepth.exits.config import SweepConfig
+from rdepth.sweep.config import SweepConfig
 from rdepth.exits.decode import RestDecode, make_decode
-from rdepth.exits.sweep import run_sweep
+from rdepth.sweep.run import run_sweep
 from rdepth.model import RecurrentLM
 from rdepth.run.heldout import held_out_windows
 

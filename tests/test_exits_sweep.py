@@ -18,12 +18,12 @@ from rdepth.config import get_preset
 from rdepth.data.tokenizers import train_bpe
 from rdepth.errors import RdepthError
 from rdepth.exits import PolicyController
-from rdepth.exits.config import SweepConfig
+from rdepth.sweep.config import SweepConfig
 from rdepth.exits.evaluate import evaluate_with_exits
-from rdepth.exits.plots import save_sweep_figures
-from rdepth.exits.report_section import write_report_section
-from rdepth.exits.summary import load_sweep, matched_quality, summarize
-from rdepth.exits.sweep import run_sweep
+from rdepth.sweep.plots import save_sweep_figures
+from rdepth.sweep.report import write_report_section
+from rdepth.sweep.summary import load_sweep, matched_quality, summarize
+from rdepth.sweep.run import run_sweep
 from rdepth.model import RecurrentLM
 from rdepth.model.noise import StateNoise
 from rdepth.run.checkpoint import save_checkpoint
@@ -133,7 +133,7 @@ def test_sweep_config_validation():
 
 def test_sweep_config_and_cli_import_without_torch():
     """``rdepth --help`` stays fast: the sweep's settings and flags need no torch."""
-    code = "import sys, rdepth.cli.sweep, rdepth.exits.config, rdepth.exits.summary; print('torch' in sys.modules)"
+    code = "import sys, rdepth.cli.sweep, rdepth.exits.config, rdepth.sweep.summary; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

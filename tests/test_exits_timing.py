@@ -9,10 +9,10 @@ import torch
 
 from rdepth.config import get_preset
 from rdepth.errors import RdepthError
-from rdepth.exits.report_section import write_report_section
-from rdepth.exits.stats import compare, format_ratio, quartiles, spread
-from rdepth.exits.summary import matched_quality, packed_over_dense, summarize
-from rdepth.exits.timing import generate_call, time_interleaved
+from rdepth.sweep.report import write_report_section
+from rdepth.sweep.stats import compare, format_ratio, quartiles, spread
+from rdepth.sweep.summary import matched_quality, packed_over_dense, summarize
+from rdepth.sweep.timing import generate_call, time_interleaved
 from rdepth.model import RecurrentLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -188,7 +188,7 @@ def test_report_section_shows_the_warning_and_the_path(tmp_path):
 
 
 def test_cli_prints_the_path_and_a_warning_per_noisy_ratio(monkeypatch, capsys):
-    import rdepth.exits.sweep as sweep_module
+    import rdepth.sweep.run as sweep_module
     from rdepth.cli.main import main
 
     result = _result()

@@ -179,7 +179,7 @@ def test_sweep_refuses_a_foreign_folder_before_any_work(runs, wiki_small, tmp_pa
     def no_work(*args, **kwargs):
         raise AssertionError("the sweep ran before the folder was checked")
 
-    monkeypatch.setattr("rdepth.exits.sweep.open_run", no_work)
+    monkeypatch.setattr("rdepth.sweep.run.open_run", no_work)
     assert main(["sweep", "--checkpoint", str(runs / "run0"), "--data", str(wiki_small), "--out", str(out),
                  "--threads", "1"]) == 2
     assert "is not an rdepth report page" in error_line(capsys)

@@ -24,8 +24,8 @@ def _recorded(monkeypatch) -> list[int]:
 
 
 def test_analyze_and_sweep_set_threads_first(monkeypatch, tmp_path):
-    from rdepth.exits.config import SweepConfig
-    from rdepth.exits.sweep import sweep_checkpoint
+    from rdepth.sweep.config import SweepConfig
+    from rdepth.sweep.run import sweep_checkpoint
     from rdepth.geometry.analyze import analyze
     from rdepth.geometry.config import AnalyzeConfig
 
@@ -44,7 +44,7 @@ def test_analyze_and_sweep_set_threads_first(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_threads_must_be_a_count(bad, tmp_path):
-    from rdepth.exits.config import SweepConfig
+    from rdepth.sweep.config import SweepConfig
     from rdepth.geometry.config import AnalyzeConfig
 
     with pytest.raises(RdepthError, match="threads"):

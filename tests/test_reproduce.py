@@ -10,7 +10,7 @@ import pytest
 
 from rdepth.cli.main import main
 from rdepth.errors import RdepthError
-from rdepth.exits.summary import summarize
+from rdepth.sweep.summary import summarize
 from rdepth.reproduce import claims as C
 from rdepth.reproduce.config import ReproduceConfig
 from rdepth.reproduce.plan import (SAFETY_SECONDS, SPEED_MARGIN, Probe, Workload, after_training_seconds,

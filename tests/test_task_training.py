@@ -90,8 +90,8 @@ def test_train_with_a_curriculum_logs_the_level(task_data, tmp_path, capsys):
 
 
 def test_task_sweep_counts_answer_and_other_steps_on_one_path(task_data, tmp_path, capsys):
-    from rdepth.exits.config import SweepConfig
-    from rdepth.exits.task_sweep import pareto_front, run_task_sweep
+    from rdepth.sweep.config import SweepConfig
+    from rdepth.sweep.task import pareto_front, run_task_sweep
     from rdepth.tasks.data import load_heldout
     from rdepth.config import ModelConfig
     from rdepth.model import RecurrentLM

@@ -143,7 +143,7 @@ def test_the_demo_quiets_the_sweep_and_geometry_loggers_unless_verbose():
 
     from rdepth.cli.demo import CHATTY_LOGGERS, quiet
 
-    sweep = logging.getLogger("rdepth.exits.task_sweep")
+    sweep = logging.getLogger("rdepth.sweep.task")
     with quiet(CHATTY_LOGGERS):
         assert not sweep.isEnabledFor(logging.INFO) and sweep.isEnabledFor(logging.WARNING)
         assert logging.getLogger("rdepth.demo_task").level == logging.NOTSET  # the stages still log

@@ -8,7 +8,7 @@ from rdepth.cli.options import add_dataclass_flags, build
 
 
 def register(subparsers) -> None:
-    from rdepth.exits.config import CalibrateConfig
+    from rdepth.calibrate.config import CalibrateConfig
 
     parser = subparsers.add_parser(
         "calibrate",
@@ -26,8 +26,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rdepth.exits.calibrate import calibrate_checkpoint
-    from rdepth.exits.config import CalibrateConfig
+    from rdepth.calibrate.run import calibrate_checkpoint
+    from rdepth.calibrate.config import CalibrateConfig
 
     profile = calibrate_checkpoint(build(CalibrateConfig, {}, args))
     quality = profile["quality"]

@@ -8,7 +8,7 @@ from rdepth.cli.options import add_dataclass_flags, build
 
 
 def register(subparsers) -> None:
-    from rdepth.exits.config import SweepConfig
+    from rdepth.sweep.config import SweepConfig
 
     parser = subparsers.add_parser(
         "sweep",
@@ -28,15 +28,15 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rdepth.exits.config import SweepConfig
-    from rdepth.exits.stats import format_ratio
-    from rdepth.exits.sweep import sweep_checkpoint
-    from rdepth.exits.summary import setting_value
+    from rdepth.sweep.config import SweepConfig
+    from rdepth.sweep.stats import format_ratio
+    from rdepth.sweep.run import sweep_checkpoint
+    from rdepth.sweep.summary import setting_value
     from rdepth.tasks.eval_checkpoint import is_task_data
 
     config = build(SweepConfig, {}, args)
     if is_task_data(config.data):
-        from rdepth.exits.task_sweep import format_task_sweep, sweep_task_checkpoint
+        from rdepth.sweep.task import format_task_sweep, sweep_task_checkpoint
 
         result = sweep_task_checkpoint(config)
         for line in format_task_sweep(result):

@@ -7,13 +7,13 @@ Layout (each file one purpose; dependencies point down the list):
   the rest of the model); ``controller``: policies as a model loop controller;
   ``recorded``: policies replayed on recorded iterates (:func:`replay`).
 * ``evaluate``: teacher-forced held-out evaluation with exits (through the run
-  layer's one evaluation loop); ``timing``: warm, synchronised latency in
-  interleaved rounds; ``stats`` (torch-free): median, IQR and the noise rule.
-* The sweep (``rdepth sweep``): ``config`` (:class:`SweepConfig`, torch-free),
-  ``measure`` (one setting's quality and latency), ``summary`` (the saved
-  format and every headline number, computed once), ``sweep`` (orchestration
-  and the pipeline :func:`rdepth.exits.sweep.sweep_checkpoint`), then
-  ``plots`` and ``report_section``, which only read the saved result.
+  layer's one evaluation loop); ``profile``: a policy with one threshold per group,
+  saved beside a run, and ``profile_eval`` (``rdepth eval --exit-profile``);
+  ``config`` (torch-free): the step caps (``k_max``) and decode modes every
+  command shares.
+* The workflows built on these rules live beside this package:
+  :mod:`rdepth.sweep` (``rdepth sweep``) and :mod:`rdepth.calibrate`
+  (``rdepth calibrate``).
 
 The public names below load on first use, so that importing
 ``rdepth.exits.config`` (for ``rdepth --help``) does not import torch.

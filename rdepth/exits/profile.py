@@ -1,6 +1,6 @@
 """Exit profiles: a policy with one threshold per group, saved as JSON beside a run.
 
-``rdepth calibrate`` writes one (:mod:`rdepth.exits.calibrate`); ``rdepth eval``
+``rdepth calibrate`` writes one (:mod:`rdepth.calibrate.run`); ``rdepth eval``
 takes it with ``--exit-profile``. The file holds what a controller needs (the
 policy, its swept parameter, one value per group, the step caps and the policy
 options) and what it was calibrated for and on (target, data, predicted and

@@ -2,7 +2,7 @@
 
 Inputs are what the analyses saved: the geometry summary (``geometry/summary.json``,
 :mod:`rdepth.geometry.summary`) and the sweep result (``sweep.json``,
-:mod:`rdepth.exits.summary`). Each claim function returns a dict: ``id``,
+:mod:`rdepth.sweep.summary`). Each claim function returns a dict: ``id``,
 ``claim`` (the paper's sentence), ``paper`` (its figure and numbers), ``ours``
 (the numbers measured, the text shown), ``verdict`` (one of :data:`VERDICTS`),
 ``why`` (sentences), ``criteria`` (how the verdict is decided, with the
@@ -366,7 +366,7 @@ def _fastest_within(sweep: dict[str, Any], policy: str) -> dict[str, Any] | None
 def claim_exits(sweep: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
     """Claim 4: acceleration keeps perplexity flat at lower latency than KL; step-norm falls off a
     cliff above tau = 1e-3 (Fig. 4)."""
-    from rdepth.exits.stats import compare
+    from rdepth.sweep.stats import compare
 
     summary = sweep["summary"]
     tolerance = summary["tolerance"]

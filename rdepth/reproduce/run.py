@@ -15,7 +15,7 @@ Stages (each logged as it starts, its wall time kept in ``reproduce.json``):
 5. **loop budgets**: validation perplexity at 1, the training mean and twice it,
    beside the unigram baseline on the same tokens;
 6. **analyze**: :func:`rdepth.geometry.analyze.run_analysis` on every checkpoint;
-7. **sweep**: :func:`rdepth.exits.sweep.sweep_checkpoint` with the paper's tau grid on
+7. **sweep**: :func:`rdepth.sweep.run.sweep_checkpoint` with the paper's tau grid on
    the final checkpoint (every policy on the same packed path; latency at batch 1,
    throughput at ``timing_batch``);
 8. **claims**: :mod:`rdepth.reproduce.claims` on the saved summaries, then the
@@ -224,8 +224,8 @@ def _analyzed(run: Path, data: Path, config: ReproduceConfig) -> Path:
 
 
 def _swept(run: Path, data: Path, config: ReproduceConfig, block_size: int) -> Path:
-    from rdepth.exits.config import SweepConfig
-    from rdepth.exits.sweep import sweep_checkpoint
+    from rdepth.sweep.config import SweepConfig
+    from rdepth.sweep.run import sweep_checkpoint
 
     windows = _sweep_windows(config)
     generate = min(config.generate_tokens, max(0, block_size - GENERATE_PROMPT))
@@ -281,7 +281,7 @@ def _epochs(tokens: int, data: Path) -> float | None:
 
 def _judged(config: ReproduceConfig, run: Path, sweep_path: Path, saved: dict[str, Any], quality: dict[str, Any],
             device: str, data: Path) -> dict[str, Any]:
-    from rdepth.exits.summary import load_sweep
+    from rdepth.sweep.summary import load_sweep
     from rdepth.geometry.summary import load_summary
     from rdepth.reproduce.claims import judge_all
     from rdepth.reproduce.report import write_claims, write_claims_page, write_standalone

@@ -17,7 +17,7 @@ Two kinds of call are timed, both under the sweep's autocast:
 up, then every round calls each once in a shuffled order, so the reference and
 every candidate alternate for the whole measurement and a burst of load lands
 on rounds rather than on one setting. Statistics and the noise rule are in
-:mod:`rdepth.exits.stats`.
+:mod:`rdepth.sweep.stats`.
 """
 
 from __future__ import annotations

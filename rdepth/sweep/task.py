@@ -31,13 +31,13 @@ import torch
 from tqdm import tqdm
 
 from rdepth.errors import RdepthError
-from rdepth.exits.config import SweepConfig
+from rdepth.sweep.config import SweepConfig
 from rdepth.exits.controller import controller_factory
-from rdepth.exits.measure import decode_factory
+from rdepth.sweep.measure import decode_factory
 from rdepth.exits.profile import load_profile, profile_controller_factory
 from rdepth.exits.registry import get_policy_class
-from rdepth.exits.stats import spread
-from rdepth.exits.timing import forward_call, time_interleaved
+from rdepth.sweep.stats import spread
+from rdepth.sweep.timing import forward_call, time_interleaved
 from rdepth.io import environment_info, write_json
 from rdepth.model import RecurrentLM
 from rdepth.model.control import FixedController
@@ -218,7 +218,7 @@ def sweep_task_checkpoint(config: SweepConfig) -> dict:
     result = run_task_sweep(run.model, heldouts, config, device=run.device, tolerance=config.accuracy_tolerance,
                             progress=config.progress)
     result["checkpoint"], result["data"] = str(run.checkpoint), str(run.data)
-    from rdepth.exits.task_report import render_task_sweep
+    from rdepth.sweep.task_report import render_task_sweep
 
     with staged_output(config.out, seed=REPORT_SEED) as out:  # swapped in whole: old or new, never a mix
         paths = {"json": out / TASK_SWEEP_FILE}

@@ -1,7 +1,7 @@
 """Timing statistics and the noise rule (torch-free: a saved sweep is re-summarised anywhere).
 
 A measurement is the list of per-round wall-clock samples of one setting
-(ms/token), taken by :func:`rdepth.exits.timing.time_interleaved`, which calls
+(ms/token), taken by :func:`rdepth.sweep.timing.time_interleaved`, which calls
 every setting once per round in a shuffled order, so a burst of load falls on
 rounds (and all settings timed in them), not on one setting's whole
 measurement. It is kept as its median and interquartile range (IQR).

@@ -35,13 +35,13 @@ import torch
 from tqdm import tqdm
 
 from rdepth.errors import RdepthError
-from rdepth.exits.config import SweepConfig
+from rdepth.sweep.config import SweepConfig
 from rdepth.exits.controller import controller_factory
-from rdepth.exits.measure import SweepMeasurer, decode_factory
+from rdepth.sweep.measure import SweepMeasurer, decode_factory
 from rdepth.exits.profile import load_profile, profile_controller_factory
 from rdepth.exits.registry import get_policy_class
-from rdepth.exits.report_section import render_sweep
-from rdepth.exits.summary import summarize, summary_of, sweep_csv
+from rdepth.sweep.report import render_sweep
+from rdepth.sweep.summary import summarize, summary_of, sweep_csv
 from rdepth.io import environment_info, write_json, write_text
 from rdepth.model import RecurrentLM
 from rdepth.run.device import device_name
@@ -59,8 +59,8 @@ def run_sweep(
 
     Keys: ``config``, ``environment``, ``model``, ``k_max``, ``reference`` (the
     full fixed budget), ``points``, ``fixed_ladder`` and ``summary`` (see
-    :mod:`rdepth.exits.summary`); each measured entry's keys are listed in
-    :class:`rdepth.exits.measure.SweepMeasurer`. Window i starts its loops from the run
+    :mod:`rdepth.sweep.summary`); each measured entry's keys are listed in
+    :class:`rdepth.sweep.measure.SweepMeasurer`. Window i starts its loops from the run
     layer's noise for window i, so a fixed budget's cross-entropy equals
     :func:`rdepth.run.evaluate.evaluate` on the same windows. The model is put
     in eval mode on ``device``; ``config.checkpoint``, ``data``, ``out`` and

@@ -1,8 +1,8 @@
 """The sweep's section of a run's HTML report (built with :mod:`rdepth.report`).
 
-Reads a saved sweep result and its summary (:mod:`rdepth.exits.summary`);
+Reads a saved sweep result and its summary (:mod:`rdepth.sweep.summary`);
 computes nothing. :func:`render_sweep` draws the figures and writes the section
-from a result, e.g. one re-read with :func:`rdepth.exits.summary.load_sweep`.
+from a result, e.g. one re-read with :func:`rdepth.sweep.summary.load_sweep`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rdepth.exits.plots import group_names, save_sweep_figures
-from rdepth.exits.stats import format_ratio
-from rdepth.exits.summary import TIMING_LABELS, setting_value, summary_of
+from rdepth.sweep.plots import group_names, save_sweep_figures
+from rdepth.sweep.stats import format_ratio
+from rdepth.sweep.summary import TIMING_LABELS, setting_value, summary_of
 from rdepth.report.html import Section, add_section, format_percent, format_value
 
 SECTION_NAME = "early_exit"

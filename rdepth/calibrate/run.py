@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from rdepth.errors import RdepthError
-from rdepth.exits.config import CalibrateConfig
+from rdepth.calibrate.config import CalibrateConfig
 from rdepth.exits.controller import PolicyController, controller_factory
 from rdepth.exits.evaluate import evaluate_with_exits
 from rdepth.exits.profile import make_profile, profile_controller_factory

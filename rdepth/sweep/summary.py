@@ -6,7 +6,7 @@ full fixed budget; ``points``: one per policy setting, each with its
 ``"summary"``, every number the command line, the report page, the plots and
 ``bench/exit_speed.py`` show.
 
-Latency keys of an entry (see :class:`rdepth.exits.measure.SweepMeasurer`;
+Latency keys of an entry (see :class:`rdepth.sweep.measure.SweepMeasurer`;
 :data:`LATENCY_DEFINITIONS` is saved in the summary): ``ms_per_token_b1`` and
 ``ms_per_token_batched`` are *teacher-forced* ms/token (one window of T tokens
 in one forward, wall time / tokens: every position in parallel, not decode
@@ -44,7 +44,7 @@ budgets alike; fixed budgets also carry ``dense_ms_per_token_b1``/``_batched``
     the headline row that saves the most (largest speedup over the full budget
     with timing, most steps saved without), or None.
 ``noise_threshold``, ``noise_warnings``, ``noisy``
-    the relative-IQR threshold of the noise rule (:mod:`rdepth.exits.stats`);
+    the relative-IQR threshold of the noise rule (:mod:`rdepth.sweep.stats`);
     one sentence per headline or report speedup within noise and per noisy
     full-budget timing; whether there is any.
 ``packed_over_dense``
@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rdepth.errors import RdepthError
-from rdepth.exits.stats import NOISE_THRESHOLD, compare, format_ratio, rel_iqr
+from rdepth.sweep.stats import NOISE_THRESHOLD, compare, format_ratio, rel_iqr
 
 SUMMARY_FORMAT = 3
 TIMINGS = ("b1", "batched", "generate")

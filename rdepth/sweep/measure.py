@@ -5,7 +5,7 @@
 one evaluation loop and its per-window noise) or a fixed budget (measured once
 and reused: several points often share the fixed budget at their mean steps),
 and registers what to time. :meth:`SweepMeasurer.time_all` then times every
-registered call together (:func:`rdepth.exits.timing.time_interleaved`: each
+registered call together (:func:`rdepth.sweep.timing.time_interleaved`: each
 round calls every setting once, shuffled), so the full-budget reference and
 each candidate are timed under the same load, and writes each entry's median
 and interquartile range.
@@ -27,12 +27,12 @@ from tqdm import tqdm
 
 from rdepth.errors import RdepthError
 from rdepth.exits.base import Decode
-from rdepth.exits.config import SweepConfig
+from rdepth.sweep.config import SweepConfig
 from rdepth.exits.controller import PolicyController
 from rdepth.exits.decode import make_decode
 from rdepth.exits.evaluate import evaluate_with_exits
-from rdepth.exits.stats import spread
-from rdepth.exits.timing import Call, forward_call, generate_call, time_interleaved
+from rdepth.sweep.stats import spread
+from rdepth.sweep.timing import Call, forward_call, generate_call, time_interleaved
 from rdepth.model import RecurrentLM
 from rdepth.model.control import FixedController
 from rdepth.run.config import autocast_dtype

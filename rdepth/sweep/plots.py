@@ -4,7 +4,7 @@ Every function takes the saved result dict and returns a matplotlib figure;
 :func:`save_sweep_figures` writes them (PNG + SVG, through the one figure saver
 :func:`rdepth.report.figures.save_figure`). Nothing here computes a number: the
 points, the latency shown and the matched-quality line come from the result
-and its saved summary (:mod:`rdepth.exits.summary`).
+and its saved summary (:mod:`rdepth.sweep.summary`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rdepth.exits.summary import summary_of
+from rdepth.sweep.summary import summary_of
 from rdepth.report.figures import plain_log_ticks, pyplot as _pyplot, save_figure
 
 
