@@ -65,6 +65,15 @@ DECODE_CALL_SECONDS = {"cuda": 1e-3, "cpu": 4.5e-4}
 # rdepth analyze per checkpoint, besides its forwards: loading, the per-step statistics, PCA and the
 # figures (H100 run: 20.9 s for 4 checkpoints against 2.0 s of forwards; CPU toy run: 4.9 s against 0.7).
 ANALYZE_SECONDS_PER_CHECKPOINT = {"cuda": 5.0, "cpu": 1.0}
+# rdepth analyze measures in float64 (``AnalyzeConfig.precision``'s default, issue 26): its work costs
+# this many times training's seconds per FLOP. CPU (AVX2): a vector holds half as many float64 numbers
+# as float32. CUDA: a lead, not yet measured: the FP64 tensor rate (67 TFLOP/s on an H100) against the
+# ~300 TFLOP/s bf16 training reached.
+FLOAT64_SLOWDOWN = {"cuda": 6.0, "cpu": 2.0}
+# The own-state Jacobian of one position (``torch.func.jacrev`` of a loop step over the position's
+# prefix, d cotangents through one backward each) costs about this many loop-step forwards of the
+# prefix per state dimension; vmap falls back to a Python loop over attention's backward on a CPU.
+JACOBIAN_FORWARDS_PER_DIMENSION = {"cuda": 3.0, "cpu": 6.0}
 DISK_BYTES_PER_SECOND = 5e8  # a checkpoint (weights and AdamW state) written
 REPORT_SECONDS = {"cuda": 10.0, "cpu": 5.0}  # the claims, the claims page, the standalone page, the export
 # A long run trains slower than the few probe steps (validation, logging, a busy machine: 10-40% on the
@@ -212,6 +221,12 @@ class Workload:
     repeats: int
     val_windows: int
     val_budgets: int = 3
+    # rdepth analyze's loop-budget DLR curve (K = 1..dlr_curve_loops on the last checkpoint) and the
+    # Jacobian spectra (jacobian_positions positions per group and checkpoint): AnalyzeConfig's defaults
+    dlr_curve_loops: int = 30
+    dlr_curve_sequences: int = 4
+    jacobian_positions: int = 4
+    analyze_precision: str = "float64"
 
 
 def after_training_seconds(config: ModelConfig, work: Workload, seconds_per_flop: float, kind: str) -> dict[str, float]:
@@ -232,10 +247,7 @@ def after_training_seconds(config: ModelConfig, work: Workload, seconds_per_flop
         "loop_budgets": work.val_budgets * forward(work.val_windows * T, [max(k_max)] * config.n_groups,
                                                    math.ceil(work.val_windows / VAL_BATCH_SIZE)),
     }
-    batches = math.ceil(work.analyze_sequences / ANALYZE_BATCH)
-    parts["analyze"] = work.checkpoints * (
-        ANALYZE_SECONDS_PER_CHECKPOINT[kind] + forward(work.analyze_sequences * T, eval_loops, batches)
-        + forward(work.analyze_sequences * T, [work.long_loops] * config.n_groups, batches))
+    parts["analyze"] = analyze_seconds(config, work, seconds_per_flop, kind)
     # Quality: the full budget, each point and its fixed baseline (at most the full budget each).
     sweep_batches = math.ceil(work.sweep_windows / 8)
     settings = 1 + 2 * work.sweep_settings
@@ -250,6 +262,37 @@ def after_training_seconds(config: ModelConfig, work: Workload, seconds_per_flop
     parts["report"] = REPORT_SECONDS[kind]
     parts["total"] = sum(parts.values())
     return parts
+
+
+def analyze_seconds(config: ModelConfig, work: Workload, seconds_per_flop: float, kind: str) -> float:
+    """Estimated seconds of ``rdepth analyze`` over the run's checkpoints: per checkpoint its fixed
+    cost, the eval and long budgets and the Jacobian spectra; on the last one the DLR curve. The
+    measured work runs in float64 (:data:`FLOAT64_SLOWDOWN`)."""
+    T, groups = config.block_size, config.n_groups
+    slow = FLOAT64_SLOWDOWN[kind] if work.analyze_precision == "float64" else 1.0
+    call = CALL_SECONDS[kind]
+
+    def forward(tokens: float, counts: Sequence[int], calls: float) -> float:
+        return slow * tokens * forward_flops(config, counts) * seconds_per_flop * EVAL_OVERHEAD \
+            + calls * layer_calls(config, counts) * call
+
+    batches = math.ceil(work.analyze_sequences / ANALYZE_BATCH)
+    per_checkpoint = (ANALYZE_SECONDS_PER_CHECKPOINT[kind]
+                      + forward(work.analyze_sequences * T, list(config.default_eval_loops), batches)
+                      + forward(work.analyze_sequences * T, [work.long_loops] * groups, batches))
+    if work.jacobian_positions:
+        positions = min(work.jacobian_positions, work.analyze_sequences)
+        prefix = 0.625 * T  # positions are drawn past the first quarter of the window: 5/8 T on average
+        jacobians = sum(positions * config.d_model * JACOBIAN_FORWARDS_PER_DIMENSION[kind] * prefix
+                        * loop_step_flops(config, g) for g in range(groups))
+        per_checkpoint += forward(positions * T, [work.long_loops] * groups, 1) \
+            + slow * jacobians * seconds_per_flop * EVAL_OVERHEAD
+    total = work.checkpoints * per_checkpoint
+    if work.dlr_curve_loops and groups > 1:
+        sequences = min(work.dlr_curve_sequences, work.analyze_sequences)
+        calls = math.ceil(sequences / ANALYZE_BATCH)
+        total += sum(forward(sequences * T, [k] * groups, calls) for k in range(1, work.dlr_curve_loops + 1))
+    return total
 
 
 # ------------------------------------------------------------------ the plan

@@ -8,7 +8,7 @@ in the exit-policy registry, imported inside :meth:`SweepConfig.__post_init__`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from rdepth.errors import RdepthError
 from rdepth.exits.config import DECODE_MODES, checked_k_max, resolve_k_max
@@ -196,6 +196,34 @@ class SweepConfig:
     def resolve_k_max(self, n_groups: int, eval_loops: tuple[int, ...]) -> tuple[int, ...]:
         """The per-group step cap for a model with ``n_groups`` groups and these eval loop counts."""
         return resolve_k_max("sweep", self.k_max, n_groups, eval_loops)
+
+    def generate_tokens_for(self, window: int) -> int:
+        """Tokens of the timed generation for windows of ``window`` tokens (see
+        :meth:`MeasureSettings.generate_tokens_for`)."""
+        return self.measure_settings().generate_tokens_for(window)
+
+    def measure_settings(self) -> "MeasureSettings":
+        """The fields that measuring one point needs, and no others (what the sweep's steps are handed)."""
+        return MeasureSettings(**{f.name: getattr(self, f.name) for f in fields(MeasureSettings)})
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    """What measuring a sweep point takes from :class:`SweepConfig`: held-out quality (``batch_size``,
+    ``seed``, ``autocast``), the decoded rules' reading (``decode``, ``decode_loops``) and latency
+    (``timing`` and the rest). The measuring steps see these fields only."""
+
+    batch_size: int
+    seed: int
+    autocast: str
+    decode: str
+    decode_loops: int
+    timing: bool
+    timing_batch_size: int
+    generate_prompt: int
+    generate_tokens: int | None
+    warmup: int
+    repeats: int
 
     def generate_tokens_for(self, window: int) -> int:
         """Tokens of the timed generation for windows of ``window`` tokens (0: not timed):

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from rdepth.errors import RdepthError
 from rdepth.exits.base import Decode
-from rdepth.sweep.config import SweepConfig
+from rdepth.sweep.config import MeasureSettings
 from rdepth.exits.controller import PolicyController
 from rdepth.exits.decode import make_decode
 from rdepth.exits.evaluate import evaluate_with_exits
@@ -42,9 +42,10 @@ PACKED_KEYS = ("ms_per_token_b1", "ms_per_token_batched", "ms_per_token_generate
 DENSE_KEYS = ("dense_ms_per_token_b1", "dense_ms_per_token_batched")
 
 
-def decode_factory(model: RecurrentLM, config: SweepConfig, seq_len: int) -> Callable[[], Decode]:
-    """Fresh readings of ``config.decode`` (``head`` or ``rest``) for windows of ``seq_len`` tokens."""
-    return lambda: make_decode(model, config.decode, seq_len=seq_len, loops=config.decode_loops, seed=config.seed)
+def decode_factory(model: RecurrentLM, settings: MeasureSettings, seq_len: int) -> Callable[[], Decode]:
+    """Fresh readings of ``settings.decode`` (``head`` or ``rest``) for windows of ``seq_len`` tokens."""
+    return lambda: make_decode(model, settings.decode, seq_len=seq_len, loops=settings.decode_loops,
+                               seed=settings.seed)
 
 
 class SweepMeasurer:
@@ -60,22 +61,22 @@ class SweepMeasurer:
     teacher-forced (one window of T tokens per forward, time / tokens, batch 1
     or ``timing_batch_size`` windows); ``ms_per_token_generate`` is decode
     latency (greedy cached generation of :attr:`generate_tokens` tokens at batch 1,
-    ms per generated token), all under ``config.autocast``.
+    ms per generated token), all under ``settings.autocast``.
     """
 
-    def __init__(self, model: RecurrentLM, windows: torch.Tensor, config: SweepConfig, device: torch.device):
+    def __init__(self, model: RecurrentLM, windows: torch.Tensor, settings: MeasureSettings, device: torch.device):
         self.model = model
         self.windows = windows
-        self.config = config
+        self.settings = settings
         self.device = device
-        self.autocast = autocast_dtype(config.autocast)
+        self.autocast = autocast_dtype(settings.autocast)
         seq_len = windows.shape[1] - 1
-        self.timing_idx = windows[: config.timing_batch_size, :-1].to(device)  # (B, T) inputs only
+        self.timing_idx = windows[: settings.timing_batch_size, :-1].to(device)  # (B, T) inputs only
         window = min(seq_len, model.config.block_size)
-        self.generate_tokens = config.generate_tokens_for(window)  # 0: decode latency not timed
-        if self.generate_tokens and config.generate_prompt + self.generate_tokens > window:
+        self.generate_tokens = settings.generate_tokens_for(window)  # 0: decode latency not timed
+        if self.generate_tokens and settings.generate_prompt + self.generate_tokens > window:
             raise RdepthError(
-                f"sweep: generate_prompt + generate_tokens = {config.generate_prompt + self.generate_tokens} "
+                f"sweep: generate_prompt + generate_tokens = {settings.generate_prompt + self.generate_tokens} "
                 f"exceeds the window of {seq_len} tokens"
             )
         self.fixed_cache: dict[tuple[int, ...], dict] = {}
@@ -86,20 +87,20 @@ class SweepMeasurer:
 
     def _evaluate(self, **mode) -> dict:
         result = evaluate_with_exits(
-            self.model, self.windows, batch_size=self.config.batch_size, device=self.device,
-            seed=self.config.seed, autocast_dtype=self.autocast, **mode,
+            self.model, self.windows, batch_size=self.settings.batch_size, device=self.device,
+            seed=self.settings.seed, autocast_dtype=self.autocast, **mode,
         ).to_dict()
         result["steps"] = sum(result["mean_steps"])
         return result
 
     def _register(self, entry: dict, controller_factory, dense_counts: Sequence[int] | None = None) -> None:
         """Queue the latencies of ``entry``: packed through ``controller_factory``; dense with ``dense_counts``."""
-        config = self.config
-        if not config.timing:
+        settings = self.settings
+        if not settings.timing:
             return
         entry_id = self.entries
         self.entries += 1
-        timed = dict(seed=config.seed, autocast_dtype=self.autocast)
+        timed = dict(seed=settings.seed, autocast_dtype=self.autocast)
         jobs: list[tuple[str, Call, int]] = []
         for label, idx in (("b1", self.timing_idx[:1]), ("batched", self.timing_idx)):
             jobs.append((f"ms_per_token_{label}", forward_call(self.model, idx, controller_factory=controller_factory,
@@ -108,7 +109,7 @@ class SweepMeasurer:
                 jobs.append((f"dense_ms_per_token_{label}", forward_call(self.model, idx, loop_counts=dense_counts,
                                                                          **timed), idx.numel()))
         if self.generate_tokens:
-            prompt = self.timing_idx[:1, : config.generate_prompt]
+            prompt = self.timing_idx[:1, : settings.generate_prompt]
             jobs.append(("ms_per_token_generate", generate_call(
                 self.model, prompt, self.generate_tokens, controller_factory=controller_factory, **timed,
             ), self.generate_tokens))
@@ -141,10 +142,10 @@ class SweepMeasurer:
         each entry's median, ``_iqr`` and ``timing_samples``."""
         if not self.calls:
             return
-        config = self.config
-        with tqdm(total=config.repeats, desc=f"timing {len(self.calls)} settings", disable=not progress) as bar:
-            samples = time_interleaved(self.calls, self.device, warmup=config.warmup, repeats=config.repeats,
-                                       seed=config.seed, progress=lambda _: bar.update())
+        settings = self.settings
+        with tqdm(total=settings.repeats, desc=f"timing {len(self.calls)} settings", disable=not progress) as bar:
+            samples = time_interleaved(self.calls, self.device, warmup=settings.warmup, repeats=settings.repeats,
+                                       seed=settings.seed, progress=lambda _: bar.update())
         for label, times_ms in samples.items():
             entry, key, work = self.targets[label]
             per_token = [t / work for t in times_ms]

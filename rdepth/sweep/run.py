@@ -73,12 +73,12 @@ def run_sweep(
     if seq_len > model.config.block_size:
         raise RdepthError(f"sweep: windows of {seq_len} tokens exceed the model's block size {model.config.block_size}")
     check_vocabulary(windows, model.config.vocab_size)
-    measurer = SweepMeasurer(model, windows, config, device)
+    measurer = SweepMeasurer(model, windows, config.measure_settings(), device)
     log.info("sweep: %d windows of %d tokens; reference = full fixed budget %s", windows.shape[0], seq_len,
              list(k_max))
     reference = measurer.fixed(k_max)
     settings = [(name, value) for name in config.policies for value in config.values(name)]
-    new_decode = decode_factory(model, config, seq_len)
+    new_decode = decode_factory(model, config.measure_settings(), seq_len)
     points = []
     for name, value in tqdm(settings, desc="sweep", disable=not progress):
         factory = controller_factory(name, value, k_max, new_decode, config.policy_options(name))

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 from tqdm import tqdm
 
 from rdepth.errors import RdepthError
-from rdepth.sweep.config import SweepConfig
+from rdepth.sweep.config import MeasureSettings, SweepConfig
 from rdepth.exits.controller import controller_factory
 from rdepth.sweep.measure import decode_factory
 from rdepth.exits.profile import load_profile, profile_controller_factory
@@ -52,9 +51,9 @@ FORMAT = 1
 TASK_SWEEP_FILE = "task_sweep.json"
 
 
-def _measure(model: RecurrentLM, heldout: HeldOut, factory: Callable, config: SweepConfig, device) -> dict:
-    result = heldout_accuracy(model, heldout, controller_factory=factory, batch_size=config.batch_size,
-                              device=device, seed=config.seed)
+def _measure(model: RecurrentLM, heldout: HeldOut, factory: Callable, settings: MeasureSettings, device) -> dict:
+    result = heldout_accuracy(model, heldout, controller_factory=factory, batch_size=settings.batch_size,
+                              device=device, seed=settings.seed)
     answers = int(heldout.answer_mask[:, 1:].sum())
     others = int((~heldout.answer_mask[:, 1:]).sum())
     result["steps"] = (result["mean_steps_answer"] * answers + result["mean_steps_other"] * others) / max(
@@ -122,7 +121,7 @@ def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: Swee
             raise RdepthError(f"sweep: held-out windows of {seq_len} tokens exceed the model's block size "
                               f"{model.config.block_size}")
         timing_idx = torch.from_numpy(heldout.tokens[: config.timing_batch_size, :-1]).to(device)
-        new_decode = decode_factory(model, config, seq_len)
+        new_decode = decode_factory(model, config.measure_settings(), seq_len)
         settings: list[tuple[dict, Callable]] = []
         for steps in range(1, max(k_max) + 1):
             budget = tuple(min(steps, cap) for cap in k_max)
@@ -144,7 +143,7 @@ def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: Swee
         fixed, points = [], []
         desc = f"task sweep d={heldout.difficulty}"
         for labels, factory in tqdm(settings, desc=desc, disable=not progress):
-            entry = {**labels, **_measure(model, heldout, factory, config, device)}
+            entry = {**labels, **_measure(model, heldout, factory, config.measure_settings(), device)}
             (fixed if "budget" in entry else points).append(entry)
             if config.timing:
                 key = f"{heldout.difficulty}:{entry['label']}"
