@@ -338,6 +338,9 @@ def load_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
     """
     trainer_path = checkpoint / "trainer.pt"
     state_path = checkpoint / "state.json"
+    if not trainer_path.exists() and (checkpoint / "dcp").is_dir():
+        raise RdepthError(f"checkpoint {checkpoint} is sharded: resume it as it was trained, with --parallel fsdp "
+                          "under torchrun")
     if not trainer_path.exists() or not state_path.exists():
         raise RdepthError(f"checkpoint {checkpoint} has no optimizer state to resume from")
     try:

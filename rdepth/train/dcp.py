@@ -38,7 +38,20 @@ def is_dcp_checkpoint(checkpoint: Path) -> bool:
     return (Path(checkpoint) / DCP_DIR).is_dir()
 
 
+def _failures():
+    """What DCP raises: CheckpointException (a BaseException gathering every rank's failure) and
+    the ordinary exceptions of a single process."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
 def _reason(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:  # CheckpointException: {rank: (exception, traceback)}
+        rank, failure = sorted(failures.items())[0]
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(inner).__name__} {' '.join(str(inner).split())[:160]}".strip()
     return " ".join(str(exc).split())[:200] or type(exc).__name__
 
 
@@ -61,7 +74,7 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.opti
     model_state, optimizer_state = get_state_dict(model, optimizer)
     try:
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging / DCP_DIR)
-    except Exception as exc:  # DCP gathers every rank's failure into one exception, raised on all ranks
+    except _failures() as exc:  # DCP gathers every rank's failure into one exception, raised on all ranks
         raise RdepthError(f"cannot write checkpoint {final}: {_reason(exc)} (disk full or not writable?); "
                           "earlier checkpoints are intact") from None
     dist.barrier()
@@ -120,7 +133,7 @@ def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     try:
         dcp.load(state, checkpoint_id=checkpoint / DCP_DIR)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    except Exception as exc:
+    except _failures() as exc:
         raise RdepthError(f"cannot load the distributed checkpoint {checkpoint / DCP_DIR} into this model at this "
                           f"world size ({_reason(exc)}): corrupt or from another model") from None
 
@@ -151,7 +164,7 @@ def consolidate(path: str | Path, overwrite: bool = False) -> Path:
     config = ckpt.load_model_config(checkpoint)
     try:
         metadata = dcp.FileSystemReader(str(checkpoint / DCP_DIR)).read_metadata().state_dict_metadata
-    except Exception as exc:
+    except _failures() as exc:
         raise RdepthError(f"distributed checkpoint {checkpoint / DCP_DIR} is unreadable ({_reason(exc)}): corrupt") \
             from None
     with torch.device("meta"):
@@ -166,7 +179,7 @@ def consolidate(path: str | Path, overwrite: bool = False) -> Path:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({"model": weights}, checkpoint_id=checkpoint / DCP_DIR, no_dist=True)
-    except Exception as exc:
+    except _failures() as exc:
         raise RdepthError(f"cannot read the weights of {checkpoint / DCP_DIR} ({_reason(exc)}): corrupt") from None
     staging = checkpoint / ".model.safetensors.tmp"
     save_file({k: v.contiguous() for k, v in weights.items()}, str(staging), metadata={"format": "pt"})

@@ -102,14 +102,19 @@ def quiet_view_warning() -> None:
 # ----------------------------------------------------------------- memory
 @dataclass
 class MemoryEstimate:
-    """Bytes per rank of the training state: parameters, gradients and AdamW's two moments
-    (float32, 4 bytes each), sharded 1/N under FSDP; FSDP adds the largest unit gathered whole
-    (its parameters and, in backward, their full gradient before the reduce-scatter)."""
+    """Bytes per rank of the training state at ``gpus`` ranks: parameters, gradients and AdamW's
+    two moments (``bytes_per_value`` each; 4 for float32). ``ddp``: every rank holds all of it.
+    ``fsdp_state``: what a rank keeps between steps, 1/N of it. ``fsdp_peak``: that plus the
+    largest unit gathered whole in a step (its parameters and, in backward, its full gradient
+    before the reduce-scatter); the largest unit is the root (the tied embedding, position
+    embedding, adapters and final norm), which stays gathered through the forward and backward."""
 
     parameters: int
+    largest_unit: int
     gpus: int
     ddp: int
-    fsdp: int
+    fsdp_state: int
+    fsdp_peak: int
 
 
 def parameter_counts(model_config: ModelConfig) -> tuple[int, int]:
@@ -126,12 +131,13 @@ def parameter_counts(model_config: ModelConfig) -> tuple[int, int]:
 
 def estimate_memory(model_config: ModelConfig, gpus: int, bytes_per_value: int = 4) -> MemoryEstimate:
     """Per-rank training-state bytes at ``gpus`` ranks, DDP (replicated) against FSDP (sharded).
-    Activations are left out: they are the same per rank either way at a fixed per-rank batch."""
+    Activations are left out: at a fixed per-rank batch they are the same either way (less with
+    activation checkpointing)."""
     total, largest = parameter_counts(model_config)
     state = 4 * bytes_per_value  # weights, gradients, exp_avg, exp_avg_sq
-    ddp = state * total
-    fsdp = -(-state * total // gpus) + (2 * bytes_per_value * largest if gpus > 1 else 0)
-    return MemoryEstimate(total, gpus, ddp, fsdp)
+    sharded = -(-state * total // gpus)
+    gathered = 2 * bytes_per_value * largest if gpus > 1 else 0
+    return MemoryEstimate(total, largest, gpus, state * total, sharded, sharded + gathered)
 
 
 def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
