@@ -1,5 +1,4 @@
-"""Launched by tests/test_fsdp.py (under torchrun, or alone for the one-process reference): train the
-tiny model of the test in float64 with the TrainConfig fields given as JSON.
+"""Launched by tests/test_fsdp.py under torchrun: train the tiny model of the test in float64 with the TrainConfig fields given as JSON.
 
 argv: JSON {"train": {TrainConfig fields}, "resume": bool, "kill_at": step or null,
 "measure": path or null}. ``kill_at``: rank 0 kills itself (SIGKILL) as that step starts, a

@@ -22,12 +22,17 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from rdepth.cli.main import main
+from rdepth.config import ModelConfig
 from rdepth.io import read_jsonl
 from rdepth.run.checkpoint import list_checkpoints, load_model
+from rdepth.train.config import TrainConfig
+from rdepth.train.trainer import Trainer
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 TINY = ["--n-layer", "3", "--n-head", "2", "--d-model", "32", "--block-size", "32", "--groups", "1",
         "--mean-loops", "3", "--backprop-depth", "2", "--threads", "1"]
+TINY_MODEL = ModelConfig(n_layer=3, n_head=2, d_model=32, block_size=32, vocab_size=512, groups="1", mean_loops=3.0,
+                         backprop_depth=2, tokenizer="bpe:512")  # tests/fsdp_worker.py's
 # 50 steps: the issue's length of the loss-curve comparison.
 STEPS = 50
 # Float64 weights; the loss is computed in float32, so two runs whose weights differ in the last
@@ -46,7 +51,7 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def train_fields(data, out, **extra) -> dict:
-    return {"data": str(data), "out": str(out), "max_steps": STEPS, "batch_size": 8, "grad_accum": 2,
+    return {"data": str(data), "out": str(out), "max_steps": STEPS, "batch_size": 4,
             "warmup_steps": 5, "log_every": 1, "eval_every": 25, "eval_batches": 1, "eval_batch_size": 4,
             "checkpoint_every": 25, "threads": 1, **extra}
 
@@ -96,20 +101,19 @@ def _error_line(capsys) -> str:
 # ------------------------------------------------------------- two ranks
 @pytest.mark.slow
 def test_two_ranks_match_one_process_and_resume_after_kill_is_exact(wiki_small, tmp_path, float64, one_rank):
-    """50 steps on 2 FSDP ranks (2 micro-steps of 2 rows each per rank, a looped layer applied 3 times
+    """50 steps on 2 FSDP ranks (2 rows each per step, a looped layer applied 3 times
     on average): the loss curve and the weights equal one plain process's within LOSS_TOL/WEIGHT_TOL.
-    The FSDP run is killed (SIGKILL) at step 30 and resumed from its step-25 DCP checkpoint: the
+    The FSDP run is killed (SIGKILL) after step 30 and resumed from its step-25 DCP checkpoint: the
     steps it logged before the kill come out again bit for bit. The DCP checkpoint then resumes at
     world size 1 (resharded), and consolidates to a model.safetensors that `load_model` reads."""
     single, sharded = tmp_path / "single", tmp_path / "fsdp"
-    result = worker({"train": train_fields(wiki_small, single)}, None)
-    assert result.returncode == 0, result.stderr[-2000:]
+    Trainer(TINY_MODEL, TrainConfig(**train_fields(wiki_small, single))).run()  # one plain process, here
     spec = {"train": train_fields(wiki_small, sharded, parallel="fsdp"), "kill_at": 30}
     killed = worker(spec, 2)
     assert killed.returncode != 0  # rank 0 killed itself at step 30
     assert [p.name for p in list_checkpoints(sharded)] == ["step_000025"]
     before_kill = losses(sharded)
-    assert sorted(before_kill) == list(range(1, 30))
+    assert sorted(before_kill) == list(range(1, 31))  # killed as the 31st step started
     reshard = tmp_path / "reshard"
     shutil.copytree(sharded, reshard)
     resumed = worker({"train": spec["train"], "resume": True}, 2)
@@ -117,7 +121,7 @@ def test_two_ranks_match_one_process_and_resume_after_kill_is_exact(wiki_small, 
 
     after = losses(sharded)
     assert sorted(after) == list(range(1, STEPS + 1))
-    assert all(after[step] == before_kill[step] for step in range(26, 30)), "resume is not bit-exact"
+    assert all(after[step] == before_kill[step] for step in range(26, 31)), "resume is not bit-exact"
     reference = losses(single)
     worst = max(abs(after[step] - reference[step]) for step in reference)
     assert worst < LOSS_TOL, worst
@@ -131,7 +135,7 @@ def test_two_ranks_match_one_process_and_resume_after_kill_is_exact(wiki_small, 
     for name in theirs:
         assert ours[name].dtype == torch.float64
         assert (ours[name] - theirs[name]).abs().max() < WEIGHT_TOL, name
-    model_a, model_b = load_model(sharded), load_model(single)
+    model_a, model_b = load_model(sharded)[0], load_model(single)[0]
     idx = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a = model_a(idx, loop_counts=(4,), generator=torch.Generator().manual_seed(1)).logits
@@ -139,9 +143,9 @@ def test_two_ranks_match_one_process_and_resume_after_kill_is_exact(wiki_small, 
     torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
 
     # the 2-rank step-25 checkpoint resumes here at world size 1: DCP re-cuts the shards
-    assert main(["train", "--data", str(wiki_small), "--out", str(reshard), "--resume", "--stop-at", "29"]) == 0
+    assert main(["train", "--data", str(wiki_small), "--out", str(reshard), "--resume", "--stop-at", "30"]) == 0
     again = losses(reshard)
-    assert max(abs(again[step] - before_kill[step]) for step in range(26, 30)) < LOSS_TOL
+    assert max(abs(again[step] - before_kill[step]) for step in range(26, 31)) < LOSS_TOL
 
 
 # --------------------------------------------------- one rank, in-process
