@@ -168,6 +168,9 @@ def test_fsdp_one_rank_resume_is_exact_and_activation_checkpointing_changes_noth
     a = load_file(str(list_checkpoints(straight)[-1] / "model.safetensors"))
     b = load_file(str(list_checkpoints(split)[-1] / "model.safetensors"))
     assert all(torch.equal(a[name], b[name]) for name in a)
+    # the consolidated run is an ordinary one for the commands that read checkpoints
+    assert main(["generate", "--checkpoint", str(straight), "--prompt", "The", "--max-new-tokens", "3",
+                 "--temperature", "0", "--threads", "1"]) == 0
 
 
 def test_looped_layer_gradients_accumulate_over_applications(float64, one_rank):

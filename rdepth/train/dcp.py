@@ -16,6 +16,7 @@ resumes at another: the shards are re-cut on load.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -30,6 +31,8 @@ from rdepth.errors import RdepthError
 from rdepth.fields import option
 from rdepth.io import ordinary_mode, read_json_object, write_text
 from rdepth.run import checkpoint as ckpt
+
+log = logging.getLogger(__name__)
 
 DCP_DIR = "dcp"
 
@@ -128,6 +131,11 @@ def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    import torch.distributed as dist
+
+    saved = read_state(checkpoint).get("world_size")
+    if isinstance(saved, int) and saved != dist.get_world_size() and dist.get_rank() == 0:
+        log.info("resharding %s: saved by %d ranks, loaded by %d", checkpoint.name, saved, dist.get_world_size())
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     try:
