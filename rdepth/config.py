@@ -246,6 +246,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_layer=12, n_head=12, d_model=768, block_size=512, vocab_size=50257,
         groups="4|5-6|7", mean_loops=12.0, backprop_depth=8, tokenizer="gpt2",
     ),
+    # The paper's layout at about a billion parameters (the width and heads of a 1.3B GPT): a
+    # six-layer prelude, the paper's three looped groups, a six-layer coda. Its training state is
+    # 14 GiB in float32 before activations: sized for rdepth train --parallel fsdp (docs/distributed.md).
+    "1b": dict(
+        n_layer=16, n_head=16, d_model=2048, block_size=1024, vocab_size=50257,
+        groups="6|7-8|9", mean_loops=12.0, backprop_depth=8, tokenizer="gpt2",
+    ),
     # A scaled-down paper model for one GPU: same layout, narrower, fewer loops.
     "small": dict(
         n_layer=12, n_head=8, d_model=512, block_size=512, vocab_size=50257,

@@ -25,6 +25,7 @@ from rdepth.io import exclusive
 SUBCOMMANDS = [
     "prepare",
     "train",
+    "consolidate",
     "eval",
     "generate",
     "analyze",

@@ -22,9 +22,10 @@ def register(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "train",
-        help="train a model (single process, or under torchrun for DDP)",
+        help="train a model (single process, or under torchrun: DDP, or FSDP2 with --parallel fsdp)",
         description="Train a group-recurrent language model. Start from a preset; every model "
-        "and training field can be overridden. Multi-GPU: torchrun --nproc_per_node N -m rdepth train ...",
+        "and training field can be overridden. Multi-GPU: torchrun --nproc_per_node N -m rdepth train ... "
+        "(add --parallel fsdp to shard the model; docs/distributed.md).",
     )
     parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
                         help="model preset (default: tiny; with --resume, the run's own)")

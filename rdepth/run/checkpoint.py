@@ -150,16 +150,17 @@ def clean_debris(run_dir: str | os.PathLike) -> list[str]:
 
 
 # What save_checkpoint writes into a checkpoint folder: rotation removes only folders holding nothing else.
-CHECKPOINT_FILES = frozenset({"model.safetensors", "config.json", "trainer.pt", "state.json"})
+# A sharded run's (rdepth train --parallel fsdp) holds dcp/ instead of trainer.pt (rdepth.train.dcp).
+CHECKPOINT_FILES = frozenset({"model.safetensors", "config.json", "trainer.pt", "state.json", "dcp"})
 
 
 def is_checkpoint_folder(path: Path) -> bool:
-    """True for a real folder named ``step_N`` holding model.safetensors and only the files
+    """True for a real folder named ``step_N`` holding model.safetensors (or dcp/) and only the files
     :func:`save_checkpoint` writes (never a link, never a folder with anything of someone else's)."""
     if path.is_symlink() or not path.is_dir() or not STEP_PATTERN.match(path.name):
         return False
     names = {entry.name for entry in path.iterdir()}
-    return "model.safetensors" in names and names <= CHECKPOINT_FILES
+    return bool(names & {"model.safetensors", "dcp"}) and names <= CHECKPOINT_FILES
 
 
 def is_milestone(checkpoint: Path, every: int | None) -> bool:
@@ -257,6 +258,9 @@ def load_weights(checkpoint: Path, model: torch.nn.Module) -> None:
     from safetensors.torch import load_file
 
     weights_path = checkpoint / "model.safetensors"
+    if not weights_path.exists() and (checkpoint / "dcp").is_dir():
+        raise RdepthError(f"checkpoint {checkpoint} is sharded (rdepth train --parallel fsdp): convert it first with "
+                          f"rdepth consolidate --checkpoint {checkpoint}")
     if not weights_path.exists():
         raise RdepthError(f"checkpoint {checkpoint} has no model.safetensors")
     try:
@@ -334,6 +338,9 @@ def load_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
     """
     trainer_path = checkpoint / "trainer.pt"
     state_path = checkpoint / "state.json"
+    if not trainer_path.exists() and (checkpoint / "dcp").is_dir():
+        raise RdepthError(f"checkpoint {checkpoint} is sharded: resume it as it was trained, with --parallel fsdp "
+                          "under torchrun")
     if not trainer_path.exists() or not state_path.exists():
         raise RdepthError(f"checkpoint {checkpoint} has no optimizer state to resume from")
     try:

@@ -96,6 +96,16 @@ class TrainConfig:
     init_from: str | None = option(None, "start from the weights of this checkpoint or run (rdepth retrofit, "
                                    "import-hf): its model config is the base, flags override loop settings",
                                    default_text="fresh weights from --seed")
+    parallel: str = option(
+        "ddp", "how torchrun's processes share the work: ddp (each holds the whole model; gradients averaged) "
+        "or fsdp (FSDP2: parameters, gradients and AdamW state sharded per layer, checkpoints through "
+        "torch.distributed.checkpoint; torchrun only, see docs/distributed.md). One process: ddp is plain training")
+    mixed_precision: str = option(
+        "none", "with --parallel fsdp: none, or bf16 (layers compute on bfloat16 copies of the gathered weights, "
+        "gradients reduced in float32; the sharded weights and AdamW state stay float32)")
+    activation_checkpointing: bool = option(
+        False, "with --parallel fsdp: recompute each layer's activations in backward instead of keeping them "
+        "(less memory, about one more forward of compute; the same numbers)")
 
     def __post_init__(self) -> None:
         for name in ("data", "out", "device"):
@@ -162,6 +172,17 @@ class TrainConfig:
         if self.compile_scope not in COMPILE_SCOPES:
             raise RdepthError(f"train config: compile_scope must be one of {', '.join(COMPILE_SCOPES)}, "
                               f"got {self.compile_scope!r}")
+
+        if self.parallel not in ("ddp", "fsdp"):
+            raise RdepthError(f"train config: parallel must be ddp or fsdp, got {self.parallel!r}")
+        if self.mixed_precision not in ("none", "bf16"):
+            raise RdepthError(f"train config: mixed_precision must be none or bf16, got {self.mixed_precision!r}")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise RdepthError(f"train config: activation_checkpointing must be true or false, "
+                              f"got {self.activation_checkpointing!r}")
+        if self.parallel != "fsdp" and (self.mixed_precision != "none" or self.activation_checkpointing):
+            raise RdepthError("train config: mixed_precision and activation_checkpointing are --parallel fsdp "
+                              "options: add --parallel fsdp (under torchrun)")
 
     @property
     def milestone_interval(self) -> int:

@@ -39,7 +39,10 @@ def saved_train_config(out: str | Path) -> dict[str, Any] | None:
     else its config.json's), or None for a run that records none."""
     if not ckpt.list_checkpoints(out):
         raise RdepthError(f"--resume: no checkpoint in {out}")
-    _, state = ckpt.load_trainer_state(ckpt.resolve_checkpoint(out))
+    from rdepth.train import dcp
+
+    checkpoint = ckpt.resolve_checkpoint(out)
+    state = dcp.read_state(checkpoint) if dcp.is_dcp_checkpoint(checkpoint) else ckpt.load_trainer_state(checkpoint)[1]
     return state.get("train_config") or ckpt.read_run_config(Path(out)).get("train")
 
 

@@ -36,6 +36,7 @@ from rdepth.run.heldout import held_out_problem_windows, held_out_windows
 from rdepth.train.config import TrainConfig
 from rdepth.train.timefit import first_mark, fit_points, fitted_max_steps, refit
 from rdepth.train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown_distributed
+from rdepth.train.fsdp import check_launch, full_norm
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,11 @@ class Trainer:
         self.device = resolve_device(config.device)
         if config.threads:
             torch.set_num_threads(config.threads)
+        check_launch(config.parallel)  # FSDP runs under torchrun only
         self.dist: DistInfo = init_distributed(self.device.type)
         if self.dist.enabled and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
+        self.fsdp = config.parallel == "fsdp"  # sharded model (rdepth.train.fsdp), DCP checkpoints
         _check_batch_split(config, self.dist)
         self.run_dir = Path(config.out)
         self._lock = contextlib.ExitStack()
@@ -157,7 +160,7 @@ class Trainer:
         else:
             self.val_masks = held_out_problem_windows(val_mask, val_index[0], val_len, val_count).bool()
         self.ddp = None
-        if self.dist.enabled:
+        if self.dist.enabled and not self.fsdp:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -178,7 +181,7 @@ class Trainer:
         trainer.device = resolve_device(config.device)
         if config.threads:
             torch.set_num_threads(config.threads)
-        trainer.dist, trainer.ddp = DistInfo(), None
+        trainer.dist, trainer.ddp, trainer.fsdp = DistInfo(), None, False
         _check_batch_split(config, trainer.dist)
         trainer.model_config = model_config
         trainer.start_step, trainer.tokens_seen = 0, 0
@@ -202,7 +205,15 @@ class Trainer:
         self.nonfinite = torch.zeros((), dtype=torch.bool)
 
     def _place_model(self) -> None:
-        """The model on the device; bf16 autocast there on CUDA."""
+        """The model on the device (its shards, with --parallel fsdp); bf16 autocast there on CUDA."""
+        if self.fsdp:
+            from rdepth.train import dcp
+            from rdepth.train.fsdp import shard_model
+
+            shard_model(self.model, self.device, self.config.mixed_precision, self.config.activation_checkpointing)
+            self.optimizer = make_optimizer(self.model, self.config, self.device)  # over the sharded parameters
+            if self.resumed_from is not None:
+                dcp.load(self.resumed_from, self.model, self.optimizer)
         self.model.to(self.device)
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
 
@@ -297,7 +308,12 @@ class Trainer:
         mismatch = _config_mismatch(saved, self.model_config)
         if mismatch:
             raise RdepthError(f"model config does not match checkpoint {checkpoint}: {'; '.join(mismatch[:4])}")
-        trainer_state, state = ckpt.load_trainer_state(checkpoint)
+        if self.fsdp:  # the weights and optimizer state load once sharded (_place_model)
+            from rdepth.train.dcp import read_state
+
+            trainer_state, state = None, read_state(checkpoint)
+        else:
+            trainer_state, state = ckpt.load_trainer_state(checkpoint)
         step = int(state["step"])
         saved_train = state.get("train_config") or saved_run.get("train")
         if saved_train is not None and self.config.time_limit is not None and state.get("schedule_fits"):
@@ -315,12 +331,13 @@ class Trainer:
         else:
             log.warning("%s records no training config: resuming with the flags given", self.run_dir)
         self._check_same_data(saved_run.get("data"), checkpoint)
-        ckpt.load_weights(checkpoint, self.model)
-        try:
-            self.optimizer.load_state_dict(trainer_state["optimizer"])
-            _check_optimizer_state(self.optimizer)
-        except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
-            raise RdepthError(f"optimizer state in {checkpoint} does not match the model ({exc})") from None
+        if trainer_state is not None:
+            ckpt.load_weights(checkpoint, self.model)
+            try:
+                self.optimizer.load_state_dict(trainer_state["optimizer"])
+                _check_optimizer_state(self.optimizer)
+            except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
+                raise RdepthError(f"optimizer state in {checkpoint} does not match the model ({exc})") from None
         self.start_step = step
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.resumed_from = checkpoint
@@ -393,8 +410,8 @@ class Trainer:
             total += loss.detach()
             used_counts.append(counts)
         # The norm is always measured (max_norm inf: no clipping) for the divergence check.
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                   config.grad_clip if config.grad_clip > 0 else math.inf)
+        grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                             config.grad_clip if config.grad_clip > 0 else math.inf))
         bad = ~(torch.isfinite(total) & torch.isfinite(grad_norm))
         self.nonfinite = self.nonfinite.to(bad.device) | bad  # on the device: no host sync
         self.last_grad_norm = grad_norm.detach()
@@ -522,21 +539,22 @@ class Trainer:
             append_jsonl(self.run_dir / "metrics.jsonl", {"step": done, "schedule_fit": record})
 
     def _validate(self, done: int) -> dict | None:
-        if not self.dist.is_main:
+        if not self.dist.is_main and not self.fsdp:  # a sharded model evaluates on every rank together
             return None
         result = evaluate(
             self.model, self.val_windows, batch_size=self.config.eval_batch_size, device=self.device,
             seed=self.config.seed, autocast_dtype=self.autocast_dtype, masks=self.val_masks,
         )
+        if not self.dist.is_main:
+            return None
         log.info("step %d: val ce %.4f ppl %.2f (loops %s)", done, result["ce"], result["ppl"], result["loop_counts"])
         append_jsonl(self.run_dir / "metrics.jsonl", {"step": done, "val_ce": result["ce"], "val_ppl": result["ppl"],
                                                       "val_loop_counts": result["loop_counts"]})
         return result
 
     def _checkpoint(self, done: int, val: dict | None) -> None:
-        if not self.dist.is_main:
+        if not self.dist.is_main and not self.fsdp:  # every rank writes its shards of a sharded model
             return
-        trainer_state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
         config = self.config
         milestone = done % config.milestone_interval == 0 or done == config.max_steps
         state = {"tokens_seen": self.tokens_seen, "data": {"seed": config.seed, "next_step": done},
@@ -544,7 +562,16 @@ class Trainer:
                  "scheduler": {"kind": "warmup_cosine", "step": done, "lr": lr_at(done - 1, config)},
                  "val": val, "milestone": milestone,
                  **({"schedule_fits": self.schedule_fits} if self.schedule_fits else {})}
-        path = ckpt.save_checkpoint(self.run_dir, done, self.model, self.model_config, trainer_state, state)
+        if self.fsdp:
+            from rdepth.train import dcp
+
+            path = dcp.save(self.run_dir, done, self.model, self.optimizer, self.model_config,
+                            {**state, "world_size": self.dist.world_size}, self.dist.is_main)
+            if path is None:
+                return
+        else:
+            trainer_state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+            path = ckpt.save_checkpoint(self.run_dir, done, self.model, self.model_config, trainer_state, state)
         log.debug("checkpoint %s", path)
         protect = (path,) if self.resumed_from is None else (path, self.resumed_from)
         removed = ckpt.rotate_checkpoints(self.run_dir, config.keep_last, config.milestone_interval, protect)
@@ -635,7 +662,7 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 # Fields a resume may change. Free: where and how the run executes, and its cadences
 # (none changes the weights). Recorded: a new schedule end (e.g. a longer --max-steps).
 RESUME_FREE = ("data", "out", "device", "threads", "compile", "compile_scope", "stop_at", "eval_every", "log_every",
-               "checkpoint_every", "keep_last", "milestone_every", "time_limit")
+               "checkpoint_every", "keep_last", "milestone_every", "time_limit", "activation_checkpointing")
 RESUME_RECORDED = ("max_steps",)
 
 

@@ -1,0 +1,209 @@
+"""Checkpoints of sharded (FSDP) runs through ``torch.distributed.checkpoint`` (DCP).
+
+Layout: the usual ``RUN/checkpoints/step_N/`` folder (config.json, state.json, ``latest``,
+rotation) with the weights and AdamW state in ``dcp/`` instead of model.safetensors and
+trainer.pt: every rank writes its own shards, rank 0 the metadata. The folder is written
+under ``.step_N.dcp`` and renamed into place, so a kill mid-save leaves the earlier
+checkpoints whole (the staging folder is debris that the next start removes).
+
+DCP records each tensor's global shape and its pieces, so a run saved at one world size
+resumes at another: the shards are re-cut on load.
+
+:func:`consolidate` turns such a checkpoint into the usual one by adding model.safetensors
+(one process, no process group): ``rdepth eval/generate/export`` then read it as any other.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rdepth.config import ModelConfig
+from rdepth.errors import RdepthError
+from rdepth.fields import option
+from rdepth.io import ordinary_mode, read_json_object, write_text
+from rdepth.run import checkpoint as ckpt
+
+log = logging.getLogger(__name__)
+
+DCP_DIR = "dcp"
+
+
+def is_dcp_checkpoint(checkpoint: Path) -> bool:
+    return (Path(checkpoint) / DCP_DIR).is_dir()
+
+
+def _failures():
+    """What DCP raises: CheckpointException (a BaseException gathering every rank's failure) and
+    the ordinary exceptions of a single process."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _reason(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:  # CheckpointException: {rank: (exception, traceback)}
+        rank, failure = sorted(failures.items())[0]
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(inner).__name__} {' '.join(str(inner).split())[:160]}".strip()
+    return " ".join(str(exc).split())[:200] or type(exc).__name__
+
+
+def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         model_config: ModelConfig, state: dict[str, Any], is_main: bool) -> Path | None:
+    """Write ``RUN/checkpoints/step_N`` from every rank (a collective); returns its path on the
+    main rank, None on the others."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = Path(run_dir) / "checkpoints"
+    final = root / ckpt.checkpoint_name(step)
+    staging = root / f".{final.name}.dcp"
+    if is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging / DCP_DIR)
+    except _failures() as exc:  # DCP gathers every rank's failure into one exception, raised on all ranks
+        raise RdepthError(f"cannot write checkpoint {final}: {_reason(exc)} (disk full or not writable?); "
+                          "earlier checkpoints are intact") from None
+    dist.barrier()
+    if is_main:
+        (staging / "config.json").write_text(json.dumps(model_config.to_dict(), indent=2) + "\n")
+        (staging / "state.json").write_text(json.dumps({"step": step, **state}, indent=2) + "\n")
+        for path in [*staging.iterdir(), *(staging / DCP_DIR).iterdir()]:
+            if path.is_file():
+                with open(path, "rb") as handle:
+                    os.fsync(handle.fileno())
+                ordinary_mode(path)
+        if final.exists():  # re-saving the same step: replace it whole
+            old = root / f".{final.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(staging, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, final)
+        write_text(root / "latest", final.name + "\n")
+    dist.barrier()
+    return final if is_main else None
+
+
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    """state.json of a DCP checkpoint, checked as :func:`rdepth.run.checkpoint.load_trainer_state` checks it."""
+    if not is_dcp_checkpoint(checkpoint):
+        raise RdepthError(f"checkpoint {checkpoint} is not a sharded (--parallel fsdp) checkpoint: it has no "
+                          f"{DCP_DIR}/ folder; resume it without --parallel fsdp, or start a new run")
+    path = checkpoint / "state.json"
+    if not path.is_file():
+        raise RdepthError(f"checkpoint {checkpoint} has no state.json to resume from")
+    state = read_json_object(path, "checkpoint state")
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise RdepthError(f"checkpoint state {path}: step must be an integer >= 0, got {step!r}")
+    match = ckpt.STEP_PATTERN.match(checkpoint.name)
+    if match and int(match.group(1)) != step:
+        raise RdepthError(f"checkpoint state {path} says step {step}, its folder says {int(match.group(1))}: corrupt")
+    tokens = state.get("tokens_seen", 0)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise RdepthError(f"checkpoint state {path}: tokens_seen must be an integer >= 0, got {tokens!r}")
+    if "train_config" in state and not isinstance(state["train_config"], dict):
+        raise RdepthError(f"checkpoint state {path}: train_config must be an object")
+    return state
+
+
+def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load the sharded weights and AdamW state of ``checkpoint`` into the sharded ``model`` and
+    ``optimizer`` (a collective), re-cut for this world size when it was saved at another."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import torch.distributed as dist
+
+    saved = read_state(checkpoint).get("world_size")
+    if isinstance(saved, int) and saved != dist.get_world_size() and dist.get_rank() == 0:
+        log.info("resharding %s: saved by %d ranks, loaded by %d", checkpoint.name, saved, dist.get_world_size())
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        dcp.load(state, checkpoint_id=checkpoint / DCP_DIR)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    except _failures() as exc:
+        raise RdepthError(f"cannot load the distributed checkpoint {checkpoint / DCP_DIR} into this model at this "
+                          f"world size ({_reason(exc)}): corrupt or from another model") from None
+
+
+def _checkpoint_of(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise RdepthError(f"checkpoint {path} not found")
+    checkpoint = path if is_dcp_checkpoint(path) else ckpt.resolve_checkpoint(path)
+    if not is_dcp_checkpoint(checkpoint):
+        raise RdepthError(f"{checkpoint} holds no distributed checkpoint ({DCP_DIR}/): nothing to consolidate")
+    return checkpoint
+
+
+def consolidate(path: str | Path, overwrite: bool = False) -> Path:
+    """Write ``model.safetensors`` (the whole weights, in their training dtype) into the DCP
+    checkpoint ``path`` (or the latest of the run ``path``); one process, no process group.
+    Returns the checkpoint folder, now readable by every command that reads checkpoints."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from rdepth.model import RecurrentLM
+
+    checkpoint = _checkpoint_of(path)
+    target = checkpoint / "model.safetensors"
+    if target.exists() and not overwrite:
+        raise RdepthError(f"{target} exists already (pass --overwrite to write it again)")
+    config = ckpt.load_model_config(checkpoint)
+    try:
+        metadata = dcp.FileSystemReader(str(checkpoint / DCP_DIR)).read_metadata().state_dict_metadata
+    except _failures() as exc:
+        raise RdepthError(f"distributed checkpoint {checkpoint / DCP_DIR} is unreadable ({_reason(exc)}): corrupt") \
+            from None
+    with torch.device("meta"):
+        expected = set(RecurrentLM(config).state_dict())
+    found = {key[len("model."):]: meta for key, meta in metadata.items() if key.startswith("model.")}
+    if set(found) != expected:
+        differ = sorted(set(found) ^ expected)[:3]
+        raise RdepthError(f"distributed checkpoint {checkpoint / DCP_DIR} does not hold the weights of the model in "
+                          f"its config.json (differ: {', '.join(differ)}): corrupt")
+    weights = {name: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for name, meta in found.items()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": weights}, checkpoint_id=checkpoint / DCP_DIR, no_dist=True)
+    except _failures() as exc:
+        raise RdepthError(f"cannot read the weights of {checkpoint / DCP_DIR} ({_reason(exc)}): corrupt") from None
+    staging = checkpoint / ".model.safetensors.tmp"
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(staging), metadata={"format": "pt"})
+    ordinary_mode(staging)
+    os.replace(staging, target)
+    return checkpoint
+
+
+@dataclass
+class ConsolidateConfig:
+    """One ``rdepth consolidate``: a sharded checkpoint as the usual safetensors one."""
+
+    checkpoint: str = option("", "a --parallel fsdp checkpoint folder, or its run folder (the latest checkpoint)",
+                             required=True)
+    overwrite: bool = option(False, "write model.safetensors again where it exists")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.checkpoint, str) or not self.checkpoint:
+            raise RdepthError("consolidate: --checkpoint must be a non-empty path")
