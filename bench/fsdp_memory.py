@@ -38,7 +38,7 @@ def main() -> None:
     from rdepth.model import RecurrentLM
     from rdepth.train.config import TrainConfig
     from rdepth.train.fsdp import estimate_memory, local_state_bytes, shard_model
-    from rdepth.train.trainer import make_optimizer
+    from rdepth.train.optim import make_optimizer
 
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" \
         else torch.device(args.device)

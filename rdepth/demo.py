@@ -187,7 +187,7 @@ def _prepared(config: DemoConfig) -> Path:
 
 def _trained(config: DemoConfig, data: Path) -> Path:
     from rdepth.train.launch import train_or_reuse
-    from rdepth.train.trainer import data_model_config_for
+    from rdepth.train.resume import data_model_config_for
 
     return train_or_reuse(data_model_config_for(config.model_config(), data), config.train_config(data))
 

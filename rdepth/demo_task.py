@@ -121,7 +121,7 @@ def thread_plan_text(config: DemoConfig, at) -> str:
 
 def _runs(config: DemoConfig, data: Path) -> dict[str, tuple[Any, Any]]:
     """name -> (model config, train config) of the looped run and each baseline."""
-    from rdepth.train.trainer import data_model_config_for
+    from rdepth.train.resume import data_model_config_for
 
     looped = data_model_config_for(config.model_config(), data)
     threads = run_threads(config)

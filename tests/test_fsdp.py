@@ -268,7 +268,7 @@ def test_local_shard_bytes_at_one_rank_are_whole(float64, one_rank):
     from rdepth.model import RecurrentLM
     from rdepth.train.config import TrainConfig
     from rdepth.train.fsdp import local_state_bytes, shard_model
-    from rdepth.train.trainer import make_optimizer
+    from rdepth.train.optim import make_optimizer
 
     config = ModelConfig(n_layer=3, n_head=2, d_model=32, block_size=16, vocab_size=64, groups="1",
                          tokenizer="bpe:512")

@@ -16,7 +16,7 @@ from rdepth.io import read_jsonl
 from rdepth.run.checkpoint import list_checkpoints
 from rdepth.train import timefit
 from rdepth.train.config import TrainConfig
-from rdepth.train.trainer import lr_at
+from rdepth.train.optim import lr_at
 from reliability_helpers import error_line, train_argv
 
 STEPS = ("--max-steps", "20", "--eval-every", "10", "--checkpoint-every", "10", "--seed", "3")
@@ -113,7 +113,7 @@ def test_a_resumed_run_keeps_its_fitted_schedule(wiki_small, tmp_path, monkeypat
 def test_train_or_reuse_reuses_a_run_its_limit_ended(wiki_small, tmp_path, monkeypatch):
     from rdepth.config import ModelConfig
     from rdepth.train import launch
-    from rdepth.train.trainer import data_model_config_for
+    from rdepth.train.resume import data_model_config_for
 
     run = tmp_path / "run"
     model = data_model_config_for(ModelConfig(n_layer=3, n_head=2, d_model=32, block_size=32, groups="1",

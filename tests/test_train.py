@@ -147,7 +147,7 @@ def test_corrupt_checkpoint_is_one_line(wiki_small, tmp_path, capsys):
 
 def test_lr_schedule():
     from rdepth.train.config import TrainConfig
-    from rdepth.train.trainer import lr_at
+    from rdepth.train.optim import lr_at
 
     config = TrainConfig(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
     assert lr_at(0, config) == pytest.approx(0.1)

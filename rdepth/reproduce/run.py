@@ -76,7 +76,7 @@ def loop_overrides(config: ReproduceConfig) -> dict:
 
 def _model_config(size: str, data: Path, config: ReproduceConfig):
     from rdepth.config import get_preset
-    from rdepth.train.trainer import data_model_config_for
+    from rdepth.train.resume import data_model_config_for
 
     spec = SIZES[size]
     return data_model_config_for(get_preset(spec.preset, **{**spec.overrides, **loop_overrides(config)}), data)

@@ -59,3 +59,16 @@ def refit(config: TrainConfig, max_steps: int, scale_cadences: bool) -> TrainCon
         if config.milestone_every is not None and config.milestone_every % changes["checkpoint_every"]:
             changes["milestone_every"] = None
     return dataclasses.replace(config, **changes)
+
+
+class ScheduleTimer:
+    """Where a run with a time limit times itself: the steps at which it may end its schedule
+    sooner (``fit_at``), the step that starts the first timing (``mark_at``, past the compiling
+    first steps) and the last timing mark. A resumed run keeps its schedule: nothing to time."""
+
+    def __init__(self, config: TrainConfig, start_step: int, started: float):
+        fresh = config.time_limit is not None and start_step == 0
+        self.fit_at = set(fit_points(config.max_steps)) if fresh else set()
+        self.mark_at = first_mark(config.max_steps) if fresh else None
+        self.started = started
+        self.mark_step, self.mark_time = 0, started

@@ -1,10 +1,15 @@
-"""The training loop: AdamW, warmup + cosine, clipping, accumulation, DDP, checkpoints.
+"""The training loop: AdamW, warmup + cosine, clipping, accumulation, DDP or FSDP, validation, checkpoints.
 
 Every random choice of a step (its batch, each group's loop count, the initial
 loop states) is a function of ``(seed, step)`` alone, so resuming from a
 checkpoint continues exactly, and every data-parallel rank draws the same loop
 counts. On the CPU, N steps straight and N/2 + resume + N/2 give identical
 losses and weights.
+
+Beside the loop, in modules of their own: the optimizer and its schedule (``optim``), what a
+resume must share with its run (``resume``), the run folder's checks and files (``rundir``), the
+memory check (``memory``), the time limit's schedule fits (``timefit``), sharding and its
+checkpoints (``fsdp``, ``dcp``) and the process group (``distributed``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +30,7 @@ from rdepth.config import ModelConfig, check_fits_memory
 from rdepth.data.loader import BatchSampler
 from rdepth.data.shards import TokenShards, token_dtype
 from rdepth.errors import RdepthError
-from rdepth.io import LOCK_NAME, append_jsonl, environment_info, exclusive, truncate_jsonl, write_json
+from rdepth.io import append_jsonl, exclusive, write_json
 from rdepth.model import RecurrentLM, sample_loop_counts, step_generator
 from rdepth.model.noise import StateNoise
 from rdepth.run import checkpoint as ckpt
@@ -34,53 +38,16 @@ from rdepth.run.device import resolve_device
 from rdepth.run.evaluate import evaluate
 from rdepth.run.heldout import held_out_problem_windows, held_out_windows
 from rdepth.train.config import TrainConfig
-from rdepth.train.timefit import first_mark, fit_points, fitted_max_steps, refit
+from rdepth.train.memory import check_fits
+from rdepth.train.optim import check_optimizer_state, lr_at, make_optimizer
+from rdepth.train.rundir import check_run_folder, write_run_files
+from rdepth.train.resume import (check_resume_config, check_same_data, config_mismatch, data_model_config,
+                                 data_record)
+from rdepth.train.timefit import ScheduleTimer, fitted_max_steps, refit
 from rdepth.train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown_distributed
 from rdepth.train.fsdp import check_launch, full_norm
 
 log = logging.getLogger(__name__)
-
-
-def lr_at(step: int, config: TrainConfig) -> float:
-    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``max_steps``."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    span = max(1, config.max_steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
-    min_lr = config.lr * config.min_lr_ratio
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - min_lr)
-
-
-def make_optimizer(model: RecurrentLM, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not norms); fused kernels on CUDA."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=device.type == "cuda"
-    )
-
-
-def data_model_config(model_config: ModelConfig, shards: TokenShards) -> ModelConfig:
-    """The data decides the vocabulary: take its size and tokenizer spec."""
-    manifest = shards.manifest
-    changes = {"vocab_size": int(manifest["vocab_size"]), "tokenizer": str(manifest["tokenizer"])}
-    if any(getattr(model_config, k) != v for k, v in changes.items()):
-        log.info("vocabulary from the data: %s (%d tokens)", changes["tokenizer"], changes["vocab_size"])
-    return model_config.replace(**changes)
-
-
-def data_model_config_for(model_config: ModelConfig, data: str | Path) -> ModelConfig:
-    """:func:`data_model_config` for the prepared folder ``data``."""
-    return data_model_config(model_config, TokenShards.open(data))
-
-
-def _config_mismatch(saved: ModelConfig, wanted: ModelConfig) -> list[str]:
-    a, b = saved.to_dict(), wanted.to_dict()
-    return [f"{k}={a[k]!r} (checkpoint) vs {b[k]!r}" for k in a if a[k] != b[k]]
 
 
 @dataclass
@@ -98,13 +65,23 @@ class Trainer:
     folder stops at once with a one-line error."""
 
     def __init__(self, model_config: ModelConfig, config: TrainConfig, resume: bool = False,
-                 preset: str | None = None):
+                 preset: str | None = None, *, random_windows: int | None = None):
         self.config = config  # a time limit may end its schedule sooner (_fit_schedule)
         self.requested_config = config  # config.json keeps the settings asked for
         self.preset = preset
         self.device = resolve_device(config.device)
         if config.threads:
             torch.set_num_threads(config.threads)
+        self.start_step = 0
+        self.tokens_seen = 0
+        self.resumed_from: Path | None = None  # never rotated away during this run
+        self.resumes: list[dict] = []
+        self.schedule_fits: list[dict] = []  # the time limit's changes to the schedule (_fit_schedule)
+        self.ddp = None
+        self._lock = contextlib.ExitStack()
+        if random_windows is not None:
+            self._build_on_random_tokens(model_config, random_windows)
+            return
         check_launch(config.parallel)  # FSDP runs under torchrun only
         self.dist: DistInfo = init_distributed(self.device.type)
         if self.dist.enabled and self.device.type == "cuda":
@@ -112,7 +89,6 @@ class Trainer:
         self.fsdp = config.parallel == "fsdp"  # sharded model (rdepth.train.fsdp), DCP checkpoints
         _check_batch_split(config, self.dist)
         self.run_dir = Path(config.out)
-        self._lock = contextlib.ExitStack()
         if self.dist.is_main:
             self._lock.enter_context(exclusive(self.run_dir, "train"))
         try:
@@ -131,11 +107,6 @@ class Trainer:
         micro_rows = config.batch_size // (config.grad_accum * self.dist.world_size)
         check_fits(self.model_config, micro_rows, self.device, "a training micro-step")
         check_fits(self.model_config, config.eval_batch_size, self.device, "a validation batch")
-        self.start_step = 0
-        self.tokens_seen = 0
-        self.resumed_from: Path | None = None  # never rotated away during this run
-        self.resumes: list[dict] = []
-        self.schedule_fits: list[dict] = []  # the time limit's changes to the schedule (_fit_schedule)
         self._new_model()
         self._setup_run_dir(resume)
         self._place_model()
@@ -159,7 +130,6 @@ class Trainer:
             self.val_masks = held_out_windows(val_mask, val_len, val_count).bool()
         else:
             self.val_masks = held_out_problem_windows(val_mask, val_index[0], val_len, val_count).bool()
-        self.ddp = None
         if self.dist.enabled and not self.fsdp:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -170,29 +140,28 @@ class Trainer:
 
     @classmethod
     def on_random_tokens(cls, model_config: ModelConfig, config: TrainConfig, windows: int = 4) -> "Trainer":
-        """A trainer without a data folder: :meth:`train_step` draws its batches, through the same
-        :class:`BatchSampler`, from ``windows`` batches' worth of uniformly random ids of the model's
-        vocabulary (drawn once from ``config.seed``). The model (seeded weights), AdamW, bf16 autocast on
-        CUDA, the loop-count and initial-state draws and the per-layer compile are the ones a run builds.
-        One process, no run folder (``config.data`` and ``config.out`` are not read), no lock,
-        validation or checkpoints: only :meth:`train_step` is for use (speed measurements, tests)."""
-        trainer = cls.__new__(cls)
-        trainer.config, trainer.preset = config, None
-        trainer.device = resolve_device(config.device)
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        trainer.dist, trainer.ddp, trainer.fsdp = DistInfo(), None, False
-        _check_batch_split(config, trainer.dist)
-        trainer.model_config = model_config
-        trainer.start_step, trainer.tokens_seen = 0, 0
-        trainer._new_model()
-        trainer._place_model()
+        """``Trainer(model_config, config, random_windows=windows)``: a trainer without a data folder
+        (:meth:`_build_on_random_tokens`), for speed measurements and tests."""
+        return cls(model_config, config, random_windows=windows)
+
+    def _build_on_random_tokens(self, model_config: ModelConfig, windows: int) -> None:
+        """No data folder: :meth:`train_step` draws its batches, through the same :class:`BatchSampler`,
+        from ``windows`` batches' worth of uniformly random ids of the model's vocabulary (drawn once
+        from ``config.seed``). The model (seeded weights), AdamW, bf16 autocast on CUDA, the loop-count
+        and initial-state draws and the per-layer compile are the ones a run builds. One process, no
+        run folder (``config.data`` and ``config.out`` are not read), no lock, validation or
+        checkpoints: only :meth:`train_step` is for use."""
+        config = self.config
+        self.dist, self.fsdp = DistInfo(), False
+        _check_batch_split(config, self.dist)
+        self.model_config = model_config
+        self._new_model()
+        self._place_model()
         count = windows * config.batch_size * (model_config.block_size + 1)
         ids = np.random.default_rng(config.seed).integers(0, model_config.vocab_size, size=count)
-        trainer.sampler = BatchSampler(ids.astype(token_dtype(model_config.vocab_size)), config.batch_size,
-                                       model_config.block_size, config.seed)
-        trainer._compile_layers()
-        return trainer
+        self.sampler = BatchSampler(ids.astype(token_dtype(model_config.vocab_size)), config.batch_size,
+                                    model_config.block_size, config.seed)
+        self._compile_layers()
 
     def _new_model(self) -> None:
         """The model with its initial weights (a function of the seed alone) and its optimizer."""
@@ -231,62 +200,29 @@ class Trainer:
 
     # ---------------------------------------------------------------- set-up
     def _data_record(self) -> dict:
-        """What the run was trained on, recorded in config.json and compared on resume."""
-        manifest = self.shards.manifest
-        return {"tokenizer": self.model_config.tokenizer, "tokenizer_sha256": self.shards.tokenizer_fingerprint,
-                "splits_sha256": {split: manifest["splits"][split]["sha256"] for split in ("train", "val")}}
+        return data_record(self.shards, self.model_config)
 
     def _setup_run_dir(self, resume: bool) -> None:
-        if self.dist.is_main:
-            removed = ckpt.clean_debris(self.run_dir)
-            if removed:
-                log.info("removed debris of an interrupted checkpoint: %s", ", ".join(removed))
-        existing = ckpt.list_checkpoints(self.run_dir)
-        saved_run = ckpt.read_run_config(self.run_dir) if existing else {}
+        saved_run = check_run_folder(self.run_dir, resume, self.dist.is_main)
         if resume:
-            if not existing:
-                raise RdepthError(f"--resume: no checkpoint in {self.run_dir}")
             self._resume(saved_run)
-        elif existing:
-            raise RdepthError(
-                f"{self.run_dir} already holds checkpoints; pass --resume or choose another --out"
-            )
-        elif self.dist.is_main:
-            leftovers = sorted(p.name for p in self.run_dir.iterdir() if p.name != LOCK_NAME) \
-                if self.run_dir.is_dir() else []
-            if leftovers:
-                raise RdepthError(
-                    f"{self.run_dir} is not empty ({', '.join(leftovers[:4])}) but holds no checkpoint; "
-                    "choose another --out, or remove the folder to start over"
-                )
-        if not resume and self.config.init_from:
+        elif self.config.init_from:
             self._init_from(self.config.init_from)
         self._saved_run = saved_run
 
     def _write_run_files(self) -> None:
-        """config.json, environment.json and the tokenizer: written only once everything is
-        loaded and built, so a run (or a resume) that fails to start writes nothing."""
+        """config.json, environment.json and the tokenizer (:func:`write_run_files`), on the main rank."""
         if not self.dist.is_main:
             return
         saved_run = self._saved_run
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         extra = {"data": self._data_record()}
         if self.preset is not None or "preset" in saved_run:
             extra["preset"] = saved_run.get("preset", self.preset)
         if self.resumes:
             extra["resumes"] = self.resumes
-        ckpt.write_run_config(self.run_dir, self.model_config, self.requested_config.to_dict(), **extra)
-        write_json(self.run_dir / "environment.json", {**environment_info(), "seed": self.config.seed,
-                                                        "world_size": self.dist.world_size})
-        tokenizer_dir = self.run_dir / "tokenizer"
-        if not tokenizer_dir.exists():
-            self.shards.tokenizer.save(tokenizer_dir)
-        if self.start_step:  # the steps after the checkpoint will be logged again: whole lines up to it
-            dropped = truncate_jsonl(self.run_dir / "metrics.jsonl",
-                                     lambda record: isinstance(record.get("step"), int)
-                                     and record["step"] <= self.start_step)
-            if dropped:
-                log.info("metrics.jsonl: dropped %d records after step %d", dropped, self.start_step)
+        write_run_files(self.run_dir, self.model_config, self.requested_config.to_dict(), extra,
+                        {"seed": self.config.seed, "world_size": self.dist.world_size}, self.shards.tokenizer,
+                        self.start_step)
 
     def _init_from(self, source: str) -> None:
         """A new run (step 0, fresh optimizer) from another run's weights, e.g. ``rdepth retrofit``'s."""
@@ -305,7 +241,7 @@ class Trainer:
     def _resume(self, saved_run: dict) -> None:
         checkpoint = ckpt.resolve_checkpoint(self.run_dir)
         saved = ckpt.load_model_config(checkpoint)
-        mismatch = _config_mismatch(saved, self.model_config)
+        mismatch = config_mismatch(saved, self.model_config)
         if mismatch:
             raise RdepthError(f"model config does not match checkpoint {checkpoint}: {'; '.join(mismatch[:4])}")
         if self.fsdp:  # the weights and optimizer state load once sharded (_place_model)
@@ -330,12 +266,12 @@ class Trainer:
                 self.resumes.append({"step": step, "changed": changed})
         else:
             log.warning("%s records no training config: resuming with the flags given", self.run_dir)
-        self._check_same_data(saved_run.get("data"), checkpoint)
+        check_same_data(saved_run.get("data"), self._data_record(), self.run_dir, self.config.data)
         if trainer_state is not None:
             ckpt.load_weights(checkpoint, self.model)
             try:
                 self.optimizer.load_state_dict(trainer_state["optimizer"])
-                _check_optimizer_state(self.optimizer)
+                check_optimizer_state(self.optimizer)
             except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
                 raise RdepthError(f"optimizer state in {checkpoint} does not match the model ({exc})") from None
         self.start_step = step
@@ -346,27 +282,6 @@ class Trainer:
             raise RdepthError(
                 f"checkpoint is at step {self.start_step}; nothing to do up to step {self.config.end_step}"
             )
-
-    def _check_same_data(self, recorded: dict | None, checkpoint: Path) -> None:
-        """Resume only on the data (and the tokenizer) the run was trained on."""
-        if not isinstance(recorded, dict):
-            recorded = {}
-        current = self._data_record()
-        fingerprint = recorded.get("tokenizer_sha256")
-        if fingerprint is None:
-            from rdepth.data.tokenizers import saved_tokenizer_fingerprint
-
-            fingerprint = saved_tokenizer_fingerprint(self.run_dir / "tokenizer")
-        if fingerprint is not None and current["tokenizer_sha256"] is not None \
-                and fingerprint != current["tokenizer_sha256"]:
-            raise RdepthError(
-                f"data in {self.config.data} was tokenized by a different {current['tokenizer']!r} tokenizer "
-                f"than the run {self.run_dir} (same name, other tokens): resume on the data it was trained on"
-            )
-        hashes = recorded.get("splits_sha256")
-        if isinstance(hashes, dict) and hashes.get("train") not in (None, current["splits_sha256"]["train"]):
-            raise RdepthError(f"the training tokens in {self.config.data} differ from the ones the run "
-                              f"{self.run_dir} was trained on (train.bin SHA-256): resume on the same data")
 
     # ------------------------------------------------------------------ step
     def _micro_batches(self, step: int):
@@ -402,7 +317,7 @@ class Trainer:
         batches = list(self._micro_batches(step))
         for index, (x, y, counts, noise) in enumerate(batches):
             last = index == len(batches) - 1
-            sync = self.ddp.no_sync() if (self.ddp is not None and not last) else _null()
+            sync = self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
             with sync, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_dtype is not None):
                 out = model(x, y, counts, generator=noise, shifted_warm_start=config.warm_start)
                 loss = out.loss / config.grad_accum
@@ -443,7 +358,7 @@ class Trainer:
         final_val = None
         train_seconds = 0.0
         started = time.perf_counter()
-        self._fit = _ScheduleTimer(self.config, self.start_step, started)
+        self._fit = ScheduleTimer(self.config, self.start_step, started)
         bar = tqdm(desc="train", disable=not self.dist.is_main, dynamic_ncols=True,
                    initial=self.start_step, total=self.config.end_step)
         window_start, window_tokens = time.perf_counter(), 0
@@ -579,19 +494,6 @@ class Trainer:
             log.info("--keep-last %d: removed %s", config.keep_last, ", ".join(removed))
 
 
-class _ScheduleTimer:
-    """Where a run with a time limit times itself: the steps at which it may end its schedule
-    sooner (``fit_at``), the step that starts the first timing (``mark_at``, past the compiling
-    first steps) and the last timing mark. A resumed run keeps its schedule: nothing to time."""
-
-    def __init__(self, config: TrainConfig, start_step: int, started: float):
-        fresh = config.time_limit is not None and start_step == 0
-        self.fit_at = set(fit_points(config.max_steps)) if fresh else set()
-        self.mark_at = first_mark(config.max_steps) if fresh else None
-        self.started = started
-        self.mark_step, self.mark_time = 0, started
-
-
 def _check_batch_split(config: TrainConfig, dist: DistInfo) -> None:
     per_step = config.grad_accum * dist.world_size
     if config.batch_size % per_step:
@@ -608,76 +510,6 @@ def host_for_copy(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or batch.is_pinned():
         return batch
     return batch.pin_memory()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def estimate_step_bytes(model_config: ModelConfig, rows: int) -> int:
-    """A rough upper estimate of one micro-step's memory, in bytes: weights with AdamW state
-    (4 copies), activations kept for backward (~16 floats per token, width unit and unrolled
-    layer), and the logits with their gradient. Only meant to refuse sizes off by orders of magnitude."""
-    tokens = rows * model_config.block_size
-    looped = sum(len(g.layers) for g in model_config.group_specs)
-    unrolled = model_config.n_layer - looped + looped * model_config.backprop_depth
-    width = model_config.d_model
-    weights = 12 * width * width * model_config.n_layer + model_config.padded_vocab_size * width
-    return 4 * (4 * weights + 16 * tokens * width * unrolled + 2 * tokens * model_config.padded_vocab_size)
-
-
-def device_memory_bytes(device: torch.device) -> int | None:
-    """Total memory of ``device`` (the GPU's, or the machine's RAM for the CPU); None if unknown."""
-    try:
-        if device.type == "cuda":
-            return int(torch.cuda.get_device_properties(device).total_memory)
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, RuntimeError, AttributeError):
-        return None
-
-
-def check_fits(model_config: ModelConfig, rows: int, device: torch.device, what: str) -> None:
-    """A one-line error before any work when ``rows`` windows per step cannot fit ``device``."""
-    need, have = estimate_step_bytes(model_config, rows), device_memory_bytes(device)
-    if have is not None and need > have:
-        raise RdepthError(f"{what} of {rows} windows of {model_config.block_size} tokens needs about "
-                          f"{need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of {device}: "
-                          "lower --batch-size (or raise --grad-accum) or the model's sizes")
-
-
-def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Every saved moment must have its parameter's shape (a mismatch would fail mid-step)."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            for name, value in optimizer.state.get(param, {}).items():
-                if name in ("exp_avg", "exp_avg_sq") and (not isinstance(value, torch.Tensor)
-                                                          or value.shape != param.shape):
-                    raise ValueError(f"{name} has the wrong shape")
-
-
-# Fields a resume may change. Free: where and how the run executes, and its cadences
-# (none changes the weights). Recorded: a new schedule end (e.g. a longer --max-steps).
-RESUME_FREE = ("data", "out", "device", "threads", "compile", "compile_scope", "stop_at", "eval_every", "log_every",
-               "checkpoint_every", "keep_last", "milestone_every", "time_limit", "activation_checkpointing")
-RESUME_RECORDED = ("max_steps",)
-
-
-def check_resume_config(saved: TrainConfig, wanted: TrainConfig, step: int) -> dict:
-    """The changes a resume at ``step`` makes to the saved training config, as
-    ``{field: [saved, new]}`` for the recorded ones; a one-line error for any other change."""
-    a, b = saved.to_dict(), wanted.to_dict()
-    refused = [f"{k} {a[k]!r} (saved) vs {b[k]!r}" for k in a
-               if a[k] != b[k] and k not in RESUME_FREE + RESUME_RECORDED]
-    if refused:
-        raise RdepthError(f"--resume continues the run as it was saved, but {'; '.join(refused[:4])}; "
-                          "start a new run (another --out) to change these")
-    if wanted.max_steps <= step:
-        raise RdepthError(f"--max-steps {wanted.max_steps} ends before the checkpoint's step {step}")
-    return {k: [a[k], b[k]] for k in RESUME_RECORDED if a[k] != b[k]}
 
 
 def train(model_config: ModelConfig, config: TrainConfig, resume: bool = False,
