@@ -1,6 +1,6 @@
 """The main job on embedded default data, end to end on a CPU.
 
-``--mode task`` (the default; :mod:`rdepth.demo_task`): a reasoning task whose
+``--mode task`` (the default; :mod:`rdepth.demo.task`): a reasoning task whose
 answers need sequential steps (pointer chasing), a looped model trained on it
 beside its no-loop baseline, answer accuracy per difficulty per loop budget,
 the exit policies on answer and other tokens, the loop geometry, a report page.
@@ -236,7 +236,7 @@ def _sweep(run: Path, data: Path, config: DemoConfig) -> Path:
 def run_demo(config: DemoConfig) -> dict:
     """Run every stage; returns (and writes to OUT/demo.json) the headline numbers."""
     if config.mode == "task":
-        from rdepth.demo_task import run_task_demo
+        from rdepth.demo.task import run_task_demo
 
         return run_task_demo(config)
     from rdepth.threads import apply_plan
@@ -270,7 +270,7 @@ def run_demo(config: DemoConfig) -> dict:
     }
     write_json(out / "demo.json", result)
     if config.analyze or config.sweep:
-        from rdepth.demo_report import write_first_screen
+        from rdepth.demo.report import write_first_screen
 
         write_first_screen(config.out)  # the report's first screen, from the saved files
     return result
