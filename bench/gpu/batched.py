@@ -7,8 +7,9 @@ from __future__ import annotations
 import time
 
 from bench.gpu.common import error_text, free_memory, ratio
-from bench.gpu.decoding import (NO_GROUPS, agreement, calibrate_tau, decode_inputs, looped_decode_model, make_decoder,
-                                observe, policy_factory, rounds_args, static_timing, with_rate)
+from bench.gpu.decoding import (NO_GROUPS, agreement, batch_sizes, calibrate_tau, decode_inputs, full_budget_row,
+                                looped_decode_model, make_decoder, observe, policy_factory, rounds_args, static_timing,
+                                with_rate)
 
 
 def batched_section(args, device, deadline, context) -> dict:
@@ -40,21 +41,13 @@ def batched_section(args, device, deadline, context) -> dict:
     rounds = rounds_args(args)
     by_batch = {}
     start = time.perf_counter()
-    for position, batch in enumerate(args.batches):
-        left = len(args.batches) - position
-        until = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) / left
-        if by_batch and time.perf_counter() > deadline:
-            by_batch[str(batch)] = {"status": "skipped", "reason": "out of time"}
-            continue
-        print(f"  batched decode, batch {batch}", flush=True)
+    for batch, until in batch_sizes(args.batches, deadline, by_batch, "batched decode"):
         prompt, steps = decode_inputs(config, batch, args, device)
         noise = StateNoise(0, range(batch))
         row = {}
         try:
-            full = make_decoder(model, batch, budget, args, noise)
-            reference = observe(full, prompt, steps, None)
-            row["full"] = with_rate(static_timing(full, prompt, steps, rounds, device, until, graph), batch)
-            del full
+            reference, row["full"] = full_budget_row(model, batch, budget, args, noise, prompt, steps, rounds,
+                                                     device, until, graph)
             # Exits, every row computing every step of a chunk (predicated); then each chunk after the
             # first on the still-looping rows only (compacted).
             variants = ["exits_predicated", "exits_compacted"]

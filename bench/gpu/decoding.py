@@ -177,3 +177,23 @@ def with_rate(timing: dict, batch: int) -> dict:
     timing["tokens_per_s"] = batch * 1000 / timing["ms_per_token"]
     return timing
 
+
+def batch_sizes(batches, deadline, by_batch: dict, label: str):
+    """Each of ``batches`` with its own deadline, an even share of the time the section has left; once the
+    section's ``deadline`` has passed, the sizes not reached are recorded skipped in ``by_batch`` (the
+    first always runs). Yields ``(batch, until)``."""
+    for position, batch in enumerate(batches):
+        until = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) / (len(batches) - position)
+        if by_batch and time.perf_counter() > deadline:
+            by_batch[str(batch)] = {"status": "skipped", "reason": "out of time"}
+            continue
+        print(f"  {label}, batch {batch}", flush=True)
+        yield batch, until
+
+
+def full_budget_row(model, batch, budget, args, noise, prompt, steps, rounds, device, until, graph):
+    """The full budget at ``batch`` rows: its untimed observed pass (the reference tokens the exit rows
+    agree with) and its timing with tokens/s."""
+    full = make_decoder(model, batch, budget, args, noise)
+    reference = observe(full, prompt, steps, None)
+    return reference, with_rate(static_timing(full, prompt, steps, rounds, device, until, graph), batch)

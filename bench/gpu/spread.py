@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 from bench.gpu.common import error_text, free_memory, ratio
-from bench.gpu.decoding import (NO_GROUPS, agreement, decode_inputs, kernels_per_token, looped_decode_model,
-                                make_decoder, observe, rounds_args, static_timing, with_rate)
+from bench.gpu.decoding import (NO_GROUPS, agreement, batch_sizes, decode_inputs, full_budget_row, kernels_per_token,
+                                looped_decode_model, make_decoder, observe, rounds_args, static_timing, with_rate)
 
 QUANTILES = (0.9, 0.75)  # the batch-quantile exits of the spread section
 
@@ -39,22 +39,14 @@ def spread_section(args, device, deadline, context) -> dict:
            "quantiles": list(QUANTILES), "compaction": True}
     rounds = rounds_args(args)
     by_batch = {}
-    for position, batch in enumerate(args.spread_batches):
-        left = len(args.spread_batches) - position
-        until = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) / left
-        if by_batch and time.perf_counter() > deadline:
-            by_batch[str(batch)] = {"status": "skipped", "reason": "out of time"}
-            continue
-        print(f"  exit spread, batch {batch}", flush=True)
+    for batch, until in batch_sizes(args.spread_batches, deadline, by_batch, "exit spread"):
         prompt, steps = decode_inputs(config, batch, args, device)
         noise = StateNoise(0, range(batch))
         spread = factory(histogram, budget, seed=0, device=device)
         row = {}
         try:
-            full = make_decoder(model, batch, budget, args, noise)
-            reference = observe(full, prompt, steps, None)
-            row["full"] = with_rate(static_timing(full, prompt, steps, rounds, device, until, graph), batch)
-            del full
+            reference, row["full"] = full_budget_row(model, batch, budget, args, noise, prompt, steps, rounds,
+                                                     device, until, graph)
             variants = {"spread_predicated": {}, "spread_compacted": {"compact": True}}
             for q in QUANTILES:
                 variants[f"quantile_{q:g}"] = {"compact": True, "batch_quantile": q}
