@@ -1,9 +1,36 @@
-"""Shared fixtures: one torch thread for every test, a small real corpus prepared once per session."""
+"""Shared fixtures: one torch thread for every test, a small real corpus prepared once per session; and the
+tiny test model (``from conftest import tiny_model``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+# The tiny test model: 5 layers, two recurrence groups (layer 1; layers 2-3), 3 loops on average.
+TINY_MODEL = dict(n_layer=5, n_head=2, d_model=16, block_size=32, vocab_size=50, groups="1|2-3", mean_loops=3.0,
+                  backprop_depth=2, init_state_scale=1.0, tokenizer="bpe:512")
+
+
+def tiny_config(**overrides):
+    """:data:`TINY_MODEL` as a ``ModelConfig``, ``overrides`` replacing its fields."""
+    from rdepth.config import ModelConfig
+
+    return ModelConfig(**{**TINY_MODEL, **overrides})
+
+
+def tiny_model(block: str = "sandwich", **overrides):
+    """A ``RecurrentLM`` of :func:`tiny_config` in float64, eval mode, its weights drawn after seed 0. A
+    ``gpt2`` block's init leaves biases at 0 and norm gains at 1: they are moved off so that they matter."""
+    from rdepth.model import RecurrentLM
+
+    torch.manual_seed(0)
+    model = RecurrentLM(tiny_config(block=block, **overrides)).double().eval()
+    if block == "gpt2":
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() == 1:
+                    param.add_(0.1 * torch.randn_like(param))
+    return model
 
 
 @pytest.fixture(scope="session")

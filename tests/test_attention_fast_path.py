@@ -16,9 +16,10 @@ from rdepth.model.kv import AttentionContext, KVStore
 from rdepth.model.noise import StateNoise
 from rdepth.model.decoder import Decoder
 
+from conftest import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
 from test_decoder import (  # noqa: E402
-    K_MAX, controller_factory, decode_all, tiny_model, tokens, varied_setting)
+    K_MAX, controller_factory, decode_all, tokens, varied_setting)
 
 
 def packing_always(decoder: Decoder) -> None:

@@ -15,8 +15,9 @@ from rdepth.errors import RdepthError
 from rdepth.model.decoder import Decoder
 from rdepth.model.noise import StateNoise
 
+from conftest import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
-from test_decoder import K_MAX, PROMPT, decode_all, tiny_model, tokens  # noqa: E402
+from test_decoder import K_MAX, PROMPT, decode_all, tokens  # noqa: E402
 
 # Exit step per row (batch 8) of group 0 and group 1 (k_max 6 and 5), the same at every position.
 EXITS = (torch.tensor([1, 2, 2, 3, 4, 5, 6, 6]), torch.tensor([5, 1, 1, 1, 2, 2, 3, 4]))

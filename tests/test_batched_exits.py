@@ -19,9 +19,10 @@ from rdepth.model.noise import StateNoise
 from rdepth.model.kv import AttentionContext
 from rdepth.model.decoder import Decoder, StaticKV, StaticRows
 
+from conftest import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
 from test_decoder import (  # noqa: E402
-    K_MAX, PROMPT, controller_factory, decode_all, tiny_model, tokens, varied_setting)
+    K_MAX, PROMPT, controller_factory, decode_all, tokens, varied_setting)
 
 ROOT = Path(__file__).resolve().parent.parent
 

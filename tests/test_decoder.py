@@ -8,8 +8,8 @@ import copy
 
 import pytest
 import torch
+from conftest import tiny_model
 
-from rdepth.config import ModelConfig
 from rdepth.errors import RdepthError
 from rdepth.exits import PolicyController
 from rdepth.exits.registry import POLICIES
@@ -27,20 +27,6 @@ PROMPT, LENGTH = 5, 12
 # Where the host waits for the device: a read of one value (.item(), bool(), int()) and
 # boolean-mask indexing (nonzero).
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
-
-
-def tiny_model(block: str = "sandwich", **overrides) -> RecurrentLM:
-    config = dict(n_layer=5, n_head=2, d_model=16, block_size=32, vocab_size=50, groups="1|2-3", mean_loops=3.0,
-                  backprop_depth=2, init_state_scale=1.0, tokenizer="bpe:512", block=block)
-    config.update(overrides)
-    torch.manual_seed(0)
-    model = RecurrentLM(ModelConfig(**config)).double().eval()
-    if block == "gpt2":  # init leaves biases at 0 and gains at 1: make them matter
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.dim() == 1:
-                    param.add_(0.1 * torch.randn_like(param))
-    return model
 
 
 def tokens(batch: int, length: int = LENGTH) -> torch.Tensor:

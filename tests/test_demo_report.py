@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rdepth.demo_report import OVERVIEW_FILE, finding_text, summarize_demo, write_first_screen
+from rdepth.demo.report import OVERVIEW_FILE, finding_text, summarize_demo, write_first_screen
 from rdepth.errors import RdepthError
 from rdepth.report import Section, add_section
 

@@ -8,7 +8,7 @@ import pytest
 
 from rdepth.cli.main import main
 from rdepth.config import get_preset
-from rdepth.demo_task import baseline_model_config, unrolled_depth
+from rdepth.demo.task import baseline_model_config, unrolled_depth
 
 PARAMS = json.dumps({"chase": {"nodes": 8, "queries": 4, "ordered": True}})
 SMALL = ["--task-params", PARAMS, "--train-difficulties", "1,3", "--train-tokens", "20000",
@@ -93,7 +93,7 @@ def test_bad_demo_input_is_one_line_and_writes_nothing(argv, fragment, tmp_path,
 
 
 def test_the_first_screen_table_keeps_powers_of_two_and_the_largest_budget():
-    from rdepth.demo_task_report import table_budgets
+    from rdepth.demo.task_report import table_budgets
 
     assert table_budgets([1, 2, 3, 4, 6, 8, 12, 16, 32], most=5) == [1, 2, 4, 8, 32]
     assert table_budgets([1, 2, 3, 4, 6, 8, 12, 16, 32], most=4) == [1, 2, 4, 32]

@@ -5,8 +5,6 @@ split the rows unevenly, with ignored targets; under bf16 autocast it stays with
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +14,7 @@ import torch.nn.functional as F
 
 from rdepth.model.recurrent import lm_loss
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_decoder import tiny_model  # noqa: E402
+from conftest import tiny_model
 
 
 def case(dtype=torch.float64):

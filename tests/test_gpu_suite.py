@@ -1,8 +1,8 @@
-"""bench/gpu_suite.py: its CPU-sized smoke run end to end, and its FLOP counter on a hand-computed case."""
+"""bench/gpu_suite.py (the package bench/gpu/): its CPU-sized smoke run end to end, and its FLOP counter on a
+hand-computed case."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,15 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.gpu.report import kernel_rows
+from bench.gpu.suite import parse_args
+from bench.gpu.train import peak_tflops, train_flops_per_row
+
 ROOT = Path(__file__).resolve().parents[1]
-SUITE = ROOT / "bench" / "gpu_suite.py"
-
-
-def load_suite():
-    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_flops_hand_computed():
@@ -34,26 +30,24 @@ def test_flops_hand_computed():
     """
     from rdepth.config import ModelConfig
 
-    suite = load_suite()
     config = ModelConfig(n_layer=3, n_head=2, d_model=8, block_size=4, vocab_size=10, groups="1",
                          mean_loops=3.0, backprop_depth=2, mlp_ratio=4)
-    flops = suite.train_flops_per_row(config, (3,))
+    flops = train_flops_per_row(config, (3,))
     assert flops == {"forward": 36032, "backward": 57088, "total": 93120, "layer_applications": 5}
 
     # Every step under gradients: three times the forward (the 6 N T rule, attention included).
-    deep = suite.train_flops_per_row(config.replace(backprop_depth=8), (3,))
+    deep = train_flops_per_row(config.replace(backprop_depth=8), (3,))
     assert deep["total"] == 3 * deep["forward"] == 3 * 36032
     # A plain model of the unrolled depth: 5 layers with gradients, no adapters.
-    plain = suite.train_flops_per_row(config.replace(groups="", n_layer=5), ())
+    plain = train_flops_per_row(config.replace(groups="", n_layer=5), ())
     assert plain["total"] == 3 * (5 * 6464 + 640) and plain["layer_applications"] == 5
 
 
 def test_peak_table():
-    suite = load_suite()
-    assert suite.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
-    assert suite.peak_tflops("NVIDIA H100 PCIe") == 756.0
-    assert suite.peak_tflops("NVIDIA H200") == 989.4
-    assert suite.peak_tflops("cpu (1 threads)") is None
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA H200") == 989.4
+    assert peak_tflops("cpu (1 threads)") is None
 
 
 def skipped_at_time_budget(entry: dict) -> bool:
@@ -74,8 +68,8 @@ def test_skip_at_the_time_budget_is_recognised_and_nothing_else():
 def test_smoke_run(tmp_path):
     """Every section runs on the tiny preset on the CPU and leaves numbers (or 'cuda only')."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(SUITE), "--smoke", "--out", str(tmp_path), "--device", "cpu"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    command = [sys.executable, "-m", "bench.gpu_suite", "--smoke", "--out", str(tmp_path), "--device", "cpu"]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_suite.json").read_text())
     markdown = (tmp_path / "gpu_suite.md").read_text()
@@ -171,11 +165,10 @@ def test_smoke_run(tmp_path):
 
 
 def test_kernel_rows_show_a_failed_count():
-    suite = load_suite()
-    rows = suite._kernel_rows({"status": "error", "error": "RuntimeError: no CUPTI"})
+    rows = kernel_rows({"status": "error", "error": "RuntimeError: no CUPTI"})
     assert rows == ["| kernels per token | error: RuntimeError: no CUPTI | |"]
     failed = {"status": "error", "error": "x"}
-    rows = suite._kernel_rows({"status": "ok", "what": "CUDA kernels", "per_token": {
+    rows = kernel_rows({"status": "ok", "what": "CUDA kernels", "per_token": {
         "static_eager": {"per_token": 412.0}, "static_inductor": failed, "plain_static_eager": {"per_token": 90.5},
         "plain_static_inductor": {"status": "no decoder (row failed)"},
         "static_graph_replay": {"per_token": 412.0, "kernel_launches": 1.0}},
@@ -189,6 +182,14 @@ def test_kernel_rows_show_a_failed_count():
 @pytest.mark.parametrize("argv", [["--sections", "train,nope"], ["--exit-fraction", "1.5"], ["--batches", "x"],
                                   ["--policy", "nope"], ["--policy", "fixed"], ["--train-batch", "0"]])
 def test_bad_flags_fail_at_parse_time(argv, tmp_path):
-    suite = load_suite()
     with pytest.raises(SystemExit):
-        suite.parse_args(["--out", str(tmp_path), *argv])
+        parse_args(["--out", str(tmp_path), *argv])
+
+
+def test_the_file_entry_runs_from_any_folder(tmp_path):
+    """``python3 bench/gpu_suite.py`` (the older command) still runs, from a folder that is not the
+    repository root: it hands over to ``python3 -m bench.gpu_suite``."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_suite.py"), "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: python3 -m bench.gpu_suite") and "--sections" in proc.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import conftest
 import pytest
 import torch
 
@@ -12,23 +13,12 @@ from rdepth.model.generation import generate
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    base = dict(
-        n_layer=5, n_head=2, d_model=16, block_size=32, vocab_size=50,
-        groups="1|2-3", mean_loops=3.0, backprop_depth=2, init_state_scale=0.0, tokenizer="bpe:512",
-    )
-    base.update(overrides)
-    return ModelConfig(**base)
+    """The shared tiny config (conftest) with the initial loop state at zero unless overridden."""
+    return conftest.tiny_config(**{"init_state_scale": 0.0, **overrides})
 
 
 def tiny_model(**overrides) -> RecurrentLM:
-    torch.manual_seed(0)
-    model = RecurrentLM(tiny_config(**overrides)).double().eval()
-    if model.config.block == "gpt2":  # init leaves biases at 0 and norm gains at 1: make them matter
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.dim() == 1:
-                    param.add_(0.1 * torch.randn_like(param))
-    return model
+    return conftest.tiny_model(**{"init_state_scale": 0.0, **overrides})
 
 
 BLOCKS = pytest.mark.parametrize("block", ["sandwich", "gpt2"])

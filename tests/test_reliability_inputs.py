@@ -146,7 +146,7 @@ def test_demo_text_flags_in_task_mode_are_errors(flag, value, tmp_path, capsys):
 
 
 def test_demo_text_mode_defaults_unchanged():
-    from rdepth.demo import DemoConfig
+    from rdepth.demo.run import DemoConfig
 
     config = DemoConfig(mode="text")
     assert (config.corpus, config.tokenizer) == ("wiki", "bpe:4096")

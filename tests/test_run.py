@@ -93,7 +93,7 @@ def test_help_shows_preset_defaults_and_the_demo_keeps_everything_under_out(caps
     prepare, train and the demo agree on the default data folder."""
     from rdepth.cli.main import main
     from rdepth.data.prepare import PrepareConfig
-    from rdepth.demo import DemoConfig
+    from rdepth.demo.run import DemoConfig
     from rdepth.train.config import TrainConfig
 
     with pytest.raises(SystemExit):

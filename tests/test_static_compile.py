@@ -14,8 +14,9 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from rdepth.model.noise import StateNoise
 from rdepth.model.decoder import Decoder
 
+from conftest import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
-from test_decoder import controller_factory, step_through, tiny_model, tokens, varied_setting  # noqa: E402
+from test_decoder import controller_factory, step_through, tokens, varied_setting  # noqa: E402
 
 K_MAX = (6,)  # group 0 of test_decoder's controllers
 PROMPT, LENGTH = 4, 10

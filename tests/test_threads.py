@@ -81,13 +81,13 @@ def test_the_command_line_plans_threads_unless_they_are_given(monkeypatch):
 
 
 def _demo_config(tmp_path, **fields):
-    from rdepth.demo import DemoConfig
+    from rdepth.demo.run import DemoConfig
 
     return DemoConfig(out=str(tmp_path / "demo"), **fields)
 
 
 def test_the_task_demo_trains_every_run_at_the_fixed_thread_count(tmp_path):
-    from rdepth.demo_task import _runs, run_threads, side_by_side
+    from rdepth.demo.task import _runs, run_threads, side_by_side
     from rdepth.tasks.data import TaskDataConfig, prepare_task_data
 
     config = _demo_config(tmp_path, baselines=("no_loop", "deep"), train_tokens=3000,
@@ -107,7 +107,7 @@ def test_the_task_demo_trains_every_run_at_the_fixed_thread_count(tmp_path):
 
 
 def test_the_demo_prints_its_plan(tmp_path):
-    from rdepth.demo_task import thread_plan_text
+    from rdepth.demo.task import thread_plan_text
 
     idle = Machine(cores=2, load=0.0)
     text = thread_plan_text(_demo_config(tmp_path), idle)
@@ -146,7 +146,7 @@ def test_the_demo_quiets_the_sweep_and_geometry_loggers_unless_verbose():
     sweep = logging.getLogger("rdepth.sweep.task")
     with quiet(CHATTY_LOGGERS):
         assert not sweep.isEnabledFor(logging.INFO) and sweep.isEnabledFor(logging.WARNING)
-        assert logging.getLogger("rdepth.demo_task").level == logging.NOTSET  # the stages still log
+        assert logging.getLogger("rdepth.demo.task").level == logging.NOTSET  # the stages still log
     with quiet(CHATTY_LOGGERS, enabled=False):
         assert logging.getLogger("rdepth.exits").level == logging.NOTSET
     assert logging.getLogger("rdepth.exits").level == logging.NOTSET  # restored after

@@ -14,7 +14,7 @@ CHATTY_LOGGERS = ("rdepth.exits", "rdepth.geometry", "matplotlib")
 
 
 def register(subparsers) -> None:
-    from rdepth.demo import DemoConfig
+    from rdepth.demo.run import DemoConfig
 
     parser = subparsers.add_parser(
         "demo",
@@ -31,7 +31,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rdepth.demo import DemoConfig, run_demo
+    from rdepth.demo.run import DemoConfig, run_demo
 
     config = build(DemoConfig, {}, args)
     with quiet(CHATTY_LOGGERS, enabled=not getattr(args, "verbose", False)):
@@ -74,7 +74,7 @@ def quiet(names: tuple[str, ...], enabled: bool = True):
 def task_table_lines(accuracy: dict) -> list[str]:
     """The final table: the looped model's row per test loop budget, then one row per baseline
     (labelled by name) under the same difficulty columns."""
-    from rdepth.demo_task_report import SHORT_NAMES
+    from rdepth.demo.task_report import SHORT_NAMES
     from rdepth.tasks.evaluate import format_accuracy_table
 
     looped = accuracy["looped"]
@@ -88,7 +88,7 @@ def task_table_lines(accuracy: dict) -> list[str]:
 
 
 def _print_task(config, result: dict) -> int:
-    from rdepth.demo_task_report import findings, headline_text
+    from rdepth.demo.task_report import findings, headline_text
 
     overview = result["overview"]
     print()

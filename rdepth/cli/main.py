@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 # train and prepare lock inside their writers (the trainer, the shard writer), for library callers too.
 LOCKED_COMMANDS = ("analyze", "sweep", "surrogate", "demo")
 # Where the default --out of a command's config lives (flags default to None).
-_CONFIG_MODULES = {"SurrogateRunConfig": "rdepth.surrogate.config", "DemoConfig": "rdepth.demo"}
+_CONFIG_MODULES = {"SurrogateRunConfig": "rdepth.surrogate.config", "DemoConfig": "rdepth.demo.run"}
 
 
 def _output_folder(args: argparse.Namespace) -> str | None:

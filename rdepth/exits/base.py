@@ -18,7 +18,7 @@ machine:
 A token is called only while it is looping, so a step's rows are always a
 subset of the previous step's rows. The same object drives online exits
 inside the model (through :class:`rdepth.exits.controller.PolicyController`)
-and :func:`rdepth.exits.replay.replay` on recorded iterates, so both give the
+and :func:`rdepth.exits.recorded.replay` on recorded iterates, so both give the
 same exits.
 
 Step semantics. Following the paper, ``Delta^(k) = x^(k+1) - x^(k)``; after

@@ -139,6 +139,22 @@ def figure_dlr(summary: dict[str, Any], budget: str = "train"):
 # ------------------------------------------------------------------ Fig 3 / 5
 
 
+def _group_panels(summary: dict[str, Any], rows: int, height: float, width: float = 4.0):
+    """One column of ``rows`` panels per recurrence group: ``(figure, axes [rows, groups], checkpoints,
+    group names, checkpoint colours light -> dark)``."""
+    entries, names = summary["checkpoints"], summary["groups"]
+    figure, axes = _pyplot().subplots(rows, len(names), figsize=(width * len(names), height), squeeze=False)
+    return figure, axes, entries, names, _checkpoint_colours(len(entries))
+
+
+def _cosine_panel(axis, entries, budget, group, colours) -> None:
+    """cos(Delta^(k), Delta^(k-1)) per checkpoint on [-1, 1], the zero line drawn."""
+    _curves(axis, entries, budget, group, "cosine", colours, offset=1)
+    axis.set_ylim(-1.05, 1.05)
+    axis.axhline(0, color="k", linewidth=0.5)
+    axis.set_xlabel("k")
+
+
 def _curves(axis, entries, budget, group, metric, colours, offset: int = 0) -> None:
     for entry, colour in zip(entries, colours):
         values = entry["budgets"][budget]["groups"][group][metric]
@@ -155,11 +171,7 @@ def _curves(axis, entries, budget, group, metric, colours, offset: int = 0) -> N
 def figure_loop_dynamics(summary: dict[str, Any], budget: str = "train"):
     """Fig. 3: (a) step norms ||Delta^(k)|| and (b) cos(Delta^(k), Delta^(k-1)) per group,
     mean and 1-sigma band over tokens, one curve per checkpoint."""
-    plt = _pyplot()
-    entries = summary["checkpoints"]
-    names = summary["groups"]
-    colours = _checkpoint_colours(len(entries))
-    figure, axes = plt.subplots(2, len(names), figsize=(4 * len(names), 6.5), squeeze=False)
+    figure, axes, entries, names, colours = _group_panels(summary, rows=2, height=6.5)
     for group, name in enumerate(names):
         top, bottom = axes[0, group], axes[1, group]
         _curves(top, entries, budget, group, "step_size", colours)
@@ -167,10 +179,7 @@ def figure_loop_dynamics(summary: dict[str, Any], budget: str = "train"):
         plain_log_ticks(top.yaxis)
         top.set_title(f"({'i' * (group + 1) if group < 3 else group + 1}) group {name}")
         top.set_xlabel("k")
-        _curves(bottom, entries, budget, group, "cosine", colours, offset=1)
-        bottom.set_ylim(-1.05, 1.05)
-        bottom.axhline(0, color="k", linewidth=0.5)
-        bottom.set_xlabel("k")
+        _cosine_panel(bottom, entries, budget, group, colours)
     axes[0, 0].set_ylabel(r"(a) step norm $\|\Delta^{(k)}\|_2$", parse_math=True)
     axes[1, 0].set_ylabel(r"(b) $\cos\angle(\Delta^{(k)}, \Delta^{(k-1)})$", parse_math=True)
     axes[0, -1].legend(fontsize=7)
@@ -182,18 +191,11 @@ def figure_loop_dynamics(summary: dict[str, Any], budget: str = "train"):
 
 def figure_long_cosines(summary: dict[str, Any]):
     """Fig. 5: cos(Delta^(k), Delta^(k-1)) at the long fixed budget across checkpoints."""
-    plt = _pyplot()
-    entries = summary["checkpoints"]
-    names = summary["groups"]
-    colours = _checkpoint_colours(len(entries))
-    figure, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.4), squeeze=False)
+    figure, axes, entries, names, colours = _group_panels(summary, rows=1, height=3.4)
     for group, name in enumerate(names):
         axis = axes[0, group]
-        _curves(axis, entries, "long", group, "cosine", colours, offset=1)
-        axis.set_ylim(-1.05, 1.05)
-        axis.axhline(0, color="k", linewidth=0.5)
+        _cosine_panel(axis, entries, "long", group, colours)
         axis.set_title(f"group {name}")
-        axis.set_xlabel("k")
     axes[0, 0].set_ylabel(r"$\cos\angle(\Delta^{(k)}, \Delta^{(k-1)})$", parse_math=True)
     axes[0, -1].legend(fontsize=7)
     figure.suptitle(f"Consecutive-step cosine at a fixed {summary['budgets']['long'][0]}-loop budget")
@@ -203,11 +205,7 @@ def figure_long_cosines(summary: dict[str, Any]):
 
 def figure_effective_rank(summary: dict[str, Any], budget: str = "long"):
     """Effective rank of the updates Delta^(k) over tokens, per step, per checkpoint."""
-    plt = _pyplot()
-    entries = summary["checkpoints"]
-    names = summary["groups"]
-    colours = _checkpoint_colours(len(entries))
-    figure, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
+    figure, axes, entries, names, colours = _group_panels(summary, rows=1, height=3.2)
     for group, name in enumerate(names):
         axis = axes[0, group]
         for entry, colour in zip(entries, colours):
@@ -255,10 +253,8 @@ def figure_dlr_budget(summary: dict[str, Any]):
 def figure_jacobian(summary: dict[str, Any]):
     """The own-state Jacobian's leading eigenvalues at each group's last iterate (last checkpoint), in the
     complex plane with the unit circle: modulus = contraction per step, angle = turning per step."""
-    plt = _pyplot()
     spectra = summary["checkpoints"][-1]["jacobian"]
-    names = summary["groups"]
-    figure, axes = plt.subplots(1, len(names), figsize=(3.6 * len(names), 3.6), squeeze=False)
+    figure, axes, _, names, _ = _group_panels(summary, rows=1, height=3.6, width=3.6)
     circle = np.linspace(0, 2 * np.pi, 200)
     for axis, name, group in zip(axes[0], names, spectra["groups"]):
         axis.plot(np.cos(circle), np.sin(circle), color="grey", linewidth=0.6)

@@ -132,8 +132,3 @@ class KVStore:
         computed[b, pos] = ctx.step
         has_step = (computed >= ctx.step)[:, None, :, None]  # (B, 1, S, 1)
         return torch.where(has_step, step_k, latest_k), torch.where(has_step, step_v, latest_v)
-
-    def memory_bytes(self) -> int:
-        tensors = [t for pair in self.latest.values() for t in pair]
-        tensors += [t for pair in self.steps.values() for t in pair]
-        return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,7 +1,7 @@
 """Row bookkeeping of one group's loop under a loop controller.
 
 The model's packed loop (:meth:`rdepth.model.RecurrentLM._forward_packed`) and
-the replay of recorded iterates (:func:`rdepth.exits.replay.drive_recorded`)
+the replay of recorded iterates (:func:`rdepth.exits.recorded.drive_recorded`)
 share this one routine, so a replay makes exactly the decisions an online run
 makes: after every step the controller sees the active rows' previous and new
 states, the rows it stops hand on the state it names, and they leave the loop.

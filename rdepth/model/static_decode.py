@@ -120,10 +120,6 @@ class StaticKV:
                 latest = column.gather(0, last.expand(1, *column.shape[1:]))  # (1, B, nh, 1, hs)
                 tensor.index_copy_(3, self.position, torch.where(keep, column, latest))
 
-    def memory_bytes(self) -> int:
-        tensors = [t for pair in (*self.single.values(), *self.looped.values()) for t in pair]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
 
 class StaticRows:
     """Rows ``rows`` (``[P]`` long, distinct, on the device) of a :class:`StaticKV`, as the store of a

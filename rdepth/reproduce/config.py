@@ -7,13 +7,12 @@ Fields left at None take a default that depends on the device kind ("cuda" or
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rdepth.errors import RdepthError
-from rdepth.fields import option
+from rdepth.fields import check_fields, option
 from rdepth.threads import THREADS_HELP
 
 # The paper's threshold grid (Appendix D) and its three rules, plus the scale-free forms.
@@ -43,48 +42,55 @@ class ReproduceConfig:
     out: str = option("runs/reproduce", "output folder: data (unless --data), plan, training run, report, "
                                         "claims.json")
     minutes: float = option(9.0, "time budget of the whole command in minutes (prepare, speed probe, training, "
-                                 "analysis, sweep, report); the default fits one H100 inside 10 minutes")
+                                 "analysis, sweep, report); the default fits one H100 inside 10 minutes",
+                            bounds=f"(0, {MAX_MINUTES}]")
     device: str = option("auto", "auto (CUDA when present), cpu or cuda[:N]")
     data: str | None = option(None, "prepared data folder (from rdepth prepare)", default_text="OUT/data")
     corpus: str | None = option(
         None, "when --data holds no prepared data: prepare this corpus into it first (any corpus rdepth prepare "
         "accepts, e.g. wiki or a file/folder)", default_text="none: --data must be prepared")
     tokenizer: str = option("gpt2", "tokenizer for --corpus (gpt2 or bpe:N)")
-    max_documents: int | None = option(None, "with --corpus: prepare only the first N documents", default_text="all")
-    workers: int | None = option(None, "with --corpus: tokenizing processes", default_text="the machine's cores")
+    max_documents: int | None = option(None, "with --corpus: prepare only the first N documents", default_text="all",
+                                       bounds="[1, inf)")
+    workers: int | None = option(None, "with --corpus: tokenizing processes", default_text="the machine's cores",
+                                 bounds="[1, inf)")
     sizes: tuple[str, ...] | None = option(
         None, "model sizes to choose from, largest first (see rdepth.reproduce.plan.SIZES); the first is timed "
         "first", default_text="mini on CUDA (paper,small,mini from 15 minutes); tiny,toy on CPU")
     min_tokens: int | None = option(
         None, "training tokens the chosen size should reach: the largest size that reaches them in the budget "
-        "is chosen (else the one that trains on the most)", default_text="50M on CUDA, 200k on CPU")
+        "is chosen (else the one that trains on the most)", default_text="50M on CUDA, 200k on CPU",
+        bounds="[1, inf)")
     train_share: float = option(0.7, "share of the time left after preparing and timing that training gets; "
-                                     "the rest is for validation, checkpoints, analysis, sweep and report")
-    checkpoints: int = option(4, "checkpoints spread evenly over training (the geometry series)")
+                                     "the rest is for validation, checkpoints, analysis, sweep and report",
+                                bounds="(0, 1)")
+    checkpoints: int = option(4, "checkpoints spread evenly over training (the geometry series)", bounds="[1, inf)")
     compile: bool | None = option(None, "torch.compile the layers in training (bf16 autocast is always on with "
                                         "CUDA)", default_text="on with CUDA")
     probe_steps: int | None = option(None, "timed training steps of the speed probe (after its warm-up steps)",
-                                     default_text="8 on CUDA, 3 on CPU")
+                                     default_text="8 on CUDA, 3 on CPU", bounds="[1, inf)")
     analyze_sequences: int | None = option(None, "held-out windows of the geometry analysis",
-                                           default_text="32 on CUDA, 4 on CPU")
-    long_loops: int = option(30, "the long loop budget of the geometry analysis (the paper's Fig. 5: 30)")
+                                           default_text="32 on CUDA, 4 on CPU", bounds="[1, inf)")
+    long_loops: int = option(30, "the long loop budget of the geometry analysis (the paper's Fig. 5: 30)",
+                             bounds="[1, inf)")
     sweep_windows: int | None = option(None, "held-out windows of the exit sweep (quality on all of them)",
-                                       default_text="64 on CUDA, 8 on CPU")
+                                       default_text="64 on CUDA, 8 on CPU", bounds="[1, inf)")
     val_windows: int | None = option(None, "held-out windows of the validation perplexity at each loop budget",
-                                     default_text="256 on CUDA, 32 on CPU")
+                                     default_text="256 on CUDA, 32 on CPU", bounds="[1, inf)")
     policies: tuple[str, ...] = option(PAPER_POLICIES, "exit policies swept (the fixed budget is always measured)")
-    taus: tuple[float, ...] = option(PAPER_TAUS, "threshold grid (the paper's Appendix D)")
-    timing_batch: int = option(32, "windows per forward in the throughput measurement (latency is at batch 1)")
+    taus: tuple[float, ...] = option(PAPER_TAUS, "threshold grid (the paper's Appendix D)", bounds="(0, inf)")
+    timing_batch: int = option(32, "windows per forward in the throughput measurement (latency is at batch 1)",
+                               bounds="[1, inf)")
     generate_tokens: int | None = option(
         None, "also time greedy cached decoding of this many tokens at batch 1 (decode latency; 0: teacher-forced "
-        "latency only)", default_text="8 on CUDA, 0 on CPU")
+        "latency only)", default_text="8 on CUDA, 0 on CPU", bounds="[0, inf)")
     repeats: int | None = option(None, "timed rounds of the latency measurement (median and IQR)",
-                                 default_text="3 on CUDA, 1 on CPU")
+                                 default_text="3 on CUDA, 1 on CPU", bounds="[1, inf)")
     export_dir: str | None = option(
         None, "also copy the few files worth bringing back (at most 8, see docs/reproduce.md) into this folder",
         default_text="none")
-    seed: int = option(0, "seed of the training run and of every held-out measurement")
-    threads: int = option(0, THREADS_HELP)
+    seed: int = option(0, "seed of the training run and of every held-out measurement", bounds="[0, inf)")
+    threads: int = option(0, THREADS_HELP, bounds="[0, inf)")
     mean_loops: float | None = option(
         None, "every size's mean training loop count instead of its own (the paper's recipe: 12)",
         default_text="the size's")
@@ -100,9 +106,6 @@ class ReproduceConfig:
 
         if not isinstance(self.out, str) or not self.out:
             raise RdepthError("reproduce: out must be a non-empty path")
-        if isinstance(self.minutes, bool) or not isinstance(self.minutes, (int, float)) \
-                or not math.isfinite(self.minutes) or not 0 < self.minutes <= MAX_MINUTES:
-            raise RdepthError(f"reproduce: minutes must be a number in (0, {MAX_MINUTES}], got {self.minutes!r}")
         if self.device not in ("auto", "cpu", "cuda") and not (
                 isinstance(self.device, str) and self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise RdepthError(f"reproduce: device must be auto, cpu or cuda[:N], got {self.device!r}")
@@ -118,26 +121,8 @@ class ReproduceConfig:
             unknown = [name for name in self.sizes if name not in SIZES]
             if unknown:
                 raise RdepthError(f"reproduce: unknown size {unknown[0]!r} (choose from {', '.join(SIZES)})")
-        if not (isinstance(self.train_share, (int, float)) and 0 < self.train_share < 1):
-            raise RdepthError(f"reproduce: train_share must be in (0, 1), got {self.train_share!r}")
-        positive = ("checkpoints", "long_loops", "timing_batch")
-        optional_positive = ("min_tokens", "analyze_sequences", "sweep_windows", "val_windows", "max_documents", "workers",
-                             "probe_steps", "repeats")
-        for name in positive + optional_positive:
-            value = getattr(self, name)
-            if value is None and name in optional_positive:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RdepthError(f"reproduce: {name} must be a positive integer, got {value!r}")
-        for name in ("generate_tokens", "threads", "seed"):
-            value = getattr(self, name)
-            if value is None and name == "generate_tokens":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise RdepthError(f"reproduce: {name} must be an integer >= 0, got {value!r}")
         self.taus = tuple(float(t) for t in self.taus)
-        if not self.taus or not all(math.isfinite(t) and t > 0 for t in self.taus):
-            raise RdepthError(f"reproduce: taus must be positive numbers, got {self.taus}")
+        check_fields(self, "reproduce")
         self.policies = tuple(self.policies)
         if not self.policies:
             raise RdepthError("reproduce: policies is empty")

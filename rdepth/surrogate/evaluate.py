@@ -25,10 +25,6 @@ from rdepth.surrogate.model import RaptorSurrogate
 StatesFn = Callable[[BankBatch], list[torch.Tensor]]
 
 
-def teacher_fn() -> StatesFn:
-    return lambda batch: batch.state_list()
-
-
 def truncated_fn(k: int) -> StatesFn:
     """The teacher's first k layers; the state is held constant after depth k."""
     def run(batch: BankBatch) -> list[torch.Tensor]:

@@ -99,7 +99,7 @@ def generate_call(
     _one_mode("generate_call", controller_factory, loop_counts)
     if new_tokens < 1 or prompt.shape[1] + new_tokens > model.config.block_size:
         raise RdepthError(
-            f"time_generate: need 1 <= new_tokens and prompt + new tokens <= block size {model.config.block_size}"
+            f"generate_call: need 1 <= new_tokens and prompt + new tokens <= block size {model.config.block_size}"
         )
     device = prompt.device
     noise = StateNoise(seed, range(prompt.shape[0]))

@@ -20,6 +20,7 @@ from typing import ClassVar, Sequence
 import numpy as np
 
 from rdepth.errors import RdepthError
+from rdepth.fields import is_int
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,9 @@ class Problem:
         return mask
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def check_int(owner: str, field: str, value, low: int, high: int) -> None:
     """RdepthError unless ``value`` is an integer in [low, high]."""
-    if not _is_int(value) or not low <= value <= high:
+    if not is_int(value) or not low <= value <= high:
         raise RdepthError(f"{owner}: {field} must be an integer in [{low}, {high}], got {value!r}")
 
 
@@ -88,7 +85,7 @@ class Task:
     # ------------------------------------------------------------ shared checks
     def check_difficulty(self, difficulty: int) -> None:
         """RdepthError unless ``difficulty`` is an integer in this task's range."""
-        if not _is_int(difficulty) or not self.min_difficulty <= difficulty <= self.max_difficulty:
+        if not is_int(difficulty) or not self.min_difficulty <= difficulty <= self.max_difficulty:
             raise RdepthError(f"task {self.name}: difficulty {difficulty!r} is out of range "
                               f"[{self.min_difficulty}, {self.max_difficulty}] ({self.difficulty_meaning})")
 

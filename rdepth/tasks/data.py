@@ -45,7 +45,7 @@ import numpy as np
 from rdepth.data.prepare import UNIGRAM_FILE, unigram_baseline, unigram_log_probs
 from rdepth.data.shards import ShardWriter, TokenShards, check_output_folder
 from rdepth.errors import RdepthError
-from rdepth.fields import option
+from rdepth.fields import check_fields, option
 from rdepth.io import environment_info, read_json_object
 from rdepth.tasks.base import Problem, check_int
 from rdepth.tasks.registry import get_task, parse_mixture, task_spec
@@ -90,9 +90,10 @@ class TaskDataConfig:
         None, "held-out difficulties", default_text="the training range plus 1.5x and 2x its top")
     train_tokens: int = option(2_000_000, f"training tokens to generate (at most {MAX_TASK_TOKENS:,})")
     val_tokens: int = option(100_000, f"validation tokens to generate (at most {MAX_TASK_TOKENS:,})")
-    heldout_problems: int = option(256, "problems per held-out difficulty")
-    block_size: int = option(128, "the model's context length (problems never straddle a held-out window)")
-    seed: int = option(0, "seed of every generated problem")
+    heldout_problems: int = option(256, "problems per held-out difficulty", bounds=f"[1, {1 << 30}]")
+    block_size: int = option(128, "the model's context length (problems never straddle a held-out window)",
+                             bounds=f"[2, {1 << 20}]")
+    seed: int = option(0, "seed of every generated problem", bounds=f"[0, {(1 << 63) - 1}]")
     out: Path | None = option(None, "output folder", default_text="data/task-<names>")
     task_params: dict | str = option(
         "", "JSON object of per-task parameters, e.g. '{\"chase\": {\"nodes\": 16, \"ordered\": true}}'")
@@ -110,11 +111,9 @@ class TaskDataConfig:
         if unknown:
             raise RdepthError(f"task_params: {', '.join(unknown)} not in the mixture {self.task!r}")
         self.tasks = [(get_task(name, **self.task_params.get(name, {})), weight) for name, weight in self.mixture]
-        check_int("task data", "block_size", self.block_size, 2, 1 << 20)
+        check_fields(self, "task data")
         check_int("task data", "train_tokens", self.train_tokens, self.block_size + 1, MAX_TASK_TOKENS)
         check_int("task data", "val_tokens", self.val_tokens, self.block_size + 1, MAX_TASK_TOKENS)
-        check_int("task data", "heldout_problems", self.heldout_problems, 1, 1 << 30)
-        check_int("task data", "seed", self.seed, 0, (1 << 63) - 1)
         if len(tuple(self.train_difficulties)) != 2:
             raise RdepthError(f"train_difficulties: expected (low, high), got {self.train_difficulties!r}")
         low, high = (int(d) if isinstance(d, (int, np.integer)) else d for d in self.train_difficulties)

@@ -258,13 +258,7 @@ def draw_overview(report_dir: str | os.PathLike, overview: dict[str, Any]) -> li
                   label="training loss (batch)")
         if curves["val_ce"]:
             axis.plot(curves["val_step"], curves["val_ce"], "o-", color="tab:orange", label="validation CE")
-        if headline["baseline_ce"] is not None:
-            axis.axhline(headline["baseline_ce"], color="grey", linestyle="--", linewidth=1, label="unigram baseline")
-        axis.set_xlabel("training step")
-        axis.set_ylabel("cross-entropy (nats/token)")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-        figure.tight_layout()
+        _finish_panel(figure, axis, headline["baseline_ce"], "training step", "cross-entropy (nats/token)")
         saved.append((save_report_figure(figure, report_dir, "overview_loss"),
                       f"Training loss and validation cross-entropy (validation and baseline on the same "
                       f"{format_value(headline['tokens'])} held-out tokens)."))
@@ -279,18 +273,23 @@ def draw_overview(report_dir: str | os.PathLike, overview: dict[str, Any]) -> li
         if eval_index is not None:
             axis.plot([xs[eval_index]], [budgets[eval_index]["ppl"]], "*", color="black", markersize=12,
                       label="training's eval loops")
-        if headline["baseline_ppl"] is not None:
-            axis.axhline(headline["baseline_ppl"], color="grey", linestyle="--", linewidth=1, label="unigram baseline")
         axis.set_xticks(xs, labels)
-        axis.set_xlabel("loops per group at test time")
-        axis.set_ylabel("validation perplexity")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-        figure.tight_layout()
+        _finish_panel(figure, axis, headline["baseline_ppl"], "loops per group at test time", "validation perplexity")
         saved.append((save_report_figure(figure, report_dir, "overview_loop_budgets"),
                       f"Perplexity against loops per group, on the same {format_value(budgets[0]['tokens'])} "
                       "held-out tokens."))
     return saved
+
+
+def _finish_panel(figure, axis, baseline: float | None, xlabel: str, ylabel: str) -> None:
+    """The overview panels' common end: the unigram baseline (dashed, where known), axis labels, grid, legend."""
+    if baseline is not None:
+        axis.axhline(baseline, color="grey", linestyle="--", linewidth=1, label="unigram baseline")
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
 
 
 # ------------------------------------------------------------------ render

@@ -1,6 +1,6 @@
 """The main job on embedded default data, end to end on a CPU.
 
-``--mode task`` (the default; :mod:`rdepth.demo_task`): a reasoning task whose
+``--mode task`` (the default; :mod:`rdepth.demo.task`): a reasoning task whose
 answers need sequential steps (pointer chasing), a looped model trained on it
 beside its no-loop baseline, answer accuracy per difficulty per loop budget,
 the exit policies on answer and other tokens, the loop geometry, a report page.
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rdepth.errors import RdepthError
-from rdepth.fields import option
+from rdepth.fields import check_fields, option
 from rdepth.io import StageTimer, write_json
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ BASELINES = ("no_loop", "deep")
 class DemoConfig:
     out: str = option("runs/demo", "output folder: data, training run, report and demo.json")
     mode: str = option("task", "task: a reasoning task whose answers need the loops, with its no-loop baseline; "
-                               "text: the tiny preset on the Wikipedia corpus")
+                               "text: the tiny preset on the Wikipedia corpus", choices=MODES)
     data: str | None = option(None, "prepared data folder (reused when it holds the same corpus and tokenizer)",
                               default_text="OUT/data")
     corpus: str | None = option(None, "text mode: corpus to prepare: wiki, shakespeare or a text file/folder "
@@ -66,36 +66,40 @@ class DemoConfig:
     train_tokens: int = option(5_000_000, "task mode: training tokens to generate")
     curriculum_steps: int | None = option(
         None, "task mode: steps over which the top training difficulty rises from LOW + 1 to HIGH (0: off)",
-        default_text="1000 in task mode")
+        default_text="1000 in task mode", bounds="[0, inf)")
     loop_budgets: tuple[int, ...] = option((1, 2, 3, 4, 6, 8, 12, 16, 32),
-                                           "task mode: test loop budgets of the accuracy table")
+                                           "task mode: test loop budgets of the accuracy table", bounds="[1, 1024]")
     baselines: tuple[str, ...] = option(
         ("no_loop",), "task mode: baselines trained on the same data and steps: no_loop (the same layers, once "
         "each), deep (a plain model as deep as the looped one unrolled at its training mean); 'none' for none")
     parallel: bool = option(True, "task mode: train the baselines in a second process beside the looped model "
                                   "(each at the same fixed thread count, so the numbers do not change)")
     preset: str | None = option(None, "model preset", default_text="task (task mode) or tiny (text mode)")
-    max_steps: int | None = option(None, "training steps", default_text="2600 (task) or 500 (text)")
-    batch_size: int | None = option(None, "training sequences per step", default_text="32 (task) or 16 (text)")
-    lr: float = option(3e-3, "peak learning rate")
-    weight_decay: float | None = option(None, "AdamW weight decay", default_text="0.01 (task) or 0.1 (text)")
+    max_steps: int | None = option(None, "training steps", default_text="2600 (task) or 500 (text)",
+                                   bounds="[1, inf)")
+    batch_size: int | None = option(None, "training sequences per step", default_text="32 (task) or 16 (text)",
+                                    bounds="[1, inf)")
+    lr: float = option(3e-3, "peak learning rate", bounds="(0, inf)")
+    weight_decay: float | None = option(None, "AdamW weight decay", default_text="0.01 (task) or 0.1 (text)",
+                                        bounds="[0, inf)")
     checkpoint_every: int | None = option(None, "steps between checkpoints (the geometry series)",
-                                          default_text="650 (task) or 125 (text)")
-    eval_batches: int = option(24, "held-out batches of 16 windows for validation and the loop budgets")
+                                          default_text="650 (task) or 125 (text)", bounds="[1, inf)")
+    eval_batches: int = option(24, "held-out batches of 16 windows for validation and the loop budgets",
+                               bounds="[1, inf)")
     analyze: bool = option(True, "analyse the loop geometry of every checkpoint")
-    analyze_sequences: int = option(16, "held-out windows for the geometry analysis")
-    long_loops: int = option(30, "the long loop budget of the geometry analysis")
+    analyze_sequences: int = option(16, "held-out windows for the geometry analysis", bounds="[1, inf)")
+    long_loops: int = option(30, "the long loop budget of the geometry analysis", bounds="[1, inf)")
     sweep: bool = option(True, "sweep the early-exit policies on the final checkpoint")
-    sweep_sequences: int = option(8, "text mode: held-out windows for the exit sweep")
+    sweep_sequences: int = option(8, "text mode: held-out windows for the exit sweep", bounds="[1, inf)")
     max_documents: int | None = option(None, "prepare only the first N documents", default_text="all")
     model_overrides: str = option("", "JSON object of model fields, e.g. '{\"d_model\": 64}'")
     threads: int = option(0, "torch CPU threads per process (0: task mode 1, fixed so that the numbers do not "
-                             "depend on the machine; text mode from the cores free at start)")
-    seed: int = option(0, "training seed of every run (weights, batches, loop counts, loop-state noise)")
+                             "depend on the machine; text mode from the cores free at start)", bounds="[0, 4096]")
+    seed: int = option(0, "training seed of every run (weights, batches, loop counts, loop-state noise)",
+                       bounds=f"[0, {2**63})")
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise RdepthError(f"demo config: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        check_fields(self, "demo config")  # a field left at None takes its mode's default below
         if self.mode == "task":  # a flag that does not apply is an error, never silently ignored
             given = [name for name in ("corpus", "tokenizer") if getattr(self, name) is not None]
             if given:
@@ -108,23 +112,6 @@ class DemoConfig:
         unknown = sorted(set(self.baselines) - set(BASELINES))
         if unknown:
             raise RdepthError(f"demo config: unknown baseline {unknown[0]!r} (choose from {', '.join(BASELINES)})")
-        if not self.loop_budgets or not all(isinstance(b, int) and 1 <= b <= 1024 for b in self.loop_budgets):
-            raise RdepthError(f"demo config: loop_budgets must be integers in 1..1024, got {self.loop_budgets!r}")
-        if not isinstance(self.curriculum_steps, int) or self.curriculum_steps < 0:
-            raise RdepthError(f"demo config: curriculum_steps must be an integer >= 0, got {self.curriculum_steps!r}")
-        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
-            raise RdepthError(f"demo config: weight_decay must be >= 0, got {self.weight_decay!r}")
-        for name in ("max_steps", "batch_size", "checkpoint_every", "eval_batches", "analyze_sequences",
-                     "long_loops", "sweep_sequences"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise RdepthError(f"demo config: {name} must be a positive integer, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise RdepthError(f"demo config: seed must be an integer in [0, 2^63), got {self.seed!r}")
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 0 <= self.threads <= 4096:
-            raise RdepthError(f"demo config: threads must be an integer in [0, 4096], got {self.threads!r}")
-        if not self.lr > 0:
-            raise RdepthError(f"demo config: lr must be > 0, got {self.lr!r}")
         if self.data is None:
             self.data = str(Path(self.out) / "data")
         self.model_config()  # a bad preset or override fails here, before any work
@@ -236,7 +223,7 @@ def _sweep(run: Path, data: Path, config: DemoConfig) -> Path:
 def run_demo(config: DemoConfig) -> dict:
     """Run every stage; returns (and writes to OUT/demo.json) the headline numbers."""
     if config.mode == "task":
-        from rdepth.demo_task import run_task_demo
+        from rdepth.demo.task import run_task_demo
 
         return run_task_demo(config)
     from rdepth.threads import apply_plan
@@ -270,7 +257,7 @@ def run_demo(config: DemoConfig) -> dict:
     }
     write_json(out / "demo.json", result)
     if config.analyze or config.sweep:
-        from rdepth.demo_report import write_first_screen
+        from rdepth.demo.report import write_first_screen
 
         write_first_screen(config.out)  # the report's first screen, from the saved files
     return result

@@ -14,7 +14,7 @@
 4. the exit policies on the top training difficulty: accuracy and loop steps on
    answer tokens and on the rest, against fixed budgets on the same path;
 5. the loop geometry of the looped model's checkpoints;
-6. the report's first screen (:mod:`rdepth.demo_task_report`).
+6. the report's first screen (:mod:`rdepth.demo.task_report`).
 
 Every stage calls the same pipeline function as its command; a re-run into the
 same folder reuses what finished with the same settings.
@@ -40,7 +40,7 @@ from typing import Any
 from rdepth.errors import RdepthError
 from rdepth.io import StageTimer, write_json
 
-# The stages take the demo's config (rdepth.demo.DemoConfig); rdepth.demo imports this module, not
+# The stages take the demo's config (rdepth.demo.run.DemoConfig); rdepth.demo.run imports this module, not
 # the reverse, so the type is named in words only.
 DemoConfig = Any
 
@@ -264,9 +264,9 @@ def run_task_demo(config: DemoConfig) -> dict:
                     "cores": at.cores, "load_at_start": round(at.load, 2)},
     }
     write_json(out / "demo.json", result)
-    from rdepth.demo_task_report import write_task_first_screen
+    from rdepth.demo.task_report import write_task_first_screen
 
     write_task_first_screen(out)
-    from rdepth.demo_task_report import summarize_task_demo
+    from rdepth.demo.task_report import summarize_task_demo
 
     return {**result, "overview": summarize_task_demo(out)}

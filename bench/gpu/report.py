@@ -1,0 +1,293 @@
+"""The suite's report: issue 12's targets, each met, missed or not judged with its gap, and the
+markdown page (targets table, then one table per section) written beside the JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.gpu.common import CUDA_ONLY, finite, ratio
+
+TARGET_DEVICES = ("H100", "H200")  # the absolute targets (ms/token, MFU) are set for these cards
+
+
+def _target(key, text, measured, unit, met, gap, note="") -> dict:
+    return {"id": key, "target": text, "measured": finite(measured), "unit": unit, "met": met,
+            "gap": finite(gap), "note": note}
+
+
+def evaluate_targets(report: dict) -> list[dict]:
+    """Issue 12's targets, each met (True/False) or not judged (None, with the reason) and its gap
+    (positive: room to spare; negative: missed by this much, in the target's unit)."""
+    sections = report["sections"]
+    device = report["environment"].get("device", "")
+    on_target_card = any(name in device for name in TARGET_DEVICES)
+    smoke = report["settings"]["smoke"]
+    absolute_note = "" if on_target_card else "absolute target set for an H100/H200; not judged on this device"
+    if smoke:
+        absolute_note = "smoke run (tiny preset); not judged"
+
+    def ok(section):
+        return sections.get(section, {}).get("status") == "ok"
+
+    def judge_at_least(value, bound, absolute):
+        if value is None or (absolute and (smoke or not on_target_card)):
+            return None, None if value is None else value - bound
+        return value >= bound, value - bound
+
+    def judge_at_most(value, bound, absolute):
+        if value is None or (absolute and (smoke or not on_target_card)):
+            return None, None if value is None else bound - value
+        return value <= bound, bound - value
+
+    targets = []
+    train = sections.get("train", {}) if sections.get("train", {}).get("status") in ("ok", "partial") else {}
+    mfu = train.get("looped", {}).get("mfu")
+    met, gap = judge_at_least(None if mfu is None else 100 * mfu, 50.0, True)
+    note = absolute_note or (f"{100 * train['looped']['mfu_vs_measured_ceiling']:.1f}% of the measured "
+                             "matmul ceiling" if train.get("looped", {}).get("mfu_vs_measured_ceiling") else "")
+    if train and mfu is None:
+        note = "no bf16 peak for this device" if train.get("peak_tflops") is None else "looped model not measured"
+    targets.append(_target("train_mfu", "paper training (truncated backprop 8): MFU >= 50%", None if mfu is None
+                           else 100 * mfu, "% of bf16 peak", met, gap, note))
+    layer_ratio = train.get("layer_application_throughput_ratio")
+    met, gap = judge_at_least(layer_ratio, 0.95, False)
+    targets.append(_target("train_layer_ratio", "per-layer-application throughput >= 0.95x a plain GPT "
+                           "(same width, mean unrolled depth)", layer_ratio, "x plain", met, gap,
+                           f"FLOP/s ratio {train['flop_throughput_ratio']:.3f}" if train.get("flop_throughput_ratio")
+                           else ""))
+    decode = sections.get("decode", {}) if ok("decode") else {}
+    for key, text, name, bound in (
+            ("decode_looped_ms", "paper decode, batch 1, 12 loops/group: <= 2.5 ms/token", "looped", 2.5),
+            ("decode_plain_ms", "plain 12-layer decode, batch 1: <= 0.8 ms/token", "plain", 0.8)):
+        value = decode.get(f"best_{name}_ms")
+        met, gap = judge_at_most(value, bound, True)
+        path = decode.get(f"best_{name}_path", "")
+        targets.append(_target(key, text, value, "ms/token", met, gap,
+                               "; ".join(part for part in (path and f"static path, {path}", absolute_note) if part)))
+    exits = sections.get("exits", {}) if ok("exits") else {}
+    checks = exits.get("check_cost", {})
+    # Judged on the path that decodes the full budget faster (Inductor-compiled pieces or not).
+    compiled_full = exits.get("full_inductor", {}).get("ms_per_token")
+    suffix = "_inductor" if compiled_full is not None and compiled_full < exits["full"]["ms_per_token"] else ""
+    every = exits.get("best_check_every")
+    chosen = f"check_every_{every}" if every else None
+    share = checks.get(chosen + suffix, {}).get("share_of_loop_step") if chosen else None
+    met, gap = judge_at_most(None if share is None else 100 * share, 3.0, False)
+    bare = checks.get("no_host_check" + suffix, {}).get("share_of_loop_step")
+    other = checks.get(chosen + ("" if suffix else "_inductor"), {}).get("share_of_loop_step") if chosen else None
+    note = ""
+    if chosen and bare is not None:
+        note = (f"{'Inductor-compiled' if suffix else 'eager'} pieces, with a host check every {every} steps; the "
+                f"rule alone, no host check: {100 * bare:.1f}%")
+        if other is not None:
+            note += f"; {'eager' if suffix else 'Inductor-compiled'} pieces: {100 * other:.1f}%"
+    targets.append(_target("exit_check_cost", "per-step exit check < 3% of a loop step (batch 1)",
+                           None if share is None else 100 * share, "% of a loop step", met, gap, note))
+    run = exits.get("policy_runs", {}).get(chosen, {}) if chosen else {}
+    full_ms = exits.get("full", {}).get("ms_per_token")
+    bound = run.get("bound_ms")
+    met, gap = judge_at_most(run.get("ms_per_token"), bound, False) if bound is not None else (None, None)
+    targets.append(_target(
+        "exit_latency", "policy at ~half the steps: batch-1 latency falls >= in proportion to steps saved, less 3%",
+        ratio(run.get("ms_per_token"), full_ms), "x full-budget latency", met,
+        None if gap is None or not full_ms else gap / full_ms,
+        (f"steps {run['steps_ratio']:.2f} of the budget; bound {bound / full_ms:.3f}x of the full budget"
+         if run and full_ms else "")
+        + ("; calibration missed the target steps" if exits and not exits["calibration"]["on_target"] else "")))
+    batched = sections.get("batched", {}) if ok("batched") else {}
+    row = batched.get("by_batch", {}).get("32", {})
+    speedup = row.get("exits_over_full")
+    met, gap = judge_at_least(speedup, 1.4, False)
+    targets.append(_target("batched_exits_32", "batch 32 with exits: >= 1.4x the full budget's tokens/s "
+                           "(matched quality)", speedup, "x full budget", met, gap,
+                           (f"{row['exits']['variant'].split('_')[1]} exits; agreement with the full budget "
+                            f"{row['exits']['agreement']:.2f}; quality not measurable on random weights"
+                            if row.get("exits") else "batch 32 not measured")))
+    rows = [r for r in batched.get("by_batch", {}).values() if r.get("exits_over_fixed") is not None]
+    worst = min((r["exits_over_fixed"] for r in rows), default=None)
+    met, gap = judge_at_least(worst, 1.0, False)
+    targets.append(_target("batched_vs_fixed", "exits never slower than a fixed budget of the same mean steps "
+                           "(every batch measured)", worst, "x fixed (worst batch)", met, gap,
+                           "batches " + ", ".join(k for k, r in batched.get("by_batch", {}).items()
+                                                 if r.get("exits_over_fixed") is not None)))
+    elapsed = report.get("elapsed_s")
+    met, gap = judge_at_most(elapsed, 360.0, True)
+    targets.append(_target("suite_runtime", "the whole suite in under 6 minutes on one GPU", elapsed, "s", met, gap,
+                           absolute_note))
+    return targets
+
+
+def _fmt(value, unit="") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        text = f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    else:
+        text = str(value)
+    return f"{text} {unit}".strip()
+
+
+def _cell(entry: dict, key="ms_per_token") -> str:
+    if entry.get("status") == CUDA_ONLY:
+        return CUDA_ONLY
+    value = entry.get(key)
+    if value is None:
+        return entry.get("status", "-")
+    iqr = entry.get("iqr")
+    return f"{value:.3f} [{iqr[0]:.3f}-{iqr[1]:.3f}]" if iqr and key == "ms_per_token" else f"{value:.4g}"
+
+
+def kernel_rows(counts: dict) -> list[str]:
+    """The decode table's rows of kernels per token and per loop step (:func:`kernel_counts`)."""
+    if counts.get("status") != "ok":
+        return [f"| kernels per token | {counts.get('status', '-')}: {counts.get('error', '')[:100]} | |"]
+    what, per_token, per_step = counts["what"], counts["per_token"], counts["per_loop_step"]
+
+    def cell(entry: dict, key: str) -> str:
+        value = entry.get(key)
+        return _fmt(value) if value is not None else entry.get("status", "-")
+
+    rows = [f"| {what} per token, static eager (a CUDA graph holds the same) | "
+            f"{cell(per_token['static_eager'], 'per_token')} | {cell(per_token['plain_static_eager'], 'per_token')} |",
+            f"| {what} per token, static, Inductor pieces | {cell(per_token['static_inductor'], 'per_token')} | "
+            f"{cell(per_token['plain_static_inductor'], 'per_token')} |"]
+    if "static_graph_replay" in per_token:
+        rows.append(f"| {what} per token, static CUDA graph replayed (launch calls) | "
+                    f"{cell(per_token['static_graph_replay'], 'per_token')} "
+                    f"({cell(per_token['static_graph_replay'], 'kernel_launches')}) | - |")
+    rows.append(f"| {what} per loop step, static eager / Inductor pieces | "
+                f"{cell(per_step['static_eager'], 'per_loop_step')} / "
+                f"{cell(per_step['static_inductor'], 'per_loop_step')} | - |")
+    return rows
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [
+        "# rdepth GPU suite (issue 12)", "",
+        f"device **{env.get('device')}**, torch {env.get('torch')}, CUDA {env.get('cuda')}, python "
+        f"{env.get('python')}; revision `{env.get('revision')}`"
+        f"{' (uncommitted changes)' if env.get('uncommitted_changes') else ''}, code sha256 "
+        f"`{env.get('code_sha256')}`; {env.get('date_utc')}; preset `{report['settings']['preset']}`"
+        f"{' (smoke)' if report['settings']['smoke'] else ''}; {report.get('elapsed_s', 0):.0f} s of a "
+        f"{report['settings']['budget_s']:.0f} s budget", "",
+        "| target | measured | met? | gap | note |", "| --- | --- | --- | --- | --- |",
+    ]
+    for target in report.get("targets", []):
+        met = {True: "yes", False: "**no**", None: "-"}[target["met"]]
+        lines.append(f"| {target['target']} | {_fmt(target['measured'], target['unit'])} | {met} | "
+                     f"{_fmt(target['gap'])} | {target['note']} |")
+    lines += ["", "| section | status | seconds |", "| --- | --- | --- |"]
+    for name, section in report["sections"].items():
+        status = section.get("status", "?")
+        if section.get("error"):
+            status += ": " + section["error"].splitlines()[0][:120]
+        lines.append(f"| {name} | {status} | {_fmt(section.get('section_s'))} |")
+    sections = report["sections"]
+    decode = sections.get("decode", {})
+    if decode.get("status") == "ok":
+        lines += ["", "Decode, batch 1, ms/token (median [IQR])", "", "| setting | looped | plain |",
+                  "| --- | --- | --- |",
+                  f"| packed (generate) | {_cell(decode['packed'])} | - |",
+                  f"| static eager | {_cell(decode['static_eager'])} | {_cell(decode['plain_static_eager'])} |",
+                  f"| static CUDA graph | {_cell(decode['static_graph'])} | {_cell(decode['plain_static_graph'])} |",
+                  f"| static, Inductor pieces, CUDA graph (eager on a CPU) | {_cell(decode.get('static_inductor', {}))} "
+                  f"| {_cell(decode.get('plain_static_inductor', {}))} |",
+                  *kernel_rows(decode.get("kernel_counts", {})),
+                  "", decode.get("fast_path", "")]
+    exits = sections.get("exits", {})
+    if exits.get("status") == "ok":
+        lines += ["", "Exit check (a rule that never fires), batch 1: extra ms per loop step and share of a loop step",
+                  "", "| pieces | loop step ms | host check | extra ms/step | share |", "| --- | --- | --- | --- | --- |"]
+        for suffix, pieces, step_key in (("", "eager", "loop_step_ms"),
+                                         ("_inductor", "Inductor-compiled", "loop_step_ms_inductor")):
+            for key, entry in exits["check_cost"].items():
+                if key.endswith("_inductor") != bool(suffix):
+                    continue
+                check = key.removesuffix("_inductor").replace("check_every_", "every ").replace("no_host_check", "none")
+                share = entry.get("share_of_loop_step")
+                lines.append(f"| {pieces} | {_fmt(exits.get(step_key))} | {check} | {_fmt(entry.get('check_ms_per_step'))} "
+                             f"| {'-' if share is None else f'{100 * share:.1f}%'} |")
+    train = sections.get("train", {})
+    if train.get("status") in ("ok", "partial"):
+        lines += ["", "Training step (the trainer's train_step)", "",
+                  "| model | batch | tokens/s | TFLOP/s | MFU | layer applications/s | step ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for name in ("looped", "plain"):
+            entry = train[name]
+            if "achieved_tflops" not in entry:
+                lines.append(f"| {name} | {entry.get('status')}: {entry.get('error', '')[:100]} | | | | | |")
+                continue
+            mfu = "-" if entry.get("mfu") is None else f"{100 * entry['mfu']:.1f}%"
+            lines.append(f"| {name} | {entry['batch']} | {entry['tokens_per_s']:,.0f} | "
+                         f"{entry['achieved_tflops']:.3g} | {mfu} | {entry['layer_applications_per_s']:.4g} | "
+                         f"{entry['step_ms']['median']:.1f} |")
+    batched = sections.get("batched", {})
+    if batched.get("status") == "ok":
+        lines += ["", "Batched decode with exits, tokens/s", "",
+                  "| batch | full budget | exits, predicated | exits, compacted | fixed, same mean steps | "
+                  "exits/full | exits/fixed | agreement | packed path, exits |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+        def rate(entry):
+            return "-" if entry is None else f"{entry['tokens_per_s']:,.0f}"
+
+        for batch, row in batched["by_batch"].items():
+            if row.get("status") != "ok":
+                lines.append(f"| {batch} | {row.get('status')} | | | | | | | |")
+                continue
+            lines.append(f"| {batch} | {rate(row['full'])} | {rate(row['exits_predicated'])} | "
+                         f"{rate(row.get('exits_compacted'))} | {rate(row['fixed_same_mean'])} | "
+                         f"{row['exits_over_full']:.3f} | {row['exits_over_fixed']:.3f} | "
+                         f"{row['exits']['agreement']:.2f} | {rate(row.get('packed_exits'))} |")
+        lines += ["", "exits/full and exits/fixed use the faster exit path of the row."]
+        lines += ["", batched.get("quality_note", "")]
+    lines += _spread_lines(sections.get("spread", {})) + _loss_lines(sections.get("loss", {}))
+    return "\n".join(lines) + "\n"
+
+
+def _spread_lines(spread: dict) -> list[str]:
+    """The spread section's table: tokens/s, ratio to the full budget and to the fixed budget of the
+    same mean steps, mean and executed steps, kernels per token."""
+    if spread.get("status") != "ok":
+        return [] if not spread else ["", f"Exit spread: {spread.get('status')} {spread.get('error', '')}"]
+    lines = ["", f"Batched exits on a trained model's exit spread ({spread['histogram']['path']}, "
+                 f"check every {spread['check_every']}), tokens/s", "",
+             "| batch | setting | tokens/s | x full | x fixed, same mean | fixed budget | mean steps | "
+             "executed steps | kernels per token |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for batch, row in spread.get("by_batch", {}).items():
+        if row.get("status") != "ok":
+            lines.append(f"| {batch} | {row.get('status')} | | | | | | | |")
+            continue
+        lines.append(f"| {batch} | full budget | {row['full']['tokens_per_s']:,.0f} | 1 | | | | | |")
+        for name, entry in row.items():
+            if name == "full" or name.startswith("fixed_") or not isinstance(entry, dict) or "tokens_per_s" not in entry:
+                continue
+            fixed = row.get(f"fixed_{name}", {})
+            kernels = entry.get("kernels_per_token", {}).get("per_token")
+            lines.append(f"| {batch} | {name} | {entry['tokens_per_s']:,.0f} | {_fmt(row.get(name + '_over_full'))} | "
+                         f"{_fmt(row.get(name + '_over_fixed'))} | {fixed.get('loop_counts', '-')} | "
+                         f"{'/'.join(f'{m:.2f}' for m in entry['mean_steps'])} | "
+                         f"{'/'.join(f'{m:.2f}' for m in entry['executed_steps'])} | {_fmt(kernels)} |")
+    return lines
+
+
+def _loss_lines(loss: dict) -> list[str]:
+    if loss.get("status") != "ok":
+        return [] if not loss else ["", f"Loss head: {loss.get('status')} {loss.get('error', '')}"]
+    lines = ["", f"Training loss head, forward + backward, {loss['rows']} rows x {loss['vocab']} ({loss['dtype']})", "",
+             "| path | ms | peak MiB over inputs | loss |", "| --- | --- | --- | --- |"]
+    for name in ("unfused", "fused"):
+        entry = loss[name]
+        lines.append(f"| {name} | {entry['ms']:.2f} | {_fmt(entry.get('peak_mib_over_inputs'))} | {entry['loss']:.4f} |")
+    return lines
+
+
+def write_report(report: dict, out: Path) -> None:
+    from rdepth.io import write_json, write_text
+
+    report["targets"] = evaluate_targets(report)
+    write_json(out / "gpu_suite.json", report)
+    write_text(out / "gpu_suite.md", markdown(report))
+

@@ -1,0 +1,86 @@
+"""Section ``spread``: batched exits on a trained model's exit spread (each row's exit step drawn from
+a recorded histogram), predicated, compacted and at batch quantiles, against the full budget and a
+fixed budget of each one's mean steps."""
+
+from __future__ import annotations
+
+import time
+
+from bench.gpu.common import error_text, free_memory, ratio
+from bench.gpu.decoding import (NO_GROUPS, agreement, batch_sizes, decode_inputs, full_budget_row, kernels_per_token,
+                                looped_decode_model, make_decoder, observe, rounds_args, static_timing, with_rate)
+
+QUANTILES = (0.9, 0.75)  # the batch-quantile exits of the spread section
+
+
+def spread_section(args, device, deadline, context) -> dict:
+    """Batched exits on a trained model's exit spread: each row's exit step drawn on the device from
+    ``bench/exit_histogram.json`` (:mod:`bench.exit_spread`), so a batch's rows leave the loop as trained rows do,
+    on random weights. Per batch size: the full budget; the spread's exits predicated and compacted
+    (chunks of the best ``--check-every``); the batch-quantile exits (``QUANTILES``, compacted); a fixed
+    budget of each one's mean steps; kernels (CPU: aten ops) per token of the compacted and quantile
+    decoders."""
+    import torch
+
+    from bench.exit_spread import DEFAULT_HISTOGRAM, factory, load_histogram
+    from rdepth.model.decoder import Decoder
+    from rdepth.model.noise import StateNoise
+
+    model, config, budget = looped_decode_model(args, device, context)
+    if model is None:
+        return dict(NO_GROUPS)
+    graph = device.type == "cuda"
+    every = context.get("exit_check_every", args.check_every[0])
+    histogram_path = args.histogram or str(DEFAULT_HISTOGRAM)
+    histogram = load_histogram(histogram_path)
+    out = {"status": "ok", "loops": list(budget), "path": "graph" if graph else "eager", "check_every": every,
+           "histogram": {"path": histogram_path, "source": histogram.get("source"),
+                         "mean_steps": histogram.get("mean_steps")},
+           "quantiles": list(QUANTILES), "compaction": True}
+    rounds = rounds_args(args)
+    by_batch = {}
+    for batch, until in batch_sizes(args.spread_batches, deadline, by_batch, "exit spread"):
+        prompt, steps = decode_inputs(config, batch, args, device)
+        noise = StateNoise(0, range(batch))
+        spread = factory(histogram, budget, seed=0, device=device)
+        row = {}
+        try:
+            reference, row["full"] = full_budget_row(model, batch, budget, args, noise, prompt, steps, rounds,
+                                                     device, until, graph)
+            variants = {"spread_predicated": {}, "spread_compacted": {"compact": True}}
+            for q in QUANTILES:
+                variants[f"quantile_{q:g}"] = {"compact": True, "batch_quantile": q}
+            for name, options in variants.items():
+                if time.perf_counter() > until and name != "spread_predicated":  # the first always runs
+                    row[name] = {"status": "skipped", "reason": "out of time"}
+                    continue
+                exits = Decoder(model, batch, max(budget), noise=noise, capacity=args.capacity,
+                                controller_factory=spread, check_every=every, **options)
+                seen = observe(exits, prompt, steps, every)
+                row[name] = with_rate(static_timing(exits, prompt, steps, rounds, device, until, graph), batch)
+                row[name].update(mean_steps=seen["mean_steps"], executed_steps=seen["executed_steps"],
+                                 agreement=agreement(seen["tokens"], reference["tokens"]))
+                if name != "spread_predicated":
+                    try:
+                        row[name]["kernels_per_token"] = kernels_per_token(exits, prompt, steps, device)
+                    except Exception as exc:  # noqa: BLE001 - a count that fails leaves the timing
+                        row[name]["kernels_per_token"] = {"status": "error", "error": error_text(exc)}
+                counts = tuple(min(args.loops, max(1, round(m))) for m in seen["mean_steps"])
+                fixed_name = f"fixed_{name}"
+                if time.perf_counter() < until:
+                    fixed = make_decoder(model, batch, budget, args, noise, loop_counts=counts)
+                    row[fixed_name] = with_rate(static_timing(fixed, prompt, steps, rounds, device, until, graph),
+                                                 batch)
+                    row[fixed_name]["loop_counts"] = list(counts)
+                    row[f"{name}_over_fixed"] = ratio(row[name]["tokens_per_s"], row[fixed_name]["tokens_per_s"])
+                    del fixed
+                row[f"{name}_over_full"] = ratio(row[name]["tokens_per_s"], row["full"]["tokens_per_s"])
+                del exits
+            row["status"] = "ok"
+        except torch.cuda.OutOfMemoryError as exc:
+            row = {"status": "error", "error": error_text(exc)}
+        free_memory(device)
+        by_batch[str(batch)] = row
+    out["by_batch"] = by_batch
+    return out
+
