@@ -88,7 +88,7 @@ class Interval:
             sign = ">" if self.low_open else ">="
             if items:
                 return "positive numbers" if (self.low, self.low_open) == (0, True) else f"numbers {sign} {self.low:g}"
-            return f"{sign} {self.low:g}"
+            return f"a finite number {sign} {self.low:g}" if self.high_open else f"{sign} {self.low:g}"
         return f"numbers in {self.text}" if items else f"a number in {self.text}"
 
 

@@ -28,7 +28,7 @@ class Probe:
     ("seed", 2**63, f"probe: seed must be an integer in [0, {2**63}), got {2**63}"),
     ("share", 1, "probe: share must be a number in (0, 1), got 1"),
     ("share", float("nan"), "probe: share must be a number in (0, 1), got nan"),
-    ("rate", 0.0, "probe: rate must be > 0, got 0.0"),
+    ("rate", 0.0, "probe: rate must be a finite number > 0, got 0.0"),
     ("budgets", (), "probe: budgets must be integers in [1, 1024], got ()"),
     ("budgets", (1, 1025), "probe: budgets must be integers in [1, 1024], got (1, 1025)"),
     ("mode", "c", "probe: mode must be one of a, b, got 'c'"),

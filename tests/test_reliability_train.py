@@ -149,11 +149,11 @@ def test_resume_refuses_changes_and_keeps_config(wiki_small, tmp_path, capsys):
 # ---------------------------------------------------------------- 4. divergence
 @pytest.mark.parametrize("flags, fragment", [
     (["--lr", "inf"], "lr must be a finite number"),
-    (["--lr", "1e10"], "lr must be in"),
+    (["--lr", "1e10"], "lr must be a number in"),
     (["--weight-decay", "nan"], "weight_decay must be a finite number"),
     (["--lr", "5", "--weight-decay", "0.5"], "lr x weight_decay"),
-    (["--beta1", "2"], "beta1 must be in [0, 1)"),
-    (["--beta2", "1.5"], "beta2 must be in [0, 1)"),
+    (["--beta1", "2"], "beta1 must be a number in [0, 1)"),
+    (["--beta2", "1.5"], "beta2 must be a number in [0, 1)"),
     (["--threads", "-1"], "threads must be"),
     (["--seed", str(2**63)], "seed must be"),
     (["--grad-clip", "nan"], "grad_clip must be a finite number"),

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError
 from rdepth.exits.config import checked_k_max, resolve_k_max
-from rdepth.fields import option
+from rdepth.fields import check_fields, option
 from rdepth.run.config import DEVICE_HELP, check_device_name
 from rdepth.threads import THREADS_HELP
 
@@ -30,29 +29,29 @@ class CalibrateConfig:
     policy: str = option("acceleration", "the exit policy to calibrate")
     max_quality_loss: float | None = option(
         None, "target: the most quality to give up (text: relative perplexity increase, 0.01 = 1%; "
-        "task: accuracy drop, 0.01 = one point)", default_text="none; or give --mean-steps")
+        "task: accuracy drop, 0.01 = one point)", default_text="none; or give --mean-steps", bounds="[0, 1)")
     mean_steps: float | None = option(None, "target: mean loop steps per token summed over groups",
-                                      default_text="none; or give --max-quality-loss")
+                                      default_text="none; or give --max-quality-loss", bounds=f"(0, {MAX_LOOPS * 1024}]")
     values: tuple[float, ...] | None = option(
-        None, "candidate values of the policy's parameter", default_text="1e-6 .. 3 (tau) or the policy's grid")
+        None, "candidate values of the policy's parameter", default_text="1e-6 .. 3 (tau) or the policy's grid", bounds="(0, inf)")
     k_max: tuple[int, ...] | None = option(
         None, "loop-step cap N (every group) or N,N,... (per group)", default_text="twice the model's eval loops")
     windows: int = option(128, "held-out windows the thresholds are chosen on (text: with --validation-windows at most "
-                                "the split holds, an error beyond; task: capped at half the held-out set)")
-    validation_windows: int = option(128, "further held-out windows the chosen profile is checked on")
+                                "the split holds, an error beyond; task: capped at half the held-out set)", bounds="[1, inf)")
+    validation_windows: int = option(128, "further held-out windows the chosen profile is checked on", bounds="[1, inf)")
     difficulty: int | None = option(None, "task data: the held-out difficulty to calibrate on",
-                                    default_text="the top training difficulty")
+                                    default_text="the top training difficulty", bounds="[1, inf)")
     kl_direction: str = option("new_old", "kl policy: new_old or old_new (see rdepth sweep)")
-    batch_size: int = option(16, "windows per forward pass")
+    batch_size: int = option(16, "windows per forward pass", bounds="[1, inf)")
     refine_rounds: int = option(
         3, "real runs on the calibration windows that may correct the additive estimate: while the chosen "
         "profile misses the target there, the estimate's error is taken off the target and the choice made "
-        "again (0: trust the estimate)")
+        "again (0: trust the estimate)", bounds="[0, 20]")
     out: str | None = option(None, "where to write the profile (JSON; never overwritten)",
                              default_text="RUN/exit_profile_<policy>.json")
-    seed: int = option(0, "seed of the initial loop-state noise")
+    seed: int = option(0, "seed of the initial loop-state noise", bounds=f"[0, {2**63})")
     device: str = option("auto", DEVICE_HELP)
-    threads: int = option(0, THREADS_HELP)
+    threads: int = option(0, THREADS_HELP, bounds="[0, inf)")
 
     def __post_init__(self) -> None:
         from rdepth.exits.registry import get_policy_class
@@ -62,32 +61,14 @@ class CalibrateConfig:
             raise RdepthError("calibrate: 'fixed' has no threshold to calibrate")
         if (self.max_quality_loss is None) == (self.mean_steps is None):
             raise RdepthError("calibrate: give exactly one of --max-quality-loss and --mean-steps")
-        if self.max_quality_loss is not None and not (
-                isinstance(self.max_quality_loss, (int, float)) and 0 <= self.max_quality_loss < 1):
-            raise RdepthError(f"calibrate: max_quality_loss must be in [0, 1), got {self.max_quality_loss!r}")
-        if self.mean_steps is not None and not (isinstance(self.mean_steps, (int, float)) and
-                                                0 < self.mean_steps <= MAX_LOOPS * 1024):
-            raise RdepthError(f"calibrate: mean_steps must be a finite number > 0, got {self.mean_steps!r}")
+        check_fields(self, "calibrate")
         if self.values is not None:
             self.values = tuple(float(v) for v in self.values)
-            if not self.values or not all(math.isfinite(v) and v > 0 for v in self.values):
-                raise RdepthError(f"calibrate: values must be positive finite numbers, got {self.values}")
         if cls.sweep_parameter is None:
             raise RdepthError(f"calibrate: policy {self.policy!r} has no parameter to calibrate")
         self.k_max = checked_k_max("calibrate", self.k_max)
-        for name in ("windows", "validation_windows", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RdepthError(f"calibrate: {name} must be a positive integer, got {value!r}")
-        if self.difficulty is not None and (isinstance(self.difficulty, bool) or self.difficulty < 1):
-            raise RdepthError(f"calibrate: difficulty must be a positive integer, got {self.difficulty!r}")
         if self.kl_direction not in get_policy_class("kl").DIRECTIONS:
             raise RdepthError(f"calibrate: kl_direction must be new_old or old_new, got {self.kl_direction!r}")
-        if not isinstance(self.refine_rounds, int) or isinstance(self.refine_rounds, bool) or not \
-                0 <= self.refine_rounds <= 20:
-            raise RdepthError(f"calibrate: refine_rounds must be an integer in 0..20, got {self.refine_rounds!r}")
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
-            raise RdepthError(f"calibrate: threads must be an integer >= 0, got {self.threads!r}")
         check_device_name("calibrate", self.device)
 
     def candidate_values(self) -> tuple[float, ...]:

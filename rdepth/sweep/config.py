@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 from rdepth.errors import RdepthError
 from rdepth.exits.config import DECODE_MODES, checked_k_max, resolve_k_max
-from rdepth.fields import option
+from rdepth.fields import check_fields, option
 from rdepth.run.config import DEVICE_HELP, PROFILE_FORCE_HELP, check_autocast_name, check_device_name
 from rdepth.sweep.stats import NOISE_THRESHOLD
 from rdepth.threads import THREADS_HELP
@@ -44,7 +44,7 @@ class SweepConfig:
         None, "comma-separated exit policies to sweep (the fixed budget is always measured)",
         default_text="every registered policy except fixed",
     )
-    taus: tuple[float, ...] = option(DEFAULT_TAUS, "threshold grid for policies with a tau, e.g. 1e-5,1e-4")
+    taus: tuple[float, ...] = option(DEFAULT_TAUS, "threshold grid for policies with a tau, e.g. 1e-5,1e-4", bounds="(0, inf)")
     grid: dict[str, tuple[float, ...]] = option(
         {}, "values for one policy instead of the tau grid or its own default, e.g. kl=1e-6,1e-5 or "
         "argmax_stable=1,2,4 (repeatable)",
@@ -52,38 +52,33 @@ class SweepConfig:
     k_max: tuple[int, ...] | None = option(
         None, "loop-step cap N (every group) or N,N,... (per group)", default_text="twice the model's eval loops",
     )
-    tolerance: float = option(0.01, "relative perplexity increase over the full budget that counts as matched quality")
-    batch_size: int = option(8, "held-out windows per forward pass")
+    tolerance: float = option(0.01, "relative perplexity increase over the full budget that counts as matched quality", bounds="[0, inf)")
+    batch_size: int = option(8, "held-out windows per forward pass", bounds="[1, inf)")
     block_size: int | None = option(
-        None, "tokens per window", default_text="the model's block size, at most the held-out text",
-    )
-    max_batches: int | None = option(4, "batches of windows evaluated per point")
+        None, "tokens per window", default_text="the model's block size, at most the held-out text", bounds="[2, inf)")
+    max_batches: int | None = option(4, "batches of windows evaluated per point", bounds="[1, inf)")
     timing: bool = option(
         True, "measure latency of every point: teacher-forced ms/token (a whole window per forward, time / "
         "tokens; not decode latency), batch 1 and batched, and the decode latency (see --generate-tokens)",
     )
-    timing_batch_size: int = option(8, "windows in the batched latency measurement")
-    warmup: int = option(2, "untimed calls of each setting before the timed rounds")
+    timing_batch_size: int = option(8, "windows in the batched latency measurement", bounds="[1, inf)")
+    warmup: int = option(2, "untimed calls of each setting before the timed rounds", bounds="[0, inf)")
     repeats: int = option(
-        5, "timed rounds; each round times every setting once, in a shuffled order (median and IQR kept)",
-    )
+        5, "timed rounds; each round times every setting once, in a shuffled order (median and IQR kept)", bounds="[1, inf)")
     noise_threshold: float = option(
         NOISE_THRESHOLD, "a speedup is flagged 'within noise' when the IQRs overlap or either timing's "
-        "IQR exceeds this fraction of its median",
-    )
+        "IQR exceeds this fraction of its median", bounds="(0, inf)")
     generate_tokens: int | None = option(
         None, "decode latency: time greedy cached generation of this many tokens at batch 1 after "
         "--generate-prompt tokens, ms per generated token (0: skip)",
-        default_text=f"{DEFAULT_GENERATE_TOKENS}, fewer when the window is shorter; none with --decode rest",
-    )
-    generate_prompt: int = option(16, "prompt tokens before the timed generation")
+        default_text=f"{DEFAULT_GENERATE_TOKENS}, fewer when the window is shorter; none with --decode rest", bounds="[0, inf)")
+    generate_prompt: int = option(16, "prompt tokens before the timed generation", bounds="[1, inf)")
     fixed_ladder: bool = option(True, "also measure every fixed budget 1..k_max (the fixed-budget curve)")
     decode: str = option(
         "head", "how kl, entropy_diff and argmax_stable read a group's state: head (final norm + head, a "
         "logit-lens reading) or rest (the layers after the group, later groups at --decode-loops steps, then "
-        "the head; teacher-forced only)",
-    )
-    decode_loops: int = option(1, "with --decode rest: loop steps each later group runs in a reading")
+        "the head; teacher-forced only)", choices=DECODE_MODES)
+    decode_loops: int = option(1, "with --decode rest: loop steps each later group runs in a reading", bounds="[1, inf)")
     kl_direction: str = option(
         "new_old", "kl policy: new_old = KL(p_new || p_old) (the paper's Eq. 4) or old_new = KL(p_old || p_new) "
         "(Geiping et al.'s code)",
@@ -93,64 +88,26 @@ class SweepConfig:
         None, "task data: held-out difficulties to sweep", default_text="the top training difficulty")
     task_windows: int | None = option(
         None, "task data: held-out windows (problems, one per window when they fill it) per difficulty",
-        default_text="all")
+        default_text="all", bounds="[1, inf)")
     exit_profile: str | None = option(
         None, "also measure this exit profile (rdepth calibrate: one threshold per group) beside the policy grid",
         default_text="none")
     force_profile: bool = option(False, PROFILE_FORCE_HELP)
     accuracy_tolerance: float = option(
-        0.01, "task data: accuracy below the full budget's that counts as matched (a fraction: 0.01 = one point)")
-    seed: int = option(0, "seed of the initial loop-state noise")
+        0.01, "task data: accuracy below the full budget's that counts as matched (a fraction: 0.01 = one point)", bounds="[0, 1]")
+    seed: int = option(0, "seed of the initial loop-state noise", bounds=f"[0, {2**63})")
     device: str = option("auto", DEVICE_HELP)
     progress: bool = option(True, "show a progress bar over the sweep points")
-    threads: int = option(0, THREADS_HELP + "; fewer threads than cores steadies timings on a shared machine")
+    threads: int = option(0, THREADS_HELP + "; fewer threads than cores steadies timings on a shared machine", bounds="[0, inf)")
 
     def __post_init__(self) -> None:
-        from rdepth.exits.registry import get_policy_class, sweepable_policies
+        from rdepth.exits.registry import get_policy_class
 
-        self.policies = sweepable_policies() if self.policies is None else tuple(self.policies)
-        if not self.policies:
-            raise RdepthError("sweep: policies is empty")
-        for name in self.policies:
-            get_policy_class(name)  # unknown names fail here
-            if name == "fixed":
-                raise RdepthError("sweep: 'fixed' is the baseline and always included; leave it out of policies")
+        self.policies = _checked_policies(self.policies)
+        check_fields(self, "sweep")
         self.taus = tuple(float(t) for t in self.taus)
-        if not self.taus or not all(math.isfinite(t) and t > 0 for t in self.taus):
-            raise RdepthError(f"sweep: taus must be positive finite numbers, got {self.taus}")
-        grid = {}
-        for name, values in dict(self.grid).items():
-            get_policy_class(name)
-            values = tuple(values)
-            if not values:
-                raise RdepthError(f"sweep: the grid for {name} is empty")
-            if not all(math.isfinite(float(v)) and float(v) > 0 for v in values):
-                raise RdepthError(f"sweep: the grid for {name} must hold positive finite numbers, got {values}")
-            grid[name] = values
-        self.grid = grid
+        self.grid = _checked_grid(self.grid)
         self.k_max = checked_k_max("sweep", self.k_max)
-        if not (isinstance(self.tolerance, (int, float)) and math.isfinite(self.tolerance) and self.tolerance >= 0):
-            raise RdepthError(f"sweep: tolerance must be a finite number >= 0, got {self.tolerance!r}")
-        if (self.generate_tokens is not None and self.generate_tokens < 0) or self.generate_prompt < 1:
-            raise RdepthError(
-                f"sweep: need generate_tokens >= 0 and generate_prompt >= 1, got "
-                f"{self.generate_tokens}, {self.generate_prompt}"
-            )
-        for name in ("batch_size", "timing_batch_size", "repeats"):
-            if getattr(self, name) < 1:
-                raise RdepthError(f"sweep: {name} must be >= 1, got {getattr(self, name)}")
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
-            raise RdepthError(f"sweep: threads must be an integer >= 0, got {self.threads!r}")
-        if self.warmup < 0:
-            raise RdepthError(f"sweep: warmup must be >= 0, got {self.warmup}")
-        if self.max_batches is not None and self.max_batches < 1:
-            raise RdepthError(f"sweep: max_batches must be >= 1, got {self.max_batches}")
-        if self.block_size is not None and self.block_size < 2:
-            raise RdepthError(f"sweep: block_size must be >= 2, got {self.block_size}")
-        if self.decode not in DECODE_MODES:
-            raise RdepthError(f"sweep: decode must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
-        if isinstance(self.decode_loops, bool) or not isinstance(self.decode_loops, int) or self.decode_loops < 1:
-            raise RdepthError(f"sweep: decode_loops must be an integer >= 1, got {self.decode_loops!r}")
         if self.decode == "rest" and self.timing and self.generate_tokens:
             raise RdepthError(
                 "sweep: decode=rest is defined for teacher-forced windows only; cached generation would need "
@@ -159,9 +116,6 @@ class SweepConfig:
         directions = get_policy_class("kl").DIRECTIONS
         if self.kl_direction not in directions:
             raise RdepthError(f"sweep: kl_direction must be one of {', '.join(directions)}, got {self.kl_direction!r}")
-        if not (isinstance(self.noise_threshold, (int, float)) and math.isfinite(self.noise_threshold)
-                and self.noise_threshold > 0):
-            raise RdepthError(f"sweep: noise_threshold must be a finite number > 0, got {self.noise_threshold!r}")
         check_autocast_name("sweep", self.autocast)
         if self.difficulties is not None:
             self.difficulties = tuple(int(d) for d in self.difficulties)
@@ -205,6 +159,37 @@ class SweepConfig:
     def measure_settings(self) -> "MeasureSettings":
         """The fields that measuring one point needs, and no others (what the sweep's steps are handed)."""
         return MeasureSettings(**{f.name: getattr(self, f.name) for f in fields(MeasureSettings)})
+
+
+def _checked_policies(policies: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The policies to sweep: every sweepable one by default; a one-line error for none, an unknown name
+    or ``fixed`` (the baseline, always measured)."""
+    from rdepth.exits.registry import get_policy_class, sweepable_policies
+
+    policies = sweepable_policies() if policies is None else tuple(policies)
+    if not policies:
+        raise RdepthError("sweep: policies is empty")
+    for name in policies:
+        get_policy_class(name)  # unknown names fail here
+        if name == "fixed":
+            raise RdepthError("sweep: 'fixed' is the baseline and always included; leave it out of policies")
+    return policies
+
+
+def _checked_grid(grid: dict) -> dict[str, tuple[float, ...]]:
+    """``--grid policy=v1,v2``: known policies, each with a non-empty list of positive finite values."""
+    from rdepth.exits.registry import get_policy_class
+
+    checked = {}
+    for name, values in dict(grid).items():
+        get_policy_class(name)
+        values = tuple(values)
+        if not values:
+            raise RdepthError(f"sweep: the grid for {name} is empty")
+        if not all(math.isfinite(float(v)) and float(v) > 0 for v in values):
+            raise RdepthError(f"sweep: the grid for {name} must hold positive finite numbers, got {values}")
+        checked[name] = values
+    return checked
 
 
 @dataclass(frozen=True)
