@@ -167,48 +167,14 @@ class Decoder:
         if not 1 <= self.capacity <= config.block_size:
             raise RdepthError(f"decoder: capacity must be 1..{config.block_size} (the block size), "
                               f"got {self.capacity}")
-        n_groups = model.n_groups
-        if loop_counts is not None and controller_factory is not None:
-            raise RdepthError("decoder: give loop_counts or controller_factory, not both")
-        if controller_factory is None:
-            if loop_counts is None:
-                loop_counts = k_max if k_max is not None else config.default_eval_loops
-            counts = parse_loop_counts(loop_counts, n_groups) if n_groups else ()
-            self.budget = Budget(counts=counts)
-            first_steps = counts
-        else:
-            self.budget = Budget(controller_factory=controller_factory)
-            probe = controller_factory()
-            first_steps = tuple(probe.max_steps(group) for group in range(n_groups))
-        caps = parse_loop_counts(k_max, n_groups) if (k_max is not None and n_groups) else first_steps
-        for group, (n, cap) in enumerate(zip(first_steps, caps)):
-            if not 1 <= n <= cap:
-                raise RdepthError(f"decoder: group {group} would run {n} loop steps; k_max is {cap}")
-        # loop steps the cache keeps per group: the budget's, or more for other budgets (keep_steps)
-        self.steps = tuple(first_steps)
-        if keep_steps is not None:
-            keep = parse_loop_counts(keep_steps, n_groups) if n_groups else ()
-            if any(k < n for k, n in zip(keep, first_steps)):
-                raise RdepthError(f"decoder: keep_steps {keep} is below the budget's steps {first_steps}")
-            self.steps = tuple(keep)
+        self.budget, first_steps, self.steps = _resolve_budget(model, k_max, loop_counts, controller_factory,
+                                                               keep_steps)
         if check_every == "auto":
             check_every = 1 if self.device.type == "cpu" else None
-        if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
-                                        or check_every < 1):
-            raise RdepthError(f"decoder: check_every must be >= 1 or None, got {check_every!r}")
+        _check_options(controller_factory is not None, check_every, compact, compile, batch_quantile,
+                       prefix_attention)
         self.check_every = check_every
-        if compact and (controller_factory is None or check_every is None):
-            raise RdepthError("decoder: compact=True needs exits (controller_factory) and check_every "
-                              "(rows are compacted at the checks between chunks)")
-        if compile and compact:
-            raise RdepthError("decoder: compile=True does not cover compacted chunks (compact=True); choose one")
         self.compact = compact
-        if batch_quantile is not None:
-            if controller_factory is None:
-                raise RdepthError("decoder: batch_quantile needs exits (controller_factory)")
-            if isinstance(batch_quantile, bool) or not isinstance(batch_quantile, (int, float)) \
-                    or not 0 < batch_quantile <= 1:
-                raise RdepthError(f"decoder: batch_quantile must be in (0, 1], got {batch_quantile!r}")
         self.batch_quantile = batch_quantile
         # rows that may still loop once the others stopped (a host int: the threshold is fixed per decoder)
         self._stragglers = (int(math.floor((1 - batch_quantile) * batch_size + 1e-9))
@@ -228,9 +194,6 @@ class Decoder:
         self.prompt_computed: torch.Tensor | None = None  # [G, B, T] loop steps of the last extend's tokens
         # Eager decoding reads the written prefix of the cache only; graphs and compiled pieces need
         # fixed shapes (the whole cache under a mask).
-        if prefix_attention and compile:
-            raise RdepthError("decoder: prefix_attention needs eager decoding (compiled pieces read the whole "
-                              "cache at fixed shapes)")
         self._prefix = (not compile) if prefix_attention is None else bool(prefix_attention)
         with torch.no_grad():
             self.cache = StaticKV(model, batch_size, self.capacity, self.steps, self.dtype, self.device)
@@ -865,3 +828,53 @@ def _sequence(pieces: list[_Run]) -> _Run:
             piece()
 
     return run
+
+def _resolve_budget(model: RecurrentLM, k_max, loop_counts, controller_factory, keep_steps
+                    ) -> tuple[Budget, tuple[int, ...], tuple[int, ...]]:
+    """A decoder's budget (fixed ``loop_counts``, else exits by ``controller_factory``, else ``k_max`` or
+    the model's eval loops), the loop steps its first token runs per group (at most ``k_max``), and the
+    steps the cache keeps per group (``keep_steps``, at least the budget's)."""
+    n_groups = model.n_groups
+    if loop_counts is not None and controller_factory is not None:
+        raise RdepthError("decoder: give loop_counts or controller_factory, not both")
+    if controller_factory is None:
+        if loop_counts is None:
+            loop_counts = k_max if k_max is not None else model.config.default_eval_loops
+        counts = parse_loop_counts(loop_counts, n_groups) if n_groups else ()
+        budget, first_steps = Budget(counts=counts), counts
+    else:
+        budget = Budget(controller_factory=controller_factory)
+        probe = controller_factory()
+        first_steps = tuple(probe.max_steps(group) for group in range(n_groups))
+    caps = parse_loop_counts(k_max, n_groups) if (k_max is not None and n_groups) else first_steps
+    for group, (n, cap) in enumerate(zip(first_steps, caps)):
+        if not 1 <= n <= cap:
+            raise RdepthError(f"decoder: group {group} would run {n} loop steps; k_max is {cap}")
+    steps = tuple(first_steps)
+    if keep_steps is not None:
+        keep = parse_loop_counts(keep_steps, n_groups) if n_groups else ()
+        if any(k < n for k, n in zip(keep, first_steps)):
+            raise RdepthError(f"decoder: keep_steps {keep} is below the budget's steps {first_steps}")
+        steps = tuple(keep)
+    return budget, tuple(first_steps), steps
+
+
+def _check_options(exits: bool, check_every, compact: bool, compile: bool, batch_quantile, prefix_attention) -> None:
+    """The decoder's options that depend on each other: a one-line error for a combination that cannot run."""
+    if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
+                                    or check_every < 1):
+        raise RdepthError(f"decoder: check_every must be >= 1 or None, got {check_every!r}")
+    if compact and (not exits or check_every is None):
+        raise RdepthError("decoder: compact=True needs exits (controller_factory) and check_every "
+                          "(rows are compacted at the checks between chunks)")
+    if compile and compact:
+        raise RdepthError("decoder: compile=True does not cover compacted chunks (compact=True); choose one")
+    if batch_quantile is not None:
+        if not exits:
+            raise RdepthError("decoder: batch_quantile needs exits (controller_factory)")
+        if isinstance(batch_quantile, bool) or not isinstance(batch_quantile, (int, float)) \
+                or not 0 < batch_quantile <= 1:
+            raise RdepthError(f"decoder: batch_quantile must be in (0, 1], got {batch_quantile!r}")
+    if prefix_attention and compile:
+        raise RdepthError("decoder: prefix_attention needs eager decoding (compiled pieces read the whole "
+                          "cache at fixed shapes)")
