@@ -264,20 +264,86 @@ def dlr_at(curve: dict[str, Any], loops: int) -> tuple[int, dict[str, dict[str, 
                             for boundary, definitions in curve["boundaries"].items()}
 
 
+def _dlr_budget(summary: dict[str, Any]) -> tuple[str, dict, list | None]:
+    """Where claim 3 is judged: the paper's budget on the DLR loop-budget curve, else (a summary without
+    the curve) the training budget of the final checkpoint. Returns (budget label, boundaries, loop counts)."""
+    final = summary["checkpoints"][-1]
+    curve = summary.get("dlr_curve")
+    if curve:
+        loops, boundaries = dlr_at(curve, PAPER_LOOPS)
+        return (f"K = {loops} (of the curve K = {curve['loops'][0]}..{curve['loops'][-1]})", boundaries,
+                [loops] * len(summary.get("groups") or []))
+    budget = "train" if "train" in final["budgets"] else next(iter(final["budgets"]))
+    return budget, final["budgets"][budget].get("dlr") or {}, final["budgets"][budget].get("loop_counts")
+
+
+def _dlr_rows(boundaries: dict, refine: str) -> list[dict[str, Any]]:
+    """One row per boundary: Eq. 2's median and p10/p90, the refinement-only and the start-free medians."""
+    rows = []
+    for name, definitions in boundaries.items():
+        def median(definition: str) -> float | None:
+            return (definitions.get(definition) or {}).get("median")
+
+        literal = definitions.get("literal") or {}
+        rows.append({"boundary": name, "literal_median": median("literal"),
+                     "literal_p10": literal.get("p10"), "literal_p90": literal.get("p90"),
+                     f"{refine}_median": median(refine), f"{NOISE_FREE_DLR}_median": median(NOISE_FREE_DLR)})
+    return rows
+
+
+def _dlr_series(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Eq. 2's median per boundary at every checkpoint (the training budget)."""
+    def dlr(entry):
+        budgets = entry["budgets"]
+        return budgets["train" if "train" in budgets else next(iter(budgets))].get("dlr") or {}
+
+    return [{"checkpoint": entry["label"], "step": entry["step"],
+             "literal_median": {name: (d.get("literal") or {}).get("median") for name, d in dlr(entry).items()}}
+            for entry in summary["checkpoints"]]
+
+
+def _dlr_growth(curve: dict, names) -> str:
+    """Eq. 2 at the curve's first and last budget, per boundary."""
+    first, last = dlr_at(curve, curve["loops"][0]), dlr_at(curve, curve["loops"][-1])
+
+    def at(point, name):
+        return (point[1][name].get("literal") or {}).get("median") or float("nan")
+
+    return ", ".join(f"{name}: {at(first, name):.1f} at K = {first[0]} -> {at(last, name):.1f} at K = {last[0]}"
+                     for name in names)
+
+
+def _dlr_why(per_boundary: list[dict], budget: str, text: str, curve: dict | None, verdict: str,
+             refine: str) -> list[str]:
+    """Claim 3's reasons: Eq. 2 at the judged budget, the start-free drift, the growth with K, and for
+    'partly' whether the refinement-only measure clears the bar."""
+    why = [f"Eq. 2 medians at {budget}: {text}."]
+    free = [b[f"{NOISE_FREE_DLR}_median"] for b in per_boundary]
+    if all(v is not None for v in free):
+        why.append(f"Free of the random start ('{NOISE_FREE_DLR}': hand-off states over the refinement steps): "
+                   + ", ".join(f"{b['boundary']}: {v:.1f}" for b, v in zip(per_boundary, free)) + ".")
+    if curve:
+        names = [b["boundary"] for b in per_boundary]
+        why.append(f"Eq. 2 against the budget: {_dlr_growth(curve, names)} (the verdict moves with K; the curve "
+                   "is in the summary).")
+    if verdict == PARTLY:
+        refined = [b[f"{refine}_median"] for b in per_boundary]
+        if all(v is not None and v >= DLR_MUCH for v in refined):
+            why.append(f"Above 1 but under {DLR_MUCH:g}; measured against the refinement steps only (leaving out "
+                       f"the jump from the random start, '{refine}') every boundary is >= {DLR_MUCH:g} "
+                       f"({', '.join(f'{v:.1f}' for v in refined)}).")
+        else:
+            why.append("Drift exceeds a loop step at every boundary, but not by an order of magnitude.")
+    return why
+
+
 def claim_dlr(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
     """Claim 3: drift between groups is much larger than a loop step, DLR >> 1 (Fig. 2), judged at the
     paper's loop budget on the DLR loop-budget curve, beside a drift measure free of the random start."""
     final = summary["checkpoints"][-1]
     refine = summary.get("dlr_default_refine", "first_refine")
     curve = summary.get("dlr_curve")
-    if curve:
-        loops, boundaries = dlr_at(curve, PAPER_LOOPS)
-        budget = f"K = {loops} (of the curve K = {curve['loops'][0]}..{curve['loops'][-1]})"
-        counts = [loops] * len(summary.get("groups") or [])
-    else:  # a summary without the curve: the training budget, as before
-        budget = "train" if "train" in final["budgets"] else next(iter(final["budgets"]))
-        boundaries = final["budgets"][budget].get("dlr") or {}
-        counts = final["budgets"][budget].get("loop_counts")
+    budget, boundaries, counts = _dlr_budget(summary)
     result = _claim("dlr", "Drift across group hand-offs is much larger than a loop step: DLR >> 1.",
                     {"figure": "Fig. 2", "value": "DLR >> 1 at the boundaries 4 -> 5-6 and 5-6 -> 7, every checkpoint"},
                     criteria=f"median over tokens of DLR by Eq. 2 as written ('literal'), final checkpoint, at the "
@@ -288,52 +354,16 @@ def claim_dlr(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> d
                              "distance over the refinement steps, which does not depend on the random start")
     if not boundaries:
         return _untested(result, "one looped group: there is no boundary between groups to measure drift across")
-    per_boundary = []
-    for name, definitions in boundaries.items():
-        def median(definition: str) -> float | None:
-            return (definitions.get(definition) or {}).get("median")
-
-        literal = definitions.get("literal") or {}
-        per_boundary.append({"boundary": name, "literal_median": median("literal"),
-                             "literal_p10": literal.get("p10"), "literal_p90": literal.get("p90"),
-                             f"{refine}_median": median(refine), f"{NOISE_FREE_DLR}_median": median(NOISE_FREE_DLR)})
-    series = [{"checkpoint": entry["label"], "step": entry["step"],
-               "literal_median": {name: (d.get("literal") or {}).get("median")
-                                  for name, d in (entry["budgets"]["train" if "train" in entry["budgets"] else
-                                                  next(iter(entry["budgets"]))].get("dlr") or {}).items()}}
-              for entry in summary["checkpoints"]]
+    per_boundary = _dlr_rows(boundaries, refine)
     values = [b["literal_median"] for b in per_boundary]
     if any(v is None for v in values):
         return _untested(result, "DLR is undefined at some boundary")
-    if all(v >= DLR_MUCH for v in values):
-        verdict = REPRODUCED
-    elif all(v > 1 for v in values):
-        verdict = PARTLY
-    else:
-        verdict = NOT
+    verdict = REPRODUCED if all(v >= DLR_MUCH for v in values) else PARTLY if all(v > 1 for v in values) else NOT
     text = ", ".join(f"{b['boundary']}: {b['literal_median']:.1f}" for b in per_boundary)
-    why = [f"Eq. 2 medians at {budget}: {text}."]
-    free = [b[f"{NOISE_FREE_DLR}_median"] for b in per_boundary]
-    if all(v is not None for v in free):
-        why.append(f"Free of the random start ('{NOISE_FREE_DLR}': hand-off states over the refinement steps): "
-                   + ", ".join(f"{b['boundary']}: {v:.1f}" for b, v in zip(per_boundary, free)) + ".")
-    if curve:
-        first, last = dlr_at(curve, curve["loops"][0]), dlr_at(curve, curve["loops"][-1])
-        growth = ", ".join(f"{name}: {(first[1][name].get('literal') or {}).get('median') or float('nan'):.1f} at K = "
-                           f"{first[0]} -> {(last[1][name].get('literal') or {}).get('median') or float('nan'):.1f} at "
-                           f"K = {last[0]}" for name in boundaries)
-        why.append(f"Eq. 2 against the budget: {growth} (the verdict moves with K; the curve is in the summary).")
-    if verdict == PARTLY:
-        refined = [b[f"{refine}_median"] for b in per_boundary]
-        if all(v is not None and v >= DLR_MUCH for v in refined):
-            why.append(f"Above 1 but under {DLR_MUCH:g}; measured against the refinement steps only (leaving out "
-                       f"the jump from the random start, '{refine}') every boundary is >= {DLR_MUCH:g} "
-                       f"({', '.join(f'{v:.1f}' for v in refined)}).")
-        else:
-            why.append("Drift exceeds a loop step at every boundary, but not by an order of magnitude.")
+    why = _dlr_why(per_boundary, budget, text, curve, verdict, refine)
     result.update(verdict=verdict, why=why, ours={"value": f"DLR (Eq. 2, median, {budget}) {text}",
-                                                  "boundaries": per_boundary, "series": series, "budget": budget,
-                                                  "checkpoint": final["label"], "curve": curve})
+                                                  "boundaries": per_boundary, "series": _dlr_series(summary),
+                                                  "budget": budget, "checkpoint": final["label"], "curve": curve})
     spread = ", ".join(f"{b['boundary']}: p10-p90 {b['literal_p10']:.1f}-{b['literal_p90']:.1f}" for b in per_boundary
                        if b["literal_p10"] is not None and b["literal_p90"] is not None)
     result["judged_on"] = judged_on(summary, budget, counts, f"Eq. 2 over tokens: {spread}" if spread else None,
@@ -363,11 +393,79 @@ def _fastest_within(sweep: dict[str, Any], policy: str) -> dict[str, Any] | None
     return next((row for row in rows if row["policy"] == policy and row["value"] is not None), None)
 
 
+def _acceleration_flat(accel: list[dict], reference: dict, tolerance: float) -> dict[str, Any]:
+    """Claim 4 (a): acceleration's perplexity within tolerance at every tau, saving enough loop steps somewhere."""
+    worst = max(row["ppl_rise"] for row in accel)
+    full_steps = float(sum(reference.get("mean_steps") or reference.get("budget") or [0]))
+    saved = max((1.0 - row["steps"] / full_steps for row in accel), default=0.0) if full_steps > 0 else 0.0
+    return {"holds": worst <= tolerance and saved >= MIN_STEPS_SAVED, "worst_ppl_rise": worst,
+            "most_steps_saved": saved, "full_budget_steps": full_steps,
+            "flat": worst <= tolerance, "saves_enough": saved >= MIN_STEPS_SAVED}
+
+
+def _faster_than_kl(sweep: dict[str, Any]) -> dict[str, Any]:
+    """Claim 4 (b): at matched quality, acceleration's batch-1 latency below KL's outside the timing noise
+    (loop steps when the sweep was not timed)."""
+    from rdepth.sweep.stats import compare
+
+    fast_accel, fast_kl = _fastest_within(sweep, "acceleration"), _fastest_within(sweep, "kl")
+    latency: dict[str, Any] = {"acceleration": fast_accel, "kl": fast_kl}
+    if fast_accel is None or fast_kl is None:
+        latency["holds"] = False
+        latency["reason"] = "no point within tolerance for " + ("acceleration" if fast_accel is None else "kl")
+    elif "ms_per_token_b1" in fast_accel and "ms_per_token_b1" in fast_kl:
+        def timing(row):
+            return row["ms_per_token_b1"], row.get("ms_per_token_b1_iqr") or [row["ms_per_token_b1"]] * 2
+
+        compared = compare(timing(fast_kl), timing(fast_accel), sweep["summary"].get("noise_threshold", 0.1))
+        latency.update(kl_over_acceleration_b1=compared, holds=compared["ratio"] > 1 and not compared["noise"])
+        if compared["noise"]:
+            latency["reason"] = f"within timing noise ({compared['noise']})"
+    else:
+        latency.update(holds=fast_accel["steps"] < fast_kl["steps"], by="loop steps (not timed)")
+    return latency
+
+
+def _step_norm_cliff(step: list[dict], tolerance: float) -> dict[str, Any]:
+    """Claim 4 (c): step-norm far above the full budget at the largest tau, within tolerance at small ones."""
+    top = step[-1]
+    safe = [row for row in step if row["tau"] <= CLIFF_SAFE_TAU]
+    safe_ok = all(row["ppl_rise"] <= tolerance for row in safe)
+    return {"holds": top["ppl_rise"] >= CLIFF_LOSS and safe_ok and bool(safe), "largest_tau": top["tau"],
+            "ppl_rise_at_largest_tau": top["ppl_rise"], "small_taus_within_tolerance": safe_ok}
+
+
+def _exits_why(checks: dict[str, dict[str, Any]], tolerance: float) -> list[str]:
+    """Claim 4's reasons, one per check, and what the claim can rest on."""
+    flat, latency, cliff = checks["acceleration_flat"], checks["faster_than_kl"], checks["step_norm_cliff"]
+    worst, saved = flat["worst_ppl_rise"], flat["most_steps_saved"]
+    why = [f"(a) acceleration's worst perplexity rise over the taus: {100 * worst:+.2f}% "
+           f"({'flat' if worst <= tolerance else 'not flat'}), saving at most {100 * saved:.1f}% of the "
+           f"{flat['full_budget_steps']:g} loop steps per token"
+           + ("." if saved >= MIN_STEPS_SAVED else f": under {100 * MIN_STEPS_SAVED:g}%, the rule barely fires.")]
+    if "kl_over_acceleration_b1" in latency:
+        compared = latency["kl_over_acceleration_b1"]
+        why.append(f"(b) at matched quality KL takes {compared['ratio']:.2f}x acceleration's batch-1 latency "
+                   f"[{compared['range'][0]:.2f}-{compared['range'][1]:.2f}]"
+                   + (f", within noise: {compared['noise']}." if compared["noise"] else "."))
+    elif latency.get("by"):
+        why.append(f"(b) by loop steps: acceleration {latency['acceleration']['steps']:.2f}, "
+                   f"KL {latency['kl']['steps']:.2f} (not timed).")
+    else:
+        why.append(f"(b) {latency['reason']}.")
+    why.append(f"(c) step-norm at tau {cliff['largest_tau']:g}: {100 * cliff['ppl_rise_at_largest_tau']:+.2f}% "
+               "perplexity" + ("" if cliff["small_taus_within_tolerance"]
+                               else f"; already above {100 * tolerance:g}% at tau <= {CLIFF_SAFE_TAU:g}") + ".")
+    why.append("What the claim can rest on: on a contracting or spiralling loop of constant shape, acceleration "
+               "||Δ(k) - Δ(k-1)|| is a fixed multiple of the step norm, so the rule acts like step-norm with a "
+               "rescaled threshold and a 1-4 step delay (on reference spirals it never computes fewer steps than "
+               "step-norm at the same tau); differences between them are differences of effective threshold.")
+    return why
+
+
 def claim_exits(sweep: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
     """Claim 4: acceleration keeps perplexity flat at lower latency than KL; step-norm falls off a
     cliff above tau = 1e-3 (Fig. 4)."""
-    from rdepth.sweep.stats import compare
-
     summary = sweep["summary"]
     tolerance = summary["tolerance"]
     result = _claim("exits", "The acceleration exit keeps perplexity flat at lower latency than KL, while step-norm "
@@ -385,65 +483,20 @@ def claim_exits(sweep: dict[str, Any], seeds: dict[str, Any] | None = None) -> d
     needed = [name for name in ("acceleration", "kl", "step_norm") if not policies[name]]
     if needed:
         return _untested(result, f"the sweep has no {', '.join(needed)} points")
-    checks: dict[str, dict[str, Any]] = {}
-    accel = policies["acceleration"]
-    worst = max(row["ppl_rise"] for row in accel)
     reference = sweep["reference"]
-    full_steps = float(sum(reference.get("mean_steps") or reference.get("budget") or [0]))
-    saved = max((1.0 - row["steps"] / full_steps for row in accel), default=0.0) if full_steps > 0 else 0.0
-    checks["acceleration_flat"] = {"holds": worst <= tolerance and saved >= MIN_STEPS_SAVED, "worst_ppl_rise": worst,
-                                   "most_steps_saved": saved, "full_budget_steps": full_steps,
-                                   "flat": worst <= tolerance, "saves_enough": saved >= MIN_STEPS_SAVED}
-    fast_accel, fast_kl = _fastest_within(sweep, "acceleration"), _fastest_within(sweep, "kl")
-    latency: dict[str, Any] = {"acceleration": fast_accel, "kl": fast_kl}
-    if fast_accel is None or fast_kl is None:
-        latency["holds"] = False
-        latency["reason"] = "no point within tolerance for " + ("acceleration" if fast_accel is None else "kl")
-    elif "ms_per_token_b1" in fast_accel and "ms_per_token_b1" in fast_kl:
-        compared = compare((fast_kl["ms_per_token_b1"], fast_kl.get("ms_per_token_b1_iqr") or
-                            [fast_kl["ms_per_token_b1"]] * 2),
-                           (fast_accel["ms_per_token_b1"], fast_accel.get("ms_per_token_b1_iqr") or
-                            [fast_accel["ms_per_token_b1"]] * 2), summary.get("noise_threshold", 0.1))
-        latency.update(kl_over_acceleration_b1=compared, holds=compared["ratio"] > 1 and not compared["noise"])
-        if compared["noise"]:
-            latency["reason"] = f"within timing noise ({compared['noise']})"
-    else:
-        latency.update(holds=fast_accel["steps"] < fast_kl["steps"], by="loop steps (not timed)")
-    checks["faster_than_kl"] = latency
-    step = policies["step_norm"]
-    top = step[-1]
-    safe = [row for row in step if row["tau"] <= CLIFF_SAFE_TAU]
-    safe_ok = all(row["ppl_rise"] <= tolerance for row in safe)
-    checks["step_norm_cliff"] = {"holds": top["ppl_rise"] >= CLIFF_LOSS and safe_ok and bool(safe),
-                                 "largest_tau": top["tau"], "ppl_rise_at_largest_tau": top["ppl_rise"],
-                                 "small_taus_within_tolerance": safe_ok}
-    held = sum(bool(check["holds"]) for check in checks.values())
-    verdict = _verdict(held, len(checks))
-    why = []
-    why.append(f"(a) acceleration's worst perplexity rise over the taus: {100 * worst:+.2f}% "
-               f"({'flat' if worst <= tolerance else 'not flat'}), saving at most {100 * saved:.1f}% of the "
-               f"{full_steps:g} loop steps per token"
-               + ("." if saved >= MIN_STEPS_SAVED else f": under {100 * MIN_STEPS_SAVED:g}%, the rule barely fires."))
-    if "kl_over_acceleration_b1" in latency:
-        compared = latency["kl_over_acceleration_b1"]
-        why.append(f"(b) at matched quality KL takes {compared['ratio']:.2f}x acceleration's batch-1 latency "
-                   f"[{compared['range'][0]:.2f}-{compared['range'][1]:.2f}]"
-                   + (f", within noise: {compared['noise']}." if compared["noise"] else "."))
-    elif latency.get("by"):
-        why.append(f"(b) by loop steps: acceleration {fast_accel['steps']:.2f}, KL {fast_kl['steps']:.2f} (not timed).")
-    else:
-        why.append(f"(b) {latency['reason']}.")
-    why.append(f"(c) step-norm at tau {top['tau']:g}: {100 * top['ppl_rise']:+.2f}% perplexity"
-               + ("" if safe_ok else f"; already above {100 * tolerance:g}% at tau <= {CLIFF_SAFE_TAU:g}") + ".")
+    checks = {"acceleration_flat": _acceleration_flat(policies["acceleration"], reference, tolerance),
+              "faster_than_kl": _faster_than_kl(sweep),
+              "step_norm_cliff": _step_norm_cliff(policies["step_norm"], tolerance)}
+    verdict = _verdict(sum(bool(check["holds"]) for check in checks.values()), len(checks))
+    why = _exits_why(checks, tolerance)
+    flat, latency, cliff = checks["acceleration_flat"], checks["faster_than_kl"], checks["step_norm_cliff"]
+    fast_accel, fast_kl = latency["acceleration"], latency["kl"]
+    worst, top = flat["worst_ppl_rise"], {"tau": cliff["largest_tau"], "ppl_rise": cliff["ppl_rise_at_largest_tau"]}
     value = (f"acceleration worst {100 * worst:+.2f}% PPL; step-norm {100 * top['ppl_rise']:+.2f}% at tau "
              f"{top['tau']:g}")
     if "kl_over_acceleration_b1" in latency:
         value += (f"; batch-1 latency {fast_accel['ms_per_token_b1']:.3g} (acceleration) vs "
                   f"{fast_kl['ms_per_token_b1']:.3g} ms/token (KL)")
-    why.append("What the claim can rest on: on a contracting or spiralling loop of constant shape, acceleration "
-               "||Δ(k) - Δ(k-1)|| is a fixed multiple of the step norm, so the rule acts like step-norm with a "
-               "rescaled threshold and a 1-4 step delay (on reference spirals it never computes fewer steps than "
-               "step-norm at the same tau); differences between them are differences of effective threshold.")
     latency_spread = ", ".join(f"{name} IQR {row.get('ms_per_token_b1_iqr')}" for name, row in
                                (("acceleration", fast_accel), ("kl", fast_kl))
                                if row and row.get("ms_per_token_b1_iqr"))
