@@ -165,6 +165,26 @@ def cosine_trend(series: list[dict[str, Any]], low: float, high: float) -> dict[
     return {"groups": groups, "holds": all(g["toward_band"] for g in judged) if judged else None}
 
 
+def _cosine_why(measured: list[dict], inside: int, values: str, trend: dict, checkpoints: int,
+                low: float, high: float) -> list[str]:
+    """Claim 2's reasons: the level per group, what a negative cosine means, the trend, and the paper's wording."""
+    why = [f"{inside} of {len(measured)} groups settle inside {low:.2f}-{high:.2f} ({values})."]
+    negative = [g["group"] for g in measured if g["settled_cosine"] < 0]
+    if negative:
+        why.append(f"Negative in group {', '.join(negative)}: each step partly undoes the last, an oscillating contraction "
+                   "rather than a spiral.")
+    if trend["holds"] is not None:
+        moves = ", ".join(f"group {g['group']}: {g['first']:.2f} -> {g['last']:.2f}" for g in trend["groups"]
+                          if g["toward_band"] is not None)
+        why.append(f"Over {checkpoints} checkpoints ({moves}) the settled cosine "
+                   + ("moves toward the band in every group." if trend["holds"] else
+                      "does not move toward the band in every group."))
+    why.append("The paper's wording pulls two ways: 'increasingly orthogonal' steps mean cosines falling toward 0, "
+               "while its Figs. 3b/5 show cosines rising from low values and settling at 0.5-0.65 (60-50 degrees, "
+               "far from orthogonal); the trend is judged as movement toward the band the figures show.")
+    return why
+
+
 def claim_cosine(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
     """Claim 2: consecutive-step cosines settle around 0.5-0.65, a slow spiral (Fig. 3b, Fig. 5), and get
     there over training ("increasingly orthogonal", judged as a trend over the checkpoint series)."""
@@ -195,23 +215,10 @@ def claim_cosine(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -
     if verdict == NOT and all(g["settled_cosine"] > 0 for g in measured):
         verdict = PARTLY
     values = ", ".join(f"group {g['group']}: {g['settled_cosine']:.2f}" for g in measured)
-    why = [f"{inside} of {len(measured)} groups settle inside {low:.2f}-{high:.2f} ({values})."]
-    negative = [g["group"] for g in measured if g["settled_cosine"] < 0]
-    if negative:
-        why.append(f"Negative in group {', '.join(negative)}: each step partly undoes the last, an oscillating contraction "
-                   "rather than a spiral.")
     trend = cosine_trend(series, low, high)
-    if trend["holds"] is not None:
-        moves = ", ".join(f"group {g['group']}: {g['first']:.2f} -> {g['last']:.2f}" for g in trend["groups"]
-                          if g["toward_band"] is not None)
-        why.append(f"Over {len(series)} checkpoints ({moves}) the settled cosine "
-                   + ("moves toward the band in every group." if trend["holds"] else
-                      "does not move toward the band in every group."))
-        if verdict == NOT and trend["holds"]:
-            verdict = PARTLY  # not there yet, but getting there: the "increasingly" half of the claim
-    why.append("The paper's wording pulls two ways: 'increasingly orthogonal' steps mean cosines falling toward 0, "
-               "while its Figs. 3b/5 show cosines rising from low values and settling at 0.5-0.65 (60-50 degrees, "
-               "far from orthogonal); the trend is judged as movement toward the band the figures show.")
+    if verdict == NOT and trend["holds"]:
+        verdict = PARTLY  # not there yet, but getting there: the "increasingly" half of the claim
+    why = _cosine_why(measured, inside, values, trend, len(series), low, high)
     spread = ", ".join(f"group {g['name']}: ± {g['headline']['settled_cosine_std']:.2f}" for g in groups
                        if (g.get("headline") or {}).get("settled_cosine_std") is not None)
     result.update(verdict=verdict, why=why, ours={"value": f"settled cosine {values}", "groups": per_group,

@@ -115,21 +115,10 @@ class ReproduceConfig:
 
             get_preset("tiny", **{k: v for k, v in loops.items() if v is not None})  # validates them, one line
         if self.sizes is not None:
-            self.sizes = tuple(self.sizes)
-            if not self.sizes:
-                raise RdepthError("reproduce: sizes is empty")
-            unknown = [name for name in self.sizes if name not in SIZES]
-            if unknown:
-                raise RdepthError(f"reproduce: unknown size {unknown[0]!r} (choose from {', '.join(SIZES)})")
+            self.sizes = _known_names("sizes", self.sizes, SIZES, "size")
         self.taus = tuple(float(t) for t in self.taus)
         check_fields(self, "reproduce")
-        self.policies = tuple(self.policies)
-        if not self.policies:
-            raise RdepthError("reproduce: policies is empty")
-        from rdepth.exits.registry import get_policy_class
-
-        for name in self.policies:
-            get_policy_class(name)  # an unknown name fails here, before any work
+        self.policies = _known_policies(self.policies)
         if self.corpus is not None and (not isinstance(self.corpus, str) or not self.corpus.strip()):
             raise RdepthError("reproduce: corpus must be a corpus name or a path")
         if self.data is None:
@@ -153,3 +142,26 @@ class ReproduceConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _known_names(field: str, names, known, what: str) -> tuple[str, ...]:
+    """``names`` as a non-empty tuple of names from ``known``; a one-line error otherwise."""
+    names = tuple(names)
+    if not names:
+        raise RdepthError(f"reproduce: {field} is empty")
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise RdepthError(f"reproduce: unknown {what} {unknown[0]!r} (choose from {', '.join(known)})")
+    return names
+
+
+def _known_policies(policies) -> tuple[str, ...]:
+    """The exit policies to sweep, each a registered name (an unknown one fails here, before any work)."""
+    from rdepth.exits.registry import get_policy_class
+
+    policies = tuple(policies)
+    if not policies:
+        raise RdepthError("reproduce: policies is empty")
+    for name in policies:
+        get_policy_class(name)
+    return policies
