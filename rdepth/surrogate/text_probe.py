@@ -164,8 +164,8 @@ def run_text_probe(config: SurrogateRunConfig, teacher: Teacher, tokenizer, fit_
             distinct.setdefault(id(model), {})[name] = model
         for group in distinct.values():
             first = next(iter(group))
-            value = gloss_features(tokenizer, texts, config.batch_size, surrogate_features(teacher, {first: group[first]}),
-                                   f"{first} ({label} glosses)")[first]
+            fn = surrogate_features(teacher, {first: group[first]})
+            value = gloss_features(tokenizer, texts, config.batch_size, fn, f"{first} ({label} glosses)")[first]
             found.update({name: value for name in group})
         for name, value in found.items():
             features.setdefault(name, []).append(value)
