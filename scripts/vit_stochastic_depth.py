@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps-joint", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--render-only", action="store_true", help="redraw table and page from results.json")
+    parser.add_argument("--merge", default="", help="add the runs of another study folder (same settings, other "
+                        "seeds) to OUT's results.json, then redraw; nothing is trained")
     return parser.parse_args()
 
 
@@ -191,11 +194,39 @@ def write_outputs(out: Path, saved: dict) -> None:
     report.write(out)
 
 
+SEED_ONLY_ARGS = {"seeds", "out", "threads", "render_only", "merge"}  # may differ between merged folders
+
+
+def merge_study(out: Path, other: Path) -> dict:
+    """OUT's saved study with the runs of ``other`` added (runs already in OUT are kept, not replaced).
+
+    Both folders must come from the same settings (every argument but the seeds, folder and threads);
+    ``other``'s similarity matrices are copied beside OUT's.
+    """
+    mine, theirs = (json.loads((folder / "results.json").read_text()) for folder in (out, other))
+    differing = sorted(name for name in set(mine["args"]) | set(theirs["args"])
+                       if name not in SEED_ONLY_ARGS and mine["args"].get(name) != theirs["args"].get(name))
+    if differing:
+        raise SystemExit(f"error: {other} was run with other settings ({', '.join(differing)}); not merged")
+    have = {record["tag"] for record in mine["records"]}
+    added = [record for record in theirs["records"] if record["tag"] not in have]
+    for record in added:
+        shutil.copyfile(other / f"similarity_{record['tag']}.npz", out / f"similarity_{record['tag']}.npz")
+    merged = dict(mine, records=mine["records"] + added)
+    merged["merged"] = mine.get("merged", []) + [{"folder": str(other), "seeds": theirs["args"]["seeds"],
+                                                 "seconds": theirs["seconds"], "runs": [r["tag"] for r in added],
+                                                 "environment": theirs["environment"]}]
+    return merged
+
+
 def main() -> int:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
+    if args.merge:
+        write_json(out / "results.json", merge_study(out, Path(args.merge)))
+        args.render_only = True
     if args.render_only:
         write_outputs(out, json.loads((out / "results.json").read_text()))
         print((out / "table.md").read_text())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -120,3 +121,71 @@ def test_bad_inputs_are_one_line_errors(tiny_teacher, tmp_path, capsys):
     err = one_line_error(capsys, run_cli(*small_flags(folder, corpus, tmp_path / "e")))
     assert "not a readable safetensors file" in err
     assert not (tmp_path / "e" / "index.html").exists()
+
+
+def gloss_folder(tmp_path):
+    """Constructed WordNet data files: 60 glosses of the tiny vocabulary in 3 lexicographer classes."""
+    from test_wordnet_probe import write_wordnet
+
+    g = torch.Generator().manual_seed(2)
+    entries = []
+    for i in range(60):
+        label = (5, 15, 38)[i % 3]
+        words = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (5,), generator=g)]
+        entries.append((label, "n" if label < 29 else "v", " ".join([WORDS[i % 3 + 3], *words])))
+    write_wordnet(tmp_path / "wordnet", {"data.noun": [e for e in entries if e[1] == "n"],
+                                         "data.verb": [e for e in entries if e[1] == "v"]})
+    return tmp_path / "wordnet"
+
+
+def test_tiny_wordnet_probe_end_to_end(tiny_teacher, tmp_path, capsys):
+    folder, corpus = tiny_teacher
+    out = tmp_path / "probe"
+    assert run_cli(*small_flags(folder, corpus, out), "--probe", "wordnet", "--wordnet-dir", gloss_folder(tmp_path),
+                   "--probe-train", 36, "--probe-test", 24, "--probe-k", "1,3") == 0
+    results = json.loads((out / "results.json").read_text())
+    probe = results["probe"]
+    assert probe["compare_k"] == [1, 2, 3] and set(probe["by_k"]) == {"1", "2", "3"}  # --k 2 added
+    assert probe["glosses"] == {"train": 36, "test": 24} and probe["n_classes"] == 45
+    assert probe["by_k"]["2"]["phases"] == results["phases"]["raptor"]  # the run's own k = 2 surrogate
+    assert probe["by_k"]["3"]["equal_split"] == [1, 1, 1] == probe["by_k"]["3"]["phases"]
+    teacher = probe["teacher"]
+    floor = probe["floor"]["token_embedding_probe_accuracy"]
+    assert teacher["teacher_probe_retention"] == 1.0
+    if teacher["own_probe_accuracy"] > floor:  # a random tiny teacher need not beat its embeddings
+        assert teacher["teacher_probe_normalised"] == pytest.approx(1.0)
+    else:
+        assert math.isnan(teacher["teacher_probe_normalised"])
+    for k, entry in probe["by_k"].items():
+        for kind in ("raptor", "equal_split", "truncated"):
+            metrics = entry["models"][kind]
+            assert 0.0 <= metrics["own_probe_accuracy"] <= 1.0
+            assert metrics["own_probe_retention"] == pytest.approx(metrics["own_probe_accuracy"]
+                                                                   / teacher["own_probe_accuracy"])
+    # three layers, k = 3: the truncated teacher is the teacher itself
+    assert probe["by_k"]["3"]["models"]["truncated"]["teacher_probe_accuracy"] == teacher["teacher_probe_accuracy"]
+    page = (out / "index.html").read_text()
+    assert "lexicographer classes" in page and "token-embedding mean (floor)" in page
+    assert (out / "figures" / "probe_own_probe.png").is_file()
+
+
+def test_wordnet_probe_bad_inputs_are_one_line_errors(tiny_teacher, tmp_path, capsys):
+    folder, corpus = tiny_teacher
+    err = one_line_error(capsys, run_cli(*small_flags(folder, corpus, tmp_path / "a"), "--probe", "wordnet",
+                                         "--wordnet-dir", tmp_path / "nowhere"))
+    assert "has no data.noun" in err
+    glosses = gloss_folder(tmp_path)
+    err = one_line_error(capsys, run_cli(*small_flags(folder, corpus, tmp_path / "b"), "--probe", "wordnet",
+                                         "--wordnet-dir", glosses, "--probe-train", 50, "--probe-test", 20))
+    assert "exceeds the 60 WordNet glosses" in err
+    err = one_line_error(capsys, run_cli(*small_flags(folder, corpus, tmp_path / "c"), "--probe", "wordnet",
+                                         "--wordnet-dir", glosses, "--probe-train", 20, "--probe-test", 20,
+                                         "--probe-k", "4"))
+    assert "exceeds the teacher's 3 layers" in err
+    (glosses / "data.verb").write_text("00000001 99 v 01 run 0 000 | go fast\n")
+    err = one_line_error(capsys, run_cli(*small_flags(folder, corpus, tmp_path / "d"), "--probe", "wordnet",
+                                         "--wordnet-dir", glosses))
+    assert "data.verb line 1" in err and "outside 0..44" in err
+    err = one_line_error(capsys, run_cli(*small_flags(folder, corpus, tmp_path / "e"), "--probe", "bogus"))
+    assert "probe must be one of" in err
+    assert not any((tmp_path / name / "index.html").exists() for name in "abcde")

@@ -25,6 +25,8 @@ INIT_CHOICES = ("first", "middle", "random")
 #   loss = r * one-step loss (every input the teacher's) + (1 - r) * free-rollout loss, r annealed;
 #   stage 2 free rollout only.
 FORCING_CHOICES = ("anneal", "mixed")
+PROBE_CHOICES = ("none", "wordnet")  # rdepth.surrogate.text_probe
+PROBE_MIN_GLOSSES = 2  # a probe needs at least two glosses to train and to score
 
 
 @dataclass(frozen=True)
@@ -125,11 +127,21 @@ class SurrogateRunConfig:
     init: str = option("first", "block initialisation: first or middle layer of its phase, or random")
     threads: int = option(0, THREADS_HELP)
     seed: int = option(0, "random seed of the sentence sample, the initialisation and the fitting (sets fit.seed)")
+    probe: str = option("none", "downstream probe of a text teacher: none, or wordnet (linear probes for the 45 "
+                        "lexicographer classes of WordNet glosses; Debian package wordnet-base, fetched with apt-get "
+                        "download into the rdepth cache unless --wordnet-dir is given)")
+    probe_k: tuple[int, ...] = option((1, 2, 3), "block counts of the downstream probe table (--probe; --k is "
+                                      "added if missing)")
+    probe_train: int = option(2000, "glosses the probes are trained on (--probe)")
+    probe_test: int = option(1000, "held-out glosses the probes are scored on, disjoint from the training ones")
+    wordnet_dir: str = option("", "folder holding WordNet's data.noun, data.verb, data.adj and data.adv "
+                              "(default: read from the wordnet-base package in the rdepth cache)")
     fit: FitConfig = dataclasses.field(default_factory=FitConfig, metadata={"cli": False})
     vision: VisionConfig = dataclasses.field(default_factory=VisionConfig, metadata={"cli": False})
 
     def __post_init__(self) -> None:
-        for name in ("k", "n_fit", "n_eval", "max_length", "batch_size", "threads", "seed"):
+        for name in ("k", "n_fit", "n_eval", "max_length", "batch_size", "threads", "seed", "probe_train",
+                     "probe_test"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise RdepthError(f"{name} must be an integer, got {value!r}")
@@ -148,6 +160,13 @@ class SurrogateRunConfig:
             raise RdepthError(f"init must be one of {INIT_CHOICES}, got {self.init!r}")
         if self.threads < 0:
             raise RdepthError(f"threads must be >= 0, got {self.threads}")
+        if self.probe not in PROBE_CHOICES:
+            raise RdepthError(f"probe must be one of {PROBE_CHOICES}, got {self.probe!r}")
+        if not self.probe_k or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in self.probe_k):
+            raise RdepthError(f"probe_k must list block counts >= 1, got {self.probe_k!r}")
+        for name in ("probe_train", "probe_test"):
+            if getattr(self, name) < PROBE_MIN_GLOSSES:
+                raise RdepthError(f"{name} must be >= {PROBE_MIN_GLOSSES}, got {getattr(self, name)}")
         if self.fit.seed != self.seed:  # one seed per run, as the command always had
             object.__setattr__(self, "fit", dataclasses.replace(self.fit, seed=self.seed))
 

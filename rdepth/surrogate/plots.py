@@ -121,10 +121,12 @@ def plot_bars(rows: list[dict], value: str, label: str, title: str):
     return fig
 
 
-def plot_retention(results: dict, probe: str):
-    """Probe accuracy against k for Raptor and the baselines, with the teacher and the pixel floor.
+def plot_retention(results: dict, probe: str, floor_key: str = "pixel_probe_accuracy",
+                   floor_label: str = "pixel probe (floor)"):
+    """Probe accuracy against k for Raptor and the baselines, with the teacher and the floor.
 
-    ``probe``: "teacher_probe" or "own_probe" (which accuracy of the saved retention numbers).
+    ``probe``: "teacher_probe" or "own_probe" (which accuracy of the saved retention numbers);
+    ``floor_key``: the floor's accuracy in ``results["floor"]``.
     """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.4))
@@ -134,7 +136,7 @@ def plot_retention(results: dict, probe: str):
         values = [results["by_k"][str(k)]["models"][kind][f"{probe}_accuracy"] for k in ks]
         ax.plot(ks, values, style, color=colour, marker="o", label=kind)
     ax.axhline(results["teacher"]["own_probe_accuracy"], color="k", lw=1, label="teacher")
-    ax.axhline(results["floor"]["pixel_probe_accuracy"], color="grey", lw=1, ls="--", label="pixel probe (floor)")
+    ax.axhline(results["floor"][floor_key], color="grey", lw=1, ls="--", label=floor_label)
     ax.set_xticks(ks)
     ax.set_xlabel("k (distinct blocks)")
     ax.set_ylabel(f"test accuracy ({probe.replace('_', ' ')})")

@@ -63,6 +63,43 @@ def retention_rows(results: dict) -> list[dict]:
     return rows
 
 
+PROBE_KINDS = ("raptor", "equal_split", "truncated")
+
+
+def probe_rows(results: dict, floor_key: str = "pixel_probe_accuracy",
+                   floor_label: str = "pixel probe (floor)") -> list[dict]:
+    """The headline table: one row per (k, model) plus the teacher and the floor.
+
+    ``results``: a block with ``teacher``, ``floor`` and ``by_k`` (a vision run's results, or a text
+    run's ``probe``); ``floor_key`` names the floor's accuracy in ``results["floor"]``.
+    """
+    teacher = results["teacher"]
+    floor = results["floor"][floor_key]
+    rows = [{"k": "-", "model": "teacher (L = %d)" % results["n_layers"], "phases": "",
+             "teacher probe acc": teacher["teacher_probe_accuracy"], "teacher probe % of teacher": 100.0,
+             "teacher probe normalised": 1.0, "own probe acc": teacher["own_probe_accuracy"],
+             "own probe % of teacher": 100.0, "own probe normalised": 1.0, "final cosine": 1.0},
+            {"k": "-", "model": floor_label, "phases": "", "own probe acc": floor,
+             "own probe % of teacher": 100.0 * floor / teacher["own_probe_accuracy"], "own probe normalised": 0.0}]
+    for k, entry in results["by_k"].items():
+        for kind in PROBE_KINDS:
+            metrics = entry["models"][kind]
+            phases = entry["phases"] if kind == "raptor" else (entry["equal_split"] if kind == "equal_split"
+                                                                else f"first {k} layers")
+            rows.append({"k": int(k), "model": kind, "phases": phases,
+                         "teacher probe acc": metrics["teacher_probe_accuracy"],
+                         "teacher probe % of teacher": 100.0 * metrics["teacher_probe_retention"],
+                         "teacher probe normalised": metrics["teacher_probe_normalised"],
+                         "own probe acc": metrics["own_probe_accuracy"],
+                         "own probe % of teacher": 100.0 * metrics["own_probe_retention"],
+                         "own probe normalised": metrics["own_probe_normalised"],
+                         "final cosine": metrics.get("final_cosine", "")})
+    if not any(row["final cosine"] != "" for row in rows[2:]):  # a text probe: no state fidelity saved here
+        for row in rows:
+            row.pop("final cosine", None)
+    return rows
+
+
 def write_report(out: str | Path) -> Path:
     """Draw the figures and write the run's ``index.html`` (shared :mod:`rdepth.report` format)."""
     from rdepth.report import Report
@@ -75,6 +112,23 @@ def write_report(out: str | Path) -> Path:
     report = Report(f"Raptor surrogate of {config['config']['teacher']}",
                     intro=f"A {results['k']}-block recurrent surrogate of a {config['n_layers']}-layer teacher, "
                           f"fitted on {results['n_fit']} sentences and evaluated on {results['n_eval']} held-out ones.")
+    if "probe" in results:
+        probe = results["probe"]
+        section = report.section("probe", "Downstream retention: WordNet glosses' 45 lexicographer classes", order=5)
+        section.table(probe_rows(probe, "token_embedding_probe_accuracy", "token-embedding mean (floor)"), caption=(
+            f"ridge probes (penalty {probe['penalty']} x N) on each model's sentence feature (mean over real tokens "
+            f"of the final state), trained on {probe['glosses']['train']} glosses and scored on "
+            f"{probe['glosses']['test']} held-out ones (majority class {probe['majority_test_accuracy']:.3f}). "
+            "teacher probe = trained on the teacher's features, applied to the model's; own probe = retrained. "
+            "normalised = (acc - floor) / (teacher - floor), the floor being the same probe on the mean token "
+            "embedding"))
+        section.note("raptor and equal_split: k distinct blocks making the teacher's L layer applications, fitted "
+                     "on the run's fit sentences (never on the glosses); truncated = the teacher's first k layers. "
+                     "Where the chosen phases are the equal split, both rows are the same model.")
+        section.figures([(save_report_figure(plots.plot_retention(probe, name, "token_embedding_probe_accuracy",
+                                                                  "token-embedding mean (floor)"),
+                                             out, f"probe_{name}"), f"{name.replace('_', ' ')} accuracy against k")
+                         for name in ("teacher_probe", "own_probe")])
     rows = retention_rows(results)
     note = ("truncated = the teacher's first k layers (the surrogate's parameter budget, k layer applications); "
             "equal_split = a surrogate fitted identically on equal phases (L layer applications, like raptor).")

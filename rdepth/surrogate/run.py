@@ -42,18 +42,27 @@ def run_surrogate(config: SurrogateRunConfig) -> Path:
     from rdepth.surrogate.vision import run_vision_surrogate
 
     if is_vision_teacher(config.teacher):
+        if config.probe != "none":
+            raise RdepthError(f"--probe {config.probe} applies to text teachers; a vision run always probes "
+                              "Fashion-MNIST's classes")
         return run_vision_surrogate(config)
 
     if config.threads:
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     out = Path(config.out)
+    glosses = None
+    if config.probe == "wordnet":  # read before anything is loaded or fitted: missing or corrupt data fails fast
+        from rdepth.surrogate.text_probe import probe_glosses
+        glosses = probe_glosses(config)
     directory = resolve_teacher(config.teacher)
     teacher = load_teacher(config.teacher)
     if config.k > teacher.n_layers:
         raise RdepthError(f"k = {config.k} exceeds the teacher's {teacher.n_layers} layers")
     tokenizer = text_tokenizer(config.teacher, config.max_length)
     fit_sentences, eval_sentences = corpus_sentences(config.corpus, config.n_fit, config.n_eval, config.seed)
+    if glosses is not None and max(config.probe_k) > teacher.n_layers:
+        raise RdepthError(f"probe_k: k = {max(config.probe_k)} exceeds the teacher's {teacher.n_layers} layers")
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", {"config": config.to_dict(), "teacher_dir": str(directory),
                                      "layer_spec": teacher.spec.to_dict(), "n_layers": teacher.n_layers})
@@ -79,6 +88,7 @@ def run_surrogate(config: SurrogateRunConfig) -> Path:
     fits = {"raptor": fit_surrogate(surrogate, fit_bank, config.fit, metrics_path, "raptor")}
     surrogate.save(out / "surrogate")
     models = {"raptor": surrogate_fn(surrogate)}
+    equal_surrogate = surrogate
     if equal != chosen:
         equal_surrogate = RaptorSurrogate(teacher, SurrogateConfig(equal, config.init))
         fits["equal_split"] = fit_surrogate(equal_surrogate, fit_bank, config.fit, metrics_path, "equal_split")
@@ -90,9 +100,15 @@ def run_surrogate(config: SurrogateRunConfig) -> Path:
     results, states = evaluate_text(models, teacher, eval_bank)
     mask = eval_bank.stacked()[1]
     dynamics = {name: dynamics_summary(states[name], mask, chosen) for name in ("teacher", "raptor")}
-    write_json(out / "results.json", {"k": config.k, "phases": {"raptor": list(chosen), "equal_split": list(equal)},
-                                      "equal_split_is_raptor": equal == chosen, "fits": fits, "models": results,
-                                      "n_fit": fit_bank.n_examples, "n_eval": eval_bank.n_examples})
+    saved = {"k": config.k, "phases": {"raptor": list(chosen), "equal_split": list(equal)},
+             "equal_split_is_raptor": equal == chosen, "fits": fits, "models": results,
+             "n_fit": fit_bank.n_examples, "n_eval": eval_bank.n_examples}
+    if glosses is not None:
+        from rdepth.surrogate.text_probe import run_text_probe
+        fitted = {config.k: ({"raptor": surrogate, "equal_split": equal_surrogate},
+                             {"phases": list(chosen), "equal_split": list(equal), "fits": fits})}
+        saved["probe"] = run_text_probe(config, teacher, tokenizer, fit_bank, eval_bank, glosses, fitted, metrics_path)
+    write_json(out / "results.json", saved)
     write_json(out / "dynamics.json", dynamics)
     page = write_report(out)
     write_phase_geometry(out, {"teacher": states["teacher"], "raptor": states["raptor"]}, mask, chosen)

@@ -13,37 +13,7 @@ import numpy as np
 from rdepth.io import read_jsonl
 from rdepth.report.figures import save_report_figure
 from rdepth.surrogate import plots
-from rdepth.surrogate.report import _load
-
-KINDS = ("raptor", "equal_split", "truncated")
-
-
-def retention_rows(results: dict) -> list[dict]:
-    """The headline table: one row per (k, model) plus the teacher and the pixel floor."""
-    teacher = results["teacher"]
-    rows = [{"k": "-", "model": "teacher (L = %d)" % results["n_layers"], "phases": "",
-             "teacher probe acc": teacher["teacher_probe_accuracy"], "teacher probe % of teacher": 100.0,
-             "teacher probe normalised": 1.0, "own probe acc": teacher["own_probe_accuracy"],
-             "own probe % of teacher": 100.0, "own probe normalised": 1.0, "final cosine": 1.0},
-            {"k": "-", "model": "pixel probe (floor)", "phases": "",
-             "own probe acc": results["floor"]["pixel_probe_accuracy"],
-             "own probe % of teacher": 100.0 * results["floor"]["pixel_probe_accuracy"]
-             / teacher["own_probe_accuracy"], "own probe normalised": 0.0}]
-    for k, entry in results["by_k"].items():
-        for kind in KINDS:
-            metrics = entry["models"][kind]
-            phases = entry["phases"] if kind == "raptor" else (entry["equal_split"] if kind == "equal_split"
-                                                                else f"first {k} layers")
-            rows.append({"k": int(k), "model": kind, "phases": phases,
-                         "teacher probe acc": metrics["teacher_probe_accuracy"],
-                         "teacher probe % of teacher": 100.0 * metrics["teacher_probe_retention"],
-                         "teacher probe normalised": metrics["teacher_probe_normalised"],
-                         "own probe acc": metrics["own_probe_accuracy"],
-                         "own probe % of teacher": 100.0 * metrics["own_probe_retention"],
-                         "own probe normalised": metrics["own_probe_normalised"],
-                         "final cosine": metrics["final_cosine"]})
-    return rows
-
+from rdepth.surrogate.report import PROBE_KINDS as KINDS, _load, probe_rows
 
 def write_vision_report(out: str | Path) -> Path:
     """Draw the figures and write the run's ``index.html``."""
@@ -61,7 +31,7 @@ def write_vision_report(out: str | Path) -> Path:
                           f"images and scored on {images['test']} test images; fidelity and dynamics on the last "
                           f"{images['dynamics']} test images. Seed {results['seed']}.")
     section = report.section("retention", "Downstream retention (linear probes on the final [CLS])", order=10)
-    section.table(retention_rows(results), caption=(
+    section.table(probe_rows(results), caption=(
         "teacher probe = the ridge probe trained on the teacher's features, applied to the model's; own probe = "
         "retrained on the model's features. % of teacher = accuracy / the teacher's probe accuracy; normalised = "
         "(acc - pixel floor) / (teacher - pixel floor)"))
