@@ -742,6 +742,24 @@ def round3_cases() -> list[Case]:
             return expect_success(c.rdepth(*argv)) if force else expect_error(c.rdepth(*argv))
         return run
 
+    def export_profile_other_run(force: bool):
+        def run(c: Campaign, tmp: Path) -> str:
+            argv = ["export", "--checkpoint", str(_other_run(c)), "--out", str(tmp / "hf"), "--exit-profile",
+                    str(_profile(c)), *(["--force-profile"] if force else [])]
+            if force:
+                return expect_success(c.rdepth(*argv), lambda: (tmp / "hf" / "config.json").is_file())
+            result = expect_error(c.rdepth(*argv))
+            return "lost" if result == "clean" and (tmp / "hf").exists() else result
+        return run
+
+    def force_alone(c: Campaign, tmp: Path) -> str:
+        outcome = c.rdepth(*_eval(c, c.run, "--force-profile"))
+        result = expect_error(outcome)
+        if result == "clean" and "--force-profile applies" not in outcome.err:
+            c.note = "refused, but not for --force-profile"
+            return "silent"
+        return result
+
     def calibrate_flag(*flags: str):
         def run(c: Campaign, tmp: Path) -> str:
             return expect_error(c.rdepth("calibrate", "--checkpoint", str(c.run), "--data", str(c.data), "--out",
@@ -894,6 +912,9 @@ def round3_cases() -> list[Case]:
         Case("round3", "eval: profile without its run identity", profile_edit(lambda p: p.pop("run"))),
         Case("round3", "eval: profile of another run (same shape)", profile_other_run(False)),
         Case("round3", "eval: profile of another run with --force-profile", profile_other_run(True)),
+        Case("round3", "export: profile of another run (same shape)", export_profile_other_run(False)),
+        Case("round3", "export: profile of another run with --force-profile", export_profile_other_run(True)),
+        Case("round3", "eval --force-profile without --exit-profile", force_alone),
         Case("round3", "train --resume --time-limit 2", resume_time_limit),
         Case("round3", "sweep --out holds a user's files", sweep_foreign),
         Case("round3", "analyze re-run killed at 50/80/95%", rerun_killed("analyze")),

@@ -101,6 +101,42 @@ def test_profile_without_identity_is_refused(runs, wiki_small, tmp_path, capsys)
     assert "records no run identity" in error_line(capsys)
 
 
+def test_export_checks_the_profiles_run_identity(runs, tmp_path, capsys):
+    """``rdepth export --exit-profile`` applies the same run-identity check as eval, generate and sweep."""
+    profile = str(runs / "profile.json")
+    spec = json.loads((runs / "profile.json").read_text())
+    assert main(["export", "--checkpoint", str(runs / "run1"), "--out", str(tmp_path / "hf1"),
+                 "--exit-profile", profile]) == 2
+    line = error_line(capsys)
+    assert "was made for other weights" in line and "--force-profile" in line
+    assert not (tmp_path / "hf1").exists()
+    assert main(["export", "--checkpoint", str(runs / "run1"), "--out", str(tmp_path / "hf1"),
+                 "--exit-profile", profile, "--force-profile"]) == 0
+    assert main(["export", "--checkpoint", str(runs / "run0"), "--out", str(tmp_path / "hf0"),
+                 "--exit-profile", profile]) == 0
+    exported = json.loads((tmp_path / "hf0" / "config.json").read_text())["exit_policy"]
+    assert exported["name"] == spec["policy"] and exported["tau"] == spec["values"]
+    assert exported["k_max"] == spec["k_max"]
+    capsys.readouterr()
+    del spec["run"]
+    (tmp_path / "p.json").write_text(json.dumps(spec))
+    assert main(["export", "--checkpoint", str(runs / "run0"), "--out", str(tmp_path / "hf2"),
+                 "--exit-profile", str(tmp_path / "p.json")]) == 2
+    assert "records no run identity" in error_line(capsys)
+
+
+@pytest.mark.parametrize("command", ["eval", "generate", "sweep", "export"])
+def test_force_profile_without_a_profile_is_refused(runs, wiki_small, tmp_path, capsys, command):
+    argv = {"eval": eval_argv(runs / "run0", wiki_small),
+            "generate": ["generate", "--checkpoint", str(runs / "run0"), "--threads", "1"],
+            "sweep": ["sweep", "--checkpoint", str(runs / "run0"), "--data", str(wiki_small), "--out",
+                      str(tmp_path / "s"), "--threads", "1"],
+            "export": ["export", "--checkpoint", str(runs / "run0"), "--out", str(tmp_path / "hf")]}[command]
+    assert run_cli([*argv, "--force-profile"]) == 2
+    assert "--force-profile applies to --exit-profile" in error_line(capsys)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "hf").exists()
+
+
 def test_profile_is_standard_json_with_the_run_identity(runs):
     text = (runs / "profile.json").read_text()
     assert "Infinity" not in text and "NaN" not in text

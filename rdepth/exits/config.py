@@ -14,7 +14,8 @@ from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError
 from rdepth.exits.stats import NOISE_THRESHOLD
 from rdepth.fields import option
-from rdepth.run.config import DEVICE_HELP, PROFILE_FORCE_HELP, check_autocast_name, check_device_name
+from rdepth.run.config import (DEVICE_HELP, PROFILE_FORCE_HELP, check_autocast_name, check_device_name,
+                               check_force_profile)
 from rdepth.threads import THREADS_HELP
 
 DEFAULT_TAUS = (1e-5, 1e-4, 1e-3, 1e-2)
@@ -136,6 +137,7 @@ class SweepConfig:
         self.policies = sweepable_policies() if self.policies is None else tuple(self.policies)
         if not self.policies:
             raise RdepthError("sweep: policies is empty")
+        check_force_profile("sweep", self)
         for name in self.policies:
             get_policy_class(name)  # unknown names fail here
             if name == "fixed":

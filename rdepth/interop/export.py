@@ -87,7 +87,7 @@ def export_run(config: ExportConfig) -> Path:
     model, model_config = load_model(checkpoint)
     tokenizer = run_tokenizer(checkpoint)
     counts = parse_loop_counts(config.loops, model_config.n_groups) if config.loops else None
-    exit_spec = config.exit_spec()
+    exit_spec = config.exit_spec(model_config.n_groups, checkpoint)
     check_exit_spec(exit_spec, model_config.n_groups)
     with staged_folder(config.out) as folder:
         weights = {WEIGHT_PREFIX + name: tensor.detach().float().contiguous().cpu()
