@@ -95,7 +95,8 @@ def export_run(config: ExportConfig) -> Path:
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
         ordinary_mode(folder / "model.safetensors")  # safetensors writes 0600; an export is shared
         write_json(folder / "config.json",
-                   export_config_dict(model_config, counts, config.state_seed, tokenizer.eot_id, exit_spec))
+                   export_config_dict(model_config, counts, config.state_seed, tokenizer.eot_id, exit_spec),
+                   strict=True)
         write_json(folder / "generation_config.json", {
             "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "pad_token_id": tokenizer.eot_id,
             "do_sample": False,
