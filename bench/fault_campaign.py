@@ -939,6 +939,9 @@ def main(argv: list[str] | None = None) -> int:
     groups = {"flags": flag_cases, "files": file_cases, "kills": kill_cases, "concurrent": concurrency_cases,
               "output": output_cases, "data": data_cases, "round3": round3_cases}
     chosen = [g for g in (args.only.split(",") if args.only else groups) if g]
+    # started in the background (`nohup ... &`), this process inherits an ignored SIGINT, and so would every
+    # command it starts: the SIGINT cases would test nothing. A handler here is reset to the default on exec.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     work = Path(tempfile.mkdtemp(prefix="rdepth-campaign-"))
     campaign = Campaign(work, args.timeout)
     started = time.monotonic()
