@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -338,7 +339,9 @@ def load_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
     if not trainer_path.exists() or not state_path.exists():
         raise RdepthError(f"checkpoint {checkpoint} has no optimizer state to resume from")
     try:
-        trainer_state = torch.load(trainer_path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about a damaged file before it fails: the error says it
+            warnings.simplefilter("ignore")
+            trainer_state = torch.load(trainer_path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for damaged files
         raise RdepthError(f"checkpoint optimizer state {trainer_path} is corrupt ({type(exc).__name__})") from None
     if not isinstance(trainer_state, dict) or not isinstance(trainer_state.get("optimizer"), dict):
