@@ -28,7 +28,7 @@ Each case is classified:
 - ``lost``: a file that existed before was damaged or removed;
 - ``hang``: the case ran past its time limit (killed).
 
-Usage (CPU; about 10 minutes on 2 cores)::
+Usage (CPU; about 15 minutes on 2 cores, 147 cases)::
 
     python bench/fault_campaign.py [--timeout 60] [--only flags,files] [--json results.json] [--keep]
 """
