@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"policy {args.policy} tau {tau:g} (trials: " + ", ".join(
         f"{t['tau']:g}: agreement {t['agreement']:.3f}, steps {sum(t['mean_steps']):.2f}" for t in tau_trials) + ")")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
+        Path(args.json).write_text(json_text(report, indent=2) + "\n")
     return 0
 
 

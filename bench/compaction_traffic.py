@@ -19,7 +19,6 @@ measures two revisions; it prints the one it used.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -152,7 +151,8 @@ def main(argv=None) -> int:
         print(f"{name:<14} {row['ops_per_token']:>10.1f} {row['mbytes_per_token']:>10.2f} "
               f"{row['kv_copy_mbytes_per_token']:>13.2f}  {steps}")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
+        Path(args.json).write_text(json_text(report, indent=2))
     return 0
 
 

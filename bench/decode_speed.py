@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, counts in results.get("profile_per_token", {}).items():
         print(f"  per token, {key}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "note"))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
+        Path(args.json).write_text(json_text(report, indent=2) + "\n")
     return 0
 
 

@@ -145,7 +145,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(HERE.parent))
     torch.set_num_threads(1)
     histogram = record(args.checkpoint, args.data, args.policy, args.tau, args.k_max, args.difficulty, args.windows)
-    Path(args.out).write_text(json.dumps(histogram, indent=1) + "\n")
+    from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
+    Path(args.out).write_text(json_text(histogram, indent=1) + "\n")
     print(json.dumps({"mean_steps": histogram["mean_steps"], "groups": histogram["groups"]}))
     return 0
 

@@ -32,7 +32,6 @@ Prints the device, torch version and git revision, and writes everything to ``--
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import subprocess
@@ -327,8 +326,9 @@ def main(argv=None) -> int:
     else:
         result = generate_mode(args)
     if args.json:
+        from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
         with open(args.json, "w") as handle:
-            json.dump({**header, args.mode: result}, handle, indent=1)
+            handle.write(json_text({**header, args.mode: result}, indent=1))
     return 0
 
 

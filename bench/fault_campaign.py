@@ -18,13 +18,17 @@ Re-runs the campaign's categories in temporary folders, every case a real
 Each case is classified:
 
 - ``clean``: it did what it should (a bad input: non-zero exit, one line, no traceback;
-  a good input: success and the right result);
+  a good input: success and the right result); the summary splits them into ``refused`` (the
+  case's last command exited with status 2 and one line on stderr) and ``accepted`` (the rest:
+  successes, resumes, one of two concurrent writers winning);
+- ``untidy``: a bad input refused without a traceback, but with another exit status than 2 or
+  more than one line on stderr;
 - ``traceback``: a Python traceback reached the user;
 - ``silent``: a bad input was accepted (exit 0), or a run gave a wrong result;
 - ``lost``: a file that existed before was damaged or removed;
 - ``hang``: the case ran past its time limit (killed).
 
-Usage (CPU; about 10 minutes on 2 cores)::
+Usage (CPU; about 15 minutes on 2 cores, 147 cases)::
 
     python bench/fault_campaign.py [--timeout 60] [--only flags,files] [--json results.json] [--keep]
 """
@@ -52,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
 TINY = ["--n-layer", "3", "--n-head", "2", "--d-model", "32", "--block-size", "32", "--groups", "1",
         "--mean-loops", "3", "--backprop-depth", "2", "--threads", "1"]
-CLASSES = ("clean", "traceback", "silent", "lost", "hang")
+CLASSES = ("clean", "untidy", "traceback", "silent", "lost", "hang")
 
 
 @dataclass
@@ -74,6 +78,7 @@ class Case:
     name: str
     run: Callable[["Campaign", Path], "str | None"]  # returns a class, or None for "look at the outcome"
     result: str = ""
+    kind: str = ""  # of a clean case: "refused" (its last command exited 2 with one line) or "accepted"
     note: str = ""
     seconds: float = 0.0
 
@@ -742,6 +747,24 @@ def round3_cases() -> list[Case]:
             return expect_success(c.rdepth(*argv)) if force else expect_error(c.rdepth(*argv))
         return run
 
+    def export_profile_other_run(force: bool):
+        def run(c: Campaign, tmp: Path) -> str:
+            argv = ["export", "--checkpoint", str(_other_run(c)), "--out", str(tmp / "hf"), "--exit-profile",
+                    str(_profile(c)), *(["--force-profile"] if force else [])]
+            if force:
+                return expect_success(c.rdepth(*argv), lambda: (tmp / "hf" / "config.json").is_file())
+            result = expect_error(c.rdepth(*argv))
+            return "lost" if result == "clean" and (tmp / "hf").exists() else result
+        return run
+
+    def force_alone(c: Campaign, tmp: Path) -> str:
+        outcome = c.rdepth(*_eval(c, c.run, "--force-profile"))
+        result = expect_error(outcome)
+        if result == "clean" and "--force-profile applies" not in outcome.err:
+            c.note = "refused, but not for --force-profile"
+            return "silent"
+        return result
+
     def calibrate_flag(*flags: str):
         def run(c: Campaign, tmp: Path) -> str:
             return expect_error(c.rdepth("calibrate", "--checkpoint", str(c.run), "--data", str(c.data), "--out",
@@ -894,6 +917,9 @@ def round3_cases() -> list[Case]:
         Case("round3", "eval: profile without its run identity", profile_edit(lambda p: p.pop("run"))),
         Case("round3", "eval: profile of another run (same shape)", profile_other_run(False)),
         Case("round3", "eval: profile of another run with --force-profile", profile_other_run(True)),
+        Case("round3", "export: profile of another run (same shape)", export_profile_other_run(False)),
+        Case("round3", "export: profile of another run with --force-profile", export_profile_other_run(True)),
+        Case("round3", "eval --force-profile without --exit-profile", force_alone),
         Case("round3", "train --resume --time-limit 2", resume_time_limit),
         Case("round3", "sweep --out holds a user's files", sweep_foreign),
         Case("round3", "analyze re-run killed at 50/80/95%", rerun_killed("analyze")),
@@ -918,6 +944,9 @@ def main(argv: list[str] | None = None) -> int:
     groups = {"flags": flag_cases, "files": file_cases, "kills": kill_cases, "concurrent": concurrency_cases,
               "output": output_cases, "data": data_cases, "round3": round3_cases}
     chosen = [g for g in (args.only.split(",") if args.only else groups) if g]
+    # started in the background (`nohup ... &`), this process inherits an ignored SIGINT, and so would every
+    # command it starts: the SIGINT cases would test nothing. A handler here is reset to the default on exec.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     work = Path(tempfile.mkdtemp(prefix="rdepth-campaign-"))
     campaign = Campaign(work, args.timeout)
     started = time.monotonic()
@@ -939,22 +968,31 @@ def main(argv: list[str] | None = None) -> int:
         case.seconds = time.monotonic() - begin
         case.note = case.note or campaign.note or ""
         last = getattr(campaign, "last", None)
+        if case.result == "clean":
+            refused = last is not None and last.code not in (0, None)
+            if refused and (last.code != 2 or len(last.error_lines) != 1):
+                case.result = "untidy"
+                case.note = f"exit {last.code}, {len(last.error_lines)} lines: {' | '.join(last.error_lines)[:160]}"
+            case.kind = "refused" if refused else "accepted"
         if case.result not in ("clean", "skip") and not case.note and last is not None:
             lines = last.error_lines
             case.note = (lines[-1][:160] if lines else f"exit {last.code}")
         print(f"  {case.result:>9}  {case.category:<10} {case.name}  ({case.seconds:.1f} s)"
               + (f"  [{case.note}]" if case.note else ""), flush=True)
     totals = {name: sum(case.result == name for case in cases) for name in (*CLASSES, "skip", "error")}
+    totals.update({kind: sum(case.kind == kind for case in cases if case.result == "clean")
+                   for kind in ("refused", "accepted")})
     print(f"\n{len(cases)} cases in {time.monotonic() - started:.0f} s: " +
           ", ".join(f"{totals[name]} {name}" for name in (*CLASSES, "skip", "error") if totals[name] or name in CLASSES))
     for category in chosen:
         mine = [case for case in cases if case.category == category]
         bad = [case for case in mine if case.result not in ("clean", "skip")]
-        print(f"  {category:<10} {len(mine) - len(bad)}/{len(mine)} clean" +
+        kinds = ", ".join(f"{sum(c.kind == k for c in mine if c.result == 'clean')} {k}" for k in ("refused", "accepted"))
+        print(f"  {category:<10} {len(mine) - len(bad)}/{len(mine)} clean ({kinds})" +
               (": " + "; ".join(f"{c.name} -> {c.result}" for c in bad) if bad else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"totals": totals, "cases": [
-            {"category": c.category, "name": c.name, "result": c.result, "note": c.note,
+            {"category": c.category, "name": c.name, "result": c.result, "kind": c.kind, "note": c.note,
              "seconds": round(c.seconds, 1)} for c in cases]}, indent=2) + "\n")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)

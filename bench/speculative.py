@@ -13,7 +13,6 @@ ranges and the acceptance rate, with the device; --json writes them.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -103,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['speculative_iqr'][0]:.1f}-{result['speculative_iqr'][1]:.1f}): {result['speedup']:.2f}x; "
           f"acceptance {result['acceptance']:.2f} (drafts at {list(draft)}, verified at {list(verify)})")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
+        Path(args.json).write_text(json_text(result, indent=2) + "\n")
     return 0
 
 

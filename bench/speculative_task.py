@@ -18,7 +18,6 @@ the device; --json writes them.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -114,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['speculative_iqr'][1]:.1f}): {result['speedup']:.2f}x; acceptance {result['acceptance']:.2f} "
           f"(drafts at {list(draft)}, verified at {list(verify)}, {args.draft_tokens} per round)")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
+        Path(args.json).write_text(json_text(result, indent=2) + "\n")
     return 0
 
 

@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"checkpoint": str(run.checkpoint), "data": str(run.data), "device": device_name(torch.device("cpu")),
                "rows": rows, "first_step_size": first}
     if args.json:
+        from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
         with open(args.json, "w") as handle:
-            json.dump(summary, handle, indent=2)
+            handle.write(json_text(summary, indent=2))
     return 0
 
 

@@ -23,6 +23,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import platform
 import subprocess
@@ -30,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from rdepth.errors import RdepthError
 
@@ -84,15 +85,37 @@ def write_text(path: str | os.PathLike, text: str, *, overwrite: bool = True) ->
         tmp.write_text(text)
 
 
-def write_json(path: str | os.PathLike, obj: Any, *, overwrite: bool = True, strict: bool = False) -> None:
-    """``obj`` as indented JSON, atomically. ``strict``: standard JSON only (a NaN or infinity, which
-    Python would write as the non-standard ``NaN``/``Infinity``, is an error): for files other commands
-    read back as input, such as exit profiles."""
-    try:
-        text = json.dumps(obj, indent=2, sort_keys=False, default=_json_default, allow_nan=not strict)
-    except ValueError as exc:
-        raise RdepthError(f"cannot write {path}: {exc} (a number is not finite)") from None
+def write_json(path: str | os.PathLike, obj: Any, *, overwrite: bool = True, strict: bool = False,
+               non_finite: Callable[[float], Any] | None = None) -> None:
+    """``obj`` as indented standard JSON, atomically. Python would write a NaN or an infinity as the
+    non-standard tokens ``NaN``/``Infinity``, which other tools' parsers refuse; so none is ever written:
+    ``strict`` makes one an error (files other commands read back as input: exit profiles, configs,
+    manifests), otherwise it becomes ``null`` (a result that is not a number: summaries, sweeps,
+    analyses), or ``non_finite(value)`` where given (e.g. the text a report page shows for it)."""
+    text = json_text(obj, path, strict=strict, non_finite=non_finite, indent=2)
     write_text(path, text + "\n", overwrite=overwrite)
+
+
+def json_text(obj: Any, where: Any = "JSON", *, strict: bool = False,
+              non_finite: Callable[[float], Any] | None = None, indent: int | None = None) -> str:
+    """``obj`` as standard JSON text (see :func:`write_json` for ``strict`` and ``non_finite``); numpy and
+    torch values become lists and numbers, paths text."""
+    def plain(value: Any, key: str) -> Any:
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return value
+            if strict:
+                raise RdepthError(f"cannot write {where}: {key or 'the value'} is not finite ({value})")
+            return None if non_finite is None else non_finite(value)
+        if isinstance(value, dict):
+            return {k: plain(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v, f"{key}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, (str, int, bool)) or value is None:
+            return value
+        return plain(_json_default(value), key)
+
+    return json.dumps(plain(obj, ""), indent=indent, allow_nan=False)
 
 
 def _json_default(obj: Any) -> Any:
@@ -108,7 +131,7 @@ def append_jsonl(path: str | os.PathLike, record: dict) -> None:
 
     A line cut by a crash is closed first, so it never swallows this record.
     """
-    line = json.dumps(record, default=_json_default) + "\n"
+    line = json_text(record, path) + "\n"  # standard JSON: a non-finite number is null
     with open(path, "ab+") as handle:
         handle.seek(0, os.SEEK_END)
         if handle.tell() > 0:

@@ -12,7 +12,6 @@ OUT/study.json and prints the Markdown tables of docs/results.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -143,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if not records:
         print("no finished runs", file=sys.stderr)
         return 2
-    (args.study / "study.json").write_text(json.dumps(records, indent=1))
+    from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
+    (args.study / "study.json").write_text(json_text(records, indent=1))
     print(tables(records))
     return 0
 

@@ -207,8 +207,9 @@ def main() -> None:
         print(f"no-loop baseline: {info}")
         print_table("no-loop baseline (groups '')", plain)
     if args.out:
+        from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
         with open(args.out, "w") as handle:
-            json.dump(summary, handle, indent=2)
+            handle.write(json_text(summary, indent=2))
 
 
 if __name__ == "__main__":

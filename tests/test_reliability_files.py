@@ -158,6 +158,15 @@ def test_wrongly_typed_trainer_pt_is_one_line(run_copy, capsys, payload, fragmen
     assert fragment in error_line(capsys)
 
 
+def test_garbage_trainer_pt_is_one_line_without_torch_warnings(run_copy, capsys, recwarn):
+    """A damaged pickle: torch warns ("Detected pickle protocol 4 ...") before it fails; the user sees
+    only rdepth's line."""
+    (list_checkpoints(run_copy)[-1] / "trainer.pt").write_bytes(b"\x80\x04garbage")
+    assert main(["train", "--out", str(run_copy), "--resume", "--max-steps", "6"]) == 2
+    assert "trainer.pt is corrupt" in error_line(capsys)
+    assert [str(w.message)[:60] for w in recwarn] == []
+
+
 def test_optimizer_state_of_other_shapes_is_one_line(run_copy, capsys):
     path = list_checkpoints(run_copy)[-1] / "trainer.pt"
     state = torch.load(path, weights_only=True)

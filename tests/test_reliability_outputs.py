@@ -101,6 +101,42 @@ def test_profile_without_identity_is_refused(runs, wiki_small, tmp_path, capsys)
     assert "records no run identity" in error_line(capsys)
 
 
+def test_export_checks_the_profiles_run_identity(runs, tmp_path, capsys):
+    """``rdepth export --exit-profile`` applies the same run-identity check as eval, generate and sweep."""
+    profile = str(runs / "profile.json")
+    spec = json.loads((runs / "profile.json").read_text())
+    assert main(["export", "--checkpoint", str(runs / "run1"), "--out", str(tmp_path / "hf1"),
+                 "--exit-profile", profile]) == 2
+    line = error_line(capsys)
+    assert "was made for other weights" in line and "--force-profile" in line
+    assert not (tmp_path / "hf1").exists()
+    assert main(["export", "--checkpoint", str(runs / "run1"), "--out", str(tmp_path / "hf1"),
+                 "--exit-profile", profile, "--force-profile"]) == 0
+    assert main(["export", "--checkpoint", str(runs / "run0"), "--out", str(tmp_path / "hf0"),
+                 "--exit-profile", profile]) == 0
+    exported = json.loads((tmp_path / "hf0" / "config.json").read_text())["exit_policy"]
+    assert exported["name"] == spec["policy"] and exported["tau"] == spec["values"]
+    assert exported["k_max"] == spec["k_max"]
+    capsys.readouterr()
+    del spec["run"]
+    (tmp_path / "p.json").write_text(json.dumps(spec))
+    assert main(["export", "--checkpoint", str(runs / "run0"), "--out", str(tmp_path / "hf2"),
+                 "--exit-profile", str(tmp_path / "p.json")]) == 2
+    assert "records no run identity" in error_line(capsys)
+
+
+@pytest.mark.parametrize("command", ["eval", "generate", "sweep", "export"])
+def test_force_profile_without_a_profile_is_refused(runs, wiki_small, tmp_path, capsys, command):
+    argv = {"eval": eval_argv(runs / "run0", wiki_small),
+            "generate": ["generate", "--checkpoint", str(runs / "run0"), "--threads", "1"],
+            "sweep": ["sweep", "--checkpoint", str(runs / "run0"), "--data", str(wiki_small), "--out",
+                      str(tmp_path / "s"), "--threads", "1"],
+            "export": ["export", "--checkpoint", str(runs / "run0"), "--out", str(tmp_path / "hf")]}[command]
+    assert run_cli([*argv, "--force-profile"]) == 2
+    assert "--force-profile applies to --exit-profile" in error_line(capsys)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "hf").exists()
+
+
 def test_profile_is_standard_json_with_the_run_identity(runs):
     text = (runs / "profile.json").read_text()
     assert "Infinity" not in text and "NaN" not in text
@@ -115,6 +151,72 @@ def test_strict_json_refuses_non_finite(tmp_path):
     with pytest.raises(RdepthError, match="not finite"):
         write_json(tmp_path / "p.json", {"mean_steps": float("inf")}, strict=True)
     assert not (tmp_path / "p.json").exists()
+    with pytest.raises(RdepthError, match=r"groups\[1\]\.tau is not finite \(nan\)"):
+        write_json(tmp_path / "p.json", {"groups": [{"tau": 0.1}, {"tau": np.float32("nan")}]}, strict=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- standard JSON everywhere
+def standard_json(text: str):
+    """Parse as a strict reader would: the tokens NaN, Infinity and -Infinity are not JSON."""
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_results_write_non_finite_numbers_as_null(tmp_path):
+    """A result that is not a number (a diverged loss, an unreached threshold) is written as null, wherever
+    it sits and whatever its type (Python, numpy or torch); finite numbers and everything else are kept."""
+    result = {"ce": 800.0, "ppl": float("inf"), "curve": [1.5, float("-inf"), np.float32("nan")],
+              "array": np.array([0.25, np.nan]), "tensor": torch.tensor([float("inf"), 2.0]),
+              "steps": np.int64(7), "path": tmp_path, "nested": ({"v": float("nan")},), "none": None}
+    write_json(tmp_path / "r.json", result)
+    assert standard_json((tmp_path / "r.json").read_text()) == {
+        "ce": 800.0, "ppl": None, "curve": [1.5, None, None], "array": [0.25, None], "tensor": [None, 2.0],
+        "steps": 7, "path": str(tmp_path), "nested": [{"v": None}], "none": None}
+    from rdepth.io import append_jsonl, read_jsonl
+
+    append_jsonl(tmp_path / "m.jsonl", {"step": 1, "loss": float("nan"), "grad_norm": np.float64("inf")})
+    (line,) = (tmp_path / "m.jsonl").read_text().splitlines()
+    assert standard_json(line) == {"step": 1, "loss": None, "grad_norm": None}
+    assert read_jsonl(tmp_path / "m.jsonl") == [{"step": 1, "loss": None, "grad_norm": None}]
+
+
+def test_report_sections_keep_the_text_of_a_non_finite_cell(tmp_path):
+    from rdepth.report.html import SECTIONS_DIR, Section, add_section
+
+    page = add_section(tmp_path, Section("rows").table([{"policy": "kl", "steps": float("inf"),
+                                                         "ratio": float("nan"), "ce": 3.25}]))
+    saved = standard_json((tmp_path / SECTIONS_DIR / "rows.json").read_text())
+    assert saved["blocks"][0]["rows"] == [{"policy": "kl", "steps": "∞", "ratio": "nan", "ce": 3.25}]
+    html_text = page.read_text()
+    assert "<td>∞</td>" in html_text or ">∞<" in html_text
+
+
+def test_eval_json_is_standard_when_a_result_is_not_finite(runs, wiki_small, tmp_path, monkeypatch, capsys):
+    """A model whose cross-entropy overflows exp(): ``ppl`` is null in ``--json``, never ``Infinity``."""
+    import rdepth.run.eval_checkpoint as eval_checkpoint
+
+    real = eval_checkpoint.evaluate
+
+    def overflowing(*args, **kwargs):
+        return {**real(*args, **kwargs), "ce": 800.0, "ppl": float("inf")}
+
+    monkeypatch.setattr(eval_checkpoint, "evaluate", overflowing)
+    assert main(eval_argv(runs / "run0", wiki_small, "--json", str(tmp_path / "e.json"))) == 0
+    (result,) = standard_json((tmp_path / "e.json").read_text())["results"]
+    assert result["ce"] == 800.0 and result["ppl"] is None
+
+
+def test_every_json_a_run_writes_is_standard(runs, tmp_path):
+    """Train, calibrate and export outputs parse under a strict reader (no writer bypasses the helper)."""
+    assert main(["export", "--checkpoint", str(runs / "run0"), "--out", str(tmp_path / "hf"), "--exit-profile",
+                 str(runs / "profile.json")]) == 0
+    files = [p for root in (runs, tmp_path / "hf") for p in root.rglob("*") if p.suffix in (".json", ".jsonl")]
+    assert len(files) >= 10
+    for path in files:
+        for line in (path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]):
+            standard_json(line)
 
 
 # ---------------------------------------------------------------- calibrate: flags and its output

@@ -144,7 +144,7 @@ class ShardWriter:
         full = {"format_version": FORMAT_VERSION, **manifest, "dtype": self.dtype.name,
                 "eot_id": self.eot_id,
                 "splits": {split: self.stats[split].as_dict(split) for split in SPLITS}}
-        write_json(self.directory / MANIFEST, full)
+        write_json(self.directory / MANIFEST, full, strict=True)  # read back as input: finite numbers only
         umask = _current_umask()  # temp files/folders are private (0600/0700): use normal modes
         for path in self.directory.iterdir():  # flush every file before the rename
             with open(path, "rb") as handle:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from rdepth.errors import RdepthError
 from rdepth.fields import option
+from rdepth.run.config import PROFILE_FORCE_HELP, check_force_profile
 
 
 @dataclass
@@ -23,6 +24,7 @@ class ExportConfig:
     exit_k_max: str = option("32", "loop cap of --exit-policy: N or N,N,... per group")
     exit_profile: str | None = option(None, "default exit rule from an exit profile (rdepth calibrate): its "
                                       "policy, one threshold per group and its caps", default_text="none")
+    force_profile: bool = option(False, PROFILE_FORCE_HELP)
     license: str = option("other", "licence identifier in the model card's front matter (a Hub licence id, "
                           "e.g. apache-2.0; the weights' terms follow from the training data)")
 
@@ -33,15 +35,18 @@ class ExportConfig:
             raise RdepthError("export: --exit-tau needs --exit-policy")
         if self.exit_profile is not None and self.exit_policy is not None:
             raise RdepthError("export: give --exit-policy or --exit-profile, not both")
+        check_force_profile("export", self)
         if not self.license or any(ch.isspace() or ch in ":#\"'" for ch in self.license):
             raise RdepthError(f"export: --license must be one identifier such as apache-2.0, got {self.license!r}")
 
-    def exit_spec(self) -> dict | None:
-        """The ``exit_policy`` of the exported config.json (None without --exit-policy or --exit-profile)."""
+    def exit_spec(self, n_groups: int | None = None, checkpoint: str | None = None) -> dict | None:
+        """The ``exit_policy`` of the exported config.json (None without --exit-policy or --exit-profile).
+        With ``checkpoint``, a profile must have been calibrated on its weights (unless --force-profile),
+        as for every command that takes a profile; with ``n_groups``, it must have one value per group."""
         if self.exit_profile is not None:
             from rdepth.exits.profile import load_profile
 
-            profile = load_profile(self.exit_profile)
+            profile = load_profile(self.exit_profile, n_groups, checkpoint, self.force_profile)
             if profile["parameter"] != "tau":
                 raise RdepthError(f"export: --exit-profile needs a policy with a tau; {profile['policy']} has "
                                   f"{profile['parameter']}")

@@ -87,7 +87,7 @@ def export_run(config: ExportConfig) -> Path:
     model, model_config = load_model(checkpoint)
     tokenizer = run_tokenizer(checkpoint)
     counts = parse_loop_counts(config.loops, model_config.n_groups) if config.loops else None
-    exit_spec = config.exit_spec()
+    exit_spec = config.exit_spec(model_config.n_groups, checkpoint)
     check_exit_spec(exit_spec, model_config.n_groups)
     with staged_folder(config.out) as folder:
         weights = {WEIGHT_PREFIX + name: tensor.detach().float().contiguous().cpu()
@@ -95,7 +95,8 @@ def export_run(config: ExportConfig) -> Path:
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
         ordinary_mode(folder / "model.safetensors")  # safetensors writes 0600; an export is shared
         write_json(folder / "config.json",
-                   export_config_dict(model_config, counts, config.state_seed, tokenizer.eot_id, exit_spec))
+                   export_config_dict(model_config, counts, config.state_seed, tokenizer.eot_id, exit_spec),
+                   strict=True)
         write_json(folder / "generation_config.json", {
             "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "pad_token_id": tokenizer.eot_id,
             "do_sample": False,

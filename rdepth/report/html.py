@@ -154,7 +154,7 @@ class Report:
         check_page_folder(run_dir)
         write_json(run_dir / META_FILE, {"title": self.title, "intro": self.intro})
         for section in self.sections.values():
-            write_json(run_dir / SECTIONS_DIR / f"{section.name}.json", section.to_dict())
+            write_json(run_dir / SECTIONS_DIR / f"{section.name}.json", section.to_dict(), non_finite=format_number)
         return render(run_dir)
 
 
@@ -168,7 +168,8 @@ def add_section(run_dir: str | os.PathLike, section: Section, title: str | None 
     check_page_folder(run_dir)
     if not (run_dir / META_FILE).exists():
         write_json(run_dir / META_FILE, {"title": title or output_folder_name(run_dir), "intro": ""})
-    write_json(run_dir / SECTIONS_DIR / f"{section.name}.json", section.to_dict())
+    # a non-finite cell is saved as the text the page shows for it ("nan", "∞"): standard JSON, same page
+    write_json(run_dir / SECTIONS_DIR / f"{section.name}.json", section.to_dict(), non_finite=format_number)
     return render(run_dir)
 
 

@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 
 from rdepth.config import ModelConfig
 from rdepth.errors import RdepthError
-from rdepth.io import ordinary_mode, read_json_object, write_json, write_text
+from rdepth.io import json_text, ordinary_mode, read_json_object, write_json, write_text
 
 STEP_PATTERN = re.compile(r"^step_(\d+)$")
 
@@ -66,8 +67,9 @@ def save_checkpoint(
         except (SafetensorError, RuntimeError) as exc:  # both wrap the OSError of a full or read-only disk
             raise RdepthError(f"cannot write checkpoint {final}: {' '.join(str(exc).split())[:200]} "
                               "(disk full or not writable?); earlier checkpoints are intact") from None
-        (staging / "config.json").write_text(json.dumps(model_config.to_dict(), indent=2) + "\n")
-        (staging / "state.json").write_text(json.dumps({"step": step, **(state or {})}, indent=2) + "\n")
+        # standard JSON: the config, read back as input, must be finite; a non-finite number in the state is null
+        (staging / "config.json").write_text(json_text(model_config.to_dict(), final, strict=True, indent=2) + "\n")
+        (staging / "state.json").write_text(json_text({"step": step, **(state or {})}, final, indent=2) + "\n")
         for path in staging.iterdir():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
@@ -344,7 +346,9 @@ def load_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
     if not trainer_path.exists() or not state_path.exists():
         raise RdepthError(f"checkpoint {checkpoint} has no optimizer state to resume from")
     try:
-        trainer_state = torch.load(trainer_path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about a damaged file before it fails: the error says it
+            warnings.simplefilter("ignore")
+            trainer_state = torch.load(trainer_path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for damaged files
         raise RdepthError(f"checkpoint optimizer state {trainer_path} is corrupt ({type(exc).__name__})") from None
     if not isinstance(trainer_state, dict) or not isinstance(trainer_state.get("optimizer"), dict):
@@ -373,7 +377,8 @@ def load_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
 
 def write_run_config(run_dir: Path, model_config: ModelConfig, train_config_dict: dict, **extra: Any) -> None:
     """``RUN/config.json``: the resolved model and train config (plus ``extra`` sections)."""
-    write_json(run_dir / "config.json", {"model": model_config.to_dict(), "train": train_config_dict, **extra})
+    write_json(run_dir / "config.json", {"model": model_config.to_dict(), "train": train_config_dict, **extra},
+               strict=True)
 
 
 def read_run_config(run_dir: Path) -> dict:

@@ -17,6 +17,12 @@ DEVICE_HELP = "auto (CUDA when present), cpu or cuda[:N]"
 AUTOCAST_NAMES = ("none", "bf16", "fp16")
 
 
+def check_force_profile(command: str, config) -> None:
+    """``--force-profile`` only applies with ``--exit-profile``: alone it is an error, never ignored."""
+    if config.force_profile and config.exit_profile is None:
+        raise RdepthError(f"{command}: --force-profile applies to --exit-profile; give one or drop it")
+
+
 def autocast_dtype(name: str):
     """The torch dtype of an autocast name (:data:`AUTOCAST_NAMES`; ``none`` -> None)."""
     import torch
@@ -83,6 +89,7 @@ class EvalConfig:
         check_device_name("eval", self.device)
         if self.exit_profile is not None and self.loops:
             raise RdepthError("eval: give --loops or --exit-profile, not both")
+        check_force_profile("eval", self)
 
     @property
     def max_windows(self) -> int | None:
@@ -133,6 +140,7 @@ class GenerateConfig:
         check_utf8("generate: prompt", self.prompt)
         if self.exit_profile is not None and self.exit is not None:
             raise RdepthError("generate: give --exit or --exit-profile, not both")
+        check_force_profile("generate", self)
         if self.exit is None and (self.tau is not None or self.k_max is not None):
             raise RdepthError("generate: --tau and --k-max set the policy of --exit; give --exit too")
         if self.exit is not None and (self.loops or self.draft_loops is not None):

@@ -113,7 +113,8 @@ def plot_bars(rows: list[dict], value: str, label: str, title: str):
     """One bar per row (``label`` field names it) of the ``value`` field."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(rows) + 2), 3.2))
-    ax.bar([str(r[label]) for r in rows], [r[value] for r in rows], color="C0")
+    heights = [np.nan if r[value] is None else r[value] for r in rows]  # saved JSON writes a nan as null
+    ax.bar([str(r[label]) for r in rows], heights, color="C0")
     ax.set_ylabel(value)
     ax.set_title(title, fontsize=9)
     ax.tick_params(axis="x", rotation=30, labelsize=7)

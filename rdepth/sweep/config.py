@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 from rdepth.errors import RdepthError
 from rdepth.exits.config import DECODE_MODES, checked_k_max, resolve_k_max
 from rdepth.fields import check_fields, option
-from rdepth.run.config import DEVICE_HELP, PROFILE_FORCE_HELP, check_autocast_name, check_device_name
+from rdepth.run.config import (DEVICE_HELP, PROFILE_FORCE_HELP, check_autocast_name, check_device_name,
+                               check_force_profile)
 from rdepth.sweep.stats import NOISE_THRESHOLD
 from rdepth.threads import THREADS_HELP
 
@@ -104,6 +105,7 @@ class SweepConfig:
         from rdepth.exits.registry import get_policy_class
 
         self.policies = _checked_policies(self.policies)
+        check_force_profile("sweep", self)
         check_fields(self, "sweep")
         self.taus = tuple(float(t) for t in self.taus)
         self.grid = _checked_grid(self.grid)
