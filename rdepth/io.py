@@ -233,6 +233,17 @@ def dataclass_from_dict(cls: type, data: dict[str, Any], what: str) -> Any:
         raise RdepthError(f"{what}: {exc}") from None
 
 
+# A JSON value against a plain field type: bool is no int or float; a Path is stored as text.
+_SCALAR_CHECKS = {
+    type(None): lambda value: value is None,
+    bool: lambda value: isinstance(value, bool),
+    int: lambda value: isinstance(value, int) and not isinstance(value, bool),
+    float: lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
+    str: lambda value: isinstance(value, str),
+    Path: lambda value: isinstance(value, str),
+}
+
+
 def value_matches(value: Any, annotation: Any) -> bool:
     """Whether a JSON-loaded ``value`` fits a field annotation (int, float, str, bool, Path,
     ``X | None``, ``tuple[X, ...]``, ``list[X]``, ``dict[str, X]``); unknown annotations pass."""
@@ -244,16 +255,8 @@ def value_matches(value: Any, annotation: Any) -> bool:
         return True
     if origin in (typing.Union, getattr(types, "UnionType", None)):
         return any(value_matches(value, arg) for arg in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is str or annotation is Path:
-        return isinstance(value, str)
+    if annotation in _SCALAR_CHECKS:
+        return _SCALAR_CHECKS[annotation](value)
     if origin in (tuple, list):
         args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
         return isinstance(value, (list, tuple)) and all(value_matches(v, args[0] if args else Any) for v in value)

@@ -81,12 +81,12 @@ def test_cli_autocast_runs_generation_under_bf16(capsys, run, monkeypatch):
 
 @pytest.mark.parametrize("flags, fragment", [
     (["--exit", "nope", "--tau", "1e-3"], "unknown exit policy 'nope'"),
-    (["--exit", "kl", "--tau", "-1"], "tau must be a positive finite number"),
-    (["--exit", "kl", "--tau", "nan"], "tau must be a positive finite number"),
+    (["--exit", "kl", "--tau", "-1"], "tau must be a finite number > 0"),
+    (["--exit", "kl", "--tau", "nan"], "tau must be a finite number > 0"),
     (["--exit", "kl", "--tau", "x"], "--tau expects float"),
     (["--exit", "kl"], "needs a threshold tau"),
     (["--exit", "fixed", "--tau", "1e-3"], "takes no tau"),
-    (["--exit", "kl", "--tau", "1e-3", "--k-max", "0"], "k_max must be integers in 1..1024"),
+    (["--exit", "kl", "--tau", "1e-3", "--k-max", "0"], "k_max must be integers in [1, 1024]"),
     (["--exit", "kl", "--tau", "1e-3", "--k-max", "3,3,3"], "3 k_max values for a model with 2 groups"),
     (["--exit", "kl", "--tau", "1e-3", "--exit-profile", "p.json"], "give --exit or --exit-profile, not both"),
     (["--exit", "kl", "--tau", "1e-3", "--loops", "2"], "--exit replaces --loops"),

@@ -70,7 +70,7 @@ def test_other_runtime_errors_still_raise(monkeypatch):
 
 def test_generate_samples_bound(run_copy, capsys):
     assert main(["generate", "--checkpoint", str(run_copy), "--samples", "100000", "--threads", "1"]) == 2
-    assert "samples must be <= 1024" in error_line(capsys)
+    assert "samples must be an integer in [1, 1024]" in error_line(capsys)
 
 
 def test_task_train_tokens_have_a_stated_maximum(tmp_path, capsys):

@@ -215,6 +215,25 @@ def replay_candidates(model: RecurrentLM, iterates: list[torch.Tensor], referenc
 # ------------------------------------------------------------------ choose
 
 
+def _combinations(table: list[list[dict]], shared: bool):
+    """Every combination of one row per group (``shared``: the same value in every group)."""
+    if shared:
+        values = [row["value"] for row in table[0]]
+        return ([next(r for r in rows if r["value"] == v) for rows in table] for v in values)
+    count = math.prod(len(rows) for rows in table)
+    if count > MAX_COMBINATIONS:
+        raise RdepthError(f"calibrate: {count:,} combinations of candidate values; use fewer --values")
+    return itertools.product(*table)
+
+
+def _rank(steps: float, loss: float, max_loss: float | None, mean_steps: float | None) -> tuple | None:
+    """A combination's sort key under the target (lower is better), or None when it misses the target:
+    fewest steps within ``max_loss``, else lowest loss within ``mean_steps``."""
+    if max_loss is not None:
+        return (steps, loss) if loss <= max_loss + 1e-12 else None
+    return (loss, steps) if steps <= mean_steps + 1e-9 else None
+
+
 def choose(table: list[list[dict]], *, max_loss: float | None = None, mean_steps: float | None = None,
            shared: bool = False, exclude: frozenset[tuple[float, ...]] = frozenset()) -> dict | None:
     """The best combination (one row per group) under the additive estimate, or None if none qualifies.
@@ -224,29 +243,12 @@ def choose(table: list[list[dict]], *, max_loss: float | None = None, mean_steps
     value tuples not to choose (tried and found wanting)."""
     if (max_loss is None) == (mean_steps is None):
         raise RdepthError("calibrate: give exactly one of max_quality_loss and mean_steps")
-    if shared:
-        values = [row["value"] for row in table[0]]
-        combinations = ([next(r for r in rows if r["value"] == v) for rows in table] for v in values)
-    else:
-        count = math.prod(len(rows) for rows in table)
-        if count > MAX_COMBINATIONS:
-            raise RdepthError(f"calibrate: {count:,} combinations of candidate values; use fewer --values")
-        combinations = itertools.product(*table)
     best, best_key = None, None
-    for combination in combinations:
+    for combination in _combinations(table, shared):
         if tuple(r["value"] for r in combination) in exclude:
             continue
-        steps = sum(r["steps"] for r in combination)
-        loss = sum(r["loss"] for r in combination)
-        if max_loss is not None:
-            if loss > max_loss + 1e-12:
-                continue
-            key = (steps, loss)
-        else:
-            if steps > mean_steps + 1e-9:
-                continue
-            key = (loss, steps)
-        if best_key is None or key < best_key:
+        key = _rank(sum(r["steps"] for r in combination), sum(r["loss"] for r in combination), max_loss, mean_steps)
+        if key is not None and (best_key is None or key < best_key):
             best, best_key = combination, key
     if best is None:
         return None

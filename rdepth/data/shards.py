@@ -231,7 +231,12 @@ def _read_manifest(directory: Path) -> dict:
     fingerprint = manifest.get("tokenizer_sha256")
     if fingerprint is not None and not _is_sha256(fingerprint):
         raise RdepthError(f"{path}: tokenizer_sha256 must be a SHA-256 hex string")
-    splits = manifest["splits"]
+    _check_splits(path, manifest["splits"])
+    return manifest
+
+
+def _check_splits(path: Path, splits) -> None:
+    """Each split of the manifest: an object naming its own shard file, a token count and a SHA-256."""
     if not isinstance(splits, dict):
         raise RdepthError(f"{path}: splits must be an object")
     for split in SPLITS:
@@ -247,7 +252,6 @@ def _read_manifest(directory: Path) -> dict:
             raise RdepthError(f"{path}: split {split!r} tokens must be an integer >= 0, got {info.get('tokens')!r}")
         if not _is_sha256(info.get("sha256")):
             raise RdepthError(f"{path}: split {split!r} sha256 must be a SHA-256 hex string")
-    return manifest
 
 
 def _is_count(value) -> bool:

@@ -133,6 +133,77 @@ def _sweep_findings(sweep: dict[str, Any]) -> list[dict[str, Any]]:
     return [_finding(intro + text + ".", **values)]
 
 
+def _result_sentence(final: dict, baseline: dict | None) -> dict | None:
+    """The headline: the model's validation perplexity against the unigram baseline's."""
+    if not baseline:
+        return None
+    relative = final["ppl"] / baseline["ppl"] - 1
+    same = baseline["tokens"] == final["tokens"]
+    return _finding(
+        "At {loops} loops per group the model's validation perplexity is {ppl:.1f} on {tokens} held-out tokens, "
+        "{change:%} {direction} than the unigram baseline's {baseline:.1f} on {baseline_tokens}{reading}.",
+        loops=_loops_text(final["loop_counts"]), ppl=final["ppl"], tokens=final["tokens"],
+        change=abs(relative), direction="lower" if relative < 0 else "higher", baseline=baseline["ppl"],
+        baseline_tokens="the same tokens" if same else f"{baseline['tokens']:,} tokens",
+        reading="" if relative < 0 else ": the model has not yet learned more than token frequencies "
+        "(train longer)")
+
+
+def _training_finding(curves: dict) -> dict | None:
+    """How the training loss (and the validation perplexity) moved."""
+    if not curves["train_loss"]:
+        return None
+    return _finding(
+        "Training loss {moved} from {first} at step {first_step} to {last} at step {last_step} "
+        "({tokens} tokens trained){validation}.",
+        moved="fell" if curves["train_loss"][-1] < curves["train_loss"][0] else "did not fall: it went",
+        first=curves["train_loss"][0], first_step=curves["train_step"][0], last=curves["train_loss"][-1],
+        last_step=curves["train_step"][-1], tokens=curves["tokens_trained"],
+        validation="" if len(curves["val_ppl"]) < 2 else
+        f"; validation perplexity went from {curves['val_ppl'][0]:,.1f} to "
+        f"{curves['val_ppl'][-1]:,.1f} on the same held-out tokens")
+
+
+def _loops_finding(budgets: list[dict]) -> dict | None:
+    """What more loops at test time do to perplexity on the same tokens."""
+    if len(budgets) < 2:
+        return None
+    one = budgets[0]
+    best = min(budgets, key=lambda b: b["ppl"])
+    gain = 1 - best["ppl"] / one["ppl"]
+    return _finding(
+        "More loops at test time, on the same {tokens} tokens: perplexity {budgets}; {reading}.",
+        tokens=one["tokens"],
+        budgets=", ".join(f"{b['ppl']:,.1f} at {_loops_text(b['loops'])} loop"
+                          f"{'' if b['loops'] == [1] * len(b['loops']) else 's'}" for b in budgets),
+        reading=f"the best budget ({_loops_text(best['loops'])} loops) is {format_percent(gain, 1, signed=False)} "
+                "below 1 loop" if gain >= LOOPS_HELP
+        else f"the model barely uses its loops (under {format_percent(LOOPS_HELP, 0, signed=False)} change), so "
+             "the sections below show the machinery rather than the paper's effects")
+
+
+def _overview_model(demo: dict, model: dict, final: dict, run_summary: dict) -> dict:
+    return {
+        "preset": demo["config"].get("preset"), "n_layer": model.get("n_layer"), "d_model": model.get("d_model"),
+        "n_head": model.get("n_head"), "block_size": model.get("block_size"), "vocab_size": model.get("vocab_size"),
+        "groups": [part.strip() for part in str(model.get("groups", "")).split("|") if part.strip()],
+        "mean_loops": model.get("mean_loops"), "eval_loops": final["loop_counts"],
+        "parameters": run_summary.get("parameters"),
+        "overridden": bool(demo["config"].get("model_overrides")),
+    }
+
+
+def _overview_data(demo: dict, manifest: dict) -> dict:
+    splits = manifest.get("splits", {})
+    corpus = manifest.get("corpus", {})
+    return {
+        "corpus": corpus.get("name") or demo["config"].get("corpus"), "documents": sum(
+            split.get("documents", 0) for split in splits.values()) or None,
+        "documents_total": corpus.get("documents_total"), "tokenizer": manifest.get("tokenizer"),
+        "train_tokens": splits.get("train", {}).get("tokens"), "val_tokens": splits.get("val", {}).get("tokens"),
+    }
+
+
 def summarize_demo(out: str | os.PathLike) -> dict[str, Any]:
     """Collect the first screen's numbers and findings from the demo's saved files and write them to
     ``OUT/report/overview.json``; returns them. Needs ``OUT/demo.json`` and the training run."""
@@ -155,42 +226,8 @@ def summarize_demo(out: str | os.PathLike) -> dict[str, Any]:
                 "baseline_ppl": baseline["ppl"] if baseline else None,
                 "baseline_ce": baseline["ce"] if baseline else None,
                 "baseline_tokens": baseline["tokens"] if baseline else None}
-    findings = []
-    result = None  # the headline sentence: the result against the baseline
-    if baseline:
-        relative = final["ppl"] / baseline["ppl"] - 1
-        same = baseline["tokens"] == final["tokens"]
-        result = (_finding(
-            "At {loops} loops per group the model's validation perplexity is {ppl:.1f} on {tokens} held-out tokens, "
-            "{change:%} {direction} than the unigram baseline's {baseline:.1f} on {baseline_tokens}{reading}.",
-            loops=_loops_text(final["loop_counts"]), ppl=final["ppl"], tokens=final["tokens"],
-            change=abs(relative), direction="lower" if relative < 0 else "higher", baseline=baseline["ppl"],
-            baseline_tokens="the same tokens" if same else f"{baseline['tokens']:,} tokens",
-            reading="" if relative < 0 else ": the model has not yet learned more than token frequencies "
-            "(train longer)"))
-    if curves["train_loss"]:
-        findings.append(_finding(
-            "Training loss {moved} from {first} at step {first_step} to {last} at step {last_step} "
-            "({tokens} tokens trained){validation}.",
-            moved="fell" if curves["train_loss"][-1] < curves["train_loss"][0] else "did not fall: it went",
-            first=curves["train_loss"][0], first_step=curves["train_step"][0], last=curves["train_loss"][-1],
-            last_step=curves["train_step"][-1], tokens=curves["tokens_trained"],
-            validation="" if len(curves["val_ppl"]) < 2 else
-            f"; validation perplexity went from {curves['val_ppl'][0]:,.1f} to "
-            f"{curves['val_ppl'][-1]:,.1f} on the same held-out tokens"))
-    if len(budgets) > 1:
-        one = budgets[0]
-        best = min(budgets, key=lambda b: b["ppl"])
-        gain = 1 - best["ppl"] / one["ppl"]
-        findings.append(_finding(
-            "More loops at test time, on the same {tokens} tokens: perplexity {budgets}; {reading}.",
-            tokens=one["tokens"],
-            budgets=", ".join(f"{b['ppl']:,.1f} at {_loops_text(b['loops'])} loop"
-                              f"{'' if b['loops'] == [1] * len(b['loops']) else 's'}" for b in budgets),
-            reading=f"the best budget ({_loops_text(best['loops'])} loops) is {format_percent(gain, 1, signed=False)} "
-                    "below 1 loop" if gain >= LOOPS_HELP
-            else f"the model barely uses its loops (under {format_percent(LOOPS_HELP, 0, signed=False)} change), so "
-                 "the sections below show the machinery rather than the paper's effects"))
+    result = _result_sentence(final, baseline)  # the headline sentence: the result against the baseline
+    findings = [f for f in (_training_finding(curves), _loops_finding(budgets)) if f is not None]
     geometry = read_json_if_present(report_dir / "geometry" / "summary.json") if demo["outputs"].get("analysis") else None
     if geometry and geometry.get("checkpoints"):
         findings += _geometry_findings(geometry)
@@ -198,24 +235,10 @@ def summarize_demo(out: str | os.PathLike) -> dict[str, Any]:
     if sweep and "summary" in sweep:
         findings += _sweep_findings(sweep)
 
-    splits = manifest.get("splits", {})
-    corpus = manifest.get("corpus", {})
     overview = {
         "format_version": FORMAT_VERSION,
-        "model": {
-            "preset": demo["config"].get("preset"), "n_layer": model.get("n_layer"), "d_model": model.get("d_model"),
-            "n_head": model.get("n_head"), "block_size": model.get("block_size"), "vocab_size": model.get("vocab_size"),
-            "groups": [part.strip() for part in str(model.get("groups", "")).split("|") if part.strip()],
-            "mean_loops": model.get("mean_loops"), "eval_loops": final["loop_counts"],
-            "parameters": run_summary.get("parameters"),
-            "overridden": bool(demo["config"].get("model_overrides")),
-        },
-        "data": {
-            "corpus": corpus.get("name") or demo["config"].get("corpus"), "documents": sum(
-                split.get("documents", 0) for split in splits.values()) or None,
-            "documents_total": corpus.get("documents_total"), "tokenizer": manifest.get("tokenizer"),
-            "train_tokens": splits.get("train", {}).get("tokens"), "val_tokens": splits.get("val", {}).get("tokens"),
-        },
+        "model": _overview_model(demo, model, final, run_summary),
+        "data": _overview_data(demo, manifest),
         "training": {
             "steps": run_summary.get("step"), "batch_size": train.get("batch_size"),
             "grad_accum": train.get("grad_accum", 1), "tokens_trained": curves["tokens_trained"],

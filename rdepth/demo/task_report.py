@@ -33,6 +33,31 @@ def _by_budget(table: dict[str, Any]) -> dict[int, dict[int, float]]:
     return grid
 
 
+def _extrapolation(looped: dict, rows: list[dict], high: int, budgets: list[int]) -> list[dict[str, Any]]:
+    """Per held-out difficulty above training: the accuracy curve over budgets, its peak, and whether
+    accuracy falls past the peak by more than twice the binomial standard error (overthinking)."""
+    problems = {row["difficulty"]: row["problems"] for row in rows}
+    last = max(budgets)
+    result = []
+    for d in sorted(d for d in looped if d > high):
+        peak = max(looped[d], key=lambda k: (looped[d][k], -k))
+        error = (looped[d][peak] * (1 - looped[d][peak]) / max(problems.get(d, 1), 1)) ** 0.5
+        result.append({
+            "difficulty": d, "curve": {str(k): looped[d][k] for k in budgets}, "peak_loops": peak,
+            "problems": problems.get(d), "standard_error": error,
+            "overthinking": bool(peak < last and looped[d][peak] - looped[d][last] > 2 * error)})
+    return result
+
+
+def _geometry_headline(geometry: dict) -> dict[str, Any]:
+    """The last checkpoint's per-group headline (decay, noise floor step, settled cosine), long budget first."""
+    last = geometry["checkpoints"][-1]
+    budget = last["budgets"].get("long") or last["budgets"]["train"]
+    return {"checkpoint": last["label"], "groups": [
+        {"name": g["name"], **{k: g["headline"][k] for k in ("decay_5_over_0", "noise_floor_step", "settled_cosine")}}
+        for g in budget["groups"]]}
+
+
 def summarize_task_demo(out: str | os.PathLike) -> dict[str, Any]:
     """Every number of the first screen, from the saved files; saved to ``OUT/report/overview.json``."""
     out = Path(out)
@@ -68,29 +93,14 @@ def summarize_task_demo(out: str | os.PathLike) -> dict[str, Any]:
         "no_loop": overview["baselines"].get("no_loop", {}).get(str(high)),
         "deep": overview["baselines"].get("deep", {}).get(str(high)),
     }
-    above = sorted(d for d in looped if d > high)
-    problems = {row["difficulty"]: row["problems"] for row in tables["looped"]["rows"]}
-    overview["extrapolation"] = []
-    for d in above:
-        peak = max(looped[d], key=lambda k: (looped[d][k], -k))
-        last = max(budgets)
-        # a fall past the peak counts as overthinking only beyond twice the binomial standard error
-        error = (looped[d][peak] * (1 - looped[d][peak]) / max(problems.get(d, 1), 1)) ** 0.5
-        overview["extrapolation"].append({
-            "difficulty": d, "curve": {str(k): looped[d][k] for k in budgets}, "peak_loops": peak,
-            "problems": problems.get(d), "standard_error": error,
-            "overthinking": bool(peak < last and looped[d][peak] - looped[d][last] > 2 * error)})
+    overview["extrapolation"] = _extrapolation(looped, tables["looped"]["rows"], high, budgets)
     sweep = read_json_if_present(out / REPORT_DIR / "task_sweep.json")
     overview["exits"] = None if sweep is None else sweep["summary"]["difficulties"][0]
     if sweep is not None:
         overview["exits"]["tolerance"] = sweep["summary"]["tolerance"]
     geometry = read_json_if_present(out / REPORT_DIR / "geometry" / "summary.json")
     if geometry is not None:
-        last = geometry["checkpoints"][-1]
-        budget = last["budgets"].get("long") or last["budgets"]["train"]
-        overview["geometry"] = {"checkpoint": last["label"], "groups": [
-            {"name": g["name"], **{k: g["headline"][k] for k in ("decay_5_over_0", "noise_floor_step",
-                                                                 "settled_cosine")}} for g in budget["groups"]]}
+        overview["geometry"] = _geometry_headline(geometry)
     write_json(out / REPORT_DIR / OVERVIEW_FILE, overview)
     return overview
 

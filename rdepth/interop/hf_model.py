@@ -337,19 +337,21 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         base = self.generation_config.to_diff_dict() if self.generation_config is not None else {}
         options = {**base, **settings, **kwargs}
         simple = input_ids is not None and not self._asks_for_more(options)
-        if input_ids is not None:
-            new = options.get("max_new_tokens")
-            if new is None:
-                new = int(options.get("max_length") or 20) - input_ids.shape[1]
-            new = max(int(new), 0)
-            if not simple:
-                check_length(input_ids.shape[1] + new, self.model.config.block_size, "prompt + max_new_tokens")
         if not simple:
+            if input_ids is not None:
+                check_length(input_ids.shape[1] + _new_token_count(options, input_ids.shape[1]),
+                             self.model.config.block_size, "prompt + max_new_tokens")
             if passed is not None:
                 kwargs["generation_config"] = passed
             return super().generate(input_ids, attention_mask=attention_mask, loop_counts=loop_counts,
                                     state_seed=state_seed, sequence_ids=sequence_ids, exit_policy=exit_policy,
                                     **kwargs)
+        return self._decode(input_ids, attention_mask, _new_token_count(options, input_ids.shape[1]), options,
+                            loop_counts, state_seed, sequence_ids, exit_policy)
+
+    def _decode(self, input_ids, attention_mask, new: int, options: dict, loop_counts, state_seed, sequence_ids,
+                exit_policy) -> torch.Tensor:
+        """:meth:`generate` through rdepth's decoder: rows of one real (unpadded) length decode together."""
         batch, length = input_ids.shape
         offsets = padding_offsets(attention_mask, cached=False)
         if offsets is not None and bool((attention_mask.bool()[:, -1] == 0).any()):
@@ -378,6 +380,14 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             tokens = decoder.generate(prompt, new, temperature=temperature, top_k=top_k or None)
             out[rows.to(out.device), length:] = tokens[:, size:].to(out.device)
         return _stop_at_eos(out, length, options.get("eos_token_id"), options.get("pad_token_id"))
+
+
+def _new_token_count(options: dict, prompt_length: int) -> int:
+    """Tokens to generate: ``max_new_tokens``, else ``max_length`` (transformers' default 20) less the prompt."""
+    new = options.get("max_new_tokens")
+    if new is None:
+        new = int(options.get("max_length") or 20) - prompt_length
+    return max(int(new), 0)
 
 
 def _stop_at_eos(tokens: torch.Tensor, prompt: int, eos, pad) -> torch.Tensor:

@@ -119,40 +119,13 @@ class _Bundle:
         text = path.read_text()
         tree = ast.parse(text)
         lines = text.splitlines()
-        drop: set[int] = set()  # 1-based line numbers left out of the body
-        hoisted: list[ast.stmt] = []
         body = tree.body
+        drop, hoisted = self._read_imports(tree, part.module)
         if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
                 and isinstance(body[0].value.value, str):
             drop.update(range(body[0].lineno, body[0].end_lineno + 1))  # module docstring
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)):
-                continue
-            if _is_rdepth_import(node):
-                drop.update(range(node.lineno, node.end_lineno + 1))
-                for alias in node.names:
-                    if isinstance(node, ast.Import):  # imported for its side effects (registration)
-                        self.side_effects.append((alias.name, part.module, node.lineno))
-                        continue
-                    if node.module == CONFIG_MODULE:
-                        self.relative[alias.asname or alias.name] = CONFIG_FILE[:-3]
-                    else:
-                        self.needed.append((alias.name, part.module, node.lineno))
-            elif node in body:  # a top-level import of another package: hoisted
-                drop.update(range(node.lineno, node.end_lineno + 1))
-                if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
-                    hoisted.append(node)
         kept = [node for node in body if part.only is None or set(_defined_names(node)) & set(part.only)]
-        used = {n.id for node in kept for n in ast.walk(node) if isinstance(n, ast.Name)}
-        for node in hoisted:  # a partial module brings only the imports its definitions use
-            bound = {(alias.asname or alias.name).split(".")[0] for alias in node.names}
-            if part.only is not None and not bound & used:
-                continue
-            if isinstance(node, ast.ImportFrom):  # merged per module: one "from typing import ..." line
-                names = self.from_imports.setdefault(node.module, [])
-                names += [ast.unparse(alias) for alias in node.names if ast.unparse(alias) not in names]
-            elif ast.unparse(node) not in self.imports:
-                self.imports.append(ast.unparse(node))
+        self._hoist(hoisted, kept, part.only)
         for node in kept:
             for name in _defined_names(node):
                 if name in self.defined:
@@ -166,6 +139,44 @@ class _Bundle:
             source = "\n".join(line for number, line in enumerate(lines, 1) if number not in drop)
         self.bodies.append(f"# {'-' * 20} {part.module} ({path.relative_to(PACKAGE_ROOT.parent)})\n\n"
                            + source.strip() + "\n")
+
+    def _read_imports(self, tree: ast.Module, module: str) -> tuple[set[int], list[ast.stmt]]:
+        """The module's imports: rdepth's are dropped and recorded (names needed from other bundled modules,
+        the config module's names, imports for side effects); other packages' top-level imports are
+        hoisted. Returns the 1-based line numbers left out of the body and the hoisted imports."""
+        drop: set[int] = set()
+        hoisted: list[ast.stmt] = []
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if _is_rdepth_import(node):
+                drop.update(range(node.lineno, node.end_lineno + 1))
+                for alias in node.names:
+                    if isinstance(node, ast.Import):  # imported for its side effects (registration)
+                        self.side_effects.append((alias.name, module, node.lineno))
+                    elif node.module == CONFIG_MODULE:
+                        self.relative[alias.asname or alias.name] = CONFIG_FILE[:-3]
+                    else:
+                        self.needed.append((alias.name, module, node.lineno))
+            elif node in tree.body:  # a top-level import of another package: hoisted
+                drop.update(range(node.lineno, node.end_lineno + 1))
+                if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
+                    hoisted.append(node)
+        return drop, hoisted
+
+    def _hoist(self, hoisted: list[ast.stmt], kept: list[ast.stmt], only) -> None:
+        """Add the hoisted imports to the bundle's header, merged per module; a partial module (``only``)
+        brings only the imports its kept definitions use."""
+        used = {n.id for node in kept for n in ast.walk(node) if isinstance(n, ast.Name)}
+        for node in hoisted:
+            bound = {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+            if only is not None and not bound & used:
+                continue
+            if isinstance(node, ast.ImportFrom):  # merged per module: one "from typing import ..." line
+                names = self.from_imports.setdefault(node.module, [])
+                names += [ast.unparse(alias) for alias in node.names if ast.unparse(alias) not in names]
+            elif ast.unparse(node) not in self.imports:
+                self.imports.append(ast.unparse(node))
 
     def check(self) -> None:
         for name, module, line in self.side_effects:

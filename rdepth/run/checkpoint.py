@@ -331,6 +331,24 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
     return model.to(device).eval(), config
 
 
+def _checked_state(state: dict[str, Any], state_path: Path, checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's state.json: its step an integer that matches the folder's name, its token count an
+    integer, its training config an object."""
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise RdepthError(f"checkpoint state {state_path}: step must be an integer >= 0, got {step!r}")
+    match = STEP_PATTERN.match(checkpoint.name)
+    if match and int(match.group(1)) != step:
+        raise RdepthError(f"checkpoint state {state_path} says step {step}, its folder says "
+                          f"{int(match.group(1))}: corrupt")
+    tokens = state.get("tokens_seen", 0)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise RdepthError(f"checkpoint state {state_path}: tokens_seen must be an integer >= 0, got {tokens!r}")
+    if "train_config" in state and not isinstance(state["train_config"], dict):
+        raise RdepthError(f"checkpoint state {state_path}: train_config must be an object")
+    return state
+
+
 def load_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(trainer_state, state)`` of a checkpoint, loaded without unpickling code.
 
@@ -359,19 +377,7 @@ def load_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
     rng = trainer_state.get("torch_rng")
     if rng is not None and not (isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8):
         raise RdepthError(f"checkpoint optimizer state {trainer_path}: torch_rng is not a uint8 tensor: corrupt")
-    state = read_json_object(state_path, "checkpoint state")
-    step = state.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise RdepthError(f"checkpoint state {state_path}: step must be an integer >= 0, got {step!r}")
-    match = STEP_PATTERN.match(checkpoint.name)
-    if match and int(match.group(1)) != step:
-        raise RdepthError(f"checkpoint state {state_path} says step {step}, its folder says "
-                          f"{int(match.group(1))}: corrupt")
-    tokens = state.get("tokens_seen", 0)
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-        raise RdepthError(f"checkpoint state {state_path}: tokens_seen must be an integer >= 0, got {tokens!r}")
-    if "train_config" in state and not isinstance(state["train_config"], dict):
-        raise RdepthError(f"checkpoint state {state_path}: train_config must be an object")
+    state = _checked_state(read_json_object(state_path, "checkpoint state"), state_path, checkpoint)
     return trainer_state, state
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError, check_utf8
-from rdepth.fields import option
+from rdepth.fields import check_fields, option
 from rdepth.threads import THREADS_HELP
 
 MAX_SAMPLES = 1024  # continuations generated side by side: each holds a key/value cache of the whole context
@@ -102,16 +101,16 @@ class GenerateConfig:
 
     checkpoint: str = option("", "checkpoint folder, or a run folder (its latest checkpoint)", required=True)
     prompt: str = option("The", "text to continue")
-    max_new_tokens: int = option(60, "tokens to generate (fewer if the model's block size is reached)")
-    temperature: float = option(0.8, "sampling temperature; 0 = greedy")
-    top_k: int | None = option(40, "sample only from the k most likely tokens", default_text="no limit")
+    max_new_tokens: int = option(60, "tokens to generate (fewer if the model's block size is reached)", bounds="[1, inf)")
+    temperature: float = option(0.8, "sampling temperature; 0 = greedy", bounds="[0, inf)")
+    top_k: int | None = option(40, "sample only from the k most likely tokens", default_text="no limit", bounds="[1, inf)")
     loops: str | None = option(None, "loop counts N or N,N,... per group", default_text="the model's eval loop counts")
-    samples: int = option(1, f"independent continuations (at most {MAX_SAMPLES})")
-    seed: int = option(0, "seed of the initial loop-state noise and of sampling")
+    samples: int = option(1, f"independent continuations (at most {MAX_SAMPLES})", bounds=f"[1, {MAX_SAMPLES}]")
+    seed: int = option(0, "seed of the initial loop-state noise and of sampling", bounds=f"[0, {2**62})")
     draft_loops: str | None = option(
         None, "self-speculative decoding: draft with these loop counts (N or N,N,...), verify at --loops; "
         "greedy only (--temperature 0), the same tokens as plain greedy decoding", default_text="off")
-    draft_tokens: int = option(4, "tokens drafted per verification pass (with --draft-loops)")
+    draft_tokens: int = option(4, "tokens drafted per verification pass (with --draft-loops)", bounds="[1, inf)")
     show_special: bool = option(False, "show special tokens such as <|endoftext|> in the output")
     warm_start: bool = option(False, "start each group's loop from the state it handed on at the previous token "
                                      "(Geiping et al.'s continuous compute; the prompt runs token by token)")
@@ -123,21 +122,29 @@ class GenerateConfig:
         "group, instead of --loops", default_text="none", metavar="POLICY")
     tau: float | None = option(
         None, "with --exit: the policy's threshold (argmax_stable: its patience)", default_text="the policy's own; "
-        "required for policies with a threshold")
+        "required for policies with a threshold", bounds="(0, inf)")
     k_max: tuple[int, ...] | None = option(
         None, "with --exit: loop-step cap N (every group) or N,N,... (per group)",
-        default_text="twice the model's eval loops")
+        default_text="twice the model's eval loops", bounds=f"[1, {MAX_LOOPS}]")
     autocast: str = option("none", "autocast dtype of the forward passes: none, bf16 or fp16")
     device: str = option("auto", DEVICE_HELP)
-    threads: int = option(0, THREADS_HELP)
+    threads: int = option(0, THREADS_HELP, bounds="[0, inf)")
 
     def __post_init__(self) -> None:
-        check_positive("generate", self, ("max_new_tokens", "samples", "top_k", "draft_tokens"))
-        if self.samples > MAX_SAMPLES:
-            raise RdepthError(f"generate: samples must be <= {MAX_SAMPLES}, got {self.samples}")
         if not isinstance(self.prompt, str):
             raise RdepthError(f"generate: prompt must be text, got {self.prompt!r}")
         check_utf8("generate: prompt", self.prompt)
+        if self.k_max is not None:
+            self.k_max = tuple(self.k_max)
+        check_fields(self, "generate")
+        if self.exit is not None and (not isinstance(self.exit, str) or not self.exit):
+            raise RdepthError(f"generate: exit must be an exit policy name, got {self.exit!r}")
+        check_autocast_name("generate", self.autocast)
+        self._check_modes()
+        check_device_name("generate", self.device)
+
+    def _check_modes(self) -> None:
+        """The ways of choosing the loops (--loops, --draft-loops, --exit, --exit-profile) exclude each other."""
         if self.exit_profile is not None and self.exit is not None:
             raise RdepthError("generate: give --exit or --exit-profile, not both")
         check_force_profile("generate", self)
@@ -145,17 +152,6 @@ class GenerateConfig:
             raise RdepthError("generate: --tau and --k-max set the policy of --exit; give --exit too")
         if self.exit is not None and (self.loops or self.draft_loops is not None):
             raise RdepthError("generate: --exit replaces --loops and --draft-loops; give one")
-        if self.exit is not None and (not isinstance(self.exit, str) or not self.exit):
-            raise RdepthError(f"generate: exit must be an exit policy name, got {self.exit!r}")
-        if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))
-                                     or not math.isfinite(self.tau) or self.tau <= 0):
-            raise RdepthError(f"generate: tau must be a positive finite number, got {self.tau!r}")
-        if self.k_max is not None:
-            self.k_max = tuple(self.k_max)
-            if not self.k_max or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_LOOPS
-                                     for k in self.k_max):
-                raise RdepthError(f"generate: k_max must be integers in 1..{MAX_LOOPS}, got {self.k_max}")
-        check_autocast_name("generate", self.autocast)
         if self.exit_profile is not None and (self.loops or self.draft_loops is not None):
             raise RdepthError("generate: --exit-profile replaces --loops and --draft-loops; give one")
         if self.draft_loops is not None and self.warm_start:
@@ -163,11 +159,3 @@ class GenerateConfig:
                               "the drafts' handed-on states)")
         if self.draft_loops is not None and self.temperature != 0:
             raise RdepthError("generate: --draft-loops (speculative decoding) is greedy: pass --temperature 0")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            raise RdepthError(f"generate: temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**62:
-            raise RdepthError(f"generate: seed must be in 0..2^62, got {self.seed!r}")
-        if not isinstance(self.threads, int) or self.threads < 0:
-            raise RdepthError(f"generate: threads must be >= 0, got {self.threads!r}")
-        check_device_name("generate", self.device)

@@ -37,6 +37,25 @@ def minilm_l3_onnx_path() -> Path:
     return path
 
 
+def _named_matmul_weights(graph, arrays: dict, path: Path) -> dict[str, torch.Tensor]:
+    """The exporter's anonymous MatMul weights, named after the one bias added to each product
+    (``...dense.bias`` -> ``...dense.weight``) and transposed to PyTorch's ``[out, in]``."""
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    weights = {}
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.input[1] in arrays and not node.input[1].startswith(ONNX_PREFIX):
+            adds = [n for n in consumers.get(node.output[0], []) if n.op_type == "Add"]
+            biases = [name for n in adds for name in n.input if name.endswith(".bias")]
+            if len(biases) != 1:
+                raise RdepthError(f"{path}: cannot name the weight {node.input[1]} (no unique bias after it)")
+            key = biases[0][len(ONNX_PREFIX):-len(".bias")] + ".weight"
+            weights[key] = torch.from_numpy(arrays[node.input[1]].copy()).t().contiguous()
+    return weights
+
+
 def onnx_bert_state(path: Path) -> tuple[dict[str, torch.Tensor], int]:
     """(BERT state dict with HF names, number of attention heads) recovered from an ONNX graph."""
     try:
@@ -49,27 +68,14 @@ def onnx_bert_state(path: Path) -> tuple[dict[str, torch.Tensor], int]:
     except Exception as exc:
         raise RdepthError(f"{path} is not a readable ONNX model ({type(exc).__name__})") from None
     arrays = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    constants = {}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.attribute:
-            constants[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
-    consumers: dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    constants = {node.output[0]: numpy_helper.to_array(node.attribute[0].t) for node in graph.node
+                 if node.op_type == "Constant" and node.attribute}
     state = {name[len(ONNX_PREFIX):]: torch.from_numpy(value.copy()) for name, value in arrays.items()
              if name.startswith(ONNX_PREFIX)}
-    head_dim = None
-    for node in graph.node:
-        if node.op_type == "MatMul" and node.input[1] in arrays and not node.input[1].startswith(ONNX_PREFIX):
-            adds = [n for n in consumers.get(node.output[0], []) if n.op_type == "Add"]
-            biases = [name for n in adds for name in n.input if name.endswith(".bias")]
-            if len(biases) != 1:
-                raise RdepthError(f"{path}: cannot name the weight {node.input[1]} (no unique bias after it)")
-            key = biases[0][len(ONNX_PREFIX):-len(".bias")] + ".weight"
-            state[key] = torch.from_numpy(arrays[node.input[1]].copy()).t().contiguous()
-        elif node.op_type == "Div" and "attention/self" in node.output[0] and node.input[1] in constants:
-            head_dim = round(float(constants[node.input[1]]) ** 2)
+    state.update(_named_matmul_weights(graph, arrays, path))
+    head_dim = next((round(float(constants[node.input[1]]) ** 2) for node in graph.node
+                     if node.op_type == "Div" and "attention/self" in node.output[0] and node.input[1] in constants),
+                    None)
     if head_dim is None:
         raise RdepthError(f"{path}: attention-score scaling not found, cannot infer the head count")
     hidden = state["embeddings.word_embeddings.weight"].shape[1]
