@@ -152,16 +152,9 @@ class SurrogateRunConfig:
                 raise RdepthError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_eval < 3:
             raise RdepthError(f"n_eval must be >= 3 (neighbour retrieval), got {self.n_eval}")
-        if self.similarity not in SIMILARITY_NAMES:
-            raise RdepthError(f"similarity must be one of {sorted(SIMILARITY_NAMES)}, got {self.similarity!r}")
-        if self.phase_method not in PHASE_METHOD_NAMES:
-            raise RdepthError(f"phase_method must be one of {sorted(PHASE_METHOD_NAMES)}, got {self.phase_method!r}")
-        if self.init not in INIT_CHOICES:
-            raise RdepthError(f"init must be one of {INIT_CHOICES}, got {self.init!r}")
+        _check_choices(self)
         if self.threads < 0:
             raise RdepthError(f"threads must be >= 0, got {self.threads}")
-        if self.probe not in PROBE_CHOICES:
-            raise RdepthError(f"probe must be one of {PROBE_CHOICES}, got {self.probe!r}")
         if not self.probe_k or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in self.probe_k):
             raise RdepthError(f"probe_k must list block counts >= 1, got {self.probe_k!r}")
         for name in ("probe_train", "probe_test"):
@@ -172,3 +165,15 @@ class SurrogateRunConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _check_choices(config: SurrogateRunConfig) -> None:
+    """The named choices of a surrogate run: similarity, phase method, initialisation and probe."""
+    if config.similarity not in SIMILARITY_NAMES:
+        raise RdepthError(f"similarity must be one of {sorted(SIMILARITY_NAMES)}, got {config.similarity!r}")
+    if config.phase_method not in PHASE_METHOD_NAMES:
+        raise RdepthError(f"phase_method must be one of {sorted(PHASE_METHOD_NAMES)}, got {config.phase_method!r}")
+    if config.init not in INIT_CHOICES:
+        raise RdepthError(f"init must be one of {INIT_CHOICES}, got {config.init!r}")
+    if config.probe not in PROBE_CHOICES:
+        raise RdepthError(f"probe must be one of {PROBE_CHOICES}, got {config.probe!r}")

@@ -107,6 +107,35 @@ def _seeded_order(n: int, seed: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
 
 
+def _fit_surrogates(teacher, fit_bank, held_bank, ks: list[int], config: SurrogateRunConfig, out: Path,
+                    metrics_path: Path):
+    """For each k: the phases from layer similarity, the Raptor surrogate on them and the equal split
+    (fitted unless it is the same phases), the truncated baseline; the run's own k is saved."""
+    n_layers = teacher.n_layers
+    phase_records, matrices, fits, models, by_k = {}, None, {}, {}, {}
+    for k in ks:
+        chosen, k_matrices, record = choose_phases(fit_bank, held_bank, k, config.similarity, config.phase_method)
+        matrices = matrices or k_matrices
+        phase_records[str(k)] = record
+        equal = equal_phases(n_layers, k)
+        surrogate = RaptorSurrogate(teacher, SurrogateConfig(chosen, config.init))
+        fits[f"raptor_k{k}"] = fit_surrogate(surrogate, fit_bank, config.fit, metrics_path, f"raptor_k{k}")
+        models[f"raptor_k{k}"] = ("surrogate", surrogate)
+        if equal != chosen:
+            equal_surrogate = RaptorSurrogate(teacher, SurrogateConfig(equal, config.init))
+            fits[f"equal_split_k{k}"] = fit_surrogate(equal_surrogate, fit_bank, config.fit, metrics_path,
+                                                      f"equal_split_k{k}")
+            models[f"equal_split_k{k}"] = ("surrogate", equal_surrogate)
+        else:
+            models[f"equal_split_k{k}"] = models[f"raptor_k{k}"]
+        models[f"truncated_k{k}"] = ("truncated", k)
+        by_k[str(k)] = {"phases": list(chosen), "equal_split": list(equal), "equal_split_is_raptor": equal == chosen}
+        if k == config.k:
+            surrogate.save(out / "surrogate")
+        log.info("k = %d: phases %s (equal split %s)", k, chosen, equal)
+    return phase_records, matrices, fits, models, by_k
+
+
 def run_vision_surrogate(config: SurrogateRunConfig) -> Path:
     """The image pipeline into ``config.out``; returns the report's path."""
     from rdepth.surrogate.vision_report import write_vision_report
@@ -151,27 +180,8 @@ def run_vision_surrogate(config: SurrogateRunConfig) -> Path:
     metrics_path = out / "metrics.jsonl"
     if metrics_path.exists():
         metrics_path.unlink()
-    phase_records, matrices, fits, models, by_k = {}, None, {}, {}, {}
-    for k in ks:
-        chosen, k_matrices, record = choose_phases(fit_bank, held_bank, k, config.similarity, config.phase_method)
-        matrices = matrices or k_matrices
-        phase_records[str(k)] = record
-        equal = equal_phases(n_layers, k)
-        surrogate = RaptorSurrogate(teacher, SurrogateConfig(chosen, config.init))
-        fits[f"raptor_k{k}"] = fit_surrogate(surrogate, fit_bank, config.fit, metrics_path, f"raptor_k{k}")
-        models[f"raptor_k{k}"] = ("surrogate", surrogate)
-        if equal != chosen:
-            equal_surrogate = RaptorSurrogate(teacher, SurrogateConfig(equal, config.init))
-            fits[f"equal_split_k{k}"] = fit_surrogate(equal_surrogate, fit_bank, config.fit, metrics_path,
-                                                      f"equal_split_k{k}")
-            models[f"equal_split_k{k}"] = ("surrogate", equal_surrogate)
-        else:
-            models[f"equal_split_k{k}"] = models[f"raptor_k{k}"]
-        models[f"truncated_k{k}"] = ("truncated", k)
-        by_k[str(k)] = {"phases": list(chosen), "equal_split": list(equal), "equal_split_is_raptor": equal == chosen}
-        if k == config.k:
-            surrogate.save(out / "surrogate")
-        log.info("k = %d: phases %s (equal split %s)", k, chosen, equal)
+    phase_records, matrices, fits, models, by_k = _fit_surrogates(teacher, fit_bank, held_bank, ks, config, out,
+                                                                  metrics_path)
 
     # probes: final [CLS] features of every model on the probe (training) and test images
     fns, features, done = feature_fns(teacher, models), {}, {}
