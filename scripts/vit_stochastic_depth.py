@@ -4,7 +4,7 @@ Trains ViTs of the ``vit-fmnist`` architecture (8 layers, d = 64) on Fashion-MNI
 stochastic-depth rates and seeds, then for each: the layer-similarity matrices of the fit images,
 how block-structured they are under the best k-phase segmentation (chosen on those same fit
 images), and how well a k-block Raptor surrogate fits (state fidelity, and linear-probe
-retention on the test images normalised by the pixel probe, :mod:`rdepth.surrogate.retention`)
+retention on the test images normalised by the pixel probe, :mod:`rdepth.surrogate.measure.retention`)
 beside the truncated and equal-split baselines. Runs go seed by seed (every rate of seed 0 first),
 and ``results.json`` is rewritten after each, so a study cut short keeps whole seeds. The table
 (mean +- sd over seeds) and report page are drawn from the saved numbers (``--render-only``).
@@ -30,18 +30,18 @@ from rdepth.errors import RdepthError
 from rdepth.io import atomic_path, environment_info, write_json, write_text
 from rdepth.report import Report
 from rdepth.report.figures import save_report_figure
-from rdepth.surrogate import plots
+from rdepth.surrogate.pages import plots
 from rdepth.surrogate.bank import build_bank
 from rdepth.surrogate.config import FitConfig
-from rdepth.surrogate.evaluate import evaluate_vision, surrogate_fn, truncated_fn
+from rdepth.surrogate.measure.evaluate import evaluate_vision, surrogate_fn, truncated_fn
 from rdepth.surrogate.fit import fit_surrogate
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
 from rdepth.surrogate.phases import block_structure, dp_phases, equal_phases
-from rdepth.surrogate.report import markdown_table
-from rdepth.surrogate.similarity import SIMILARITIES, similarity_matrices
-from rdepth.surrogate.retention import pixel_floor, probe_retention
+from rdepth.surrogate.pages.text import markdown_table
+from rdepth.surrogate.measure.similarity import SIMILARITIES, similarity_matrices
+from rdepth.surrogate.measure.retention import pixel_floor, probe_retention
 from rdepth.surrogate.vision import cls_feature, features_of
-from rdepth.surrogate.vit import (N_CLASSES, VISION_TEACHERS, accuracy, image_batches, load_fashion_mnist, train_vit)
+from rdepth.surrogate.teachers.vit import (N_CLASSES, VISION_TEACHERS, accuracy, image_batches, load_fashion_mnist, train_vit)
 
 log = logging.getLogger("vit_stochastic_depth")
 

@@ -185,8 +185,8 @@ def test_help(monkeypatch, capsys):
 
 def test_imported_gpt2_is_a_surrogate_teacher_with_the_hf_folders_states(tmp_path, monkeypatch):
     """The run import-hf writes and the surrogate's own loader of the same folder agree layer by layer."""
-    from rdepth.surrogate.hf_loader import load_hf_teacher
-    from rdepth.surrogate.rdepth_teacher import load_rdepth_teacher
+    from rdepth.surrogate.teachers.hf_loader import load_hf_teacher
+    from rdepth.surrogate.teachers.rdepth_teacher import load_rdepth_teacher
 
     folder, _ = _tiny_gpt2(tmp_path / "gpt2")
     assert cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run") == 0

@@ -41,7 +41,8 @@ def test_bad_values_fail_at_parse_time():
 
 
 def test_choice_names_are_the_registries():
-    from rdepth.surrogate import model, phases, similarity
+    from rdepth.surrogate import model, phases
+    from rdepth.surrogate.measure import similarity
 
     assert set(SIMILARITY_NAMES) == set(similarity.SIMILARITIES)
     assert set(PHASE_METHOD_NAMES) == set(phases.PHASE_METHODS)

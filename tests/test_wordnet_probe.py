@@ -92,7 +92,7 @@ class WordLengthTokenizer:
         return [len(text.split()) for text in texts]
 
     def encode(self, texts):
-        from rdepth.surrogate.text import pad_batch
+        from rdepth.surrogate.teachers.text import pad_batch
 
         return pad_batch([[len(word) for word in text.split()] for text in texts])
 

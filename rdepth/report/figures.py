@@ -1,6 +1,6 @@
 """The one figure saver: every plot of every analysis is written as PNG + SVG here.
 
-Plot functions (``geometry.plots``, ``surrogate.plots``, ``sweep.plots``) only
+Plot functions (``geometry.plots``, ``surrogate.pages.plots``, ``sweep.plots``) only
 draw from saved numbers and return a matplotlib Figure; :func:`save_figure`
 writes it atomically and closes it. matplotlib is imported lazily, with the Agg
 backend, so importing this module costs nothing.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from rdepth.surrogate.layers import Teacher
+from rdepth.surrogate.teachers.layers import Teacher
 
 
 @dataclass

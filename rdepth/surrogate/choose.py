@@ -10,7 +10,7 @@ import torch
 
 from rdepth.surrogate.bank import StateBank
 from rdepth.surrogate.phases import PHASE_METHODS, block_structure, equal_phases, segmentation_score
-from rdepth.surrogate.similarity import similarity_matrices
+from rdepth.surrogate.measure.similarity import similarity_matrices
 
 
 def phase_table(similarity: torch.Tensor, k: int) -> dict:

@@ -15,7 +15,7 @@ from rdepth.errors import RdepthError
 from rdepth.fields import option
 from rdepth.threads import THREADS_HELP
 
-SIMILARITY_NAMES = ("pooled_cosine", "token_cosine", "cka")  # rdepth.surrogate.similarity.SIMILARITIES
+SIMILARITY_NAMES = ("pooled_cosine", "token_cosine", "cka")  # rdepth.surrogate.measure.similarity.SIMILARITIES
 PHASE_METHOD_NAMES = ("dp", "maxcut")  # rdepth.surrogate.phases.PHASE_METHODS
 INIT_CHOICES = ("first", "middle", "random")
 # How a fit uses the teacher's states as inputs (rdepth.surrogate.fit.stage_loss):

@@ -21,7 +21,7 @@ from torch import nn
 from rdepth.errors import RdepthError
 from rdepth.io import atomic_path, write_json
 from rdepth.surrogate.config import INIT_CHOICES
-from rdepth.surrogate.layers import LayerSpec, Teacher
+from rdepth.surrogate.teachers.layers import LayerSpec, Teacher
 
 
 

@@ -17,16 +17,16 @@ import torch
 from rdepth.errors import RdepthError
 from rdepth.io import atomic_path, environment_info, write_json
 from rdepth.surrogate.bank import build_bank
-from rdepth.surrogate.dynamics import dynamics_summary
+from rdepth.surrogate.measure.dynamics import dynamics_summary
 from rdepth.surrogate.config import SurrogateRunConfig
-from rdepth.surrogate.evaluate import evaluate_text, surrogate_fn, truncated_fn
+from rdepth.surrogate.measure.evaluate import evaluate_text, surrogate_fn, truncated_fn
 from rdepth.surrogate.fit import fit_surrogate
-from rdepth.surrogate.geometry import write_phase_geometry
+from rdepth.surrogate.measure.geometry import write_phase_geometry
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
 from rdepth.surrogate.choose import analyse_similarity, choose_phases, phase_table  # noqa: F401 (API)
 from rdepth.surrogate.phases import equal_phases
-from rdepth.surrogate.teachers import is_vision_teacher, load_teacher, resolve_teacher, text_tokenizer
-from rdepth.surrogate.text import text_batches
+from rdepth.surrogate.teachers.registry import is_vision_teacher, load_teacher, resolve_teacher, text_tokenizer
+from rdepth.surrogate.teachers.text import text_batches
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ def run_surrogate(config: SurrogateRunConfig) -> Path:
     A vision teacher (``vit-fmnist``, a saved ViT folder) runs the image pipeline of
     :mod:`rdepth.surrogate.vision` instead.
     """
-    from rdepth.surrogate.report import write_report
-    from rdepth.surrogate.sentences import corpus_sentences
+    from rdepth.surrogate.pages.text import write_report
+    from rdepth.surrogate.teachers.sentences import corpus_sentences
     from rdepth.surrogate.vision import run_vision_surrogate
 
     if is_vision_teacher(config.teacher):

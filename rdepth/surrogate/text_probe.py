@@ -5,7 +5,7 @@ minilm-l6 --probe wordnet`` fits, for every k of ``--probe-k``, the Raptor surro
 equal-split surrogate on the run's fit sentences (the probe's glosses are never fitted on), then
 reads every model's *sentence feature* of each gloss, the mean over real tokens of the readout of
 its final state (the teacher's sentence embedding before its L2 normalisation), and scores the
-ridge probes of :func:`rdepth.surrogate.retention.probe_retention` on it:
+ridge probes of :func:`rdepth.surrogate.measure.retention.probe_retention` on it:
 
 * the teacher's probe (trained on the teacher's features) applied unchanged, and a probe retrained
   on the model's own features, both as % of the teacher's probe accuracy;
@@ -32,13 +32,13 @@ from rdepth.errors import RdepthError
 from rdepth.surrogate.bank import StateBank
 from rdepth.surrogate.choose import choose_phases
 from rdepth.surrogate.config import SurrogateRunConfig
-from rdepth.surrogate.evaluate import probe_accuracy, ridge_probe
+from rdepth.surrogate.measure.evaluate import probe_accuracy, ridge_probe
 from rdepth.surrogate.fit import fit_surrogate
-from rdepth.surrogate.layers import Teacher
-from rdepth.surrogate.minilm import mean_pool
+from rdepth.surrogate.teachers.layers import Teacher
+from rdepth.surrogate.teachers.minilm import mean_pool
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
 from rdepth.surrogate.phases import equal_phases
-from rdepth.surrogate.retention import probe_retention
+from rdepth.surrogate.measure.retention import probe_retention
 
 log = logging.getLogger(__name__)
 

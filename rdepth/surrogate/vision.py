@@ -21,18 +21,18 @@ import torch
 
 from rdepth.errors import RdepthError
 from rdepth.io import atomic_path, environment_info, write_json
-from rdepth.surrogate.basins import class_basins, findings, perturbation_recovery
+from rdepth.surrogate.measure.basins import class_basins, findings, perturbation_recovery
 from rdepth.surrogate.bank import build_bank
 from rdepth.surrogate.choose import choose_phases
 from rdepth.surrogate.config import SurrogateRunConfig
-from rdepth.surrogate.dynamics import dynamics_summary
-from rdepth.surrogate.evaluate import collect_states, fidelity, surrogate_fn, truncated_fn
+from rdepth.surrogate.measure.dynamics import dynamics_summary
+from rdepth.surrogate.measure.evaluate import collect_states, fidelity, surrogate_fn, truncated_fn
 from rdepth.surrogate.fit import fit_surrogate
-from rdepth.surrogate.layers import Teacher
+from rdepth.surrogate.teachers.layers import Teacher
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
 from rdepth.surrogate.phases import equal_phases
-from rdepth.surrogate.retention import pixel_floor, probe_retention
-from rdepth.surrogate.vit import (N_CLASSES, ViTClassifier, accuracy, image_batches, is_vit_folder, load_fashion_mnist,
+from rdepth.surrogate.measure.retention import pixel_floor, probe_retention
+from rdepth.surrogate.teachers.vit import (N_CLASSES, ViTClassifier, accuracy, image_batches, is_vit_folder, load_fashion_mnist,
                                   load_vit, save_vit, train_vit, vision_teacher_config)
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def _fit_surrogates(teacher, fit_bank, held_bank, ks: list[int], config: Surroga
 
 def run_vision_surrogate(config: SurrogateRunConfig) -> Path:
     """The image pipeline into ``config.out``; returns the report's path."""
-    from rdepth.surrogate.vision_report import write_vision_report
+    from rdepth.surrogate.pages.vision import write_vision_report
 
     if config.threads:
         torch.set_num_threads(config.threads)

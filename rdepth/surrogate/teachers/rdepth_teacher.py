@@ -3,7 +3,7 @@
 A run trained with ``--groups ""`` is an ordinary L-layer causal transformer of sandwich
 blocks (:class:`rdepth.model.layers.SandwichBlock`), or of GPT-2 blocks for a GPT-2 imported
 with ``rdepth import-hf``. :func:`load_rdepth_teacher` exposes it
-as a :class:`~rdepth.surrogate.layers.Teacher`: the model's own embedding (token embedding
+as a :class:`~rdepth.surrogate.teachers.layers.Teacher`: the model's own embedding (token embedding
 scaled by sqrt(d) for sandwich blocks, plus positions), its layers unchanged, and its final norm as readout,
 so the states the surrogate fits are exactly the ones :class:`rdepth.model.RecurrentLM`
 computes. Sentences are encoded with the tokenizer saved with the run.
@@ -24,8 +24,8 @@ from rdepth.model import RecurrentLM
 from rdepth.model.layers import BLOCKS
 from rdepth.run.checkpoint import load_model, load_model_config, resolve_checkpoint
 from rdepth.run.heldout import run_tokenizer
-from rdepth.surrogate.layers import LayerSpec, Teacher
-from rdepth.surrogate.text import TextBatch, pad_batch
+from rdepth.surrogate.teachers.layers import LayerSpec, Teacher
+from rdepth.surrogate.teachers.text import TextBatch, pad_batch
 
 
 class SandwichLayer(nn.Module):
@@ -71,7 +71,7 @@ def load_rdepth_teacher(path: str | Path) -> Teacher:
 
 
 class RdepthTextTokenizer:
-    """Sentences -> right-padded :class:`~rdepth.surrogate.text.TextBatch` with a run's tokenizer."""
+    """Sentences -> right-padded :class:`~rdepth.surrogate.teachers.text.TextBatch` with a run's tokenizer."""
 
     def __init__(self, path: str | Path, max_length: int) -> None:
         self.tokenizer = run_tokenizer(path)

@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 
 from rdepth.surrogate.bank import BankBatch, StateBank
-from rdepth.surrogate.layers import Teacher
-from rdepth.surrogate.minilm import sentence_embedding
+from rdepth.surrogate.teachers.layers import Teacher
+from rdepth.surrogate.teachers.minilm import sentence_embedding
 from rdepth.surrogate.model import RaptorSurrogate
 
 StatesFn = Callable[[BankBatch], list[torch.Tensor]]

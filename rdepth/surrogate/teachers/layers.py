@@ -4,11 +4,11 @@ One layer class covers the three layer styles this package reads or trains:
 
 * BERT: post-norm (``x = LN(x + attn(x)); x = LN(x + mlp(x))``), exact GELU;
 * GPT-2: pre-norm (``x = x + attn(LN(x)); x = x + mlp(LN(x))``), causal, tanh GELU;
-* the small ViTs of :mod:`rdepth.surrogate.vit`: pre-norm, bidirectional, exact GELU,
+* the small ViTs of :mod:`rdepth.surrogate.teachers.vit`: pre-norm, bidirectional, exact GELU,
   optionally with stochastic depth (drop-path on each residual branch).
 
 rdepth's own language models (``norm_position="sandwich"``) keep their own layer class,
-:class:`rdepth.model.layers.SandwichBlock`; :mod:`rdepth.surrogate.rdepth_teacher` wraps it
+:class:`rdepth.model.layers.SandwichBlock`; :mod:`rdepth.surrogate.teachers.rdepth_teacher` wraps it
 and hands the :class:`Teacher` a ``layer_factory`` for fresh layers of that style.
 
 The surrogate (:mod:`rdepth.surrogate.model`) reuses the same class for its blocks, so a

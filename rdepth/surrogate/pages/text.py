@@ -15,7 +15,7 @@ import numpy as np
 from rdepth.errors import RdepthError
 from rdepth.io import read_jsonl
 from rdepth.report.figures import save_report_figure
-from rdepth.surrogate import plots
+from rdepth.surrogate.pages import plots
 
 RETENTION_COLUMNS = ["final_cosine", "final_rel_mse", "embedding_cosine", "pairwise_spearman", "nn_top1",
                      "nn_overlap@10", "probe_accuracy", "probe_retention", "teacher_probe_accuracy"]

@@ -1,7 +1,7 @@
 """Sentences -> padded token batches, for every text teacher.
 
 Every sentence encoder (:class:`TextTokenizer` for a ``tokenizer.json``,
-:class:`rdepth.surrogate.rdepth_teacher.RdepthTextTokenizer` for an rdepth run)
+:class:`rdepth.surrogate.teachers.rdepth_teacher.RdepthTextTokenizer` for an rdepth run)
 has ``token_counts(sentences)`` and ``encode(sentences) -> TextBatch``;
 :func:`text_batches` cuts a sentence list into length-bucketed batches with either.
 

@@ -1,7 +1,7 @@
 """Teachers by name or path: the registry of packaged teachers, and each teacher's sentence encoder.
 
 A teacher is named from :data:`PACKAGED_TEACHERS` (the MiniLMs of :mod:`.minilm`) or from
-:data:`rdepth.surrogate.vit.VISION_TEACHERS` (ViTs that ``rdepth surrogate`` trains on
+:data:`rdepth.surrogate.teachers.vit.VISION_TEACHERS` (ViTs that ``rdepth surrogate`` trains on
 Fashion-MNIST); anything else is a path: a saved ViT teacher folder (:mod:`.vit`), an rdepth
 run or checkpoint folder of a non-recurrent model (:mod:`.rdepth_teacher`) or a Hugging Face
 checkpoint directory (:mod:`.hf_loader`). :func:`is_vision_teacher` tells the two pipelines apart.
@@ -15,13 +15,13 @@ from typing import Callable
 
 from rdepth.errors import RdepthError
 from rdepth.run.checkpoint import is_rdepth_run
-from rdepth.surrogate.hf_loader import load_hf_teacher
-from rdepth.surrogate.layers import Teacher
-from rdepth.surrogate.minilm import load_minilm_l6, minilm_l6_dir
-from rdepth.surrogate.onnx_loader import load_minilm_l3
-from rdepth.surrogate.rdepth_teacher import RdepthTextTokenizer, load_rdepth_teacher
-from rdepth.surrogate.text import TextTokenizer
-from rdepth.surrogate.vit import VISION_TEACHERS, is_vit_folder
+from rdepth.surrogate.teachers.hf_loader import load_hf_teacher
+from rdepth.surrogate.teachers.layers import Teacher
+from rdepth.surrogate.teachers.minilm import load_minilm_l6, minilm_l6_dir
+from rdepth.surrogate.teachers.onnx_loader import load_minilm_l3
+from rdepth.surrogate.teachers.rdepth_teacher import RdepthTextTokenizer, load_rdepth_teacher
+from rdepth.surrogate.teachers.text import TextTokenizer
+from rdepth.surrogate.teachers.vit import VISION_TEACHERS, is_vit_folder
 
 
 @dataclass(frozen=True)

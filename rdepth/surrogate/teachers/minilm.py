@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from rdepth.errors import RdepthError
-from rdepth.surrogate.hf_loader import load_hf_teacher
-from rdepth.surrogate.layers import Teacher
+from rdepth.surrogate.teachers.hf_loader import load_hf_teacher
+from rdepth.surrogate.teachers.layers import Teacher
 
 
 def minilm_l6_dir() -> Path:

@@ -27,7 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from rdepth.errors import RdepthError
-from rdepth.surrogate.layers import LayerSpec, Teacher, TransformerLayer
+from rdepth.surrogate.teachers.layers import LayerSpec, Teacher, TransformerLayer
 
 log = logging.getLogger(__name__)
 

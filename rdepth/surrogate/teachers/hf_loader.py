@@ -17,7 +17,7 @@ from torch import nn
 
 from rdepth.errors import RdepthError
 from rdepth.io import read_json_object
-from rdepth.surrogate.layers import LayerSpec, Teacher, TransformerLayer
+from rdepth.surrogate.teachers.layers import LayerSpec, Teacher, TransformerLayer
 
 log = logging.getLogger(__name__)
 
