@@ -213,7 +213,7 @@ def test_fsdp_without_torchrun_is_one_line(wiki_small, tmp_path, capsys, monkeyp
     assert train_cli(wiki_small, tmp_path / "r", "--max-steps", "2", "--mixed-precision", "bf16") == 2
     assert "--parallel fsdp" in _error_line(capsys)
     assert train_cli(wiki_small, tmp_path / "r", "--max-steps", "2", "--parallel", "zero3") == 2
-    assert "ddp or fsdp" in _error_line(capsys)
+    assert "parallel must be one of ddp, fsdp" in _error_line(capsys)
 
 
 def test_consolidate_and_load_errors_are_one_line(wiki_small, tmp_path, capsys, float64, one_rank, monkeypatch):

@@ -49,7 +49,7 @@ def test_refit_scales_the_cadences_on_the_first_fit_only():
 
 
 @pytest.mark.parametrize("flags, fragment", [
-    (("--time-limit", "0"), "time_limit must be a positive number"),
+    (("--time-limit", "0"), "time_limit must be a finite number > 0"),
     (("--time-limit", "nan"), "time_limit must be a finite number"),
     (("--time-limit", "5", "--stop-at", "3"), "time_limit and stop_at"),
 ])
