@@ -41,6 +41,19 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def publish_folder(staging: Path, final: Path) -> None:
+    """Rename the finished ``staging`` folder to ``final``; a ``final`` already there (the same step
+    saved again) is replaced whole, never merged."""
+    if final.exists():
+        old = final.parent / f".{final.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+
+
 def save_checkpoint(
     run_dir: str | os.PathLike,
     step: int,
@@ -74,14 +87,7 @@ def save_checkpoint(
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
             ordinary_mode(path)  # safetensors writes 0600; a checkpoint is an ordinary file
-        if final.exists():  # re-saving the same step: replace it whole
-            old = root / f".{final.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(staging, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, final)
+        publish_folder(staging, final)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -331,7 +337,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
     return model.to(device).eval(), config
 
 
-def _checked_state(state: dict[str, Any], state_path: Path, checkpoint: Path) -> dict[str, Any]:
+def check_state(state: dict[str, Any], state_path: Path, checkpoint: Path) -> dict[str, Any]:
     """A checkpoint's state.json: its step an integer that matches the folder's name, its token count an
     integer, its training config an object."""
     step = state.get("step")
@@ -377,7 +383,7 @@ def load_trainer_state(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any]
     rng = trainer_state.get("torch_rng")
     if rng is not None and not (isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8):
         raise RdepthError(f"checkpoint optimizer state {trainer_path}: torch_rng is not a uint8 tensor: corrupt")
-    state = _checked_state(read_json_object(state_path, "checkpoint state"), state_path, checkpoint)
+    state = check_state(read_json_object(state_path, "checkpoint state"), state_path, checkpoint)
     return trainer_state, state
 
 

@@ -15,7 +15,6 @@ resumes at another: the shards are re-cut on load.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -29,7 +28,7 @@ import torch
 from rdepth.config import ModelConfig
 from rdepth.errors import RdepthError
 from rdepth.fields import option
-from rdepth.io import ordinary_mode, read_json_object, write_text
+from rdepth.io import json_text, ordinary_mode, read_json_object, write_text
 from rdepth.run import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
@@ -82,21 +81,15 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.opti
                           "earlier checkpoints are intact") from None
     dist.barrier()
     if is_main:
-        (staging / "config.json").write_text(json.dumps(model_config.to_dict(), indent=2) + "\n")
-        (staging / "state.json").write_text(json.dumps({"step": step, **state}, indent=2) + "\n")
+        # standard JSON, as every checkpoint's: the config strictly finite, a non-finite state value null
+        (staging / "config.json").write_text(json_text(model_config.to_dict(), final, strict=True, indent=2) + "\n")
+        (staging / "state.json").write_text(json_text({"step": step, **state}, final, indent=2) + "\n")
         for path in [*staging.iterdir(), *(staging / DCP_DIR).iterdir()]:
             if path.is_file():
                 with open(path, "rb") as handle:
                     os.fsync(handle.fileno())
                 ordinary_mode(path)
-        if final.exists():  # re-saving the same step: replace it whole
-            old = root / f".{final.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(staging, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, final)
+        ckpt.publish_folder(staging, final)
         write_text(root / "latest", final.name + "\n")
     dist.barrier()
     return final if is_main else None
@@ -110,19 +103,7 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     path = checkpoint / "state.json"
     if not path.is_file():
         raise RdepthError(f"checkpoint {checkpoint} has no state.json to resume from")
-    state = read_json_object(path, "checkpoint state")
-    step = state.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise RdepthError(f"checkpoint state {path}: step must be an integer >= 0, got {step!r}")
-    match = ckpt.STEP_PATTERN.match(checkpoint.name)
-    if match and int(match.group(1)) != step:
-        raise RdepthError(f"checkpoint state {path} says step {step}, its folder says {int(match.group(1))}: corrupt")
-    tokens = state.get("tokens_seen", 0)
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-        raise RdepthError(f"checkpoint state {path}: tokens_seen must be an integer >= 0, got {tokens!r}")
-    if "train_config" in state and not isinstance(state["train_config"], dict):
-        raise RdepthError(f"checkpoint state {path}: train_config must be an object")
-    return state
+    return ckpt.check_state(read_json_object(path, "checkpoint state"), path, checkpoint)
 
 
 def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
