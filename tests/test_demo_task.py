@@ -31,7 +31,7 @@ def test_task_demo_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
     argv = ["demo", "--out", str(out), *SMALL, "--max-steps", "6", "--batch-size", "4", "--checkpoint-every", "3",
             "--curriculum-steps", "3", "--eval-batches", "1", "--analyze-sequences", "2", "--long-loops", "4",
-            "--loop-budgets", "1,2", "--baselines", "no_loop,deep", "--parallel"]
+            "--loop-budgets", "1,2", "--baselines", "no_loop,deep", "--ranks", "2"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "Loops matter" in printed and "d=6" in printed and "  deep plain" in printed

@@ -407,7 +407,7 @@ def assert_verdicts_recompute_from_saved_arrays(out) -> None:
 @pytest.mark.slow
 def test_toy_run_end_to_end(wiki_small, tmp_path, capsys):
     out, export = tmp_path / "run", tmp_path / "export"
-    argv = ["reproduce", "two-scale", "--out", str(out), "--data", str(wiki_small), "--minutes", "2",
+    argv = ["reproduce", "two-scale", "--out", str(out), "--data", str(wiki_small), "--minutes", "3",
             "--device", "cpu", "--threads", "1", "--train-share", "0.3", "--export-dir", str(export)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -434,10 +434,12 @@ def test_toy_run_end_to_end(wiki_small, tmp_path, capsys):
     # Training ran under a time limit that leaves the planned later stages their time, and the claims
     # report the steps it took (its limit may have ended the schedule sooner than planned).
     limit = json.loads((out / "train" / "config.json").read_text())["train"]["time_limit"]
-    assert 1.0 <= limit <= 120 - result["plan"]["after_training"]["total"]
+    assert 1.0 <= limit <= 180 - result["plan"]["after_training"]["total"]
     summary = json.loads((out / "train" / "summary.json").read_text())
     assert context["training_steps"] == summary["step"] == summary["max_steps"] <= result["plan"]["max_steps"]
-    assert result["wall_seconds"] < 150  # the budget is 120 s; a busy machine may run over a little
+    # The budget is 180 s (3 minutes: enough for the planner's fixed stages beside one other busy process;
+    # 2 minutes were refused there); a busy machine may run over a little.
+    assert result["wall_seconds"] < 210
     html = (out / "report.html").read_text()
     assert "data:image/png;base64," in html and 'src="figures/' not in html
     files = sorted(p.name for p in export.iterdir())

@@ -87,7 +87,7 @@ def _demo_config(tmp_path, **fields):
 
 
 def test_the_task_demo_trains_every_run_at_the_fixed_thread_count(tmp_path):
-    from rdepth.demo.task import _runs, run_threads, side_by_side
+    from rdepth.demo.task import _runs, run_threads
     from rdepth.tasks.data import TaskDataConfig, prepare_task_data
 
     config = _demo_config(tmp_path, baselines=("no_loop", "deep"), train_tokens=3000,
@@ -99,11 +99,21 @@ def test_the_task_demo_trains_every_run_at_the_fixed_thread_count(tmp_path):
     runs = _runs(config, data)
     assert set(runs) == {"looped", "no_loop", "deep"}
     assert {train.threads for _, train in runs.values()} == {1} and run_threads(config) == 1
-    assert side_by_side(config) == 2
+    assert config.ranks == 2 and {train.batch_size for _, train in runs.values()} == {32}
     typed = _demo_config(tmp_path, threads=3)
     assert {train.threads for _, train in _runs(typed, data).values()} == {3}
-    assert side_by_side(_demo_config(tmp_path, parallel=False)) == 1
-    assert side_by_side(_demo_config(tmp_path, baselines=("none",))) == 1
+
+
+@pytest.mark.parametrize("fields,fragment", [
+    (dict(ranks=3), "does not split evenly over --ranks 3"),
+    (dict(ranks=0), "ranks"),
+    (dict(mode="text", ranks=2), "--ranks applies to --mode task only"),
+])
+def test_demo_ranks_are_checked(fields, fragment, tmp_path):
+    from rdepth.errors import RdepthError
+
+    with pytest.raises(RdepthError, match=fragment):
+        _demo_config(tmp_path, **fields)
 
 
 def test_the_demo_prints_its_plan(tmp_path):
@@ -111,12 +121,14 @@ def test_the_demo_prints_its_plan(tmp_path):
 
     idle = Machine(cores=2, load=0.0)
     text = thread_plan_text(_demo_config(tmp_path), idle)
-    assert text.startswith("threads: 2 usable cores, load 0.0; 2 training processes side by side, 1 torch thread each")
+    assert text.startswith("threads: 2 usable cores, load 0.0; each run trained by 2 data-parallel processes, "
+                           "1 torch thread each")
     assert "do not depend on the machine" in text
     assert "1 core for 2 processes" in thread_plan_text(_demo_config(tmp_path), Machine(cores=1, load=0.0))
     assert "the machine is busy" in thread_plan_text(_demo_config(tmp_path), Machine(cores=2, load=2.5))
     assert "busy" not in text
-    assert "--threads 4 would use more cores" in thread_plan_text(_demo_config(tmp_path), Machine(cores=8, load=0.0))
+    assert "--ranks 8 would use more cores" in thread_plan_text(_demo_config(tmp_path), Machine(cores=8, load=0.0))
+    assert "would use more" not in thread_plan_text(_demo_config(tmp_path), Machine(cores=3, load=0.0))
     typed = thread_plan_text(_demo_config(tmp_path, threads=2), idle)
     assert "2 torch threads each" in typed and "may differ from a run at the default 1" in typed
 

@@ -38,7 +38,7 @@ MODES = ("task", "text")
 # Per mode: the defaults of the fields left at None.
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "task": dict(preset="task", max_steps=2600, batch_size=32, checkpoint_every=650, weight_decay=0.01,
-                 warmup_steps=50, curriculum_steps=1000),
+                 warmup_steps=50, curriculum_steps=1000, ranks=2),
     "text": dict(preset="tiny", max_steps=500, batch_size=16, checkpoint_every=125, weight_decay=0.1,
                  warmup_steps=None, curriculum_steps=0, corpus="wiki", tokenizer="bpe:4096"),
 }
@@ -72,8 +72,9 @@ class DemoConfig:
     baselines: tuple[str, ...] = option(
         ("no_loop",), "task mode: baselines trained on the same data and steps: no_loop (the same layers, once "
         "each), deep (a plain model as deep as the looped one unrolled at its training mean); 'none' for none")
-    parallel: bool = option(True, "task mode: train the baselines in a second process beside the looped model "
-                                  "(each at the same fixed thread count, so the numbers do not change)")
+    ranks: int | None = option(None, "task mode: data-parallel processes that train each run, one torch thread "
+                                     "each (the numbers depend on this count, not on the machine's cores or load)",
+                               default_text="2", bounds="[1, 64]")
     preset: str | None = option(None, "model preset", default_text="task (task mode) or tiny (text mode)")
     max_steps: int | None = option(None, "training steps", default_text="2600 (task) or 500 (text)",
                                    bounds="[1, inf)")
@@ -105,9 +106,14 @@ class DemoConfig:
             if given:
                 raise RdepthError(f"demo: --{given[0]} applies to --mode text only (task mode generates its data "
                                   "with the task vocabulary): drop it or pass --mode text")
+        elif self.ranks is not None:
+            raise RdepthError("demo: --ranks applies to --mode task only (text mode trains in one process): drop it")
         for name, value in MODE_DEFAULTS[self.mode].items():
             if name != "warmup_steps" and getattr(self, name) is None:
                 setattr(self, name, value)
+        if self.mode == "task" and self.batch_size % self.ranks:
+            raise RdepthError(f"demo config: --batch-size {self.batch_size} does not split evenly over --ranks "
+                              f"{self.ranks}: choose a multiple of {self.ranks}")
         self.baselines = tuple(b for b in self.baselines if b != "none")
         unknown = sorted(set(self.baselines) - set(BASELINES))
         if unknown:

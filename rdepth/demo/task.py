@@ -6,9 +6,9 @@
 2. train the looped model (a difficulty curriculum, answer-only loss) and, on
    the same data, steps and seed, each baseline: ``no_loop`` (the same layers
    once each) and optionally ``deep`` (a plain model as deep as the looped one
-   unrolled at its training mean, Saunshi et al.'s comparison). With
-   ``parallel`` (the default) the baselines train in a second process while the
-   looped model trains in this one;
+   unrolled at its training mean, Saunshi et al.'s comparison). Each run is
+   trained by ``ranks`` data-parallel processes (:mod:`rdepth.train.ranks`),
+   one run after the other;
 3. exact-match accuracy per held-out difficulty at each test loop budget (the
    test-time-compute curve), each baseline at its own depth;
 4. the exit policies on the top training difficulty: accuracy and loop steps on
@@ -22,17 +22,16 @@ same folder reuses what finished with the same settings.
 Threads: every process of the demo computes with :data:`rdepth.threads.REPRODUCIBLE_THREADS`
 torch thread (``--threads N`` overrides it), so its numbers are the same on any machine and under
 any load: a matrix product split over another number of threads rounds differently, and training
-amplifies that (losses part after a few dozen steps). The speed comes from training the runs side
-by side instead. :func:`thread_plan_text` says so at the start.
+amplifies that (losses part after a few dozen steps). The speed comes from a fixed number of
+data-parallel processes per run instead (``--ranks``, 2 by default: both cores of a small machine
+on one run): the split of a batch over ranks is part of the recipe, the machine's cores are not.
+:func:`thread_plan_text` says so at the start.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
-import os
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -93,29 +92,25 @@ def run_threads(config: DemoConfig) -> int:
     return config.threads or REPRODUCIBLE_THREADS
 
 
-def side_by_side(config: DemoConfig) -> int:
-    """Processes that train at the same time: the looped run's and, with ``parallel``, the baselines'."""
-    return 2 if config.parallel and config.baselines else 1
-
-
 def thread_plan_text(config: DemoConfig, at) -> str:
-    """One line on the threads: how many processes, how many threads each, and whether the numbers
-    may differ from a run at the fixed count. ``at``: :class:`rdepth.threads.Machine`."""
+    """One line on the processes and threads, and whether the numbers may differ from a run at the
+    defaults. ``at``: :class:`rdepth.threads.Machine`."""
     from rdepth.threads import REPRODUCIBLE_THREADS, describe, thread_plan
 
-    processes, threads = side_by_side(config), run_threads(config)
-    runs = f"{processes} training processes side by side" if processes > 1 else "1 training process"
+    ranks, threads = config.ranks, run_threads(config)
+    runs = (f"each run trained by {ranks} data-parallel processes" if ranks > 1 else "each run trained by 1 process")
     text = f"threads: {describe(at)}; {runs}, {threads} torch thread{'s' if threads > 1 else ''} each"
     if config.threads and config.threads != REPRODUCIBLE_THREADS:
         return text + (f" (--threads {config.threads}: the numbers may differ from a run at the default "
                        f"{REPRODUCIBLE_THREADS}, such as the README's table)")
-    text += " (fixed: the numbers do not depend on the machine or its load)"
-    if processes * threads > at.cores:
-        text += f"; {at.cores} core{'s' if at.cores != 1 else ''} for {processes} processes: slower, same numbers"
+    text += " (fixed: the numbers do not depend on the machine's cores or load)"
+    if ranks * threads > at.cores:
+        text += f"; {at.cores} core{'s' if at.cores != 1 else ''} for {ranks} processes: slower, same numbers"
     elif at.load >= at.cores:
         text += "; the machine is busy (load at or above its cores): slower, same numbers"
-    elif thread_plan(at.cores, processes, at.load) > threads:
-        text += f"; --threads {thread_plan(at.cores, processes, at.load)} would use more cores, with other numbers"
+    elif thread_plan(at.cores, 1, at.load) >= 2 * ranks * threads:
+        more = thread_plan(at.cores, 1, at.load) // threads
+        text += f"; --ranks {more} would use more cores, with other numbers"
     return text
 
 
@@ -132,57 +127,15 @@ def _runs(config: DemoConfig, data: Path) -> dict[str, tuple[Any, Any]]:
     return runs
 
 
-def _train_quietly(model_dict: dict, train_dict: dict, log_path: str) -> None:
-    """A child process: train one run at its config's thread count, its log and progress bar in ``log_path``."""
-    from rdepth.config import ModelConfig
-    from rdepth.train.config import TrainConfig
-    from rdepth.train.launch import train_or_reuse
-
-    os.environ["TQDM_DISABLE"] = "1"  # the log holds lines, not a redrawn bar
-    with open(log_path, "a") as handle:
-        sys.stdout = sys.stderr = handle
-        logging.basicConfig(level=logging.INFO, stream=handle, force=True,
-                            format="%(asctime)s %(name)s: %(message)s")
-        train_or_reuse(ModelConfig.from_dict(model_dict), TrainConfig.from_dict(train_dict))
-
-
 def _train_all(config: DemoConfig, data: Path) -> dict[str, Path]:
-    """Train the looped run and its baselines (baselines in a second process with ``parallel``)."""
-    from rdepth.train.launch import train_or_reuse
+    """Train the looped run, then each baseline, each by ``config.ranks`` data-parallel processes."""
+    from rdepth.train.ranks import train_ranks
 
-    runs = _runs(config, data)
-    baselines = [name for name in runs if name != "looped"]
-    child = None
-    if config.parallel and baselines:
-        log_path = Path(config.out) / "baselines.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        context = multiprocessing.get_context("spawn")
-
-        child = context.Process(target=_train_baselines, args=(
-            [(runs[name][0].to_dict(), runs[name][1].to_dict()) for name in baselines], str(log_path)),
-            daemon=False)
-        child.start()
-        log.info("training the baselines (%s) in process %d beside the looped model; their log: %s",
-                 ", ".join(baselines), child.pid, log_path)
-    try:
-        paths = {"looped": train_or_reuse(*runs["looped"])}
-    except BaseException:  # the looped run failed or was interrupted: do not leave the baselines training
-        if child is not None and child.is_alive():
-            child.terminate()
-        raise
-    if child is not None:
-        child.join()
-        if child.exitcode != 0:
-            raise RdepthError(f"training the baselines failed (exit status {child.exitcode}); see "
-                              f"{Path(config.out) / 'baselines.log'}")
-    for name in baselines:
-        paths[name] = Path(runs[name][1].out) if child is not None else train_or_reuse(*runs[name])
+    paths = {}
+    for name, (model_config, train_config) in _runs(config, data).items():
+        log.info("training %s (%s)", name, train_config.out)
+        paths[name] = train_ranks(model_config, train_config, config.ranks, Path(config.out) / "logs")
     return paths
-
-
-def _train_baselines(runs: list[tuple[dict, dict]], log_path: str) -> None:
-    for model_dict, train_dict in runs:
-        _train_quietly(model_dict, train_dict, log_path)
 
 
 def _accuracy(config: DemoConfig, data: Path, runs: dict[str, Path]) -> dict[str, Any]:
@@ -260,7 +213,7 @@ def run_task_demo(config: DemoConfig) -> dict:
         "sweep_summary": None if sweep is None else sweep["summary"],
         "stage_seconds": stage.seconds,
         "wall_seconds": stage.wall,
-        "threads": {"per_process": run_threads(config), "side_by_side": side_by_side(config),
+        "threads": {"per_process": run_threads(config), "ranks": config.ranks,
                     "cores": at.cores, "load_at_start": round(at.load, 2)},
     }
     write_json(out / "demo.json", result)

@@ -249,8 +249,12 @@ def _threads_fact(threads: dict[str, Any] | None) -> str:
     if not threads:
         return "not recorded"
     each = threads["per_process"]
-    return (f"{each} torch thread{'s' if each != 1 else ''} per process, {threads['side_by_side']} training "
-            f"process{'es' if threads['side_by_side'] != 1 else ''} side by side; {threads['cores']} usable cores, "
+    if "ranks" in threads:
+        ranks = threads["ranks"]
+        runs = f"{ranks} data-parallel training process{'es' if ranks != 1 else ''} per run"
+    else:  # a demo.json written before --ranks: the baselines trained beside the looped model
+        runs = f"{threads['side_by_side']} training process{'es' if threads['side_by_side'] != 1 else ''} side by side"
+    return (f"{each} torch thread{'s' if each != 1 else ''} per process, {runs}; {threads['cores']} usable cores, "
             f"load {threads['load_at_start']:.1f} at the start")
 
 
