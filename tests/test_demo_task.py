@@ -98,3 +98,22 @@ def test_the_first_screen_table_keeps_powers_of_two_and_the_largest_budget():
     assert table_budgets([1, 2, 3, 4, 6, 8, 12, 16, 32], most=5) == [1, 2, 4, 8, 32]
     assert table_budgets([1, 2, 3, 4, 6, 8, 12, 16, 32], most=4) == [1, 2, 4, 32]
     assert table_budgets([1, 2, 4], most=5) == [1, 2, 4]
+
+
+def test_prepared_task_data_is_reused_after_a_move_and_refused_when_it_differs(tmp_path):
+    import shutil
+
+    from rdepth.demo.run import DemoConfig
+    from rdepth.demo.task import _prepared
+    from rdepth.errors import RdepthError
+
+    fields = dict(task_params=PARAMS, train_difficulties=(1, 3), train_tokens=3000,
+                  model_overrides=json.dumps({"block_size": 32}))
+    first = _prepared(DemoConfig(out=str(tmp_path / "a"), **fields))
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved)
+    before = (moved / "train.bin").stat().st_mtime_ns
+    assert _prepared(DemoConfig(out=str(tmp_path / "b"), data=str(moved), **fields)) == moved
+    assert (moved / "train.bin").stat().st_mtime_ns == before  # reused, not regenerated
+    with pytest.raises(RdepthError, match="holds other prepared data \\(train_tokens differ\\)"):
+        _prepared(DemoConfig(out=str(tmp_path / "c"), data=str(moved), **{**fields, "train_tokens": 4000}))

@@ -60,7 +60,8 @@ def _prepared(config: DemoConfig) -> Path:
         saved = json.loads(manifest.read_text()).get("config", {})
         wanted = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(task_config).items()}
         wanted = json.loads(json.dumps(wanted))  # tuples as lists, as saved
-        changed = sorted(k for k in wanted if saved.get(k) != wanted[k])
+        # Where the data was written is not what it is: a copied or moved folder is the same data.
+        changed = sorted(k for k in wanted if k != "out" and saved.get(k) != wanted[k])
         if changed:
             raise RdepthError(f"{data} holds other prepared data ({', '.join(changed[:3])} differ); "
                               "pass another --data folder")
