@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from rdepth.config import ModelConfig
 from rdepth.io import read_jsonl
 from rdepth.run.checkpoint import list_checkpoints, load_model
 from rdepth.train.config import TrainConfig
+from rdepth.train.ranks import free_port
 from rdepth.train.trainer import Trainer
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
@@ -37,12 +37,6 @@ STEPS = 50
 # Float64 weights; the loss is computed in float32, so two runs whose weights differ in the last
 # float64 bits may log losses one float32 ulp apart (~5e-7 at a loss of 6).
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-12
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -62,7 +56,7 @@ def worker(spec: dict, world: int | None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(WORKER), json.dumps(spec)]
     if world is not None:
         cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                    "--master_port", str(_free_port())]
+                    "--master_port", str(free_port())]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -78,7 +72,7 @@ def float64():
 def one_rank(monkeypatch):
     """This process as rank 0 of 1, as ``torchrun --nproc-per-node 1`` would start it."""
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", str(_free_port()))):
+                        ("MASTER_PORT", str(free_port()))):
         monkeypatch.setenv(name, value)
     yield
     if dist.is_initialized():
@@ -153,12 +147,12 @@ def test_fsdp_one_rank_resume_is_exact_and_activation_checkpointing_changes_noth
     straight, split, recompute = tmp_path / "straight", tmp_path / "split", tmp_path / "recompute"
     assert train_cli(wiki_small, straight, "--max-steps", "8", "--parallel", "fsdp") == 0
     assert sorted(p.name for p in (list_checkpoints(straight)[-1]).iterdir()) == ["config.json", "dcp", "state.json"]
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert train_cli(wiki_small, split, "--max-steps", "8", "--stop-at", "4", "--parallel", "fsdp") == 0
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert train_cli(wiki_small, split, "--max-steps", "8", "--resume") == 0  # --parallel fsdp from the run
     assert losses(straight) == losses(split)
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert train_cli(wiki_small, recompute, "--max-steps", "8", "--parallel", "fsdp",
                      "--activation-checkpointing") == 0
     assert losses(recompute) == losses(straight)
@@ -196,7 +190,7 @@ def test_looped_layer_gradients_accumulate_over_applications(float64, one_rank):
 def test_bf16_mixed_precision_trains_near_float32(wiki_small, tmp_path, one_rank, monkeypatch):
     full, half = tmp_path / "fp32", tmp_path / "bf16"
     assert train_cli(wiki_small, full, "--max-steps", "4", "--parallel", "fsdp") == 0
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert train_cli(wiki_small, half, "--max-steps", "4", "--parallel", "fsdp", "--mixed-precision", "bf16") == 0
     a, b = losses(full), losses(half)
     assert a != b  # the layers did compute in bfloat16
@@ -232,7 +226,7 @@ def test_consolidate_and_load_errors_are_one_line(wiki_small, tmp_path, capsys, 
     assert main(["eval", "--checkpoint", str(sharded), "--data", str(wiki_small)]) == 2  # not consolidated yet
     assert "rdepth consolidate" in _error_line(capsys)
     # a plain run resumed with --parallel fsdp, and an FSDP run resumed without it
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert train_cli(wiki_small, plain, "--max-steps", "4", "--resume", "--parallel", "fsdp") == 2
     assert "not a sharded" in _error_line(capsys)
     assert train_cli(wiki_small, sharded, "--max-steps", "6", "--resume", "--parallel", "ddp") == 2
@@ -242,7 +236,7 @@ def test_consolidate_and_load_errors_are_one_line(wiki_small, tmp_path, capsys, 
     shard.write_bytes(shard.read_bytes()[:100])
     assert main(["consolidate", "--checkpoint", str(sharded)]) == 2
     assert "corrupt" in _error_line(capsys)
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert train_cli(wiki_small, sharded, "--max-steps", "6", "--resume") == 2
     assert "corrupt" in _error_line(capsys)
 

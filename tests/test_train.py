@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from safetensors.torch import load_file
 from rdepth.cli.main import main
 from rdepth.io import read_jsonl
 from rdepth.run.checkpoint import list_checkpoints, load_model
+from rdepth.train.ranks import free_port
 
 TINY = [
     "--n-layer", "3", "--n-head", "2", "--d-model", "32", "--block-size", "32",
@@ -67,19 +67,13 @@ def test_training_lowers_loss_and_writes_run(wiki_small, tmp_path):
     assert main(["generate", "--checkpoint", str(run), "--prompt", "The city", "--max-new-tokens", "5"]) == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_process_ddp_matches_single_process(wiki_small, tmp_path):
     worker = Path(__file__).with_name("ddp_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     for world, name in ((2, "ddp"), (1, "single")):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-               "--master_port", str(_free_port()), str(worker),
+               "--master_port", str(free_port()), str(worker),
                str(wiki_small), str(tmp_path / name), str(tmp_path / f"{name}_rank")]
         if world == 1:
             cmd = [sys.executable, str(worker), str(wiki_small), str(tmp_path / name), str(tmp_path / f"{name}_rank")]

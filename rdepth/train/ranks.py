@@ -25,7 +25,6 @@ from pathlib import Path
 
 from rdepth.errors import RdepthError
 
-log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
 
@@ -100,16 +99,11 @@ def train_ranks(model_config, train_config, world_size: int, log_folder: str | P
 
 
 def _watch(processes, errors, name: str) -> None:
-    """Wait for every rank; the first that fails stops the rest and its error is raised."""
+    """Wait for every rank; raise the error of the first that fails (the caller stops the rest)."""
     while True:
         codes = [process.exitcode for process in processes]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            for process in processes:
-                if process.is_alive():
-                    process.terminate()
-            for process in processes:
-                process.join()
+        if failed:  # the caller stops the other ranks; a failed rank has flushed its error already
             rank, code = failed[0]
             if code == 130:
                 raise KeyboardInterrupt

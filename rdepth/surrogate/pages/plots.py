@@ -13,6 +13,15 @@ MODEL_STYLES = {"raptor": ("C0", "-"), "equal_split": ("C1", "--"), "truncated":
 PHASE_COLOURS = {"dp": "red", "maxcut": "white", "equal": "grey"}
 
 
+def _by_depth(fig, axes, legend_size: int):
+    """The shared finish of the per-depth panels: depth on every x axis, a legend on each."""
+    for ax in axes:
+        ax.set_xlabel("depth")
+        ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    return fig
+
+
 def plot_similarity(matrix: np.ndarray, phases: dict[str, list[int]], title: str):
     """Heatmap of an (L+1, L+1) depth-similarity matrix (depth 0 = embedding) with phases drawn.
 
@@ -59,11 +68,7 @@ def plot_fidelity(models: dict[str, dict]):
     axes[0].set_ylabel("cosine to teacher state")
     axes[1].set_ylabel("relative MSE to teacher state")
     axes[1].set_yscale("log")
-    for ax in axes:
-        ax.set_xlabel("depth")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return _by_depth(fig, axes, legend_size=7)
 
 
 def plot_dynamics(dynamics: dict[str, dict]):
@@ -83,11 +88,7 @@ def plot_dynamics(dynamics: dict[str, dict]):
     axes[0].set_ylabel("angle turned per layer (deg)")
     axes[1].set_ylabel("cosine to others' mean direction")
     axes[2].set_ylabel("effective rank of update")
-    for ax in axes:
-        ax.set_xlabel("depth")
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    return fig
+    return _by_depth(fig, axes, legend_size=6)
 
 
 def plot_training(records: list[dict]):
@@ -160,11 +161,7 @@ def plot_basins(dynamics: dict[str, dict]):
         axes[1].plot(depths, basins["nearest_class"], style, color=colour, marker="o", label=name)
     axes[0].set_ylabel("[CLS] angle (deg)")
     axes[1].set_ylabel("nearest class direction is own (fraction)")
-    for ax in axes:
-        ax.set_xlabel("depth")
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    return fig
+    return _by_depth(fig, axes, legend_size=6)
 
 
 def plot_perturbation(dynamics: dict[str, dict]):
