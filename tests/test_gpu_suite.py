@@ -180,10 +180,20 @@ def test_kernel_rows_show_a_failed_count():
 
 
 @pytest.mark.parametrize("argv", [["--sections", "train,nope"], ["--exit-fraction", "1.5"], ["--batches", "x"],
-                                  ["--policy", "nope"], ["--policy", "fixed"], ["--train-batch", "0"]])
+                                  ["--policy", "nope"], ["--policy", "fixed"], ["--train-batch", "0"],
+                                  ["--train-set", "nope=1"], ["--train-set", "compile"], ["--train-set", "seed=x"],
+                                  ["--train-set", "warm_start=maybe"], ["--train-set", "compile=true"],
+                                  ["--train-set", "seed=3"]])
 def test_bad_flags_fail_at_parse_time(argv, tmp_path):
     with pytest.raises(SystemExit):
         parse_args(["--out", str(tmp_path), *argv])
+
+
+def test_train_set_converts_by_the_field_type(tmp_path):
+    args = parse_args(["--out", str(tmp_path), "--train-set", "warm_start=on", "--train-set", "grad-clip=0.5",
+                       "--train-set", "eval_every=7"])
+    assert args.train_set == {"warm_start": True, "grad_clip": 0.5, "eval_every": 7}
+    assert parse_args(["--out", str(tmp_path)]).train_set == {}
 
 
 def test_the_file_entry_runs_from_any_folder(tmp_path):

@@ -43,6 +43,8 @@ def parse_args(argv):
     parser.add_argument("--train-steps", type=int, default=None, help="timed training steps (default 12; 2 smoke)")
     parser.add_argument("--train-compile-scope", choices=("layer", "step"), default="layer",
                         help="TrainConfig.compile_scope: each layer compiled, or each loop step one region")
+    parser.add_argument("--train-set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a TrainConfig field for the train section's trainer (repeatable), e.g. fused_loss=true")
     parser.add_argument("--train-warmup", type=int, default=None, help="untimed steps first (default 3; 1 smoke)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="torch.compile each layer in training (auto: on CUDA, as the trainer)")
@@ -87,6 +89,12 @@ def parse_args(argv):
         args.train_batch, args.train_steps, args.prompt, args.tokens, args.repeats, args.loops]
     if min(sizes) < 1 or args.train_warmup < 0 or args.warmup < 0:
         parser.error("sizes, counts and repeats must be >= 1 (warm-ups >= 0)")
+    from bench.gpu.train import train_overrides
+
+    try:
+        args.train_set = train_overrides(args.train_set)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not 0 < args.exit_fraction < 1:
         parser.error("--exit-fraction must be in (0, 1)")
     from rdepth.errors import RdepthError

@@ -67,17 +67,56 @@ def peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def bench_trainer(model_config, batch: int, device, compile_layers: bool, seed: int = 0, compile_scope: str = "layer"):
+def train_overrides(pairs) -> dict:
+    """``KEY=VALUE`` texts (``--train-set``) as :class:`rdepth.train.config.TrainConfig` fields, converted by
+    each field's type (bools: true/false, on/off, 1/0); an unknown field or a bad value raises ``ValueError``
+    naming it. The trainer's own validation runs when the section builds its config."""
+    import dataclasses
+    import typing
+
+    from rdepth.cli.options import _scalar, _strip_optional
+    from rdepth.train.config import TrainConfig
+
+    kinds = {f.name: _scalar(_strip_optional(hints)) for f, hints in
+             ((f, typing.get_type_hints(TrainConfig)[f.name]) for f in dataclasses.fields(TrainConfig))}
+    own = {"compile": "--compile", "compile_scope": "--train-compile-scope", "batch_size": "--train-batch",
+           "device": "--device", "data": None, "out": None, "max_steps": None, "seed": None}
+    out = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in kinds:
+            raise ValueError(f"--train-set expects FIELD=VALUE with a TrainConfig field, got {pair!r}")
+        if key in own:
+            raise ValueError(f"--train-set {key}: the suite sets it" + (f" (use {own[key]})" if own[key] else ""))
+        kind = kinds[key]
+        if kind is bool:
+            lowered = text.strip().lower()
+            if lowered not in ("true", "false", "on", "off", "1", "0"):
+                raise ValueError(f"--train-set {key} expects true or false, got {text!r}")
+            out[key] = lowered in ("true", "on", "1")
+        else:
+            try:
+                out[key] = kind(text.strip())
+            except ValueError:
+                raise ValueError(f"--train-set {key} expects {kind.__name__}, got {text!r}") from None
+    return out
+
+
+def bench_trainer(model_config, batch: int, device, compile_layers: bool, seed: int = 0, compile_scope: str = "layer",
+                  **overrides):
     """A :class:`rdepth.train.trainer.Trainer` on random token ids of the model's vocabulary, without a data
     folder (:meth:`~rdepth.train.trainer.Trainer.on_random_tokens`): seeded weights, the trainer's AdamW
     (fused on CUDA), bf16 autocast on CUDA, ``BatchSampler`` windows, each layer compiled when asked. No
-    run folder, validation or checkpoints: only the step is timed.
+    run folder, validation or checkpoints: only the step is timed. ``overrides``: further
+    :class:`~rdepth.train.config.TrainConfig` fields (``--train-set``).
     """
     from rdepth.train.config import TrainConfig
     from rdepth.train.trainer import Trainer
 
     config = TrainConfig(data="(random ids)", out="(none)", batch_size=batch, device=str(device),
-                         compile=compile_layers, seed=seed, max_steps=10**6, compile_scope=compile_scope)
+                         compile=compile_layers, seed=seed, max_steps=10**6, compile_scope=compile_scope,
+                         **overrides)
     return Trainer.on_random_tokens(model_config, config)
 
 
@@ -92,9 +131,10 @@ def time_training(model_config, args, device, deadline, compile_layers: bool) ->
         trainer = None
         try:
             trainer = bench_trainer(model_config, batch, device, compile_layers,
-                                    compile_scope=args.train_compile_scope)
+                                    compile_scope=args.train_compile_scope, **args.train_set)
             return {**_timed_steps(trainer, model_config, batch, args, device, deadline),
-                    "out_of_memory_at_batch": out_of_memory, "compile_scope": args.train_compile_scope}
+                    "out_of_memory_at_batch": out_of_memory, "compile_scope": args.train_compile_scope,
+                    "train_set": dict(args.train_set)}
         except torch.cuda.OutOfMemoryError:
             if batch == 1:
                 raise
