@@ -72,3 +72,57 @@ def test_bf16_autocast_stays_within_bf16_rounding():
     grad_fused = torch.autograd.grad(fused, x)[0]
     grad_unfused = torch.autograd.grad(unfused, x)[0]
     torch.testing.assert_close(grad_fused, grad_unfused, rtol=5e-2, atol=5e-3)
+
+
+def test_the_incoming_gradient_scales_the_kept_gradients():
+    """The gradients are made in the forward; the backward scales them by the incoming gradient (a loss
+    divided by gradient-accumulation steps, or weighted): exact in float64 against the unfused path."""
+    model, x, targets = case()
+    fused = 0.25 * readout_loss(model, x, targets, 4)
+    expected = 0.25 * unfused(model, x, targets)
+    for got, want in zip(gradients(model, x, fused), gradients(model, x, expected)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+
+
+def test_without_gradients_only_the_loss_is_made():
+    model, x, targets = case()
+    with torch.no_grad():
+        loss = readout_loss(model, x, targets, 4)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, unfused(model, x, targets).detach(), rtol=0, atol=1e-13)
+
+
+def test_the_model_forward_with_the_fused_head_equals_the_logits_head():
+    """RecurrentLM.forward(loss_head="fused") (the trainer's fused_loss): no logits, the same loss and
+    the same gradient for every parameter as the logits head through the looped groups (the model in
+    float64; the logits head scores in fp32, so equal to fp32 rounding)."""
+    model = tiny_model().double().train()
+    idx = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    targets = idx.clone()
+    targets[0, :2] = -1
+    results = []
+    for head in ("logits", "fused"):
+        model.zero_grad()
+        out = model(idx, targets, (3, 2), generator=torch.Generator().manual_seed(5), loss_head=head)
+        out.loss.backward()
+        results.append((out, [p.grad.clone() for p in model.parameters()]))
+    (logits_out, logits_grads), (fused_out, fused_grads) = results
+    assert fused_out.logits is None and logits_out.logits is not None
+    assert fused_out.loss.dtype == torch.float64
+    torch.testing.assert_close(fused_out.loss.float(), logits_out.loss, rtol=1e-6, atol=1e-6)
+    for got, want in zip(fused_grads, logits_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="loss_head must be one of"):
+        model(idx, targets, (1, 1), loss_head="fast")
+
+
+@pytest.mark.slow
+def test_the_compiled_chunk_arithmetic_equals_the_eager_one():
+    """``compiled=True`` (the trainer on CUDA): each chunk's softmax arithmetic through Inductor (C++ on a
+    CPU) gives the eager loss and gradients to float32 rounding, over an uneven last chunk."""
+    model, x, targets = case(torch.float32)
+    eager = readout_loss(model, x, targets, 8)
+    compiled = readout_loss(model, x, targets, 8, compiled=True)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    for got, want in zip(gradients(model, x, compiled), gradients(model, x, eager)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

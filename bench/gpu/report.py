@@ -278,8 +278,10 @@ def _loss_lines(loss: dict) -> list[str]:
         return [] if not loss else ["", f"Loss head: {loss.get('status')} {loss.get('error', '')}"]
     lines = ["", f"Training loss head, forward + backward, {loss['rows']} rows x {loss['vocab']} ({loss['dtype']})", "",
              "| path | ms | peak MiB over inputs | loss |", "| --- | --- | --- | --- |"]
-    for name in ("unfused", "fused"):
-        entry = loss[name]
+    for name in ("unfused", "fused", "fused_compiled"):
+        entry = loss.get(name)
+        if entry is None:
+            continue
         lines.append(f"| {name} | {entry['ms']:.2f} | {_fmt(entry.get('peak_mib_over_inputs'))} | {entry['loss']:.4f} |")
     return lines
 

@@ -37,8 +37,8 @@ def config_mismatch(saved: ModelConfig, wanted: ModelConfig) -> list[str]:
 
 # Fields a resume may change. Free: where and how the run executes, and its cadences
 # (none changes the weights). Recorded: a new schedule end (e.g. a longer --max-steps).
-RESUME_FREE = ("data", "out", "device", "threads", "compile", "compile_scope", "stop_at", "eval_every", "log_every",
-               "checkpoint_every", "keep_last", "milestone_every", "time_limit", "activation_checkpointing")
+RESUME_FREE = ("data", "out", "device", "threads", "compile", "compile_scope", "compile_mode", "fused_loss",
+               "stop_at", "eval_every", "log_every", "checkpoint_every", "keep_last", "milestone_every", "time_limit", "activation_checkpointing")
 RESUME_RECORDED = ("max_steps",)
 
 
