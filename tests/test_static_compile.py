@@ -88,3 +88,27 @@ def test_compiled_pieces_capture_as_cuda_graphs_and_replay_as_eager_decodes(rule
     got, got_computed = step_through(compiled, idx, PROMPT, forbid_syncs=True)
     torch.testing.assert_close(torch.stack(got), torch.stack(expected), **TOLERANCE)
     assert torch.equal(torch.stack(got_computed), torch.stack(computed))
+
+
+def test_the_compile_mode_reaches_every_compiled_piece(monkeypatch):
+    """Decoder(compile_mode=...) hands Inductor's mode to each compiled piece (a spy in place of
+    torch.compile: nothing compiles); the default passes none; a mode with CUDA graphs of its own, or
+    an unknown one, is refused (the Decoder captures its graphs itself)."""
+    from rdepth.errors import RdepthError
+
+    modes = []
+
+    def spy(fn, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", spy)
+    model = tiny_model(n_layer=3, groups="1").float()
+    Decoder(model, 1, K_MAX, loop_counts=(4,), compile=True, compile_mode="max-autotune-no-cudagraphs")
+    assert modes == ["max-autotune-no-cudagraphs"] * 3  # single-pass layers, loop step, loop step + rule
+    modes.clear()
+    Decoder(model, 1, K_MAX, loop_counts=(4,), compile=True)
+    assert modes == [None] * 3
+    for mode in ("reduce-overhead", "max-autotune", "fast"):
+        with pytest.raises(RdepthError, match="compile_mode must be one of default, max-autotune-no-cudagraphs"):
+            Decoder(model, 1, K_MAX, loop_counts=(4,), compile=True, compile_mode=mode)

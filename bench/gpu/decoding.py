@@ -118,6 +118,8 @@ def make_decoder(model, batch, budget, args, noise, *, loop_counts=None, factory
 
     options = {"controller_factory": factory, "check_every": check_every} if factory else \
         {"loop_counts": loop_counts or budget}
+    if compile:  # Inductor's mode for the compiled pieces (--decode-compile-mode)
+        options["compile_mode"] = args.decode_compile_mode
     return Decoder(model, batch, max(budget) if budget else (), noise=noise, capacity=args.capacity,
                    compact=compact, compile=compile, **options)
 

@@ -53,7 +53,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from rdepth.config import parse_loop_counts
+from rdepth.config import COMPILE_MODES, parse_loop_counts
 from rdepth.errors import RdepthError
 from rdepth.model.control import FixedController, LoopController
 from rdepth.model.kv import AttentionContext
@@ -136,6 +136,9 @@ class Decoder:
             powers of two once captured (None).
         compile: run the loop step with its exit rule, and each run of single-pass layers, through
             Inductor (``torch.compile(fullgraph=True)``): one compiled call per loop step.
+        compile_mode: Inductor's mode with ``compile``: ``default``, or ``max-autotune-no-cudagraphs``
+            (matmul templates benchmarked while compiling, with elementwise work fused into their epilogues
+            where that wins: fewer kernels per layer on a GPU, minutes of compiling).
         prefix_attention: read only the written positions (no mask); default: when eager (not ``compile``).
             False reads the whole cache under the additive mask, as captured graphs do (capture() switches
             to that).
@@ -152,7 +155,7 @@ class Decoder:
                  capacity: int | None = None, keep_steps: int | Sequence[int] | None = None,
                  warm_start: bool = False, compact: bool = False,
                  buckets: bool | None = None, compile: bool = False, prefix_attention: bool | None = None,
-                 batch_quantile: float | None = None):
+                 batch_quantile: float | None = None, compile_mode: str = "default"):
         config = model.config
         parameter = next(model.parameters())
         if dtype is not None and dtype != parameter.dtype:
@@ -173,6 +176,9 @@ class Decoder:
             check_every = 1 if self.device.type == "cpu" else None
         _check_options(controller_factory is not None, check_every, compact, compile, batch_quantile,
                        prefix_attention)
+        if compile_mode not in COMPILE_MODES:
+            raise RdepthError(f"decoder: compile_mode must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
+        self.compile_mode = compile_mode
         self.check_every = check_every
         self.compact = compact
         self.batch_quantile = batch_quantile
@@ -522,12 +528,13 @@ class Decoder:
             for step in steps:
                 self._kv[stage.layers, step] = tuple(
                     tensor for layer in stage.layers for tensor in self.cache.read(layer, step))
-        fixed = {"fullgraph": True, "dynamic": False}
+        mode = {} if self.compile_mode == "default" else {"mode": self.compile_mode}
+        fixed = {"fullgraph": True, "dynamic": False, **mode}
         # The exit rule's step number varies (some rules branch on it): automatic dynamic makes it
         # symbolic after its first change; the tensors' shapes never change, so they stay static.
         return {"layers": torch.compile(self._layers_given, **fixed),
                 "step": torch.compile(self._step_given, **fixed),
-                "step_check": torch.compile(self._step_check_given, fullgraph=True)}
+                "step_check": torch.compile(self._step_check_given, fullgraph=True, **mode)}
 
     def _given_context(self, layers: Sequence[int], kv: Sequence[torch.Tensor]) -> AttentionContext:
         position = self.cache.position

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from rdepth.config import COMPILE_MODES
 from rdepth.errors import RdepthError
 from rdepth.fields import check_fields, option
 from rdepth.threads import THREADS_HELP
@@ -18,7 +19,6 @@ MAX_COUNT = 10**9  # steps, batch sizes and cadences beyond this are typing erro
 MILESTONES = 8
 
 
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # TrainConfig.compile_mode (cudagraphs: the loop counts vary)
 COMPILE_SCOPES = ("layer", "step")  # what one compiled graph covers (TrainConfig.compile_scope)
 
 @dataclass
