@@ -114,13 +114,13 @@ def decode_model(args, device, dtype):
 
 
 def make_decoder(model, batch, budget, args, noise, *, loop_counts=None, factory=None, check_every=None,
-                 compact=False, compile=False):
+                 compact=False, compile=False, conditional=False):
     """A static-path ``Decoder`` of ``model`` for ``batch`` rows: fixed ``loop_counts`` (``budget`` when
     None), or a loop controller from ``factory`` checked on the host every ``check_every`` steps."""
     from rdepth.model.decoder import Decoder
 
-    options = {"controller_factory": factory, "check_every": check_every} if factory else \
-        {"loop_counts": loop_counts or budget}
+    options = {"controller_factory": factory, "check_every": check_every, "conditional": conditional} if factory \
+        else {"loop_counts": loop_counts or budget}
     if compile:  # Inductor's mode for the compiled pieces (--decode-compile-mode)
         options["compile_mode"] = args.decode_compile_mode
     return Decoder(model, batch, max(budget) if budget else (), noise=noise, capacity=args.capacity,

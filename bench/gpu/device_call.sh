@@ -44,7 +44,7 @@ step_trained_exits() {  # batch 32 and 128 on the demo's trained task model (ans
     mkdir -p "$OUT/trained_exits"
     python3 bench/batched_exits.py --checkpoint runs/gpu-task/train --data runs/gpu-task/data --task-difficulty 4 \
         --batches 32,128 --k-max 12 --policy kl --tau 1e-3,1e-2 --agreement 0.98 --check-every 2 --prompt 16 \
-        --tokens 47 --quantile 0.9,0.75 --warmup 2 --repeats 5 --device cuda --dtype bfloat16 --graphs \
+        --tokens 47 --quantile 0.9,0.75 --conditional --warmup 2 --repeats 5 --device cuda --dtype bfloat16 --graphs \
         --json "$OUT/trained_exits/batched_exits.json"
 }
 step_decode_autotune() {  # batch-1 decode with the compiled pieces under max-autotune (kernels per token)
