@@ -274,3 +274,16 @@ def test_local_shard_bytes_at_one_rank_are_whole(float64, one_rank):
     sizes = local_state_bytes(model, optimizer)
     whole = 8 * sum(p.numel() for p in RecurrentLM(config).parameters())
     assert sizes == {"parameters": whole, "gradients": whole, "optimizer": 2 * whole}
+
+
+def test_the_fused_loss_head_trains_under_fsdp_as_the_logits_head(wiki_small, tmp_path, float64, one_rank, monkeypatch):
+    """--fused-loss under FSDP2 (the tied head a slice of the root's gathered embedding, its gradient made
+    in the forward): the logits head's losses, step for step (the model in float64)."""
+    plain, fused = tmp_path / "plain", tmp_path / "fused"
+    assert train_cli(wiki_small, plain, "--max-steps", "4", "--parallel", "fsdp") == 0
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    assert train_cli(wiki_small, fused, "--max-steps", "4", "--parallel", "fsdp", "--fused-loss") == 0
+    expected, got = losses(plain), losses(fused)
+    assert sorted(got) == sorted(expected)
+    # (the logits head scores in fp32 whatever the model's dtype: equal to fp32 rounding)
+    assert all(abs(got[step] - expected[step]) <= 1e-6 * abs(expected[step]) for step in expected)
