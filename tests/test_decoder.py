@@ -214,6 +214,47 @@ def test_conditional_steps_change_nothing_and_stop_at_the_slowest_row(name, chec
         Decoder(model, 3, K_MAX, loop_counts=(2, 2), conditional=True)
 
 
+@pytest.mark.parametrize("mode", ["fixed", "exits", "compact"])
+def test_span_buckets_read_the_written_span_and_change_nothing(mode, monkeypatch):
+    """Decoder(span_buckets=n): each token's attention reads the cache's first n, 2n, 4n ... positions
+    (the smallest span holding what is written, at most the capacity) under the mask, as a captured
+    graph of that span would; logits, steps and hand-offs equal the prefix reads and the whole-cache
+    reads (float64)."""
+    model = tiny_model()
+    idx = tokens(3)
+    noise = StateNoise(6, range(3))
+    options = {"noise": noise}
+    if mode != "fixed":
+        factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
+        options.update(controller_factory=factory, check_every=1 if mode == "compact" else 2,
+                       compact=mode == "compact")
+    capacity = LENGTH + 2
+    prefix = decode_all(Decoder(model, 3, K_MAX, capacity=capacity, **options), idx)
+    whole = decode_all(Decoder(model, 3, K_MAX, capacity=capacity, prefix_attention=False, **options), idx)
+    decoder = Decoder(model, 3, K_MAX, capacity=capacity, span_buckets=3, **options)
+    assert decoder._spans() == [3, 6, 12, capacity]
+    assert [decoder._span_for(n) for n in (1, 3, 4, 7, 12, 13, 14)] == [3, 3, 6, 12, 12, 14, 14]
+    read = decoder.cache.read
+    spans = []
+
+    def reading(layer, step):
+        keys, values = read(layer, step)
+        spans.append((decoder.length + 1, keys.shape[2]))
+        return keys, values
+
+    monkeypatch.setattr(decoder.cache, "read", reading)
+    spanned = decode_all(decoder, idx)
+    for got, want in ((spanned, prefix), (spanned, whole)):
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-10)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    decoded = {written: span for written, span in spans if written > PROMPT}  # the prompt runs in parallel
+    assert decoded == {n: decoder._span_for(n) for n in range(PROMPT + 1, LENGTH + 1)}
+    with pytest.raises(RdepthError, match="span_buckets must be an int >= 1"):
+        Decoder(model, 3, K_MAX, span_buckets=0)
+    with pytest.raises(RdepthError, match="not with compile"):
+        Decoder(model, 3, K_MAX, span_buckets=4, compile=True)
+
+
 # ------------------------------------------------------------------ generation
 @BLOCKS
 def test_greedy_equals_generate(block):
@@ -345,10 +386,11 @@ def test_errors_name_the_problem():
 # ------------------------------------------------------------------ CUDA graphs
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("mode", ["fixed", "exits", "exits_chunked", "exits_conditional"])
+@pytest.mark.parametrize("mode", ["fixed", "exits", "exits_chunked", "exits_conditional", "exits_spans"])
 def test_cuda_graph_replay_equals_eager_without_syncs(mode):
     """Replayed graphs equal eager decoding; with ``exits_conditional`` the captured graph holds a
-    conditional node per loop step after a group's first (the eager reference predicates every step)."""
+    conditional node per loop step after a group's first (the eager reference predicates every step);
+    with ``exits_spans`` one set of graphs per read span (``span_buckets``), switched as the tokens grow."""
     model = tiny_model().cuda()
     idx = tokens(3).cuda()
     noise = StateNoise(8, range(3))
@@ -357,7 +399,8 @@ def test_cuda_graph_replay_equals_eager_without_syncs(mode):
         factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
         options.update(controller_factory=factory, check_every=2 if mode == "exits_chunked" else None)
     eager = decode_all(Decoder(model, 3, K_MAX, **options), idx)
-    decoder = Decoder(model, 3, K_MAX, **options, conditional=mode == "exits_conditional")
+    decoder = Decoder(model, 3, K_MAX, **options, conditional=mode == "exits_conditional",
+                      span_buckets=4 if mode == "exits_spans" else None)
     decoder.prefill(idx[:, :PROMPT])
     decoder.capture()
     assert decoder.captured

@@ -123,6 +123,8 @@ def make_decoder(model, batch, budget, args, noise, *, loop_counts=None, factory
         else {"loop_counts": loop_counts or budget}
     if compile:  # Inductor's mode for the compiled pieces (--decode-compile-mode)
         options["compile_mode"] = args.decode_compile_mode
+    else:  # graphs that read the written span only (--span-buckets)
+        options["span_buckets"] = args.span_buckets
     return Decoder(model, batch, max(budget) if budget else (), noise=noise, capacity=args.capacity,
                    compact=compact, compile=compile, **options)
 

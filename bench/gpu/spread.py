@@ -63,7 +63,8 @@ def spread_section(args, device, deadline, context) -> dict:
                 options = dict(options)
                 check = options.pop("check_every", every)
                 exits = Decoder(model, batch, max(budget), noise=noise, capacity=args.capacity,
-                                controller_factory=spread, check_every=check, **options)
+                                controller_factory=spread, check_every=check, span_buckets=args.span_buckets,
+                                **options)
                 seen = observe(exits, prompt, steps, check)
                 row[name] = with_rate(static_timing(exits, prompt, steps, rounds, device, until, graph), batch)
                 row[name].update(mean_steps=seen["mean_steps"], executed_steps=seen["executed_steps"],

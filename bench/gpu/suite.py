@@ -50,6 +50,9 @@ def parse_args(argv):
                         help="torch.compile each layer in training (auto: on CUDA, as the trainer)")
     parser.add_argument("--decode-compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default="default",
                         help="Inductor's mode for the decoders with compiled pieces (the *_inductor rows)")
+    parser.add_argument("--span-buckets", type=int, default=None, metavar="N",
+                        help="the eager-piece decoders read the cache's written span in sizes N, 2N, ... (one set of "
+                             "graphs per size; Decoder(span_buckets=N)); default: the whole cache")
     parser.add_argument("--loops", type=int, default=12, help="the full decode budget per group")
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 16; 8 smoke)")
     parser.add_argument("--tokens", type=int, default=None, help="tokens decoded per timed round (default 64; 8 smoke)")
@@ -89,6 +92,8 @@ def parse_args(argv):
         parser.error("--batches and --check-every take comma-separated integers")
     sizes = args.batches + args.spread_batches + args.check_every + [
         args.train_batch, args.train_steps, args.prompt, args.tokens, args.repeats, args.loops]
+    if args.span_buckets is not None:
+        sizes.append(args.span_buckets)
     if min(sizes) < 1 or args.train_warmup < 0 or args.warmup < 0:
         parser.error("sizes, counts and repeats must be >= 1 (warm-ups >= 0)")
     from bench.gpu.train import train_overrides

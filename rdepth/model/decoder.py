@@ -140,6 +140,11 @@ class Decoder:
             some row still loops: once captured, a CUDA-graph conditional node decides on the device, so a
             batch stops at its slowest row's exit without a host check (``check_every=None``); eager on a
             CPU a host read per step decides; the same numbers as without it.
+        span_buckets: read the cache's written span only, in fixed sizes, also when captured: attention
+            reads the first ``n`` positions (under the mask) for the smallest ``n`` in ``span_buckets``,
+            twice that, ... up to the capacity that holds the positions written so far; ``capture()``
+            records one set of graphs per size. None: graphs read the whole cache. Not with ``compile``
+            (its pieces are compiled for the whole cache) nor ``prefix_attention``.
         compile_mode: Inductor's mode with ``compile``: ``default``, or ``max-autotune-no-cudagraphs``
             (matmul templates benchmarked while compiling, with elementwise work fused into their epilogues
             where that wins: fewer kernels per layer on a GPU, minutes of compiling).
@@ -159,7 +164,8 @@ class Decoder:
                  capacity: int | None = None, keep_steps: int | Sequence[int] | None = None,
                  warm_start: bool = False, compact: bool = False,
                  buckets: bool | None = None, compile: bool = False, prefix_attention: bool | None = None,
-                 batch_quantile: float | None = None, compile_mode: str = "default", conditional: bool = False):
+                 batch_quantile: float | None = None, compile_mode: str = "default", conditional: bool = False,
+                 span_buckets: int | None = None):
         config = model.config
         parameter = next(model.parameters())
         if dtype is not None and dtype != parameter.dtype:
@@ -191,6 +197,13 @@ class Decoder:
             raise RdepthError(f"decoder: conditional=True needs CUDA graph conditional nodes, which torch "
                               f"{torch.__version__} lacks")
         self.conditional = bool(conditional)
+        if span_buckets is not None:
+            if isinstance(span_buckets, bool) or not isinstance(span_buckets, int) or span_buckets < 1:
+                raise RdepthError(f"decoder: span_buckets must be an int >= 1, got {span_buckets!r}")
+            if compile or prefix_attention:
+                raise RdepthError("decoder: span_buckets reads fixed spans under the mask; not with compile "
+                                  "(pieces compiled for the whole cache) nor prefix_attention")
+        self.span_buckets = span_buckets
         self.check_every = check_every
         self.compact = compact
         self.batch_quantile = batch_quantile
@@ -212,7 +225,10 @@ class Decoder:
         self.prompt_computed: torch.Tensor | None = None  # [G, B, T] loop steps of the last extend's tokens
         # Eager decoding reads the written prefix of the cache only; graphs and compiled pieces need
         # fixed shapes (the whole cache under a mask).
-        self._prefix = (not compile) if prefix_attention is None else bool(prefix_attention)
+        self._prefix = (not compile and span_buckets is None) if prefix_attention is None else bool(prefix_attention)
+        self._span: int | None = None  # positions the attention reads now (None: the whole cache)
+        self._span_contexts: dict[int | None, dict[int, AttentionContext]] = {}
+        self._span_graphs: dict[int | None, list] = {}  # span_buckets: graphs per span
         with torch.no_grad():
             self.cache = StaticKV(model, batch_size, self.capacity, self.steps, self.dtype, self.device)
             self._allocate()
@@ -238,7 +254,7 @@ class Decoder:
         self._active = torch.zeros(batch, dtype=torch.bool, device=device)
         self._rows = torch.arange(batch, device=device)
         self._order = torch.arange(batch, device=device)  # compaction: looping rows first
-        self._row_contexts: dict[tuple[int, int], AttentionContext] = {}
+        self._row_contexts: dict[tuple[int, int, int | None], AttentionContext] = {}
         self._key_positions = torch.arange(self.capacity, device=device)
         # The additive attention mask [B, 1, 1, S] (0: read, -inf: not yet written), refilled per token
         # when the whole cache is read (graphs, compiled pieces, compaction).
@@ -257,15 +273,51 @@ class Decoder:
                       for group in range(n_groups)} if self.warm_start else {}
 
     def _make_contexts(self) -> None:
-        """One attention context per loop step (0: single-pass layers), over every row."""
-        batch = self.batch_size
-        mask = None if self._prefix else self._mask
-        self.cache.limit = None
-        self._contexts = {
-            step: AttentionContext(self.cache, step, self._rows, self.cache.position.expand(batch),
-                                   torch.zeros_like(self._rows), 1, batch, mask, one_per_row=True)
-            for step in range(max(self.steps, default=0) + 1)
-        }
+        """One attention context per loop step (0: single-pass layers), over every row, reading the whole
+        cache (or, eager, its written prefix)."""
+        self._span_contexts.clear()
+        self._span = -1  # none yet
+        self._use_span(None)
+
+    def _use_span(self, span: int | None) -> None:
+        """Attention reads the cache's first ``span`` positions (None: all) under the mask's same span."""
+        if span == self._span:
+            return
+        self._span = span
+        self.cache.limit = span
+        if span not in self._span_contexts:
+            batch = self.batch_size
+            mask = None if self._prefix else self._span_mask()
+            self._span_contexts[span] = {
+                step: AttentionContext(self.cache, step, self._rows, self.cache.position.expand(batch),
+                                       torch.zeros_like(self._rows), 1, batch, mask, one_per_row=True)
+                for step in range(max(self.steps, default=0) + 1)
+            }
+        self._contexts = self._span_contexts[span]
+
+    def _span_mask(self) -> torch.Tensor:
+        """The additive mask over the positions read now (a view of ``_mask``)."""
+        return self._mask if self._span is None else self._mask.narrow(3, 0, self._span)
+
+    def _span_for(self, length: int) -> int | None:
+        """The read span of a token at ``length`` positions written (itself included): the smallest
+        bucket (``span_buckets`` doubled) that holds them, at most the capacity; None without buckets."""
+        if self.span_buckets is None:
+            return None
+        span = self.span_buckets
+        while span < length:
+            span *= 2
+        return min(span, self.capacity)
+
+    def _spans(self) -> list[int | None]:
+        """Every read span a token can take (``[None]`` without buckets)."""
+        if self.span_buckets is None:
+            return [None]
+        spans, span = [], self.span_buckets
+        while span < self.capacity:
+            spans.append(span)
+            span *= 2
+        return spans + [self.capacity]
 
     # ------------------------------------------------------------- the plans
     def _plan_for(self, budget: Budget) -> _Plan:
@@ -510,11 +562,11 @@ class Decoder:
         keys/values written in place by row index. Attention reads whichever moves fewer bytes
         (:class:`StaticRows`): the whole store, each query packed into its own cache row (no copies;
         B rows read), or, when 3 * rows < B, copies of the rows (3 * rows read and written)."""
-        key = (rows, step)
+        key = (rows, step, self._span)
         if key not in self._row_contexts:
             picked = self._order[:rows]
             index = torch.arange(rows, device=self.device)
-            mask = None if self._prefix else self._mask
+            mask = None if self._prefix else self._span_mask()
             if 3 * rows < self.batch_size:  # gathered: one query per row of the copies
                 self._row_contexts[key] = AttentionContext(
                     StaticRows(self.cache, picked, gather=True), step, index, self.cache.position.expand(rows),
@@ -686,9 +738,13 @@ class Decoder:
                 self.used[group].fill_(n)
         self._counts_of = plan if plan.budget.fixed else None
         self.tokens.copy_(tokens)
-        graphs = self._graphs if (replay and plan is self._plan) else None
         if self._prefix:
             self.cache.limit = self.length + 1
+        elif self.span_buckets is not None:
+            self._use_span(self._span_for(self.length + 1))
+            if self._span_graphs:
+                self._graphs = self._span_graphs[self._span]
+        graphs = self._graphs if (replay and plan is self._plan) else None
         with self._compile_scope() if graphs is None else contextlib.nullcontext():
             self._run_plan(plan, graphs)
         self.length += 1
@@ -787,7 +843,8 @@ class Decoder:
         steps plus the pieces between groups; a compacted chunk has one graph per power-of-two row
         count. ``warmup`` eager runs on a side stream come first (at the current position, which they
         leave where it was). With ``compile``, the first of them compiles every graph. Captured, the
-        whole cache is read under a mask (fixed shapes), and exits cannot break on the host.
+        whole cache is read under a mask (fixed shapes; with ``span_buckets`` one set of graphs per read
+        span, each reading its span), and exits cannot break on the host.
         """
         if self.device.type != "cuda":
             raise RdepthError(f"decoder.capture needs a CUDA device; this decoder is on {self.device}")
@@ -807,6 +864,18 @@ class Decoder:
             self._row_contexts.clear()
             self._plans.clear()
             self._plan = self._plan_for(self.budget)
+        pool = torch.cuda.graph_pool_handle()
+        spans = self._spans()
+        for span in spans:  # one set of graphs per read span (one set without span buckets)
+            self._use_span(span)
+            self._span_graphs[span] = self._record(warmup, pool)
+        self._use_span(self._span_for(self.length + 1))
+        self._graphs = self._span_graphs[self._span]
+        if self.span_buckets is None:
+            self._span_graphs.clear()
+
+    def _record(self, warmup: int, pool) -> list:
+        """The plan's pieces as CUDA graphs at the current read span, after ``warmup`` eager runs."""
         sizes = self._bucket_sizes()
         position = self.cache.position.clone()
         side = torch.cuda.Stream(device=self.device)
@@ -821,7 +890,6 @@ class Decoder:
                             item(rows)
                 self.cache.position.copy_(position)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
         graphs: list = []
         with self._compile_scope():
             for kind, item in self._plan.pieces:
@@ -832,7 +900,7 @@ class Decoder:
                 else:
                     graphs.append({rows: _captured(lambda item=item, rows=rows: item(rows), pool)
                                    for rows in sizes})
-        self._graphs = graphs
+        return graphs
 
     def _bucket_sizes(self) -> list[int]:
         return sorted({min(1 << n, self.batch_size) for n in range(self.batch_size.bit_length() + 1)})
