@@ -239,3 +239,35 @@ def test_float8_on_the_card_follows_bf16():
     gaps = [abs(a - b) / b for a, b in zip(runs[True], runs[False])]
     assert max(gaps) < 0.02, (runs, gaps)
     assert runs[True] != runs[False]
+
+
+def test_the_suite_section_trains_both_runs_on_the_same_tokens(monkeypatch, tmp_path, wiki_small):
+    """bench/gpu/fp8.py on a CPU with the device check lifted: the tiny preset on a prepared folder's tokens
+    (its vocabulary), 3 steps each; the same loop counts in both runs, both curves, the gaps from them.
+    (Without the lift the section records 'skipped (needs CUDA sm_89+)': tests/test_gpu_suite.py.)"""
+    import time
+
+    from bench.gpu.fp8 import fp8_section
+    from bench.gpu.report import evaluate_targets, markdown
+    from bench.gpu.suite import parse_args
+    from rdepth.train import fp8 as fp8_module
+    from rdepth.train import trainer as trainer_module
+
+    monkeypatch.setattr(fp8_module, "check_fp8_device", lambda device: None)
+    monkeypatch.setattr(trainer_module, "check_fp8_device", lambda device: None)
+    args = parse_args(["--smoke", "--out", str(tmp_path), "--sections", "fp8", "--device", "cpu",
+                       "--fp8-data", str(wiki_small), "--train-set", "fp8=true"])
+    result = fp8_section(args, torch.device("cpu"), time.perf_counter() + 120, {"device_name": "cpu"})
+    assert result["status"] == "ok" and result["steps"] == 3 and result["train_set"] == {}
+    bf16, fp8 = result["bf16"], result["fp8"]
+    assert len(bf16["loss"]) == len(fp8["loss"]) == 3 and bf16["loop_counts"] == fp8["loop_counts"]
+    assert bf16["loss"] != fp8["loss"] and fp8["plan"]["adapters"] == ["adapters.0", "adapters.1", "adapters.2"]
+    assert result["relative_gap"] == [(b - a) / a for a, b in zip(bf16["loss"], fp8["loss"])]
+    assert result["max_abs_relative_gap"] < 0.02 and bf16["mfu"] is None and fp8["tokens_per_s"] > 0
+    assert "wiki512" in result["data"] and "bpe:512" in result["data"]
+    report = {"environment": {"device": "cpu"}, "settings": {"smoke": True, "preset": "tiny", "budget_s": 60.0},
+              "sections": {"fp8": result}}
+    targets = {t["id"]: t for t in evaluate_targets(report)}
+    assert targets["train_fp8_loss"]["met"] is (result["max_abs_relative_gap"] <= 0.01)
+    assert targets["train_fp8_mfu"]["met"] is None  # an absolute target: H100/H200 only
+    assert "| fp8 | " in markdown({**report, "targets": list(targets.values())})
