@@ -271,3 +271,24 @@ def test_the_suite_section_trains_both_runs_on_the_same_tokens(monkeypatch, tmp_
     assert targets["train_fp8_loss"]["met"] is (result["max_abs_relative_gap"] <= 0.01)
     assert targets["train_fp8_mfu"]["met"] is None  # an absolute target: H100/H200 only
     assert "| fp8 | " in markdown({**report, "targets": list(targets.values())})
+
+
+def test_a_failed_fp8_run_keeps_the_bf16_curve(monkeypatch, tmp_path):
+    import time
+
+    from bench.gpu.fp8 import fp8_section
+    from bench.gpu.suite import parse_args
+    from rdepth.train import fp8 as fp8_module
+    from rdepth.train import trainer as trainer_module
+
+    def broken(model):
+        raise RuntimeError("no float8 kernel")
+
+    monkeypatch.setattr(fp8_module, "check_fp8_device", lambda device: None)
+    monkeypatch.setattr(trainer_module, "check_fp8_device", lambda device: None)
+    monkeypatch.setattr(trainer_module, "convert_to_fp8", broken)
+    args = parse_args(["--smoke", "--out", str(tmp_path), "--sections", "fp8", "--device", "cpu", "--fp8-steps", "2"])
+    result = fp8_section(args, torch.device("cpu"), time.perf_counter() + 60, {"device_name": "cpu"})
+    assert result["status"] == "error" and result["error"] == "fp8 run: RuntimeError: no float8 kernel"
+    assert len(result["bf16"]["loss"]) == 2 and result["fp8"]["status"] == "error"
+    assert "random token ids" in result["data"]

@@ -14,8 +14,9 @@ the section records ``skipped (needs CUDA sm_89+)`` (or ``skipped (torchao not i
 from __future__ import annotations
 
 import time
+import traceback
 
-from bench.gpu.common import free_memory, ratio, stats
+from bench.gpu.common import error_text, free_memory, ratio, stats
 from bench.gpu.train import bench_trainer, peak_tflops, train_flops_per_row
 
 LOSS_TOLERANCE = 0.01  # the issue's target: the fp8 loss within 1% of bf16's at the same step
@@ -43,16 +44,25 @@ def fp8_section(args, device, deadline, context) -> dict:
     start = time.perf_counter()
     runs = {}
     for name, fp8, until, steps in (("bf16", False, start + 0.5 * (deadline - start), args.fp8_steps),
-                                    ("fp8", True, deadline, None)):
+                                    ("fp8", True, None, None)):
         steps = steps if steps is not None else len(runs["bf16"]["loss"])  # the same steps as bf16 ran
         print(f"  fp8 section: {name}, {steps} steps", flush=True)
-        trainer = bench_trainer(model_config, args.train_batch, device, compile_layers,
-                                compile_scope=args.train_compile_scope, tokens=tokens, fp8=fp8, **overrides)
-        runs[name] = _curve(trainer, model_config, args, device, steps, until if name == "bf16" else None)
-        if fp8:
-            runs[name]["plan"] = trainer.fp8_plan.to_dict()
-        trainer = None
-        free_memory(device)
+        try:
+            try:
+                runs[name] = _run(model_config, tokens, args, device, compile_layers, overrides, fp8, steps, until)
+            except Exception as exc:  # noqa: BLE001 - a compile failure falls back to eager, recorded
+                if not compile_layers:
+                    raise
+                print(f"  compiled {name} run failed ({exc!r:.200}); running it eager", flush=True)
+                free_memory(device)
+                runs[name] = _run(model_config, tokens, args, device, False, overrides, fp8, steps, until)
+                runs[name]["compile_error"] = error_text(exc)
+        except Exception as exc:  # noqa: BLE001 - the bf16 curve already measured is kept
+            out[name] = {"status": "error", "error": error_text(exc), "traceback": traceback.format_exc()}
+            out.update(runs, status="error", error=f"{name} run: {error_text(exc)}")
+            return out
+        finally:
+            free_memory(device)
     bf16, fp8 = runs["bf16"], runs["fp8"]
     gaps = [(b - a) / a for a, b in zip(bf16["loss"], fp8["loss"])]
     peak = peak_tflops(context["device_name"]) if device.type == "cuda" else None
@@ -67,6 +77,17 @@ def fp8_section(args, device, deadline, context) -> dict:
         "peak_note": "MFU of both runs against the card's datasheet dense bf16 peak (PEAK_BF16_TFLOPS)",
     })
     return out
+
+
+def _run(model_config, tokens, args, device, compile_layers, overrides, fp8, steps, until) -> dict:
+    """One run of the comparison: a fresh trainer from seed 0 (fp8 or not) and :func:`_curve`."""
+    trainer = bench_trainer(model_config, args.train_batch, device, compile_layers,
+                            compile_scope=args.train_compile_scope, tokens=tokens, fp8=fp8, **overrides)
+    result = _curve(trainer, model_config, args, device, steps, until)
+    result["compiled"] = compile_layers
+    if fp8:
+        result["plan"] = trainer.fp8_plan.to_dict()
+    return result
 
 
 def _model_and_tokens(args):
