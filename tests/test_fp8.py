@@ -292,3 +292,31 @@ def test_a_failed_fp8_run_keeps_the_bf16_curve(monkeypatch, tmp_path):
     assert result["status"] == "error" and result["error"] == "fp8 run: RuntimeError: no float8 kernel"
     assert len(result["bf16"]["loss"]) == 2 and result["fp8"]["status"] == "error"
     assert "random token ids" in result["data"]
+
+
+def test_a_run_resumed_with_fp8_records_it_and_its_checkpoints_keep_the_bf16_keys(wiki_small, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """rdepth train for 3 steps, then --resume --max-steps 6 --fp8 (the device check lifted: float8 on the
+    CPU): the switch is recorded in config.json, the float8 steps train, and the float8 run's checkpoint
+    holds the keys and float32 tensors of the first one."""
+    import json
+
+    from reliability_helpers import train_argv
+    from safetensors.torch import load_file
+
+    from rdepth.cli.main import main
+    from rdepth.run.checkpoint import list_checkpoints
+    from rdepth.train import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "check_fp8_device", lambda device: None)
+    run = tmp_path / "run"
+    assert main(train_argv(wiki_small, run, "--max-steps", "3")) == 0
+    assert main(["train", "--out", str(run), "--resume", "--max-steps", "6", "--fp8", "--threads", "1"]) == 0
+    config = json.loads((run / "config.json").read_text())
+    assert config["resumes"] == [{"step": 3, "changed": {"max_steps": [3, 6], "fp8": [False, True]}}]
+    checkpoints = list_checkpoints(run)  # steps 3 (bf16) and 6 (fp8)
+    first, last = (load_file(str(path / "model.safetensors")) for path in (checkpoints[0], checkpoints[-1]))
+    assert list(first) == list(last) and all(last[k].dtype == torch.float32 for k in last)
+    assert any(not torch.equal(first[k], last[k]) for k in first)  # the float8 steps trained
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3, 4, 5, 6]
