@@ -294,8 +294,7 @@ def test_a_failed_fp8_run_keeps_the_bf16_curve(monkeypatch, tmp_path):
     assert "random token ids" in result["data"]
 
 
-def test_a_run_resumed_with_fp8_records_it_and_its_checkpoints_keep_the_bf16_keys(wiki_small, tmp_path, monkeypatch,
-                                                                                    capsys):
+def test_a_run_resumed_with_fp8_records_it_and_its_checkpoints_keep_the_bf16_keys(wiki_small, tmp_path, monkeypatch):
     """rdepth train for 3 steps, then --resume --max-steps 6 --fp8 (the device check lifted: float8 on the
     CPU): the switch is recorded in config.json, the float8 steps train, and the float8 run's checkpoint
     holds the keys and float32 tensors of the first one."""
