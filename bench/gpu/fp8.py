@@ -10,8 +10,8 @@ folder's training split (``--fp8-data``, e.g. the wiki corpus in GPT-2 tokens, c
 random ids of the preset's vocabulary, on which both runs only fall to the uniform loss (a weak check
 of the curve; the speed is the same). bf16 runs first, in 45% of the time; fp8 then runs as many steps, or
 fewer if the deadline comes first: the curves are compared over the steps both ran. Needs a CUDA card of
-compute capability >= 8.9 and torchao; elsewhere
-the section records ``skipped (needs CUDA sm_89+)`` (or ``skipped (torchao not installed)``) and returns."""
+compute capability >= 8.9 and torchao; elsewhere the section records ``skipped (needs CUDA sm_89+)`` (or
+``skipped (torchao not installed)``) and returns."""
 
 from __future__ import annotations
 
