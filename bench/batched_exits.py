@@ -21,6 +21,12 @@ then decoded, teacher-forced (every setting reads the same tokens), by the stati
                   --quantile value): a group stops for the whole batch once at most (1 - q) of its rows
                   still loop, the stragglers handing on their newest state
   (g) matched to f: a fixed budget per group equal to each (f)'s realised mean steps, rounded
+  (h) conditional:  with --conditional, the exits with no host check at all (``check_every=None``), each loop
+                  step after a group's first run only while some row still loops (``conditional=True``: a
+                  CUDA-graph conditional node with --graphs), so the batch stops at its slowest row
+  (i) executed:   a fixed budget per group equal to (h)'s executed steps (its slowest row's, the mean over
+                  tokens, rounded): the issue's "fixed budget of the same executed steps"
+  (j) conditional quantile q: (h) with the batch-quantile exit, per --quantile value
 
 With --task-difficulty D (--data a prepared task): the rows are held-out problems of difficulty D, decoded
 teacher-forced on their own tokens (not a greedy stream), and each setting also reports its answer
@@ -57,6 +63,8 @@ def parse_args(argv):
     parser.add_argument("--agreement", type=float, default=0.95, help="least agreement when choosing --tau")
     parser.add_argument("--check-every", type=int, default=2)
     parser.add_argument("--quantile", default="", help="batch-quantile exits to add, comma-separated q in (0, 1]")
+    parser.add_argument("--conditional", action="store_true",
+                        help="add (h)-(j): exits without host checks that stop at the slowest row on the device")
     parser.add_argument("--task-difficulty", type=int, default=None,
                         help="rows are held-out problems of this difficulty of a task --data (answer accuracy)")
     parser.add_argument("--batches", default="8,32,128")
@@ -209,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     def decoder(batch: int, noise, **options):
         return Decoder(model, batch, k_max, noise=noise, capacity=length, **options)
 
-    def exits(batch: int, noise, tau: float, compact: bool, quantile: float | None = None):
-        return decoder(batch, noise, controller_factory=factory(tau), check_every=args.check_every, compact=compact,
-                       batch_quantile=quantile)
+    def exits(batch: int, noise, tau: float, compact: bool, quantile: float | None = None, conditional: bool = False):
+        check_every = None if conditional else args.check_every  # conditional: the device decides, no host check
+        return decoder(batch, noise, controller_factory=factory(tau), check_every=check_every, compact=compact,
+                       batch_quantile=quantile, conditional=conditional)
 
     def stream_of(batch: int, noise) -> torch.Tensor:
         """The prompts and the full budget's greedy continuation, [B, prompt + tokens + 1] (task mode: the
@@ -273,11 +282,27 @@ def main(argv: list[str] | None = None) -> int:
         for q in args.quantiles:
             settings[f"f_quantile_{q:g}"] = Setting(f"f_quantile_{q:g}", exits(batch, noise, tau, True, q), stream,
                                                     args.prompt, args.graphs)
+        if args.conditional:
+            settings["h_conditional"] = Setting("h_conditional", exits(batch, noise, tau, False, conditional=True),
+                                                stream, args.prompt, args.graphs)
+            for q in args.quantiles:
+                name = f"j_conditional_quantile_{q:g}"
+                settings[name] = Setting(name, exits(batch, noise, tau, False, q, conditional=True), stream,
+                                         args.prompt, args.graphs)
         quality = {}
         for name, setting in settings.items():
             setting.prefill()
             chosen, steps = setting.decode(record=True)
             quality[name] = measured(chosen, steps, reference, targets)
+        if args.conditional:  # the fixed budget of the conditional exits' executed steps
+            counts = tuple(min(max(round(executed), 1), cap) for executed, cap in
+                           zip(quality["h_conditional"]["slowest_row_steps"], k_max))
+            settings["i_executed"] = Setting("i_executed", decoder(batch, noise, loop_counts=counts), stream,
+                                             args.prompt, args.graphs)
+            settings["i_executed"].prefill()
+            chosen, steps = settings["i_executed"].decode(record=True)
+            quality["i_executed"] = measured(chosen, steps, reference, targets)
+            quality["i_executed"]["budget"] = list(counts)
         for q in args.quantiles:  # each quantile exit's own matched fixed budget
             counts = tuple(min(max(round(mean), 1), cap) for mean, cap in
                            zip(quality[f"f_quantile_{q:g}"]["mean_steps"], k_max))
@@ -334,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                            "policy": args.policy, "tau": tau, "tau_trials": tau_trials,
                            "agreement_target": args.agreement, "check_every": args.check_every,
                            "quantiles": args.quantiles, "task_difficulty": args.task_difficulty,
+                           "conditional": args.conditional,
                            "prompt": args.prompt, "tokens": args.tokens, "warmup": args.warmup,
                            "repeats": args.repeats, "dtype": args.dtype, "graphs": args.graphs,
                            "threads": torch.get_num_threads()},
@@ -356,7 +382,7 @@ def print_batch(row: dict) -> None:
         low, high = stats["iqr"]
         steps = "|".join(f"{s:.2f}" for s in stats["mean_steps"])
         slowest = "|".join(f"{s:.2f}" for s in stats["slowest_row_steps"])
-        print(f"  {name:<13} {stats['ms_per_token']:9.3f} [{low:.3f}-{high:.3f}]  {stats['tokens_per_s']:9.1f} tok/s  "
+        print(f"  {name:<16} {stats['ms_per_token']:9.3f} [{low:.3f}-{high:.3f}]  {stats['tokens_per_s']:9.1f} tok/s  "
               f"x{stats['speedup_vs_full']:.2f} of (a)  x{stats['speedup_vs_matched']:.2f} of (d)  "
               f"x{stats['speedup_vs_same_quality']:.2f} of (e)  "
               f"steps {steps} (slowest row {slowest})  agreement {stats['agreement']:.3f}"

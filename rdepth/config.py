@@ -28,6 +28,9 @@ BLOCK_TYPES = ("sandwich", "gpt2")
 # What a recurrence group's loop carries (RecurrentLM.loop_step): Geiping et al.'s state, replaced by
 # the group's output each step, or a residual stream that each step adds the group's output to.
 LOOP_STATES = ("sandwich", "residual")
+# Inductor modes rdepth compiles with (training layers and decoding pieces): none that captures CUDA
+# graphs of its own (loop counts vary in training; the Decoder captures its graphs itself).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,45 @@ def test_check_every_changes_nothing_but_time(name):
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
+@pytest.mark.parametrize("name", ["step_norm", "acceleration", "kl"])
+@pytest.mark.parametrize("check_every", [None, 2])
+def test_conditional_steps_change_nothing_and_stop_at_the_slowest_row(name, check_every, monkeypatch):
+    """Decoder(conditional=True): a loop step after a group's first runs only while some row still loops
+    (on a card a conditional node of the captured graph; here a host read). The same logits, steps and
+    hand-offs as predicating every step, and a group's loop steps end at its slowest row's exit."""
+    model = tiny_model()
+    idx = tokens(3)
+    noise = StateNoise(4, range(3))
+    factory = controller_factory(model, name, varied_setting(model, idx, noise, name))
+    calls = []
+    loop_step = model.loop_step
+
+    def counted(group, *args, **kwargs):
+        calls.append(group)
+        return loop_step(group, *args, **kwargs)
+
+    results = []
+    for conditional in (False, True):
+        decoder = Decoder(model, 3, K_MAX, controller_factory=factory, noise=noise, check_every=check_every,
+                          conditional=conditional)
+        decoder.prefill(idx[:, :PROMPT])
+        monkeypatch.setattr(model, "loop_step", counted)
+        calls.clear()
+        logits, computed = step_through(decoder, idx)
+        monkeypatch.setattr(model, "loop_step", loop_step)
+        results.append((torch.stack(logits), torch.stack(computed), list(calls)))
+    (logits, computed, predicated), (logits_c, computed_c, conditional_calls) = results
+    assert torch.equal(logits_c, logits) and torch.equal(computed_c, computed)
+    # per token and group: every step up to the slowest row's (the step that stops it included), no more
+    slowest = computed.amax(dim=2)  # [T, G]
+    for group in range(len(K_MAX)):
+        assert conditional_calls.count(group) == int(slowest[:, group].sum())
+        assert predicated.count(group) >= conditional_calls.count(group)
+    assert len(conditional_calls) < len(predicated), "some batch should stop before its budget"
+    with pytest.raises(RdepthError, match="conditional=True needs exits"):
+        Decoder(model, 3, K_MAX, loop_counts=(2, 2), conditional=True)
+
+
 # ------------------------------------------------------------------ generation
 @BLOCKS
 def test_greedy_equals_generate(block):
@@ -306,8 +345,10 @@ def test_errors_name_the_problem():
 # ------------------------------------------------------------------ CUDA graphs
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("mode", ["fixed", "exits", "exits_chunked"])
+@pytest.mark.parametrize("mode", ["fixed", "exits", "exits_chunked", "exits_conditional"])
 def test_cuda_graph_replay_equals_eager_without_syncs(mode):
+    """Replayed graphs equal eager decoding; with ``exits_conditional`` the captured graph holds a
+    conditional node per loop step after a group's first (the eager reference predicates every step)."""
     model = tiny_model().cuda()
     idx = tokens(3).cuda()
     noise = StateNoise(8, range(3))
@@ -316,7 +357,7 @@ def test_cuda_graph_replay_equals_eager_without_syncs(mode):
         factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
         options.update(controller_factory=factory, check_every=2 if mode == "exits_chunked" else None)
     eager = decode_all(Decoder(model, 3, K_MAX, **options), idx)
-    decoder = Decoder(model, 3, K_MAX, **options)
+    decoder = Decoder(model, 3, K_MAX, **options, conditional=mode == "exits_conditional")
     decoder.prefill(idx[:, :PROMPT])
     decoder.capture()
     assert decoder.captured

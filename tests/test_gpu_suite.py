@@ -148,6 +148,12 @@ def test_smoke_run(tmp_path):
     steps = row["spread_predicated"]["mean_steps"]
     assert all(1 <= m < 12 for m in steps)  # the drawn exits, not the full budget
     assert all(e >= m for e, m in zip(row["spread_predicated"]["executed_steps"], steps))
+    conditional = row["spread_conditional"]  # no host check: the batch stops at its slowest row
+    if "tokens_per_s" in conditional:  # (a loaded machine may leave it to the time budget)
+        assert conditional["mean_steps"] == steps  # the same drawn exits
+        assert all(m <= c <= p for m, c, p in zip(steps, conditional["executed_steps"],
+                                                  row["spread_predicated"]["executed_steps"]))
+        assert row.get("fixed_spread_conditional", {}).get("matched_to", "executed_steps") == "executed_steps"
     loss = sections["loss"]
     assert loss["status"] == "ok" and abs(loss["fused"]["loss"] - loss["unfused"]["loss"]) < 1e-4
     assert "Batched exits on a trained model's exit spread" in markdown
@@ -220,3 +226,18 @@ def test_the_file_entry_runs_from_any_folder(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: python3 -m bench.gpu_suite") and "--sections" in proc.stdout
+
+
+def test_the_device_call_checks_its_steps_and_keeps_to_its_budget(tmp_path):
+    """bench/gpu/device_call.sh refuses an unknown step before running any, and skips a step the call's
+    budget no longer covers (nothing runs: these checks need no GPU)."""
+    script = ROOT / "bench" / "gpu" / "device_call.sh"
+    env = {**os.environ, "OUT": str(tmp_path)}
+    proc = subprocess.run(["bash", str(script), "rev", "tests", "nope"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown step nope" in proc.stdout and "== tests" not in proc.stdout
+    proc = subprocess.run(["bash", str(script), "rev", "train", "tests"], cwd=ROOT,
+                          env={**env, "CALL_BUDGET_S": "20"}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert "== train skipped: 20s of the call's budget left" in proc.stdout
+    assert "== tests skipped" in proc.stdout and not list(tmp_path.iterdir())

@@ -28,9 +28,13 @@ def graphs(function) -> int:
     return len(_debug_get_cache_entry_list(function.__code__))
 
 
-@pytest.mark.parametrize("rule", [None, "step_norm"])
+@pytest.mark.parametrize("rule", [None, "step_norm", "step_norm_conditional"])
 def test_compiled_decoding_equals_eager_and_compiles_only_on_the_first_token(rule):
+    """(``step_norm_conditional``: the compiled decoder's steps after the first run only while the row
+    loops, ``conditional=True``; the eager one predicates them all.)"""
     torch._dynamo.reset()  # count this test's graphs only
+    conditional = rule == "step_norm_conditional"
+    rule = "step_norm" if conditional else rule
     model = tiny_model(n_layer=3, groups="1").float()  # layers 0 and 2 single-pass, layer 1 looped
     idx = tokens(1, LENGTH)
     noise = StateNoise(0, [0])
@@ -42,7 +46,7 @@ def test_compiled_decoding_equals_eager_and_compiles_only_on_the_first_token(rul
         # no host check: every step runs predicated, the step and the rule in one compiled call
         options.update(controller_factory=controller_factory(model, rule, setting), check_every=None)
     eager = Decoder(model, 1, K_MAX, **options)
-    compiled = Decoder(model, 1, K_MAX, compile=True, **options)
+    compiled = Decoder(model, 1, K_MAX, compile=True, conditional=conditional, **options)
     expected, got, computed = [eager.prefill(idx[:, :PROMPT])[:, -1]], [compiled.prefill(idx[:, :PROMPT])[:, -1]], []
     counts = []
     for t in range(PROMPT, LENGTH):
@@ -57,18 +61,22 @@ def test_compiled_decoding_equals_eager_and_compiles_only_on_the_first_token(rul
     assert torch.equal(torch.stack(got).argmax(-1), torch.stack(expected).argmax(-1))
     # two single-pass stages, one function for all loop steps; with exits the step and its rule are one
     # compiled region (the step inlined into it): steps 1, middle, last
-    assert counts[0] == ((2, 1, 0) if rule is None else (2, 0, 3))
-    assert all(count == counts[0] for count in counts), "a later token compiled again"
+    if not conditional:  # (skipped steps may leave the last step's graph to a later token)
+        assert counts[0] == ((2, 1, 0) if rule is None else (2, 0, 3))
+        assert all(count == counts[0] for count in counts), "a later token compiled again"
     if rule is not None:
         assert len(torch.unique(torch.cat(computed))) > 1, "the exits should vary"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rule", [None, "step_norm"])
+@pytest.mark.parametrize("rule", [None, "step_norm", "step_norm_conditional"])
 def test_compiled_pieces_capture_as_cuda_graphs_and_replay_as_eager_decodes(rule):
     """compile=True composes with capture(): the warm-up compiles, the capture records the compiled
-    kernels, and replay equals eager decoding (float32, the tolerance above) with no host sync."""
+    kernels, and replay equals eager decoding (float32, the tolerance above) with no host sync; with
+    ``conditional=True`` each loop step after the first is a conditional node around compiled kernels."""
+    conditional = rule == "step_norm_conditional"
+    rule = "step_norm" if conditional else rule
     model = tiny_model(n_layer=3, groups="1").float().cuda()
     idx = tokens(1, LENGTH).cuda()
     noise = StateNoise(0, [0])
@@ -79,7 +87,7 @@ def test_compiled_pieces_capture_as_cuda_graphs_and_replay_as_eager_decodes(rule
         options.update(controller_factory=controller_factory(model, rule, varied_setting(model, idx, noise, rule)),
                        check_every=None)
     eager = Decoder(model, 1, K_MAX, **options)
-    compiled = Decoder(model, 1, K_MAX, compile=True, **options)
+    compiled = Decoder(model, 1, K_MAX, compile=True, conditional=conditional, **options)
     for decoder in (eager, compiled):
         decoder.prefill(idx[:, :PROMPT])
     compiled.capture()
@@ -88,3 +96,27 @@ def test_compiled_pieces_capture_as_cuda_graphs_and_replay_as_eager_decodes(rule
     got, got_computed = step_through(compiled, idx, PROMPT, forbid_syncs=True)
     torch.testing.assert_close(torch.stack(got), torch.stack(expected), **TOLERANCE)
     assert torch.equal(torch.stack(got_computed), torch.stack(computed))
+
+
+def test_the_compile_mode_reaches_every_compiled_piece(monkeypatch):
+    """Decoder(compile_mode=...) hands Inductor's mode to each compiled piece (a spy in place of
+    torch.compile: nothing compiles); the default passes none; a mode with CUDA graphs of its own, or
+    an unknown one, is refused (the Decoder captures its graphs itself)."""
+    from rdepth.errors import RdepthError
+
+    modes = []
+
+    def spy(fn, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", spy)
+    model = tiny_model(n_layer=3, groups="1").float()
+    Decoder(model, 1, K_MAX, loop_counts=(4,), compile=True, compile_mode="max-autotune-no-cudagraphs")
+    assert modes == ["max-autotune-no-cudagraphs"] * 3  # single-pass layers, loop step, loop step + rule
+    modes.clear()
+    Decoder(model, 1, K_MAX, loop_counts=(4,), compile=True)
+    assert modes == [None] * 3
+    for mode in ("reduce-overhead", "max-autotune", "fast"):
+        with pytest.raises(RdepthError, match="compile_mode must be one of default, max-autotune-no-cudagraphs"):
+            Decoder(model, 1, K_MAX, loop_counts=(4,), compile=True, compile_mode=mode)

@@ -226,6 +226,59 @@ def test_a_trainer_on_random_tokens_needs_no_folders_and_steps_as_its_seed_says(
     assert not (tmp_path / "no-run").exists() and not (tmp_path / "no-data").exists()
 
 
+def _random_token_trainer(tmp_path, **fields):
+    from rdepth.config import ModelConfig
+    from rdepth.train.config import TrainConfig
+    from rdepth.train.trainer import Trainer
+
+    model_config = ModelConfig(n_layer=3, n_head=2, d_model=32, block_size=16, vocab_size=64, groups="1",
+                               mean_loops=3.0, backprop_depth=2, tokenizer="bpe:512")
+    config = TrainConfig(data=str(tmp_path / "no-data"), out=str(tmp_path / "no-run"), batch_size=4, device="cpu",
+                         seed=3, max_steps=10, warmup_steps=1, threads=1, **fields)
+    return Trainer.on_random_tokens(model_config, config)
+
+
+def test_training_with_the_fused_loss_head_follows_the_logits_head(tmp_path):
+    """TrainConfig.fused_loss: the trainer's steps with the fused head (no logits) give the logits head's
+    losses and weights to float32 rounding, over steps whose AdamW updates depend on every gradient."""
+    runs = []
+    for fused in (False, True):
+        trainer = _random_token_trainer(tmp_path, fused_loss=fused)
+        assert trainer.loss_head == ("fused" if fused else "logits")
+        losses = [float(trainer.train_step(step)[0]) for step in range(3)]
+        runs.append((losses, [p.detach().clone() for p in trainer.model.parameters()]))
+    (logit_losses, logit_weights), (fused_losses, fused_weights) = runs
+    assert fused_losses == pytest.approx(logit_losses, rel=1e-5)
+    for got, want in zip(fused_weights, logit_weights):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_compile_mode_reaches_every_compiled_region(tmp_path, monkeypatch):
+    """TrainConfig.compile_mode is handed to every torch.compile the trainer makes, per layer and per loop
+    step (a spy in place of torch.compile: no compilation runs); the default passes no mode; a mode
+    with CUDA graphs (the loop counts vary) is refused."""
+    from rdepth.errors import RdepthError
+    from rdepth.train.config import TrainConfig
+
+    calls = []
+
+    def spy(fn, **kwargs):
+        calls.append(kwargs.get("mode"))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", spy)
+    _random_token_trainer(tmp_path, compile=True, compile_mode="max-autotune-no-cudagraphs")
+    assert calls == ["max-autotune-no-cudagraphs"] * 3  # three layers
+    calls.clear()
+    _random_token_trainer(tmp_path, compile=True, compile_scope="step", compile_mode="max-autotune-no-cudagraphs")
+    assert calls == ["max-autotune-no-cudagraphs"] * 3  # the loop step, then the two single-pass layers
+    calls.clear()
+    _random_token_trainer(tmp_path, compile=True)
+    assert calls == [None] * 3
+    with pytest.raises(RdepthError, match="compile_mode must be one of default, max-autotune-no-cudagraphs"):
+        TrainConfig(compile_mode="max-autotune")
+
+
 def test_a_trainer_on_given_tokens_draws_its_windows_from_them():
     """Trainer.on_tokens (the GPU suite's fp8 section, on a prepared folder's tokens): the batches are the
     BatchSampler's windows of those tokens; an id outside the model's vocabulary is a one-line error."""

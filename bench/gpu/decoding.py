@@ -66,7 +66,8 @@ def kernels_per_token(decoder, prompt, steps, device, replay: bool = False) -> d
 def observe(decoder, prompt, steps, check_every: int | None) -> dict:
     """An untimed teacher-forced pass: the greedy token at each position ``[B, T]`` and the loop steps
     taken, per group: the rule's mean over rows and tokens, and the steps the batch executed (every row
-    runs until the last one stops, rounded up to a chunk of ``check_every``)."""
+    runs until the last one stops, rounded up to a chunk of ``check_every``; a ``conditional`` decoder's
+    batch stops at its slowest row, without a check)."""
     import torch
 
     decoder.prefill(prompt)
@@ -77,7 +78,9 @@ def observe(decoder, prompt, steps, check_every: int | None) -> dict:
     taken = torch.stack(computed).float()  # (T, G, B)
     budget = torch.tensor(decoder.steps, dtype=torch.float32, device=taken.device).view(1, -1)
     executed = taken.amax(dim=2)  # (T, G)
-    if check_every is None:
+    if getattr(decoder, "conditional", False):
+        pass  # the device stops the batch's loop at its slowest row
+    elif check_every is None:
         executed = budget.expand_as(executed)
     else:
         executed = torch.minimum(torch.ceil(executed / check_every) * check_every, budget)
@@ -118,6 +121,8 @@ def make_decoder(model, batch, budget, args, noise, *, loop_counts=None, factory
 
     options = {"controller_factory": factory, "check_every": check_every} if factory else \
         {"loop_counts": loop_counts or budget}
+    if compile:  # Inductor's mode for the compiled pieces (--decode-compile-mode)
+        options["compile_mode"] = args.decode_compile_mode
     return Decoder(model, batch, max(budget) if budget else (), noise=noise, capacity=args.capacity,
                    compact=compact, compile=compile, **options)
 

@@ -10,8 +10,11 @@ from bench.gpu.common import ratio
 
 def loss_section(args, device, deadline, context) -> dict:
     """The training loss's head: ``lm_loss(F.linear(h, W))`` (the logits made whole) against the fused
-    head + cross-entropy (:func:`rdepth.model.fused_loss.linear_cross_entropy`), forward + backward at the
-    training shape (``--train-batch`` x block size rows, bf16 autocast on CUDA): ms and peak memory."""
+    head + cross-entropy (:func:`rdepth.model.fused_loss.linear_cross_entropy`: gradients made in the
+    forward, chunk by chunk), and where the trainer compiles (CUDA, or ``--compile on``) the fused head with
+    each chunk's arithmetic compiled (``fused_compiled``, its compilation in the warm-up rounds), forward +
+    backward at the training shape (``--train-batch`` x block size rows, bf16 autocast on CUDA): ms and
+    peak memory."""
     import torch
     import torch.nn.functional as F
 
@@ -29,6 +32,8 @@ def loss_section(args, device, deadline, context) -> dict:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     paths = {"unfused": lambda: lm_loss(F.linear(hidden, weight), targets),
              "fused": lambda: linear_cross_entropy(hidden, weight, targets)}
+    if args.compile == "on" or (args.compile == "auto" and device.type == "cuda"):  # as the trainer compiles
+        paths["fused_compiled"] = lambda: linear_cross_entropy(hidden, weight, targets, compiled=True)
     out = {"status": "ok", "rows": rows, "d_model": d, "vocab": vocab,
            "dtype": "bfloat16 autocast" if device.type == "cuda" else "float32"}
     for name, loss_of in paths.items():
@@ -55,5 +60,7 @@ def loss_section(args, device, deadline, context) -> dict:
         if device.type == "cuda":
             out[name]["peak_mib_over_inputs"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
     out["unfused_over_fused_ms"] = ratio(out["unfused"]["ms"], out["fused"]["ms"])
+    if "fused_compiled" in out:
+        out["unfused_over_fused_compiled_ms"] = ratio(out["unfused"]["ms"], out["fused_compiled"]["ms"])
     return out
 

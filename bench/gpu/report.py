@@ -265,12 +265,13 @@ def markdown(report: dict) -> str:
 
 def _spread_lines(spread: dict) -> list[str]:
     """The spread section's table: tokens/s, ratio to the full budget and to the fixed budget of the
-    same mean steps, mean and executed steps, kernels per token."""
+    same mean steps (of the same executed steps for a conditional row, marked *), mean and executed steps,
+    kernels per token."""
     if spread.get("status") != "ok":
         return [] if not spread else ["", f"Exit spread: {spread.get('status')} {spread.get('error', '')}"]
     lines = ["", f"Batched exits on a trained model's exit spread ({spread['histogram']['path']}, "
                  f"check every {spread['check_every']}), tokens/s", "",
-             "| batch | setting | tokens/s | x full | x fixed, same mean | fixed budget | mean steps | "
+             "| batch | setting | tokens/s | x full | x fixed, same mean (*executed) | fixed budget | mean steps | "
              "executed steps | kernels per token |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for batch, row in spread.get("by_batch", {}).items():
@@ -283,8 +284,9 @@ def _spread_lines(spread: dict) -> list[str]:
                 continue
             fixed = row.get(f"fixed_{name}", {})
             kernels = entry.get("kernels_per_token", {}).get("per_token")
+            star = "*" if fixed.get("matched_to") == "executed_steps" else ""
             lines.append(f"| {batch} | {name} | {entry['tokens_per_s']:,.0f} | {_fmt(row.get(name + '_over_full'))} | "
-                         f"{_fmt(row.get(name + '_over_fixed'))} | {fixed.get('loop_counts', '-')} | "
+                         f"{_fmt(row.get(name + '_over_fixed'))}{star} | {fixed.get('loop_counts', '-')} | "
                          f"{'/'.join(f'{m:.2f}' for m in entry['mean_steps'])} | "
                          f"{'/'.join(f'{m:.2f}' for m in entry['executed_steps'])} | {_fmt(kernels)} |")
     return lines
@@ -295,8 +297,10 @@ def _loss_lines(loss: dict) -> list[str]:
         return [] if not loss else ["", f"Loss head: {loss.get('status')} {loss.get('error', '')}"]
     lines = ["", f"Training loss head, forward + backward, {loss['rows']} rows x {loss['vocab']} ({loss['dtype']})", "",
              "| path | ms | peak MiB over inputs | loss |", "| --- | --- | --- | --- |"]
-    for name in ("unfused", "fused"):
-        entry = loss[name]
+    for name in ("unfused", "fused", "fused_compiled"):
+        entry = loss.get(name)
+        if entry is None:
+            continue
         lines.append(f"| {name} | {entry['ms']:.2f} | {_fmt(entry.get('peak_mib_over_inputs'))} | {entry['loss']:.4f} |")
     return lines
 

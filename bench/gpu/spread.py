@@ -17,9 +17,11 @@ def spread_section(args, device, deadline, context) -> dict:
     """Batched exits on a trained model's exit spread: each row's exit step drawn on the device from
     ``bench/exit_histogram.json`` (:mod:`bench.exit_spread`), so a batch's rows leave the loop as trained rows do,
     on random weights. Per batch size: the full budget; the spread's exits predicated and compacted
-    (chunks of the best ``--check-every``); the batch-quantile exits (``QUANTILES``, compacted); a fixed
-    budget of each one's mean steps; kernels (CPU: aten ops) per token of the compacted and quantile
-    decoders."""
+    (chunks of the best ``--check-every``) and conditional (no host check: ``Decoder(conditional=True)``, a
+    CUDA-graph conditional node per loop step stops the batch at its slowest row on the device); the
+    batch-quantile exits (``QUANTILES``), compacted and conditional; a fixed budget of each one's mean
+    steps (of a conditional row's executed steps); kernels (CPU: aten ops) per token of every decoder
+    but the predicated one."""
     import torch
 
     from bench.exit_spread import DEFAULT_HISTOGRAM, factory, load_histogram
@@ -47,16 +49,22 @@ def spread_section(args, device, deadline, context) -> dict:
         try:
             reference, row["full"] = full_budget_row(model, batch, budget, args, noise, prompt, steps, rounds,
                                                      device, until, graph)
-            variants = {"spread_predicated": {}, "spread_compacted": {"compact": True}}
+            variants = {"spread_predicated": {}, "spread_compacted": {"compact": True},
+                        # no host check: the device stops the batch's loop at its slowest row
+                        "spread_conditional": {"conditional": True, "check_every": None}}
             for q in QUANTILES:
                 variants[f"quantile_{q:g}"] = {"compact": True, "batch_quantile": q}
+                variants[f"quantile_{q:g}_conditional"] = {"batch_quantile": q, "conditional": True,
+                                                          "check_every": None}
             for name, options in variants.items():
                 if time.perf_counter() > until and name != "spread_predicated":  # the first always runs
                     row[name] = {"status": "skipped", "reason": "out of time"}
                     continue
+                options = dict(options)
+                check = options.pop("check_every", every)
                 exits = Decoder(model, batch, max(budget), noise=noise, capacity=args.capacity,
-                                controller_factory=spread, check_every=every, **options)
-                seen = observe(exits, prompt, steps, every)
+                                controller_factory=spread, check_every=check, **options)
+                seen = observe(exits, prompt, steps, check)
                 row[name] = with_rate(static_timing(exits, prompt, steps, rounds, device, until, graph), batch)
                 row[name].update(mean_steps=seen["mean_steps"], executed_steps=seen["executed_steps"],
                                  agreement=agreement(seen["tokens"], reference["tokens"]))
@@ -65,13 +73,17 @@ def spread_section(args, device, deadline, context) -> dict:
                         row[name]["kernels_per_token"] = kernels_per_token(exits, prompt, steps, device)
                     except Exception as exc:  # noqa: BLE001 - a count that fails leaves the timing
                         row[name]["kernels_per_token"] = {"status": "error", "error": error_text(exc)}
-                counts = tuple(min(args.loops, max(1, round(m))) for m in seen["mean_steps"])
+                # a conditional row against a fixed budget of the steps it executed (the issue's "same executed
+                # steps"); the others against their mean steps, as before
+                matched_to = "executed_steps" if options.get("conditional") else "mean_steps"
+                counts = tuple(min(args.loops, max(1, round(m))) for m in seen[matched_to])
                 fixed_name = f"fixed_{name}"
                 if time.perf_counter() < until:
                     fixed = make_decoder(model, batch, budget, args, noise, loop_counts=counts)
                     row[fixed_name] = with_rate(static_timing(fixed, prompt, steps, rounds, device, until, graph),
                                                  batch)
                     row[fixed_name]["loop_counts"] = list(counts)
+                    row[fixed_name]["matched_to"] = matched_to
                     row[f"{name}_over_fixed"] = ratio(row[name]["tokens_per_s"], row[fixed_name]["tokens_per_s"])
                     del fixed
                 row[f"{name}_over_full"] = ratio(row[name]["tokens_per_s"], row["full"]["tokens_per_s"])

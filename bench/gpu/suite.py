@@ -54,6 +54,8 @@ def parse_args(argv):
                              "(default: random ids of the preset's vocabulary)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="torch.compile each layer in training (auto: on CUDA, as the trainer)")
+    parser.add_argument("--decode-compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default="default",
+                        help="Inductor's mode for the decoders with compiled pieces (the *_inductor rows)")
     parser.add_argument("--loops", type=int, default=12, help="the full decode budget per group")
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 16; 8 smoke)")
     parser.add_argument("--tokens", type=int, default=None, help="tokens decoded per timed round (default 64; 8 smoke)")

@@ -53,7 +53,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from rdepth.config import parse_loop_counts
+from rdepth.config import COMPILE_MODES, parse_loop_counts
 from rdepth.errors import RdepthError
 from rdepth.model.control import FixedController, LoopController
 from rdepth.model.kv import AttentionContext
@@ -136,6 +136,13 @@ class Decoder:
             powers of two once captured (None).
         compile: run the loop step with its exit rule, and each run of single-pass layers, through
             Inductor (``torch.compile(fullgraph=True)``): one compiled call per loop step.
+        conditional: with exits, each loop step of a predicated chunk after a group's first runs only while
+            some row still loops: once captured, a CUDA-graph conditional node decides on the device, so a
+            batch stops at its slowest row's exit without a host check (``check_every=None``); eager on a
+            CPU a host read per step decides; the same numbers as without it.
+        compile_mode: Inductor's mode with ``compile``: ``default``, or ``max-autotune-no-cudagraphs``
+            (matmul templates benchmarked while compiling, with elementwise work fused into their epilogues
+            where that wins: fewer kernels per layer on a GPU, minutes of compiling).
         prefix_attention: read only the written positions (no mask); default: when eager (not ``compile``).
             False reads the whole cache under the additive mask, as captured graphs do (capture() switches
             to that).
@@ -152,7 +159,7 @@ class Decoder:
                  capacity: int | None = None, keep_steps: int | Sequence[int] | None = None,
                  warm_start: bool = False, compact: bool = False,
                  buckets: bool | None = None, compile: bool = False, prefix_attention: bool | None = None,
-                 batch_quantile: float | None = None):
+                 batch_quantile: float | None = None, compile_mode: str = "default", conditional: bool = False):
         config = model.config
         parameter = next(model.parameters())
         if dtype is not None and dtype != parameter.dtype:
@@ -173,6 +180,17 @@ class Decoder:
             check_every = 1 if self.device.type == "cpu" else None
         _check_options(controller_factory is not None, check_every, compact, compile, batch_quantile,
                        prefix_attention)
+        if compile_mode not in COMPILE_MODES:
+            raise RdepthError(f"decoder: compile_mode must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
+        self.compile_mode = compile_mode
+        if conditional and controller_factory is None:
+            raise RdepthError("decoder: conditional=True needs exits (controller_factory)")
+        if conditional and self.device.type == "cuda" and not all(
+                hasattr(torch.cuda.CUDAGraph, name) for name in ("get_currently_capturing_graph",
+                                                                 "begin_capture_to_if_node")):
+            raise RdepthError(f"decoder: conditional=True needs CUDA graph conditional nodes, which torch "
+                              f"{torch.__version__} lacks")
+        self.conditional = bool(conditional)
         self.check_every = check_every
         self.compact = compact
         self.batch_quantile = batch_quantile
@@ -401,19 +419,52 @@ class Decoder:
 
     def _exit_steps(self, plan: _Plan, group: int, steps: range, order: bool = False) -> None:
         """Loop steps ``steps`` of ``group`` for every row, predicated on ``active``: a stopped row keeps
-        its hand-off, step count and used index; its later iterates and keys are never read."""
+        its hand-off, step count and used index; its later iterates and keys are never read. With
+        ``conditional``, each step after the group's first runs only while some row still loops
+        (:meth:`_while_looping`), its iterate written in place to ``_state``."""
         state = self._state
         for step in steps:
-            if self._compiled is None or plan is not self._plan:
-                new = self._loop_step(group, state, step)
-                self._after_step(plan, group, step, state, new)
-            else:  # the step and the rule in one compiled call
-                new = self._compiled["step_check"](group, step, state, self._inputs,
-                                                   *self._kv[self.model.group_layers[group], step])
-            state = new
-        self._state.copy_(state)
+            if self.conditional and step > 1:
+                if state is not self._state:
+                    self._state.copy_(state)
+                    state = self._state
+                self._while_looping(lambda step=step: self._state.copy_(
+                    self._exit_step(plan, group, step, self._state)))
+            else:
+                state = self._exit_step(plan, group, step, state)
+        if state is not self._state:
+            self._state.copy_(state)
         if order:
             self._order_rows()
+
+    def _exit_step(self, plan: _Plan, group: int, step: int, state: torch.Tensor) -> torch.Tensor:
+        """One predicated loop step of ``group`` with its exit rule; returns the new iterate ``[B, d]``."""
+        if self._compiled is None or plan is not self._plan:
+            new = self._loop_step(group, state, step)
+            self._after_step(plan, group, step, state, new)
+            return new
+        # the step and the rule in one compiled call
+        return self._compiled["step_check"](group, step, state, self._inputs,
+                                            *self._kv[self.model.group_layers[group], step])
+
+    def _while_looping(self, body: Callable[[], object]) -> None:
+        """``body`` (a predicated loop step) only while some row still loops. Being captured into a CUDA
+        graph: a conditional node whose predicate, ``active.any()``, the device evaluates at each replay
+        (no host read). Eager on a card: ``body`` always runs (predicated, it changes nothing once every
+        row stopped; a host read would cost more). Eager on a CPU: one host read decides."""
+        looping = self._active.any()
+        if self.device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+                graph.begin_capture_to_if_node(looping)
+                try:
+                    body()
+                finally:
+                    graph.end_capture_to_conditional_node()
+            else:
+                body()
+        elif bool(looping):
+            body()
 
     def _after_step(self, plan: _Plan, group: int, step: int, state: torch.Tensor, new: torch.Tensor) -> None:
         """The exit rule after loop step ``step`` (``state`` -> ``new``, ``[B, d]``) and its predicated
@@ -522,12 +573,13 @@ class Decoder:
             for step in steps:
                 self._kv[stage.layers, step] = tuple(
                     tensor for layer in stage.layers for tensor in self.cache.read(layer, step))
-        fixed = {"fullgraph": True, "dynamic": False}
+        mode = {} if self.compile_mode == "default" else {"mode": self.compile_mode}
+        fixed = {"fullgraph": True, "dynamic": False, **mode}
         # The exit rule's step number varies (some rules branch on it): automatic dynamic makes it
         # symbolic after its first change; the tensors' shapes never change, so they stay static.
         return {"layers": torch.compile(self._layers_given, **fixed),
                 "step": torch.compile(self._step_given, **fixed),
-                "step_check": torch.compile(self._step_check_given, fullgraph=True)}
+                "step_check": torch.compile(self._step_check_given, fullgraph=True, **mode)}
 
     def _given_context(self, layers: Sequence[int], kv: Sequence[torch.Tensor]) -> AttentionContext:
         position = self.cache.position

@@ -37,6 +37,7 @@ from torch import nn
 from rdepth.config import ModelConfig, parse_loop_counts
 from rdepth.errors import RdepthError
 from rdepth.model.control import FixedController, LoopController
+from rdepth.model.fused_loss import readout_loss
 from rdepth.model.kv import AttentionContext, KVStore
 from rdepth.model.layers import BLOCKS, make_norm
 from rdepth.model.loop import LoopRows
@@ -64,7 +65,7 @@ class Stage:
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # (B, T, vocab_size)
+    logits: torch.Tensor | None  # (B, T, vocab_size); None when the loss head was fused
     loss: torch.Tensor | None
     loop_counts: tuple[int, ...] | None  # fixed counts used (dense path)
     computed: list[torch.Tensor] | None = None  # per group (B, T): loop steps computed
@@ -295,6 +296,7 @@ class RecurrentLM(nn.Module):
         cache: KVStore | None = None,
         warm_start: bool = False,
         shifted_warm_start: bool = False,
+        loss_head: str = "logits",
     ) -> ModelOutput:
         """Run the model on ``idx`` ``[B, T]``.
 
@@ -320,7 +322,14 @@ class RecurrentLM(nn.Module):
         usual). Where the loop converges whatever its start, this is the state the
         sequential warm start would hand on, at twice the group's forward cost
         instead of one forward per position.
+        ``loss_head`` (with ``targets``): ``logits`` computes the logits and the loss from them;
+        ``fused`` (training) the loss and its gradients chunk by chunk from the final hidden states
+        (:func:`rdepth.model.fused_loss.readout_loss`): no logits are made or returned (``logits`` None);
+        ``fused_compiled`` the same with each chunk's softmax arithmetic compiled.
         """
+        if loss_head not in LOSS_HEADS:
+            raise ValueError(f"loss_head must be one of {', '.join(LOSS_HEADS)}, got {loss_head!r}")
+        computed = used = None
         if warm_start:
             counts = None
             if controller is None:
@@ -329,18 +338,19 @@ class RecurrentLM(nn.Module):
             if cache is None:  # a private cache: positions one at a time, as decoding computes them
                 cache = self.new_cache(idx.shape[0])
             x, computed, used = self._forward_warm(idx, controller, cache, generator, observer)
-            output = ModelOutput(self.readout(x), None, counts, computed, used)
         elif controller is None and cache is None:
             counts = self.resolve_loop_counts(loop_counts, _generator_of(generator))
             x = self._forward_dense(idx, counts, generator, observer, shifted_warm_start)
-            output = ModelOutput(self.readout(x), None, counts)
         else:
             counts = None
             if controller is None:
                 counts = self.resolve_loop_counts(loop_counts, _generator_of(generator))
                 controller = FixedController(counts)
             x, computed, used = self._forward_packed(idx, controller, cache, generator, observer)
-            output = ModelOutput(self.readout(x), None, counts, computed, used)
+        if targets is not None and loss_head != "logits":
+            loss = readout_loss(self, x, targets, compiled=loss_head == "fused_compiled")
+            return ModelOutput(None, loss, counts, computed, used)
+        output = ModelOutput(self.readout(x), None, counts, computed, used)
         if targets is not None:
             output.loss = lm_loss(output.logits, targets)
         return output
@@ -452,6 +462,10 @@ class RecurrentLM(nn.Module):
         if cache is not None:
             cache.length = start + seq
         return x.view(batch, seq, -1), computed_out, used_out
+
+
+# How forward turns final hidden states into the loss (``loss_head``).
+LOSS_HEADS = ("logits", "fused", "fused_compiled")
 
 
 def _generator_of(noise: Noise) -> torch.Generator | None:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from rdepth.config import COMPILE_MODES
 from rdepth.errors import RdepthError
 from rdepth.fields import check_fields, option
 from rdepth.threads import THREADS_HELP
@@ -77,6 +78,13 @@ class TrainConfig:
         "layer", "what one compiled graph covers with compile: layer (each layer) or step (each loop step: the "
         "adapter and the group's layers, a few graphs per group, the same for every step and loop count; "
         "single-pass layers per layer)", choices=COMPILE_SCOPES)
+    compile_mode: str = option(
+        "default", "Inductor's mode with compile: default, or max-autotune-no-cudagraphs (benchmarks matmul and "
+        "kernel configurations while compiling: minutes more start-up; the same maths)", choices=COMPILE_MODES)
+    fused_loss: bool = option(
+        False, "compute the loss and its gradients chunk by chunk from the final hidden states, without the "
+        "[batch x tokens x vocabulary] logits (rdepth.model.fused_loss; each chunk's softmax compiled when the "
+        "layers are); the same loss up to summation order")
     threads: int = option(0, THREADS_HELP, bounds="[0, 4096]")
     curriculum_steps: int = option(
         0, "task data: the top training difficulty rises linearly from the lowest + 1 to the highest over "
@@ -161,7 +169,7 @@ def _check_kinds(config: TrainConfig) -> None:
     for name in ("data", "out", "device"):
         if not isinstance(getattr(config, name), str) or not getattr(config, name):
             raise RdepthError(f"train config: {name} must be a non-empty string, got {getattr(config, name)!r}")
-    for name in ("compile", "activation_checkpointing", "fp8"):
+    for name in ("compile", "activation_checkpointing", "fused_loss", "fp8"):
         value = getattr(config, name)
         if not isinstance(value, bool) and not (value is None and name == "compile"):
             raise RdepthError(f"train config: {name} must be true or false, got {value!r}")

@@ -39,8 +39,8 @@ def config_mismatch(saved: ModelConfig, wanted: ModelConfig) -> list[str]:
 # (none changes the weights). Recorded: a new schedule end (e.g. a longer --max-steps), and the switch
 # to or from float8 matmuls (fp8: the checkpoint is the same float32 state either way, so a run may go on
 # without float8 or on a card without it, but its steps from then on round differently: its history says so).
-RESUME_FREE = ("data", "out", "device", "threads", "compile", "compile_scope", "stop_at", "eval_every", "log_every",
-               "checkpoint_every", "keep_last", "milestone_every", "time_limit", "activation_checkpointing")
+RESUME_FREE = ("data", "out", "device", "threads", "compile", "compile_scope", "compile_mode", "fused_loss",
+               "stop_at", "eval_every", "log_every", "checkpoint_every", "keep_last", "milestone_every", "time_limit", "activation_checkpointing")
 RESUME_RECORDED = ("max_steps", "fp8")
 
 

@@ -207,15 +207,28 @@ class Trainer:
 
     def _compile_layers(self) -> None:
         """``torch.compile`` each layer, or each loop step and the single-pass layers
-        (``config.compile``, default on CUDA; ``config.compile_scope``)."""
+        (``config.compile``, default on CUDA; ``config.compile_scope``, ``config.compile_mode``)."""
         config = self.config
-        if config.compile if config.compile is not None else self.device.type == "cuda":
+        if self.compiled:
+            options = {} if config.compile_mode == "default" else {"mode": config.compile_mode}
             if config.compile_scope == "step":
-                compile_loop_steps(self.model)
+                compile_loop_steps(self.model, **options)
             looped = {layer for layers in self.model.group_layers for layer in layers}
             for index, layer in enumerate(self.model.layers):  # per block: loop counts vary, shapes do not
                 if config.compile_scope == "layer" or index not in looped:
-                    layer.compile()
+                    layer.compile(**options)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the layers are compiled (``config.compile``; default on CUDA)."""
+        return self.config.compile if self.config.compile is not None else self.device.type == "cuda"
+
+    @property
+    def loss_head(self) -> str:
+        """The model's ``loss_head`` for training steps (``config.fused_loss``; compiled with the layers)."""
+        if not self.config.fused_loss:
+            return "logits"
+        return "fused_compiled" if self.compiled else "fused"
 
     # ---------------------------------------------------------------- set-up
     def _data_record(self) -> dict:
@@ -338,7 +351,8 @@ class Trainer:
             last = index == len(batches) - 1
             sync = self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
             with sync, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_dtype is not None):
-                out = model(x, y, counts, generator=noise, shifted_warm_start=config.warm_start)
+                out = model(x, y, counts, generator=noise, shifted_warm_start=config.warm_start,
+                            loss_head=self.loss_head)
                 loss = out.loss / config.grad_accum
             loss.backward()
             total += loss.detach()

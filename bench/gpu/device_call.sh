@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# One prepared device call (docs/gpu.md, "The next GPU session"): named steps, run in order from the
+# repository root on the GPU machine, each under its own time limit and all under one budget, so a
+# slow step cannot eat the ones after it. Every step writes $OUT/<step>.log (and its own files under
+# $OUT/<step>/); the tail of each log is printed, so the device reply's output tail holds the figures.
+#
+#   bash bench/gpu/device_call.sh REVISION STEP [STEP ...]      (CALL_BUDGET_S: the whole call, default 450)
+#
+# Steps: tests, train, train_fused, train_autotune, fp8, trained_exits, decode_autotune (see step_* below).
+# The machine has no network: the package runs from the checkout (PYTHONPATH), torchao comes from a
+# carried wheel (fp8), the trained task model from carried runs/gpu-task (trained_exits).
+set -u -o pipefail
+
+ONE=0
+if [[ ${1:-} == --one ]]; then ONE=1; shift; fi  # internal: run one step (under the caller's timeout)
+REV=${1:?usage: device_call.sh REVISION STEP [STEP ...]}
+shift
+: "${OUT:?OUT must name the folder results go to}"
+BUDGET=${CALL_BUDGET_S:-450}
+START=$SECONDS
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+SUITE=(python3 -m bench.gpu_suite --revision "$REV")
+
+use_torchao() {  # torchao from the carried wheel (shared/wheels/), unless the machine has it
+    if ! python3 -c "import torchao" 2>/dev/null && ls shared/wheels/torchao-*.whl >/dev/null 2>&1; then
+        # into a folder of its own (no write to the system's packages); the wheel's top-level test/ would
+        # shadow the standard library's on PYTHONPATH, so it goes
+        python3 -m pip install -q --no-deps --no-index --target /tmp/torchao shared/wheels/torchao-*.whl &&
+            rm -rf /tmp/torchao/test && export PYTHONPATH=$PYTHONPATH:/tmp/torchao
+    fi
+}
+step_tests() {  # the CUDA-only tests (graph replay, compiled pieces, the compiled fused head, FP8)
+    use_torchao
+    python3 -m pytest -q -m gpu tests/test_decoder.py tests/test_static_compile.py tests/test_fused_loss.py \
+        $(ls tests/test_fp8.py 2>/dev/null)
+}
+step_train() {  # the baseline: training at the defaults, and the loss head alone
+    "${SUITE[@]}" --out "$OUT/train" --sections train,loss --budget-s "$1"
+}
+step_train_fused() {  # the fused loss head in train_step, one compiled region per loop step
+    "${SUITE[@]}" --out "$OUT/train_fused" --sections train --budget-s "$1" --train-compile-scope step \
+        --train-set fused_loss=true --train-set state_noise=counter
+}
+step_train_autotune() {  # the same with Inductor's max-autotune (no CUDA graphs): minutes of compiling
+    "${SUITE[@]}" --out "$OUT/train_autotune" --sections train --budget-s "$1" --train-compile-scope step \
+        --train-set fused_loss=true --train-set compile_mode=max-autotune-no-cudagraphs
+}
+step_fp8() {  # FP8 training against bf16 on the same tokens (torchao from the carried wheel; the wiki corpus in
+              # GPT-2 tokens from the carried shared/data/wiki-gpt2 where it came, else random ids)
+    use_torchao
+    local data=()
+    [[ -f shared/data/wiki-gpt2/train.bin ]] && data=(--fp8-data shared/data/wiki-gpt2)
+    "${SUITE[@]}" --out "$OUT/fp8" --sections fp8 --budget-s "$1" "${data[@]}"
+}
+step_trained_exits() {  # batch 32 and 128 on the demo's trained task model (answer accuracy per setting)
+    mkdir -p "$OUT/trained_exits"
+    python3 bench/batched_exits.py --checkpoint runs/gpu-task/train --data runs/gpu-task/data --task-difficulty 4 \
+        --batches 32,128 --k-max 12 --policy kl --tau 1e-3,1e-2 --agreement 0.98 --check-every 2 --prompt 16 \
+        --tokens 47 --quantile 0.9,0.75 --warmup 2 --repeats 5 --device cuda --dtype bfloat16 --graphs \
+        --json "$OUT/trained_exits/batched_exits.json"
+}
+step_decode_autotune() {  # batch-1 decode with the compiled pieces under max-autotune (kernels per token)
+    "${SUITE[@]}" --out "$OUT/decode_autotune" --sections decode --budget-s "$1" \
+        --decode-compile-mode max-autotune-no-cudagraphs
+}
+
+if ((ONE)); then  # --one REVISION STEP SECONDS
+    "step_$1" "$2"
+    exit $?
+fi
+
+declare -A LIMIT=([tests]=90 [train]=150 [train_fused]=150 [train_autotune]=240 [fp8]=150 [trained_exits]=100
+                  [decode_autotune]=240)
+for name in "$@"; do  # every name checked before anything runs
+    if ! declare -F "step_$name" >/dev/null; then
+        echo "== unknown step $name (choose from ${!LIMIT[*]})"; exit 2
+    fi
+done
+for name in "$@"; do
+    left=$((BUDGET - (SECONDS - START)))
+    limit=${LIMIT[$name]}
+    ((limit > left)) && limit=$left
+    if ((limit < 30)); then
+        echo "== $name skipped: ${left}s of the call's budget left"; continue
+    fi
+    echo "== $name (limit ${limit}s, at $((SECONDS - START))s)"
+    # the suite plans inside its budget; the step's own timeout stops anything that does not
+    timeout "$limit" bash "$0" --one "$REV" "$name" $((limit - 20)) >"$OUT/$name.log" 2>&1
+    echo "== $name rc $? after $((SECONDS - START))s"
+    tail -n 45 "$OUT/$name.log"
+done
