@@ -170,6 +170,23 @@ def test_smoke_run(tmp_path):
     assert "| target | measured | met? |" in proc.stdout  # the table is printed at the end
 
 
+def test_the_fp8_section_runs_when_named_and_says_why_it_skips_on_a_cpu(tmp_path):
+    """``--sections fp8`` (never in the default list): on a CPU it records why it did not train (the section's
+    training path on a CPU, the device check lifted: tests/test_fp8.py), and its two targets are listed."""
+    assert "fp8" not in parse_args(["--out", str(tmp_path)]).sections
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "bench.gpu_suite", "--smoke", "--out", str(tmp_path), "--device", "cpu",
+               "--sections", "fp8"]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    fp8 = report["sections"]["fp8"]
+    assert fp8["status"] == "skipped (needs CUDA sm_89+)" and "device is cpu" in fp8["reason"]
+    targets = {t["id"]: t for t in report["targets"]}
+    assert targets["train_fp8_mfu"]["met"] is None and targets["train_fp8_loss"]["met"] is None
+    assert "FP8 training: skipped (needs CUDA sm_89+)" in (tmp_path / "gpu_suite.md").read_text()
+
+
 def test_kernel_rows_show_a_failed_count():
     rows = kernel_rows({"status": "error", "error": "RuntimeError: no CUPTI"})
     assert rows == ["| kernels per token | error: RuntimeError: no CUPTI | |"]
@@ -189,7 +206,7 @@ def test_kernel_rows_show_a_failed_count():
                                   ["--policy", "nope"], ["--policy", "fixed"], ["--train-batch", "0"],
                                   ["--train-set", "nope=1"], ["--train-set", "compile"], ["--train-set", "seed=x"],
                                   ["--train-set", "warm_start=maybe"], ["--train-set", "compile=true"],
-                                  ["--train-set", "seed=3"]])
+                                  ["--train-set", "seed=3"], ["--fp8-steps", "0"], ["--sections", "fp8,nope"]])
 def test_bad_flags_fail_at_parse_time(argv, tmp_path):
     with pytest.raises(SystemExit):
         parse_args(["--out", str(tmp_path), *argv])

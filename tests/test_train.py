@@ -277,3 +277,27 @@ def test_compile_mode_reaches_every_compiled_region(tmp_path, monkeypatch):
     assert calls == [None] * 3
     with pytest.raises(RdepthError, match="compile_mode must be one of default, max-autotune-no-cudagraphs"):
         TrainConfig(compile_mode="max-autotune")
+
+
+def test_a_trainer_on_given_tokens_draws_its_windows_from_them():
+    """Trainer.on_tokens (the GPU suite's fp8 section, on a prepared folder's tokens): the batches are the
+    BatchSampler's windows of those tokens; an id outside the model's vocabulary is a one-line error."""
+    import numpy as np
+
+    from rdepth.config import ModelConfig
+    from rdepth.data.loader import BatchSampler
+    from rdepth.errors import RdepthError
+    from rdepth.train.config import TrainConfig
+    from rdepth.train.trainer import Trainer
+
+    model_config = ModelConfig(n_layer=2, n_head=2, d_model=16, block_size=8, vocab_size=64, groups="1",
+                               mean_loops=2.0, backprop_depth=1, tokenizer="bpe:512")
+    config = TrainConfig(data="(none)", out="(none)", batch_size=2, device="cpu", seed=5, max_steps=10, threads=1)
+    tokens = (np.arange(200) * 7 % 60).astype(np.uint16)
+    trainer = Trainer.on_tokens(model_config, config, tokens)
+    expected = BatchSampler(tokens, 2, 8, 5)
+    for step in (0, 3):
+        assert all(torch.equal(a, b) for a, b in zip(trainer.sampler.batch(step), expected.batch(step)))
+    assert torch.isfinite(trainer.train_step(0)[0])
+    with pytest.raises(RdepthError, match="token id 64 is not below the model's vocabulary size 64"):
+        Trainer.on_tokens(model_config, config, np.append(tokens, 64).astype(np.uint16))

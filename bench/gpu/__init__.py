@@ -25,6 +25,10 @@ Sections, in order, each timed after warm-up, synchronised, repeated, kept as me
   spread   batch 32, 128: exits drawn from a trained model's recorded exit histogram (predicated,
            compacted, batch quantiles) against the full budget and fixed budgets of the same mean
   loss     the training loss head, logits made whole against the fused head + cross-entropy
+  fp8      (only when named: --sections fp8) the trainer's step with TrainConfig.fp8 (torchao float8
+           matmuls in the layers and adapters) against bf16, from one seed on the same tokens
+           (--fp8-data, a prepared folder, else random ids): both loss curves, the gap per step,
+           tokens/s and MFU against the bf16 peak
 
 One module per section (``bench/gpu/<section>.py``, each ``<section>_section(args, device, deadline,
 context)``), the steps the decode sections share in ``decoding.py``, the budget, statistics and

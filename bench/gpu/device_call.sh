@@ -21,7 +21,16 @@ START=$SECONDS
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SUITE=(python3 -m bench.gpu_suite --revision "$REV")
 
+use_torchao() {  # torchao from the carried wheel (shared/wheels/), unless the machine has it
+    if ! python3 -c "import torchao" 2>/dev/null && ls shared/wheels/torchao-*.whl >/dev/null 2>&1; then
+        # into a folder of its own (no write to the system's packages); the wheel's top-level test/ would
+        # shadow the standard library's on PYTHONPATH, so it goes
+        python3 -m pip install -q --no-deps --no-index --target /tmp/torchao shared/wheels/torchao-*.whl &&
+            rm -rf /tmp/torchao/test && export PYTHONPATH=$PYTHONPATH:/tmp/torchao
+    fi
+}
 step_tests() {  # the CUDA-only tests (graph replay, compiled pieces, the compiled fused head, FP8)
+    use_torchao
     python3 -m pytest -q -m gpu tests/test_decoder.py tests/test_static_compile.py tests/test_fused_loss.py \
         $(ls tests/test_fp8.py 2>/dev/null)
 }
@@ -36,9 +45,12 @@ step_train_autotune() {  # the same with Inductor's max-autotune (no CUDA graphs
     "${SUITE[@]}" --out "$OUT/train_autotune" --sections train --budget-s "$1" --train-compile-scope step \
         --train-set fused_loss=true --train-set compile_mode=max-autotune-no-cudagraphs
 }
-step_fp8() {  # FP8 training against bf16 on the same tokens (torchao from the carried wheel)
-    ls shared/wheels/torchao-*.whl >/dev/null 2>&1 && pip install -q --no-deps --no-index shared/wheels/torchao-*.whl
-    "${SUITE[@]}" --out "$OUT/fp8" --sections fp8 --budget-s "$1"
+step_fp8() {  # FP8 training against bf16 on the same tokens (torchao from the carried wheel; the wiki corpus in
+              # GPT-2 tokens from the carried shared/data/wiki-gpt2 where it came, else random ids)
+    use_torchao
+    local data=()
+    [[ -f shared/data/wiki-gpt2/train.bin ]] && data=(--fp8-data shared/data/wiki-gpt2)
+    "${SUITE[@]}" --out "$OUT/fp8" --sections fp8 --budget-s "$1" "${data[@]}"
 }
 step_trained_exits() {  # batch 32 and 128 on the demo's trained task model (answer accuracy per setting)
     mkdir -p "$OUT/trained_exits"

@@ -115,6 +115,22 @@ def evaluate_targets(report: dict) -> list[dict]:
     met, gap = judge_at_most(elapsed, 360.0, True)
     targets.append(_target("suite_runtime", "the whole suite in under 6 minutes on one GPU", elapsed, "s", met, gap,
                            absolute_note))
+    if "fp8" in sections:  # issue 28's float8 targets, where the section was run (--sections fp8)
+        fp8 = sections["fp8"] if ok("fp8") else {}
+        mfu = fp8.get("fp8", {}).get("mfu")
+        met, gap = judge_at_least(None if mfu is None else 100 * mfu, 50.0, True)
+        bf16_mfu = fp8.get("bf16", {}).get("mfu")
+        targets.append(_target("train_fp8_mfu", "paper training with fp8: MFU >= 50% of the bf16 peak",
+                               None if mfu is None else 100 * mfu, "% of bf16 peak", met, gap,
+                               absolute_note or (f"bf16 in the same section: {100 * bf16_mfu:.1f}%; fp8/bf16 tokens/s "
+                                                 f"{fp8['fp8_over_bf16_tokens_per_s']:.3f}" if bf16_mfu else
+                                                 sections["fp8"].get("status", ""))))
+        worst = fp8.get("max_abs_relative_gap")
+        met, gap = judge_at_most(None if worst is None else 100 * worst, 100 * fp8.get("loss_tolerance", 0.01), False)
+        targets.append(_target("train_fp8_loss", "fp8 loss within 1% of bf16's at every step (same tokens and init)",
+                               None if worst is None else 100 * worst, "% worst step", met, gap,
+                               f"{fp8['steps']} steps; final gap {100 * fp8['final_relative_gap']:+.2f}%; {fp8['data']}"
+                               if fp8 else sections["fp8"].get("status", "")))
     return targets
 
 
@@ -244,6 +260,7 @@ def markdown(report: dict) -> str:
         lines += ["", "exits/full and exits/fixed use the faster exit path of the row."]
         lines += ["", batched.get("quality_note", "")]
     lines += _spread_lines(sections.get("spread", {})) + _loss_lines(sections.get("loss", {}))
+    lines += _fp8_lines(sections.get("fp8", {}))
     return "\n".join(lines) + "\n"
 
 
@@ -294,6 +311,26 @@ def _loss_lines(loss: dict) -> list[str]:
         if entry is None:
             continue
         lines.append(f"| {name} | {entry['ms']:.2f} | {_fmt(entry.get('peak_mib_over_inputs'))} | {entry['loss']:.4f} |")
+    return lines
+
+
+def _fp8_lines(fp8: dict) -> list[str]:
+    """The fp8 section: each run's speed and MFU (against the bf16 peak), then the loss curves side by side."""
+    if fp8.get("status") != "ok":
+        return [] if not fp8 else ["", f"FP8 training: {fp8.get('status')} {fp8.get('reason', fp8.get('error', ''))}"]
+    lines = ["", f"FP8 training against bf16, same tokens and init ({fp8['data']})", "",
+             "| run | tokens/s | TFLOP/s | MFU (bf16 peak) | step ms | steps timed |", "| --- | --- | --- | --- | --- | --- |"]
+    for name in ("bf16", "fp8"):
+        entry = fp8[name]
+        mfu = "-" if entry.get("mfu") is None else f"{100 * entry['mfu']:.1f}%"
+        lines.append(f"| {name} | {entry['tokens_per_s']:,.0f} | {entry['achieved_tflops']:.3g} | {mfu} | "
+                     f"{entry['step_ms']['median']:.1f} | {entry['steps_timed']} |")
+    lines += ["", "| step | bf16 loss | fp8 loss | gap |", "| --- | --- | --- | --- |"]
+    count = fp8["steps"]
+    shown = sorted({0, *range(count - 1, -1, -max(1, count // 10))})
+    for step in shown:
+        lines.append(f"| {step + 1} | {fp8['bf16']['loss'][step]:.4f} | {fp8['fp8']['loss'][step]:.4f} | "
+                     f"{100 * fp8['relative_gap'][step]:+.2f}% |")
     return lines
 
 

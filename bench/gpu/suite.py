@@ -12,16 +12,17 @@ from pathlib import Path
 from bench.gpu import __doc__ as SUITE_DOC
 from bench.gpu.batched import batched_section
 from bench.gpu.ceiling import ceiling_section
-from bench.gpu.common import SECTIONS, Budget, environment, error_text, free_memory
+from bench.gpu.common import DEFAULT_SECTIONS, SECTIONS, Budget, environment, error_text, free_memory
 from bench.gpu.decode import decode_section
 from bench.gpu.exits import exits_section
+from bench.gpu.fp8 import fp8_section
 from bench.gpu.loss import loss_section
 from bench.gpu.report import markdown, write_report
 from bench.gpu.spread import spread_section
 from bench.gpu.train import train_section
 
 RUNNERS = {"ceiling": ceiling_section, "train": train_section, "decode": decode_section, "exits": exits_section,
-           "batched": batched_section, "spread": spread_section, "loss": loss_section}
+           "batched": batched_section, "spread": spread_section, "loss": loss_section, "fp8": fp8_section}
 
 
 def parse_args(argv):
@@ -36,8 +37,8 @@ def parse_args(argv):
     parser.add_argument("--device", default="auto")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="wall-time budget (default 330; 60 with --smoke)")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help="comma-separated subset of " + ",".join(SECTIONS))
+    parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                        help="comma-separated subset of " + ",".join(SECTIONS) + " (default: all but fp8)")
     parser.add_argument("--train-batch", type=int, default=None,
                         help="sequences per training step (default 32; 2 smoke)")
     parser.add_argument("--train-steps", type=int, default=None, help="timed training steps (default 12; 2 smoke)")
@@ -46,6 +47,11 @@ def parse_args(argv):
     parser.add_argument("--train-set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a TrainConfig field for the train section's trainer (repeatable), e.g. fused_loss=true")
     parser.add_argument("--train-warmup", type=int, default=None, help="untimed steps first (default 3; 1 smoke)")
+    parser.add_argument("--fp8-steps", type=int, default=None,
+                        help="fp8 section: training steps of each run, bf16 and fp8 (default 60; 3 smoke)")
+    parser.add_argument("--fp8-data", default=None,
+                        help="fp8 section: a prepared data folder whose train split both runs train on "
+                             "(default: random ids of the preset's vocabulary)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="torch.compile each layer in training (auto: on CUDA, as the trainer)")
     parser.add_argument("--decode-compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default="default",
@@ -74,6 +80,7 @@ def parse_args(argv):
     smoke = args.smoke
     defaults = dict(preset="tiny" if smoke else "paper", budget_s=60.0 if smoke else 330.0,
                     train_batch=2 if smoke else 32, train_steps=2 if smoke else 12, train_warmup=1 if smoke else 3,
+                    fp8_steps=3 if smoke else 60,
                     prompt=8 if smoke else 16, tokens=8 if smoke else 64, repeats=2 if smoke else 5,
                     warmup=1 if smoke else 2, batches="2,4" if smoke else "8,32,128",
                     check_every="2" if smoke else "2,4", spread_batches="4" if smoke else "32,128")
@@ -91,7 +98,7 @@ def parse_args(argv):
     except ValueError:
         parser.error("--batches and --check-every take comma-separated integers")
     sizes = args.batches + args.spread_batches + args.check_every + [
-        args.train_batch, args.train_steps, args.prompt, args.tokens, args.repeats, args.loops]
+        args.train_batch, args.train_steps, args.fp8_steps, args.prompt, args.tokens, args.repeats, args.loops]
     if args.span_buckets is not None:
         sizes.append(args.span_buckets)
     if min(sizes) < 1 or args.train_warmup < 0 or args.warmup < 0:

@@ -104,11 +104,12 @@ def train_overrides(pairs) -> dict:
 
 
 def bench_trainer(model_config, batch: int, device, compile_layers: bool, seed: int = 0, compile_scope: str = "layer",
-                  **overrides):
+                  tokens=None, **overrides):
     """A :class:`rdepth.train.trainer.Trainer` on random token ids of the model's vocabulary, without a data
     folder (:meth:`~rdepth.train.trainer.Trainer.on_random_tokens`): seeded weights, the trainer's AdamW
     (fused on CUDA), bf16 autocast on CUDA, ``BatchSampler`` windows, each layer compiled when asked. No
-    run folder, validation or checkpoints: only the step is timed. ``overrides``: further
+    run folder, validation or checkpoints: only the step is timed. ``tokens``: a 1-D id array to draw the
+    windows from instead (:meth:`~rdepth.train.trainer.Trainer.on_tokens`). ``overrides``: further
     :class:`~rdepth.train.config.TrainConfig` fields (``--train-set``).
     """
     from rdepth.train.config import TrainConfig
@@ -117,6 +118,8 @@ def bench_trainer(model_config, batch: int, device, compile_layers: bool, seed: 
     config = TrainConfig(data="(random ids)", out="(none)", batch_size=batch, device=str(device),
                          compile=compile_layers, seed=seed, max_steps=10**6, compile_scope=compile_scope,
                          **overrides)
+    if tokens is not None:
+        return Trainer.on_tokens(model_config, config, tokens)
     return Trainer.on_random_tokens(model_config, config)
 
 

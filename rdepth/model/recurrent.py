@@ -72,6 +72,18 @@ class ModelOutput:
     used: list[torch.Tensor] | None = None  # per group (B, T): index of the state handed on
 
 
+def adapter_matmul(adapter: nn.Linear, x: torch.Tensor, columns: slice) -> torch.Tensor:
+    """One half of an adapter's matmul: ``x`` ``[..., d]`` times ``W[:, columns]^T`` -> ``[..., d]``, where
+    ``W`` ``[d, 2d]`` is ``adapter.weight`` and ``columns`` the state's half (``:d``) or the input's (``d:``).
+    :class:`RecurrentLM`'s default ``adapter_matmul``; the float8 one (:mod:`rdepth.train.fp8`) has this
+    signature too."""
+    return F.linear(x, adapter.weight[:, columns])
+
+
+# adapter_matmul(adapter, x, columns) -> x W[:, columns]^T
+AdapterMatmul = Callable[[nn.Linear, torch.Tensor, slice], torch.Tensor]
+
+
 def build_stages(config: ModelConfig) -> list[Stage]:
     stages: list[Stage] = []
     single: list[int] = []
@@ -103,6 +115,9 @@ class RecurrentLM(nn.Module):
         block = BLOCKS[config.block]
         self.layers = nn.ModuleList(block(config, i) for i in range(config.n_layer))
         self.adapters = nn.ModuleList(nn.Linear(2 * d, d, bias=False) for _ in config.group_specs)
+        # How an adapter's halves are multiplied (:func:`adapter_matmul`): the one point every loop step's
+        # adapter matmuls pass through, so that a training option can swap it (float8: rdepth.train.fp8).
+        self.adapter_matmul: AdapterMatmul = adapter_matmul
         self.norm_f = make_norm(config)
         self.stages = build_stages(config)
         self.group_layers = [spec.layers for spec in config.group_specs]  # derived once
@@ -232,7 +247,7 @@ class RecurrentLM(nn.Module):
         per group and every loop step adds it (:meth:`loop_step`). The same parameters as ever:
         checkpoints load unchanged."""
         width = self.config.d_model
-        return F.linear(inputs, self.adapters[group].weight[:, width:])
+        return self.adapter_matmul(self.adapters[group], inputs, slice(width, None))
 
     def loop_step(
         self,
@@ -248,7 +263,7 @@ class RecurrentLM(nn.Module):
         width = self.config.d_model
         residual = self.config.loop_state == "residual"
         carried = F.rms_norm(state, (width,), eps=self.config.norm_eps) if residual else state
-        x = F.linear(carried, self.adapters[group].weight[:, :width]) + projected
+        x = self.adapter_matmul(self.adapters[group], carried, slice(None, width)) + projected
         update = self.run_layers(self.group_layers[group], x, attn)
         return state + update if residual else update
 

@@ -106,6 +106,12 @@ class TrainConfig:
     activation_checkpointing: bool = option(
         False, "with --parallel fsdp: recompute each layer's activations in backward instead of keeping them "
         "(less memory, about one more forward of compute; the same numbers)")
+    fp8: bool = option(
+        False, "float8 matmuls (torchao float8 training, dynamic tensorwise scales) in every layer's Linear "
+        "modules (qkv, attention proj, MLP fc and proj; looped and single-pass layers) and the adapters; the "
+        "tied head, embeddings and norms stay bf16, weights, AdamW state and checkpoints float32 as without it. "
+        "Needs a CUDA card of compute capability >= 8.9 and torchao (pip install 'rdepth[fp8]'); not with "
+        "--parallel fsdp")
 
     def __post_init__(self) -> None:
         _check_kinds(self)
@@ -131,6 +137,9 @@ class TrainConfig:
         if self.parallel != "fsdp" and (self.mixed_precision != "none" or self.activation_checkpointing):
             raise RdepthError("train config: mixed_precision and activation_checkpointing are --parallel fsdp "
                               "options: add --parallel fsdp (under torchrun)")
+        if self.fp8 and self.parallel == "fsdp":
+            raise RdepthError("train config: fp8 is not supported with --parallel fsdp (torchao's float8 "
+                              "all-gather of sharded weights is not wired in): use --parallel ddp")
 
     @property
     def milestone_interval(self) -> int:
@@ -160,7 +169,7 @@ def _check_kinds(config: TrainConfig) -> None:
     for name in ("data", "out", "device"):
         if not isinstance(getattr(config, name), str) or not getattr(config, name):
             raise RdepthError(f"train config: {name} must be a non-empty string, got {getattr(config, name)!r}")
-    for name in ("compile", "activation_checkpointing", "fused_loss"):
+    for name in ("compile", "activation_checkpointing", "fused_loss", "fp8"):
         value = getattr(config, name)
         if not isinstance(value, bool) and not (value is None and name == "compile"):
             raise RdepthError(f"train config: {name} must be true or false, got {value!r}")

@@ -36,10 +36,12 @@ def config_mismatch(saved: ModelConfig, wanted: ModelConfig) -> list[str]:
 
 
 # Fields a resume may change. Free: where and how the run executes, and its cadences
-# (none changes the weights). Recorded: a new schedule end (e.g. a longer --max-steps).
+# (none changes the weights). Recorded: a new schedule end (e.g. a longer --max-steps), and the switch
+# to or from float8 matmuls (fp8: the checkpoint is the same float32 state either way, so a run may go on
+# without float8 or on a card without it, but its steps from then on round differently: its history says so).
 RESUME_FREE = ("data", "out", "device", "threads", "compile", "compile_scope", "compile_mode", "fused_loss",
                "stop_at", "eval_every", "log_every", "checkpoint_every", "keep_last", "milestone_every", "time_limit", "activation_checkpointing")
-RESUME_RECORDED = ("max_steps",)
+RESUME_RECORDED = ("max_steps", "fp8")
 
 
 def check_resume_config(saved: TrainConfig, wanted: TrainConfig, step: int) -> dict:

@@ -38,6 +38,7 @@ from rdepth.run.device import resolve_device
 from rdepth.run.evaluate import evaluate
 from rdepth.run.heldout import held_out_problem_windows, held_out_windows
 from rdepth.train.config import TrainConfig
+from rdepth.train.fp8 import check_fp8_device, convert_to_fp8, require_torchao
 from rdepth.train.memory import check_fits
 from rdepth.train.optim import check_optimizer_state, lr_at, make_optimizer
 from rdepth.train.rundir import check_run_folder, write_run_files
@@ -65,11 +66,15 @@ class Trainer:
     folder stops at once with a one-line error."""
 
     def __init__(self, model_config: ModelConfig, config: TrainConfig, resume: bool = False,
-                 preset: str | None = None, *, random_windows: int | None = None):
+                 preset: str | None = None, *, random_windows: int | None = None, tokens=None):
         self.config = config  # a time limit may end its schedule sooner (_fit_schedule)
         self.requested_config = config  # config.json keeps the settings asked for
         self.preset = preset
         self.device = resolve_device(config.device)
+        if config.fp8:  # before any data is read: no float8 card or no torchao stops the run at once
+            check_fp8_device(self.device)
+            require_torchao()
+        self.fp8_plan = None  # what runs in float8 (rdepth.train.fp8.FP8Plan), set in _place_model
         if config.threads:
             torch.set_num_threads(config.threads)
         self.start_step = 0
@@ -79,8 +84,8 @@ class Trainer:
         self.schedule_fits: list[dict] = []  # the time limit's changes to the schedule (_fit_schedule)
         self.ddp = None
         self._lock = contextlib.ExitStack()
-        if random_windows is not None:
-            self._build_on_random_tokens(model_config, random_windows)
+        if random_windows is not None or tokens is not None:
+            self._build_on_random_tokens(model_config, random_windows, tokens)
             return
         check_launch(config.parallel)  # FSDP runs under torchrun only
         self.dist: DistInfo = init_distributed(self.device.type)
@@ -144,23 +149,34 @@ class Trainer:
         (:meth:`_build_on_random_tokens`), for speed measurements and tests."""
         return cls(model_config, config, random_windows=windows)
 
-    def _build_on_random_tokens(self, model_config: ModelConfig, windows: int) -> None:
+    @classmethod
+    def on_tokens(cls, model_config: ModelConfig, config: TrainConfig, tokens: np.ndarray) -> "Trainer":
+        """:meth:`on_random_tokens` with its batches drawn from ``tokens`` (a 1-D array of ids below the
+        model's vocabulary size, e.g. a prepared folder's ``TokenShards.train``) instead of random ids:
+        the same windows at every step for every setting of the same seed (e.g. bf16 against fp8)."""
+        return cls(model_config, config, tokens=tokens)
+
+    def _build_on_random_tokens(self, model_config: ModelConfig, windows: int | None, tokens=None) -> None:
         """No data folder: :meth:`train_step` draws its batches, through the same :class:`BatchSampler`,
         from ``windows`` batches' worth of uniformly random ids of the model's vocabulary (drawn once
-        from ``config.seed``). The model (seeded weights), AdamW, bf16 autocast on CUDA, the loop-count
-        and initial-state draws and the per-layer compile are the ones a run builds. One process, no
-        run folder (``config.data`` and ``config.out`` are not read), no lock, validation or
-        checkpoints: only :meth:`train_step` is for use."""
+        from ``config.seed``), or from ``tokens`` when given. The model (seeded weights), AdamW, bf16
+        autocast on CUDA, the loop-count and initial-state draws and the per-layer compile are the ones
+        a run builds. One process, no run folder (``config.data`` and ``config.out`` are not read), no
+        lock, validation or checkpoints: only :meth:`train_step` is for use."""
         config = self.config
         self.dist, self.fsdp = DistInfo(), False
         _check_batch_split(config, self.dist)
         self.model_config = model_config
         self._new_model()
         self._place_model()
-        count = windows * config.batch_size * (model_config.block_size + 1)
-        ids = np.random.default_rng(config.seed).integers(0, model_config.vocab_size, size=count)
-        self.sampler = BatchSampler(ids.astype(token_dtype(model_config.vocab_size)), config.batch_size,
-                                    model_config.block_size, config.seed)
+        if tokens is None:
+            count = windows * config.batch_size * (model_config.block_size + 1)
+            ids = np.random.default_rng(config.seed).integers(0, model_config.vocab_size, size=count)
+            tokens = ids.astype(token_dtype(model_config.vocab_size))
+        elif len(tokens) and int(np.max(tokens)) >= model_config.vocab_size:
+            raise RdepthError(f"token id {int(np.max(tokens))} is not below the model's vocabulary size "
+                              f"{model_config.vocab_size}")
+        self.sampler = BatchSampler(tokens, config.batch_size, model_config.block_size, config.seed)
         self._compile_layers()
 
     def _new_model(self) -> None:
@@ -174,7 +190,8 @@ class Trainer:
         self.nonfinite = torch.zeros((), dtype=torch.bool)
 
     def _place_model(self) -> None:
-        """The model on the device (its shards, with --parallel fsdp); bf16 autocast there on CUDA."""
+        """The model on the device (its shards, with --parallel fsdp); bf16 autocast there on CUDA; its
+        layers' and adapters' matmuls in float8 with ``config.fp8`` (:mod:`rdepth.train.fp8`)."""
         if self.fsdp:
             from rdepth.train import dcp
             from rdepth.train.fsdp import shard_model
@@ -185,6 +202,8 @@ class Trainer:
                 dcp.load(self.resumed_from, self.model, self.optimizer)
         self.model.to(self.device)
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+        if self.config.fp8:  # the same parameters, so the optimizer and checkpoints are unchanged
+            self.fp8_plan = convert_to_fp8(self.model)
 
     def _compile_layers(self) -> None:
         """``torch.compile`` each layer, or each loop step and the single-pass layers
