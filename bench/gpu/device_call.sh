@@ -6,7 +6,8 @@
 #
 #   bash bench/gpu/device_call.sh REVISION STEP [STEP ...]      (CALL_BUDGET_S: the whole call, default 450)
 #
-# Steps: tests, train, train_fused, train_autotune, fp8, trained_exits, decode_autotune (see step_* below).
+# Steps: tests, train, train_fused, train_autotune, fp8, trained_exits, spread, spread_spans, decode_autotune
+# (see step_* below).
 # The machine has no network: the package runs from the checkout (PYTHONPATH), torchao comes from a
 # carried wheel (fp8), the trained task model from carried runs/gpu-task (trained_exits).
 set -u -o pipefail
@@ -59,6 +60,12 @@ step_trained_exits() {  # batch 32 and 128 on the demo's trained task model (ans
         --tokens 47 --quantile 0.9,0.75 --conditional --warmup 2 --repeats 5 --device cuda --dtype bfloat16 --graphs \
         --json "$OUT/trained_exits/batched_exits.json"
 }
+step_spread() {  # the exit spread at batch 32 and 128 (conditional rows included), whole-cache reads
+    "${SUITE[@]}" --out "$OUT/spread" --sections spread --budget-s "$1" --check-every 2
+}
+step_spread_spans() {  # the same, each decoder reading the written span in sizes of 64 (span_buckets)
+    "${SUITE[@]}" --out "$OUT/spread_spans" --sections spread --budget-s "$1" --check-every 2 --span-buckets 64
+}
 step_decode_autotune() {  # batch-1 decode with the compiled pieces under max-autotune (kernels per token)
     "${SUITE[@]}" --out "$OUT/decode_autotune" --sections decode --budget-s "$1" \
         --decode-compile-mode max-autotune-no-cudagraphs
@@ -70,7 +77,7 @@ if ((ONE)); then  # --one REVISION STEP SECONDS
 fi
 
 declare -A LIMIT=([tests]=90 [train]=150 [train_fused]=150 [train_autotune]=240 [fp8]=150 [trained_exits]=100
-                  [decode_autotune]=240)
+                  [spread]=120 [spread_spans]=120 [decode_autotune]=240)
 for name in "$@"; do  # every name checked before anything runs
     if ! declare -F "step_$name" >/dev/null; then
         echo "== unknown step $name (choose from ${!LIMIT[*]})"; exit 2
