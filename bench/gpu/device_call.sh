@@ -66,9 +66,10 @@ step_spread() {  # the exit spread at batch 32 and 128 (conditional rows include
 step_spread_spans() {  # the same, each decoder reading the written span in sizes of 64 (span_buckets)
     "${SUITE[@]}" --out "$OUT/spread_spans" --sections spread --budget-s "$1" --check-every 2 --span-buckets 64
 }
-step_decode_autotune() {  # batch-1 decode with the compiled pieces under max-autotune (kernels per token)
-    "${SUITE[@]}" --out "$OUT/decode_autotune" --sections decode --budget-s "$1" \
-        --decode-compile-mode max-autotune-no-cudagraphs
+step_decode_autotune() {  # batch-1 decode, the default mode then max-autotune on the same card (kernels per token)
+    "${SUITE[@]}" --out "$OUT/decode_default" --sections decode --budget-s $(($1 * 2 / 5)) &&
+        "${SUITE[@]}" --out "$OUT/decode_autotune" --sections decode --budget-s $(($1 * 3 / 5)) \
+            --decode-compile-mode max-autotune-no-cudagraphs
 }
 
 if ((ONE)); then  # --one REVISION STEP SECONDS
