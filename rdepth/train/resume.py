@@ -37,6 +37,8 @@ def config_mismatch(saved: ModelConfig, wanted: ModelConfig) -> list[str]:
 
 # Fields a resume may change. Free: where and how the run executes, and its cadences
 # (none changes the weights). Recorded: a new schedule end (e.g. a longer --max-steps).
+# state_noise is not free: the two schemes draw different initial states, so a resume that switched
+# would not continue the run it names (runs saved before the field existed load as "sequence", what they used).
 RESUME_FREE = ("data", "out", "device", "threads", "compile", "compile_scope", "stop_at", "eval_every", "log_every",
                "checkpoint_every", "keep_last", "milestone_every", "time_limit", "activation_checkpointing")
 RESUME_RECORDED = ("max_steps",)

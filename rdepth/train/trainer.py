@@ -32,7 +32,7 @@ from rdepth.data.shards import TokenShards, token_dtype
 from rdepth.errors import RdepthError
 from rdepth.io import append_jsonl, exclusive, write_json
 from rdepth.model import RecurrentLM, sample_loop_counts, step_generator
-from rdepth.model.noise import StateNoise
+from rdepth.model.noise import CounterNoise, StateNoise
 from rdepth.run import checkpoint as ckpt
 from rdepth.run.device import resolve_device
 from rdepth.run.evaluate import evaluate
@@ -48,6 +48,13 @@ from rdepth.train.distributed import DistInfo, all_reduce_mean, init_distributed
 from rdepth.train.fsdp import check_launch, full_norm
 
 log = logging.getLogger(__name__)
+
+# TrainConfig.state_noise -> the noise of ``count`` consecutive training rows from global row ``first``:
+# (seed, first, count, compile) -> StateNoise or CounterNoise.
+NOISE_SOURCES = {
+    "sequence": lambda seed, first, count, compile: StateNoise.consecutive(seed, first, count),
+    "counter": lambda seed, first, count, compile: CounterNoise.consecutive(seed, first, count, compile=compile),
+}
 
 
 @dataclass
@@ -186,11 +193,18 @@ class Trainer:
         self.model.to(self.device)
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
 
+    @property
+    def _compiled(self) -> bool:
+        """Whether this run compiles (``config.compile``, default on CUDA): the layers, and the counter
+        noise's draw (one fused kernel per group)."""
+        config = self.config
+        return config.compile if config.compile is not None else self.device.type == "cuda"
+
     def _compile_layers(self) -> None:
         """``torch.compile`` each layer, or each loop step and the single-pass layers
         (``config.compile``, default on CUDA; ``config.compile_scope``)."""
         config = self.config
-        if config.compile if config.compile is not None else self.device.type == "cuda":
+        if self._compiled:
             if config.compile_scope == "step":
                 compile_loop_steps(self.model)
             looped = {layer for layers in self.model.group_layers for layer in layers}
@@ -296,7 +310,8 @@ class Trainer:
         for index in range(config.grad_accum):
             lo = index * micro + dist.rank * per_rank
             counts = sample_loop_counts(self.model_config, step_generator(config.seed, step, 1 + index))
-            noise = StateNoise.consecutive(config.seed, step * config.batch_size + lo, per_rank)
+            noise = NOISE_SOURCES[config.state_noise](config.seed, step * config.batch_size + lo, per_rank,
+                                                      self._compiled)
             yield (
                 x_all[lo : lo + per_rank].to(self.device, non_blocking=True),
                 y_all[lo : lo + per_rank].to(self.device, non_blocking=True),
