@@ -19,8 +19,8 @@ STD = 0.5
 
 def _hash_bits(seed: int, group: int, ids: list[int], start: int, length: int, width: int) -> torch.Tensor:
     """The tensor code's 32-bit hashes ``[B, length, width]`` (int64)."""
-    lane0, lane1 = _group_lanes(_sequence_lanes(seed, torch.tensor(ids, dtype=torch.int64)), group)
-    return _bits(lane0.view(-1, 1, 1), lane1.view(-1, 1, 1), _element_keys(start, length, width, "cpu"))
+    lanes = _group_lanes(_sequence_lanes(seed, torch.tensor(ids, dtype=torch.int64)), group).view(2, -1, 1, 1)
+    return _bits(lanes[0], lanes[1], _element_keys(start, length, width, "cpu"))
 
 
 def test_a_row_is_the_same_whatever_the_batch_and_positions_drawn():

@@ -87,10 +87,10 @@ _MASK = 0xFFFFFFFF
 # Both multipliers are below 2**31: x < 2**32 times either is < 2**63.
 _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
 _SPREAD = 0x61C88647  # odd, < 2**31 (2**32 minus the golden-ratio constant): spreads a counter's bits
-# Salts: one per kind of word absorbed, and one per lane of the 64-bit row key.
+# Salts: one per kind of word hashed, and one per lane of the 64-bit row key.
 _SALT_SEED = (0x2545F491, 0x4F1BBCDC)
-_SALT_SEQUENCE = (0x6C8E9CF5, 0x1B873593)
-_SALT_GROUP = (0x3C6EF372, 0x5BD1E995)
+_SALT_LOW, _SALT_HIGH = 0x6C8E9CF5, 0x1B873593  # a sequence id's low and high 32-bit words
+_SALT_GROUP = 0x3C6EF372
 _SALT_ELEMENT = 0x27D4EB2F
 _PHI_LOW = 0.5 * math.erfc(3 / math.sqrt(2))  # Phi(-3): the truncated normal's lower tail
 _SQRT2 = math.sqrt(2.0)
@@ -106,27 +106,38 @@ def mix32(x):
     return x ^ (x >> 15)
 
 
-def _absorb(key, word, salt: int):
-    """``key`` with one more 32-bit ``word`` hashed in (a bijection of ``word`` for a fixed key)."""
-    return mix32(key ^ mix32(((word * _SPREAD) & _MASK) ^ salt))
+def _word(value, salt: int):
+    """A well-mixed 32-bit word of ``value`` in ``[0, 2**32)`` (a bijection)."""
+    return mix32(((value * _SPREAD) & _MASK) ^ salt)
 
 
 def _seed_key(seed: int, lane: int) -> int:
-    """Lane ``lane`` of the seed's key (host ints)."""
-    return _absorb(_absorb(lane + 1, seed & _MASK, _SALT_SEED[lane]), seed >> 32, _SALT_SEED[lane])
+    """Lane ``lane`` of the seed's key (host ints; ``seed`` in ``[0, 2**63)`` as two words)."""
+    return mix32(mix32((lane + 1) ^ _word(seed & _MASK, _SALT_SEED[lane])) ^ _word(seed >> 32, _SALT_SEED[lane]))
 
 
-def _sequence_lanes(seed: int, sequence_ids):
-    """The two 32-bit lanes of each sequence's key: ``sequence_ids`` an int, or an int64 tensor of ids in
-    ``[0, 2**63)`` (hashed as two 32-bit words); ``seed`` in ``[0, 2**63)`` (folded on the host)."""
-    return [_absorb(_absorb(_seed_key(seed, lane), sequence_ids & _MASK, _SALT_SEQUENCE[lane]),
-                    sequence_ids >> 32, _SALT_SEQUENCE[lane]) for lane in (0, 1)]
+def _row_key_reference(seed: int, group: int, sequence: int, lane: int) -> int:
+    """One lane of a row's key, on Python ints: the seed's key, then the sequence id's low and high
+    words, then the group, each hashed in by ``mix32(key ^ word)`` (a bijection of the word)."""
+    key = mix32(_seed_key(seed, lane) ^ _word(sequence & _MASK, _SALT_LOW))
+    key = mix32(key ^ _word(sequence >> 32, _SALT_HIGH))
+    return mix32(key ^ _word(group, _SALT_GROUP))
 
 
-def _group_lanes(lanes, group: int):
-    """The sequence lanes with ``group`` hashed in: a row's key for one group (64 bits, so two rows of
-    a long run share a key with probability ~2**-64, not 2**-32)."""
-    return [_absorb(lane, group, _SALT_GROUP[index]) for index, lane in enumerate(lanes)]
+def _sequence_lanes(seed: int, ids: torch.Tensor) -> torch.Tensor:
+    """``[2, B]``: both lanes of each sequence's key (before the group) for int64 ``ids`` in ``[0, 2**63)``,
+    computed together: the lanes differ only in the seed's key, a ``[2, 1]`` column built on the device
+    from an ``arange`` (no host data)."""
+    first, second = _seed_key(seed, 0), _seed_key(seed, 1)
+    keys = first + torch.arange(2, device=ids.device, dtype=torch.int64).view(2, 1) * (second - first)
+    key = mix32(keys ^ _word(ids & _MASK, _SALT_LOW))
+    return mix32(key ^ _word(ids >> 32, _SALT_HIGH))
+
+
+def _group_lanes(lanes: torch.Tensor, group: int) -> torch.Tensor:
+    """``[2, B]`` sequence lanes with ``group`` hashed in: the rows' keys for one group (64 bits, so two
+    rows of a long run share a key with probability ~2**-64, not 2**-32)."""
+    return mix32(lanes ^ _word(group, _SALT_GROUP))
 
 
 def _element_keys(start: int, length: int, width: int, device) -> torch.Tensor:
@@ -136,7 +147,7 @@ def _element_keys(start: int, length: int, width: int, device) -> torch.Tensor:
         raise ValueError(f"CounterNoise: positions up to {start + length} x width {width} exceed 2**32 "
                          "elements per sequence")
     flat = torch.arange(start * width, (start + length) * width, device=device, dtype=torch.int64)
-    return mix32(((flat * _SPREAD) & _MASK) ^ _SALT_ELEMENT).view(length, width)
+    return _word(flat, _SALT_ELEMENT).view(length, width)
 
 
 def _bits(lane0, lane1, element):
@@ -153,10 +164,10 @@ def _bits(lane0, lane1, element):
 
 
 def counter_bits_reference(seed: int, group: int, sequence: int, position: int, channel: int, width: int) -> int:
-    """The 32-bit hash of one element, on Python's unbounded ints (what the tensor code must equal)."""
-    lane0, lane1 = _group_lanes(_sequence_lanes(seed, sequence), group)
-    element = mix32((((position * width + channel) * _SPREAD) & _MASK) ^ _SALT_ELEMENT)
-    return _bits(lane0, lane1, element)
+    """The 32-bit hash of one element, written per lane on Python's unbounded ints (what the tensor code,
+    both lanes at once in int64, must equal)."""
+    lane0, lane1 = (_row_key_reference(seed, group, sequence, lane) for lane in (0, 1))
+    return _bits(lane0, lane1, _word(position * width + channel, _SALT_ELEMENT))
 
 
 def _truncated_normal(lane0: torch.Tensor, lane1: torch.Tensor, element: torch.Tensor, std: float) -> torch.Tensor:
@@ -174,9 +185,8 @@ def counter_truncated_normal(ids: torch.Tensor, seed: int, group: int, start: in
                              std: float) -> torch.Tensor:
     """Float32 ``[B, length, width]`` for sequence ids ``ids`` ``[B]`` (int64): the whole draw of one group
     in one pass (what :class:`CounterNoise` computes with its per-batch parts cached)."""
-    lane0, lane1 = _group_lanes(_sequence_lanes(seed, ids), group)
-    return _truncated_normal(lane0.view(-1, 1, 1), lane1.view(-1, 1, 1),
-                             _element_keys(start, length, width, ids.device), std)
+    lanes = _group_lanes(_sequence_lanes(seed, ids), group).view(2, -1, 1, 1)
+    return _truncated_normal(lanes[0], lanes[1], _element_keys(start, length, width, ids.device), std)
 
 
 _compiled_draw = None
@@ -219,7 +229,7 @@ class CounterNoise:
                 raise ValueError("CounterNoise: sequence ids must be in [0, 2**63)")
             self._first, self._count, self._given = None, ids.numel(), ids
         self.compile = bool(compile)
-        self._lanes: list[torch.Tensor] | None = None
+        self._lanes: torch.Tensor | None = None
         self._elements: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}
 
     @classmethod
@@ -249,10 +259,10 @@ class CounterNoise:
         if self.compile:
             return _compiled()(self._ids(device), self.seed, group, start, length, width, std)
         # Eager: the group-free parts are computed once per batch (all groups, every position call).
-        if self._lanes is None or self._lanes[0].device != device:
+        if self._lanes is None or self._lanes.device != device:
             self._lanes = _sequence_lanes(self.seed, self._ids(device))
         key = (start, length, width, device)
         if key not in self._elements:
             self._elements[key] = _element_keys(start, length, width, device)
-        lane0, lane1 = _group_lanes(self._lanes, group)
-        return _truncated_normal(lane0.view(-1, 1, 1), lane1.view(-1, 1, 1), self._elements[key], std)
+        lanes = _group_lanes(self._lanes, group).view(2, -1, 1, 1)
+        return _truncated_normal(lanes[0], lanes[1], self._elements[key], std)
