@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rdepth.model.noise import (_MUL1, _MUL2, _SPREAD, CounterNoise, _bits, _element_keys, _group_lanes,
+from rdepth.model.noise import (_MUL1, _MUL2, _SPREAD, CounterNoise, _bits_tensor, _element_keys, _group_lanes,
                                 _sequence_lanes, counter_bits_reference, counter_truncated_normal)
 
 STD = 0.5
@@ -20,7 +20,7 @@ STD = 0.5
 def _hash_bits(seed: int, group: int, ids: list[int], start: int, length: int, width: int) -> torch.Tensor:
     """The tensor code's 32-bit hashes ``[B, length, width]`` (int64)."""
     lanes = _group_lanes(_sequence_lanes(seed, torch.tensor(ids, dtype=torch.int64)), group).view(2, -1, 1, 1)
-    return _bits(lanes[0], lanes[1], _element_keys(start, length, width, "cpu"))
+    return _bits_tensor(lanes[0], lanes[1], _element_keys(start, length, width, "cpu"))
 
 
 def test_a_row_is_the_same_whatever_the_batch_and_positions_drawn():
