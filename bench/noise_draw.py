@@ -8,7 +8,9 @@ Each scheme builds a fresh noise object for ``--batch`` consecutive training row
 group's ``[batch, length, width]`` state (``RecurrentLM.init_state``'s call), as ``Trainer._micro_batches``
 does once per micro-batch. Prints per scheme: the median wall time over ``--repeats`` (after a warm-up;
 the schemes timed in turn; CUDA synchronised around each), the aten ops the host dispatches (top-level,
-from ``torch.profiler``) and, on CUDA, the kernels launched; then the ratio against ``sequence``.
+from ``torch.profiler``), the host branches on tensor data (``nn.init.trunc_normal_``'s rejection loop
+asks ``mask.any()``: a device sync each on CUDA) and, on CUDA, the kernels launched; then the ratio
+against ``sequence``.
 ``--compile``: also the counter draw through ``torch.compile`` (the trainer's choice when it compiles:
 on CUDA by default; Inductor fuses each group's draw).
 """
@@ -82,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         events = profile.events()
         ops = sum(1 for event in events if event.name.startswith("aten::") and event.cpu_parent is None)
         kernels = sum(1 for event in events if event.device_type == torch.autograd.DeviceType.CUDA)
+        # a tensor's truth value read on the host (torch's trunc_normal_ rejection loop: `mask.any()`):
+        # on CUDA each one waits for the device
+        branches = sum(1 for event in events if event.name == "aten::is_nonzero")
         rows.append({"scheme": name, "median_ms": 1000 * statistics.median(times[name]),
                      "min_ms": 1000 * min(times[name]), "max_ms": 1000 * max(times[name]), "aten_ops": ops,
+                     "host_branches_on_data": branches,
                      "cuda_kernels": kernels if device.type == "cuda" else None})
     base = rows[0]["median_ms"]
     for row in rows:
@@ -96,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         kernels = f", {row['cuda_kernels']} kernels" if row["cuda_kernels"] is not None else ""
         print(f"  {row['scheme']:<18} {row['median_ms']:9.2f} ms (min {row['min_ms']:.2f}, max {row['max_ms']:.2f})"
-              f"  {row['aten_ops']:5d} aten ops{kernels}  x{row['time_ratio_vs_sequence']:.2f} of sequence")
+              f"  {row['aten_ops']:5d} aten ops{kernels}, {row['host_branches_on_data']} host branches on data"
+              f"  x{row['time_ratio_vs_sequence']:.2f} of sequence")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)

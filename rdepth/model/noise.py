@@ -77,10 +77,12 @@ class StateNoise:
 #
 # Every value is a pure function of (seed, group, sequence id, position, channel): a 32-bit
 # integer hash of those numbers, whose top 24 bits are a uniform on [0, 1), turned into the 3-sigma
-# truncated normal by the inverse CDF as ``nn.init.trunc_normal_`` does. Arithmetic is on int64
-# holding 32-bit values, never wrapping: every operand is below 2**32 and the multipliers are below
-# 2**31, so the largest intermediate (a product) is below 2**63 (tests/test_noise_counter.py checks the
-# tensor hash against the same formula on Python's unbounded ints at extreme ids).
+# truncated normal by the inverse CDF. No rejection loop: torch's ``nn.init.trunc_normal_``, which
+# StateNoise calls per row, resamples until ``mask.any()`` is false, a device sync per row on CUDA.
+# Arithmetic is on int64 holding 32-bit values, never wrapping: every operand is below 2**32 and the
+# multipliers are below 2**31, so the largest intermediate (a product) is below 2**63
+# (tests/test_noise_counter.py checks the tensor hash against the same formula on Python's unbounded
+# ints at extreme ids).
 
 _MASK = 0xFFFFFFFF
 # The two multiply-xorshift rounds of the widely used "splitmix32"-style finaliser (shifts 16, 15, 15).
@@ -184,7 +186,7 @@ def _bits_tensor(lane0: torch.Tensor, lane1: torch.Tensor, element: torch.Tensor
 def _truncated_normal(lane0: torch.Tensor, lane1: torch.Tensor, element: torch.Tensor, std: float) -> torch.Tensor:
     """Float32 ``[B, T, W]`` from row-key lanes ``[B, 1, 1]`` and element keys ``[T, W]``: the top 24 bits
     of each hash as a uniform u on [0, 1) -> ``erfinv`` of ``2 (Phi(-3) + u (Phi(3) - Phi(-3))) - 1`` times
-    ``sqrt(2) std``, clamped to +-3 std (as ``nn.init.trunc_normal_``)."""
+    ``sqrt(2) std``, clamped to +-3 std (rounding could step just past it)."""
     low = 2 * _PHI_LOW - 1  # Phi(-3) and Phi(3) on erf's scale [-1, 1]
     state = _bits_tensor(lane0, lane1, element).bitwise_right_shift_(8).to(torch.float32)  # 24 bits: exact
     state.mul_(-2 * low * 2.0**-24).add_(low).erfinv_()
