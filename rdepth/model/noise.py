@@ -205,7 +205,8 @@ _compiled_draw = None
 
 
 def _compiled():
-    """``counter_truncated_normal`` compiled (dynamic=False: one graph per group and shape)."""
+    """``counter_truncated_normal`` compiled (dynamic=False: one graph per group and shape; past dynamo's
+    recompile limit, 8 by default, further groups run eagerly)."""
     global _compiled_draw
     if _compiled_draw is None:
         _compiled_draw = torch.compile(counter_truncated_normal, fullgraph=True, dynamic=False)
@@ -223,8 +224,10 @@ class CounterNoise:
     but they follow the same distribution, the 3-sigma truncated normal.
 
     ``sequence_ids``: one global id per row in ``[0, 2**63)``, or use :meth:`consecutive` (an ``arange``
-    on the device). ``compile``: run the full-size part through ``torch.compile`` (one fused kernel on
-    CUDA; the values may differ from the eager ones in the last bit of ``erfinv``, never with the batching).
+    on the device). ``compile``: each group's whole draw through ``torch.compile`` (Inductor fuses it; the
+    trainer's choice when it compiles). Compiled values may differ from eager ones in the last bit of
+    ``erfinv``, but not with the batching (checked on the CPU). For fixed shapes, as in training: each
+    new ``start``/``length`` is another graph.
     """
 
     def __init__(self, seed: int, sequence_ids: Sequence[int] | torch.Tensor | range, compile: bool = False):
