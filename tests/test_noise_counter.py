@@ -164,16 +164,25 @@ def test_the_values_follow_the_three_sigma_truncated_normal():
     assert abs(correlation(values, other_group)) < bound and abs(correlation(values, other_seed)) < bound
 
 
-def test_the_draw_compiles_into_one_graph_with_the_same_values(monkeypatch):
-    """fullgraph=True: no graph break, no host sync (an .item() or a data-dependent branch would break it).
-    aot_eager runs the traced aten ops, so the values are the eager ones bit for bit (Inductor fuses them
-    into one kernel; its erfinv may differ in the last bit, the same for every batching)."""
+def test_the_draw_compiles_into_one_graph_for_every_group_with_the_same_values(monkeypatch):
+    """fullgraph=True: no graph break, no host sync (an .item() or a data-dependent branch would break it);
+    one graph serves every group and step (the group travels as a tensor; a recompile per group would hit
+    dynamo's limit of 8 and, with fullgraph, fail). The counting backend runs the traced aten ops, so the
+    values are the eager ones bit for bit (Inductor fuses them; its erfinv may differ in the last bit)."""
+    from torch._dynamo.testing import CompileCounter
+
     import rdepth.model.noise as noise
 
-    compiled = torch.compile(counter_truncated_normal, fullgraph=True, dynamic=False, backend="aot_eager")
-    monkeypatch.setattr(noise, "_compiled_draw", compiled)
-    eager = CounterNoise.consecutive(4, 2**40, 3).draw(2, 3, 0, 8, 16, STD, "cpu", 8)
-    assert torch.equal(CounterNoise.consecutive(4, 2**40, 3, compile=True).draw(2, 3, 0, 8, 16, STD, "cpu", 8), eager)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    monkeypatch.setattr(noise, "_compiled_draw",
+                        torch.compile(counter_truncated_normal, fullgraph=True, dynamic=False, backend=counter))
+    for group in range(10):
+        for first in (2**40, 2**40 + 3):  # two steps' rows
+            eager = CounterNoise.consecutive(4, first, 3).draw(group, 3, 0, 8, 16, STD, "cpu", 8)
+            compiled = CounterNoise.consecutive(4, first, 3, compile=True).draw(group, 3, 0, 8, 16, STD, "cpu", 8)
+            assert torch.equal(compiled, eager), group
+    assert counter.frame_count == 1
 
 
 # ---------------------------------------------------------------- training with state_noise = counter

@@ -136,9 +136,10 @@ def _sequence_lanes(seed: int, ids: torch.Tensor) -> torch.Tensor:
     return mix32(key ^ _word(ids >> 32, _SALT_HIGH))
 
 
-def _group_lanes(lanes: torch.Tensor, group: int) -> torch.Tensor:
-    """``[2, B]`` sequence lanes with ``group`` hashed in: the rows' keys for one group (64 bits, so two
-    rows of a long run share a key with probability ~2**-64, not 2**-32)."""
+def _group_lanes(lanes: torch.Tensor, group: int | torch.Tensor) -> torch.Tensor:
+    """``[2, B]`` sequence lanes with ``group`` (an int, or a one-element int64 tensor) hashed in: the
+    rows' keys for one group (64 bits, so two rows of a long run share a key with probability ~2**-64,
+    not 2**-32)."""
     return mix32(lanes ^ _word(group, _SALT_GROUP))
 
 
@@ -193,10 +194,11 @@ def _truncated_normal(lane0: torch.Tensor, lane1: torch.Tensor, element: torch.T
     return state.mul_(_SQRT2 * std).clamp_(-3 * std, 3 * std)
 
 
-def counter_truncated_normal(ids: torch.Tensor, seed: int, group: int, start: int, length: int, width: int,
-                             std: float) -> torch.Tensor:
+def counter_truncated_normal(ids: torch.Tensor, seed: int, group: int | torch.Tensor, start: int, length: int,
+                             width: int, std: float) -> torch.Tensor:
     """Float32 ``[B, length, width]`` for sequence ids ``ids`` ``[B]`` (int64): the whole draw of one group
-    in one pass (what :class:`CounterNoise` computes with its per-batch parts cached)."""
+    in one pass (what :class:`CounterNoise` computes with its per-batch parts cached). ``group`` as a
+    one-element tensor gives the same values and lets one compiled graph serve every group."""
     lanes = _group_lanes(_sequence_lanes(seed, ids), group).view(2, -1, 1, 1)
     return _truncated_normal(lanes[0], lanes[1], _element_keys(start, length, width, ids.device), std)
 
@@ -205,8 +207,9 @@ _compiled_draw = None
 
 
 def _compiled():
-    """``counter_truncated_normal`` compiled (dynamic=False: one graph per group and shape; past dynamo's
-    recompile limit, 8 by default, further groups run eagerly)."""
+    """``counter_truncated_normal`` compiled: dynamic=False, so one graph per shape and seed (the group
+    travels as a tensor: specialising on it would recompile per group, and fullgraph=True turns dynamo's
+    recompile limit, 8 by default, into an error)."""
     global _compiled_draw
     if _compiled_draw is None:
         _compiled_draw = torch.compile(counter_truncated_normal, fullgraph=True, dynamic=False)
@@ -226,8 +229,8 @@ class CounterNoise:
     ``sequence_ids``: one global id per row in ``[0, 2**63)``, or use :meth:`consecutive` (an ``arange``
     on the device). ``compile``: each group's whole draw through ``torch.compile`` (Inductor fuses it; the
     trainer's choice when it compiles). Compiled values may differ from eager ones in the last bit of
-    ``erfinv``, but not with the batching (checked on the CPU). For fixed shapes, as in training: each
-    new ``start``/``length`` is another graph.
+    ``erfinv``, but not with the batching (checked on the CPU). One graph per shape, for every group and
+    step: meant for training's fixed shapes (each new ``start``/``length`` is another graph).
     """
 
     def __init__(self, seed: int, sequence_ids: Sequence[int] | torch.Tensor | range, compile: bool = False):
@@ -271,8 +274,9 @@ class CounterNoise:
             raise ValueError(f"CounterNoise holds {self._count} sequence ids for a batch of {batch}")
         device = torch.device(device)
         group, start, length, width, std = int(group), int(start), int(length), int(width), float(std)
-        if self.compile:
-            return _compiled()(self._ids(device), self.seed, group, start, length, width, std)
+        if self.compile:  # the group as a device scalar (a fill, no copy from the host): one graph for all
+            group_key = torch.full((1,), group, dtype=torch.int64, device=device)
+            return _compiled()(self._ids(device), self.seed, group_key, start, length, width, std)
         # Eager: the group-free parts are computed once per batch (all groups, every position call).
         if self._lanes is None or self._lanes.device != device:
             self._lanes = _sequence_lanes(self.seed, self._ids(device))
