@@ -231,6 +231,23 @@ def test_the_trainer_draws_counter_noise_keyed_by_the_global_row(tmp_path):
     assert losses[0] != losses[1]
 
 
+def test_the_gpu_suite_trainer_takes_counter_noise_and_compiles_its_draw_when_it_compiles(tmp_path):
+    """``bench.gpu_suite --train-set state_noise=counter`` reaches the trainer; a compiling trainer (the
+    default on CUDA) hands the draw to torch.compile too (nothing is compiled until a step runs)."""
+    from bench.gpu.suite import parse_args
+    from bench.gpu.train import bench_trainer
+    from rdepth.config import ModelConfig
+
+    args = parse_args(["--out", str(tmp_path), "--train-set", "state_noise=counter"])
+    assert args.train_set == {"state_noise": "counter"}
+    model_config = ModelConfig(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=64, groups="1",
+                               mean_loops=3.0, backprop_depth=2, tokenizer="bpe:512")
+    for compile_layers in (False, True):
+        trainer = bench_trainer(model_config, 2, torch.device("cpu"), compile_layers, **args.train_set)
+        [(_, _, _, noise)] = list(trainer._micro_batches(0))
+        assert isinstance(noise, CounterNoise) and noise.compile == compile_layers
+
+
 @pytest.mark.slow
 def test_two_ranks_with_counter_noise_train_the_one_process_run(task_data, tmp_path):
     from safetensors.torch import load_file
