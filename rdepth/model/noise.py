@@ -14,6 +14,10 @@ of it. So
   single-process run;
 - cached decoding (one position at a time) starts every token from the same
   state as teacher-forced evaluation of the whole sequence.
+
+:class:`CounterNoise` (below) keeps that keying with other values of the same distribution: an
+integer hash computed on the device, one vectorised draw per group, no generator per row and no host
+sync (training's opt-in ``TrainConfig.state_noise = "counter"``).
 """
 
 from __future__ import annotations
