@@ -6,8 +6,8 @@
 #
 #   bash bench/gpu/device_call.sh REVISION STEP [STEP ...]      (CALL_BUDGET_S: the whole call, default 450)
 #
-# Steps: tests, train, train_fused, train_autotune, fp8, trained_exits, spread, spread_spans, decode_autotune
-# (see step_* below).
+# Steps: tests, train, train_fused, noise, train_autotune, fp8, trained_exits, spread, spread_spans,
+# decode_autotune (see step_* below).
 # The machine has no network: the package runs from the checkout (PYTHONPATH), torchao comes from a
 # carried wheel (fp8), the trained task model from carried runs/gpu-task (trained_exits).
 set -u -o pipefail
@@ -41,6 +41,10 @@ step_train() {  # the baseline: training at the defaults, and the loss head alon
 step_train_fused() {  # the fused loss head in train_step, one compiled region per loop step
     "${SUITE[@]}" --out "$OUT/train_fused" --sections train --budget-s "$1" --train-compile-scope step \
         --train-set fused_loss=true --train-set state_noise=counter
+}
+step_noise() {  # the start-state draw alone: sequence against counter noise (eager and compiled), kernels
+    mkdir -p "$OUT/noise"
+    python3 bench/noise_draw.py --device cuda --compile --repeats 10 --json "$OUT/noise/noise_draw.json"
 }
 step_train_autotune() {  # the same with Inductor's max-autotune (no CUDA graphs): minutes of compiling
     "${SUITE[@]}" --out "$OUT/train_autotune" --sections train --budget-s "$1" --train-compile-scope step \
@@ -78,7 +82,7 @@ if ((ONE)); then  # --one REVISION STEP SECONDS
 fi
 
 declare -A LIMIT=([tests]=90 [train]=150 [train_fused]=150 [train_autotune]=240 [fp8]=150 [trained_exits]=100
-                  [spread]=120 [spread_spans]=120 [decode_autotune]=240)
+                  [spread]=120 [spread_spans]=120 [decode_autotune]=240 [noise]=60)
 for name in "$@"; do  # every name checked before anything runs
     if ! declare -F "step_$name" >/dev/null; then
         echo "== unknown step $name (choose from ${!LIMIT[*]})"; exit 2

@@ -41,14 +41,14 @@ from rdepth.model.fused_loss import readout_loss
 from rdepth.model.kv import AttentionContext, KVStore
 from rdepth.model.layers import BLOCKS, make_norm
 from rdepth.model.loop import LoopRows
-from rdepth.model.noise import StateNoise
+from rdepth.model.noise import CounterNoise, StateNoise
 from rdepth.model.schedule import sample_loop_counts
 
 # observer(group, step, state [B, T, d], active [B, T] bool or None)
 Observer = Callable[[int, int, torch.Tensor, "torch.Tensor | None"], None]
-# Where initial loop states come from: keyed noise, one generator for the whole batch, or
-# (None) the global RNG.
-Noise = Union[StateNoise, torch.Generator, None]
+# Where initial loop states come from: keyed noise (per sequence, or the counter-based hash), one
+# generator for the whole batch, or (None) the global RNG.
+Noise = Union[StateNoise, CounterNoise, torch.Generator, None]
 
 
 class StageKind(enum.Enum):
@@ -221,8 +221,9 @@ class RecurrentLM(nn.Module):
         (= ``init_state_scale * 0.632`` per coordinate): as Geiping et al.'s released
         code, the initial state gets the same sqrt(d) scale as the token embedding,
         so that it is not negligible against the hidden states (norm ~sqrt(d)).
-        Exactly zero when the scale is 0. With a :class:`StateNoise` the state of
-        the token at position ``start + t`` of sequence b is that sequence's own
+        Exactly zero when the scale is 0. With a :class:`StateNoise` (or a
+        :class:`CounterNoise`: the same keying, another draw) the state of the
+        token at position ``start + t`` of sequence b is that sequence's own
         draw, whatever the batch; a ``torch.Generator`` draws the whole batch at
         once.
         """
@@ -231,7 +232,7 @@ class RecurrentLM(nn.Module):
             return torch.zeros_like(inputs)
         std = scale * self.init_state_std
         batch, length, width = inputs.shape
-        if isinstance(noise, StateNoise):
+        if isinstance(noise, (StateNoise, CounterNoise)):
             state = noise.draw(group, batch, start, length, width, std, inputs.device, self.config.block_size)
         else:
             device = noise.device if noise is not None else inputs.device

@@ -20,6 +20,7 @@ MILESTONES = 8
 
 
 COMPILE_SCOPES = ("layer", "step")  # what one compiled graph covers (TrainConfig.compile_scope)
+STATE_NOISES = ("sequence", "counter")  # how training rows draw their initial loop states (TrainConfig.state_noise)
 
 @dataclass
 class TrainConfig:
@@ -93,6 +94,12 @@ class TrainConfig:
         False, "train for warm-started loops (each group's loop for a token starts from the state the "
         "previous position handed on): the parallel stand-in, a no-grad loop from noise whose hand-offs, "
         "shifted one position, start the loop that trains (twice the groups' forward cost)")
+    state_noise: str = option(
+        "sequence", "initial loop-state noise of the training rows, both keyed by (seed, row, position, group) "
+        "so ranks and batchings agree: sequence (a seeded generator per row and group: every documented "
+        "figure) or counter (a hash of those keys computed on the device in one pass per group, fused into "
+        "one kernel with compile: far fewer kernels and no host work; other values of the same "
+        "distribution). Evaluation always uses sequence", choices=STATE_NOISES)
     init_from: str | None = option(None, "start from the weights of this checkpoint or run (rdepth retrofit, "
                                    "import-hf): its model config is the base, flags override loop settings",
                                    default_text="fresh weights from --seed")

@@ -39,8 +39,11 @@ def config_mismatch(saved: ModelConfig, wanted: ModelConfig) -> list[str]:
 # (none changes the weights). Recorded: a new schedule end (e.g. a longer --max-steps), and the switch
 # to or from float8 matmuls (fp8: the checkpoint is the same float32 state either way, so a run may go on
 # without float8 or on a card without it, but its steps from then on round differently: its history says so).
+# state_noise is not free: the two schemes draw different initial states, so a resume that switched
+# would not continue the run it names (runs saved before the field existed load as "sequence", what they used).
 RESUME_FREE = ("data", "out", "device", "threads", "compile", "compile_scope", "compile_mode", "fused_loss",
-               "stop_at", "eval_every", "log_every", "checkpoint_every", "keep_last", "milestone_every", "time_limit", "activation_checkpointing")
+               "stop_at", "eval_every", "log_every", "checkpoint_every", "keep_last", "milestone_every", "time_limit",
+               "activation_checkpointing")
 RESUME_RECORDED = ("max_steps", "fp8")
 
 

@@ -32,7 +32,7 @@ from rdepth.data.shards import TokenShards, token_dtype
 from rdepth.errors import RdepthError
 from rdepth.io import append_jsonl, exclusive, write_json
 from rdepth.model import RecurrentLM, sample_loop_counts, step_generator
-from rdepth.model.noise import StateNoise
+from rdepth.model.noise import CounterNoise, StateNoise
 from rdepth.run import checkpoint as ckpt
 from rdepth.run.device import resolve_device
 from rdepth.run.evaluate import evaluate
@@ -49,6 +49,13 @@ from rdepth.train.distributed import DistInfo, all_reduce_mean, init_distributed
 from rdepth.train.fsdp import check_launch, full_norm
 
 log = logging.getLogger(__name__)
+
+# TrainConfig.state_noise -> the noise of ``count`` consecutive training rows from global row ``first``:
+# (seed, first, count, compile) -> StateNoise or CounterNoise.
+NOISE_SOURCES = {
+    "sequence": lambda seed, first, count, compile: StateNoise.consecutive(seed, first, count),
+    "counter": lambda seed, first, count, compile: CounterNoise.consecutive(seed, first, count, compile=compile),
+}
 
 
 @dataclass
@@ -220,7 +227,8 @@ class Trainer:
 
     @property
     def compiled(self) -> bool:
-        """Whether the layers are compiled (``config.compile``; default on CUDA)."""
+        """Whether this run compiles (``config.compile``, default on CUDA): the layers, the fused loss
+        head's chunk arithmetic and the counter noise's draw (one fused kernel per group)."""
         return self.config.compile if self.config.compile is not None else self.device.type == "cuda"
 
     @property
@@ -328,7 +336,8 @@ class Trainer:
         for index in range(config.grad_accum):
             lo = index * micro + dist.rank * per_rank
             counts = sample_loop_counts(self.model_config, step_generator(config.seed, step, 1 + index))
-            noise = StateNoise.consecutive(config.seed, step * config.batch_size + lo, per_rank)
+            noise = NOISE_SOURCES[config.state_noise](config.seed, step * config.batch_size + lo, per_rank,
+                                                      self.compiled)
             yield (
                 x_all[lo : lo + per_rank].to(self.device, non_blocking=True),
                 y_all[lo : lo + per_rank].to(self.device, non_blocking=True),
