@@ -103,7 +103,7 @@ def test_static_decoding_is_bit_identical_with_the_additive_and_the_boolean_mask
     assert additive._mask.dtype == dtype and boolean._contexts[0].mask.dtype == torch.bool
     assert_bit_identical(additive, boolean, additive_out, boolean_out, mode)
     if mode == "exits_compacted":  # compacted chunks ran, over every row's keys under the whole mask
-        assert any(rows < additive.batch_size for rows, _ in additive._row_contexts)
+        assert any(rows < additive.batch_size for rows, _, _ in additive._row_contexts)
         assert all(context.mask.dtype == dtype for context in additive._row_contexts.values())
 
 
