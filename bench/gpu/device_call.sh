@@ -30,10 +30,10 @@ use_torchao() {  # torchao from the carried wheel (shared/wheels/), unless the m
             rm -rf /tmp/torchao/test && export PYTHONPATH=$PYTHONPATH:/tmp/torchao
     fi
 }
-step_tests() {  # the CUDA-only tests (graph replay, compiled pieces, the compiled fused head, FP8)
+step_tests() {  # every CUDA-only test (graph replay, conditional and span graphs, compiled pieces, captured
+               # compaction, the compiled fused head, FP8, pinned copies)
     use_torchao
-    python3 -m pytest -q -m gpu tests/test_decoder.py tests/test_static_compile.py tests/test_fused_loss.py \
-        $(ls tests/test_fp8.py 2>/dev/null)
+    python3 -m pytest -q -m gpu tests/
 }
 step_train() {  # the baseline: training at the defaults, and the loss head alone
     "${SUITE[@]}" --out "$OUT/train" --sections train,loss --budget-s "$1"
