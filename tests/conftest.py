@@ -55,3 +55,15 @@ def one_thread(monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def small_chase_data(tmp_path_factory):
+    """A prepared pointer-chasing task small enough for a few training steps (8 nodes, 4 queries, context
+    32, difficulties 1-3): for tests that train on task data, e.g. two ranks against one process."""
+    from rdepth.tasks.data import TaskDataConfig, prepare_task_data
+
+    out = tmp_path_factory.mktemp("chase") / "data"
+    return prepare_task_data(TaskDataConfig(task="chase", train_difficulties=(1, 3), train_tokens=6000,
+                                            val_tokens=2000, block_size=32, out=out,
+                                            task_params='{"chase": {"nodes": 8, "queries": 4, "ordered": true}}'))

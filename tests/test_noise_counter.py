@@ -186,16 +186,6 @@ def test_the_draw_compiles_into_one_graph_for_every_group_with_the_same_values(m
 
 
 # ---------------------------------------------------------------- training with state_noise = counter
-@pytest.fixture(scope="module")
-def task_data(tmp_path_factory):
-    from rdepth.tasks.data import TaskDataConfig, prepare_task_data
-
-    out = tmp_path_factory.mktemp("counter") / "data"
-    return prepare_task_data(TaskDataConfig(task="chase", train_difficulties=(1, 3), train_tokens=6000,
-                                            val_tokens=2000, block_size=32, out=out,
-                                            task_params='{"chase": {"nodes": 8, "queries": 4, "ordered": true}}'))
-
-
 def _configs(data, out, **train):
     from rdepth.config import ModelConfig
     from rdepth.train.config import TrainConfig
@@ -249,12 +239,12 @@ def test_the_gpu_suite_trainer_takes_counter_noise_and_compiles_its_draw_when_it
 
 
 @pytest.mark.slow
-def test_two_ranks_with_counter_noise_train_the_one_process_run(task_data, tmp_path):
+def test_two_ranks_with_counter_noise_train_the_one_process_run(small_chase_data, tmp_path):
     from safetensors.torch import load_file
 
     from rdepth.train.ranks import train_ranks
 
-    model, train = _configs(task_data, tmp_path / "two")
+    model, train = _configs(small_chase_data, tmp_path / "two")
     train_ranks(model, train, 2, tmp_path / "logs")
     train_ranks(model, replace(train, out=str(tmp_path / "one")), 1, tmp_path / "logs")
     two = load_file(str(tmp_path / "two" / "checkpoints" / "step_000006" / "model.safetensors"))
@@ -263,13 +253,13 @@ def test_two_ranks_with_counter_noise_train_the_one_process_run(task_data, tmp_p
         torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5)  # a sum in another order
 
 
-def test_a_counter_noise_run_learns_evaluates_and_resumes_only_with_the_same_noise(task_data, tmp_path, capsys):
+def test_a_counter_noise_run_learns_evaluates_and_resumes_only_with_the_same_noise(small_chase_data, tmp_path, capsys):
     import json
 
     from rdepth.cli.main import main
     from rdepth.train.trainer import train
 
-    model, config = _configs(task_data, tmp_path / "run", max_steps=30, eval_every=30, checkpoint_every=15)
+    model, config = _configs(small_chase_data, tmp_path / "run", max_steps=30, eval_every=30, checkpoint_every=15)
     train(model, replace(config, stop_at=15))
     train(model, config, resume=True)  # the same noise continues
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -277,10 +267,10 @@ def test_a_counter_noise_run_learns_evaluates_and_resumes_only_with_the_same_noi
     assert losses[30] < losses[1] - 0.5
     assert math.isfinite(json.loads((tmp_path / "run" / "summary.json").read_text())["final_val"]["ce"])
     # evaluation draws sequence noise whatever trained the model: the same distribution
-    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--data", str(task_data), "--max-batches", "1",
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--data", str(small_chase_data), "--max-batches", "1",
                  "--threads", "1"]) == 0
     capsys.readouterr()
-    code = main(["train", "--data", str(task_data), "--out", str(tmp_path / "run"), "--resume", "--max-steps", "40",
+    code = main(["train", "--data", str(small_chase_data), "--out", str(tmp_path / "run"), "--resume", "--max-steps", "40",
                  "--state-noise", "sequence", "--threads", "1"])
     assert code == 2
     assert "state_noise 'counter' (saved) vs 'sequence'" in capsys.readouterr().err

@@ -16,16 +16,6 @@ from rdepth.train.config import TrainConfig
 from rdepth.train.ranks import rank_environment, train_ranks
 
 
-@pytest.fixture(scope="module")
-def task_data(tmp_path_factory):
-    from rdepth.tasks.data import TaskDataConfig, prepare_task_data
-
-    out = tmp_path_factory.mktemp("ranks") / "data"
-    return prepare_task_data(TaskDataConfig(task="chase", train_difficulties=(1, 3), train_tokens=6000,
-                                            val_tokens=2000, block_size=32, out=out,
-                                            task_params='{"chase": {"nodes": 8, "queries": 4, "ordered": true}}'))
-
-
 def _configs(data, out):
     model = ModelConfig(n_layer=2, n_head=2, d_model=32, block_size=32, vocab_size=42, groups="1", mean_loops=3.0,
                         backprop_depth=2, tokenizer="task:chase")
@@ -50,8 +40,8 @@ def test_the_torchrun_environment_of_a_rank():
 
 
 @pytest.mark.slow
-def test_two_ranks_train_the_one_process_run_and_repeat_exactly(task_data, tmp_path):
-    model, train = _configs(task_data, tmp_path / "two")
+def test_two_ranks_train_the_one_process_run_and_repeat_exactly(small_chase_data, tmp_path):
+    model, train = _configs(small_chase_data, tmp_path / "two")
     assert train_ranks(model, train, 2, tmp_path / "logs") == tmp_path / "two"
     again = train_ranks(model, replace(train, out=str(tmp_path / "again")), 2, tmp_path / "logs")
     single = train_ranks(model, replace(train, out=str(tmp_path / "one")), 1, tmp_path / "logs")
@@ -68,8 +58,8 @@ def test_two_ranks_train_the_one_process_run_and_repeat_exactly(task_data, tmp_p
     assert (tmp_path / "two" / "summary.json").stat().st_mtime_ns == before
 
 
-def test_a_failing_rank_is_one_error_and_stops_the_others(task_data, tmp_path):
-    model, train = _configs(task_data, tmp_path / "run")
+def test_a_failing_rank_is_one_error_and_stops_the_others(small_chase_data, tmp_path):
+    model, train = _configs(small_chase_data, tmp_path / "run")
     with pytest.raises(RdepthError, match=r"training run \(rank \d\): .*") as caught:
         train_ranks(model, replace(train, data=str(tmp_path / "missing")), 2, tmp_path / "logs")
     assert "\n" not in str(caught.value)
