@@ -282,19 +282,30 @@ def main(argv: list[str] | None = None) -> int:
         for q in args.quantiles:
             settings[f"f_quantile_{q:g}"] = Setting(f"f_quantile_{q:g}", exits(batch, noise, tau, True, q), stream,
                                                     args.prompt, args.graphs)
+        failed = {}  # the conditional settings that could not run (their error): the others still do
         if args.conditional:
-            settings["h_conditional"] = Setting("h_conditional", exits(batch, noise, tau, False, conditional=True),
-                                                stream, args.prompt, args.graphs)
-            for q in args.quantiles:
-                name = f"j_conditional_quantile_{q:g}"
-                settings[name] = Setting(name, exits(batch, noise, tau, False, q, conditional=True), stream,
-                                         args.prompt, args.graphs)
+            wanted = {"h_conditional": None, **{f"j_conditional_quantile_{q:g}": q for q in args.quantiles}}
+            for name, q in wanted.items():
+                try:
+                    settings[name] = Setting(name, exits(batch, noise, tau, False, q, conditional=True), stream,
+                                             args.prompt, args.graphs)
+                except Exception as exc:  # noqa: BLE001 - e.g. a torch without CUDA-graph conditional nodes
+                    failed[name] = f"{type(exc).__name__}: {exc}"
         quality = {}
-        for name, setting in settings.items():
-            setting.prefill()
-            chosen, steps = setting.decode(record=True)
+        for name, setting in list(settings.items()):
+            try:
+                setting.prefill()
+                chosen, steps = setting.decode(record=True)
+            except Exception as exc:  # noqa: BLE001
+                if name not in ("h_conditional",) and not name.startswith("j_conditional"):
+                    raise
+                failed[name] = f"{type(exc).__name__}: {exc}"
+                del settings[name]
+                continue
             quality[name] = measured(chosen, steps, reference, targets)
-        if args.conditional:  # the fixed budget of the conditional exits' executed steps
+        for name, error in failed.items():
+            print(f"  {name} could not run: {error}", file=sys.stderr)
+        if "h_conditional" in quality:  # the fixed budget of the conditional exits' executed steps
             counts = tuple(min(max(round(executed), 1), cap) for executed, cap in
                            zip(quality["h_conditional"]["slowest_row_steps"], k_max))
             settings["i_executed"] = Setting("i_executed", decoder(batch, noise, loop_counts=counts), stream,
@@ -338,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
                 elapsed = timed_ms(setting.decode, device)
                 if round_number >= args.warmup:
                     times[name].append(elapsed / decoded)
-        row = {"batch": batch, "matched_budget": list(matched), "same_quality_budget": list(same), "settings": {}}
+        row = {"batch": batch, "matched_budget": list(matched), "same_quality_budget": list(same), "settings": {},
+               "failed": failed}
         for name in settings:
             stats = summary(times[name])
             stats["tokens_per_s"] = batch * 1000 / stats["ms_per_token"]

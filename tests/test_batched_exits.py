@@ -189,6 +189,46 @@ def test_bench_batched_exits_runs(tmp_path):
     assert "device:" in done.stdout
 
 
+def test_bench_conditional_rows_run_and_a_failing_one_leaves_the_others(tmp_path, monkeypatch, capsys):
+    """--conditional adds (h) the exits with no host check, (i) the fixed budget of their executed steps
+    and (j) the conditional quantile exits, with (h) as many mean steps as (b); a conditional setting that
+    cannot run (here: every decoder asked for conditional steps fails) is recorded and the rest still run."""
+    import importlib.util
+
+    from rdepth.model import decoder as decoder_module
+
+    spec = importlib.util.spec_from_file_location("batched_exits_bench", ROOT / "bench" / "batched_exits.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--preset", "tiny", "--batches", "3", "--prompt", "3", "--tokens", "3", "--k-max", "3", "--policy",
+            "step_norm", "--tau", "0.3", "--check-every", "1", "--quantile", "0.5", "--conditional", "--warmup", "0",
+            "--repeats", "1", "--threads", "1"]
+    out = tmp_path / "ok.json"
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["results"][0]
+    assert {"h_conditional", "i_executed", "j_conditional_quantile_0.5"} <= set(row["settings"]) and not row["failed"]
+    settings = row["settings"]
+    assert settings["h_conditional"]["mean_steps"] == settings["b_predicated"]["mean_steps"]
+    assert settings["i_executed"]["budget"] == [min(max(round(s), 1), 3) for s in
+                                                settings["h_conditional"]["slowest_row_steps"]]
+
+    real = decoder_module.Decoder
+
+    class NoConditional(real):
+        def __init__(self, *args, conditional=False, **kwargs):
+            if conditional:
+                raise RuntimeError("no conditional nodes here")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(decoder_module, "Decoder", NoConditional)
+    out = tmp_path / "failed.json"
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["results"][0]
+    assert set(row["failed"]) == {"h_conditional", "j_conditional_quantile_0.5"}
+    assert "i_executed" not in row["settings"] and {"a_full", "b_predicated", "d_matched"} <= set(row["settings"])
+    assert "h_conditional could not run: RuntimeError: no conditional nodes here" in capsys.readouterr().err
+
+
 def test_a_compacted_token_syncs_once_per_check():
     """The compaction reads the active count at the checks it already had, and nothing more."""
     from test_decoder import SYNC_OPS, op_counts

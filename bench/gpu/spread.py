@@ -62,11 +62,19 @@ def spread_section(args, device, deadline, context) -> dict:
                     continue
                 options = dict(options)
                 check = options.pop("check_every", every)
-                exits = Decoder(model, batch, max(budget), noise=noise, capacity=args.capacity,
-                                controller_factory=spread, check_every=check, span_buckets=args.span_buckets,
-                                **options)
-                seen = observe(exits, prompt, steps, check)
-                row[name] = with_rate(static_timing(exits, prompt, steps, rounds, device, until, graph), batch)
+                try:  # a setting that fails (e.g. conditional nodes on a torch without them) leaves the others
+                    exits = Decoder(model, batch, max(budget), noise=noise, capacity=args.capacity,
+                                    controller_factory=spread, check_every=check, span_buckets=args.span_buckets,
+                                    **options)
+                    seen = observe(exits, prompt, steps, check)
+                    row[name] = with_rate(static_timing(exits, prompt, steps, rounds, device, until, graph), batch)
+                except torch.cuda.OutOfMemoryError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    row[name] = {"status": "error", "error": error_text(exc)}
+                    print(f"  spread {name} at batch {batch} failed: {error_text(exc)}", flush=True)
+                    free_memory(device)
+                    continue
                 row[name].update(mean_steps=seen["mean_steps"], executed_steps=seen["executed_steps"],
                                  agreement=agreement(seen["tokens"], reference["tokens"]))
                 if name != "spread_predicated":
