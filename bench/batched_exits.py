@@ -283,21 +283,21 @@ def main(argv: list[str] | None = None) -> int:
             settings[f"f_quantile_{q:g}"] = Setting(f"f_quantile_{q:g}", exits(batch, noise, tau, True, q), stream,
                                                     args.prompt, args.graphs)
         failed = {}  # the conditional settings that could not run (their error): the others still do
-        if args.conditional:
-            wanted = {"h_conditional": None, **{f"j_conditional_quantile_{q:g}": q for q in args.quantiles}}
-            for name, q in wanted.items():
-                try:
-                    settings[name] = Setting(name, exits(batch, noise, tau, False, q, conditional=True), stream,
-                                             args.prompt, args.graphs)
-                except Exception as exc:  # noqa: BLE001 - e.g. a torch without CUDA-graph conditional nodes
-                    failed[name] = f"{type(exc).__name__}: {exc}"
+        conditional = {"h_conditional": None, **{f"j_conditional_quantile_{q:g}": q for q in args.quantiles}} \
+            if args.conditional else {}  # name -> batch quantile
+        for name, q in conditional.items():
+            try:
+                settings[name] = Setting(name, exits(batch, noise, tau, False, q, conditional=True), stream,
+                                         args.prompt, args.graphs)
+            except Exception as exc:  # noqa: BLE001 - e.g. a torch without CUDA-graph conditional nodes
+                failed[name] = f"{type(exc).__name__}: {exc}"
         quality = {}
         for name, setting in list(settings.items()):
             try:
                 setting.prefill()
                 chosen, steps = setting.decode(record=True)
             except Exception as exc:  # noqa: BLE001
-                if name not in ("h_conditional",) and not name.startswith("j_conditional"):
+                if name not in conditional:  # only the conditional settings may fail
                     raise
                 failed[name] = f"{type(exc).__name__}: {exc}"
                 del settings[name]

@@ -77,13 +77,10 @@ def observe(decoder, prompt, steps, check_every: int | None) -> dict:
         computed.append(decoder.computed.clone())
     taken = torch.stack(computed).float()  # (T, G, B)
     budget = torch.tensor(decoder.steps, dtype=torch.float32, device=taken.device).view(1, -1)
-    executed = taken.amax(dim=2)  # (T, G)
-    if getattr(decoder, "conditional", False):
-        pass  # the device stops the batch's loop at its slowest row
-    elif check_every is None:
-        executed = budget.expand_as(executed)
-    else:
-        executed = torch.minimum(torch.ceil(executed / check_every) * check_every, budget)
+    executed = taken.amax(dim=2)  # (T, G); a conditional decoder's device stops the loop at its slowest row
+    if not decoder.conditional:
+        executed = budget.expand_as(executed) if check_every is None else \
+            torch.minimum(torch.ceil(executed / check_every) * check_every, budget)
     return {"tokens": torch.stack(chosen, dim=1), "mean_steps": taken.mean(dim=(0, 2)).tolist(),
             "executed_steps": executed.mean(dim=0).tolist()}
 
