@@ -16,7 +16,7 @@ from rdepth.exits.registry import POLICIES
 from rdepth.model import RecurrentLM
 from rdepth.model.generation import generate
 from rdepth.model.noise import StateNoise
-from rdepth.model.decoder import Decoder
+from rdepth.model.decoder import Decoder, cuda_conditional_nodes
 
 BLOCKS = pytest.mark.parametrize("block", ["sandwich", "gpt2"])
 BATCHES = pytest.mark.parametrize("batch", [1, 3])
@@ -233,6 +233,8 @@ def test_span_buckets_read_the_written_span_and_change_nothing(mode, monkeypatch
     whole = decode_all(Decoder(model, 3, K_MAX, capacity=capacity, prefix_attention=False, **options), idx)
     decoder = Decoder(model, 3, K_MAX, capacity=capacity, span_buckets=3, **options)
     assert decoder._spans() == [3, 6, 12, capacity]
+    decoder.prefill(idx[:, :PROMPT])  # capture() records only the spans that hold the next position
+    assert decoder._capture_spans() == [6, 12, capacity]
     assert [decoder._span_for(n) for n in (1, 3, 4, 7, 12, 13, 14)] == [3, 3, 6, 12, 12, 14, 14]
     read = decoder.cache.read
     spans = []
@@ -391,6 +393,8 @@ def test_cuda_graph_replay_equals_eager_without_syncs(mode):
     """Replayed graphs equal eager decoding; with ``exits_conditional`` the captured graph holds a
     conditional node per loop step after a group's first (the eager reference predicates every step);
     with ``exits_spans`` one set of graphs per read span (``span_buckets``), switched as the tokens grow."""
+    if mode == "exits_conditional" and not cuda_conditional_nodes():
+        pytest.skip(f"torch {torch.__version__} has no CUDA-graph conditional nodes")
     model = tiny_model().cuda()
     idx = tokens(3).cuda()
     noise = StateNoise(8, range(3))
@@ -407,6 +411,29 @@ def test_cuda_graph_replay_equals_eager_without_syncs(mode):
     logits, computed = step_through(decoder, idx, forbid_syncs=mode != "exits_chunked")
     torch.testing.assert_close(torch.stack(logits, 1), eager[0][:, PROMPT:], rtol=0, atol=1e-10)
     assert torch.equal(torch.stack(computed, 2), eager[1][:, :, PROMPT:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_span_graphs_captured_after_a_prompt_and_rolled_back_below_it_decode_as_eager():
+    """With span_buckets=4 and a 5-token prompt, capture() records the spans 8, 16, ... only (the 4-span's
+    cache view ends before the warm-up's write at position 5: a device-side assert on the card at
+    b5dbf74); rolled back to 2 positions, the tokens in the 4-span run eagerly, then the graphs again, and
+    every token equals an eager decoder's."""
+    model = tiny_model().cuda()
+    idx = tokens(3).cuda()
+    noise = StateNoise(8, range(3))
+    factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
+    options = {"noise": noise, "controller_factory": factory, "check_every": None}
+    eager = decode_all(Decoder(model, 3, K_MAX, **options), idx, prompt=2)
+    decoder = Decoder(model, 3, K_MAX, span_buckets=4, **options)
+    decoder.prefill(idx[:, :PROMPT])
+    decoder.capture()
+    assert 4 not in decoder._span_graphs and 8 in decoder._span_graphs
+    decoder.rollback(2)
+    logits, computed = step_through(decoder, idx, prompt=2)
+    torch.testing.assert_close(torch.stack(logits, 1), eager[0][:, 2:], rtol=0, atol=1e-10)
+    assert torch.equal(torch.stack(computed, 2), eager[1][:, :, 2:])
 
 
 @pytest.mark.gpu

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rdepth.model.noise import (_MUL1, _MUL2, _SPREAD, CounterNoise, _bits_tensor, _element_keys, _group_lanes,
-                                _sequence_lanes, counter_bits_reference, counter_truncated_normal)
+                                _sequence_lanes, counter_bits_reference, counter_draw,
+                                counter_truncated_normal)
 
 STD = 0.5
 
@@ -176,13 +177,31 @@ def test_the_draw_compiles_into_one_graph_for_every_group_with_the_same_values(m
     torch._dynamo.reset()
     counter = CompileCounter()
     monkeypatch.setattr(noise, "_compiled_draw",
-                        torch.compile(counter_truncated_normal, fullgraph=True, dynamic=False, backend=counter))
+                        torch.compile(counter_draw, fullgraph=True, dynamic=False, backend=counter))
     for group in range(10):
         for first in (2**40, 2**40 + 3):  # two steps' rows
             eager = CounterNoise.consecutive(4, first, 3).draw(group, 3, 0, 8, 16, STD, "cpu", 8)
             compiled = CounterNoise.consecutive(4, first, 3, compile=True).draw(group, 3, 0, 8, 16, STD, "cpu", 8)
             assert torch.equal(compiled, eager), group
     assert counter.frame_count == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_compiled_draw_on_cuda_follows_the_eager_one():
+    """Inductor on CUDA: the draw compiles (at b5dbf74 it folded the seed's keys into an index literal
+    out of int32's range and failed) and gives the eager CUDA values and the CPU ones to erfinv's last
+    bits, for every group (sequence ids past 2**40, positions from 100)."""
+    import rdepth.model.noise as noise
+
+    torch._dynamo.reset()
+    noise._compiled_draw = None
+    for group in range(3):
+        cpu = CounterNoise.consecutive(4, 2**40, 8).draw(group, 8, 100, 64, 256, STD, "cpu", 256)
+        eager = CounterNoise.consecutive(4, 2**40, 8).draw(group, 8, 100, 64, 256, STD, "cuda", 256)
+        compiled = CounterNoise.consecutive(4, 2**40, 8, compile=True).draw(group, 8, 100, 64, 256, STD, "cuda", 256)
+        torch.testing.assert_close(eager.cpu(), cpu, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- training with state_noise = counter

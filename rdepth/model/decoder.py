@@ -105,6 +105,14 @@ class _Plan:
         self.host_exits = False
 
 
+def cuda_conditional_nodes() -> bool:
+    """Whether this torch can capture a CUDA-graph conditional node (``CUDAGraph.begin_capture_to_if_node``),
+    which ``Decoder(conditional=True)`` needs on CUDA. No released torch had it up to 2.13 (checked on 2.11
+    with CUDA and 2.13 on a CPU): the option raises there, and its CUDA tests skip."""
+    return all(hasattr(torch.cuda.CUDAGraph, name)
+               for name in ("get_currently_capturing_graph", "begin_capture_to_if_node"))
+
+
 class Decoder:
     """Decode ``batch_size`` rows a token at a time (see the module).
 
@@ -143,7 +151,8 @@ class Decoder:
         span_buckets: read the cache's written span only, in fixed sizes, also when captured: attention
             reads the first ``n`` positions (under the mask) for the smallest ``n`` in ``span_buckets``,
             twice that, ... up to the capacity that holds the positions written so far; ``capture()``
-            records one set of graphs per size. None: graphs read the whole cache. Not with ``compile``
+            records one set of graphs per size that holds the next position (a shorter one, reached by a
+            rollback, runs eagerly). None: graphs read the whole cache. Not with ``compile``
             (its pieces are compiled for the whole cache) nor ``prefix_attention``.
         compile_mode: Inductor's mode with ``compile``: ``default``, or ``max-autotune-no-cudagraphs``
             (matmul templates benchmarked while compiling, with elementwise work fused into their epilogues
@@ -191,9 +200,7 @@ class Decoder:
         self.compile_mode = compile_mode
         if conditional and controller_factory is None:
             raise RdepthError("decoder: conditional=True needs exits (controller_factory)")
-        if conditional and self.device.type == "cuda" and not all(
-                hasattr(torch.cuda.CUDAGraph, name) for name in ("get_currently_capturing_graph",
-                                                                 "begin_capture_to_if_node")):
+        if conditional and self.device.type == "cuda" and not cuda_conditional_nodes():
             raise RdepthError(f"decoder: conditional=True needs CUDA graph conditional nodes, which torch "
                               f"{torch.__version__} lacks")
         self.conditional = bool(conditional)
@@ -742,8 +749,8 @@ class Decoder:
             self.cache.limit = self.length + 1
         elif self.span_buckets is not None:
             self._use_span(self._span_for(self.length + 1))
-            if self._span_graphs:
-                self._graphs = self._span_graphs[self._span]
+            if self._span_graphs:  # a span shorter than the one captured at (after a rollback): eager
+                self._graphs = self._span_graphs.get(self._span)
         graphs = self._graphs if (replay and plan is self._plan) else None
         with self._compile_scope() if graphs is None else contextlib.nullcontext():
             self._run_plan(plan, graphs)
@@ -865,14 +872,18 @@ class Decoder:
             self._plans.clear()
             self._plan = self._plan_for(self.budget)
         pool = torch.cuda.graph_pool_handle()
-        spans = self._spans()
-        for span in spans:  # one set of graphs per read span (one set without span buckets)
+        for span in self._capture_spans():  # one set of graphs per read span (one set without span buckets)
             self._use_span(span)
             self._span_graphs[span] = self._record(warmup, pool)
         self._use_span(self._span_for(self.length + 1))
         self._graphs = self._span_graphs[self._span]
         if self.span_buckets is None:
             self._span_graphs.clear()
+
+    def _capture_spans(self) -> list[int | None]:
+        """The read spans recorded now: those that hold the next position (the warm-up writes there; a
+        shorter span's cache view ends before it). A shorter span, reached only by a rollback, runs eagerly."""
+        return [span for span in self._spans() if span is None or span > self.length]
 
     def _record(self, warmup: int, pool) -> list:
         """The plan's pieces as CUDA graphs at the current read span, after ``warmup`` eager runs."""
@@ -907,7 +918,7 @@ class Decoder:
 
     @property
     def captured(self) -> bool:
-        return self._graphs is not None
+        return self._graphs is not None or bool(self._span_graphs)
 
     @property
     def compiled(self) -> bool:

@@ -202,21 +202,29 @@ def counter_truncated_normal(ids: torch.Tensor, seed: int, group: int | torch.Te
                              width: int, std: float) -> torch.Tensor:
     """Float32 ``[B, length, width]`` for sequence ids ``ids`` ``[B]`` (int64): the whole draw of one group
     in one pass (what :class:`CounterNoise` computes with its per-batch parts cached). ``group`` as a
-    one-element tensor gives the same values and lets one compiled graph serve every group."""
-    lanes = _group_lanes(_sequence_lanes(seed, ids), group).view(2, -1, 1, 1)
-    return _truncated_normal(lanes[0], lanes[1], _element_keys(start, length, width, ids.device), std)
+    one-element tensor gives the same values."""
+    return counter_draw(_sequence_lanes(seed, ids), group, _element_keys(start, length, width, ids.device), std)
+
+
+def counter_draw(lanes: torch.Tensor, group: int | torch.Tensor, elements: torch.Tensor, std: float) -> torch.Tensor:
+    """The group's part of the draw: sequence lanes ``[2, B]`` (:func:`_sequence_lanes`) and element keys
+    ``[T, W]`` (:func:`_element_keys`) in, float32 ``[B, T, W]`` out. This is what is compiled: the lanes and
+    keys come in as tensors, so Inductor sees no ``arange`` arithmetic to fold into its index expressions
+    (on CUDA it folded the seed's 32-bit keys into an int32 index literal and failed to compile)."""
+    lanes = _group_lanes(lanes, group).view(2, -1, 1, 1)
+    return _truncated_normal(lanes[0], lanes[1], elements, std)
 
 
 _compiled_draw = None
 
 
 def _compiled():
-    """``counter_truncated_normal`` compiled: dynamic=False, so one graph per shape and seed (the group
-    travels as a tensor: specialising on it would recompile per group, and fullgraph=True turns dynamo's
-    recompile limit, 8 by default, into an error)."""
+    """``counter_draw`` compiled: dynamic=False, so one graph per shape (the group travels as a tensor:
+    specialising on it would recompile per group, and fullgraph=True turns dynamo's recompile limit, 8 by
+    default, into an error)."""
     global _compiled_draw
     if _compiled_draw is None:
-        _compiled_draw = torch.compile(counter_truncated_normal, fullgraph=True, dynamic=False)
+        _compiled_draw = torch.compile(counter_draw, fullgraph=True, dynamic=False)
     return _compiled_draw
 
 
@@ -278,14 +286,13 @@ class CounterNoise:
             raise ValueError(f"CounterNoise holds {self._count} sequence ids for a batch of {batch}")
         device = torch.device(device)
         group, start, length, width, std = int(group), int(start), int(length), int(width), float(std)
-        if self.compile:  # the group as a device scalar (a fill, no copy from the host): one graph for all
-            group_key = torch.full((1,), group, dtype=torch.int64, device=device)
-            return _compiled()(self._ids(device), self.seed, group_key, start, length, width, std)
-        # Eager: the group-free parts are computed once per batch (all groups, every position call).
+        # The group-free parts are computed once per batch (all groups, every position call), eagerly.
         if self._lanes is None or self._lanes.device != device:
             self._lanes = _sequence_lanes(self.seed, self._ids(device))
         key = (start, length, width, device)
         if key not in self._elements:
             self._elements[key] = _element_keys(start, length, width, device)
-        lanes = _group_lanes(self._lanes, group).view(2, -1, 1, 1)
-        return _truncated_normal(lanes[0], lanes[1], self._elements[key], std)
+        if self.compile:  # the group as a device scalar (a fill, no copy from the host): one graph for all
+            group_key = torch.full((1,), group, dtype=torch.int64, device=device)
+            return _compiled()(self._lanes, group_key, self._elements[key], std)
+        return counter_draw(self._lanes, group, self._elements[key], std)
