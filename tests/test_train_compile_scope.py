@@ -54,3 +54,21 @@ def test_compile_scope_is_validated():
     assert TrainConfig(compile_scope="step").compile_scope == "step"
     with pytest.raises(RdepthError, match="compile_scope must be one of layer, step"):
         TrainConfig(compile_scope="group")
+
+
+def test_more_groups_than_dynamo_recompile_limit_allows_still_compile():
+    """Three looped groups (the ``paper`` preset's layout) need 9 graphs in training, past dynamo's default
+    recompile limit of 8, which fullgraph=True turns into an error (seen on the H200: the trainer then fell
+    back to eager); compile_loop_steps raises the limit around its calls, and the global setting stays."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model(n_layer=5, groups="1|2|3").float().train()
+    assert model.n_groups == 3
+    reference = copy.deepcopy(model)
+    compile_loop_steps(model, backend="eager")
+    idx = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    backprop = model.config.backprop_depth
+    counts = (backprop + 2,) * 3
+    got, expected = loss_and_grads(model, idx, counts), loss_and_grads(reference, idx, counts)
+    assert torch.equal(got[0], expected[0])
+    assert counters["stats"]["unique_graphs"] == 3 * model.n_groups > torch._dynamo.config.recompile_limit == 8
