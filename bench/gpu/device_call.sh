@@ -103,3 +103,6 @@ for name in "$@"; do
     echo "== $name rc $? after $((SECONDS - START))s"
     tail -n 45 "$OUT/$name.log"
 done
+# The device tool returns at most 8 files from $OUT: everything goes back as one archive.
+(cd "$OUT" && tar czf /tmp/device_call.tgz . && find . -mindepth 1 -delete && mv /tmp/device_call.tgz .) &&
+    echo "== $OUT/device_call.tgz: every step's log and files"

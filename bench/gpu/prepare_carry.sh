@@ -6,6 +6,8 @@
 #   shared/data/wiki-gpt2/               the wiki corpus in exact GPT-2 tokens (FP8 vs bf16)   ~3.9 MB
 #   runs/gpu-task/{train,data}           a trained chase-task model and its held-out sets       ~7 MB
 #                                        (trained_exits: batched exits at matched accuracy)
+#   data/medium.zip                      the medium corpus bundle with the GPT-2 tokenizer      ~26 MB
+#                                        (the r = 12 reproduction, docs/reproduce.md; its own call)
 #
 #   bash bench/gpu/prepare_carry.sh [STEPS]     STEPS: the task model's training steps (default 2600, the
 #                                               demo's own; fewer is faster and less accurate)
@@ -31,6 +33,11 @@ if [[ ! -f shared/data/wiki-gpt2/train.bin ]]; then
     python3 -m rdepth prepare --corpus wiki --tokenizer gpt2 --out shared/data/wiki-gpt2
 fi
 
+if [[ ! -f data/medium.zip ]]; then
+    echo "== the medium corpus bundle ($((SECONDS - t0)) s)"
+    python3 -m rdepth prepare --corpus medium --tokenizer gpt2 --out data/medium-gpt2 --bundle data/medium.zip
+fi
+
 if [[ ! -f runs/gpu-task/train/checkpoints/latest ]]; then
     echo "== the task model: rdepth demo, looped run only, $STEPS steps ($((SECONDS - t0)) s)"
     work=$(mktemp -d /tmp/gpu-task.XXXXXX)
@@ -50,4 +57,4 @@ if [[ ! -f runs/gpu-task/train/checkpoints/latest ]]; then
     rm -rf runs/gpu-task && mv runs/gpu-task.partial runs/gpu-task
     rm -rf "$work"
 fi
-echo "== carry ready ($((SECONDS - t0)) s): $(du -sh shared/wheels shared/data/wiki-gpt2 runs/gpu-task | awk '{print $2" "$1}' | paste -sd' ')"
+echo "== carry ready ($((SECONDS - t0)) s): $(du -sh shared/wheels shared/data/wiki-gpt2 runs/gpu-task data/medium.zip | awk '{print $2" "$1}' | paste -sd' ')"
