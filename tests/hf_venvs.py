@@ -3,9 +3,11 @@
 No tests here. ``python tests/hf_venvs.py [DIR]`` builds one venv per entry of :data:`VENVS` under
 ``DIR`` (default ``.hf-venvs`` in the clone, gitignored); ``.ci/run`` runs it before the tests, and
 ``tests/test_hf_versions.py`` runs a small script in each venv that exists (it skips the ones that
-do not). Each venv sees the system's packages (``--system-site-packages``: torch, safetensors,
-numpy) and pins its own ``transformers`` and what that release needs (``tokenizers``,
-``huggingface-hub``), which shadow the system's copies inside the venv only.
+do not). Each venv sees the packages of the interpreter that builds it (torch, safetensors, numpy) and pins
+its own ``transformers`` and what that release needs (``tokenizers``, ``huggingface-hub``), which
+shadow those copies inside the venv only. Run from a venv (as most people install), the builder's
+packages are the venv's, not the base interpreter's that ``--system-site-packages`` alone would give:
+a ``.pth`` file in each new venv adds the builder's own site-packages after the venv's.
 
 A venv already built with the same pins is kept (a ``pins.txt`` inside records them), so a second
 run costs nothing.
@@ -14,8 +16,10 @@ run costs nothing.
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +46,26 @@ def python_of(folder: Path) -> Path:
 def ready(folder: Path, pins: tuple[str, ...]) -> bool:
     """A venv built with exactly these pins (its marker is written last, after pip succeeded)."""
     marker = folder / "pins.txt"
-    return python_of(folder).exists() and marker.exists() and marker.read_text() == "\n".join(pins)
+    return (python_of(folder).exists() and marker.exists() and marker.read_text() == "\n".join(pins)
+            and any(folder.glob("lib/python*/site-packages/_rdepth_builder.pth")))
+
+
+def builder_site_packages() -> list[str]:
+    """The running interpreter's own package folders (a venv's when run from one), in its order."""
+    folders = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
+        folders.append(site.getusersitepackages())
+    return list(dict.fromkeys(folder for folder in folders if os.path.isdir(folder)))
+
+
+def create(folder: Path, with_pip: bool = True) -> None:
+    """An empty venv at ``folder`` that sees the running interpreter's packages after its own."""
+    command = [sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(folder)]
+    subprocess.run(command + ([] if with_pip else ["--without-pip"]), check=True)
+    inner = subprocess.run([str(python_of(folder)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           check=True, capture_output=True, text=True).stdout.strip()
+    Path(inner).mkdir(parents=True, exist_ok=True)
+    (Path(inner) / "_rdepth_builder.pth").write_text("".join(f"{path}\n" for path in builder_site_packages()))
 
 
 def build(root: Path) -> None:
@@ -54,7 +77,7 @@ def build(root: Path) -> None:
             continue
         print(f"hf venv {name}: installing {' '.join(pins)}", flush=True)
         (folder / "pins.txt").unlink(missing_ok=True)
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(folder)], check=True)
+        create(folder)
         subprocess.run([str(python_of(folder)), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
                         *pins], check=True)
         (folder / "pins.txt").write_text("\n".join(pins))

@@ -287,3 +287,41 @@ def test_the_fused_loss_head_trains_under_fsdp_as_the_logits_head(wiki_small, tm
     assert sorted(got) == sorted(expected)
     # (the logits head scores in fp32 whatever the model's dtype: equal to fp32 rounding)
     assert all(abs(got[step] - expected[step]) <= 1e-6 * abs(expected[step]) for step in expected)
+
+
+def _dcp_checkpoint(folder: Path, config: ModelConfig, weights: dict) -> Path:
+    """A DCP checkpoint folder as --parallel fsdp writes one (config.json and dcp/), saved in this process."""
+    import torch.distributed.checkpoint as dcp
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    dcp.save({"model": weights}, checkpoint_id=folder / "dcp", no_dist=True)
+    return folder
+
+
+def test_consolidate_refuses_weights_that_do_not_fit_the_config_or_are_not_finite(tmp_path, capsys):
+    """Key names alone matched before: a d_model-32 run's shards under a d_model-64 config.json were written
+    out as model.safetensors with exit 0. Now the shapes, the dtypes and finiteness are checked, and
+    nothing is written."""
+    from rdepth.model import RecurrentLM
+
+    torch.manual_seed(0)
+    weights = RecurrentLM(TINY_MODEL).state_dict()
+    other = _dcp_checkpoint(tmp_path / "other", TINY_MODEL.replace(d_model=64), weights)
+    assert main(["consolidate", "--checkpoint", str(other)]) == 2
+    assert "does not fit its config.json" in _error_line(capsys)
+    assert not (other / "model.safetensors").exists()
+    broken = dict(weights)
+    name = sorted(broken)[0]
+    broken[name] = torch.full_like(broken[name], float("nan"))
+    nan = _dcp_checkpoint(tmp_path / "nan", TINY_MODEL, broken)
+    assert main(["consolidate", "--checkpoint", str(nan)]) == 2
+    assert "NaN or infinite" in _error_line(capsys)
+    assert not (nan / "model.safetensors").exists()
+    integers = {key: value.to(torch.int32) for key, value in weights.items()}
+    ints = _dcp_checkpoint(tmp_path / "ints", TINY_MODEL, integers)
+    assert main(["consolidate", "--checkpoint", str(ints)]) == 2
+    assert "not a floating-point weight" in _error_line(capsys)
+    good = _dcp_checkpoint(tmp_path / "good", TINY_MODEL, weights)
+    assert main(["consolidate", "--checkpoint", str(good)]) == 0
+    assert torch.equal(load_file(str(good / "model.safetensors"))[name], weights[name])

@@ -157,12 +157,19 @@ def consolidate(path: str | Path, overwrite: bool = False) -> Path:
         raise RdepthError(f"distributed checkpoint {checkpoint / DCP_DIR} is unreadable ({_reason(exc)}): corrupt") \
             from None
     with torch.device("meta"):
-        expected = set(RecurrentLM(config).state_dict())
+        shapes = {name: tuple(tensor.shape) for name, tensor in RecurrentLM(config).state_dict().items()}
     found = {key[len("model."):]: meta for key, meta in metadata.items() if key.startswith("model.")}
-    if set(found) != expected:
-        differ = sorted(set(found) ^ expected)[:3]
+    if set(found) != set(shapes):
+        differ = sorted(set(found) ^ set(shapes))[:3]
         raise RdepthError(f"distributed checkpoint {checkpoint / DCP_DIR} does not hold the weights of the model in "
                           f"its config.json (differ: {', '.join(differ)}): corrupt")
+    for name, meta in sorted(found.items()):
+        if tuple(meta.size) != shapes[name]:
+            raise RdepthError(f"distributed checkpoint {checkpoint / DCP_DIR} does not fit its config.json: {name} is "
+                              f"{list(meta.size)}, the config's model has {list(shapes[name])} (another run's weights?)")
+        if not meta.properties.dtype.is_floating_point:
+            raise RdepthError(f"distributed checkpoint {checkpoint / DCP_DIR}: {name} is {meta.properties.dtype}, "
+                              "not a floating-point weight: corrupt")
     weights = {name: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for name, meta in found.items()}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -170,6 +177,10 @@ def consolidate(path: str | Path, overwrite: bool = False) -> Path:
             dcp.load({"model": weights}, checkpoint_id=checkpoint / DCP_DIR, no_dist=True)
     except _failures() as exc:
         raise RdepthError(f"cannot read the weights of {checkpoint / DCP_DIR} ({_reason(exc)}): corrupt") from None
+    for name, tensor in sorted(weights.items()):
+        if not bool(torch.isfinite(tensor).all()):
+            raise RdepthError(f"distributed checkpoint {checkpoint / DCP_DIR}: {name} holds NaN or infinite values: "
+                              "nothing written")
     staging = checkpoint / ".model.safetensors.tmp"
     save_file({k: v.contiguous() for k, v in weights.items()}, str(staging), metadata={"format": "pt"})
     ordinary_mode(staging)
