@@ -197,3 +197,29 @@ def test_imported_gpt2_is_a_surrogate_teacher_with_the_hf_folders_states(tmp_pat
     assert len(ours) == len(theirs) == 4
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["rdepth", "gpt2"])
+@pytest.mark.parametrize("damage", ["int32", "nan"])
+def test_integer_or_nan_weights_are_refused(tmp_path, monkeypatch, capsys, kind, damage):
+    """int32 weights (cast to float32 they were all zeros: a uniform model whose eval exited 0) and NaN
+    weights loaded without complaint before; now a one-line error and no run folder."""
+    from safetensors.torch import load_file, save_file
+
+    if kind == "rdepth":
+        run, _ = tiny_run(tmp_path / "run", groups="1|2-3")
+        assert cli(monkeypatch, "export", "--checkpoint", run, "--out", tmp_path / "hf") == 0
+        folder = tmp_path / "hf"
+    else:
+        folder, _ = _tiny_gpt2(tmp_path / "hf")
+    weights = load_file(str(folder / "model.safetensors"))
+    if damage == "int32":
+        weights = {name: tensor.to(torch.int32) for name, tensor in weights.items()}
+    else:
+        name = sorted(weights)[0]
+        weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, str(folder / "model.safetensors"))
+    capsys.readouterr()
+    err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "back"))
+    assert ("not a floating-point weight" if damage == "int32" else "NaN or infinite") in err
+    assert not (tmp_path / "back").exists()

@@ -35,6 +35,7 @@ from rdepth.config import ModelConfig
 from rdepth.data.tokenizers import BPE_FILE, META_FILE
 from rdepth.errors import RdepthError
 from rdepth.model import RecurrentLM
+from rdepth.run.checkpoint import check_weight_values
 
 # GPT-2's activation names that are the tanh approximation rdepth's gpt2 block computes
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -103,6 +104,7 @@ def read_gpt2_weights(folder: Path) -> dict[str, torch.Tensor]:
         if tuple(name.split(".")[-2:]) in BUFFERS:  # h.i.attn.bias, not h.i.attn.c_attn.bias
             continue
         weights[name] = tensor
+    check_weight_values(folder, weights)
     return weights
 
 

@@ -24,7 +24,7 @@ from rdepth.interop.hf_gpt2 import import_gpt2
 from rdepth.interop.output import check_new_folder, staged_folder
 from rdepth.io import read_json_object, write_json, write_text
 from rdepth.model import RecurrentLM
-from rdepth.run.checkpoint import save_checkpoint
+from rdepth.run.checkpoint import check_weight_values, save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,11 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise RdepthError(f"{folder} has no model.safetensors")
     try:
-        return load_file(str(path))
+        weights = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise RdepthError(f"weights {path} are corrupt or truncated ({exc})") from None
+    check_weight_values(path, weights)
+    return weights
 
 
 def import_rdepth_export(folder: Path, hf_config: dict) -> tuple[RecurrentLM, dict]:

@@ -260,6 +260,16 @@ def load_model_config(checkpoint: Path) -> ModelConfig:
     return ModelConfig.from_dict(read_json_object(checkpoint / "config.json", "checkpoint config"))
 
 
+def check_weight_values(source: str | Path, weights: dict[str, torch.Tensor]) -> None:
+    """Every tensor floating point and finite: integer weights cast to float (all zeros for a model's
+    small values) and NaN weights load without a shape error and give a silently useless model."""
+    for name, tensor in sorted(weights.items()):
+        if not tensor.is_floating_point():
+            raise RdepthError(f"weights in {source}: {name} is {tensor.dtype}, not a floating-point weight")
+        if not bool(torch.isfinite(tensor).all()):
+            raise RdepthError(f"weights in {source}: {name} holds NaN or infinite values")
+
+
 def load_weights(checkpoint: Path, model: torch.nn.Module) -> None:
     """Load ``model.safetensors`` into ``model``; mismatches and corruption are one-line errors."""
     from safetensors import SafetensorError
