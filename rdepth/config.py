@@ -182,6 +182,11 @@ class ModelConfig:
                 f"model config: loop_state must be one of {', '.join(LOOP_STATES)}, got {self.loop_state!r}")
         self.group_specs  # validates the group string
         if self.eval_loops is not None:
+            spec = self.eval_loops
+            given = spec if isinstance(spec, (list, tuple)) else [v for v in str(spec).split(",") if v.strip()]
+            if not self.group_specs and len(given):
+                raise RdepthError(f"model config: eval_loops {self.eval_loops!r} given, but the model has no "
+                                  "recurrence groups (groups ''): drop it or give --groups")
             self.eval_loops = parse_loop_counts(self.eval_loops, len(self.group_specs))
 
     @property

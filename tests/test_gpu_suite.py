@@ -241,3 +241,13 @@ def test_the_device_call_checks_its_steps_and_keeps_to_its_budget(tmp_path):
     assert proc.returncode == 0
     assert "== train skipped: 20s of the call's budget left" in proc.stdout
     assert "== tests skipped" in proc.stdout and not list(tmp_path.iterdir())
+    # what the steps left in $OUT goes back as one archive (the device tool returns at most 8 files)
+    for name in ("a.log", "b.json"):
+        (tmp_path / name).write_text(name)
+    proc = subprocess.run(["bash", str(script), "rev", "train"], cwd=ROOT, env={**env, "CALL_BUDGET_S": "20"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and [p.name for p in tmp_path.iterdir()] == ["device_call.tgz"]
+    import tarfile
+
+    with tarfile.open(tmp_path / "device_call.tgz") as archive:
+        assert sorted(n.lstrip("./") for n in archive.getnames() if n not in (".", "./")) == ["a.log", "b.json"]

@@ -149,7 +149,38 @@ def test_demo_text_mode_defaults_unchanged():
     from rdepth.demo.run import DemoConfig
 
     config = DemoConfig(mode="text")
-    assert (config.corpus, config.tokenizer) == ("wiki", "bpe:4096")
+    assert (config.corpus, config.tokenizer, config.sweep_sequences) == ("wiki", "bpe:4096", 8)
+    assert config.task is None and config.baselines is None  # task mode's fields: not used, recorded as null
+    task = DemoConfig()
+    assert (task.task, task.train_difficulties, task.train_tokens, task.baselines) == ("chase", (1, 4), 5_000_000,
+                                                                                       ("no_loop",))
+    assert task.loop_budgets == (1, 2, 3, 4, 6, 8, 12, 16, 32) and task.sweep_sequences is None
+
+
+@pytest.mark.parametrize("mode, flag, value", [
+    ("text", "--task", "chase"), ("text", "--train-difficulties", "1,8"), ("text", "--baselines", "deep"),
+    ("text", "--task-params", "{not json"), ("text", "--train-tokens", "4000"), ("text", "--loop-budgets", "1,2"),
+    ("text", "--curriculum-steps", "5"), ("task", "--sweep-sequences", "4"), ("task", "--max-documents", "10"),
+])
+def test_demo_flags_of_the_other_mode_are_errors(mode, flag, value, tmp_path, capsys):
+    """Issue 43: these were accepted, ignored and written into demo.json as if used."""
+    assert main(["demo", "--mode", mode, "--out", str(tmp_path / "d"), flag, value]) == 2
+    other = "task" if mode == "text" else "text"
+    assert f"{flag} applies to --mode {other} only" in error_line(capsys)
+    assert not (tmp_path / "d").exists()
+
+
+def test_train_flags_that_contradict_are_errors(wiki_small, tmp_path, capsys):
+    """--compile-mode with --no-compile, and loop counts for a model without loops, were silently ignored
+    (the latter reported validation "at loops []")."""
+    run = tmp_path / "run"
+    assert main(train_argv(wiki_small, run, "--no-compile", "--compile-mode", "max-autotune-no-cudagraphs")) == 2
+    assert "--compile-mode applies when compiling" in error_line(capsys)
+    assert main(train_argv(wiki_small, run, "--no-compile", "--compile-scope", "step")) == 2
+    assert "--compile-scope applies when compiling" in error_line(capsys)
+    assert main(train_argv(wiki_small, run, "--groups", "", "--eval-loops", "4")) == 2
+    assert "no recurrence groups" in error_line(capsys)
+    assert not run.exists()
 
 
 @pytest.mark.parametrize("flags", [["--tokenizer", "bpe:512"], ["--max-documents", "10", "--workers", "2"]])

@@ -104,5 +104,7 @@ for name in "$@"; do
     tail -n 45 "$OUT/$name.log"
 done
 # The device tool returns at most 8 files from $OUT: everything goes back as one archive.
-(cd "$OUT" && tar czf /tmp/device_call.tgz . && find . -mindepth 1 -delete && mv /tmp/device_call.tgz .) &&
-    echo "== $OUT/device_call.tgz: every step's log and files"
+if [[ -n $(ls -A "$OUT") ]]; then
+    (cd "$OUT" && tar czf /tmp/device_call.tgz . && find . -mindepth 1 -delete && mv /tmp/device_call.tgz .) &&
+        echo "== $OUT/device_call.tgz: every step's log and files"
+fi

@@ -38,14 +38,23 @@ MODES = ("task", "text")
 # Per mode: the defaults of the fields left at None.
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "task": dict(preset="task", max_steps=2600, batch_size=32, checkpoint_every=650, weight_decay=0.01,
-                 warmup_steps=50, curriculum_steps=1000, ranks=2),
+                 warmup_steps=50, curriculum_steps=1000, ranks=2, task="chase", task_params=None,
+                 train_difficulties=(1, 4), train_tokens=5_000_000, loop_budgets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+                 baselines=("no_loop",)),
     "text": dict(preset="tiny", max_steps=500, batch_size=16, checkpoint_every=125, weight_decay=0.1,
-                 warmup_steps=None, curriculum_steps=0, corpus="wiki", tokenizer="bpe:4096"),
+                 warmup_steps=None, curriculum_steps=0, corpus="wiki", tokenizer="bpe:4096", sweep_sequences=8),
+}
+# The fields that apply to one mode only: given in the other, an error (never silently ignored).
+MODE_ONLY: dict[str, tuple[str, ...]] = {
+    "task": ("task", "task_params", "train_difficulties", "train_tokens", "curriculum_steps", "loop_budgets",
+             "baselines", "ranks"),
+    "text": ("corpus", "tokenizer", "sweep_sequences", "max_documents"),
 }
 # Pointer chasing to a fixed point with 16 nodes listed in order, every symbol queried and the
 # distractor chains as long as the main one but for a shorter leftover chain: one problem fills a
 # 64-token context.
 DEFAULT_TASK_PARAMS = '{"chase": {"nodes": 16, "queries": 16, "ordered": true, "min_distractor_hops": 15}}'
+MODE_DEFAULTS["task"]["task_params"] = DEFAULT_TASK_PARAMS
 BASELINES = ("no_loop", "deep")
 
 
@@ -60,18 +69,21 @@ class DemoConfig:
                                       "(an error in task mode)", default_text="wiki")
     tokenizer: str | None = option(None, "text mode: tokenizer to prepare the corpus with: gpt2 or bpe:N "
                                          "(an error in task mode)", default_text="bpe:4096")
-    task: str = option("chase", "task mode: the task (or mixture) to train on")
-    task_params: str = option(DEFAULT_TASK_PARAMS, "task mode: JSON of per-task parameters")
-    train_difficulties: tuple[int, ...] = option((1, 4), "task mode: training difficulty range LOW,HIGH")
-    train_tokens: int = option(5_000_000, "task mode: training tokens to generate")
+    task: str | None = option(None, "task mode: the task (or mixture) to train on", default_text="chase")
+    task_params: str | None = option(None, "task mode: JSON of per-task parameters",
+                                     default_text=DEFAULT_TASK_PARAMS)
+    train_difficulties: tuple[int, ...] | None = option(None, "task mode: training difficulty range LOW,HIGH",
+                                                        default_text="1,4")
+    train_tokens: int | None = option(None, "task mode: training tokens to generate", default_text="5000000")
     curriculum_steps: int | None = option(
         None, "task mode: steps over which the top training difficulty rises from LOW + 1 to HIGH (0: off)",
         default_text="1000 in task mode", bounds="[0, inf)")
-    loop_budgets: tuple[int, ...] = option((1, 2, 3, 4, 6, 8, 12, 16, 32),
-                                           "task mode: test loop budgets of the accuracy table", bounds="[1, 1024]")
-    baselines: tuple[str, ...] = option(
-        ("no_loop",), "task mode: baselines trained on the same data and steps: no_loop (the same layers, once "
-        "each), deep (a plain model as deep as the looped one unrolled at its training mean); 'none' for none")
+    loop_budgets: tuple[int, ...] | None = option(None, "task mode: test loop budgets of the accuracy table",
+                                                  default_text="1,2,3,4,6,8,12,16,32", bounds="[1, 1024]")
+    baselines: tuple[str, ...] | None = option(
+        None, "task mode: baselines trained on the same data and steps: no_loop (the same layers, once "
+        "each), deep (a plain model as deep as the looped one unrolled at its training mean); 'none' for none",
+        default_text="no_loop")
     ranks: int | None = option(None, "task mode: data-parallel processes that train each run, one torch thread "
                                      "each (the numbers depend on this count, not on the machine's cores or load)",
                                default_text="2", bounds="[1, 64]")
@@ -91,8 +103,9 @@ class DemoConfig:
     analyze_sequences: int = option(16, "held-out windows for the geometry analysis", bounds="[1, inf)")
     long_loops: int = option(30, "the long loop budget of the geometry analysis", bounds="[1, inf)")
     sweep: bool = option(True, "sweep the early-exit policies on the final checkpoint")
-    sweep_sequences: int = option(8, "text mode: held-out windows for the exit sweep", bounds="[1, inf)")
-    max_documents: int | None = option(None, "prepare only the first N documents", default_text="all")
+    sweep_sequences: int | None = option(None, "text mode: held-out windows for the exit sweep", default_text="8",
+                                         bounds="[1, inf)")
+    max_documents: int | None = option(None, "text mode: prepare only the first N documents", default_text="all")
     model_overrides: str = option("", "JSON object of model fields, e.g. '{\"d_model\": 64}'")
     threads: int = option(0, "torch CPU threads per process (0: task mode 1, fixed so that the numbers do not "
                              "depend on the machine; text mode from the cores free at start)", bounds="[0, 4096]")
@@ -101,23 +114,24 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "demo config")  # a field left at None takes its mode's default below
-        if self.mode == "task":  # a flag that does not apply is an error, never silently ignored
-            given = [name for name in ("corpus", "tokenizer") if getattr(self, name) is not None]
-            if given:
-                raise RdepthError(f"demo: --{given[0]} applies to --mode text only (task mode generates its data "
-                                  "with the task vocabulary): drop it or pass --mode text")
-        elif self.ranks is not None:
-            raise RdepthError("demo: --ranks applies to --mode task only (text mode trains in one process): drop it")
+        other = "text" if self.mode == "task" else "task"
+        given = [name for name in MODE_ONLY[other] if getattr(self, name) is not None]
+        if given:  # a flag that does not apply is an error, never silently ignored
+            flag = "--" + given[0].replace("_", "-")
+            why = ("task mode generates its data with the task vocabulary" if other == "text"
+                   else "text mode trains the tiny preset on a corpus, in one process")
+            raise RdepthError(f"demo: {flag} applies to --mode {other} only ({why}): drop it or pass --mode {other}")
         for name, value in MODE_DEFAULTS[self.mode].items():
             if name != "warmup_steps" and getattr(self, name) is None:
                 setattr(self, name, value)
         if self.mode == "task" and self.batch_size % self.ranks:
             raise RdepthError(f"demo config: --batch-size {self.batch_size} does not split evenly over --ranks "
                               f"{self.ranks}: choose a multiple of {self.ranks}")
-        self.baselines = tuple(b for b in self.baselines if b != "none")
-        unknown = sorted(set(self.baselines) - set(BASELINES))
-        if unknown:
-            raise RdepthError(f"demo config: unknown baseline {unknown[0]!r} (choose from {', '.join(BASELINES)})")
+        if self.mode == "task":
+            self.baselines = tuple(b for b in self.baselines if b != "none")
+            unknown = sorted(set(self.baselines) - set(BASELINES))
+            if unknown:
+                raise RdepthError(f"demo config: unknown baseline {unknown[0]!r} (choose from {', '.join(BASELINES)})")
         if self.data is None:
             self.data = str(Path(self.out) / "data")
         self.model_config()  # a bad preset or override fails here, before any work

@@ -124,6 +124,10 @@ class TrainConfig:
         _check_kinds(self)
         check_fields(self, "train config")
         # The rules between fields.
+        if self.compile is False and (self.compile_mode != "default" or self.compile_scope != "layer"):
+            flag = "--compile-mode" if self.compile_mode != "default" else "--compile-scope"
+            raise RdepthError(f"train config: {flag} applies when compiling, and --no-compile turns compiling off: "
+                              "drop one of them")
         if self.stop_at is not None and self.stop_at > self.max_steps:
             raise RdepthError(f"train config: stop_at must be in 1..max_steps, got {self.stop_at!r}")
         if self.time_limit is not None and self.stop_at is not None:
