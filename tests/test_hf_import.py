@@ -221,5 +221,5 @@ def test_integer_or_nan_weights_are_refused(tmp_path, monkeypatch, capsys, kind,
     save_file(weights, str(folder / "model.safetensors"))
     capsys.readouterr()
     err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "back"))
-    assert ("not a floating-point weight" if damage == "int32" else "NaN or infinite") in err
+    assert ("not a floating-point type" if damage == "int32" else "NaN or infinite") in err
     assert not (tmp_path / "back").exists()

@@ -265,13 +265,16 @@ def check_weight_values(source: str | Path, weights: dict[str, torch.Tensor]) ->
     small values) and NaN weights load without a shape error and give a silently useless model."""
     for name, tensor in sorted(weights.items()):
         if not tensor.is_floating_point():
-            raise RdepthError(f"weights in {source}: {name} is {tensor.dtype}, not a floating-point weight")
+            raise RdepthError(f"weights in {source}: {name} is stored as {str(tensor.dtype)[6:]}, not a floating-point "
+                              "type: corrupt")
         if not bool(torch.isfinite(tensor).all()):
-            raise RdepthError(f"weights in {source}: {name} holds NaN or infinite values")
+            raise RdepthError(f"weights in {source}: {name} holds NaN or infinite values: corrupt or diverged")
 
 
-def load_weights(checkpoint: Path, model: torch.nn.Module) -> None:
-    """Load ``model.safetensors`` into ``model``; mismatches and corruption are one-line errors."""
+def load_weights(checkpoint: Path, model: torch.nn.Module, assign: bool = False) -> None:
+    """Load ``model.safetensors`` into ``model``; mismatches and corruption are one-line errors.
+    ``assign``: the loaded tensors become the parameters (cast to the model's dtypes), so ``model`` may be
+    built on the meta device, with no memory or initialisation spent on weights about to be replaced."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -298,14 +301,11 @@ def load_weights(checkpoint: Path, model: torch.nn.Module) -> None:
                 f"checkpoint {checkpoint} does not match the model: {name} has shape "
                 f"{tuple(tensor.shape)}, the model expects {tuple(expected[name].shape)}"
             )
-        # load_state_dict would cast integer weights silently (a uniform model) and keep NaNs (ce nan, exit 0)
-        if not tensor.is_floating_point():
-            raise RdepthError(f"checkpoint weights {weights_path}: {name} is stored as {str(tensor.dtype)[6:]}, "
-                              "not a floating-point type: corrupt")
-        if not bool(torch.isfinite(tensor).all()):
-            raise RdepthError(f"checkpoint weights {weights_path}: {name} holds NaN or infinite values: "
-                              "corrupt or diverged")
-    model.load_state_dict(weights)
+    # load_state_dict would cast integer weights silently (a uniform model) and keep NaNs (ce nan, exit 0)
+    check_weight_values(weights_path, weights)
+    if assign:
+        weights = {name: tensor.to(expected[name].dtype) for name, tensor in weights.items()}
+    model.load_state_dict(weights, assign=assign)
 
 
 def run_identity(checkpoint: Path) -> dict[str, Any]:
@@ -342,8 +342,9 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
     checkpoint = resolve_checkpoint(path)
     config = load_model_config(checkpoint)
     check_fits_memory(config, f"checkpoint config {checkpoint / 'config.json'}")
-    model = RecurrentLM(config)
-    load_weights(checkpoint, model)
+    with torch.device("meta"):  # no memory and no initialisation for weights the checkpoint replaces
+        model = RecurrentLM(config)
+    load_weights(checkpoint, model, assign=True)
     return model.to(device).eval(), config
 
 
