@@ -10,7 +10,9 @@ initial-state noise is keyed by its place in the global batch.
 
 Rank 0 logs to this process's terminal (its progress bar included); the other ranks write their
 lines to a log file. The ranks fail as one: when any rank exits with an error the others are
-stopped and the first rank's one-line error is raised here.
+stopped and the first rank's one-line error is raised here. They also die with the process that
+started them, even when it is killed with SIGKILL (which runs no ``finally``): on Linux each rank asks
+for SIGTERM at its parent's death (``prctl(PR_SET_PDEATHSIG)``).
 """
 
 from __future__ import annotations
@@ -42,9 +44,24 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
+def die_with_parent(parent: int) -> None:
+    """Linux: SIGTERM this process when ``parent`` (the process that started it) dies, however it dies;
+    if it is gone already (it died before this call), exit now. Elsewhere, nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(143)
+
+
 def _rank_main(model_dict: dict, train_dict: dict, rank: int, world_size: int, port: int, log_level: int,
-               log_path: str | None, errors) -> None:
+               log_path: str | None, errors, parent: int) -> None:
     """One rank, in a spawned process: the torchrun environment, logging, then train (or reuse) the run."""
+    die_with_parent(parent)
     os.environ.update(rank_environment(rank, world_size, port))
     handle = None
     if log_path is not None:  # a rank other than 0: its lines go to a file, no progress bar
@@ -85,7 +102,7 @@ def train_ranks(model_config, train_config, world_size: int, log_folder: str | P
         log_path = None if rank == 0 else str(folder / f"{name}.rank{rank}.log")
         processes.append(context.Process(
             target=_rank_main, args=(model_config.to_dict(), train_config.to_dict(), rank, world_size, port, level,
-                                     log_path, errors), daemon=False))
+                                     log_path, errors, os.getpid()), daemon=False))
     try:
         for process in processes:
             process.start()
