@@ -10,6 +10,21 @@ class RdepthError(Exception):
     """An error caused by the user's input, reported as a single line."""
 
 
+# What a collective (gloo) raises on the surviving ranks when another rank of the run dies.
+LOST_PEER_MARKS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """The one-line reason when ``exc`` is a collective failing because another rank died, else None."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = " ".join(str(exc).split())
+    mark = next((m for m in LOST_PEER_MARKS if m in text), None)
+    if mark is None:
+        return None
+    return f"another rank of this run died (the collective failed: {mark}); this rank stops too"
+
+
 def check_utf8(what: str, text: str) -> str:
     """``text`` unchanged when it is valid Unicode; a one-line error naming the byte offset otherwise.
 

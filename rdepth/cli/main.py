@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 
-from rdepth.errors import RdepthError
+from rdepth.errors import RdepthError, lost_peer
 from rdepth.io import exclusive
 
 # Subcommand modules, in the order ``rdepth --help`` lists them.
@@ -104,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         print(f"rdepth {args.command}: error: out of memory (choose smaller sizes)", file=sys.stderr)
         return 2
-    except RuntimeError as exc:  # torch's allocators raise RuntimeError, not MemoryError
+    except RuntimeError as exc:  # torch's allocators raise RuntimeError, not MemoryError; so do collectives
+        if lost_peer(exc):  # another rank died: gloo's ~28-line traceback folded into one line
+            print(f"rdepth {args.command}: error: {lost_peer(exc)}", file=sys.stderr)
+            return 2
         if not is_out_of_memory(exc):
             raise
         print(f"rdepth {args.command}: error: out of memory ({_one_line(exc)[:160]}; choose smaller sizes)",

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from rdepth.errors import RdepthError
+from rdepth.errors import RdepthError, lost_peer
 
 
 POLL_SECONDS = 0.2
@@ -78,6 +78,13 @@ def _rank_main(model_dict: dict, train_dict: dict, rank: int, world_size: int, p
         train_or_reuse(ModelConfig.from_dict(model_dict), TrainConfig.from_dict(train_dict))
     except RdepthError as exc:
         errors.put((rank, str(exc)))
+        raise SystemExit(2) from None
+    except RuntimeError as exc:  # another rank died mid-collective: one line, not gloo's traceback
+        reason = lost_peer(exc)
+        if reason is None:
+            raise
+        errors.put((rank, reason))
+        print(f"rank {rank}: error: {reason}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None
