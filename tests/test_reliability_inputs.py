@@ -226,3 +226,23 @@ def test_every_text_flag_must_be_utf8(tmp_path, capsys):
     folder = b"runs/\xe9t\xe9".decode("utf-8", "surrogateescape")
     assert main(["prepare", "--corpus", "task:chase", "--out", folder]) == 2
     assert "--out is not valid UTF-8 at byte offset 5 (0xe9)" in error_line(capsys)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_over(run_copy, wiki_small, capsys):
+    """Issue 43: a demo killed in its first ~650 steps could not be re-run into its --out ("not empty ...
+    but holds no checkpoint"). A folder holding only what a run writes before its first checkpoint starts
+    over; anything else in it is still refused."""
+    import shutil as sh
+
+    for step in (run_copy / "checkpoints").iterdir():
+        sh.rmtree(step) if step.is_dir() else step.unlink()
+    (run_copy / "summary.json").unlink()
+    assert main(train_argv(wiki_small, run_copy, "--max-steps", "3")) == 0
+    assert (run_copy / "summary.json").exists() and any((run_copy / "checkpoints").glob("step_*"))
+    for step in (run_copy / "checkpoints").iterdir():
+        sh.rmtree(step) if step.is_dir() else step.unlink()
+    (run_copy / "summary.json").unlink()
+    (run_copy / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(train_argv(wiki_small, run_copy, "--max-steps", "3")) == 2
+    assert "holds no checkpoint" in error_line(capsys) and (run_copy / "notes.txt").exists()

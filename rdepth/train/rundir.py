@@ -6,6 +6,7 @@ the check until the run ends, so a second training into the same folder stops at
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 from rdepth.config import ModelConfig
@@ -14,6 +15,11 @@ from rdepth.io import LOCK_NAME, environment_info, truncate_jsonl, write_json
 from rdepth.run import checkpoint as ckpt
 
 log = logging.getLogger("rdepth.train.trainer")
+
+
+# What a run writes before its first checkpoint: a folder holding only these is a run stopped before it
+# saved anything (killed in its first steps), and a new run there starts over.
+BEFORE_FIRST_CHECKPOINT = {"config.json", "environment.json", "metrics.jsonl", "tokenizer", "checkpoints"}
 
 
 def check_run_folder(run_dir: Path, resume: bool, is_main: bool) -> dict:
@@ -33,6 +39,13 @@ def check_run_folder(run_dir: Path, resume: bool, is_main: bool) -> dict:
         raise RdepthError(f"{run_dir} already holds checkpoints; pass --resume or choose another --out")
     elif is_main:
         leftovers = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_NAME) if run_dir.is_dir() else []
+        if leftovers and set(leftovers) <= BEFORE_FIRST_CHECKPOINT and (run_dir / "config.json").is_file():
+            log.warning("%s: a run stopped there before its first checkpoint (%s): starting over", run_dir,
+                        ", ".join(leftovers))
+            for name in leftovers:
+                path = run_dir / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            leftovers = []
         if leftovers:
             raise RdepthError(
                 f"{run_dir} is not empty ({', '.join(leftovers[:4])}) but holds no checkpoint; "
