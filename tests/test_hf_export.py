@@ -452,3 +452,53 @@ def test_model_card_has_front_matter_training_record_and_version_range(tmp_path)
     assert "Not recorded" in card and "license: other" in card
     with pytest.raises(RdepthError, match="--license"):
         ExportConfig(checkpoint=str(bare), out=str(tmp_path / "hf3"), license="apache 2.0")
+
+
+class _StopAfter:
+    """A stateful per-row stopping criterion: row r is done once it holds ``counts[r]`` new tokens; it
+    records each call's length (transformers calls criteria once per new token, in order)."""
+
+    def __init__(self, width, counts):
+        self.width, self.counts, self.calls = width, counts, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls.append(input_ids.shape[1])
+        new = input_ids.shape[1] - self.width
+        return torch.tensor([new >= count for count in self.counts])
+
+
+@pytest.mark.parametrize("eos", [None, "set"])
+def test_stopping_criteria_through_the_decoder_equal_transformers_loop(exported, eos):
+    """lm-eval's hf model passes stopping_criteria on left-padded batches: they used to send generate into
+    transformers' own loop, whose cached path refuses padding (issue 43). The decoder route now applies them
+    as that loop does (per token, in order; with an end token, done rows continue with padding)."""
+    _, _, out, hf = exported
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    prompts = [PROMPT, "A small village", "The north tower and the market"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    width = batch.input_ids.shape[1]
+    settings = dict(max_new_tokens=10, do_sample=False, loop_counts=2)
+    if eos == "set":
+        first = hf.generate(**batch, **settings)
+        settings.update(eos_token_id=int(first[1, width + 1]), pad_token_id=7)  # row 1 ends at its 2nd token
+    ours_stop, theirs_stop = _StopAfter(width, [3, 6, 4]), _StopAfter(width, [3, 6, 4])
+    ours = hf.generate(**batch, **settings,
+                       stopping_criteria=transformers.StoppingCriteriaList([ours_stop]))
+    theirs = hf.generate(**batch, **settings, use_cache=False,
+                         stopping_criteria=transformers.StoppingCriteriaList([theirs_stop]))
+    assert ours.tolist() == theirs.tolist()
+    last = 4 if eos == "set" else 6  # with the end token, row 1 is done after its 2nd token, not its 6th
+    assert ours.shape[1] == width + last and ours_stop.calls == list(range(width + 1, width + last + 1))
+    if eos == "set":
+        assert ours[1, width + 2:].tolist() == [7] * (last - 2)
+
+
+def test_beam_search_with_the_cache_is_a_clear_refusal(exported):
+    """The cache cannot reorder rows: a ValueError naming use_cache=False (it failed inside transformers
+    with an AttributeError or a message about caches), and beam search without the cache runs."""
+    _, _, _, hf = exported
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    with pytest.raises(ValueError, match="use_cache=False"):
+        hf.generate(ids, max_new_tokens=3, num_beams=2, do_sample=False)
+    beams = hf.generate(ids, max_new_tokens=3, num_beams=2, do_sample=False, use_cache=False)
+    assert beams.shape == (1, ids.shape[1] + 3)

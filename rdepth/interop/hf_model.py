@@ -299,7 +299,7 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
     # something (beam search, top_p, processors, streamers, dict outputs, ...) goes to transformers' loop.
     _DECODER_KWARGS = frozenset({"max_new_tokens", "max_length", "do_sample", "temperature", "top_k",
                                  "eos_token_id", "pad_token_id", "use_cache", "num_beams",
-                                 "num_return_sequences"})
+                                 "num_return_sequences", "stopping_criteria"})
     # Settings that ask for nothing at these values (a generation config lists them, e.g. transformers
     # 5.0's pipeline passes every field), and settings that say nothing about decoding.
     _NEUTRAL = {"top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
@@ -337,6 +337,9 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         base = self.generation_config.to_diff_dict() if self.generation_config is not None else {}
         options = {**base, **settings, **kwargs}
         simple = input_ids is not None and not self._asks_for_more(options)
+        if int(options.get("num_beams") or 1) != 1 and options.get("use_cache", True) is not False:
+            raise ValueError("rdepth's key/value cache does not reorder rows for beam search: pass use_cache=False "
+                             "with num_beams > 1 (the uncached forward runs transformers' beam search)")
         if not simple:
             if input_ids is not None:
                 check_length(input_ids.shape[1] + _new_token_count(options, input_ids.shape[1]),
@@ -379,7 +382,8 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             prompt = input_ids[rows.to(input_ids.device), length - size:]
             tokens = decoder.generate(prompt, new, temperature=temperature, top_k=top_k or None)
             out[rows.to(out.device), length:] = tokens[:, size:].to(out.device)
-        return _stop_at_eos(out, length, options.get("eos_token_id"), options.get("pad_token_id"))
+        return _finish_rows(out, length, options.get("eos_token_id"), options.get("pad_token_id"),
+                            options.get("stopping_criteria"))
 
 
 def _new_token_count(options: dict, prompt_length: int) -> int:
@@ -390,17 +394,27 @@ def _new_token_count(options: dict, prompt_length: int) -> int:
     return max(int(new), 0)
 
 
-def _stop_at_eos(tokens: torch.Tensor, prompt: int, eos, pad) -> torch.Tensor:
-    """transformers' stopping: after a row's first end token (``eos``: an id or a list) its later tokens
-    become ``pad`` (default: the first end token), and the batch ends where every row has ended."""
-    if eos is None:
+def _finish_rows(tokens: torch.Tensor, prompt: int, eos, pad, criteria=None) -> torch.Tensor:
+    """transformers' stopping on decoded tokens, token by token as its loop does: a row is done after an end
+    token (``eos``: an id or a list) or when ``criteria`` (a ``stopping_criteria`` list, called on the
+    sequences so far with ``scores`` None, in order, so stateful criteria such as lm-eval's stop strings
+    work) says so; with ``eos`` set, a done row's later tokens become ``pad`` (default: the first end
+    token); the batch ends at the first token after which every row is done. Greedy and sampled tokens do
+    not depend on later ones, so this equals stopping while decoding."""
+    ends = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=tokens.device)
+    if ends is None and not criteria:
         return tokens
-    ends = torch.tensor([eos] if isinstance(eos, int) else list(eos), device=tokens.device)
-    generated = tokens[:, prompt:]
-    is_end = torch.isin(generated, ends)
-    after = (is_end.long().cumsum(dim=1) - is_end.long()) > 0  # strictly after the first end token
-    generated = generated.masked_fill(after, int(pad if pad is not None else ends[0]))
-    finished = is_end.long().cumsum(dim=1) > 0
-    done_at = finished.all(dim=0).nonzero()
-    keep = int(done_at[0]) + 1 if done_at.numel() else generated.shape[1]
-    return torch.cat([tokens[:, :prompt], generated[:, :keep]], dim=1)
+    fill = None if ends is None else int(pad if pad is not None else ends[0])
+    tokens = tokens.clone()
+    done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    for end in range(prompt + 1, tokens.shape[1] + 1):
+        column = tokens[:, end - 1]
+        if fill is not None:
+            column.masked_fill_(done, fill)
+            done = done | torch.isin(column, ends)
+        if criteria:
+            said = torch.as_tensor(criteria(tokens[:, :end], None), device=tokens.device).bool()
+            done = done | (said.expand_as(done) if said.dim() == 0 else said)
+        if bool(done.all()):
+            return tokens[:, :end]
+    return tokens
