@@ -111,7 +111,7 @@ def test_depth_measure_tells_a_tracking_rule_from_a_flat_one():
                                              {"label": "backwards", "steps": backwards}], oracle)
     tracks, flat_row, back = depth["settings"]
     assert tracks["spearman"] == pytest.approx(1.0) and back["spearman"] == pytest.approx(-1.0)
-    assert math.isnan(flat_row["spearman"])
+    assert math.isnan(flat_row["spearman"]) and tracks["spearman_oracle_tokens"] == pytest.approx(1.0)
     assert tracks["hops"] == [0, 1, 2, 3] and tracks["mean_steps_by_hops"] == [1, 2, 3, 4]
     assert tracks["tokens_by_hops"] == [2, 2, 2, 2] and tracks["spearman_by_difficulty"]["1"] == pytest.approx(1.0)
     assert depth["oracle"]["undefined"] == 1 and depth["oracle"]["tokens"] == 7

@@ -27,8 +27,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from rdepth.errors import RdepthError
+from rdepth.report.figures import FIGURES_DIR
 
 DEPTH_CSV = "depth_vs_hops.csv"
+DEPTH_FIGURE = "depth_vs_hops"  # figures/depth_vs_hops.png beside task_sweep.json (sweep.task_report draws it)
 CSV_FIELDS = ("label", "policy", "parameter", "value", "hops", "tokens", "mean_steps", "spearman")
 
 
@@ -115,18 +117,22 @@ def depth_vs_hops(hops, difficulty, settings: Sequence[dict], oracle) -> dict[st
     settings: dicts with ``label`` (and ``policy``, ``parameter``, ``value`` where a policy) and
     ``steps`` float [N], the loop steps the setting executed per token; oracle: float [N]
     (:func:`oracle_steps`, NaN where undefined). Returns the saved block: ``tokens``, ``settings``
-    (each with :func:`_measure`'s numbers) and ``oracle`` (the same plus ``undefined``: tokens wrong at the cap).
+    (each with :func:`_measure`'s numbers and ``spearman_oracle_tokens``, its rho on the tokens the oracle
+    defines) and ``oracle`` (the same plus ``undefined``: tokens wrong at the cap).
     """
     hops, difficulty = np.asarray(hops), np.asarray(difficulty)
     oracle = np.asarray(oracle, dtype=np.float64)
     if not hops.shape == difficulty.shape == oracle.shape:
         raise RdepthError(f"depth: hops {hops.shape}, difficulty {difficulty.shape} and oracle {oracle.shape} differ")
+    defined = ~np.isnan(oracle)
     rows = []
     for setting in settings:
         steps = np.asarray(setting["steps"], dtype=np.float64)
         if steps.shape != hops.shape:
             raise RdepthError(f"depth: {setting['label']} has {steps.shape} steps for {hops.shape} tokens")
-        rows.append({**{k: v for k, v in setting.items() if k != "steps"}, **_measure(steps, hops, difficulty)})
+        rows.append({**{k: v for k, v in setting.items() if k != "steps"}, **_measure(steps, hops, difficulty),
+                     # on the oracle's tokens only (right at the cap): the same token set as the oracle's rho
+                     "spearman_oracle_tokens": spearman(steps[defined], hops[defined])})
     return {"tokens": int(hops.size), "settings": rows,
             "oracle": {"label": "oracle", **_measure(oracle, hops, difficulty),
                        "undefined": int(np.isnan(oracle).sum())}}
@@ -176,7 +182,8 @@ def depth_summary(result: dict, summary: dict) -> dict[str, Any]:
                 "difficulty": summary["difficulties"][0]["difficulty"]}
     oracle = depth["oracle"]
     return {"oracle_spearman": oracle["spearman"], "oracle_undefined": oracle["undefined"], "tokens": depth["tokens"],
-            "best": best, "shown": shown}
+            "difficulties": [block["difficulty"] for block in result["difficulties"]], "best": best, "shown": shown,
+            "figure": f"{FIGURES_DIR}/{DEPTH_FIGURE}.png"}
 
 
 def _preferred(candidate: dict, current: dict, floor: float) -> bool:

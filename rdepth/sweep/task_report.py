@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from rdepth.report import Section, add_section
+from rdepth.sweep.depth import DEPTH_FIGURE
 from rdepth.report.figures import pyplot, save_report_figure
 
 SECTION = "task_exits"
@@ -40,9 +41,6 @@ def accuracy_vs_steps(result: dict) -> Any:
         right.legend(fontsize=7)
     figure.tight_layout()
     return figure
-
-
-DEPTH_FIGURE = "depth_vs_hops"
 
 
 def steps_per_hop(result: dict) -> Any:
@@ -124,8 +122,10 @@ def task_section(result: dict, figure_path: str, depth_path: str | None = None) 
                                 "steps on the other tokens; points above the diagonal spend more on answers.")
     if depth_path is not None:
         depth = result["depth"]
-        rows = [{"setting": row["label"], "Spearman rho": _rho(row["spearman"]), "mean steps": row["mean_steps"],
-                 "answer tokens": row["tokens"]} for row in depth["settings"] + [depth["oracle"]]]
+        rows = [{"setting": row["label"], "Spearman rho": _rho(row["spearman"]),
+                 "rho on the oracle's tokens": _rho(row.get("spearman_oracle_tokens", row["spearman"])),
+                 "mean steps": row["mean_steps"], "answer tokens": row["tokens"]}
+                for row in depth["settings"] + [depth["oracle"]]]
         section.table(rows, caption="Does depth track difficulty? Spearman's rank correlation of the loop steps each "
                                     "setting executes with the hops each answer token needs, on every swept "
                                     "difficulty's answer tokens pooled (depth_vs_hops.csv: mean steps per hop count)")
