@@ -258,8 +258,9 @@ def depth_text(depth: dict[str, Any]) -> str:
     best = depth.get("best")
     text = (f"Does depth track difficulty? On the {depth['tokens']} answer tokens of difficulty {where}, Spearman's "
             "rank correlation of the loop steps executed with the hops each answer needs is ")
-    text += (f"{_rho(best['spearman'])} for {best['label']} (the best policy)" if best else
-             "not given for a best policy (none within the tolerance)")
+    text += (f"{_rho(best['spearman'])} for {best['label']} (the sweep's best setting: the fewest loop steps within "
+             "the tolerance of the full budget's accuracy)" if best else
+             "not given for a best setting (none within the tolerance of the full budget's accuracy)")
     return text + (f", and {_rho(depth['oracle_spearman'])} for the per-token oracle (the fewest fixed-budget steps "
                    f"from which a token stays right up to the cap; {depth['oracle_undefined']} token(s) wrong at the cap "
                    "left out).")

@@ -153,33 +153,31 @@ def depth_csv(depth: dict) -> str:
 
 
 def depth_summary(result: dict, summary: dict) -> dict[str, Any]:
-    """The headline of ``result["depth"]``: the oracle's correlation, the best policy's (the summary's best
-    setting at the first swept difficulty), and per policy the setting its figure line shows: the fewest
-    mean steps among its settings within the accuracy tolerance of the full budget (accuracy averaged over
-    the swept difficulties), else its most accurate setting."""
+    """The headline of ``result["depth"]``: the oracle's correlation, the best setting's and, per policy, the
+    setting its figure line shows. Settings are compared on accuracy and loop steps per token averaged over
+    the swept difficulties, as :func:`rdepth.sweep.task.summarize_task_sweep` compares them on one: the best
+    is the setting with the fewest steps within the tolerance of the full budget's accuracy (on one
+    difficulty, the summary's best); a policy shows its own such setting, else its most accurate one."""
     depth = result["depth"]
     by_label = {row["label"]: row for row in depth["settings"]}
-    accuracy: dict[str, list[float]] = {}
+    measured: dict[str, dict[str, list[float]]] = {}
     for block in result["difficulties"]:
         for entry in block["fixed"] + block["points"]:
-            accuracy.setdefault(entry["label"], []).append(entry["accuracy"])
-    mean_accuracy = {label: float(np.mean(values)) for label, values in accuracy.items()}
-    full = mean_accuracy[result["difficulties"][0]["fixed"][-1]["label"]]
-    shown: dict[str, dict] = {}
+            seen = measured.setdefault(entry["label"], {"accuracy": [], "steps": []})
+            seen["accuracy"].append(entry["accuracy"])
+            seen["steps"].append(entry["steps"])
+    floor = float(np.mean(measured[result["difficulties"][0]["fixed"][-1]["label"]]["accuracy"])) - summary["tolerance"]
+    best, shown = None, {}
     for row in depth["settings"]:
-        policy = row.get("policy")
-        if policy is None or row["label"] not in mean_accuracy:
+        if row["label"] not in measured:
             continue
-        candidate = {"label": row["label"], "accuracy": mean_accuracy[row["label"]], "mean_steps": row["mean_steps"],
-                     "spearman": row["spearman"]}
-        current = shown.get(policy)
-        if current is None or _preferred(candidate, current, full - summary["tolerance"]):
+        candidate = {"label": row["label"], "accuracy": float(np.mean(measured[row["label"]]["accuracy"])),
+                     "steps": float(np.mean(measured[row["label"]]["steps"])), "spearman": row["spearman"]}
+        policy = row.get("policy", row["label"])
+        if policy not in shown or _preferred(candidate, shown[policy], floor):
             shown[policy] = candidate
-    first = summary["difficulties"][0].get("best") if summary["difficulties"] else None
-    best = None
-    if first is not None and first["label"] in by_label:
-        best = {"label": first["label"], "spearman": by_label[first["label"]]["spearman"],
-                "difficulty": summary["difficulties"][0]["difficulty"]}
+        if candidate["accuracy"] >= floor - 1e-12 and (best is None or _preferred(candidate, best, floor)):
+            best = candidate
     oracle = depth["oracle"]
     return {"oracle_spearman": oracle["spearman"], "oracle_undefined": oracle["undefined"], "tokens": depth["tokens"],
             "difficulties": [block["difficulty"] for block in result["difficulties"]], "best": best, "shown": shown,
@@ -187,10 +185,11 @@ def depth_summary(result: dict, summary: dict) -> dict[str, Any]:
 
 
 def _preferred(candidate: dict, current: dict, floor: float) -> bool:
-    """Whether ``candidate`` beats ``current`` as a policy's shown setting (see :func:`depth_summary`)."""
+    """Whether ``candidate`` beats ``current``: within the accuracy ``floor`` beats below it; within it,
+    fewer steps (then higher accuracy); below it, higher accuracy (then fewer steps)."""
     matched = candidate["accuracy"] >= floor - 1e-12
     if matched != (current["accuracy"] >= floor - 1e-12):
         return matched
     if matched:
-        return (candidate["mean_steps"], -candidate["accuracy"]) < (current["mean_steps"], -current["accuracy"])
-    return (candidate["accuracy"], -candidate["mean_steps"]) > (current["accuracy"], -current["mean_steps"])
+        return (candidate["steps"], -candidate["accuracy"]) < (current["steps"], -current["accuracy"])
+    return (candidate["accuracy"], -candidate["steps"]) > (current["accuracy"], -current["steps"])

@@ -256,8 +256,9 @@ def format_depth(depth: dict) -> list[str]:
 
 def sweep_task_checkpoint(config: SweepConfig) -> dict:
     """``rdepth sweep`` on task data: open the run, load the first ``config.task_windows`` windows of
-    the held-out sets of ``config.difficulties`` (default: the top training difficulty), sweep, write
-    ``OUT/task_sweep.json`` and the report section; returns the result with ``paths``."""
+    the held-out sets of ``config.difficulties`` (default: the top training difficulty), count the hops of
+    their answer tokens, sweep, write ``OUT/task_sweep.json``, ``OUT/depth_vs_hops.csv`` and the report
+    section; returns the result with ``paths``."""
     from rdepth.io import REPORT_SEED, final_path, staged_output, write_text
     from rdepth.report.html import check_page_folder
 
