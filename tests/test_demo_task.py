@@ -72,6 +72,10 @@ def test_task_demo_end_to_end(tmp_path, capsys):
     sweep = json.loads((out / "report" / "task_sweep.json").read_text())
     assert {p["policy"] for p in sweep["difficulties"][0]["points"]} == {"acceleration", "step_norm", "kl",
                                                                           "argmax_stable"}
+    # Depth against hops, from the sweep's own evaluations: the figure and the correlations on the first screen.
+    assert overview["depth"]["figure"] == "figures/depth_vs_hops.png" and overview["depth"]["tokens"] > 0
+    assert overview["depth"]["oracle_spearman"] == sweep["summary"]["depth"]["oracle_spearman"]
+    assert "Does depth track difficulty?" in page and "figures/depth_vs_hops.png" in page
 
     weights = out / "train" / "checkpoints" / "step_000006" / "model.safetensors"
     before = weights.stat().st_mtime_ns

@@ -98,6 +98,11 @@ def summarize_task_demo(out: str | os.PathLike) -> dict[str, Any]:
     overview["exits"] = None if sweep is None else sweep["summary"]["difficulties"][0]
     if sweep is not None:
         overview["exits"]["tolerance"] = sweep["summary"]["tolerance"]
+    depth = None if sweep is None else sweep["summary"].get("depth")
+    overview["depth"] = None if depth is None else {
+        **{k: depth[k] for k in ("oracle_spearman", "oracle_undefined", "tokens", "difficulties", "best")},
+        # the sweep draws it into the same report folder; a page never links a missing figure
+        "figure": depth["figure"] if (out / REPORT_DIR / depth["figure"]).is_file() else None}
     geometry = read_json_if_present(out / REPORT_DIR / "geometry" / "summary.json")
     if geometry is not None:
         overview["geometry"] = _geometry_headline(geometry)
@@ -228,6 +233,9 @@ def findings(overview: dict[str, Any]) -> list[str]:
     elif exits:
         lines.append(f"Early exit at difficulty {exits['difficulty']}: no policy stays within "
                      f"{100 * exits['tolerance']:g} point(s) of the full budget.")
+    depth = overview.get("depth")
+    if depth:
+        lines.append(depth_text(depth))
     for group in (overview.get("geometry") or {}).get("groups", []):
         floor = group["noise_floor_step"]
         decay = group["decay_5_over_0"]
@@ -238,6 +246,24 @@ def findings(overview: dict[str, Any]) -> list[str]:
                      + f"; consecutive steps settle at cosine {format_value(group['settled_cosine'])} (the paper's "
                      "text model: 0.5-0.65, a slow spiral; a negative cosine is a back-and-forth oscillation).")
     return lines
+
+
+def _rho(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def depth_text(depth: dict[str, Any]) -> str:
+    """One finding: whether the loop steps executed on answer tokens follow the hops their answers need."""
+    where = ", ".join(str(d) for d in depth["difficulties"])
+    best = depth.get("best")
+    text = (f"Does depth track difficulty? On the {depth['tokens']} answer tokens of difficulty {where}, Spearman's "
+            "rank correlation of the loop steps executed with the hops each answer needs is ")
+    text += (f"{_rho(best['spearman'])} for {best['label']} (the sweep's best setting: the fewest loop steps within "
+             "the tolerance of the full budget's accuracy)" if best else
+             "not given for a best setting (none within the tolerance of the full budget's accuracy)")
+    return text + (f", and {_rho(depth['oracle_spearman'])} for the per-token oracle (the fewest fixed-budget steps "
+                   f"from which a token stays right up to the cap; {depth['oracle_undefined']} token(s) wrong at the cap "
+                   "left out).")
 
 
 def percent_cell(fraction: float | None) -> str | None:
@@ -301,6 +327,12 @@ def task_overview_section(overview: dict[str, Any], figures: list[tuple[str, str
                  + ", ".join(f"{k} {v:.0f} s" for k, v in overview["stage_seconds"].items()) + ")"),
     ])
     section.bullets(findings(overview), caption="What the report found")
+    depth = overview.get("depth") or {}
+    if depth.get("figure"):
+        section.figure(depth["figure"], "Loop steps executed per hop count on answer tokens: each exit policy at its "
+                                        "cheapest setting within the tolerance (else its most accurate), and the "
+                                        "per-token oracle; Spearman's rho in the legend (details: Early exit on the "
+                                        "task, depth_vs_hops.csv).")
     return section
 
 

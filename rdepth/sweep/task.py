@@ -9,7 +9,12 @@ every policy at every value of its grid:
   the same initial-state noise as ``rdepth eval``);
 - mean loop steps per token summed over groups, separately on answer tokens
   and on every other token, and overall;
-- teacher-forced wall time per token (median and IQR of interleaved rounds).
+- teacher-forced wall time per token (median and IQR of interleaved rounds);
+- given the hops of each answer token (:mod:`rdepth.tasks.hops`), whether depth tracks
+  difficulty (:mod:`rdepth.sweep.depth`): per setting and for the per-token oracle, the
+  executed steps' Spearman correlation with hops and the mean steps per hop count, from the
+  same evaluations (the per-token steps and predictions they already compute), saved as
+  ``depth`` in ``task_sweep.json`` and as ``depth_vs_hops.csv``.
 
 Fixed budgets and policies run through the *same* path: fixed budgets as
 :class:`~rdepth.model.control.FixedController` controllers, policies as
@@ -26,11 +31,13 @@ import logging
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from rdepth.errors import RdepthError
 from rdepth.sweep.config import MeasureSettings, SweepConfig
+from rdepth.sweep.depth import DEPTH_CSV, depth_csv, depth_summary, depth_vs_hops, oracle_steps
 from rdepth.exits.controller import controller_factory
 from rdepth.sweep.measure import decode_factory
 from rdepth.exits.profile import load_profile, profile_controller_factory
@@ -44,6 +51,7 @@ from rdepth.run.device import device_name
 from rdepth.run.opened import open_run
 from rdepth.tasks.data import HeldOut, load_heldout, task_manifest
 from rdepth.tasks.evaluate import heldout_accuracy
+from rdepth.tasks.hops import heldout_hops, manifest_tasks
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +59,10 @@ FORMAT = 1
 TASK_SWEEP_FILE = "task_sweep.json"
 
 
-def _measure(model: RecurrentLM, heldout: HeldOut, factory: Callable, settings: MeasureSettings, device) -> dict:
+def _measure(model: RecurrentLM, heldout: HeldOut, factory: Callable, settings: MeasureSettings, device,
+             per_token: bool = False) -> dict:
     result = heldout_accuracy(model, heldout, controller_factory=factory, batch_size=settings.batch_size,
-                              device=device, seed=settings.seed)
+                              device=device, seed=settings.seed, per_token=per_token)
     answers = int(heldout.answer_mask[:, 1:].sum())
     others = int((~heldout.answer_mask[:, 1:]).sum())
     result["steps"] = (result["mean_steps_answer"] * answers + result["mean_steps_other"] * others) / max(
@@ -107,8 +116,15 @@ def _brief(entry: dict) -> dict:
 
 
 def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: SweepConfig, *,
-                   device: str | torch.device = "cpu", tolerance: float = 0.01, progress: bool = False) -> dict:
-    """Measure every fixed budget and policy setting on each held-out set (see the module docstring)."""
+                   device: str | torch.device = "cpu", tolerance: float = 0.01, progress: bool = False,
+                   hops: Sequence[np.ndarray] | None = None) -> dict:
+    """Measure every fixed budget and policy setting on each held-out set (see the module docstring).
+    ``hops``: per held-out set, the hops of its answer targets (:func:`rdepth.tasks.hops.heldout_hops`);
+    given, the result holds ``depth`` (:func:`rdepth.sweep.depth.depth_vs_hops`)."""
+    if hops is not None and len(hops) != len(heldouts):
+        raise RdepthError(f"sweep: hops for {len(hops)} held-out sets, {len(heldouts)} swept")
+    steps_of: dict[str, list[np.ndarray]] = {}  # label -> per held-out set, steps per answer token
+    oracle: list[np.ndarray] = []
     device = torch.device(device)
     model = model.to(device).eval()
     k_max = config.resolve_k_max(model.n_groups, model.config.default_eval_loops)
@@ -141,9 +157,17 @@ def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: Swee
                               "values": profile["values"]},
                              profile_controller_factory(profile, lambda: model.readout)))
         fixed, points = [], []
+        fixed_right = []
         desc = f"task sweep d={heldout.difficulty}"
         for labels, factory in tqdm(settings, desc=desc, disable=not progress):
-            entry = {**labels, **_measure(model, heldout, factory, config.measure_settings(), device)}
+            entry = {**labels, **_measure(model, heldout, factory, config.measure_settings(), device,
+                                          per_token=hops is not None)}
+            answer_right, answer_steps = entry.pop("answer_right", None), entry.pop("answer_steps", None)
+            if hops is not None:
+                if "budget" in entry:
+                    fixed_right.append(answer_right)
+                else:
+                    steps_of.setdefault(entry["label"], []).append(answer_steps)
             (fixed if "budget" in entry else points).append(entry)
             if config.timing:
                 key = f"{heldout.difficulty}:{entry['label']}"
@@ -152,6 +176,8 @@ def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: Swee
             log.debug("d=%d %s: accuracy %.3f, steps %.2f (answers %.2f, other %.2f)", heldout.difficulty,
                      entry["label"], entry["accuracy"], entry["steps"], entry["mean_steps_answer"],
                      entry["mean_steps_other"])
+        if hops is not None:
+            oracle.append(oracle_steps(np.stack(fixed_right), [sum(f["budget"]) for f in fixed]))
         blocks.append({"difficulty": heldout.difficulty, "problems": int(heldout.problem_ids.max()) + 1,
                        "windows": int(heldout.tokens.shape[0]), "seq_len": seq_len, "fixed": fixed, "points": points})
     if calls:
@@ -170,6 +196,14 @@ def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: Swee
               "model": model.config.to_dict(), "k_max": list(k_max), "difficulties": blocks,
               "timing_path": "packed (fixed budgets and policies alike)"}
     result["summary"] = summarize_task_sweep(result, tolerance)
+    if hops is not None:
+        difficulty = np.concatenate([np.full(len(h), heldout.difficulty) for h, heldout in zip(hops, heldouts)])
+        keys = ("label", "policy", "parameter", "value")
+        described = [{k: p[k] for k in keys if k in p} for p in blocks[0]["points"]]
+        result["depth"] = depth_vs_hops(np.concatenate(hops), difficulty,
+                                        [{**d, "steps": np.concatenate(steps_of[d["label"]])} for d in described],
+                                        np.concatenate(oracle))
+        result["summary"]["depth"] = depth_summary(result, result["summary"])
     return result
 
 
@@ -197,14 +231,35 @@ def format_task_sweep(result: dict) -> list[str]:
             f"budget" + (f", {100 * summary['steps_saved_vs_cheapest_fixed']:.0f}% fewer than {cheapest['label']}, "
                          f"the cheapest fixed budget as accurate" if cheapest else "") + "); answer tokens get "
             f"{best['mean_steps_answer']:.2f} steps, the rest {best['mean_steps_other']:.2f}")
+    if "depth" in result:
+        lines += format_depth(result["depth"])
+    return lines
+
+
+def format_depth(depth: dict) -> list[str]:
+    """Text lines of the depth-against-hops measure: per setting and the oracle, Spearman's rho and mean
+    steps per hop count, on every swept difficulty's answer tokens pooled."""
+    oracle = depth["oracle"]
+    hops = sorted({h for row in depth["settings"] + [oracle] for h in row["hops"]})
+    lines = [f"does depth track difficulty? answer tokens ({depth['tokens']}, difficulties pooled): Spearman "
+             "rho of executed loop steps against hops, then mean steps at each hop count",
+             f"  {'setting':<28}{'rho':>7}" + "".join(f"{'h=' + str(h):>7}" for h in hops)]
+    for row in depth["settings"] + [oracle]:
+        at = dict(zip(row["hops"], row["mean_steps_by_hops"]))
+        rho = row["spearman"]
+        lines.append(f"  {row['label']:<28}" + (f"{rho:7.2f}" if rho == rho else f"{'n/a':>7}")
+                     + "".join(f"{at[h]:7.2f}" if h in at else f"{'':>7}" for h in hops))
+    lines.append(f"  oracle: the fewest fixed-budget steps from which a token stays right up to the cap; "
+                 f"{oracle['undefined']} token(s) wrong at the cap left out")
     return lines
 
 
 def sweep_task_checkpoint(config: SweepConfig) -> dict:
     """``rdepth sweep`` on task data: open the run, load the first ``config.task_windows`` windows of
-    the held-out sets of ``config.difficulties`` (default: the top training difficulty), sweep, write
-    ``OUT/task_sweep.json`` and the report section; returns the result with ``paths``."""
-    from rdepth.io import REPORT_SEED, final_path, staged_output
+    the held-out sets of ``config.difficulties`` (default: the top training difficulty), count the hops of
+    their answer tokens, sweep, write ``OUT/task_sweep.json``, ``OUT/depth_vs_hops.csv`` and the report
+    section; returns the result with ``paths``."""
+    from rdepth.io import REPORT_SEED, final_path, staged_output, write_text
     from rdepth.report.html import check_page_folder
 
     check_page_folder(config.out)  # before any work: someone's index.html is never replaced
@@ -214,14 +269,19 @@ def sweep_task_checkpoint(config: SweepConfig) -> dict:
     manifest = task_manifest(config.data)
     chosen = config.difficulties or [int(manifest["train_difficulties"][1])]
     heldouts = [load_heldout(config.data, d).windows(0, config.task_windows) for d in chosen]
+    tasks = manifest_tasks(config.data)
+    hops = [heldout_hops(tasks, heldout) for heldout in heldouts]
     result = run_task_sweep(run.model, heldouts, config, device=run.device, tolerance=config.accuracy_tolerance,
-                            progress=config.progress)
+                            progress=config.progress, hops=hops)
     result["checkpoint"], result["data"] = str(run.checkpoint), str(run.data)
     from rdepth.sweep.task_report import render_task_sweep
 
     with staged_output(config.out, seed=REPORT_SEED) as out:  # swapped in whole: old or new, never a mix
         paths = {"json": out / TASK_SWEEP_FILE}
         write_json(paths["json"], result)
+        if "depth" in result:
+            paths["depth_csv"] = out / DEPTH_CSV
+            write_text(paths["depth_csv"], depth_csv(result["depth"]))
         paths.update(render_task_sweep(result, out))
         paths = {name: final_path(path) for name, path in paths.items()}
     return {**result, "paths": {name: str(path) for name, path in paths.items()}}

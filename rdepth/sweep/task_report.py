@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from rdepth.report import Section, add_section
+from rdepth.sweep.depth import DEPTH_FIGURE
 from rdepth.report.figures import pyplot, save_report_figure
 
 SECTION = "task_exits"
@@ -42,13 +43,43 @@ def accuracy_vs_steps(result: dict) -> Any:
     return figure
 
 
+def steps_per_hop(result: dict) -> Any:
+    """Mean executed loop steps per hop count on answer tokens: one line per policy (its setting chosen in
+    the saved summary, ``summary.depth.shown``), the per-token oracle in black; Spearman's rho in the legend."""
+    plt = pyplot()
+    depth, shown = result["depth"], result["summary"]["depth"]["shown"]
+    by_label = {row["label"]: row for row in depth["settings"]}
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+
+    def line(row: dict, label: str, **style) -> None:
+        rho = row["spearman"]
+        axis.plot(row["hops"], row["mean_steps_by_hops"], "-o", markersize=4,
+                  label=f"{label} (rho {rho:.2f})" if rho is not None and rho == rho else f"{label} (rho n/a)", **style)
+
+    for policy, chosen in shown.items():
+        line(by_label[chosen["label"]], chosen["label"], alpha=0.85)
+    line(depth["oracle"], "per-token oracle", color="black", linewidth=2)
+    hops = sorted({h for row in depth["settings"] + [depth["oracle"]] for h in row["hops"]})
+    axis.set_xticks(hops)
+    axis.set(xlabel="hops the answer needs", ylabel="loop steps executed (mean, all groups)",
+             title="Does depth track difficulty? (answer tokens)")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    return figure
+
+
 def render_task_sweep(result: dict, out: str | Path, *, report: bool = True) -> dict[str, Path]:
-    """Save the figure and (``report``) add the section to ``out``'s page; returns name -> path."""
+    """Save the figures and (``report``) add the section to ``out``'s page; returns name -> path."""
     out = Path(out)
     figure_path = save_report_figure(accuracy_vs_steps(result), out, "task_exits")
     paths = {"figure": out / figure_path}
+    depth_path = None
+    if "depth" in result:
+        depth_path = save_report_figure(steps_per_hop(result), out, DEPTH_FIGURE)
+        paths["depth_figure"] = out / depth_path
     if report:
-        paths["report"] = add_section(out, task_section(result, figure_path))
+        paths["report"] = add_section(out, task_section(result, figure_path, depth_path))
     return paths
 
 
@@ -57,7 +88,12 @@ def _percent(fraction: float | None) -> float | None:
     return None if fraction is None else 100 * fraction
 
 
-def task_section(result: dict, figure_path: str) -> Section:
+def _rho(value: float | None) -> float | None:
+    """A saved correlation for a table cell (NaN is saved as null: None)."""
+    return None if value is None or value != value else value
+
+
+def task_section(result: dict, figure_path: str, depth_path: str | None = None) -> Section:
     tolerance = 100 * result["summary"]["tolerance"]
     section = Section(SECTION, "Early exit on the task", order=21)
     rows = []
@@ -84,6 +120,20 @@ def task_section(result: dict, figure_path: str) -> Section:
     section.figure(figure_path, "Left: accuracy against mean loop steps per token (fixed budgets and every "
                                 "policy setting on the same packed path). Right: steps on answer tokens against "
                                 "steps on the other tokens; points above the diagonal spend more on answers.")
+    if depth_path is not None:
+        depth = result["depth"]
+        rows = [{"setting": row["label"], "Spearman rho": _rho(row["spearman"]),
+                 "rho on the oracle's tokens": _rho(row.get("spearman_oracle_tokens", row["spearman"])),
+                 "mean steps": row["mean_steps"], "answer tokens": row["tokens"]}
+                for row in depth["settings"] + [depth["oracle"]]]
+        section.table(rows, caption="Does depth track difficulty? Spearman's rank correlation of the loop steps each "
+                                    "setting executes with the hops each answer token needs, on every swept "
+                                    "difficulty's answer tokens pooled (depth_vs_hops.csv: mean steps per hop count)")
+        section.figure(depth_path, "Mean loop steps executed per hop count on answer tokens: each policy at its "
+                                   "cheapest setting within the tolerance (else its most accurate), and the per-token "
+                                   "oracle (the fewest fixed-budget steps from which the token's greedy prediction "
+                                   f"stays right up to the cap; {depth['oracle']['undefined']} token(s) wrong at the cap "
+                                   "left out).")
     section.note("Steps are loop steps per token summed over groups; wall time is teacher-forced ms per token "
                  f"(median of {result['config']['repeats']} interleaved rounds, batch "
                  f"{result['config']['timing_batch_size']}) on {result['environment'].get('device', '?')}.")

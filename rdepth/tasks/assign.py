@@ -77,6 +77,15 @@ class AssignTask(Task):
         return Problem(self.name, difficulty, tuple(tokens), tuple(positions))
 
     def solve(self, problem_tokens: Sequence[int]) -> tuple[int, ...]:
+        return tuple(digit for digit, _ in self._lookups(problem_tokens))
+
+    def answer_hops(self, problem_tokens: Sequence[int]) -> tuple[int, ...]:
+        """Per query, the assignments followed from its variable to the digit (the main query's equals
+        the difficulty)."""
+        return tuple(hops for _, hops in self._lookups(problem_tokens))
+
+    def _lookups(self, problem_tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """Per query of the statement, (digit, assignments followed) recomputed from the assignments."""
         tokens = [int(t) for t in problem_tokens]
         source: dict[int, int] = {}
         index = 0
@@ -98,15 +107,15 @@ class AssignTask(Task):
             index += 3
         if not answers:
             raise malformed(self.name, "no query")
-        return tuple(answers)
+        return answers
 
 
-def _value_of(source: dict[int, int], name: int, task: str) -> int:
-    """Follow assignments from ``name`` to the digit it holds."""
+def _value_of(source: dict[int, int], name: int, task: str) -> tuple[int, int]:
+    """Follow assignments from ``name`` to the digit it holds: (the digit, assignments followed)."""
     current = name
-    for _ in range(len(source) + 1):
+    for hops in range(len(source) + 1):
         if digit_value(current) is not None:
-            return current
+            return current, hops
         if current not in source:
             raise malformed(task, f"variable id {current} is never assigned")
         current = source[current]

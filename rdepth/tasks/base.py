@@ -9,7 +9,9 @@ A :class:`Task` subclass sets ``name``, ``min_difficulty``, implements
 ``max_difficulty``, ``length(difficulty)``, ``_generate(rng, difficulty)``
 and ``solve(problem_tokens)``. ``solve`` recomputes the answers from the
 statement alone (parsing the tokens, never looking at the generator's
-answer slots), so ``check`` catches a generator bug.
+answer slots), so ``check`` catches a generator bug. ``answer_hops``, where a
+task defines it, recomputes the same way how many sequential steps (hops)
+each answer needs: the per-token difficulty that adaptive depth should track.
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ class Task:
     def solve(self, problem_tokens: Sequence[int]) -> tuple[int, ...]:
         """The answers recomputed from the statement part of ``problem_tokens``."""
         raise NotImplementedError
+
+    def answer_hops(self, problem_tokens: Sequence[int]) -> tuple[int, ...]:
+        """Per answer slot, in order, the sequential steps (hops) its answer needs, recomputed from the
+        statement part of ``problem_tokens`` like :meth:`solve`; RdepthError for a task that does not
+        count them."""
+        raise RdepthError(f"task {self.name} does not count the hops of its answers")
 
     def _generate(self, rng: np.random.Generator, difficulty: int) -> Problem:
         raise NotImplementedError

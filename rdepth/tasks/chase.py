@@ -110,6 +110,15 @@ class ChaseTask(Task):
         return Problem(self.name, difficulty, tuple(tokens), tuple(positions))
 
     def solve(self, problem_tokens: Sequence[int]) -> tuple[int, ...]:
+        return tuple(end for end, _ in self._paths(problem_tokens))
+
+    def answer_hops(self, problem_tokens: Sequence[int]) -> tuple[int, ...]:
+        """Per query, the arrows followed from its start to the fixed point (0 when the start is one;
+        the main query's equals the difficulty)."""
+        return tuple(hops for _, hops in self._paths(problem_tokens))
+
+    def _paths(self, problem_tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """Per query of the statement, (fixed point, hops) recomputed from the listed function."""
         tokens = [int(t) for t in problem_tokens]
         successor: dict[int, int] = {}
         index = 0
@@ -127,26 +136,26 @@ class ChaseTask(Task):
                 raise malformed(self.name, f"symbol id {pair[0]} has two arrows")
             successor[pair[0]] = pair[1]
             index += 2
-        answers = []
+        paths = []
         while index < len(tokens):
             query = tokens[index:index + 3]
             if len(query) != 3 or query[0] != QUERY_ID:
                 raise malformed(self.name, f"expected '? start answer' at token {index}")
-            answers.append(_fixed_point(successor, query[1], self.name))
+            paths.append(_fixed_point(successor, query[1], self.name))
             index += 3
-        if not answers:
+        if not paths:
             raise malformed(self.name, "no query")
-        return tuple(answers)
+        return paths
 
 
-def _fixed_point(successor: dict[int, int], start: int, task: str) -> int:
-    """Follow ``successor`` from ``start`` until a symbol maps to itself."""
+def _fixed_point(successor: dict[int, int], start: int, task: str) -> tuple[int, int]:
+    """Follow ``successor`` from ``start`` until a symbol maps to itself: (that symbol, arrows followed)."""
     current = start
-    for _ in range(len(successor) + 1):
+    for hops in range(len(successor) + 1):
         if current not in successor:
             raise malformed(task, f"symbol id {current} has no arrow")
         following = successor[current]
         if following == current:
-            return current
+            return current, hops
         current = following
     raise malformed(task, f"the path from symbol id {start} cycles without a fixed point")

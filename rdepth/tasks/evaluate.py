@@ -39,6 +39,12 @@ class _Tally:
         self.loss_sum += float(loss) * n_scored
         self.scored += n_scored
 
+    def answer_right(self, heldout: HeldOut) -> np.ndarray:
+        """bool [N]: whether the greedy prediction of each answer target is right, row-major."""
+        predicted = torch.cat(self.predictions).numpy()
+        mask = heldout.answer_mask[:, 1:].astype(bool)
+        return predicted[mask] == heldout.tokens[:, 1:][mask]
+
     def result(self, heldout: HeldOut) -> dict[str, Any]:
         predicted = torch.cat(self.predictions).numpy()
         _, solved = problem_correct(predicted, heldout.tokens[:, 1:], heldout.answer_mask[:, 1:],
@@ -68,12 +74,16 @@ def heldout_accuracy(
     device: str | torch.device = "cpu",
     seed: int = 0,
     warm_start: bool = False,
+    per_token: bool = False,
 ) -> dict[str, Any]:
     """Exact-match accuracy on one held-out set at a fixed budget (``loop_counts``) or under
     per-token exits (``controller_factory``). Returns ``{difficulty, accuracy, problems,
     answer_ce, answer_tokens}`` plus, with exits, ``mean_steps_answer`` / ``mean_steps_other``
     (loop steps per token summed over groups, on answer tokens and on the rest). ``warm_start``:
-    every group's loop starts from the state it handed on at the previous position (token by token)."""
+    every group's loop starts from the state it handed on at the previous position (token by token).
+    ``per_token``: also ``answer_right`` (bool [N]) and ``answer_steps`` (float64 [N], loop steps
+    executed, summed over groups), one entry per answer target (``answer_mask[:, 1:]``) in row-major
+    order: numpy arrays, for the caller to reduce before saving."""
     windows, masks = _arrays(heldout)
     counts = None if controller_factory is not None else (
         model.config.default_eval_loops if loop_counts is None else model.resolve_loop_counts(loop_counts))
@@ -85,17 +95,24 @@ def heldout_accuracy(
 
     tally = _Tally()
     steps_answer, steps_other = 0.0, 0.0
+    answer_steps: list[torch.Tensor] = []
     first = 0
     for output, n_scored in eval_outputs(model, windows, forward, batch_size=batch_size, device=device, seed=seed,
                                          masks=masks):
         tally.add(output.logits, output.loss, n_scored)
+        batch_masks = masks[first : first + output.logits.shape[0], 1:]
         if output.computed is not None:
-            batch_masks = masks[first : first + output.logits.shape[0], 1:]
             total = sum(c.cpu().double() for c in output.computed)  # [B, T] steps over groups
             steps_answer += float(total[batch_masks].sum())
             steps_other += float(total[~batch_masks].sum())
+            answer_steps.append(total[batch_masks])
+        else:  # dense fixed budget: every token runs the counts
+            answer_steps.append(torch.full((int(batch_masks.sum()),), float(sum(counts)), dtype=torch.float64))
         first += output.logits.shape[0]
     result = tally.result(heldout)
+    if per_token:
+        result["answer_right"] = tally.answer_right(heldout)
+        result["answer_steps"] = torch.cat(answer_steps).numpy() if answer_steps else np.zeros(0)
     if counts is not None:
         result["loop_counts"] = list(counts)
     if controller_factory is not None:

@@ -59,3 +59,8 @@ class ModSumTask(Task):
                 raise malformed(self.name, f"token {index} is not a digit below {self.modulus}")
             total += value
         return (DIGIT_IDS[total % self.modulus],)
+
+    def answer_hops(self, problem_tokens: Sequence[int]) -> tuple[int, ...]:
+        """The terms summed (the difficulty): the running state passes through each."""
+        self.solve(problem_tokens)  # the same checks
+        return (len(problem_tokens) - 3,)
