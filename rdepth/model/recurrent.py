@@ -443,18 +443,15 @@ class RecurrentLM(nn.Module):
             loop = LoopRows(controller, group, state)
             if observer is not None:
                 observer(group, 0, state.view(batch, seq, -1), None)
-            for step in loop.steps():
-                rows = loop.rows
+
+            def step_fn(prev, step, rows, group=group, projected=projected):
                 ctx = AttentionContext.build(store, step, batch_index[rows], position[rows])
-                prev = state[rows]
-                new = self.loop_step(group, prev, projected[rows], ctx)
-                state = state.index_copy(0, rows, new.to(state.dtype))
-                if observer is not None:
-                    active = torch.zeros(batch * seq, dtype=torch.bool, device=device)
-                    active[rows] = True
-                    observer(group, step, state.view(batch, seq, -1), active.view(batch, seq))
-                if loop.finish_step(step, prev, new):
-                    break
+                return self.loop_step(group, prev, projected[rows], ctx)
+
+            def observe(step, state, active, group=group):
+                observer(group, step, state.view(batch, seq, -1), active.view(batch, seq))
+
+            loop.run(state, step_fn, observe if observer is not None else None)
             x = loop.handed_on
             if warm:
                 store.warm[group] = x.view(batch, seq, -1)[:, -1]
