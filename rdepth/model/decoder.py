@@ -1,39 +1,29 @@
 """The one token-by-token decoder: every path that extends a sequence a token at a time drives it.
 
-``rdepth generate`` (sampling, greedy, exits, exit profiles, warm start), self-speculative decoding
-(drafts, a verifying pass, rollback), the exported Hugging Face model's ``generate()``, lm-eval's
-``generate_until`` and the decode latencies of the sweep run :class:`Decoder`. It drives the model's
-pieces (:meth:`~RecurrentLM.embed`, :meth:`~RecurrentLM.run_layers`, :meth:`~RecurrentLM.group_input`
-once per group, :meth:`~RecurrentLM.loop_step` per loop step, :meth:`~RecurrentLM.readout`) over a
-preallocated key/value cache (:class:`~rdepth.model.static_decode.StaticKV`), exact against
-teacher-forced evaluation (cached = teacher-forced = batch-of-one, with exits and warm start).
+``rdepth generate`` (sampling, exits, exit profiles, warm start), self-speculative decoding (drafts, a
+verifying pass, rollback), the exported model's ``generate()``, lm-eval's ``generate_until`` and the
+sweep's decode latencies run :class:`Decoder`. It drives the model's pieces (``embed``, ``run_layers``,
+``group_input`` once per group, ``loop_step`` per step, ``readout``) over a preallocated cache
+(:class:`~rdepth.model.static_decode.StaticKV`), exact against teacher-forced evaluation (cached =
+teacher-forced = batch-of-one, with exits and warm start).
 
-How a token runs:
-
-* **A plan per budget.** A budget is a fixed loop count per group, or a loop controller (per-token
-  exits, :mod:`rdepth.exits`). Each budget gets a plan, built once and replayed for every token: a
-  list of pieces (``run``) and host checks (``check``). A budget below the cache's steps settles the
-  keys it did not compute (the latest-KV rule, :meth:`StaticKV.settle`).
-* **Exits** are predicated: every row computes every step of a chunk of ``check_every`` steps (the
-  executor's), the one loop routine (:class:`~rdepth.model.loop.LoopRows`) keeps each stopped row's
-  hand-off, and the host reads one flag per chunk (``check_every=None``: none at all, the default on
-  CUDA). At batch 1 with ``check_every=1`` (the default on the CPU) the loop stops at the row's exit.
-* **Executors** (:mod:`rdepth.model.executors`) decide how the pieces run: eagerly reading the written
-  prefix of the cache (the default), compiled by Inductor, or captured as CUDA graphs; they are applied
-  from outside (:meth:`Decoder.use`) and change no number.
-* **Several tokens at once** (:meth:`Decoder.extend` with ``T > 1`` at a fixed budget: a prompt, a
-  speculative verification): the T positions run in lock-step with a causal mask, as the teacher-forced
-  forward does. With exits or warm start they run one by one.
-* **Rollback** (:meth:`Decoder.rollback`): the cache length goes back; later positions are
-  overwritten before anything reads them.
-* **Warm start**: each group's loop at position p starts from the state it handed on at position
-  p - 1 of the same row (kept per position, so rollback keeps it right); position 0 from noise.
-* **Sampling** stays on the device (:func:`choose_tokens`: greedy, temperature, top-k).
+* **A plan per budget** (fixed counts per group, or a loop controller: per-token exits), built once and
+  replayed for every token: pieces (``run``) and host checks (``check``). Each group's loop runs under
+  the one loop routine (:class:`~rdepth.model.loop.LoopRows`), predicated: every row computes every step
+  of a chunk of ``check_every`` steps, a stopped row keeps its hand-off, and the host reads one flag per
+  chunk (none with ``check_every=None``, the default on CUDA). A budget below the cache's steps settles
+  the keys it did not compute (the latest-KV rule, :meth:`StaticKV.settle`).
+* **Executors** (:mod:`rdepth.model.executors`, applied with :meth:`Decoder.use`) decide how the pieces
+  run: eager reading the written prefix of the cache (the default), Inductor-compiled, or CUDA graphs.
+* **Several tokens at once** (:meth:`Decoder.extend`, ``T > 1`` at a fixed budget) run in lock-step
+  under a causal mask, as the teacher-forced forward does; with exits or warm start one by one.
+* **Rollback** sets the cache length back; **warm start** starts each group's loop at position p from
+  the state it handed on at p - 1 (kept per position, so rollback keeps it right).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -46,23 +36,10 @@ from rdepth.model.kv import AttentionContext
 from rdepth.model.loop import LoopRows
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM, StageKind
+from rdepth.model.sampling import choose_tokens
 from rdepth.model.static_decode import ChunkKV, StaticKV
 
 _Run = Callable[[], None]
-
-
-def choose_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """The next token per row, ``[B, 1]`` long, on the logits' device: the argmax when ``temperature``
-    <= 0, else a draw from ``softmax(logits / temperature)`` restricted to the ``top_k`` largest."""
-    logits = logits.float()
-    if temperature <= 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
 
 
 @dataclass(frozen=True)
@@ -77,16 +54,16 @@ class Budget:
         return self.controller_factory is None
 
 
+@dataclass
 class Plan:
-    """One budget's token: its ``pieces`` (``("run", fn)`` or ``("check", skip_to)``), its controller and
-    the loop steps per group."""
+    """One budget's token: its controller, the loop steps per group, its ``pieces`` (``("run", fn)`` or
+    ``("check", skip_to)``) and per group the loop routine over the decoder's buffers."""
 
-    def __init__(self, budget: Budget, controller: LoopController, steps: tuple[int, ...]):
-        self.budget = budget
-        self.controller = controller
-        self.steps = steps
-        self.pieces: list[tuple[str, object]] = []
-        self.loops: dict[int, LoopRows] = {}  # per group: the loop routine over the decoder's buffers
+    budget: Budget
+    controller: LoopController
+    steps: tuple[int, ...]
+    pieces: list[tuple[str, object]] = field(default_factory=list)
+    loops: dict[int, LoopRows] = field(default_factory=dict)
 
 
 class Decoder:
@@ -122,7 +99,8 @@ class Decoder:
         if not 1 <= self.capacity <= config.block_size:
             raise RdepthError(f"decoder: capacity must be 1..{config.block_size} (the block size), "
                               f"got {self.capacity}")
-        self.budget, self.steps = _resolve_budget(model, loop_counts, controller_factory, keep_steps)
+        self.budget = _budget(model, loop_counts, controller_factory)
+        self.steps = _kept_steps(model, self.budget, keep_steps)
         self.warm_start = bool(warm_start)
         if noise is None:
             noise = StateNoise(0, range(batch_size))
@@ -135,7 +113,7 @@ class Decoder:
         self.prompt_computed: torch.Tensor | None = None  # [G, B, T] loop steps of the last extend's tokens
         # How the pieces run (rdepth.model.executors): eager; a host check per step on the CPU, none on CUDA.
         self.executor = Executor(check_every=None if self.device.type == "cuda" else 1)
-        self._span: int | None = None  # positions the attention reads now (None: the whole cache)
+        self._span: int | None = -1  # positions the attention reads now (None: the whole cache; -1: none yet)
         self._span_contexts: dict[int | None, dict[int, AttentionContext]] = {}
         with torch.no_grad():
             self.cache = StaticKV(model, batch_size, self.capacity, self.steps, self.dtype, self.device)
@@ -179,7 +157,6 @@ class Decoder:
         self.mask = torch.zeros(batch, 1, 1, self.capacity, dtype=self.dtype, device=device)
         self._mask_open = torch.zeros((), dtype=self.dtype, device=device)
         self._mask_shut = torch.full((), float("-inf"), dtype=self.dtype, device=device)
-        self._span = -1
         self.read_span(None)
         # Each group's initial states for every position, [B, S, d] (the teacher-forced path's draws).
         self._initial: dict[int, torch.Tensor] = {}
@@ -199,12 +176,11 @@ class Decoder:
         self._span = span
         self.cache.limit = span
         if span not in self._span_contexts:
-            batch = self.batch_size
             mask = None if self.executor.prefix_reads else (
                 self.mask if span is None else self.mask.narrow(3, 0, span))
             self._span_contexts[span] = {
-                step: AttentionContext(self.cache, step, self.rows, self.cache.position.expand(batch),
-                                       torch.zeros_like(self.rows), 1, batch, mask, one_per_row=True)
+                step: AttentionContext(self.cache, step, self.rows, self.cache.position.expand(self.batch_size),
+                                       torch.zeros_like(self.rows), 1, self.batch_size, mask, one_per_row=True)
                 for step in range(max(self.steps, default=0) + 1)
             }
         self.contexts = self._span_contexts[span]
@@ -212,10 +188,7 @@ class Decoder:
     # ------------------------------------------------------------- the plans
     def _plan_for(self, budget: Budget) -> Plan:
         if budget not in self._plans:
-            if budget.fixed:
-                controller: LoopController = FixedController(budget.counts)
-            else:
-                controller = budget.controller_factory()
+            controller = FixedController(budget.counts) if budget.fixed else budget.controller_factory()
             steps = tuple(controller.max_steps(group) for group in range(self.model.n_groups))
             for group, (n, cap) in enumerate(zip(steps, self.steps)):
                 if not 1 <= n <= cap:
@@ -341,11 +314,7 @@ class Decoder:
         run in lock-step in one pass; otherwise one at a time. ``computed``/``used`` ``[G, B]`` then
         hold the last position's loop steps and hand-off index, ``prompt_computed`` ``[G, B, T]`` every
         position's steps."""
-        if loop_counts is not None and controller_factory is not None:
-            raise RdepthError("decoder: give loop_counts or controller_factory, not both")
-        budget = (Budget(controller_factory=controller_factory) if controller_factory is not None else
-                  Budget(counts=parse_loop_counts(loop_counts, self.model.n_groups)) if loop_counts is not None
-                  else self.budget)
+        budget = _budget(self.model, loop_counts, controller_factory, self.budget)
         tokens = tokens.to(self.device)
         batch, length = tokens.shape
         if batch != self.batch_size:
@@ -456,27 +425,26 @@ def _sequence(pieces: list[_Run]) -> _Run:
     return run
 
 
-def _resolve_budget(model: RecurrentLM, loop_counts, controller_factory, keep_steps
-                    ) -> tuple[Budget, tuple[int, ...]]:
-    """A decoder's budget (fixed ``loop_counts``, else exits by ``controller_factory``, else the model's
-    eval loops) and the steps the cache keeps per group (``keep_steps``, at least the budget's)."""
-    n_groups = model.n_groups
+def _budget(model: RecurrentLM, loop_counts, controller_factory, default: Budget | None = None) -> Budget:
+    """Fixed ``loop_counts``, else exits by ``controller_factory``, else ``default`` (the model's eval loops
+    when None)."""
     if loop_counts is not None and controller_factory is not None:
         raise RdepthError("decoder: give loop_counts or controller_factory, not both")
-    if controller_factory is None:
-        counts = parse_loop_counts(model.config.default_eval_loops if loop_counts is None else loop_counts,
-                                   n_groups) if n_groups else ()
-        budget, steps = Budget(counts=counts), counts
-    else:
-        budget = Budget(controller_factory=controller_factory)
-        probe = controller_factory()
-        steps = tuple(probe.max_steps(group) for group in range(n_groups))
-    for group, n in enumerate(steps):
-        if n < 1:
-            raise RdepthError(f"decoder: group {group} would run {n} loop steps; need >= 1")
-    if keep_steps is not None:
-        keep = parse_loop_counts(keep_steps, n_groups) if n_groups else ()
-        if any(k < n for k, n in zip(keep, steps)):
-            raise RdepthError(f"decoder: keep_steps {keep} is below the budget's steps {steps}")
-        steps = tuple(keep)
-    return budget, tuple(steps)
+    if controller_factory is not None:
+        return Budget(controller_factory=controller_factory)
+    if loop_counts is None and default is not None:
+        return default
+    counts = model.config.default_eval_loops if loop_counts is None else loop_counts
+    return Budget(counts=parse_loop_counts(counts, model.n_groups) if model.n_groups else ())
+
+
+def _kept_steps(model: RecurrentLM, budget: Budget, keep_steps) -> tuple[int, ...]:
+    """The loop steps the cache keeps per group: ``keep_steps``, at least the budget's (its default)."""
+    controller = budget.controller_factory() if not budget.fixed else FixedController(budget.counts)
+    steps = tuple(controller.max_steps(group) for group in range(model.n_groups))
+    if keep_steps is None:
+        return steps
+    keep = parse_loop_counts(keep_steps, model.n_groups) if model.n_groups else ()
+    if any(k < n for k, n in zip(keep, steps)):
+        raise RdepthError(f"decoder: keep_steps {keep} is below the budget's steps {steps}")
+    return tuple(keep)
