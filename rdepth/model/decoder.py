@@ -33,7 +33,7 @@ from rdepth.errors import RdepthError
 from rdepth.model.control import FixedController, LoopController
 from rdepth.model.executors.eager import Executor
 from rdepth.model.kv import AttentionContext
-from rdepth.model.loop import LoopRows
+from rdepth.model.loop import LoopRows, run_fixed
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM, StageKind
 from rdepth.model.sampling import choose_tokens
@@ -383,8 +383,8 @@ class Decoder:
                 state = self._initial[group][:, start:end].reshape(rows, -1)
             else:
                 state = torch.zeros_like(x)
-            for step in range(1, counts[group] + 1):
-                state = model.loop_step(group, state, projected, context(step))
+            state = run_fixed(state, counts[group], lambda state, step, group=group, projected=projected:
+                              model.loop_step(group, state, projected, context(step)))
             if counts[group] < self.steps[group]:
                 self.cache.settle_all(group, counts[group], slice(start, end))
             self.computed[group].fill_(counts[group])

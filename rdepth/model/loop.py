@@ -3,7 +3,8 @@
 Every driver of a group's loop under a controller calls :class:`LoopRows`: the model's packed and
 warm-started forward (:meth:`rdepth.model.RecurrentLM._forward_packed`), the replay of recorded
 iterates (:func:`rdepth.exits.recorded.drive_recorded`) and the decoder's fixed and exit paths
-(:class:`rdepth.model.decoder.Decoder`). After every step the controller sees the rows' previous and
+(:class:`rdepth.model.decoder.Decoder`). A loop without a controller (the dense forward, the shifted
+warm start, the decoder's lock-step prompt) runs :func:`run_fixed`. After every step the controller sees the rows' previous and
 new states, and :func:`stop_and_hand_on` (the only place that does) records which rows stop, the state
 and iterate index each hands on and the steps each computed, so a replay makes exactly the decisions
 an online run makes.
@@ -20,6 +21,21 @@ from rdepth.model.control import LoopController
 
 # step_fn(state [A, d], step, rows [A]) -> new [A, d]: one loop step of the rows ``rows``.
 StepFn = Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]
+
+
+def run_fixed(state: torch.Tensor, steps: int, step_fn: Callable[[torch.Tensor, int], torch.Tensor],
+              observe: Callable[[int, torch.Tensor], None] | None = None, first_grad_step: int = 1) -> torch.Tensor:
+    """A group's loop at a fixed budget: every row runs ``steps`` steps of ``step_fn(state, step)`` (no row
+    stops before the last, so there is nothing to keep per row); ``observe(step, state)`` after each;
+    gradients (where enabled) from step ``first_grad_step`` on (truncated backprop). Returns the last
+    iterate, shaped as ``state``."""
+    grad_on = torch.is_grad_enabled()
+    for step in range(1, steps + 1):
+        with torch.set_grad_enabled(grad_on and step >= first_grad_step):
+            state = step_fn(state, step)
+        if observe is not None:
+            observe(step, state)
+    return state
 
 
 def stop_and_hand_on(step: int, last: int, active: torch.Tensor, done: torch.Tensor, handoff: torch.Tensor,
