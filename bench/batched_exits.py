@@ -1,4 +1,4 @@
-"""Batched decoding with exits: tokens/s of compacted exits against the fixed budgets of the same quality.
+"""Batched decoding with exits: tokens/s of predicated exits against the fixed budgets of the same quality.
 
     python bench/batched_exits.py --checkpoint RUN --data DATA --batches 8,32,128 [--policy kl --tau 1e-3,1e-2]
     python bench/batched_exits.py --preset tiny --batches 8,32        # random weights: speed only
@@ -7,26 +7,22 @@
 Per batch size B, B prompts (held-out windows of --data with a checkpoint, else random ids) are
 extended by --tokens tokens greedily at the full budget (k_max per group); that token stream is
 then decoded, teacher-forced (every setting reads the same tokens), by the static decode path
-(:class:`rdepth.model.static_decode.Decoder`) in four settings:
+(:class:`rdepth.model.decoder.Decoder`) in these settings:
 
   (a) full:       the fixed budget k_max per group
   (b) predicated: exits (--policy at --tau), every row computes every step of a chunk of
                   --check-every steps, stopped rows predicated away; one host sync per chunk
-  (c) compacted:  the same exits, each chunk after the first run on the rows still looping only
-                  (gathered and scattered back); identical results to (b)
   (d) matched:    a fixed budget per group equal to (b)'s realised mean steps, rounded
   (e) same quality: the smallest fixed budget min(n, k_max) per group (n = 1, 2, ...) whose agreement
                   is at least (b)'s (the full budget when none is smaller)
-  (f) quantile q: (c) with the batch-quantile exit (``Decoder(batch_quantile=q)``, one setting per
+  (f) quantile q: (b) with the batch-quantile exit (``BatchQuantile(controller, q)``, one setting per
                   --quantile value): a group stops for the whole batch once at most (1 - q) of its rows
                   still loop, the stragglers handing on their newest state
   (g) matched to f: a fixed budget per group equal to each (f)'s realised mean steps, rounded
-  (h) conditional:  with --conditional, the exits with no host check at all (``check_every=None``), each loop
-                  step after a group's first run only while some row still loops (``conditional=True``: a
-                  CUDA-graph conditional node with --graphs), so the batch stops at its slowest row
-  (i) executed:   a fixed budget per group equal to (h)'s executed steps (its slowest row's, the mean over
-                  tokens, rounded): the issue's "fixed budget of the same executed steps"
-  (j) conditional quantile q: (h) with the batch-quantile exit, per --quantile value
+
+(c) compacted exits and (h)-(j) conditional steps were removed with the decoder's ``compact`` and
+``conditional`` options: compaction was slower than predication at every batch on an H200, and no torch
+this project uses has CUDA-graph conditional nodes (docs/results.md, docs/gpu.md).
 
 With --task-difficulty D (--data a prepared task): the rows are held-out problems of difficulty D, decoded
 teacher-forced on their own tokens (not a greedy stream), and each setting also reports its answer
@@ -39,7 +35,7 @@ prompts of the first batch size, as the one with the fewest mean steps whose agr
 rounds of the whole stream (prefill untimed), the settings interleaved round by round; the median
 ms per decoded token (one per row) with its interquartile range, tokens/s = B / that, and ratios
 to (a), (d) and (e). Prints the device, torch version and git revision, and writes all to --json.
-On CUDA, --graphs replays (a), (b), (d) as CUDA graphs and (c) with power-of-two row buckets.
+On CUDA, --graphs replays every setting as CUDA graphs (``Captured.record``).
 """
 
 from __future__ import annotations
@@ -63,8 +59,6 @@ def parse_args(argv):
     parser.add_argument("--agreement", type=float, default=0.95, help="least agreement when choosing --tau")
     parser.add_argument("--check-every", type=int, default=2)
     parser.add_argument("--quantile", default="", help="batch-quantile exits to add, comma-separated q in (0, 1]")
-    parser.add_argument("--conditional", action="store_true",
-                        help="add (h)-(j): exits without host checks that stop at the slowest row on the device")
     parser.add_argument("--task-difficulty", type=int, default=None,
                         help="rows are held-out problems of this difficulty of a task --data (answer accuracy)")
     parser.add_argument("--batches", default="8,32,128")
@@ -129,8 +123,10 @@ class Setting:
 
     def prefill(self) -> None:
         self.decoder.prefill(self.stream[:, : self.prompt_length])
-        if self.graphs and not self.decoder.captured:
-            self.decoder.capture()
+        from rdepth.model.executors.graphs import Captured
+
+        if self.graphs and not isinstance(self.decoder.executor, Captured):
+            Captured.record(self.decoder)
 
     def decode(self, record: bool = False):
         """Feed the stream's tokens after the prompt; with ``record``: argmax [B, N] and steps [G, B, N]."""
@@ -156,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     from rdepth.io import environment_info
     from rdepth.model import RecurrentLM
     from rdepth.model.noise import StateNoise
+    from rdepth.exits.batch_quantile import BatchQuantile
     from rdepth.model.decoder import Decoder
+    from rdepth.model.executors.eager import Executor
     from rdepth.run.device import device_name, resolve_device
 
     if args.threads:
@@ -215,19 +213,19 @@ def main(argv: list[str] | None = None) -> int:
         return lambda: PolicyController.from_name(args.policy, tau=tau, k_max=list(k_max), decode=model.readout)
 
     def decoder(batch: int, noise, **options):
-        return Decoder(model, batch, k_max, noise=noise, capacity=length, **options)
+        return Decoder(model, batch, noise=noise, capacity=length, **options)
 
-    def exits(batch: int, noise, tau: float, compact: bool, quantile: float | None = None, conditional: bool = False):
-        check_every = None if conditional else args.check_every  # conditional: the device decides, no host check
-        return decoder(batch, noise, controller_factory=factory(tau), check_every=check_every, compact=compact,
-                       batch_quantile=quantile, conditional=conditional)
+    def exits(batch: int, noise, tau: float, quantile: float | None = None):
+        exit_rule = factory(tau)
+        controllers = exit_rule if quantile is None else (lambda: BatchQuantile(exit_rule(), quantile))
+        return decoder(batch, noise, controller_factory=controllers).use(Executor(args.check_every))
 
     def stream_of(batch: int, noise) -> torch.Tensor:
         """The prompts and the full budget's greedy continuation, [B, prompt + tokens + 1] (task mode: the
         held-out problems' own tokens)."""
         if args.task_difficulty is not None:
             return task_stream(batch)
-        return decoder(batch, noise, loop_counts=k_max).greedy(prompts(batch), args.tokens + 1)
+        return decoder(batch, noise, loop_counts=k_max).generate(prompts(batch), args.tokens + 1)
 
     def agreement(chosen: torch.Tensor, reference: torch.Tensor) -> float:
         return float((chosen == reference).float().mean())
@@ -259,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     stream = stream_of(first, noise)
     reference = full_reference(first, noise, stream)
     for tau in args.taus:
-        trial = Setting("trial", exits(first, noise, tau, compact=True), stream, args.prompt, False)
+        trial = Setting("trial", exits(first, noise, tau), stream, args.prompt, False)
         trial.prefill()
         chosen, steps = trial.decode(record=True)
         tau_trials.append({"tau": tau, "agreement": agreement(chosen, reference),
@@ -276,44 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         targets = stream[:, args.prompt + 1:] if args.task_difficulty is not None else None
         settings = {
             "a_full": Setting("a_full", decoder(batch, noise, loop_counts=k_max), stream, args.prompt, args.graphs),
-            "b_predicated": Setting("b_predicated", exits(batch, noise, tau, False), stream, args.prompt, args.graphs),
-            "c_compacted": Setting("c_compacted", exits(batch, noise, tau, True), stream, args.prompt, args.graphs),
+            "b_predicated": Setting("b_predicated", exits(batch, noise, tau), stream, args.prompt, args.graphs),
         }
         for q in args.quantiles:
-            settings[f"f_quantile_{q:g}"] = Setting(f"f_quantile_{q:g}", exits(batch, noise, tau, True, q), stream,
+            settings[f"f_quantile_{q:g}"] = Setting(f"f_quantile_{q:g}", exits(batch, noise, tau, q), stream,
                                                     args.prompt, args.graphs)
-        failed = {}  # the conditional settings that could not run (their error): the others still do
-        conditional = {"h_conditional": None, **{f"j_conditional_quantile_{q:g}": q for q in args.quantiles}} \
-            if args.conditional else {}  # name -> batch quantile
-        for name, q in conditional.items():
-            try:
-                settings[name] = Setting(name, exits(batch, noise, tau, False, q, conditional=True), stream,
-                                         args.prompt, args.graphs)
-            except Exception as exc:  # noqa: BLE001 - e.g. a torch without CUDA-graph conditional nodes
-                failed[name] = f"{type(exc).__name__}: {exc}"
         quality = {}
-        for name, setting in list(settings.items()):
-            try:
-                setting.prefill()
-                chosen, steps = setting.decode(record=True)
-            except Exception as exc:  # noqa: BLE001
-                if name not in conditional:  # only the conditional settings may fail
-                    raise
-                failed[name] = f"{type(exc).__name__}: {exc}"
-                del settings[name]
-                continue
-            quality[name] = measured(chosen, steps, reference, targets)
-        for name, error in failed.items():
-            print(f"  {name} could not run: {error}", file=sys.stderr)
-        if "h_conditional" in quality:  # the fixed budget of the conditional exits' executed steps
-            counts = tuple(min(max(round(executed), 1), cap) for executed, cap in
-                           zip(quality["h_conditional"]["slowest_row_steps"], k_max))
-            settings["i_executed"] = Setting("i_executed", decoder(batch, noise, loop_counts=counts), stream,
-                                             args.prompt, args.graphs)
-            settings["i_executed"].prefill()
-            chosen, steps = settings["i_executed"].decode(record=True)
-            quality["i_executed"] = measured(chosen, steps, reference, targets)
-            quality["i_executed"]["budget"] = list(counts)
+        for name, setting in settings.items():
+            setting.prefill()
+            quality[name] = measured(*setting.decode(record=True), reference, targets)
         for q in args.quantiles:  # each quantile exit's own matched fixed budget
             counts = tuple(min(max(round(mean), 1), cap) for mean, cap in
                            zip(quality[f"f_quantile_{q:g}"]["mean_steps"], k_max))
@@ -349,8 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                 elapsed = timed_ms(setting.decode, device)
                 if round_number >= args.warmup:
                     times[name].append(elapsed / decoded)
-        row = {"batch": batch, "matched_budget": list(matched), "same_quality_budget": list(same), "settings": {},
-               "failed": failed}
+        row = {"batch": batch, "matched_budget": list(matched), "same_quality_budget": list(same), "settings": {}}
         for name in settings:
             stats = summary(times[name])
             stats["tokens_per_s"] = batch * 1000 / stats["ms_per_token"]
@@ -371,7 +339,6 @@ def main(argv: list[str] | None = None) -> int:
                            "policy": args.policy, "tau": tau, "tau_trials": tau_trials,
                            "agreement_target": args.agreement, "check_every": args.check_every,
                            "quantiles": args.quantiles, "task_difficulty": args.task_difficulty,
-                           "conditional": args.conditional,
                            "prompt": args.prompt, "tokens": args.tokens, "warmup": args.warmup,
                            "repeats": args.repeats, "dtype": args.dtype, "graphs": args.graphs,
                            "threads": torch.get_num_threads()},

@@ -16,7 +16,7 @@ interquartile range, and every setting's ratio to (a) measured in the same run:
                      time (from the budget-1 run, (f)), the issue's "< 3% of a loop step"
   (f) budget 1:      the static path at 1 loop per group (to get one loop step's time)
 
---compile adds (b)-(f) again with ``Decoder(compile=True)`` (Inductor-compiled loop steps, single-pass
+--compile adds (b)-(f) again with ``decoder.use(Compiled())`` (Inductor-compiled loop steps, single-pass
 layers and exit check; the CUDA graphs stay the decoder's own), as rows ``*_inductor`` of the same run,
 with their own exit-check share. Compilation happens before a setting's rounds, untimed.
 
@@ -54,7 +54,7 @@ def parse_args(argv):
     parser.add_argument("--skip", default="", help="settings to leave out, e.g. 'e,f' (a is always run)")
     parser.add_argument("--profile", action="store_true", help="count syncs and launches per token of (a) and (b)")
     parser.add_argument("--compile", action="store_true",
-                        help="also time (b)-(f) with Decoder(compile=True) (Inductor), rows *_inductor")
+                        help="also time (b)-(f) with Inductor-compiled pieces (Compiled), rows *_inductor")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.prompt < 1 or args.tokens < 1 or args.repeats < 1 or args.warmup < 0 or args.batch < 1:
@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     from rdepth.model import RecurrentLM
     from rdepth.model.noise import StateNoise
     from rdepth.model.decoder import Decoder
+    from rdepth.model.executors.compiled import Compiled
+    from rdepth.model.executors.graphs import Captured
     from rdepth.run.device import device_name, resolve_device
 
     if args.threads:
@@ -219,15 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     def static_rounds(decoder: Decoder, graph: bool) -> dict:
         decoder.prefill(prompt)
         if graph:
-            decoder.capture()  # compiles first, when compiled
-        elif decoder.compiled:
+            Captured.record(decoder)  # compiles first, when compiled
+        elif isinstance(decoder.executor, Compiled):
             decoder._advance(steps[0])  # compiles, untimed
         return summary(time_rounds(lambda: decoder.prefill(prompt), lambda: [decoder._advance(t) for t in steps],
                                    args, device))
 
     def static(budget=loops, factory=None, on=model, compiled=False):
         options = {"controller_factory": factory} if factory else {"loop_counts": budget}
-        return Decoder(on, batch, max(budget) if budget else (), noise=noise, compile=compiled, **options)
+        decoder = Decoder(on, batch, noise=noise, **options)
+        return decoder.use(Compiled(check_every=decoder.executor.check_every)) if compiled else decoder
 
     graphs = device.type == "cuda"
     plain = RecurrentLM(get_preset(args.preset, groups="")).to(device=device, dtype=dtype).eval() \

@@ -169,6 +169,39 @@ def test_only_the_cli_and_the_demo_import_training():
     assert users <= {"cli", "demo", "reproduce"}
 
 
+# The loop bookkeeping (issue 39): which rows stop, the state and iterate index each hands on, the steps each
+# computed. Written once, in this function; every driver of a group's loop under a controller reaches it
+# through LoopRows (model/loop.py).
+BOOKKEEPING = ("model/loop.py", "stop_and_hand_on")
+LOOP_DRIVERS = ("model/recurrent.py", "model/decoder.py", "exits/recorded.py")
+# What a second copy of the bookkeeping would write: a step count masked by the looping rows, a hand-off
+# written by the stopping rows.
+BOOKKEEPING_MARKS = ("masked_fill_(active", "masked_fill(active", "handed_on[", "stopping[:, None]",
+                     "computed[self.rows]")
+
+
+def test_the_loop_bookkeeping_is_written_once():
+    defined, called, marked, drivers = [], [], [], set()
+    for path in sorted(ROOT.rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef) and node.name == BOOKKEEPING[1]:
+                defined.append(relative)
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", getattr(node.func, "attr", None))
+                if name == BOOKKEEPING[1]:
+                    called.append(relative)
+                if name == "LoopRows":
+                    drivers.add(relative)
+        if relative != BOOKKEEPING[0]:
+            marked += [f"{relative}: {mark}" for mark in BOOKKEEPING_MARKS if mark in text]
+    assert defined == [BOOKKEEPING[0]]
+    assert set(called) == {BOOKKEEPING[0]}  # only the loop routine calls it
+    assert marked == []
+    assert drivers == set(LOOP_DRIVERS)
+
+
 def test_the_checker_sees_lazy_imports(tmp_path):
     source = tmp_path / "probe.py"
     source.write_text("def f():\n    from rdepth.train.trainer import train\n")

@@ -19,33 +19,28 @@ from rdepth.model.decoder import Decoder
 from conftest import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
 from test_decoder import (  # noqa: E402
-    K_MAX, controller_factory, decode_all, tokens, varied_setting)
+    controller_factory, decode_all, make, tokens, varied_setting)
 
 
 def packing_always(decoder: Decoder) -> None:
     """Make ``decoder`` take the packing path everywhere (its contexts lose the flag)."""
-    for context in decoder._contexts.values():
+    for context in decoder.contexts.values():
         context.one_per_row = False
-    rows_context = decoder._rows_context
-    decoder._rows_context = lambda rows, step: dataclasses.replace(rows_context(rows, step), one_per_row=False)
 
 
 def boolean_masks(decoder: Decoder) -> None:
     """Make ``decoder`` hand attention a boolean mask (``key <= position``, SDPA converts it at every
     call), refreshed per token beside its own additive one, as the decoder did before."""
-    boolean = torch.zeros(decoder._mask.shape, dtype=torch.bool, device=decoder.device)
+    boolean = torch.zeros(decoder.mask.shape, dtype=torch.bool, device=decoder.device)
     refresh = decoder._refresh_mask
 
     def refresh_both() -> None:
         refresh()
-        boolean.copy_(decoder._mask == 0)
+        boolean.copy_(decoder.mask == 0)
 
     decoder._refresh_mask = refresh_both
-    for context in decoder._contexts.values():
+    for context in decoder.contexts.values():
         context.mask = boolean
-    rows_context = decoder._rows_context
-    decoder._rows_context = lambda rows, step: dataclasses.replace(
-        rows_context(rows, step), mask=boolean[:rows] if rows_context(rows, step).one_per_row else boolean)
 
 
 def decode_pair(dtype, block, mode, change):
@@ -55,14 +50,13 @@ def decode_pair(dtype, block, mode, change):
     batch = 3
     idx = tokens(batch)
     noise = StateNoise(2, range(batch))
-    options = {"noise": noise, "prefix_attention": False}
+    options = {"noise": noise, "prefix_reads": False}
     if mode == "fixed":
         options["loop_counts"] = (4, 3)
     else:
         setting = varied_setting(model, idx, noise, "acceleration")
-        options.update(controller_factory=controller_factory(model, "acceleration", setting), check_every=1,
-                       compact=mode == "exits_compacted")
-    first, second = Decoder(model, batch, K_MAX, **options), Decoder(model, batch, K_MAX, **options)
+        options.update(controller_factory=controller_factory(model, "acceleration", setting), check_every=1)
+    first, second = make(model, batch, **options), make(model, batch, **options)
     change(second)
     return first, second, decode_all(first, idx), decode_all(second, idx)
 
@@ -83,7 +77,7 @@ def assert_bit_identical(first, second, first_out, second_out, mode) -> None:
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 BLOCKS = pytest.mark.parametrize("block", ["sandwich", "gpt2"])
-MODES = pytest.mark.parametrize("mode", ["fixed", "exits", "exits_compacted"])
+MODES = pytest.mark.parametrize("mode", ["fixed", "exits"])
 
 
 @DTYPES
@@ -91,7 +85,7 @@ MODES = pytest.mark.parametrize("mode", ["fixed", "exits", "exits_compacted"])
 @MODES
 def test_static_decoding_is_bit_identical_with_and_without_the_fast_path(dtype, block, mode):
     fast, slow, fast_out, slow_out = decode_pair(dtype, block, mode, packing_always)
-    assert all(context.one_per_row for context in fast._contexts.values())
+    assert all(context.one_per_row for context in fast.contexts.values())
     assert_bit_identical(fast, slow, fast_out, slow_out, mode)
 
 
@@ -100,11 +94,8 @@ def test_static_decoding_is_bit_identical_with_and_without_the_fast_path(dtype, 
 @MODES
 def test_static_decoding_is_bit_identical_with_the_additive_and_the_boolean_mask(dtype, block, mode):
     additive, boolean, additive_out, boolean_out = decode_pair(dtype, block, mode, boolean_masks)
-    assert additive._mask.dtype == dtype and boolean._contexts[0].mask.dtype == torch.bool
+    assert additive.mask.dtype == dtype and boolean.contexts[0].mask.dtype == torch.bool
     assert_bit_identical(additive, boolean, additive_out, boolean_out, mode)
-    if mode == "exits_compacted":  # compacted chunks ran, over every row's keys under the whole mask
-        assert any(rows < additive.batch_size for rows, _, _ in additive._row_contexts)
-        assert all(context.mask.dtype == dtype for context in additive._row_contexts.values())
 
 
 def test_the_mask_is_made_once_per_token_and_sdpa_converts_nothing():
@@ -118,8 +109,7 @@ def test_the_mask_is_made_once_per_token_and_sdpa_converts_nothing():
     idx = tokens(batch)
     wheres = []
     for change in (None, boolean_masks):
-        decoder = Decoder(model, batch, K_MAX, loop_counts=(2, 1), noise=StateNoise(2, range(batch)),
-                          prefix_attention=False)
+        decoder = make(model, batch, loop_counts=(2, 1), noise=StateNoise(2, range(batch)), prefix_reads=False)
         if change:
             change(decoder)
         decoder.prefill(idx[:, :4])
@@ -133,11 +123,13 @@ def test_the_mask_is_made_once_per_token_and_sdpa_converts_nothing():
         if change is None:
             expected = torch.full((decoder.capacity,), float("-inf"), dtype=torch.float64)
             expected[:5] = 0
-            assert decoder._mask.dtype == torch.float64
-            assert torch.equal(decoder._mask, expected.expand(batch, 1, 1, -1))
-            assert all(context.mask is decoder._mask for context in decoder._contexts.values())
+            assert decoder.mask.dtype == torch.float64
+            assert torch.equal(decoder.mask, expected.expand(batch, 1, 1, -1))
+            assert all(context.mask is decoder.mask for context in decoder.contexts.values())
     additive, boolean = wheres
-    assert additive == (0, 1) and boolean[0] >= 6
+    # outside attention: the mask once, and the loop routine's two (hand-off, used index) at each group's
+    # last step (a fixed budget: no row stops before it)
+    assert additive == (0, 1 + 2 * 2) and boolean[0] >= 6
 
 
 def inside_attention(event) -> bool:

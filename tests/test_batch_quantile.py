@@ -1,7 +1,7 @@
-"""The opt-in batch-quantile exit of the static decoder (``Decoder(batch_quantile=q)``): on constructed
+"""The opt-in batch-quantile exit (:class:`BatchQuantile`, a controller around the exits): on constructed
 exits (each row stops at a step the test sets) the batch's loop stops at the known step, stragglers hand
 on their newest state, and everything equals a per-row decoder whose exits are cut at that step (float64);
-q = 1.0 is the per-row behaviour; compacted equals predicated."""
+q = 1.0 is the per-row behaviour."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from rdepth.errors import RdepthError
+from rdepth.exits.batch_quantile import BatchQuantile
 from rdepth.model.decoder import Decoder
+from rdepth.model.executors.eager import Executor
 from rdepth.model.noise import StateNoise
 
 from conftest import tiny_model
@@ -56,48 +58,42 @@ def test_hand_computed_stop_steps():
 
 
 @pytest.mark.parametrize("q", [0.75, 0.85, 0.6])
-@pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("check_every", [1, 2])
-def test_quantile_stop_equals_per_row_exits_cut_at_the_known_step(q, compact, check_every):
+def test_quantile_stop_equals_per_row_exits_cut_at_the_known_step(q, check_every):
     model = tiny_model()
     batch = 8
     idx = tokens(batch)
     noise = StateNoise(4, range(batch))
     cut = [torch.clamp(exits, max=quantile_stop(exits, q, k)) for exits, k in zip(EXITS, K_MAX)]
-    options = dict(noise=noise, check_every=check_every, compact=compact)
-    quantile = Decoder(model, batch, K_MAX, controller_factory=lambda: ScriptedExits(EXITS), batch_quantile=q,
-                       **options)
-    logits, computed, used = decode_all(quantile, idx)
-    reference = decode_all(Decoder(model, batch, K_MAX, controller_factory=lambda: ScriptedExits(cut), **options),
-                           idx)
+    quantile = Decoder(model, batch, controller_factory=lambda: BatchQuantile(ScriptedExits(EXITS), q), noise=noise)
+    logits, computed, used = decode_all(quantile.use(Executor(check_every)), idx)
+    reference = decode_all(Decoder(model, batch, controller_factory=lambda: ScriptedExits(cut), noise=noise)
+                           .use(Executor(check_every)), idx)
     decoded = computed[:, :, PROMPT:]
     for group in range(2):
         expected = cut[group][:, None].expand_as(decoded[group])
         assert torch.equal(decoded[group], expected)
         assert torch.equal(used[group], expected)  # stragglers hand on their newest state
     assert torch.equal(computed, reference[1]) and torch.equal(used, reference[2])
-    torch.testing.assert_close(logits, reference[0], rtol=0, atol=0 if not compact else 1e-12)
+    assert torch.equal(logits, reference[0])
     assert any((c < e).any() for c, e in zip(cut, EXITS))  # the quantile did cut someone
 
 
-@pytest.mark.parametrize("compact", [False, True])
-def test_quantile_one_is_the_per_row_exit(compact):
+def test_quantile_one_is_the_per_row_exit():
     model = tiny_model()
     batch = 8
     idx = tokens(batch)
     noise = StateNoise(5, range(batch))
-    options = dict(noise=noise, check_every=2, compact=compact, controller_factory=lambda: ScriptedExits(EXITS))
-    per_row = decode_all(Decoder(model, batch, K_MAX, **options), idx)
-    full = decode_all(Decoder(model, batch, K_MAX, batch_quantile=1.0, **options), idx)
+    per_row = decode_all(Decoder(model, batch, controller_factory=lambda: ScriptedExits(EXITS), noise=noise)
+                         .use(Executor(check_every=2)), idx)
+    full = decode_all(Decoder(model, batch, controller_factory=lambda: BatchQuantile(ScriptedExits(EXITS), 1.0),
+                              noise=noise).use(Executor(check_every=2)), idx)
     for a, b in zip(per_row, full):
         assert torch.equal(a, b)
     assert torch.equal(per_row[1][:, :, PROMPT:].amax(dim=1), torch.tensor([[6] * 7, [5] * 7]))
 
 
-def test_quantile_needs_exits_and_a_fraction():
-    model = tiny_model()
-    with pytest.raises(RdepthError, match="batch_quantile needs exits"):
-        Decoder(model, 2, K_MAX, batch_quantile=0.9)
+def test_quantile_needs_a_fraction():
     for bad in (0, 1.5, -0.1, True):
         with pytest.raises(RdepthError, match="batch_quantile must be"):
-            Decoder(model, 2, K_MAX, controller_factory=lambda: ScriptedExits(EXITS), batch_quantile=bad)
+            BatchQuantile(ScriptedExits(EXITS), bad)

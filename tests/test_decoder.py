@@ -16,7 +16,10 @@ from rdepth.exits.registry import POLICIES
 from rdepth.model import RecurrentLM
 from rdepth.model.generation import generate
 from rdepth.model.noise import StateNoise
-from rdepth.model.decoder import Decoder, cuda_conditional_nodes
+from rdepth.model.decoder import Decoder
+from rdepth.model.executors.compiled import Compiled
+from rdepth.model.executors.eager import Executor
+from rdepth.model.executors.graphs import Captured
 
 BLOCKS = pytest.mark.parametrize("block", ["sandwich", "gpt2"])
 BATCHES = pytest.mark.parametrize("batch", [1, 3])
@@ -31,6 +34,23 @@ SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
 
 def tokens(batch: int, length: int = LENGTH) -> torch.Tensor:
     return torch.randint(0, 50, (batch, length), generator=torch.Generator().manual_seed(batch))
+
+
+def make(model: RecurrentLM, batch: int, *, check_every="default", prefix_reads: bool = True,
+         span_buckets: int | None = None, dtype: torch.dtype | None = None, **options) -> Decoder:
+    """A decoder at ``K_MAX`` unless given a budget; ``check_every``/``prefix_reads``/``span_buckets``
+    applied as executors, ``dtype`` as a converted copy of the model."""
+    if dtype is not None:
+        model = copy.deepcopy(model).to(dtype)
+    if "controller_factory" not in options and "loop_counts" not in options:
+        options["loop_counts"] = K_MAX
+    decoder = Decoder(model, batch, **options)
+    if check_every != "default" or not prefix_reads:
+        every = decoder.executor.check_every if check_every == "default" else check_every
+        decoder.use(Executor(every, prefix_reads))
+    if span_buckets is not None:
+        decoder.use(Captured(decoder.executor, span_buckets))
+    return decoder
 
 
 def decode_all(decoder: Decoder, idx: torch.Tensor, prompt: int = PROMPT):
@@ -74,7 +94,7 @@ def test_fixed_budget_equals_packed_cache_and_teacher_forced(block, batch, loop_
     cached = [model(idx[:, :PROMPT], loop_counts=counts, cache=cache, generator=noise).logits]
     for t in range(PROMPT, LENGTH):
         cached.append(model(idx[:, t : t + 1], loop_counts=counts, cache=cache, generator=noise).logits)
-    decoder = Decoder(model, batch, K_MAX, loop_counts=counts, noise=noise)
+    decoder = make(model, batch, loop_counts=counts, noise=noise)
     static, computed, used = decode_all(decoder, idx)
     torch.testing.assert_close(static, torch.cat(cached, 1), rtol=0, atol=1e-10)
     torch.testing.assert_close(static, forced, rtol=0, atol=1e-10)
@@ -86,10 +106,10 @@ def test_full_budget_is_k_max_and_a_plain_model_decodes_too():
     model = tiny_model()
     idx = tokens(2)
     noise = StateNoise(0, [7, 8])
-    static, _, _ = decode_all(Decoder(model, 2, K_MAX, noise=noise), idx)
+    static, _, _ = decode_all(make(model, 2, noise=noise), idx)
     torch.testing.assert_close(static, model(idx, loop_counts=K_MAX, generator=noise).logits, rtol=0, atol=1e-10)
     plain = tiny_model(groups="")
-    static, _, _ = decode_all(Decoder(plain, 2, ()), idx)
+    static, _, _ = decode_all(Decoder(plain, 2), idx)
     torch.testing.assert_close(static, plain(idx).logits, rtol=0, atol=1e-10)
 
 
@@ -131,7 +151,7 @@ def test_exits_equal_the_packed_path(name, batch):
     computed_forced = torch.stack(forced.computed)
     if name != "fixed":
         assert computed_forced.min() < computed_forced.max(), "the setting should make exits vary"
-    decoder = Decoder(model, batch, K_MAX, controller_factory=factory, noise=noise, check_every=2)
+    decoder = make(model, batch, controller_factory=factory, noise=noise, check_every=2)
     static, computed, used = decode_all(decoder, idx)
     torch.testing.assert_close(static, forced.logits, rtol=0, atol=1e-10)
     assert torch.equal(computed, computed_forced)
@@ -156,7 +176,7 @@ def test_exits_hand_on_the_previous_state_and_equal_cached_packed(block, batch, 
     cached_used = torch.cat([torch.stack(out.used) for out in outs], 2)
     cached_computed = torch.cat([torch.stack(out.computed) for out in outs], 2)
     assert (cached_used < cached_computed).any(), "some token should hand on the state before its last step"
-    decoder = Decoder(model, batch, K_MAX, controller_factory=factory, noise=noise)
+    decoder = make(model, batch, controller_factory=factory, noise=noise)
     static, computed, used = decode_all(decoder, idx)
     torch.testing.assert_close(static, torch.cat([out.logits for out in outs], 1), rtol=0, atol=1e-10)
     assert torch.equal(computed, cached_computed)
@@ -169,54 +189,15 @@ def test_check_every_changes_nothing_but_time(name):
     idx = tokens(3)
     noise = StateNoise(4, range(3))
     factory = controller_factory(model, name, varied_setting(model, idx, noise, name))
-    results = [decode_all(Decoder(model, 3, K_MAX, controller_factory=factory, noise=noise,
+    results = [decode_all(make(model, 3, controller_factory=factory, noise=noise,
                                         check_every=every), idx) for every in (None, 1, 2, 4)]
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
-@pytest.mark.parametrize("name", ["step_norm", "acceleration", "kl"])
-@pytest.mark.parametrize("check_every", [None, 2])
-def test_conditional_steps_change_nothing_and_stop_at_the_slowest_row(name, check_every, monkeypatch):
-    """Decoder(conditional=True): a loop step after a group's first runs only while some row still loops
-    (on a card a conditional node of the captured graph; here a host read). The same logits, steps and
-    hand-offs as predicating every step, and a group's loop steps end at its slowest row's exit."""
-    model = tiny_model()
-    idx = tokens(3)
-    noise = StateNoise(4, range(3))
-    factory = controller_factory(model, name, varied_setting(model, idx, noise, name))
-    calls = []
-    loop_step = model.loop_step
-
-    def counted(group, *args, **kwargs):
-        calls.append(group)
-        return loop_step(group, *args, **kwargs)
-
-    results = []
-    for conditional in (False, True):
-        decoder = Decoder(model, 3, K_MAX, controller_factory=factory, noise=noise, check_every=check_every,
-                          conditional=conditional)
-        decoder.prefill(idx[:, :PROMPT])
-        monkeypatch.setattr(model, "loop_step", counted)
-        calls.clear()
-        logits, computed = step_through(decoder, idx)
-        monkeypatch.setattr(model, "loop_step", loop_step)
-        results.append((torch.stack(logits), torch.stack(computed), list(calls)))
-    (logits, computed, predicated), (logits_c, computed_c, conditional_calls) = results
-    assert torch.equal(logits_c, logits) and torch.equal(computed_c, computed)
-    # per token and group: every step up to the slowest row's (the step that stops it included), no more
-    slowest = computed.amax(dim=2)  # [T, G]
-    for group in range(len(K_MAX)):
-        assert conditional_calls.count(group) == int(slowest[:, group].sum())
-        assert predicated.count(group) >= conditional_calls.count(group)
-    assert len(conditional_calls) < len(predicated), "some batch should stop before its budget"
-    with pytest.raises(RdepthError, match="conditional=True needs exits"):
-        Decoder(model, 3, K_MAX, loop_counts=(2, 2), conditional=True)
-
-
-@pytest.mark.parametrize("mode", ["fixed", "exits", "compact"])
+@pytest.mark.parametrize("mode", ["fixed", "exits"])
 def test_span_buckets_read_the_written_span_and_change_nothing(mode, monkeypatch):
-    """Decoder(span_buckets=n): each token's attention reads the cache's first n, 2n, 4n ... positions
+    """Captured(span_buckets=n), nothing recorded: each token's attention reads the cache's first n, 2n, 4n ... positions
     (the smallest span holding what is written, at most the capacity) under the mask, as a captured
     graph of that span would; logits, steps and hand-offs equal the prefix reads and the whole-cache
     reads (float64)."""
@@ -226,16 +207,17 @@ def test_span_buckets_read_the_written_span_and_change_nothing(mode, monkeypatch
     options = {"noise": noise}
     if mode != "fixed":
         factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
-        options.update(controller_factory=factory, check_every=1 if mode == "compact" else 2,
-                       compact=mode == "compact")
+        options.update(controller_factory=factory, check_every=2)
     capacity = LENGTH + 2
-    prefix = decode_all(Decoder(model, 3, K_MAX, capacity=capacity, **options), idx)
-    whole = decode_all(Decoder(model, 3, K_MAX, capacity=capacity, prefix_attention=False, **options), idx)
-    decoder = Decoder(model, 3, K_MAX, capacity=capacity, span_buckets=3, **options)
-    assert decoder._spans() == [3, 6, 12, capacity]
-    decoder.prefill(idx[:, :PROMPT])  # capture() records only the spans that hold the next position
-    assert decoder._capture_spans() == [6, 12, capacity]
-    assert [decoder._span_for(n) for n in (1, 3, 4, 7, 12, 13, 14)] == [3, 3, 6, 12, 12, 14, 14]
+    prefix = decode_all(make(model, 3, capacity=capacity, **options), idx)
+    whole = decode_all(make(model, 3, capacity=capacity, prefix_reads=False, **options), idx)
+    decoder = make(model, 3, capacity=capacity, span_buckets=3, **options)
+    spans = decoder.executor.spans(decoder)
+    assert spans == [3, 6, 12, capacity]
+    decoder.prefill(idx[:, :PROMPT])  # Captured.record records only the spans that hold the next position
+    assert [span for span in spans if span > decoder.length] == [6, 12, capacity]
+    span_for = lambda n: decoder.executor.span_for(decoder, n)  # noqa: E731
+    assert [span_for(n) for n in (1, 3, 4, 7, 12, 13, 14)] == [3, 3, 6, 12, 12, 14, 14]
     read = decoder.cache.read
     spans = []
 
@@ -250,11 +232,11 @@ def test_span_buckets_read_the_written_span_and_change_nothing(mode, monkeypatch
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-10)
         assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     decoded = {written: span for written, span in spans if written > PROMPT}  # the prompt runs in parallel
-    assert decoded == {n: decoder._span_for(n) for n in range(PROMPT + 1, LENGTH + 1)}
+    assert decoded == {n: span_for(n) for n in range(PROMPT + 1, LENGTH + 1)}
     with pytest.raises(RdepthError, match="span_buckets must be an int >= 1"):
-        Decoder(model, 3, K_MAX, span_buckets=0)
+        Captured(Executor(), span_buckets=0)
     with pytest.raises(RdepthError, match="not with compile"):
-        Decoder(model, 3, K_MAX, span_buckets=4, compile=True)
+        Captured(Compiled(), span_buckets=4)
 
 
 # ------------------------------------------------------------------ generation
@@ -264,14 +246,14 @@ def test_greedy_equals_generate(block):
     prompt = tokens(2, 4)
     noise = StateNoise(9, [0, 1])
     expected = generate(model, prompt, 8, temperature=0, loop_counts=(3, 2), generator=noise)
-    assert torch.equal(Decoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise).greedy(prompt, 8), expected)
+    assert torch.equal(make(model, 2, loop_counts=(3, 2), noise=noise).generate(prompt, 8), expected)
     factory = controller_factory(model, "step_norm", 0.3)
     expected = generate(model, prompt, 8, temperature=0, controller_factory=factory, generator=noise)
-    decoder = Decoder(model, 2, K_MAX, controller_factory=factory, noise=noise, check_every=3)
-    assert torch.equal(decoder.greedy(prompt, 8), expected)
+    decoder = make(model, 2, controller_factory=factory, noise=noise, check_every=3)
+    assert torch.equal(decoder.generate(prompt, 8), expected)
     # to the end of the block, as generate stops there
     long = generate(model, prompt, 40, temperature=0, loop_counts=(3, 2), generator=noise)
-    assert torch.equal(Decoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise).greedy(prompt, 40), long)
+    assert torch.equal(make(model, 2, loop_counts=(3, 2), noise=noise).generate(prompt, 40), long)
     assert long.shape[1] == model.config.block_size + 1
 
 
@@ -292,10 +274,10 @@ def test_a_token_has_no_host_sync_but_one_per_chunk_check(name, check_every):
     idx = tokens(3)
     noise = StateNoise(5, range(3))
     if name is None:
-        decoder = Decoder(model, 3, K_MAX, noise=noise)
+        decoder = make(model, 3, noise=noise)
     else:
         factory = controller_factory(model, name, varied_setting(model, idx, noise, name))
-        decoder = Decoder(model, 3, K_MAX, controller_factory=factory, noise=noise, check_every=check_every)
+        decoder = make(model, 3, controller_factory=factory, noise=noise, check_every=check_every)
     decoder.prefill(idx[:, :PROMPT])
     counts = op_counts(lambda: decoder.step(idx[:, PROMPT : PROMPT + 1]))
     syncs = sum(counts.get(op, 0) for op in SYNC_OPS if op != "aten::_local_scalar_dense")
@@ -303,7 +285,7 @@ def test_a_token_has_no_host_sync_but_one_per_chunk_check(name, check_every):
     # no tensor built from host data (torch.tensor(list)): on CUDA a pageable copy that syncs
     # (CUDA's sync debug mode caught one in the first token after a prefill, 2026-11-27)
     assert counts.get("aten::lift_fresh", 0) == 0
-    checks = sum(1 for kind, _ in decoder._plan.pieces if kind == "check")
+    checks = sum(1 for kind, _ in decoder.plan.pieces if kind == "check")
     assert syncs <= checks and (check_every is None) == (checks == 0)
     # the packed path, for contrast, syncs at every loop step
     cache = model.new_cache(3)
@@ -324,14 +306,14 @@ def test_every_piece_of_a_token_traces_as_one_graph(name):
     if name is not None:
         options.update(controller_factory=controller_factory(model, name, varied_setting(model, idx, noise, name)),
                        check_every=2)
-    eager, traced = Decoder(model, 3, K_MAX, **options), Decoder(model, 3, K_MAX, **options)
+    eager, traced = make(model, 3, **options), make(model, 3, **options)
     for decoder in (eager, traced):
         decoder.prefill(idx[:, :PROMPT])
     expected = eager.step(idx[:, PROMPT : PROMPT + 1])
     traced.tokens.copy_(idx[:, PROMPT : PROMPT + 1])
     traced.cache.limit = traced.length + 1  # what _advance sets before the pieces (eager: the written prefix)
     with torch.no_grad():
-        for kind, piece in traced._plan.pieces:
+        for kind, piece in traced.plan.pieces:
             if kind == "run":
                 torch._dynamo.reset()  # a fresh compile per piece (they share code objects)
                 torch.compile(piece, fullgraph=True, backend="eager")()
@@ -348,10 +330,10 @@ def test_bf16_decoder_is_close_to_fp32_and_picks_the_same_clear_tokens():
         model.wte.weight.mul_(8)
     idx = tokens(2)
     noise = StateNoise(6, [0, 1])
-    wide, _, _ = decode_all(Decoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise), idx)
+    wide, _, _ = decode_all(make(model, 2, loop_counts=(3, 2), noise=noise), idx)
     narrow_model = copy.deepcopy(model)
-    decoder = Decoder(narrow_model, 2, K_MAX, torch.bfloat16, loop_counts=(3, 2), noise=noise)
-    # the decoder converts a copy: the caller's model stays float32
+    decoder = make(narrow_model, 2, dtype=torch.bfloat16, loop_counts=(3, 2), noise=noise)
+    # the decoder decodes a converted copy: the caller's model stays float32
     assert decoder.cache.single[0][0].dtype == torch.bfloat16 and decoder.model.wte.weight.dtype == torch.bfloat16
     assert narrow_model.wte.weight.dtype == torch.float32
     narrow, _, _ = decode_all(decoder, idx)
@@ -364,20 +346,20 @@ def test_bf16_decoder_is_close_to_fp32_and_picks_the_same_clear_tokens():
     assert torch.equal(narrow.float().argmax(-1)[clear], wide.argmax(-1)[clear])
     # greedy decoding picks the same tokens
     prompt = idx[:, :4]
-    assert torch.equal(Decoder(model, 2, K_MAX, loop_counts=(3, 2), noise=noise).greedy(prompt, 3),
-                       decoder.greedy(prompt, 3))
+    assert torch.equal(make(model, 2, loop_counts=(3, 2), noise=noise).generate(prompt, 3),
+                       decoder.generate(prompt, 3))
 
 
 def test_errors_name_the_problem():
     model = tiny_model()
     with pytest.raises(RdepthError, match="noise must be a StateNoise"):
-        Decoder(model, 1, K_MAX, noise=torch.Generator())
+        make(model, 1, noise=torch.Generator())
     noise = StateNoise(0, [0])
-    with pytest.raises(RdepthError, match="k_max is 6"):
-        Decoder(model, 1, K_MAX, loop_counts=(7, 2), noise=noise)
+    with pytest.raises(RdepthError, match="below the budget's steps"):
+        make(model, 1, loop_counts=(7, 2), keep_steps=K_MAX, noise=noise)
     with pytest.raises(RdepthError, match="needs a CUDA device"):
-        Decoder(model, 1, K_MAX, noise=noise).capture()
-    decoder = Decoder(model, 1, K_MAX, noise=noise, capacity=6)
+        Captured.record(make(model, 1, noise=noise))
+    decoder = make(model, 1, noise=noise, capacity=6)
     decoder.prefill(tokens(1, 6))
     with pytest.raises(RdepthError, match="cache is full"):
         decoder.step(tokens(1, 1))
@@ -388,13 +370,10 @@ def test_errors_name_the_problem():
 # ------------------------------------------------------------------ CUDA graphs
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("mode", ["fixed", "exits", "exits_chunked", "exits_conditional", "exits_spans"])
+@pytest.mark.parametrize("mode", ["fixed", "exits", "exits_chunked", "exits_spans"])
 def test_cuda_graph_replay_equals_eager_without_syncs(mode):
-    """Replayed graphs equal eager decoding; with ``exits_conditional`` the captured graph holds a
-    conditional node per loop step after a group's first (the eager reference predicates every step);
-    with ``exits_spans`` one set of graphs per read span (``span_buckets``), switched as the tokens grow."""
-    if mode == "exits_conditional" and not cuda_conditional_nodes():
-        pytest.skip(f"torch {torch.__version__} has no CUDA-graph conditional nodes")
+    """Replayed graphs equal eager decoding; with ``exits_spans`` one set of graphs per read span
+    (``span_buckets``), switched as the tokens grow."""
     model = tiny_model().cuda()
     idx = tokens(3).cuda()
     noise = StateNoise(8, range(3))
@@ -402,12 +381,11 @@ def test_cuda_graph_replay_equals_eager_without_syncs(mode):
     if mode != "fixed":
         factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
         options.update(controller_factory=factory, check_every=2 if mode == "exits_chunked" else None)
-    eager = decode_all(Decoder(model, 3, K_MAX, **options), idx)
-    decoder = Decoder(model, 3, K_MAX, **options, conditional=mode == "exits_conditional",
-                      span_buckets=4 if mode == "exits_spans" else None)
+    eager = decode_all(make(model, 3, **options), idx)
+    decoder = make(model, 3, **options)
     decoder.prefill(idx[:, :PROMPT])
-    decoder.capture()
-    assert decoder.captured
+    Captured.record(decoder, span_buckets=4 if mode == "exits_spans" else None)
+    assert isinstance(decoder.executor, Captured)
     logits, computed = step_through(decoder, idx, forbid_syncs=mode != "exits_chunked")
     torch.testing.assert_close(torch.stack(logits, 1), eager[0][:, PROMPT:], rtol=0, atol=1e-10)
     assert torch.equal(torch.stack(computed, 2), eager[1][:, :, PROMPT:])
@@ -425,11 +403,11 @@ def test_span_graphs_captured_after_a_prompt_and_rolled_back_below_it_decode_as_
     noise = StateNoise(8, range(3))
     factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
     options = {"noise": noise, "controller_factory": factory, "check_every": None}
-    eager = decode_all(Decoder(model, 3, K_MAX, **options), idx, prompt=2)
-    decoder = Decoder(model, 3, K_MAX, span_buckets=4, **options)
+    eager = decode_all(make(model, 3, **options), idx, prompt=2)
+    decoder = make(model, 3, **options)
     decoder.prefill(idx[:, :PROMPT])
-    decoder.capture()
-    assert 4 not in decoder._span_graphs and 8 in decoder._span_graphs
+    Captured.record(decoder, span_buckets=4)
+    assert 4 not in decoder.executor.graphs and 8 in decoder.executor.graphs
     decoder.rollback(2)
     logits, computed = step_through(decoder, idx, prompt=2)
     torch.testing.assert_close(torch.stack(logits, 1), eager[0][:, 2:], rtol=0, atol=1e-10)
@@ -447,10 +425,9 @@ def test_a_captured_decoder_run_unreplayed_equals_its_replay():
     factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
     runs = []
     for replay in (True, False):
-        decoder = Decoder(model, 3, K_MAX, noise=noise, controller_factory=factory, check_every=2,
-                                compact=True)
+        decoder = make(model, 3, noise=noise, controller_factory=factory, check_every=2)
         decoder.prefill(idx[:, :PROMPT])
-        decoder.capture()
+        Captured.record(decoder)
         logits = []
         for t in range(PROMPT, LENGTH):
             decoder._advance(idx[:, t : t + 1], replay=replay)
@@ -476,12 +453,11 @@ def test_unreplayed_tokens_of_a_captured_decoder_touch_no_graph():
     idx = tokens(3)
     noise = StateNoise(8, range(3))
     factory = controller_factory(model, "acceleration", varied_setting(model, idx, noise, "acceleration"))
-    options = dict(noise=noise, controller_factory=factory, check_every=1, compact=True)
-    expected = decode_all(Decoder(model, 3, K_MAX, **options), idx)
-    decoder = Decoder(model, 3, K_MAX, **options)
-    decoder._graphs = [None if kind == "check" else
-                       NoReplay() if kind == "run" else {rows: NoReplay() for rows in decoder._bucket_sizes()}
-                       for kind, _ in decoder._plan.pieces]
+    options = dict(noise=noise, controller_factory=factory, check_every=1)
+    expected = decode_all(make(model, 3, **options), idx)
+    decoder = make(model, 3, **options)
+    decoder.use(Captured(decoder.executor))
+    decoder.executor.graphs[None] = [None if kind == "check" else NoReplay() for kind, _ in decoder.plan.pieces]
     decoder.rollback(0)
     for t in range(PROMPT):  # the prompt unreplayed too
         decoder._advance(idx[:, t : t + 1], replay=False)
@@ -509,7 +485,7 @@ def test_warm_start_equals_teacher_forced_warm_start(name, loop_state):
         options = {"controller_factory": controller_factory(model, name, varied_setting(model, idx, noise, name))}
     reference = model(idx, generator=noise, warm_start=True,
                       **({"loop_counts": (3, 2)} if name is None else {"controller": options["controller_factory"]()}))
-    decoder = Decoder(model, 2, K_MAX, noise=noise, warm_start=True, **options)
+    decoder = make(model, 2, noise=noise, warm_start=True, **options)
     logits = decoder.prefill(idx[:, :PROMPT])
     rest = torch.cat([decoder.step(idx[:, t:t + 1])[:, None] for t in range(PROMPT, LENGTH)], 1)
     torch.testing.assert_close(torch.cat([logits, rest], 1), reference.logits, rtol=0, atol=1e-10)
@@ -528,14 +504,14 @@ def test_extend_at_another_budget_then_rollback_equals_the_budget_alone():
     idx = tokens(3)
     noise = StateNoise(1, range(3))
     forced = model(idx, loop_counts=(4, 3), generator=noise).logits
-    decoder = Decoder(model, 3, K_MAX, loop_counts=(4, 3), noise=noise)
+    decoder = make(model, 3, loop_counts=(4, 3), noise=noise)
     decoder.prefill(idx[:, :PROMPT])
     drafted = decoder.extend(idx[:, PROMPT:PROMPT + 4], loop_counts=(1, 1))
     assert decoder.length == PROMPT + 4 and torch.equal(decoder.prompt_computed[:, :, -1], torch.ones(2, 3).long())
     assert drafted.shape == (3, 4, 50)
     decoder.rollback(PROMPT)
     torch.testing.assert_close(decoder.extend(idx[:, PROMPT:]), forced[:, PROMPT:], rtol=0, atol=1e-10)
-    one_by_one = Decoder(model, 3, K_MAX, loop_counts=(4, 3), noise=noise)
+    one_by_one = make(model, 3, loop_counts=(4, 3), noise=noise)
     one_by_one.prefill(idx[:, :1])
     steps = torch.stack([one_by_one.step(idx[:, t:t + 1]) for t in range(1, LENGTH)], 1)
     torch.testing.assert_close(steps, forced[:, 1:], rtol=0, atol=1e-10)
@@ -553,15 +529,15 @@ def test_sampling_is_the_generators_draw_and_the_model_is_left_as_found():
     noise = StateNoise(0, range(2))
 
     def sample(seed, **options):
-        decoder = Decoder(model, 2, K_MAX, loop_counts=(2, 2), noise=noise)
+        decoder = make(model, 2, loop_counts=(2, 2), noise=noise)
         return decoder.generate(prompt, 8, generator=torch.Generator().manual_seed(seed), **options)
 
     hot = sample(1, temperature=5.0)
     assert torch.equal(hot, sample(1, temperature=5.0)) and not torch.equal(hot, sample(2, temperature=5.0))
-    greedy = Decoder(model, 2, K_MAX, loop_counts=(2, 2), noise=noise).greedy(prompt, 8)
+    greedy = make(model, 2, loop_counts=(2, 2), noise=noise).generate(prompt, 8)
     assert torch.equal(sample(3, temperature=5.0, top_k=1), greedy)
     assert model.training and next(model.parameters()).dtype == torch.float32
-    Decoder(model, 2, K_MAX, torch.float64, loop_counts=(2, 2), noise=noise).greedy(prompt, 2)
+    make(model, 2, dtype=torch.float64, loop_counts=(2, 2), noise=noise).generate(prompt, 2)
     assert model.training and next(model.parameters()).dtype == torch.float32
     with pytest.raises(RdepthError, match="temperature must be >= 0"):
         generate(model, prompt, 2, temperature=-1.0)

@@ -81,3 +81,21 @@ def test_every_decoding_entry_point_runs_the_decoder(monkeypatch):
     fast, _ = speculative.speculative_generate(model, prompt, 6, draft_loops=1, loop_counts=(3,),
                                                noise=StateNoise(0, [0]))
     assert torch.equal(plain, fast) and len(made) == 2
+
+
+def test_every_decoder_option_is_used_by_the_product():
+    """Each keyword option of ``Decoder.__init__`` is passed by some call in the package itself (not only by
+    bench/ or tests/): the decoder holds what the product uses; GPU executors are applied from outside."""
+    import inspect
+
+    from rdepth.model.decoder import Decoder
+
+    options = [name for name, parameter in inspect.signature(Decoder.__init__).parameters.items()
+               if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
+    passed = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Decoder":
+                passed |= {keyword.arg for keyword in node.keywords}
+    assert options and [name for name in options if name not in passed] == []
+

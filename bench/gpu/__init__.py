@@ -14,7 +14,7 @@ Sections, in order, each timed after warm-up, synchronised, repeated, kept as me
            training, then on a plain GPT of the same width and the mean unrolled depth: tokens/s,
            model FLOPs (:func:`train_flops_per_row`), MFU, per-layer-application throughput ratio
   decode   batch 1 at the full budget: the packed path (``generate``'s), the static path eager, as CUDA
-           graphs, and with Inductor-compiled pieces captured as CUDA graphs (``compile=True``; eager on
+           graphs, and with Inductor-compiled pieces captured as CUDA graphs (``Compiled``; eager on
            a CPU); the plain 12-layer model on the same three static paths (ms/token)
   exits    batch 1: the per-step cost of an exit check (a rule that never fires against the fixed
            budget; without and with the per-chunk host check), on eager and on Inductor-compiled
@@ -23,7 +23,7 @@ Sections, in order, each timed after warm-up, synchronised, repeated, kept as me
   batched  batch 8, 32, 128 (as time allows): tokens/s with exits, at the full budget and at a fixed
            budget of the same mean steps, with the greedy-token agreement against the full budget
   spread   batch 32, 128: exits drawn from a trained model's recorded exit histogram (predicated,
-           compacted, batch quantiles) against the full budget and fixed budgets of the same mean
+           batch quantiles) against the full budget and fixed budgets of the same mean
   loss     the training loss head, logits made whole against the fused head + cross-entropy
   fp8      (only when named: --sections fp8) the trainer's step with TrainConfig.fp8 (torchao float8
            matmuls in the layers and adapters) against bf16, from one seed on the same tokens

@@ -1,6 +1,7 @@
-"""Section ``batched``: batched decoding with exits (predicated and compacted) against the full
+"""Section ``batched``: batched decoding with exits (predicated) against the full
 budget and a fixed budget of the same mean steps, tokens/s per batch size, with the greedy-token
-agreement against the full budget."""
+agreement against the full budget. (The compacted variant was removed with the decoder's row compaction:
+slower than predication at every batch on an H200, docs/results.md.)"""
 
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ def batched_section(args, device, deadline, context) -> dict:
         tau, out["calibration"] = calibration["tau"], calibration
     out["tau"] = tau
     policy = policy_factory(args.policy, tau, budget)
-    out["compaction"] = True  # each chunk after the first runs on the still-looping rows only
     rounds = rounds_args(args)
     by_batch = {}
     start = time.perf_counter()
@@ -48,12 +48,10 @@ def batched_section(args, device, deadline, context) -> dict:
         try:
             reference, row["full"] = full_budget_row(model, batch, budget, args, noise, prompt, steps, rounds,
                                                      device, until, graph)
-            # Exits, every row computing every step of a chunk (predicated); then each chunk after the
-            # first on the still-looping rows only (compacted).
-            variants = ["exits_predicated", "exits_compacted"]
+            # Exits, every row computing every step of a chunk (predicated).
+            variants = ["exits_predicated"]
             for variant in variants:
-                exits = make_decoder(model, batch, budget, args, noise, factory=policy, check_every=every,
-                                 compact=variant == "exits_compacted")
+                exits = make_decoder(model, batch, budget, args, noise, factory=policy, check_every=every)
                 seen = observe(exits, prompt, steps, every)
                 row[variant] = with_rate(static_timing(exits, prompt, steps, rounds, device, until, graph), batch)
                 row[variant].update(mean_steps=seen["mean_steps"], executed_steps=seen["executed_steps"],

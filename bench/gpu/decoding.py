@@ -23,11 +23,11 @@ def static_timing(decoder, prompt, steps, rounds, device, deadline, graph: bool)
     ``compile_s`` records how long that took."""
     from bench.decode_speed import summary, time_rounds
 
-    compiled = getattr(decoder, "compiled", False)
+    compiled = is_compiled(decoder)
     started = time.perf_counter()
     decoder.prefill(prompt)
     if graph:
-        decoder.capture()
+        capture(decoder)
     elif compiled:
         decoder._advance(steps[0])
     compile_s = time.perf_counter() - started
@@ -58,16 +58,39 @@ def kernels_per_token(decoder, prompt, steps, device, replay: bool = False) -> d
     counts = count_per_token(lambda: [decoder._advance(token, replay=replay) for token in tokens], device)
     result = {key: value / len(tokens) for key, value in counts.items() if isinstance(value, (int, float))}
     result["per_token"] = result["kernels" if device.type == "cuda" else "aten_ops"]
-    result["run"] = ("graph replay" if replay and decoder.captured else "eager") + \
-        (", Inductor pieces" if decoder.compiled else "")
+    result["run"] = ("graph replay" if replay and is_captured(decoder) else "eager") + \
+        (", Inductor pieces" if is_compiled(decoder) else "")
     return result
+
+
+def is_compiled(decoder) -> bool:
+    """Whether ``decoder``'s pieces run through Inductor (its executor, or the one under its graphs)."""
+    from rdepth.model.executors.compiled import Compiled
+
+    return isinstance(getattr(decoder.executor, "inner", decoder.executor), Compiled)
+
+
+def is_captured(decoder) -> bool:
+    from rdepth.model.executors.graphs import Captured
+
+    return isinstance(decoder.executor, Captured) and bool(decoder.executor.graphs)
+
+
+def capture(decoder) -> None:
+    """Record ``decoder``'s main budget as CUDA graphs, per read span where it reads spans (``--span-buckets``)."""
+    from rdepth.model.executors.graphs import Captured
+
+    executor, span_buckets = decoder.executor, None
+    if isinstance(executor, Captured):  # eager span reads (make_decoder): now graphs of the same spans
+        span_buckets = executor.span_buckets
+        decoder.use(executor.inner)
+    Captured.record(decoder, span_buckets=span_buckets)
 
 
 def observe(decoder, prompt, steps, check_every: int | None) -> dict:
     """An untimed teacher-forced pass: the greedy token at each position ``[B, T]`` and the loop steps
     taken, per group: the rule's mean over rows and tokens, and the steps the batch executed (every row
-    runs until the last one stops, rounded up to a chunk of ``check_every``; a ``conditional`` decoder's
-    batch stops at its slowest row, without a check)."""
+    runs until the last one stops, rounded up to a chunk of ``check_every``)."""
     import torch
 
     decoder.prefill(prompt)
@@ -77,10 +100,9 @@ def observe(decoder, prompt, steps, check_every: int | None) -> dict:
         computed.append(decoder.computed.clone())
     taken = torch.stack(computed).float()  # (T, G, B)
     budget = torch.tensor(decoder.steps, dtype=torch.float32, device=taken.device).view(1, -1)
-    executed = taken.amax(dim=2)  # (T, G); a conditional decoder's device stops the loop at its slowest row
-    if not decoder.conditional:
-        executed = budget.expand_as(executed) if check_every is None else \
-            torch.minimum(torch.ceil(executed / check_every) * check_every, budget)
+    executed = taken.amax(dim=2)  # (T, G): the batch's slowest row
+    executed = budget.expand_as(executed) if check_every is None else \
+        torch.minimum(torch.ceil(executed / check_every) * check_every, budget)
     return {"tokens": torch.stack(chosen, dim=1), "mean_steps": taken.mean(dim=(0, 2)).tolist(),
             "executed_steps": executed.mean(dim=0).tolist()}
 
@@ -111,19 +133,28 @@ def decode_model(args, device, dtype):
 
 
 def make_decoder(model, batch, budget, args, noise, *, loop_counts=None, factory=None, check_every=None,
-                 compact=False, compile=False, conditional=False):
-    """A static-path ``Decoder`` of ``model`` for ``batch`` rows: fixed ``loop_counts`` (``budget`` when
-    None), or a loop controller from ``factory`` checked on the host every ``check_every`` steps."""
+                 compile=False, quantile=None):
+    """A ``Decoder`` of ``model`` for ``batch`` rows: fixed ``loop_counts`` (``budget`` when None), or a loop
+    controller from ``factory`` checked on the host every ``check_every`` steps (with ``quantile``: the
+    batch-quantile exit around it). Its executor: Inductor-compiled pieces (``compile``, in
+    ``--decode-compile-mode``), else eager reading the written span in ``--span-buckets`` sizes (the spans
+    :func:`capture` records graphs of), else eager."""
+    from rdepth.exits.batch_quantile import BatchQuantile
     from rdepth.model.decoder import Decoder
+    from rdepth.model.executors.compiled import Compiled
+    from rdepth.model.executors.eager import Executor
+    from rdepth.model.executors.graphs import Captured
 
-    options = {"controller_factory": factory, "check_every": check_every, "conditional": conditional} if factory \
-        else {"loop_counts": loop_counts or budget}
-    if compile:  # Inductor's mode for the compiled pieces (--decode-compile-mode)
-        options["compile_mode"] = args.decode_compile_mode
-    else:  # graphs that read the written span only (--span-buckets)
-        options["span_buckets"] = args.span_buckets
-    return Decoder(model, batch, max(budget) if budget else (), noise=noise, capacity=args.capacity,
-                   compact=compact, compile=compile, **options)
+    if factory is not None and quantile is not None:
+        factory = (lambda rule: lambda: BatchQuantile(rule(), quantile))(factory)
+    options = {"controller_factory": factory} if factory else {"loop_counts": loop_counts or budget}
+    decoder = Decoder(model, batch, noise=noise, capacity=args.capacity, **options)
+    if compile:
+        return decoder.use(Compiled(args.decode_compile_mode, check_every))
+    decoder.use(Executor(check_every))
+    if args.span_buckets is not None:
+        decoder.use(Captured(Executor(check_every, prefix_reads=False), args.span_buckets))
+    return decoder
 
 
 def policy_factory(name, tau, budget):

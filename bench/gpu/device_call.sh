@@ -30,8 +30,8 @@ use_torchao() {  # torchao from the carried wheel (shared/wheels/), unless the m
             rm -rf /tmp/torchao/test && export PYTHONPATH=$PYTHONPATH:/tmp/torchao
     fi
 }
-step_tests() {  # every CUDA-only test (graph replay, conditional and span graphs, compiled pieces, captured
-               # compaction, the compiled fused head, FP8, pinned copies)
+step_tests() {  # every CUDA-only test (graph replay, span graphs, compiled pieces, the compiled fused head,
+               # FP8, pinned copies)
     use_torchao
     # only the files that hold gpu tests: collecting the rest would import packages the machine may lack
     # (a collection error stops the whole run)
@@ -63,10 +63,10 @@ step_trained_exits() {  # batch 32 and 128 on the demo's trained task model (ans
     mkdir -p "$OUT/trained_exits"
     python3 bench/batched_exits.py --checkpoint runs/gpu-task/train --data runs/gpu-task/data --task-difficulty 4 \
         --batches 32,128 --k-max 12 --policy kl --tau 1e-3,1e-2 --agreement 0.98 --check-every 2 --prompt 16 \
-        --tokens 47 --quantile 0.9,0.75 --conditional --warmup 2 --repeats 5 --device cuda --dtype bfloat16 --graphs \
+        --tokens 47 --quantile 0.9,0.75 --warmup 2 --repeats 5 --device cuda --dtype bfloat16 --graphs \
         --json "$OUT/trained_exits/batched_exits.json"
 }
-step_spread() {  # the exit spread at batch 32 and 128 (conditional rows included), whole-cache reads
+step_spread() {  # the exit spread at batch 32 and 128 (batch quantiles included), whole-cache reads
     "${SUITE[@]}" --out "$OUT/spread" --sections spread --budget-s "$1" --check-every 2
 }
 step_spread_spans() {  # the same, each decoder reading the written span in sizes of 64 (span_buckets)

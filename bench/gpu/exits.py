@@ -1,7 +1,8 @@
 """Section ``exits``: at batch 1, the per-step cost of an exit check (a rule that never fires, without
 and with the per-chunk host check, on eager and Inductor-compiled pieces), and a rule calibrated to
-about ``--exit-fraction`` of the steps, with host checks and with conditional steps (no host check),
-against the full budget and a fixed budget of the same mean."""
+about ``--exit-fraction`` of the steps, with host checks, against the full budget and a fixed budget of
+the same mean. (The row with conditional steps was removed with the decoder's ``conditional`` option: no
+torch this project uses has CUDA-graph conditional nodes, docs/gpu.md.)"""
 
 from __future__ import annotations
 
@@ -94,22 +95,6 @@ def exits_section(args, device, deadline, context) -> dict:
             "agreement": agreement(seen["tokens"], reference["tokens"])}
         del decoder
     out["policy_runs"] = runs
-    # The same rule with no host check: each loop step after the first a conditional node (CUDA graphs) that
-    # the device skips once the row stopped; on a CPU a host read per step decides.
-    try:
-        decoder = make_decoder(model, 1, budget, args, noise, factory=policy, check_every=None, conditional=True)
-        seen = observe(decoder, prompt, steps, None)
-        timing = timed(decoder, share(0.3))
-        saved = steps_full - sum(seen["mean_steps"])
-        out["policy_conditional"] = {
-            **timing, "mean_steps": seen["mean_steps"], "steps_saved": saved,
-            "latency_ratio": ratio(timing["ms_per_token"], out["full"]["ms_per_token"]),
-            "bound_ms": out["full"]["ms_per_token"] - saved * step_ms * (1 - 0.03),
-            "agreement": agreement(seen["tokens"], reference["tokens"])}
-        del decoder
-    except Exception as exc:  # noqa: BLE001 - the host-checked rows stand
-        out["policy_conditional"] = {"status": "error", "error": error_text(exc)}
-        print(f"  exits, conditional row failed: {error_text(exc)}", flush=True)
     best_key = min((k for k in runs if "ms_per_token" in runs[k]), key=lambda k: runs[k]["ms_per_token"])
     out["best_check_every"] = int(best_key.rsplit("_", 1)[1])
     context["exit_check_every"] = out["best_check_every"]
@@ -117,9 +102,6 @@ def exits_section(args, device, deadline, context) -> dict:
     fixed = tuple(min(args.loops, max(1, round(m))) for m in mean_steps)
     out["fixed_same_mean"] = {**timed(make_decoder(model, 1, budget, args, noise, loop_counts=fixed), deadline),
                               "loop_counts": list(fixed)}
-    if "ms_per_token" in out["policy_conditional"]:
-        out["policy_conditional"]["fixed_same_mean_over_conditional"] = ratio(
-            out["fixed_same_mean"]["ms_per_token"], out["policy_conditional"]["ms_per_token"])
     out["seconds"] = time.perf_counter() - start
     return out
 

@@ -1,6 +1,8 @@
 """Section ``spread``: batched exits on a trained model's exit spread (each row's exit step drawn from
-a recorded histogram), predicated, compacted and at batch quantiles, against the full budget and a
-fixed budget of each one's mean steps."""
+a recorded histogram), predicated and at batch quantiles, against the full budget and a fixed budget of
+each one's mean steps. (Compacted and conditional rows were removed with those decoder paths: compaction
+was slower than predication at every batch on an H200, and no torch this project uses has CUDA-graph
+conditional nodes; docs/results.md, docs/gpu.md.)"""
 
 from __future__ import annotations
 
@@ -16,16 +18,12 @@ QUANTILES = (0.9, 0.75)  # the batch-quantile exits of the spread section
 def spread_section(args, device, deadline, context) -> dict:
     """Batched exits on a trained model's exit spread: each row's exit step drawn on the device from
     ``bench/exit_histogram.json`` (:mod:`bench.exit_spread`), so a batch's rows leave the loop as trained rows do,
-    on random weights. Per batch size: the full budget; the spread's exits predicated and compacted
-    (chunks of the best ``--check-every``) and conditional (no host check: ``Decoder(conditional=True)``, a
-    CUDA-graph conditional node per loop step stops the batch at its slowest row on the device); the
-    batch-quantile exits (``QUANTILES``), compacted and conditional; a fixed budget of each one's mean
-    steps (of a conditional row's executed steps); kernels (CPU: aten ops) per token of every decoder
-    but the predicated one."""
+    on random weights. Per batch size: the full budget; the spread's exits predicated (chunks of the best
+    ``--check-every``); the batch-quantile exits (``QUANTILES``, :class:`BatchQuantile`); a fixed budget of
+    each one's mean steps; kernels (CPU: aten ops) per token of every decoder but the predicated one."""
     import torch
 
     from bench.exit_spread import DEFAULT_HISTOGRAM, factory, load_histogram
-    from rdepth.model.decoder import Decoder
     from rdepth.model.noise import StateNoise
 
     model, config, budget = looped_decode_model(args, device, context)
@@ -38,7 +36,7 @@ def spread_section(args, device, deadline, context) -> dict:
     out = {"status": "ok", "loops": list(budget), "path": "graph" if graph else "eager", "check_every": every,
            "histogram": {"path": histogram_path, "source": histogram.get("source"),
                          "mean_steps": histogram.get("mean_steps")},
-           "quantiles": list(QUANTILES), "compaction": True}
+           "quantiles": list(QUANTILES)}
     rounds = rounds_args(args)
     by_batch = {}
     for batch, until in batch_sizes(args.spread_batches, deadline, by_batch, "exit spread"):
@@ -49,24 +47,17 @@ def spread_section(args, device, deadline, context) -> dict:
         try:
             reference, row["full"] = full_budget_row(model, batch, budget, args, noise, prompt, steps, rounds,
                                                      device, until, graph)
-            variants = {"spread_predicated": {}, "spread_compacted": {"compact": True},
-                        # no host check: the device stops the batch's loop at its slowest row
-                        "spread_conditional": {"conditional": True, "check_every": None}}
+            variants = {"spread_predicated": {}}
             for q in QUANTILES:
-                variants[f"quantile_{q:g}"] = {"compact": True, "batch_quantile": q}
-                variants[f"quantile_{q:g}_conditional"] = {"batch_quantile": q, "conditional": True,
-                                                          "check_every": None}
+                variants[f"quantile_{q:g}"] = {"quantile": q}
             for name, options in variants.items():
                 if time.perf_counter() > until and name != "spread_predicated":  # the first always runs
                     row[name] = {"status": "skipped", "reason": "out of time"}
                     continue
-                options = dict(options)
-                check = options.pop("check_every", every)
-                try:  # a setting that fails (e.g. conditional nodes on a torch without them) leaves the others
-                    exits = Decoder(model, batch, max(budget), noise=noise, capacity=args.capacity,
-                                    controller_factory=spread, check_every=check, span_buckets=args.span_buckets,
-                                    **options)
-                    seen = observe(exits, prompt, steps, check)
+                try:  # a setting that fails leaves the others
+                    exits = make_decoder(model, batch, budget, args, noise, factory=spread, check_every=every,
+                                         **options)
+                    seen = observe(exits, prompt, steps, every)
                     row[name] = with_rate(static_timing(exits, prompt, steps, rounds, device, until, graph), batch)
                 except torch.cuda.OutOfMemoryError:
                     raise
@@ -82,9 +73,7 @@ def spread_section(args, device, deadline, context) -> dict:
                         row[name]["kernels_per_token"] = kernels_per_token(exits, prompt, steps, device)
                     except Exception as exc:  # noqa: BLE001 - a count that fails leaves the timing
                         row[name]["kernels_per_token"] = {"status": "error", "error": error_text(exc)}
-                # a conditional row against a fixed budget of the steps it executed (the issue's "same executed
-                # steps"); the others against their mean steps, as before
-                matched_to = "executed_steps" if options.get("conditional") else "mean_steps"
+                matched_to = "mean_steps"
                 counts = tuple(min(args.loops, max(1, round(m))) for m in seen[matched_to])
                 fixed_name = f"fixed_{name}"
                 if time.perf_counter() < until:

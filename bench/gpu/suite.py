@@ -58,7 +58,7 @@ def parse_args(argv):
                         help="Inductor's mode for the decoders with compiled pieces (the *_inductor rows)")
     parser.add_argument("--span-buckets", type=int, default=None, metavar="N",
                         help="the eager-piece decoders read the cache's written span in sizes N, 2N, ... (one set of "
-                             "graphs per size; Decoder(span_buckets=N)); default: the whole cache")
+                             "graphs per size; Captured(span_buckets=N)); default: the whole cache")
     parser.add_argument("--loops", type=int, default=12, help="the full decode budget per group")
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 16; 8 smoke)")
     parser.add_argument("--tokens", type=int, default=None, help="tokens decoded per timed round (default 64; 8 smoke)")

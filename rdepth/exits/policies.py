@@ -84,15 +84,20 @@ class StepNormPolicy(ExitPolicy):
         return _norm(_wide(new) - _wide(prev)) < self.tau
 
 
-@register_policy
-class StepNormRelPolicy(ExitPolicy):
-    """``||x^(s) - x^(s-1)|| / (||x^(s-1)|| + eps) < tau`` (scale-free step norm)."""
+class _EpsPolicy(ExitPolicy):
+    """A rule with a small ``eps`` (>= 0) in a denominator."""
 
-    name = "step_norm_rel"
     option_defaults = {"eps": 1e-6}
 
     def _validate_options(self) -> None:
         _check_eps(self)
+
+
+@register_policy
+class StepNormRelPolicy(_EpsPolicy):
+    """``||x^(s) - x^(s-1)|| / (||x^(s-1)|| + eps) < tau`` (scale-free step norm)."""
+
+    name = "step_norm_rel"
 
     def _exits(self, step, rows, prev, new):
         prev = _wide(prev)
@@ -171,14 +176,11 @@ class AccelerationStatePolicy(_TwoHitPolicy):
 
 
 @register_policy
-class CosinePolicy(ExitPolicy):
+class CosinePolicy(_EpsPolicy):
     """``1 - cos(x^(s), x^(s-1)) < tau``: consecutive states point the same way."""
 
     name = "cosine"
     option_defaults = {"eps": 1e-8}
-
-    def _validate_options(self) -> None:
-        _check_eps(self)
 
     def _exits(self, step, rows, prev, new):
         cosine = F.cosine_similarity(_wide(new), _wide(prev), dim=-1, eps=self.options["eps"])

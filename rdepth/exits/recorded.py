@@ -64,12 +64,14 @@ def drive_recorded(
     last recorded step is an error.
     """
     loop = LoopRows(controller, group, states[0])
-    for step in loop.steps():
+
+    def recorded(prev: torch.Tensor, step: int, rows: torch.Tensor) -> torch.Tensor:
         if step >= states.shape[0]:
             raise RdepthError(
-                f"replay: {loop.rows.numel()} token(s) still loop after the {states.shape[0] - 1} recorded "
+                f"replay: {rows.numel()} token(s) still loop after the {states.shape[0] - 1} recorded "
                 f"steps (the policy allows {loop.max_steps})"
             )
-        if loop.finish_step(step, states[step - 1, loop.rows], states[step, loop.rows]):
-            break
+        return states[step, rows]
+
+    loop.run(states[0], recorded)
     return loop.used, loop.computed

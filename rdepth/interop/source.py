@@ -58,6 +58,8 @@ MODELING_PARTS: tuple[Part, ...] = (
     Part("rdepth.model.fused_loss"),
     Part("rdepth.model.recurrent"),
     Part("rdepth.model.static_decode"),
+    Part("rdepth.model.executors.eager"),
+    Part("rdepth.model.sampling"),
     Part("rdepth.model.decoder"),
     Part("rdepth.exits.base"),
     Part("rdepth.exits.policies"),

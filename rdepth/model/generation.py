@@ -26,7 +26,6 @@ def generate(
     generator: StateNoise | None = None,
     sample_generator: torch.Generator | None = None,
     warm_start: bool = False,
-    check_every: int | None | str = "auto",
 ) -> torch.Tensor:
     """Extend ``idx`` ``[B, T0]`` by up to ``max_new_tokens`` tokens through :class:`Decoder`.
 
@@ -47,5 +46,5 @@ def generate(
                           f"{model.config.block_size}")
     decoder = Decoder(model, idx.shape[0], loop_counts=None if controller_factory is not None else loop_counts,
                       controller_factory=controller_factory, noise=generator, warm_start=warm_start,
-                      check_every=check_every)
+                      capacity=min(model.config.block_size, idx.shape[1] + max(max_new_tokens, 1)))
     return decoder.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=sample_generator)

@@ -40,7 +40,7 @@ from rdepth.model.control import FixedController, LoopController
 from rdepth.model.fused_loss import readout_loss
 from rdepth.model.kv import AttentionContext, KVStore
 from rdepth.model.layers import BLOCKS, make_norm
-from rdepth.model.loop import LoopRows
+from rdepth.model.loop import LoopRows, run_fixed
 from rdepth.model.noise import CounterNoise, StateNoise
 from rdepth.model.schedule import sample_loop_counts
 
@@ -384,14 +384,10 @@ class RecurrentLM(nn.Module):
                 observer(group, 0, state, None)
             # Truncated backprop: the first steps run without a graph.
             steps = counts[group]
-            free_steps = max(steps - self.config.backprop_depth, 0)
-            grad_on = torch.is_grad_enabled()
-            for step in range(1, steps + 1):
-                with torch.set_grad_enabled(grad_on and step > free_steps):
-                    state = self.loop_step(group, state, projected)
-                if observer is not None:
-                    observer(group, step, state, None)
-            x = state
+            observe = (lambda step, state, group=group: observer(group, step, state, None)) if observer else None
+            x = run_fixed(state, steps, lambda state, step, group=group, projected=projected:
+                          self.loop_step(group, state, projected),
+                          observe, max(steps - self.config.backprop_depth, 0) + 1)
         return x
 
     @torch.no_grad()
@@ -400,9 +396,7 @@ class RecurrentLM(nn.Module):
         """Start states ``[B, T, d]`` for :meth:`forward`'s ``shifted_warm_start``: position 0 keeps its
         noise, position t the state position t-1 hands on after ``steps`` steps from noise
         (``projected``: the group's input half, :meth:`group_input`)."""
-        state = noise_state
-        for _ in range(steps):
-            state = self.loop_step(group, state, projected)
+        state = run_fixed(noise_state, steps, lambda state, step: self.loop_step(group, state, projected))
         return torch.cat([noise_state[:, :1], state[:, :-1]], dim=1)
 
     def _forward_warm(self, idx, controller, cache, noise, observer):
@@ -443,18 +437,15 @@ class RecurrentLM(nn.Module):
             loop = LoopRows(controller, group, state)
             if observer is not None:
                 observer(group, 0, state.view(batch, seq, -1), None)
-            for step in loop.steps():
-                rows = loop.rows
+
+            def step_fn(prev, step, rows, group=group, projected=projected):
                 ctx = AttentionContext.build(store, step, batch_index[rows], position[rows])
-                prev = state[rows]
-                new = self.loop_step(group, prev, projected[rows], ctx)
-                state = state.index_copy(0, rows, new.to(state.dtype))
-                if observer is not None:
-                    active = torch.zeros(batch * seq, dtype=torch.bool, device=device)
-                    active[rows] = True
-                    observer(group, step, state.view(batch, seq, -1), active.view(batch, seq))
-                if loop.finish_step(step, prev, new):
-                    break
+                return self.loop_step(group, prev, projected[rows], ctx)
+
+            def observe(step, state, active, group=group):
+                observer(group, step, state.view(batch, seq, -1), active.view(batch, seq))
+
+            loop.run(state, step_fn, observe if observer is not None else None)
             x = loop.handed_on
             if warm:
                 store.warm[group] = x.view(batch, seq, -1)[:, -1]

@@ -189,22 +189,14 @@ def speculative_fill(
 
 
 @torch.no_grad()
-def speculative_generate(
-    model: RecurrentLM,
-    idx: torch.Tensor,
-    max_new_tokens: int,
-    *,
-    draft_loops: Sequence[int] | int,
-    loop_counts: Sequence[int] | int | None = None,
-    controller_factory: Callable[[], LoopController] | None = None,
-    draft_controller_factory: Callable[[], LoopController] | None = None,
-    draft_tokens: int = 4,
-    noise: StateNoise | None = None,
-) -> tuple[torch.Tensor, SpeculativeStats]:
+def speculative_generate(model: RecurrentLM, idx: torch.Tensor, max_new_tokens: int, *,
+                         draft_loops: Sequence[int] | int, **options) -> tuple[torch.Tensor, SpeculativeStats]:
     """Greedy continuation of ``idx`` ``[1, T0]`` by up to ``max_new_tokens`` tokens (fewer at the
     block size): :func:`speculative_fill` of the template whose positions after the prompt are free.
     Returns the tokens ``[1, T0 + n]`` and acceptance statistics; the same tokens as
-    :func:`~rdepth.model.generation.generate` at ``temperature=0`` with the same ``noise``."""
+    :func:`~rdepth.model.generation.generate` at ``temperature=0`` with the same ``noise``. ``options``:
+    :func:`speculative_fill`'s (``loop_counts``, ``controller_factory``, ``draft_controller_factory``,
+    ``draft_tokens``, ``noise``)."""
     if idx.dim() != 2 or idx.shape[0] != 1:
         raise RdepthError(f"speculative decoding runs one sequence at a time, got a batch of shape {tuple(idx.shape)}")
     if max_new_tokens < 1:
@@ -215,7 +207,4 @@ def speculative_generate(
     length = min(prompt + max_new_tokens, model.config.block_size + 1)
     template = torch.cat([idx, idx.new_zeros(1, length - prompt)], dim=1)
     free = torch.arange(length, device=idx.device) >= prompt
-    return speculative_fill(model, template, free, draft_loops=draft_loops, loop_counts=loop_counts,
-                            controller_factory=controller_factory,
-                            draft_controller_factory=draft_controller_factory, draft_tokens=draft_tokens,
-                            noise=noise)
+    return speculative_fill(model, template, free, draft_loops=draft_loops, **options)

@@ -9,8 +9,7 @@
   that token computed step k, else its last computed one) is applied once, when a token's loop
   ends (:meth:`StaticKV.settle` / :meth:`StaticKV.settle_all`: the token's slots of the steps it
   skipped take its last key), so that step k reads its slot as it is, with no scan of the cache.
-* :class:`StaticRows`: a subset of the rows as the store of a compacted layer call (batched exits):
-  written in place by row index, read whole (no copies) or, for few rows, as gathered copies.
+* :class:`ChunkKV`: the store of a lock-step pass over several new positions (a prompt, a verification).
 * :class:`GivenKV`: the slots of a loop step handed to a compiled piece as tensors, so that every
   step of a group runs the same compiled function.
 """
@@ -121,43 +120,22 @@ class StaticKV:
                 tensor.index_copy_(3, self.position, torch.where(keep, column, latest))
 
 
-class StaticRows:
-    """Rows ``rows`` (``[P]`` long, distinct, on the device) of a :class:`StaticKV`, as the store of a
-    layer call that computes only those rows (batched exits, compacted chunks). ``rows`` may be a view
-    of a buffer refilled in place (CUDA graphs). The rows' keys/values are written in place at (row,
-    position); what attention reads is one of two things:
+class ChunkKV:
+    """The store of a lock-step pass over positions ``start .. end - 1``: writes their keys/values and
+    reads the cache's first ``end`` positions (the causal mask does the rest)."""
 
-    * ``gather=False`` (indexed): the whole store, all B rows (views, nothing copied); each query is
-      packed into its own row by the context's ``batch_index`` (the attention's packing path) and the
-      other rows' outputs are dropped. Attention reads B rows' keys.
-    * ``gather=True``: copies of the P rows (``index_select``), attention over P rows: it reads P rows,
-      writes P and reads P again (3P), two copies per layer call.
-
-    The decoder picks per compacted chunk whichever moves fewer bytes (indexed when 3P >= B).
-    """
-
-    def __init__(self, cache: StaticKV, rows: torch.Tensor, gather: bool = False):
-        self.cache = cache
-        self.rows = rows
-        self.gather = gather
+    def __init__(self, cache: StaticKV, start: int, end: int):
+        self.cache, self.start, self.end = cache, start, end
 
     def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the rows' keys/values ``[P, nh, hs]`` (or ``[P, nh, 1, hs]``) at the cache's position,
-        in place; return what layer ``layer`` at step ``ctx.step`` attends to: every cache row's,
-        ``[B, nh, S, hs]`` each (views, as :meth:`StaticKV.read`), or with ``gather`` the P rows' copies."""
-        cache = self.cache
-        cache_k, cache_v = cache.slots(layer, ctx.step)
-        if keys.dim() == 4:
-            keys, values = keys.squeeze(2), values.squeeze(2)
-        if keys.dtype != cache_k.dtype:
-            keys, values = keys.to(cache_k.dtype), values.to(cache_v.dtype)
-        cache_k[self.rows, :, cache.position] = keys  # (P, nh, hs) at (rows, :, position, :)
-        cache_v[self.rows, :, cache.position] = values
-        read_k, read_v = cache.read(layer, ctx.step)
-        if self.gather:
-            return read_k.index_select(0, self.rows), read_v.index_select(0, self.rows)
-        return read_k, read_v
+        """``keys``/``values`` ``[B*T, nh, hs]`` (rows by batch then position) -> ``[B, nh, end, hs]``."""
+        cache_k, cache_v = self.cache.slots(layer, ctx.step)
+        batch = ctx.n_batch
+        span = slice(self.start, self.end)
+        cache_k[:, :, span] = keys.view(batch, -1, *keys.shape[1:]).transpose(1, 2)
+        cache_v[:, :, span] = values.view(batch, -1, *values.shape[1:]).transpose(1, 2)
+        return cache_k[:, :, : self.end], cache_v[:, :, : self.end]
 
 
 class GivenKV:
