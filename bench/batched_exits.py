@@ -41,7 +41,6 @@ On CUDA, --graphs replays every setting as CUDA graphs (``Captured.record``).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time

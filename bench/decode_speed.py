@@ -30,7 +30,6 @@ device, torch version and git revision, and writes them with the numbers to --js
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time

@@ -132,7 +132,7 @@ def add_dataclass_flags(
             text += " (required)"
         elif default is None:
             text += f" (default: {meta.get('default_text') or 'none'})"
-        elif not (annotation is bool):
+        elif annotation is not bool:
             text += f" (default: {_shown(default)})"
         else:
             text += f" (default: {'on' if default else 'off'})"

@@ -159,7 +159,6 @@ def depth_summary(result: dict, summary: dict) -> dict[str, Any]:
     is the setting with the fewest steps within the tolerance of the full budget's accuracy (on one
     difficulty, the summary's best); a policy shows its own such setting, else its most accurate one."""
     depth = result["depth"]
-    by_label = {row["label"]: row for row in depth["settings"]}
     measured: dict[str, dict[str, list[float]]] = {}
     for block in result["difficulties"]:
         for entry in block["fixed"] + block["points"]:
