@@ -82,6 +82,8 @@ def dlr_budget_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
             row[f"{boundary} Eq. 2"] = (definitions.get("literal") or {}).get("median", [None] * (index + 1))[index]
             row[f"{boundary} hand-off/refine"] = (definitions.get("output_refine") or {}).get(
                 "median", [None] * (index + 1))[index]
+            row[f"{boundary} hand-off/extent"] = (definitions.get("handoff") or {}).get(
+                "median", [None] * (index + 1))[index]
         rows.append(row)
     return rows
 
