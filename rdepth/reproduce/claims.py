@@ -175,7 +175,12 @@ def claim_step_decay(summary: dict[str, Any], seeds: dict[str, Any] | None = Non
         verdict = PARTLY  # never decays 10x in time, but faster over training
     text = ", ".join(f"group {g['group']}: " + ("never" if g["decay_step"] is None else f"step {g['decay_step']}")
                      for g in per_group)
-    result.update(verdict=verdict, ours={"value": f"step size at 1/{round(1 / DECAY_FRACTION)} of step 1 by {text}",
+    value = f"step size at 1/{round(1 / DECAY_FRACTION)} of step 1 by {text}"
+    if trend["holds"] is not None:
+        value += (f"; ||Δ({DECAY_BY_STEP})||/||Δ(1)|| first -> last checkpoint: "
+                  + ", ".join(f"group {g['group']}: {g['first']:.2g} -> {g['last']:.2g}" for g in trend["groups"]
+                              if g["faster"] is not None))
+    result.update(verdict=verdict, ours={"value": value,
                                           "groups": per_group, "series": series, "trend": trend, "budget": budget,
                                           "checkpoint": final["label"]})
     result["why"] = [f"{held} of {len(per_group)} groups decay {round(1 / DECAY_FRACTION)}x by step {DECAY_BY_STEP} "
@@ -404,14 +409,15 @@ def _dlr_series(summary: dict[str, Any]) -> list[dict[str, Any]]:
             for entry in summary["checkpoints"]]
 
 
-def _dlr_growth(curve: dict, names) -> str:
-    """Eq. 2 at the curve's first and last budget, per boundary."""
-    first, last = dlr_at(curve, curve["loops"][0]), dlr_at(curve, curve["loops"][-1])
+def _dlr_growth(curve: dict, names, definition: str = "literal", start: int | None = None) -> str:
+    """A definition's median at the curve's first (or ``start``) and last budget, per boundary."""
+    first, last = dlr_at(curve, start or curve["loops"][0]), dlr_at(curve, curve["loops"][-1])
 
     def at(point, name):
-        return (point[1][name].get("literal") or {}).get("median") or float("nan")
+        value = (point[1][name].get(definition) or {}).get("median")
+        return float("nan") if value is None else value
 
-    return ", ".join(f"{name}: {at(first, name):.1f} at K = {first[0]} -> {at(last, name):.1f} at K = {last[0]}"
+    return ", ".join(f"{name}: {at(first, name):.2f} at K = {first[0]} -> {at(last, name):.2f} at K = {last[0]}"
                      for name in names)
 
 
@@ -487,7 +493,9 @@ def claim_dlr(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> d
            f"{eq2_text or 'n/a'}."]
     curve = summary.get("dlr_curve")
     if curve:
-        why.append(f"Eq. 2 against the budget: {_dlr_growth(curve, [row['boundary'] for row in rows])}.")
+        names = [row["boundary"] for row in rows]
+        why.append(f"Against the loop budget, Eq. 2: {_dlr_growth(curve, names)}; the hand-off ratio: "
+                   f"{_dlr_growth(curve, names, HANDOFF, start=2)}.")
     weak = [row["boundary"] for row in rows if row["control_median"] is not None
             and row["handoff_median"] < CONTROL_MARGIN * row["control_median"]]
     if weak:
