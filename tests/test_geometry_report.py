@@ -74,6 +74,7 @@ def test_settled_cosine_ignores_steps_at_the_noise_floor():
 def test_report_rows_read_the_saved_headline():
     (row,) = loop_scale_rows(_summary())
     assert row["|Δ5|/|Δ0|"] == pytest.approx(1 / 32) and row["settled cos"] == pytest.approx(0.3)
+    assert row["cosines above floor"] == 5  # what the settled cosine rests on
     assert row["eff. rank (last Δ)"] == 3.0 and row["never conv. %"] == "25.0" and row["noise floor at k"] == 7
     summary = _summary()  # the page shows what was saved, never a recomputation from the curves
     summary["checkpoints"][0]["budgets"]["long"]["groups"][0]["headline"].update(
