@@ -81,7 +81,8 @@ def test_analyze_writes_numbers_figures_and_report(tiny_run, analyzed):
     assert len(last["long"]["groups"][0]["step_size"]["mean"]) == 12
     assert len(last["long"]["groups"][0]["cosine"]["mean"]) == 11
     assert set(last["train"]["dlr"]) == {"1->2-3", "2-3->4"}
-    assert set(last["train"]["dlr"]["1->2-3"]) == set(metrics.DLR_DEFINITIONS)
+    assert set(last["train"]["dlr"]["1->2-3"]) == set(metrics.DLR_DEFINITIONS) | {metrics.HANDOFF}
+    assert set(last["train"]["handoff_control"]) == {"1->2-3", "2-3->4"}
 
     # the saved numbers equal the batch functions on iterates collected independently
     windows = _windows(run)
@@ -103,6 +104,8 @@ def test_analyze_writes_numbers_figures_and_report(tiny_run, analyzed):
         np.testing.assert_allclose(last["train"]["groups"][group]["step_size"]["mean"], expected, rtol=1e-5)
     expected_dlr = metrics.drift_to_loop_ratio(per_group[0], per_group[1], "first").mean().item()
     assert last["train"]["dlr"]["1->2-3"]["first"]["mean"] == pytest.approx(expected_dlr, rel=1e-5)
+    expected_handoff = metrics.handoff_ratio(per_group[1], per_group[2]).mean().item()
+    assert last["train"]["dlr"]["2-3->4"]["handoff"]["mean"] == pytest.approx(expected_handoff, rel=1e-5)
 
     # per-token arrays and the PCA projection of sequence 0
     with np.load(out / last["train"]["arrays"]) as npz:
@@ -124,8 +127,8 @@ def test_analyze_writes_numbers_figures_and_report(tiny_run, analyzed):
 def test_analyze_saves_its_headline_numbers(analyzed):
     summary = load_summary(analyzed)
     assert summary["format_version"] == FORMAT_VERSION and summary["scale_budget"] == "long"
-    assert summary["headline_definitions"] == {"settled_steps": 5, "noise_floor": 1e-3, "plateau_window": 10,
-                                               "plateau_max_decay": 2.0}
+    assert summary["headline_definitions"] == {"settled_steps": 5, "settled_range": 0.2, "noise_floor": 1e-3,
+                                               "plateau_window": 10, "plateau_max_decay": 2.0}
     assert summary["settings"]["precision"] == "float64"
     for entry in summary["checkpoints"]:
         for budget in entry["budgets"].values():

@@ -227,5 +227,6 @@ def test_plateau_and_settled_spread_headlines():
     assert shrinking["ratio"] == pytest.approx(2.0 ** -10) and not shrinking["holds"]
     assert not plateau(flat, [NOISE_FLOOR / 2] * 21)["holds"]  # level, but at the noise floor
     assert plateau(flat[:10], [0.01] * 10) is None  # shorter than the window
-    assert settled_spread([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7], None) == pytest.approx(0.5)
-    assert settled_spread([0.1, 0.2, 0.3, 0.4], 3) == pytest.approx(0.15)  # cosines 0, 1 usable
+    # over the settled window, cosines 2..6 (cosine 0 is the jump from the random start)
+    assert settled_spread([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7], [0.5] * 7, None) == pytest.approx(0.5)
+    assert settled_spread([0.1, 0.2, 0.3, 0.4], [0.5] * 4, 3) is None  # one usable cosine: no plateau

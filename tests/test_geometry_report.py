@@ -12,7 +12,7 @@ from rdepth.geometry.summary import (DLR_LABELS, NOISE_FLOOR, SETTLED_STEPS, gro
 
 def _group(steps: int = 12) -> dict:
     sizes = [0.5**k for k in range(steps)]  # geometric decay: |D5|/|D0| = 1/32
-    cosines = [0.1 * j for j in range(steps - 1)]
+    cosines = [0.95] + [0.3] * (steps - 2)  # the jump from the random start, then a plateau at 0.3
     group = {
         "name": "4", "steps": steps,
         "step_size": {"mean": sizes, "std": [0.0] * steps},
@@ -46,11 +46,12 @@ def test_group_headline_known_ratios():
     assert headline["decay_5_over_0"] == pytest.approx(1 / 32)
     assert headline["decay_10_over_0"] == pytest.approx(1 / 1024)
     assert headline["decay_10_over_1"] == pytest.approx(1 / 512)
-    # relative sizes 0.5^k / 10 fall under the 1e-3 floor at k = 7 (0.00078): cosines 0-5 count (cosine j
-    # compares updates j and j+1 <= 6), the last five of them 0.1 .. 0.5 -> 0.3
+    # relative sizes 0.5^k / 10 fall under the 1e-3 floor at k = 7 (0.00078): cosines 1-5 count (cosine j
+    # compares updates j and j+1 <= 6; cosine 0 is the jump from the random start), all 0.3
     assert headline["noise_floor_step"] == 7
     assert headline["settled_cosine"] == pytest.approx(0.3)
     assert headline["settled_cosine_std"] == 0.0
+    assert headline["settled_cosine_window"] == {"usable": 5, "window": [1, 5], "plateau": True, "range": 0.0}
     assert headline["plateau"]["ratio"] == pytest.approx(2.0 ** -10) and not headline["plateau"]["holds"]
     assert headline["first_step_size"] == 1.0 and headline["second_step_size"] == 0.5
     assert headline["last_effective_rank"] == 3.0
@@ -63,14 +64,17 @@ def test_group_headline_known_ratios():
 def test_settled_cosine_ignores_steps_at_the_noise_floor():
     relative = [1e-2] * 8 + [1e-7] * 4  # update 8 on is rounding noise
     assert noise_floor_step(relative) == 8
-    # usable cosines j = 0..6 (update j+1 above the floor): last five 0.2 .. 0.6
-    assert settled_cosine([0.1 * j for j in range(11)], 8) == pytest.approx(0.4)
+    # usable cosines j = 1..6 (update j+1 above the floor; j = 0 is the jump from the random start):
+    # the last five, 2..6; the cosines after the floor (9.0) never count
+    cosines = [-1.0, 0.5, 0.4, 0.5, 0.6, 0.5, 0.6, 9.0, 9.0, 9.0, 9.0]
+    assert settled_cosine(cosines, 8) == pytest.approx(0.52)  # (0.4 + 0.5 + 0.6 + 0.5 + 0.6) / 5
     assert settled_cosine([0.5], 1) is None
 
 
 def test_report_rows_read_the_saved_headline():
     (row,) = loop_scale_rows(_summary())
     assert row["|Δ5|/|Δ0|"] == pytest.approx(1 / 32) and row["settled cos"] == pytest.approx(0.3)
+    assert row["cosines above floor"] == 5  # what the settled cosine rests on
     assert row["eff. rank (last Δ)"] == 3.0 and row["never conv. %"] == "25.0" and row["noise floor at k"] == 7
     summary = _summary()  # the page shows what was saved, never a recomputation from the curves
     summary["checkpoints"][0]["budgets"]["long"]["groups"][0]["headline"].update(

@@ -193,6 +193,53 @@ def drift_to_loop_ratio(
 
 
 # ---------------------------------------------------------------------------
+# Hand-off drift against the loop's extent: claim 3 by a measure free of K and of x^(0)
+# ---------------------------------------------------------------------------
+
+# Eq. 2 compares a distance with a *mean* step: on a contracting loop the mean over K steps falls
+# like 1/K, so the ratio grows with the loop budget; and its numerator starts at x_{g+1}^(0), fresh
+# noise, so it reads the noise scale, not drift. This measure uses only computed iterates (k >= 1)
+# and two distances that stop changing once the loops have settled:
+#
+#   handoff_g = ||x_{g+1}^(K_{g+1}) - x_g^(K_g)||_2 / max_{1<=k<=K_g} ||x_g^(k) - x_g^(1)||_2
+#
+# The numerator is how far the representation moves from one group's hand-off state to the next's
+# (where each loop settles); the denominator the extent of group g's refinement after its first
+# computed iterate (the size of the "tight arc" of the paper's PCA figure; for a contraction it tends
+# to ||x^(1) - x*||, for a spiral of constant radius to its diameter, for both independent of K once
+# the loop has settled). When both groups settle at the same point (zero drift) the numerator is only
+# what the next loop has left to contract, so the ratio tends to 0 as K grows.
+HANDOFF = "handoff"
+
+
+def loop_extent(states: torch.Tensor) -> torch.Tensor:
+    """max_{1<=k<=K} ||x^(k) - x^(1)||_2 per token, the refinement's extent: [K+1, N, d] -> [N] (float64).
+
+    Zero when K = 1 (one computed iterate, nothing refined).
+    """
+    _check_states(states)
+    computed = states[1:].double()
+    return (computed - computed[0]).norm(dim=-1).amax(dim=0)
+
+
+def handoff_ratio(prev_states: torch.Tensor, next_states: torch.Tensor) -> torch.Tensor:
+    """Hand-off drift over group g's refinement extent, per token (see ``HANDOFF``): -> [N].
+
+    ``prev_states`` [K_g+1, N, d], ``next_states`` [K_{g+1}+1, N, d]. NaN where the extent is zero
+    (K_g = 1, or a loop that did not move after its first iterate).
+    """
+    _check_states(prev_states)
+    _check_states(next_states)
+    if next_states.shape[1:] != prev_states.shape[1:]:
+        raise RdepthError(f"next_states {tuple(next_states.shape)} do not match prev_states "
+                          f"{tuple(prev_states.shape)} in tokens and width")
+    drift = (next_states[-1].double() - prev_states[-1].double()).norm(dim=-1)
+    extent = loop_extent(prev_states)
+    return torch.where(extent > 0, drift / torch.where(extent > 0, extent, torch.ones_like(extent)),
+                       torch.full_like(extent, float("nan")))
+
+
+# ---------------------------------------------------------------------------
 # Effective rank, PCA, convergence, summaries
 # ---------------------------------------------------------------------------
 

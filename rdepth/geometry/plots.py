@@ -229,7 +229,8 @@ def figure_dlr_budget(summary: dict[str, Any]):
     for index, (boundary, definitions) in enumerate(curve["boundaries"].items()):
         colour = f"C{index}"
         for definition, style, label in (("literal", "--", "Eq. 2 (x(0), all steps)"),
-                                         ("output_refine", "-", "hand-offs x(K), refinement steps")):
+                                         ("output_refine", "-", "hand-offs x(K), refinement steps"),
+                                         ("handoff", ":", "hand-offs x(K) ÷ extent after x(1)")):
             stats = definitions.get(definition)
             if not stats:
                 continue

@@ -37,8 +37,9 @@ def loop_scale_rows(summary: dict[str, Any], budget: str | None = None) -> list[
                 "|Δ0|": headline["first_step_size"], "|Δ1|": headline["second_step_size"],
                 "|Δ5|/|Δ0|": headline["decay_5_over_0"], "|Δ10|/|Δ0|": headline["decay_10_over_0"],
                 "|Δ10|/|Δ1|": headline["decay_10_over_1"],
-                "settled cos": headline["settled_cosine"],
+                "settled cos": headline["settled_cosine"] if headline["settled_cosine"] is not None else "no plateau",
                 "± (tokens)": headline.get("settled_cosine_std"),
+                "cosines above floor": (headline.get("settled_cosine_window") or {}).get("usable"),
                 "plateau (last/first, 10 steps)": (headline.get("plateau") or {}).get("ratio"),
                 "noise floor at k": headline["noise_floor_step"],
             }
@@ -81,6 +82,8 @@ def dlr_budget_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
         for boundary, definitions in curve["boundaries"].items():
             row[f"{boundary} Eq. 2"] = (definitions.get("literal") or {}).get("median", [None] * (index + 1))[index]
             row[f"{boundary} hand-off/refine"] = (definitions.get("output_refine") or {}).get(
+                "median", [None] * (index + 1))[index]
+            row[f"{boundary} hand-off/extent"] = (definitions.get("handoff") or {}).get(
                 "median", [None] * (index + 1))[index]
         rows.append(row)
     return rows

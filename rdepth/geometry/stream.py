@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from rdepth.errors import RdepthError
-from rdepth.geometry.metrics import (DLR_DENOMINATORS, DLR_DEFINITIONS, EPS, cosine, dlr_next_index,
+from rdepth.geometry.metrics import (DLR_DENOMINATORS, DLR_DEFINITIONS, EPS, HANDOFF, cosine, dlr_next_index,
                                      effective_rank_from_gram)
 
 # Per-step statistics; "cosine" and "acceleration" compare step j with j+1.
@@ -90,6 +90,8 @@ class _BatchGroup:
     first_size: torch.Tensor | None = None  # [N] float64, size of each row's first step ||Delta^(0)||
     convergence: torch.Tensor | None = None  # [N] long, -1 = not yet
     final_relative: torch.Tensor | None = None  # [N] float64
+    first_state: torch.Tensor | None = None  # [N, d] float64, each row's first computed iterate x^(1)
+    extent: torch.Tensor | None = None  # [N] float64, max_k ||x^(k) - x^(1)|| so far
     drift: list[torch.Tensor] = field(default_factory=list)  # ||x^(k) - x_prev^(K)|| per step k
     steps: int = 0
 
@@ -101,7 +103,8 @@ class StreamResult:
     ``groups[g]`` maps ``<metric>_mean`` / ``_std`` / ``_count`` (per step), ``effective_rank`` [K],
     ``convergence_step`` and ``final_relative_step_size`` [N] to arrays.
     ``boundaries["g->g+1"][definition]`` is the per-token DLR [N] for every definition of
-    :data:`rdepth.geometry.metrics.DLR_DEFINITIONS` (NaN where a "_refine" denominator is undefined).
+    :data:`rdepth.geometry.metrics.DLR_DEFINITIONS` (NaN where a "_refine" denominator is undefined),
+    and under ``"handoff"`` the per-token :func:`rdepth.geometry.metrics.handoff_ratio`.
     ``kept_states[g]`` is [K+1, T, d] for the kept sequence (absent if none kept).
     """
 
@@ -172,6 +175,8 @@ class GeometryObserver:
             first_size=torch.zeros(n, dtype=torch.float64, device=device),
             convergence=torch.full((n,), -1, dtype=torch.long, device=device),
             final_relative=torch.zeros(n, dtype=torch.float64, device=device),
+            first_state=flat.clone(),
+            extent=torch.zeros(n, dtype=torch.float64, device=device),
         )
         self._record_drift(self._current, flat)
         self._groups.setdefault(group, _GroupAccumulator())
@@ -206,6 +211,9 @@ class GeometryObserver:
         select = slice(None) if rows is None else rows
         first = current.computed[select] == 0
         current.first_size[select] = torch.where(first, size, current.first_size[select])
+        first_state = torch.where(first.unsqueeze(-1), new, current.first_state[select])
+        current.first_state[select] = first_state
+        current.extent[select] = torch.maximum(current.extent[select], (new - first_state).norm(dim=-1))
         current.computed[select] += 1
         current.path_length[select] += size
         current.final_relative[select] = relative
@@ -240,6 +248,12 @@ class GeometryObserver:
                 position = dlr_next_index(definition, current.steps)
                 ratio = current.drift[position] / (loops[denominator] + EPS)
                 per_definition.setdefault(definition, []).append(ratio.cpu())
+            # metrics.handoff_ratio: hand-off states' distance over group g's extent after x^(1)
+            handoff = (current.prev_state - self._previous_last).norm(dim=-1)
+            extent = previous.extent
+            ratio = torch.where(extent > 0, handoff / torch.where(extent > 0, extent, torch.ones_like(extent)),
+                                torch.full_like(extent, float("nan")))
+            per_definition.setdefault(HANDOFF, []).append(ratio.cpu())
         self._previous, self._previous_last = current, current.prev_state
         current.prev_delta = None
         current.drift = []

@@ -16,7 +16,10 @@ headline numbers of a group at one budget (``group["headline"]``):
 * ``noise_floor_step``: first update index whose mean relative step size is
   under ``NOISE_FLOOR`` (1e-3 of the state), None if never;
 * ``settled_cosine``: mean of the last ``SETTLED_STEPS`` consecutive-step
-  cosines whose steps are still above the noise floor; ``settled_cosine_std``: the
+  cosines j >= 1 (cos(Delta^(0), Delta^(1)), from the random start, left out) whose steps are
+  still above the noise floor, None ("no plateau") when fewer than ``SETTLED_STEPS`` qualify or
+  they spread over more than ``SETTLED_RANGE``; ``settled_cosine_window``: how many qualify and
+  which it averages; ``settled_cosine_std``: the
   mean over the same steps of the cosine's standard deviation over tokens (its spread);
 * ``plateau``: whether step sizes level off at a nonzero value over the last
   ``PLATEAU_WINDOW`` steps (:func:`plateau`);
@@ -35,7 +38,10 @@ described in ``dlr_definitions`` and labelled in ``dlr_labels``. Two denominator
 includes the jump Delta^(0) from the random initial state and so is dominated by it;
 ``<numerator>_refine`` divides by the mean over its refinement steps k >= 1 only.
 ``"literal"`` is Eq. 2 as written; ``dlr_default`` ("first") and ``dlr_default_refine``
-("first_refine") are the two the report leads with.
+("first_refine") are the two the report leads with. Beside them, ``"handoff"``
+(:func:`rdepth.geometry.metrics.handoff_ratio`, the hand-off states' distance over the earlier
+group's extent after its first computed iterate: free of K and of x^(0)), which claim 3 is judged
+on, and ``"handoff_control"``: its reading on synthetic loops with the same dynamics and no drift.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from rdepth.errors import RdepthError
-from rdepth.geometry.metrics import DEFAULT_DLR, DLR_DEFINITIONS
+from rdepth.geometry.metrics import DEFAULT_DLR, DLR_DEFINITIONS, HANDOFF
 from rdepth.geometry.stream import STEP_METRICS, StreamResult
 from rdepth.io import environment_info, write_json
 
@@ -61,7 +67,11 @@ SLOWEST_FILE = "slowest_tokens.json"
 # 4: noise floor 1e-3 relative, exact cosines (no additive epsilon), "precision" in the settings,
 # plateau and settled-cosine spread in the headline, the DLR loop-budget curve ("dlr_curve") and
 # the own-state Jacobian spectrum per checkpoint ("jacobian").
-FORMAT_VERSION = 4
+# 5: the hand-off ratio per boundary ("handoff", metrics.handoff_ratio) with its zero-drift control
+# ("handoff_control"); the settled cosine leaves out cos(Delta^(0), Delta^(1)), needs SETTLED_STEPS cosines
+# above the floor that stay within SETTLED_RANGE ("settled_cosine_window"), else it is None (no plateau).
+FORMAT_VERSION = 5
+HANDOFF_CONTROL = "handoff_control"
 
 DLR_NUMERATOR_TEXT = {
     "literal": "||x_{g+1}^(0) - x_g^(K_g)||, x^(0) the next group's random initial state",
@@ -80,6 +90,10 @@ DLR_DESCRIPTIONS = {
     + f"{DLR_NUMERATOR_TEXT[numerator]} divided by {DLR_DENOMINATOR_TEXT[denominator]}"
     for name, (numerator, denominator) in DLR_DEFINITIONS.items()
 }
+DLR_DESCRIPTIONS[HANDOFF] = ("||x_{g+1}^(K_{g+1}) - x_g^(K_g)||, the two groups' hand-off states, divided by "
+                             "max_{1<=k<=K_g} ||x_g^(k) - x_g^(1)||, group g's extent after its first computed "
+                             "iterate (free of the loop budget once the loops settle, and of the random start x^(0)); "
+                             "claim 3 is judged on it, beside its zero-drift control")
 # Short labels for table columns and figure legends: numerator iterate, then the steps averaged.
 DLR_NUMERATOR_LABEL = {"literal": "x(0)", "first": "x(1)", "output": "x(K)"}
 DLR_DENOMINATOR_LABEL = {"all": "mean |Δ(k)|, k≥0", "refine": "mean |Δ(k)|, k≥1"}
@@ -88,10 +102,13 @@ DLR_LABELS = {
     + (" (Eq. 2)" if name == "literal" else "")
     for name, (numerator, denominator) in DLR_DEFINITIONS.items()
 }
+DLR_LABELS[HANDOFF] = "x(K) hand-off ÷ group extent after x(1)"
 # The refinement-step variant of the default definition (same numerator, k >= 1 denominator).
 DEFAULT_DLR_REFINE = f"{DEFAULT_DLR}_refine"
 
 SETTLED_STEPS = 5
+# The settled cosine is a plateau: its SETTLED_STEPS cosines stay within this range of each other.
+SETTLED_RANGE = 0.2
 # Steps whose mean relative size ||Delta|| / ||x|| is under this are left out of the settled
 # cosine. In float32 the rounding noise of a difference of two states is ~1e-7 of the state per
 # coordinate, and a step of 1e-5 relative is already a few percent noise in its direction: a
@@ -116,20 +133,43 @@ def noise_floor_step(relative_step_means: list[float]) -> int | None:
     return below[0] if below else None
 
 
-def settled_cosine(cosine_means: list[float], floor: int | None) -> float | None:
-    """Mean of the last SETTLED_STEPS cosines between steps still above the noise floor.
+def settled_window(cosine_means: list[float], floor: int | None) -> dict[str, Any]:
+    """Where the settled cosine is read: the last SETTLED_STEPS cosines j >= 1 whose two steps are above the
+    noise floor.
 
-    Cosine j compares updates j and j+1; it counts while update j+1 is above the floor
-    (``floor``: :func:`noise_floor_step`). None when no cosine is usable.
+    Cosine j compares updates j and j+1; j = 0 (cos(Delta^(0), Delta^(1))) is left out, since Delta^(0) is the
+    jump from the random initial state. Cosine j counts while update j+1 is above the floor (``floor``:
+    :func:`noise_floor_step`). Returns ``usable`` (how many cosines qualify), ``window`` ([first, last] cosine
+    index averaged, or None) and ``plateau``: True when at least SETTLED_STEPS cosines qualify and they stay
+    within SETTLED_RANGE of each other over the window; else the settled cosine is "no plateau" (None).
     """
-    usable = cosine_means if floor is None else cosine_means[: max(floor - 1, 0)]
-    return float(np.mean(usable[-SETTLED_STEPS:])) if usable else None
+    end = len(cosine_means) if floor is None else min(max(floor - 1, 0), len(cosine_means))
+    usable = list(range(1, end))
+    if len(usable) < SETTLED_STEPS:
+        return {"usable": len(usable), "window": None, "plateau": False, "range": None}
+    window = usable[-SETTLED_STEPS:]
+    values = [cosine_means[j] for j in window]
+    spread = max(values) - min(values)
+    return {"usable": len(usable), "window": [window[0], window[-1]], "plateau": spread <= SETTLED_RANGE,
+            "range": spread}
 
 
-def settled_spread(cosine_stds: list[float], floor: int | None) -> float | None:
+def settled_cosine(cosine_means: list[float], floor: int | None) -> float | None:
+    """Mean of the cosines over :func:`settled_window`'s window; None ("no plateau") when it has none."""
+    where = settled_window(cosine_means, floor)
+    if not where["plateau"]:
+        return None
+    first, last = where["window"]
+    return float(np.mean(cosine_means[first:last + 1]))
+
+
+def settled_spread(cosine_stds: list[float], cosine_means: list[float], floor: int | None) -> float | None:
     """The mean token-level standard deviation of the cosines :func:`settled_cosine` averages."""
-    usable = cosine_stds if floor is None else cosine_stds[: max(floor - 1, 0)]
-    return float(np.mean(usable[-SETTLED_STEPS:])) if usable else None
+    where = settled_window(cosine_means, floor)
+    if not where["plateau"]:
+        return None
+    first, last = where["window"]
+    return float(np.mean(cosine_stds[first:last + 1]))
 
 
 def plateau(sizes: list[float], relative: list[float]) -> dict[str, Any] | None:
@@ -166,7 +206,8 @@ def group_headline(group: dict[str, Any]) -> dict[str, Any]:
         "decay_10_over_1": step_ratio(sizes, 10, 1),
         "noise_floor_step": floor,
         "settled_cosine": settled_cosine(group["cosine"]["mean"], floor),
-        "settled_cosine_std": settled_spread(group["cosine"]["std"], floor),
+        "settled_cosine_std": settled_spread(group["cosine"]["std"], group["cosine"]["mean"], floor),
+        "settled_cosine_window": settled_window(group["cosine"]["mean"], floor),
         "plateau": plateau(sizes, group["relative_step_size"]["mean"]),
         "last_effective_rank": ranks[-1] if ranks else None,
     }
@@ -193,6 +234,22 @@ def _stats(values: np.ndarray) -> dict[str, float | None]:
     }
 
 
+def handoff_control(previous: dict[str, Any], following: dict[str, Any]) -> dict[str, Any]:
+    """The zero-drift control of the hand-off ratio at a boundary: the median ratio of two synthetic linear
+    loops (:mod:`rdepth.geometry.synthetic`) with these two groups' contraction and rotation (read off their
+    saved mean curves, refinement steps only) and step counts, settling at the same point. ``median`` is
+    None when a group has too few refinement steps above the noise floor to read its dynamics."""
+    from rdepth.geometry.synthetic import dynamics_from_curves, zero_drift_control
+
+    dynamics = [dynamics_from_curves(g["step_size"]["mean"], g["cosine"]["mean"], g["headline"]["noise_floor_step"])
+                for g in (previous, following)]
+    loops = [previous["steps"], following["steps"]]
+    if any(d is None for d in dynamics):
+        return {"median": None, "loops": loops, "dynamics": None}
+    return {"median": zero_drift_control(dynamics[0], dynamics[1], loops), "loops": loops,
+            "dynamics": [{"contraction": d.contraction, "rotation": d.rotation, "noise": d.noise} for d in dynamics]}
+
+
 def summarize_budget(result: StreamResult, group_names: list[str], loss: float | None) -> dict[str, Any]:
     """The JSON summary of one budget: per-group curves, convergence, headline numbers and DLR statistics."""
     groups = []
@@ -209,11 +266,12 @@ def summarize_budget(result: StreamResult, group_names: list[str], loss: float |
         }
         entry["headline"] = group_headline(entry)
         groups.append(entry)
-    dlr = {}
+    dlr, controls = {}, {}
     for boundary, definitions in result.boundaries.items():
         a, b = (int(part) for part in boundary.split("->"))
         dlr[f"{group_names[a]}->{group_names[b]}"] = {name: _stats(v) for name, v in definitions.items()}
-    return {"loss": loss, "tokens": result.tokens, "groups": groups, "dlr": dlr}
+        controls[f"{group_names[a]}->{group_names[b]}"] = handoff_control(groups[a], groups[b])
+    return {"loss": loss, "tokens": result.tokens, "groups": groups, "dlr": dlr, HANDOFF_CONTROL: controls}
 
 
 def save_budget(out: str | Path, label: str, budget: str, result: StreamResult, group_names: list[str],
@@ -245,7 +303,8 @@ def new_summary(settings: dict[str, Any], groups: list[str], sequences: int, seq
         "dlr_default_refine": DEFAULT_DLR_REFINE,
         "dlr_terms": {"numerators": {DLR_NUMERATOR_LABEL[n]: t for n, t in DLR_NUMERATOR_TEXT.items()},
                       "denominators": {DLR_DENOMINATOR_LABEL[d]: t for d, t in DLR_DENOMINATOR_TEXT.items()}},
-        "headline_definitions": {"settled_steps": SETTLED_STEPS, "noise_floor": NOISE_FLOOR,
+        "headline_definitions": {"settled_steps": SETTLED_STEPS, "settled_range": SETTLED_RANGE,
+                                 "noise_floor": NOISE_FLOOR,
                                  "plateau_window": PLATEAU_WINDOW, "plateau_max_decay": PLATEAU_MAX_DECAY},
         "groups": list(groups), "sequences": int(sequences), "seq_len": int(seq_len),
         "budgets": dict(budgets or {}), "checkpoints": [],
