@@ -125,7 +125,7 @@ def test_parameters_shared_across_loop_steps():
     x = model.run_layers((0,), model.embed(idx))
     s = torch.zeros_like(x)
     for _ in range(3):
-        s = model.group_step(0, s, x)
+        s = model.loop_step(0, s, model.group_input(0, x))
     torch.testing.assert_close(s, states[(0, 3)], rtol=0, atol=0)
 
 
@@ -149,7 +149,7 @@ def test_loop_state_steps_by_hand_and_the_default_is_unchanged():
         by_hand = model.run_layers((1,), linear(s, weight[:, :16]) + linear(e, weight[:, 16:]))
         assert torch.equal(model.loop_step(0, s, model.group_input(0, e)), by_hand)
         unsplit = model.run_layers((1,), torch.cat([s, e], -1) @ weight.T)  # the adapter on concat(s, e)
-        torch.testing.assert_close(model.group_step(0, s, e), unsplit, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model.loop_step(0, s, model.group_input(0, e)), unsplit, rtol=1e-5, atol=1e-6)
         normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + config.norm_eps)
         expected = s + residual.run_layers((1,), normed @ weight[:, :16].T + e @ weight[:, 16:].T)
         torch.testing.assert_close(residual.loop_step(0, s, residual.group_input(0, e)), expected,
@@ -305,10 +305,10 @@ def test_truncated_backprop_stops_gradients():
     with torch.no_grad():
         s = states[(0, 0)]
         for _ in range(3):
-            s = model.group_step(0, s, x)
+            s = model.loop_step(0, s, model.group_input(0, x))
     for _ in range(2):
-        s = model.group_step(0, s, x)
-    s1 = model.group_step(1, states[(1, 0)], s)
+        s = model.loop_step(0, s, model.group_input(0, x))
+    s1 = model.loop_step(1, states[(1, 0)], model.group_input(1, s))
     logits = model.readout(model.run_layers((4,), s1))
     manual = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), idx.reshape(-1))
     torch.testing.assert_close(manual, out.loss)
@@ -358,12 +358,13 @@ def test_block_size_enforced():
         model(torch.zeros(1, 33, dtype=torch.long))
 
 
-def test_group_step_compiles_without_graph_breaks():
+def test_loop_step_compiles_without_graph_breaks():
     """The hot path (one loop step) traces as one graph: no host syncs, no Python fallbacks."""
     model = RecurrentLM(tiny_config())
-    step = torch.compile(model.group_step, fullgraph=True, backend="eager")
+    step = torch.compile(model.loop_step, fullgraph=True, backend="eager")
     state, inputs = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
-    torch.testing.assert_close(step(1, state, inputs), model.group_step(1, state, inputs))
+    projected = model.group_input(1, inputs)
+    torch.testing.assert_close(step(1, state, projected), model.loop_step(1, state, projected))
 
 
 def test_regional_compilation_does_not_recompile_when_loop_counts_change():

@@ -80,10 +80,10 @@ def test_shifted_warm_start_is_its_definition(one_group, tokens):
     start = model.init_state(0, x, noise)
     state = start
     for _ in range(4):
-        state = model.group_step(0, state, x)
+        state = model.loop_step(0, state, model.group_input(0, x))
     state = torch.cat([start[:, :1], state[:, :-1]], dim=1)
     for _ in range(4):
-        state = model.group_step(0, state, x)
+        state = model.loop_step(0, state, model.group_input(0, x))
     assert torch.equal(got, model.readout(model.run_layers([2], state)))
 
 

@@ -15,7 +15,7 @@ Two readings, chosen by the sweep's ``decode`` (:data:`rdepth.exits.config.DECOD
   - every stage after group g then runs once on the whole window, dense and
     causal, through the model's own pieces: single-pass layers
     (``run_layers``) once; each later group h for ``loops`` steps
-    (``group_step``) from its own initial state (``init_state``), drawn from a
+    (``loop_step`` of ``group_input``) from its own initial state (``init_state``), drawn from a
     generator reseeded to ``seed`` for every reading, so that two readings of
     the same token differ only through group g's state;
   - then ``readout``.

@@ -14,7 +14,7 @@ carries a residual stream instead, pre-norm on the state::
 (the same parameters; the norm has no weight). The pieces are public so that training,
 loop geometry, early exit, generation and surrogate fitting all drive the
 same code: :meth:`embed`, :meth:`run_layers`, :meth:`init_state`,
-:meth:`group_step`, :meth:`readout`. :meth:`forward` composes them in two
+:meth:`group_input`, :meth:`loop_step`, :meth:`readout`. :meth:`forward` composes them in two
 layouts (see :mod:`rdepth.model.layers`): dense ``[B, T, d]`` for training and
 fixed-budget evaluation, and packed rows when a loop controller (per-token
 exits) or a key/value cache is given. Token-by-token decoding is
@@ -267,17 +267,6 @@ class RecurrentLM(nn.Module):
         x = self.adapter_matmul(self.adapters[group], carried, slice(None, width)) + projected
         update = self.run_layers(self.group_layers[group], x, attn)
         return state + update if residual else update
-
-    def group_step(
-        self,
-        group: int,
-        state: torch.Tensor,
-        inputs: torch.Tensor,
-        attn: AttentionContext | None = None,
-    ) -> torch.Tensor:
-        """One loop step of ``group``: ``layers_g(adapter_g(concat(state, inputs)))``, computed as
-        :meth:`loop_step` of :meth:`group_input` (drivers that loop should compute the input half once)."""
-        return self.loop_step(group, state, self.group_input(group, inputs), attn)
 
     def readout(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and the tied head; logits over the real vocabulary."""
