@@ -99,3 +99,22 @@ def test_every_decoder_option_is_used_by_the_product():
                 passed |= {keyword.arg for keyword in node.keywords}
     assert options and [name for name in options if name not in passed] == []
 
+
+
+def test_one_default_temperature_greedy_in_both_generate_functions():
+    """model.generation.generate defaulted to temperature 1.0 (sampling), Decoder.generate to 0.0 (greedy);
+    both are greedy by default now (issue 39 item 4): the default equals temperature=0 bit for bit."""
+    import inspect
+
+    from conftest import tiny_model
+    from rdepth.model.decoder import Decoder
+    from rdepth.model.generation import generate
+    from rdepth.model.noise import StateNoise
+
+    assert inspect.signature(generate).parameters["temperature"].default == 0.0
+    assert inspect.signature(Decoder.generate).parameters["temperature"].default == 0.0
+    model = tiny_model()
+    idx = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(3))
+    default = generate(model, idx, 6, loop_counts=(2, 3), generator=StateNoise(0, [0, 1]))
+    greedy = generate(model, idx, 6, temperature=0, loop_counts=(2, 3), generator=StateNoise(0, [0, 1]))
+    assert torch.equal(default, greedy)

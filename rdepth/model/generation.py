@@ -19,7 +19,7 @@ def generate(
     idx: torch.Tensor,
     max_new_tokens: int,
     *,
-    temperature: float = 1.0,
+    temperature: float = 0.0,
     top_k: int | None = None,
     loop_counts: Sequence[int] | None = None,
     controller_factory: Callable[[], LoopController] | None = None,
@@ -31,7 +31,7 @@ def generate(
 
     The prompt runs once, then one token per step, each reading the cached keys/values of every
     earlier position at the same loop step (or its last computed step when it exited early).
-    ``temperature=0`` is greedy; sampling draws from ``sample_generator`` on the device.
+    ``temperature=0`` (the default, as :meth:`Decoder.generate`'s) is greedy; sampling draws from ``sample_generator`` on the device.
     Generation stops at the model's block size. ``generator``: the initial loop states (a
     :class:`StateNoise`, one id per row; default ids ``0..B-1`` with seed 0). ``warm_start``: each
     group's loop starts from the state it handed on at the previous token.
