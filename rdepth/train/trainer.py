@@ -573,10 +573,16 @@ def compile_loop_steps(model, **options) -> None:
     compiled = torch.compile(model.loop_step, fullgraph=True, dynamic=False, **options)
     graphs = 4 * model.n_groups
 
+    config = torch._dynamo.config
+
     @functools.wraps(compiled)
-    def loop_step(*args, **kwargs):
-        limit = max(torch._dynamo.config.recompile_limit, graphs)
-        with torch._dynamo.config.patch(recompile_limit=limit):
+    def loop_step(*args, **kwargs):  # set and restored directly: config.patch costs ~50 us a call here, ~4 us
+        previous = config.recompile_limit
+        if previous < graphs:
+            config.recompile_limit = graphs
+        try:
             return compiled(*args, **kwargs)
+        finally:
+            config.recompile_limit = previous
 
     model.loop_step = loop_step
