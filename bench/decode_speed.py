@@ -1,13 +1,13 @@
-"""Batch decode latency (ms/token): the packed path against the static-shape path, eager and as CUDA graphs.
+"""Batch decode latency (ms/token) of the one decoder: eager, as CUDA graphs, compiled, against a plain model.
 
     python bench/decode_speed.py --preset paper --loops 12 [--device cuda] [--dtype bfloat16] [--json out.json]
 
 Random weights (speed does not need trained ones). After a prompt, each setting decodes --tokens
 tokens, one forward per token (teacher-forced: the same token ids for every setting), timed
 --repeats times after --warmup untimed rounds; the median ms/token is reported with its
-interquartile range, and every setting's ratio to (a) measured in the same run:
+interquartile range, and every setting's ratio to (b) measured in the same run ((a), the packed cached
+path, went with issue 39's one cache: the decoder is the one token-at-a-time path):
 
-  (a) packed:        model(token, cache=KVStore) per token (rdepth.model.generation's path)
   (b) static eager:  Decoder.step at the fixed budget
   (c) static graph:  the same, replayed as one CUDA graph per token (CUDA only)
   (d) plain:         a model of the same width and depth without loops, static path (graph on CUDA)
@@ -22,7 +22,7 @@ with their own exit-check share. Compilation happens before a setting's rounds, 
 
 --profile counts, for one token, host syncs and kernel launches (CUDA: launch calls, kernels run on the
 device and synchronising runtime calls; CPU: leaf aten ops and single-value reads, which would be launches and syncs on a
-GPU) of (a) and (b) (and of (b) compiled, with --compile; on the CPU Inductor's fused C++ kernels are
+GPU) of (b) (and of (b) compiled, with --compile; on the CPU Inductor's fused C++ kernels are
 no aten ops: only the calls it leaves to aten, matmuls and attention, are counted there). Prints the
 device, torch version and git revision, and writes them with the numbers to --json.
 """
@@ -147,28 +147,6 @@ NO_WORK = {"as_strided", "view", "reshape", "_reshape_alias", "transpose", "t", 
            "type_as", "lift_fresh", "_unsafe_view", "narrow", "chunk"}
 
 
-def packed_decoding(model, prompt, steps, noise, batch: int, options):
-    """``(setup, decode, state)`` for :func:`time_rounds` on the packed path (``generate``'s): ``setup``
-    prefills a fresh cache (``state["cache"]``) with ``prompt``, ``decode`` feeds ``steps`` one token at
-    a time; ``options()`` gives each forward's loop arguments (``loop_counts=...``, or a fresh
-    ``controller=...``)."""
-    import torch
-
-    state: dict = {}
-
-    def setup() -> None:
-        state["cache"] = model.new_cache(batch)
-        with torch.no_grad():
-            model(prompt, cache=state["cache"], generator=noise, **options())
-
-    @torch.no_grad()
-    def decode() -> None:
-        for token in steps:
-            model(token, cache=state["cache"], generator=noise, **options())
-
-    return setup, decode, state
-
-
 def _is_work(name: str) -> bool:
     return name.startswith("aten::") and name[len("aten::"):] not in NO_WORK
 
@@ -212,18 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     prompt, steps = ids[:, : args.prompt], [ids[:, t : t + 1] for t in range(args.prompt, ids.shape[1])]
     results: dict = {}
 
-    # (a) the packed path
-    packed_setup, packed_decode, state = packed_decoding(model, prompt, steps, noise, batch,
-                                                         lambda: {"loop_counts": loops})
-    results["a_packed"] = summary(time_rounds(packed_setup, packed_decode, args, device))
-
     def static_rounds(decoder: Decoder, graph: bool) -> dict:
         decoder.prefill(prompt)
         if graph:
             Captured.record(decoder)  # compiles first, when compiled
         elif isinstance(decoder.executor, Compiled):
-            decoder._advance(steps[0])  # compiles, untimed
-        return summary(time_rounds(lambda: decoder.prefill(prompt), lambda: [decoder._advance(t) for t in steps],
+            decoder.step(steps[0])  # compiles, untimed
+        return summary(time_rounds(lambda: decoder.prefill(prompt), lambda: [decoder.step(t) for t in steps],
                                    args, device))
 
     def static(budget=loops, factory=None, on=model, compiled=False):
@@ -255,28 +228,23 @@ def main(argv: list[str] | None = None) -> int:
                     "loop_step_ms": step_ms, "check_ms": check_ms,
                     "check_over_step": check_ms / step_ms if step_ms > 0 else None}
     del plain
-    reference = results["a_packed"]["ms_per_token"]
+    reference = results.get("b_static_eager", {}).get("ms_per_token")
     for key, value in results.items():
-        if "ms_per_token" in value:
-            value["ratio_vs_packed"] = value["ms_per_token"] / reference
+        if "ms_per_token" in value and reference:
+            value["ratio_vs_b"] = value["ms_per_token"] / reference
 
     if args.profile:
-        packed_setup()
         decoder = static()
         decoder.prefill(prompt)
         with torch.no_grad():
-            results["profile_per_token"] = {
-                "a_packed": count_per_token(
-                    lambda: model(steps[0], loop_counts=loops, cache=state["cache"], generator=noise), device),
-                "b_static_eager": count_per_token(lambda: decoder._advance(steps[0]), device),
-            }
+            results["profile_per_token"] = {"b_static_eager": count_per_token(lambda: decoder.step(steps[0]), device)}
         if args.compile:
             decoder = static(compiled=True)
             decoder.prefill(prompt)
-            decoder._advance(steps[0])  # compiles
+            decoder.step(steps[0])  # compiles
             decoder.prefill(prompt)
             results["profile_per_token"]["b_static_eager_inductor"] = count_per_token(
-                lambda: decoder._advance(steps[0]), device)
+                lambda: decoder.step(steps[0]), device)
 
     info = environment_info()
     report = {"environment": {**info, "device": device_name(device)},
@@ -291,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in results.items():
         if "ms_per_token" in value:
             low, high = value["iqr"]
-            print(f"  {key:<27} {value['ms_per_token']:10.3f} [{low:.3f}-{high:.3f}]  x{value['ratio_vs_packed']:.3f} "
-                  f"of (a)")
+            print(f"  {key:<27} {value['ms_per_token']:10.3f} [{low:.3f}-{high:.3f}]  x{value.get('ratio_vs_b', float('nan')):.3f} "
+                  f"of (b)")
     for suffix in ("", "_inductor"):
         check = results.get("exit_check_per_step" + suffix)
         if check is None:

@@ -2,7 +2,6 @@
 
     python bench/exit_wall.py task --run runs/demo/train --data runs/demo/data [--difficulty 4] [--json out.json]
     python bench/exit_wall.py text --run RUN --data DATA --problems 64 [--json out.json]
-    python bench/exit_wall.py generate [--run runs/demo/train] [--json out.json]
 
 ``task`` (a trained task model, decoding one problem at a time, and batches of problems):
 
@@ -22,9 +21,8 @@
 the split, the bar the full budget's perplexity plus ``--tolerance`` (0.5%), and the first ``--tokens``
 positions of ``--timed-problems`` windows decoded per timed round.
 
-``generate``: ``rdepth generate``'s path at the full budget against the earlier packed path
-(``model(token, cache=KVStore)`` per token), batch 1, greedy, on the ``tiny`` preset (random weights)
-and on ``--run`` if given: ms per token and their ratio, and whether the tokens are identical.
+(The ``generate`` mode, the earlier packed cached path against the decoder, went with that path: the
+model has one cache and one token-at-a-time path, the decoder.)
 
 Prints the device, torch version and git revision, and writes everything to ``--json``.
 """
@@ -45,7 +43,7 @@ TAUS = {"step_norm": (0.5, 1, 2, 4, 8), "step_norm_rel": (0.02, 0.05, 0.1, 0.2, 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["task", "text", "generate"])
+    parser.add_argument("mode", choices=["task", "text"])
     parser.add_argument("--run", default=None, help="a trained run (task mode: a task model)")
     parser.add_argument("--data", default=None, help="its prepared data (task mode)")
     parser.add_argument("--difficulty", type=int, default=4)
@@ -59,7 +57,7 @@ def parse_args(argv):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=48,
-                        help="generate mode: tokens per timed call; text mode: positions decoded per window")
+                        help="text mode: positions decoded per window")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
@@ -266,51 +264,6 @@ def _mean_steps(result: dict, heldout) -> float:
     return (result["mean_steps_answer"] * answers + result["mean_steps_other"] * others) / max(answers + others, 1)
 
 
-# ------------------------------------------------------------------------- generate mode
-def generate_mode(args) -> dict:
-    import torch
-
-    from rdepth.config import get_preset
-    from rdepth.model import RecurrentLM
-    from rdepth.model.generation import generate
-    from rdepth.model.noise import StateNoise
-
-    models = {}
-    torch.manual_seed(args.seed)
-    models["tiny (random weights)"] = RecurrentLM(get_preset("tiny")).eval()
-    if args.run:
-        from rdepth.run.checkpoint import load_model
-
-        models[f"{args.run}"] = load_model(args.run, torch.device("cpu"))[0].eval()
-    report = {}
-    for name, model in models.items():
-        prompt_len = min(16, model.config.block_size // 4)
-        new = min(args.tokens, model.config.block_size - prompt_len)
-        prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len),
-                               generator=torch.Generator().manual_seed(args.seed))
-
-        @torch.no_grad()
-        def packed(model=model, prompt=prompt, new=new):
-            cache, noise, tokens, step = model.new_cache(1), StateNoise(args.seed, [0]), [prompt], prompt
-            for _ in range(new):
-                logits = model(step, cache=cache, generator=noise).logits[:, -1]
-                step = logits.float().argmax(-1, keepdim=True)
-                tokens.append(step)
-            return torch.cat(tokens, 1)
-
-        def decoder(model=model, prompt=prompt, new=new):
-            return generate(model, prompt, new, temperature=0, generator=StateNoise(args.seed, [0]))
-
-        identical = torch.equal(packed(), decoder())
-        samples = interleaved({"packed": packed, "decoder": decoder}, args.rounds, args.warmup, args.seed)
-        ms = {label: 1e3 * statistics.median(times) / new for label, times in samples.items()}
-        report[name] = {"ms_per_token": ms, "speedup": ms["packed"] / ms["decoder"], "identical_tokens": identical,
-                        "tokens": new, "loops": list(model.config.default_eval_loops)}
-        print(f"{name}: packed {ms['packed']:.3f} ms/token, decoder {ms['decoder']:.3f} ms/token, "
-              f"x{ms['packed'] / ms['decoder']:.2f}, identical tokens: {identical}", flush=True)
-    return report
-
-
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
@@ -319,12 +272,9 @@ def main(argv=None) -> int:
     header = {"device": "cpu", "threads": args.threads, "torch": torch.__version__, "revision": revision(),
               "argv": sys.argv[1:] if argv is None else argv}
     print(f"device: cpu ({args.threads} threads)  torch {torch.__version__}  git {header['revision']}", flush=True)
-    if args.mode in ("task", "text"):
-        if not (args.run and args.data):
-            raise SystemExit(f"{args.mode} mode needs --run and --data")
-        result = compare_mode(args, text=args.mode == "text")
-    else:
-        result = generate_mode(args)
+    if not (args.run and args.data):
+        raise SystemExit(f"{args.mode} mode needs --run and --data")
+    result = compare_mode(args, text=args.mode == "text")
     if args.json:
         from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
         with open(args.json, "w") as handle:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rdepth.model.kv import AttentionContext, KVStore
+from rdepth.model.kv import AttentionContext, RowsKV
 from rdepth.model.noise import StateNoise
 from rdepth.model.decoder import Decoder
 
@@ -143,7 +143,7 @@ def inside_attention(event) -> bool:
 
 
 def test_build_sets_the_flag_only_for_one_query_per_row_in_order():
-    store = KVStore(3, 8, set(), keep_steps=False)
+    store = RowsKV(tiny_model("sandwich").new_cache(3, 8))
     one_each = AttentionContext.build(store, 1, torch.arange(3), torch.tensor([4, 4, 4]))
     assert one_each.one_per_row
     some_rows = AttentionContext.build(store, 1, torch.tensor([0, 2]), torch.tensor([4, 4]))
@@ -153,7 +153,7 @@ def test_build_sets_the_flag_only_for_one_query_per_row_in_order():
 
 @pytest.mark.parametrize("block", ["sandwich", "gpt2"])
 def test_packed_path_layer_call_is_bit_identical_with_the_flag(block):
-    """The packed path (generation through a KVStore) sets the flag itself at one token per row: a
+    """The packed path (packed rows through the cache) sets the flag itself at one token per row: a
     layer's output and the keys it stores equal the packing path's."""
     model = tiny_model(block)
     batch, before = 3, 4
@@ -162,12 +162,12 @@ def test_packed_path_layer_call_is_bit_identical_with_the_flag(block):
     x = torch.randn(batch, model.config.d_model, dtype=torch.float64, generator=draw)
     outputs = []
     for flag in (True, False):
-        store = KVStore(batch, 8, set(), keep_steps=False)
+        store = RowsKV(model.new_cache(batch, 8, dtype=torch.float64))
         earlier = AttentionContext.build(store, 1, torch.arange(batch).repeat_interleave(before),
                                          torch.arange(before).repeat(batch))
         model.layers[0](prompt, earlier)  # positions 0..3 of every row, packed
         context = AttentionContext.build(store, 1, torch.arange(batch), torch.full((batch,), before))
         assert context.one_per_row and not earlier.one_per_row
-        outputs.append((model.layers[0](x, dataclasses.replace(context, one_per_row=flag)), store.latest[0]))
+        outputs.append((model.layers[0](x, dataclasses.replace(context, one_per_row=flag)), store.cache.slots(0, 1)))
     (fast, fast_kv), (slow, slow_kv) = outputs
     assert torch.equal(fast, slow) and all(torch.equal(a, b) for a, b in zip(fast_kv, slow_kv))

@@ -1,5 +1,5 @@
-"""The static-shape decode path (rdepth.model.static_decode) equals the packed path: cached and
-teacher-forced, at fixed budgets and under every exit rule, in float64 on the CPU; it has no host
+"""The one decoder (rdepth.model.decoder over rdepth.model.kv's cache) equals the teacher-forced passes
+(dense, packed rows under exits, warm start by definition), at fixed budgets and under every exit rule, in float64 on the CPU; it has no host
 sync inside a token (one per chunk with exit checks); CUDA-graph replay equals eager (GPU only)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from conftest import tiny_model
 from rdepth.errors import RdepthError
 from rdepth.exits import PolicyController
 from rdepth.exits.registry import POLICIES
-from rdepth.model import RecurrentLM
-from rdepth.model.generation import generate
+from rdepth.model import FixedController, RecurrentLM
+from rdepth.model.generation import generate, teacher_forced
 from rdepth.model.noise import StateNoise
 from rdepth.model.decoder import Decoder
 from rdepth.model.executors.compiled import Compiled
@@ -84,20 +84,16 @@ def step_through(decoder: Decoder, idx: torch.Tensor, prompt: int = PROMPT, forb
 @BLOCKS
 @BATCHES
 @LOOP_STATES
-def test_fixed_budget_equals_packed_cache_and_teacher_forced(block, batch, loop_state):
+def test_fixed_budget_equals_teacher_forced(block, batch, loop_state):
     model = tiny_model(block, loop_state=loop_state)
     idx = tokens(batch)
     noise = StateNoise(3, range(batch))
     counts = (4, 3)
     forced = model(idx, loop_counts=counts, generator=noise).logits
-    cache = model.new_cache(batch)
-    cached = [model(idx[:, :PROMPT], loop_counts=counts, cache=cache, generator=noise).logits]
-    for t in range(PROMPT, LENGTH):
-        cached.append(model(idx[:, t : t + 1], loop_counts=counts, cache=cache, generator=noise).logits)
     decoder = make(model, batch, loop_counts=counts, noise=noise)
     static, computed, used = decode_all(decoder, idx)
-    torch.testing.assert_close(static, torch.cat(cached, 1), rtol=0, atol=1e-10)
     torch.testing.assert_close(static, forced, rtol=0, atol=1e-10)
+    assert (computed == torch.tensor(counts)[:, None, None]).all() and torch.equal(used, computed[:, :, PROMPT:])
     assert (computed == torch.tensor(counts)[:, None, None]).all() and torch.equal(used, computed[:, :, PROMPT:])
     assert decoder.cache.steps == counts  # the cache keeps only the steps the budget runs
 
@@ -161,26 +157,23 @@ def test_exits_equal_the_packed_path(name, batch):
 @BLOCKS
 @BATCHES
 @LOOP_STATES
-def test_exits_hand_on_the_previous_state_and_equal_cached_packed(block, batch, loop_state):
-    """Algorithm 1's two-hit rule hands on x^(s-1): the static path hands on the same state as the
-    packed cache decoding token by token (both block types, both loop states)."""
+def test_exits_hand_on_the_previous_state_and_equal_teacher_forced(block, batch, loop_state):
+    """Algorithm 1's two-hit rule hands on x^(s-1): the decoder, token by token, hands on the same state
+    as the teacher-forced packed pass with every position in lock-step (both block types, both loop
+    states)."""
     model = tiny_model(block, loop_state=loop_state)
     idx = tokens(batch)
     noise = StateNoise(2, range(batch))
     setting = varied_setting(model, idx, noise, "acceleration")
     factory = controller_factory(model, "acceleration", setting)
-    cache = model.new_cache(batch)
-    outs = [model(idx[:, :PROMPT], controller=factory(), cache=cache, generator=noise)]
-    for t in range(PROMPT, LENGTH):
-        outs.append(model(idx[:, t : t + 1], controller=factory(), cache=cache, generator=noise))
-    cached_used = torch.cat([torch.stack(out.used) for out in outs], 2)
-    cached_computed = torch.cat([torch.stack(out.computed) for out in outs], 2)
-    assert (cached_used < cached_computed).any(), "some token should hand on the state before its last step"
+    forced = model(idx, controller=factory(), generator=noise)
+    forced_used, forced_computed = torch.stack(forced.used), torch.stack(forced.computed)
+    assert (forced_used < forced_computed).any(), "some token should hand on the state before its last step"
     decoder = make(model, batch, controller_factory=factory, noise=noise)
     static, computed, used = decode_all(decoder, idx)
-    torch.testing.assert_close(static, torch.cat([out.logits for out in outs], 1), rtol=0, atol=1e-10)
-    assert torch.equal(computed, cached_computed)
-    assert torch.equal(used, cached_used[:, :, PROMPT:])
+    torch.testing.assert_close(static, forced.logits, rtol=0, atol=1e-10)
+    assert torch.equal(computed, forced_computed)
+    assert torch.equal(used, forced_used[:, :, PROMPT:])
 
 
 @pytest.mark.parametrize("name", ["step_norm", "acceleration", "kl"])
@@ -287,10 +280,8 @@ def test_a_token_has_no_host_sync_but_one_per_chunk_check(name, check_every):
     assert counts.get("aten::lift_fresh", 0) == 0
     checks = sum(1 for kind, _ in decoder.plan.pieces if kind == "check")
     assert syncs <= checks and (check_every is None) == (checks == 0)
-    # the packed path, for contrast, syncs at every loop step
-    cache = model.new_cache(3)
-    model(idx[:, :PROMPT], loop_counts=K_MAX, cache=cache, generator=noise)
-    packed = op_counts(lambda: model(idx[:, PROMPT : PROMPT + 1], loop_counts=K_MAX, cache=cache, generator=noise))
+    # the teacher-forced packed pass, for contrast (the counter sees syncs), syncs at every loop step
+    packed = op_counts(lambda: model(idx[:, :PROMPT + 1], controller=FixedController(K_MAX), generator=noise))
     assert sum(packed.get(op, 0) for op in SYNC_OPS) >= sum(K_MAX)
 
 
@@ -474,17 +465,19 @@ def test_unreplayed_tokens_of_a_captured_decoder_touch_no_graph():
 @pytest.mark.parametrize("name", [None, "acceleration", "kl"])
 @LOOP_STATES
 def test_warm_start_equals_teacher_forced_warm_start(name, loop_state):
-    """Each group's loop starts from the state it handed on at the previous position: the decoder,
-    token by token, equals forward(warm_start=True) (float64), with exits too, and a rollback
-    restarts from the right state."""
+    """Each group's loop starts from the state it handed on at the previous position: the decoder, token
+    by token, equals the teacher-forced warm start (float64; at a fixed budget also a dense reference
+    that recomputes every prefix from the hand-offs, :func:`dense_warm_start`), with exits too, and a
+    rollback restarts from the right state."""
     model = tiny_model(loop_state=loop_state)
     idx = tokens(2)
     noise = StateNoise(4, range(2))
     options = {"loop_counts": (3, 2)}
     if name is not None:
         options = {"controller_factory": controller_factory(model, name, varied_setting(model, idx, noise, name))}
-    reference = model(idx, generator=noise, warm_start=True,
-                      **({"loop_counts": (3, 2)} if name is None else {"controller": options["controller_factory"]()}))
+    reference = teacher_forced(model, idx, noise=noise, warm_start=True, **options)
+    if name is None:
+        torch.testing.assert_close(reference.logits, dense_warm_start(model, idx, (3, 2), noise), rtol=0, atol=1e-10)
     decoder = make(model, 2, noise=noise, warm_start=True, **options)
     logits = decoder.prefill(idx[:, :PROMPT])
     rest = torch.cat([decoder.step(idx[:, t:t + 1])[:, None] for t in range(PROMPT, LENGTH)], 1)
@@ -495,6 +488,34 @@ def test_warm_start_equals_teacher_forced_warm_start(name, loop_state):
     decoder.rollback(PROMPT + 2)
     again = decoder.extend(idx[:, PROMPT + 2:])
     torch.testing.assert_close(again, reference.logits[:, PROMPT + 2:], rtol=0, atol=1e-10)
+
+
+def dense_warm_start(model: RecurrentLM, idx: torch.Tensor, counts, noise) -> torch.Tensor:
+    """Warm start by definition, with no cache: position t's logits from a dense pass over positions
+    0..t whose initial states are the noise at 0 and, at j > 0, the state each group handed on at j - 1
+    (a causal pass leaves the earlier positions' trajectories as they were)."""
+    batch, length = idx.shape
+    blank = torch.zeros(batch, length, model.config.d_model, dtype=torch.float64)
+    first = {group: model.init_state(group, blank, noise) for group in range(model.n_groups)}
+    handed = {group: [] for group in range(model.n_groups)}
+    logits = []
+
+    def observe(group, step, state, active):
+        if step == counts[group]:
+            last[group] = state[:, -1]
+
+    for t in range(length):
+        starts = {group: torch.stack([first[group][:, 0], *handed[group]], 1) for group in range(model.n_groups)}
+        last = {}
+        original = model.init_state
+        model.init_state = lambda group, inputs, noise=None, start=0: starts[group]
+        try:
+            logits.append(model(idx[:, :t + 1], loop_counts=counts, observer=observe).logits[:, -1])
+        finally:
+            model.init_state = original
+        for group in range(model.n_groups):
+            handed[group].append(last[group])
+    return torch.stack(logits, 1)
 
 
 def test_extend_at_another_budget_then_rollback_equals_the_budget_alone():

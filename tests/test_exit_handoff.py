@@ -17,6 +17,7 @@ from rdepth.exits.base import POLICIES
 from rdepth.exits.controller import PolicyController
 from rdepth.model import RecurrentLM
 from rdepth.model.noise import StateNoise
+from rdepth.model.decoder import Decoder
 
 K_MAX = 6
 TAUS = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0)
@@ -109,19 +110,15 @@ def test_random_initial_states_cached_equals_teacher_forced_and_batch_of_one(nam
 
     with torch.no_grad():
         noise = StateNoise.consecutive(5, 0, 3)
-        if name is None:  # the fixed budget through the packed path
-            full = net(idx, loop_counts=(3, 4), cache=net.new_cache(3), generator=noise)
-        else:
-            full = net(idx, controller=controller(), generator=noise)
-        cache = net.new_cache(3)
-        pieces = [net(idx[:, :4], loop_counts=(3, 4) if name is None else None, controller=controller(),
-                      cache=cache, generator=noise)]
+        counts = (3, 4) if name is None else None
+        full = net(idx, loop_counts=counts, controller=controller(), generator=noise)
+        decoder = Decoder(net, 3, loop_counts=counts, controller_factory=None if name is None else controller,
+                          noise=noise)
+        pieces = [decoder.prefill(idx[:, :4])]
         for position in range(4, 10):
-            pieces.append(net(idx[:, position:position + 1], loop_counts=(3, 4) if name is None else None,
-                              controller=controller(), cache=cache, generator=noise))
-        cached = torch.cat([p.logits for p in pieces], dim=1)
-        single = torch.cat([net(idx[b:b + 1], loop_counts=(3, 4) if name is None else None, controller=controller(),
-                                cache=net.new_cache(1) if name is None else None,
+            pieces.append(decoder.step(idx[:, position:position + 1])[:, None])
+        cached = torch.cat(pieces, dim=1)
+        single = torch.cat([net(idx[b:b + 1], loop_counts=counts, controller=controller(),
                                 generator=StateNoise(5, [b])).logits for b in range(3)])
     torch.testing.assert_close(cached, full.logits, rtol=0, atol=1e-10)
     torch.testing.assert_close(single, full.logits, rtol=0, atol=1e-10)

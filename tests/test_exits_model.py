@@ -8,6 +8,7 @@ import torch
 from rdepth.config import get_preset
 from rdepth.exits import PolicyController, make_policy, replay
 from rdepth.model import RecurrentLM
+from rdepth.model.decoder import Decoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -128,13 +129,13 @@ def test_cached_exits_equal_teacher_forced(deterministic_model, tokens):
     tau = _signal_median(model, tokens, "acceleration")
     with torch.no_grad():
         full = model(tokens, controller=_controller(model, "acceleration", tau))
-        cache = model.new_cache(tokens.shape[0])
+        decoder = Decoder(model, tokens.shape[0], controller_factory=lambda: _controller(model, "acceleration", tau))
         for position in range(tokens.shape[1]):
-            step = model(tokens[:, position : position + 1], controller=_controller(model, "acceleration", tau), cache=cache)
+            logits = decoder.step(tokens[:, position : position + 1])
             for group in range(model.n_groups):
-                assert torch.equal(step.computed[group][:, 0], full.computed[group][:, position])
-                assert torch.equal(step.used[group][:, 0], full.used[group][:, position])
-            assert torch.allclose(step.logits[:, 0], full.logits[:, position], atol=1e-10)
+                assert torch.equal(decoder.computed[group], full.computed[group][:, position])
+                assert torch.equal(decoder.used[group], full.used[group][:, position])
+            assert torch.allclose(logits, full.logits[:, position], atol=1e-10)
     assert len(set(full.computed[0].flatten().tolist())) >= 2
 
 

@@ -93,7 +93,7 @@ def test_smoke_run(tmp_path):
     assert train["plain_depth"] == 18 and train["layer_application_throughput_ratio"] > 0
 
     decode = sections["decode"]
-    for key in ("packed", "static_eager", "plain_static_eager", "static_inductor", "plain_static_inductor"):
+    for key in ("static_eager", "plain_static_eager", "static_inductor", "plain_static_inductor"):
         assert decode[key]["ms_per_token"] > 0, key
     assert decode["static_inductor"]["path"] == "inductor+eager" and decode["static_inductor"]["compile_s"] > 0
     assert decode["static_graph"] == {"status": "cuda only"}

@@ -9,6 +9,7 @@ import torch
 
 from rdepth.errors import RdepthError
 from rdepth.model.noise import StateNoise
+from rdepth.model.decoder import Decoder
 
 from test_hf_helpers import cli, one_line_error, tiny_run, tiny_tokenizer  # noqa: E402
 
@@ -64,10 +65,9 @@ def test_gpt2_logits_equal_transformers(tmp_path, monkeypatch):
     with torch.no_grad():
         expected = reference(ids).logits
         torch.testing.assert_close(model.eval()(ids).logits, expected, rtol=1e-5, atol=1e-5)
-        # cached decoding (rdepth's packed path) gives the same logits
-        cache = model.new_cache(2)
-        pieces = [model(ids[:, :7], cache=cache).logits] + [model(ids[:, t:t + 1], cache=cache).logits
-                                                             for t in range(7, 20)]
+        # cached decoding (rdepth's decoder) gives the same logits
+        decoder = Decoder(model, 2)
+        pieces = [decoder.prefill(ids[:, :7])] + [decoder.step(ids[:, t:t + 1])[:, None] for t in range(7, 20)]
         torch.testing.assert_close(torch.cat(pieces, 1), expected, rtol=1e-5, atol=1e-5)
 
 

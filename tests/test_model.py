@@ -10,6 +10,7 @@ from rdepth.config import ModelConfig, get_preset, parse_groups, parse_loop_coun
 from rdepth.errors import RdepthError
 from rdepth.model import FixedController, RecurrentLM, sample_loop_counts, step_generator
 from rdepth.model.generation import generate
+from rdepth.model.decoder import Decoder
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -187,12 +188,12 @@ def test_cached_decoding_equals_uncached(block, loop_state):
     model = tiny_model(block=block, loop_state=loop_state)
     idx = torch.randint(0, 50, (2, 14))
     full = model(idx, loop_counts=(5, 3)).logits
-    cache = model.new_cache(2)
-    pieces = [model(idx[:, :6], loop_counts=(5, 3), cache=cache).logits]
+    decoder = Decoder(model, 2, loop_counts=(5, 3))
+    pieces = [decoder.prefill(idx[:, :6])]
     for t in range(6, 14):
-        pieces.append(model(idx[:, t : t + 1], loop_counts=(5, 3), cache=cache).logits)
+        pieces.append(decoder.step(idx[:, t : t + 1])[:, None])
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-10)
-    assert cache.length == 14
+    assert decoder.length == 14
 
 
 @BLOCKS
@@ -249,12 +250,11 @@ def test_exits_teacher_forced_equals_cached_and_batch_of_one(block):
     steps = torch.stack(forced.computed)
     assert steps.min() < steps.max(), "the threshold should make tokens exit at different steps"
     # cached, token by token
-    cache = model.new_cache(3)
+    decoder = Decoder(model, 3, controller_factory=lambda: NormController(tau, 8))
     logits, computed = [], []
     for t in range(12):
-        out = model(idx[:, t : t + 1], controller=NormController(tau, 8), cache=cache)
-        logits.append(out.logits)
-        computed.append(torch.stack(out.computed))
+        logits.append(decoder.step(idx[:, t : t + 1])[:, None])
+        computed.append(decoder.computed[:, :, None].clone())
     torch.testing.assert_close(torch.cat(logits, 1), forced.logits, rtol=0, atol=1e-10)
     assert torch.equal(torch.cat(computed, 2), steps)
     # batch of one

@@ -1,9 +1,9 @@
 """Every path that decodes token by token drives the one decoder (rdepth.model.decoder.Decoder).
 
 A token-by-token loop is a loop whose body feeds the model through a key/value cache: a call with a
-``cache=`` keyword, a new packed cache (``new_cache``), or a decoder's position step (``_advance``).
-Only the decoder itself may hold one; the model's teacher-forced warm start
-(``RecurrentLM._forward_warm``, positions one at a time inside ``forward``) is the one other place.
+``cache=`` keyword, a new cache (``new_cache``), or a decoder's position step (``_advance``). Only the
+decoder itself may hold one (teacher-forced warm start and the exported model's cached forward run
+the decoder too), and there is one cache class (issue 39 item 3).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rdepth"
-ALLOWED = {("model/decoder.py", None), ("model/recurrent.py", "_forward_warm")}
+ALLOWED = {("model/decoder.py", None)}
 
 
 def _feeds_a_cache(call: ast.Call) -> bool:
@@ -50,6 +50,26 @@ def test_no_module_but_the_decoder_drives_a_token_by_token_loop():
                if (module, None) not in ALLOWED and (module, function) not in ALLOWED]
     assert outside == []
     assert any(module == "model/decoder.py" for module, _, _ in loops)  # the scan does see the decoder's loop
+
+
+def test_one_cache_class_and_no_cache_in_the_model_forward():
+    """``grep "class .*KV|KVStore" rdepth`` finds one cache (``KVCache``); the other stores are adapters over
+    its tensors, each under 60 lines; ``RecurrentLM.forward`` takes no cache and no sequential warm start."""
+    import inspect
+
+    from rdepth.model.recurrent import RecurrentLM
+
+    classes = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and ("KV" in node.name or "Cache" in node.name):
+                classes[node.name] = (path.relative_to(PACKAGE).as_posix(), node.end_lineno - node.lineno + 1)
+    assert "KVStore" not in classes and classes["KVCache"][0] == "model/kv.py"
+    adapters = {name: lines for name, (module, lines) in classes.items()
+                if name not in ("KVCache", "RdepthCache")}  # RdepthCache: transformers' handle on a Decoder
+    assert set(adapters) == {"ChunkKV", "RowsKV", "GivenKV"} and max(adapters.values()) < 60
+    parameters = inspect.signature(RecurrentLM.forward).parameters
+    assert "cache" not in parameters and "warm_start" not in parameters
 
 
 def test_every_decoding_entry_point_runs_the_decoder(monkeypatch):

@@ -8,7 +8,8 @@ import torch
 from rdepth.config import get_preset
 from rdepth.exits import PolicyController, make_policy
 from rdepth.model import RecurrentLM
-from rdepth.model.generation import generate
+from rdepth.model.decoder import Decoder
+from rdepth.model.generation import generate, teacher_forced
 from rdepth.model.noise import StateNoise
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,29 +28,30 @@ def tokens() -> torch.Tensor:
 
 
 def controller():
-    return PolicyController(lambda group: make_policy("step_norm", tau=0.05, k_max=6))
+    return PolicyController(lambda group: make_policy("step_norm_rel", tau=0.05, k_max=6))  # stops at 5 or 6
 
 
 @torch.no_grad()
 def test_one_call_equals_token_by_token_with_a_cache(model, tokens):
     noise = StateNoise.consecutive(3, 0, tokens.shape[0])
-    whole = model(tokens, controller=controller(), generator=noise, warm_start=True)
-    cache = model.new_cache(tokens.shape[0])
-    pieces = [model(tokens[:, :5], controller=controller(), generator=noise, cache=cache, warm_start=True)]
+    whole = teacher_forced(model, tokens, controller_factory=controller, noise=noise, warm_start=True)
+    decoder = Decoder(model, tokens.shape[0], controller_factory=controller, noise=noise, warm_start=True)
+    logits, computed = [decoder.prefill(tokens[:, :5])], [decoder.prompt_computed]
     for t in range(5, tokens.shape[1]):
-        pieces.append(model(tokens[:, t:t + 1], controller=controller(), generator=noise, cache=cache,
-                            warm_start=True))
-    # the same computation; only the head's matmul over 12 positions at once rounds differently (1e-16)
-    torch.testing.assert_close(whole.logits, torch.cat([p.logits for p in pieces], dim=1), rtol=1e-12, atol=1e-12)
+        logits.append(decoder.step(tokens[:, t:t + 1])[:, None])
+        computed.append(decoder.computed[:, :, None].clone())
+    torch.testing.assert_close(whole.logits, torch.cat(logits, dim=1), rtol=1e-12, atol=1e-12)
+    steps = torch.cat(computed, dim=2)
     for group in range(model.n_groups):
-        assert torch.equal(whole.computed[group], torch.cat([p.computed[group] for p in pieces], dim=1))
+        assert torch.equal(whole.computed[group], steps[group])
+    assert steps.min() >= 1 and steps.max() <= 6 and len(set(steps.flatten().tolist())) > 1  # exits did vary
 
 
 @torch.no_grad()
 def test_warm_start_changes_every_position_but_the_first(model, tokens):
     noise = StateNoise.consecutive(3, 0, tokens.shape[0])
-    fresh = model(tokens, loop_counts=3, generator=noise, controller=None, cache=model.new_cache(3))
-    warm = model(tokens, loop_counts=3, generator=noise, warm_start=True)
+    fresh = model(tokens, loop_counts=3, generator=noise)
+    warm = teacher_forced(model, tokens, loop_counts=3, noise=noise, warm_start=True)
     torch.testing.assert_close(warm.logits[:, 0], fresh.logits[:, 0], rtol=1e-10, atol=1e-10)  # starts from noise
     assert (warm.logits[:, 1:] - fresh.logits[:, 1:]).abs().amax(-1).min() > 1e-6
 
@@ -59,7 +61,7 @@ def test_greedy_decoding_with_warm_start_follows_the_teacher_forced_argmax(model
     prompt = tokens[:, :4]
     noise = StateNoise.consecutive(5, 0, prompt.shape[0])
     out = generate(model, prompt, 8, temperature=0, controller_factory=controller, generator=noise, warm_start=True)
-    forced = model(out[:, :-1], controller=controller(), generator=noise, warm_start=True)
+    forced = teacher_forced(model, out[:, :-1], controller_factory=controller, noise=noise, warm_start=True)
     assert torch.equal(forced.logits[:, 3:].argmax(-1), out[:, 4:])
 
 
@@ -93,7 +95,7 @@ def test_shifted_warm_start_equals_the_sequential_one_where_the_definitions_meet
     both; from position 2 on the sequential start has itself been warm-started."""
     model, noise = one_group, StateNoise.consecutive(3, 0, tokens.shape[0])
     shifted = model(tokens, loop_counts=4, generator=noise, shifted_warm_start=True).logits
-    sequential = model(tokens, loop_counts=4, generator=noise, warm_start=True).logits
+    sequential = teacher_forced(model, tokens, loop_counts=4, noise=noise, warm_start=True).logits
     torch.testing.assert_close(shifted[:, :2], sequential[:, :2], rtol=1e-12, atol=1e-12)
     assert (shifted[:, 2:] - sequential[:, 2:]).abs().amax() > 1e-8
 

@@ -13,8 +13,7 @@ Sections, in order, each timed after warm-up, synchronised, repeated, kept as me
            clipping, truncated backprop) on the ``paper`` preset with the loop counts drawn as in
            training, then on a plain GPT of the same width and the mean unrolled depth: tokens/s,
            model FLOPs (:func:`train_flops_per_row`), MFU, per-layer-application throughput ratio
-  decode   batch 1 at the full budget: the packed path (``generate``'s), the static path eager, as CUDA
-           graphs, and with Inductor-compiled pieces captured as CUDA graphs (``Compiled``; eager on
+  decode   batch 1 at the full budget: the decoder eager, as CUDA graphs, and with Inductor-compiled pieces captured as CUDA graphs (``Compiled``; eager on
            a CPU); the plain 12-layer model on the same three static paths (ms/token)
   exits    batch 1: the per-step cost of an exit check (a rule that never fires against the fixed
            budget; without and with the per-chunk host check), on eager and on Inductor-compiled

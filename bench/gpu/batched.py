@@ -16,7 +16,6 @@ from bench.gpu.decoding import (NO_GROUPS, agreement, batch_sizes, calibrate_tau
 def batched_section(args, device, deadline, context) -> dict:
     import torch
 
-    from bench.decode_speed import packed_decoding, summary, time_rounds
     from rdepth.model.noise import StateNoise
 
     model, config, budget = looped_decode_model(args, device, context)
@@ -71,15 +70,6 @@ def batched_section(args, device, deadline, context) -> dict:
             row["predicated_over_full"] = ratio(row["exits_predicated"]["tokens_per_s"], row["full"]["tokens_per_s"])
             row["exits_over_full"] = ratio(row["exits"]["tokens_per_s"], row["full"]["tokens_per_s"])
             row["exits_over_fixed"] = ratio(row["exits"]["tokens_per_s"], row["fixed_same_mean"]["tokens_per_s"])
-            if batch <= 32 and time.perf_counter() < until:  # the packed path with exits (generate --exit)
-                packed_steps = steps[:16]  # the slowest path per token: a shorter round
-                packed_setup, packed_decode, state = packed_decoding(model, prompt, packed_steps, noise, batch,
-                                                                     lambda: {"controller": policy()})
-                packed = summary(time_rounds(packed_setup, packed_decode,
-                                             rounds_args(args, repeats=2, warmup=1, tokens=len(packed_steps)),
-                                             device, until))
-                row["packed_exits"] = {**with_rate(packed, batch), "tokens": len(packed_steps)}
-                state.clear()
             row["status"] = "ok"
         except torch.cuda.OutOfMemoryError as exc:
             row = {"status": "error", "error": error_text(exc)}

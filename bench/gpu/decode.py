@@ -1,5 +1,5 @@
-"""Section ``decode``: batch 1 at the full budget on the packed path (``generate``'s) and the static
-path (eager, CUDA graphs, Inductor-compiled pieces), the looped model beside the plain one of the
+"""Section ``decode``: batch 1 at the full budget on the decoder (eager, CUDA graphs, Inductor-compiled
+pieces), the looped model beside the plain one of the
 same width; kernels (CPU: aten ops) per decoded token and per loop step."""
 
 from __future__ import annotations
@@ -7,13 +7,12 @@ from __future__ import annotations
 import time
 import traceback
 
-from bench.gpu.common import CUDA_ONLY, error_text, free_memory, ratio
+from bench.gpu.common import CUDA_ONLY, error_text, free_memory
 from bench.gpu.decoding import (KERNEL_COUNT_TOKENS, decode_inputs, decode_model, kernels_per_token, make_decoder,
                                 rounds_args, static_timing)
 
 
 def decode_section(args, device, deadline, context) -> dict:
-    from bench.decode_speed import packed_decoding, summary, time_rounds
     from rdepth.model import RecurrentLM
     from rdepth.model.noise import StateNoise
 
@@ -31,14 +30,6 @@ def decode_section(args, device, deadline, context) -> dict:
     def share(fraction):  # a setting's own deadline: a fraction of what the section has left
         now = time.perf_counter()
         return now + fraction * max(deadline - now, 0.0)
-
-    # The packed path is the slowest per round: fewer rounds.
-    packed_setup, packed_decode, state = packed_decoding(model, prompt, steps, noise, 1,
-                                                         lambda: {"loop_counts": budget})
-    rounds = rounds_args(args, repeats=max(1, min(args.repeats, 3)), warmup=min(args.warmup, 1))
-    out["packed"] = summary(time_rounds(packed_setup, packed_decode, rounds, device, share(0.25)))
-    out["packed"]["path"] = "packed (generate's path, eager)"
-    state.clear()
 
     decoders = {}  # row key -> the decoder it timed, kept for the kernel counts
 
@@ -89,7 +80,6 @@ def decode_section(args, device, deadline, context) -> dict:
         best = min(timed_rows, key=lambda row: out[row]["ms_per_token"])
         out[f"best_{name}_ms"] = out[best]["ms_per_token"]
         out[f"best_{name}_path"] = out[best]["path"]
-    out["speedup_graph_over_packed"] = ratio(out["packed"]["ms_per_token"], out["best_looped_ms"])
     out["seconds"] = time.perf_counter() - start
     return out
 

@@ -205,7 +205,6 @@ def markdown(report: dict) -> str:
     if decode.get("status") == "ok":
         lines += ["", "Decode, batch 1, ms/token (median [IQR])", "", "| setting | looped | plain |",
                   "| --- | --- | --- |",
-                  f"| packed (generate) | {_cell(decode['packed'])} | - |",
                   f"| static eager | {_cell(decode['static_eager'])} | {_cell(decode['plain_static_eager'])} |",
                   f"| static CUDA graph | {_cell(decode['static_graph'])} | {_cell(decode['plain_static_graph'])} |",
                   f"| static, Inductor pieces, CUDA graph (eager on a CPU) | {_cell(decode.get('static_inductor', {}))} "
@@ -243,20 +242,20 @@ def markdown(report: dict) -> str:
     if batched.get("status") == "ok":
         lines += ["", "Batched decode with exits, tokens/s", "",
                   "| batch | full budget | exits, predicated | exits, compacted | fixed, same mean steps | "
-                  "exits/full | exits/fixed | agreement | packed path, exits |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "exits/full | exits/fixed | agreement |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
 
         def rate(entry):
             return "-" if entry is None else f"{entry['tokens_per_s']:,.0f}"
 
         for batch, row in batched["by_batch"].items():
             if row.get("status") != "ok":
-                lines.append(f"| {batch} | {row.get('status')} | | | | | | | |")
+                lines.append(f"| {batch} | {row.get('status')} | | | | | | |")
                 continue
             lines.append(f"| {batch} | {rate(row['full'])} | {rate(row['exits_predicated'])} | "
                          f"{rate(row.get('exits_compacted'))} | {rate(row['fixed_same_mean'])} | "
                          f"{row['exits_over_full']:.3f} | {row['exits_over_fixed']:.3f} | "
-                         f"{row['exits']['agreement']:.2f} | {rate(row.get('packed_exits'))} |")
+                         f"{row['exits']['agreement']:.2f} |")
         lines += ["", "exits/full and exits/fixed use the faster exit path of the row."]
         lines += ["", batched.get("quality_note", "")]
     lines += _spread_lines(sections.get("spread", {})) + _loss_lines(sections.get("loss", {}))

@@ -19,6 +19,7 @@ from rdepth.errors import RdepthError
 from rdepth.model import RecurrentLM
 from rdepth.model.control import LoopController
 from rdepth.run.evaluate import eval_outputs
+from rdepth.model.generation import teacher_forced
 
 
 @dataclass
@@ -115,14 +116,14 @@ def evaluate_with_exits(
         tally = _Tally(counts)
 
         def forward(x, y, noise):
-            return model(x, y, counts, generator=noise, warm_start=warm_start)
+            return teacher_forced(model, x, y, loop_counts=counts, noise=noise, warm_start=warm_start)
     else:
         make = controller if not hasattr(controller, "after_step") else (lambda: controller)
         probe = make()
         tally = _Tally([probe.max_steps(group) for group in range(model.n_groups)])
 
         def forward(x, y, noise):
-            return model(x, y, controller=make(), generator=noise, warm_start=warm_start)
+            return teacher_forced(model, x, y, controller_factory=make, noise=noise, warm_start=warm_start)
     for out, n_tokens in eval_outputs(model, windows, forward, batch_size=batch_size, device=device, seed=seed,
                                       autocast_dtype=autocast_dtype, progress=progress):
         tally.add(out.loss, n_tokens, out.computed, out.used)

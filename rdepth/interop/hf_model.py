@@ -4,8 +4,9 @@
 modules it imports into one self-contained file, so an exported folder loads with
 ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` without rdepth
 installed. The wrapper adds no computation: ``forward`` calls ``RecurrentLM``,
-dense for a plain call, packed rows with rdepth's key/value cache when called with
-one; ``generate`` runs rdepth's one decoder (:class:`rdepth.model.decoder.Decoder`,
+dense for a plain call (packed rows under an exit policy), and rdepth's one decoder
+(:class:`rdepth.model.decoder.Decoder`, over its key/value cache) when called with a cache
+or ``use_cache=True``; ``generate`` runs rdepth's one decoder (:class:`rdepth.model.decoder.Decoder`,
 exact under recurrence, as ``rdepth generate``) for greedy and sampled decoding,
 and hands anything it does not cover (beam search, top-p, logits processors,
 streamers, dict outputs) to transformers' own loop over ``forward``.
@@ -52,7 +53,6 @@ from rdepth.config import ModelConfig, parse_loop_counts
 from rdepth.exits.controller import PolicyController
 from rdepth.interop.hf_config import RdepthConfig
 from rdepth.model.decoder import Decoder
-from rdepth.model.kv import KVStore
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM
 
@@ -71,18 +71,19 @@ def model_config_of(config: RdepthConfig) -> ModelConfig:
 
 
 class RdepthCache:
-    """rdepth's key/value store for one ``generate`` call, with the initial-state noise it uses."""
+    """rdepth's cache for one ``generate`` call: the decoder that holds the key/value cache, and the
+    budget (fixed counts or an exit policy) it was made for."""
 
     is_compileable = False
     is_linear = (False,)
     is_croppable = False
 
-    def __init__(self, store: KVStore, noise: StateNoise | None):
-        self.store = store
-        self.noise = noise
+    def __init__(self, decoder: Decoder, budget: tuple):
+        self.decoder = decoder
+        self.budget = budget
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.store.length
+        return self.decoder.length
 
 
 def padding_offsets(attention_mask: torch.Tensor | None, cached: bool) -> torch.Tensor | None:
@@ -241,10 +242,10 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         """Logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]``; with ``labels`` (HF
         convention: the inputs, shifted inside, -100 ignored) the mean cross-entropy.
 
-        A plain call runs the dense forward (``use_cache`` defaults to off); with a
-        ``cache`` or ``use_cache=True`` it runs packed rows against rdepth's key/value
-        cache and returns the cache for the next call; with an exit policy, packed
-        rows under rdepth's loop controller (exited tokens cost nothing). The cache arrives as
+        A plain call runs the dense forward (``use_cache`` defaults to off; with an exit policy, packed
+        rows under rdepth's loop controller: exited tokens cost nothing); with a ``cache`` or
+        ``use_cache=True`` the tokens go through rdepth's decoder, which keeps the key/value cache,
+        and the cache comes back for the next call. The cache arrives as
         ``cache`` (transformers >= 5.24) or ``past_key_values`` (before). Padded rows (contiguous ones
         in ``attention_mask``) are shifted to start at position 0 and back: their real logits are the
         unpadded row's.
@@ -261,16 +262,12 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             input_ids = shift_rows(input_ids, offsets)
         controller = self.exit_controller(exit_policy)
         counts = self.resolve_loop_counts(loop_counts) if controller is None else None
-        if cache is None and use_cache:
-            cache = RdepthCache(self.model.new_cache(input_ids.shape[0]),
-                                self.state_noise(input_ids.shape[0], state_seed, sequence_ids))
-        if cache is not None:
-            output = self.model(input_ids, loop_counts=counts, generator=cache.noise, cache=cache.store,
-                                controller=controller)
+        if cached:
+            logits, cache = self._cached_logits(input_ids, cache, counts, exit_policy, controller is not None,
+                                                state_seed, sequence_ids)
         else:
             noise = self.state_noise(input_ids.shape[0], state_seed, sequence_ids)
-            output = self.model(input_ids, loop_counts=counts, generator=noise, controller=controller)
-        logits = output.logits
+            logits = self.model(input_ids, loop_counts=counts, generator=noise, controller=controller).logits
         if offsets is not None:
             logits = shift_rows(logits, -offsets)
         loss = None
@@ -278,6 +275,22 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
+
+    def _cached_logits(self, input_ids: torch.Tensor, cache: RdepthCache | None, counts, exit_policy, exits: bool,
+                       state_seed, sequence_ids) -> tuple[torch.Tensor, RdepthCache]:
+        """The logits of ``input_ids`` appended through the cache's decoder (a new cache when ``cache`` is
+        None), and the cache: fixed ``counts`` or ``exit_policy``, as the cache was made with, or for
+        this call where they differ (within the loop steps the cache keeps)."""
+        factory = (lambda: self.exit_controller(exit_policy)) if exits else None
+        budget = (tuple(counts) if counts is not None else None, repr(exit_policy) if exits else None)
+        if cache is None:
+            batch = input_ids.shape[0]
+            decoder = Decoder(self.model, batch, loop_counts=counts, controller_factory=factory,
+                              noise=self.state_noise(batch, state_seed, sequence_ids))
+            cache = RdepthCache(decoder, budget)
+        if budget == cache.budget:
+            return cache.decoder.extend(input_ids), cache
+        return cache.decoder.extend(input_ids, loop_counts=counts, controller_factory=factory), cache
 
     def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, past_key_values=None,
                                       **kwargs):

@@ -57,7 +57,6 @@ MODELING_PARTS: tuple[Part, ...] = (
     Part("rdepth.model.schedule"),
     Part("rdepth.model.fused_loss"),
     Part("rdepth.model.recurrent"),
-    Part("rdepth.model.static_decode"),
     Part("rdepth.model.executors.eager"),
     Part("rdepth.model.sampling"),
     Part("rdepth.model.decoder"),

@@ -4,7 +4,7 @@
 verifying pass, rollback), the exported model's ``generate()``, lm-eval's ``generate_until`` and the
 sweep's decode latencies run :class:`Decoder`. It drives the model's pieces (``embed``, ``run_layers``,
 ``group_input`` once per group, ``loop_step`` per step, ``readout``) over a preallocated cache
-(:class:`~rdepth.model.static_decode.StaticKV`), exact against teacher-forced evaluation (cached =
+(the one :class:`~rdepth.model.kv.KVCache`, made by the model), exact against teacher-forced evaluation (cached =
 teacher-forced = batch-of-one, with exits and warm start).
 
 * **A plan per budget** (fixed counts per group, or a loop controller: per-token exits), built once and
@@ -12,7 +12,7 @@ teacher-forced = batch-of-one, with exits and warm start).
   the one loop routine (:class:`~rdepth.model.loop.LoopRows`), predicated: every row computes every step
   of a chunk of ``check_every`` steps, a stopped row keeps its hand-off, and the host reads one flag per
   chunk (none with ``check_every=None``, the default on CUDA). A budget below the cache's steps settles
-  the keys it did not compute (the latest-KV rule, :meth:`StaticKV.settle`).
+  the keys it did not compute (the latest-KV rule, :meth:`KVCache.settle`).
 * **Executors** (:mod:`rdepth.model.executors`, applied with :meth:`Decoder.use`) decide how the pieces
   run: eager reading the written prefix of the cache (the default), Inductor-compiled, or CUDA graphs.
 * **Several tokens at once** (:meth:`Decoder.extend`, ``T > 1`` at a fixed budget) run in lock-step
@@ -32,12 +32,11 @@ from rdepth.config import parse_loop_counts
 from rdepth.errors import RdepthError
 from rdepth.model.control import FixedController, LoopController
 from rdepth.model.executors.eager import Executor
-from rdepth.model.kv import AttentionContext
+from rdepth.model.kv import AttentionContext, ChunkKV
 from rdepth.model.loop import LoopRows, run_fixed
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM, StageKind
 from rdepth.model.sampling import choose_tokens
-from rdepth.model.static_decode import ChunkKV, StaticKV
 
 _Run = Callable[[], None]
 
@@ -111,12 +110,13 @@ class Decoder:
         self.noise = noise
         self.length = 0  # positions filled; the host counts them, never reads the device
         self.prompt_computed: torch.Tensor | None = None  # [G, B, T] loop steps of the last extend's tokens
+        self.prompt_used: torch.Tensor | None = None  # [G, B, T] the iterate each of them handed on
         # How the pieces run (rdepth.model.executors): eager; a host check per step on the CPU, none on CUDA.
         self.executor = Executor(check_every=None if self.device.type == "cuda" else 1)
         self._span: int | None = -1  # positions the attention reads now (None: the whole cache; -1: none yet)
         self._span_contexts: dict[int | None, dict[int, AttentionContext]] = {}
         with torch.no_grad():
-            self.cache = StaticKV(model, batch_size, self.capacity, self.steps, self.dtype, self.device)
+            self.cache = model.new_cache(batch_size, self.capacity, self.steps, self.dtype, self.device)
             self._allocate()
         self._plans: dict[Budget, Plan] = {}
         self.plan = self._plan_for(self.budget)
@@ -312,8 +312,8 @@ class Decoder:
         The budget is the decoder's own, or ``loop_counts`` / ``controller_factory`` for this call
         (at most the cache's steps per group). At a fixed budget without warm start the T positions
         run in lock-step in one pass; otherwise one at a time. ``computed``/``used`` ``[G, B]`` then
-        hold the last position's loop steps and hand-off index, ``prompt_computed`` ``[G, B, T]`` every
-        position's steps."""
+        hold the last position's loop steps and hand-off index, ``prompt_computed`` / ``prompt_used``
+        ``[G, B, T]`` every position's."""
         budget = _budget(self.model, loop_counts, controller_factory, self.budget)
         tokens = tokens.to(self.device)
         batch, length = tokens.shape
@@ -325,15 +325,18 @@ class Decoder:
             raise RdepthError(f"decoder: {self.length} + {length} positions exceed the capacity {self.capacity} "
                               "(the model's context)")
         if length == 1 or not budget.fixed or self.warm_start:
-            logits, computed = [], []
+            logits, computed, used = [], [], []
             for t in range(length):
                 self._advance(tokens[:, t:t + 1], budget)
                 logits.append(self.logits.clone())
                 computed.append(self.computed.clone())
+                used.append(self.used.clone())
             self.prompt_computed = torch.stack(computed, dim=2)
+            self.prompt_used = torch.stack(used, dim=2)
             return torch.stack(logits, dim=1)
         logits = self._extend_parallel(tokens, budget.counts)
         self.prompt_computed = self.computed[:, :, None].expand(-1, -1, length).clone()
+        self.prompt_used = self.prompt_computed.clone()
         return logits
 
     @torch.no_grad()

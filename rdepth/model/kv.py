@@ -1,26 +1,30 @@
-"""Key/value storage for packed-row attention under recurrence.
+"""The one key/value cache, and the attention context that reads it.
 
-In a looped group every layer runs once per loop step, so a token has one
-key/value per (layer, step). Two situations need them stored:
+In a looped group every layer runs once per loop step, so a token has one key/value per (layer,
+step). A new token at loop step k attends to each earlier token's key/value *of step k*, which is
+what a full uncached forward pass computes; a token that left the loop after computing c steps has
+no key/value for step k > c, and a later token then sees its *last computed* one, step c (Geiping
+et al.'s "latest" lookup).
 
-* **Cached generation.** A new token at loop step k attends to each earlier
-  token's key/value *of step k*, which is what a full uncached forward pass
-  computes. The store therefore keeps one tensor per (looped layer, step)
-  when ``keep_steps=True``.
-* **Early exit.** A token that left the loop after computing c steps has no
-  key/value for step k > c. Following Geiping et al. ("latest" lookup), a later
-  token then sees that token's *last computed* key/value, step c. The store
-  keeps a ``latest`` tensor per layer and the step count per position.
-
-Reading layer l at step k therefore returns, per position j,
-``steps[l][k][j]`` if position j computed step k, else ``latest[l][j]``.
-Teacher-forced evaluation with exits runs all tokens in lock-step, so there
-``latest`` alone is exact and ``keep_steps=False`` saves the memory.
+* :class:`KVCache` holds, for batch B and ``capacity`` positions, one key/value tensor per
+  single-pass layer and one per (looped layer, loop step 1..K) of its group, allocated once
+  (:meth:`rdepth.model.recurrent.RecurrentLM.new_cache`). The current token's keys are written at a
+  *device* position (``index_copy_``), so nothing on the host depends on the data (CUDA graphs).
+  Eager decoding sets :attr:`KVCache.limit` to the positions written so far, and the layers then
+  read only that prefix. The latest rule is applied once, when a token's loop ends
+  (:meth:`KVCache.settle` / :meth:`KVCache.settle_all`: the token's slots of the steps it skipped
+  take its last key), so that step k reads its slot as it is, with no scan of the cache.
+* Adapters write into the cache's tensors for the other shapes of a call (each is what a layer's
+  ``store.update`` sees): :class:`ChunkKV`, a lock-step pass over several new positions (a prompt, a
+  verification); :class:`RowsKV`, packed rows of a teacher-forced pass with exits, all positions in
+  lock-step, where one slot per looped layer (its latest key) is exact; :class:`GivenKV`, a loop
+  step's slots handed to a compiled piece as tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 import torch
 
@@ -43,7 +47,7 @@ class AttentionContext:
     instead of packing and unpacking them (the same values, fewer kernels).
     """
 
-    store: "KVStore"
+    store: "KVCache | ChunkKV | RowsKV | GivenKV"
     step: int
     batch_index: torch.Tensor
     position: torch.Tensor
@@ -55,7 +59,7 @@ class AttentionContext:
 
     @classmethod
     def build(
-        cls, store: "KVStore", step: int, batch_index: torch.Tensor, position: torch.Tensor
+        cls, store: "KVCache | ChunkKV | RowsKV | GivenKV", step: int, batch_index: torch.Tensor, position: torch.Tensor
     ) -> "AttentionContext":
         n_batch = store.batch_size
         device = batch_index.device
@@ -75,60 +79,168 @@ class AttentionContext:
         return cls(store, step, batch_index, position, slot_index, slots, n_batch, mask, one_per_row)
 
 
-class KVStore:
-    """Per-layer key/value tensors ``[B, n_head, capacity, head_dim]``.
+class KVCache:
+    """Keys/values of every layer for one new token per row, at fixed shapes.
+
+    Single-pass layer: ``[B, nh, S, hs]`` (K and V). Looped layer of group g: ``[steps_g, B, nh, S,
+    hs]``, slot ``k - 1`` holding what step k attends to (the latest-KV rule already applied, see
+    :meth:`settle`). ``position`` ``[1]`` (long, on the device) is where the current token writes.
+    :meth:`update` is what the layers call on their ``store``.
 
     Args:
+        n_layer: layers of the model.
+        group_layers: the layers of each recurrence group (the others run once).
+        head_shape: ``(n_head, head_dim)``.
         batch_size: rows B.
-        capacity: positions held (the block size for generation, T otherwise).
-        looped_layers: indices of layers inside recurrence groups.
-        keep_steps: keep one tensor per (looped layer, loop step); needed when
-            tokens are processed at different times (cached generation).
+        capacity: positions S (at most the block size).
+        steps: loop steps kept per group (the most any token of that group computes).
+        dtype, device: of keys and values (the model's).
     """
 
-    def __init__(self, batch_size: int, capacity: int, looped_layers: set[int], keep_steps: bool):
+    def __init__(self, n_layer: int, group_layers: Sequence[Sequence[int]], head_shape: tuple[int, int],
+                 batch_size: int, capacity: int, steps: Sequence[int], dtype: torch.dtype, device: torch.device):
         self.batch_size = batch_size
         self.capacity = capacity
-        self.looped_layers = set(looped_layers)
-        self.keep_steps = keep_steps
-        self.length = 0  # positions already filled (advanced by the model after a call)
-        self.latest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.steps: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.computed: dict[int, torch.Tensor] = {}  # layer -> [B, capacity] last step written
-        # group -> [B, d]: the state each row's last token handed on (warm-started loops start there)
-        self.warm: dict[int, torch.Tensor] = {}
+        self.steps = tuple(steps)
+        n_head, head_dim = head_shape
+        shape = (batch_size, n_head, capacity, head_dim)
+        self.group_of: Mapping[int, int] = {layer: group for group, layers in enumerate(group_layers)
+                                            for layer in layers}
+        self.single: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.looped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in range(n_layer):
+            if layer in self.group_of:
+                size = (self.steps[self.group_of[layer]], *shape)
+                self.looped[layer] = (torch.zeros(size, dtype=dtype, device=device),
+                                      torch.zeros(size, dtype=dtype, device=device))
+            else:
+                self.single[layer] = (torch.zeros(shape, dtype=dtype, device=device),
+                                      torch.zeros(shape, dtype=dtype, device=device))
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        # Positions a read covers (eager decoding: the written prefix, position included); None: all.
+        self.limit: int | None = None
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # 1-based step numbers of the slots, shaped to broadcast over [steps, B, nh, 1, hs]
+        self._step_numbers = {group: torch.arange(1, n + 1, device=device).view(n, 1, 1, 1, 1)
+                              for group, n in enumerate(self.steps)}
 
-    def _zeros(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.batch_size, like.shape[1], self.capacity, like.shape[2])
-        return (like.new_zeros(shape), like.new_zeros(shape))
+    def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
+               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the rows' keys/values ``[B, nh, 1, hs]`` at ``position``; return what layer ``layer``
+        at step ``ctx.step`` attends to, ``[B, nh, S, hs]`` each (views, no copy)."""
+        cache_k, cache_v = self.read(layer, ctx.step)
+        return _write_at(cache_k, cache_v, self.position, keys, values)
 
-    def update(
-        self, layer: int, ctx: AttentionContext, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the rows' keys/values ``[N, nh, hs]`` (or ``[N, nh, 1, hs]``, one query per row); return
-        what layer ``layer`` at step ``ctx.step`` attends to, ``[B, nh, capacity, hs]`` each."""
+    def read(self, layer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What layer ``layer`` at loop step ``step`` (ignored for a single-pass layer) attends to:
+        ``[B, nh, S, hs]`` each (``S``: :attr:`limit` or the capacity), views into the cache."""
+        keys, values = self.slots(layer, step)
+        if self.limit is not None:  # narrow: a view, without getitem's index parsing (hot path)
+            return keys.narrow(2, 0, self.limit), values.narrow(2, 0, self.limit)
+        return keys, values
+
+    def slots(self, layer: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole ``[B, nh, capacity, hs]`` key and value tensors of ``layer`` at ``step`` (views made once)."""
+        key = (layer, step if layer in self.looped else 0)
+        views = self._views.get(key)
+        if views is None:
+            if layer in self.looped:
+                all_keys, all_values = self.looped[layer]
+                views = (all_keys[step - 1], all_values[step - 1])
+            else:
+                views = self.single[layer]
+            self._views[key] = views
+        return views
+
+    def settle_all(self, group: int, computed: int, span: slice) -> None:
+        """Every row computed ``computed`` loop steps of ``group`` at the positions ``span`` (host
+        indices): their slots of the later steps take the key/value of that step."""
+        start, length = span.start, span.stop - span.start
+        for layer, tensors in self.looped.items():
+            if self.group_of[layer] == group:
+                for tensor in tensors:
+                    column = tensor.narrow(3, start, length)  # [K, B, nh, T, hs], a view
+                    column.narrow(0, computed, column.shape[0] - computed).copy_(column.narrow(0, computed - 1, 1))
+
+    def settle(self, group: int, computed: torch.Tensor) -> None:
+        """The current token's loop of ``group`` is over, row b after ``computed[b]`` steps (``[B]``
+        long): its slots of the later steps take the key/value of step ``computed[b]``, which is what
+        later tokens must read there (the latest rule, see the module)."""
+        numbers = self._step_numbers[group]  # (K, 1, 1, 1, 1)
+        last = (computed - 1).view(1, -1, 1, 1, 1)  # (1, B, 1, 1, 1)
+        keep = numbers <= computed.view(1, -1, 1, 1, 1)  # (K, B, 1, 1, 1)
+        for layer, tensors in self.looped.items():
+            if self.group_of[layer] != group:
+                continue
+            for tensor in tensors:
+                column = tensor.index_select(3, self.position)  # (K, B, nh, 1, hs)
+                latest = column.gather(0, last.expand(1, *column.shape[1:]))  # (1, B, nh, 1, hs)
+                tensor.index_copy_(3, self.position, torch.where(keep, column, latest))
+
+
+class ChunkKV:
+    """The store of a lock-step pass over positions ``start .. end - 1``: writes their keys/values and
+    reads the cache's first ``end`` positions (the causal mask does the rest)."""
+
+    def __init__(self, cache: KVCache, start: int, end: int):
+        self.cache, self.start, self.end = cache, start, end
+
+    def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
+               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys``/``values`` ``[B*T, nh, hs]`` (rows by batch then position) -> ``[B, nh, end, hs]``."""
+        cache_k, cache_v = self.cache.slots(layer, ctx.step)
+        batch = ctx.n_batch
+        span = slice(self.start, self.end)
+        cache_k[:, :, span] = keys.view(batch, -1, *keys.shape[1:]).transpose(1, 2)
+        cache_v[:, :, span] = values.view(batch, -1, *values.shape[1:]).transpose(1, 2)
+        return cache_k[:, :, : self.end], cache_v[:, :, : self.end]
+
+
+class RowsKV:
+    """The store of a teacher-forced pass with exits: packed rows (any rows of any positions, ``[N, nh,
+    hs]``) of positions that all run each loop step together. A row still looping at step k writes its
+    step-k key; a row that stopped keeps its last, which is what the latest rule asks of step k: one
+    slot per looped layer (a cache made with one step per group) is exact, and every step reads it."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.batch_size, self.capacity = cache.batch_size, cache.capacity
+
+    def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
+               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the rows' keys/values ``[N, nh, hs]`` (or ``[N, nh, 1, hs]``); return ``[B, nh, S, hs]`` each."""
         if keys.dim() == 4:
             keys, values = keys.squeeze(2), values.squeeze(2)
-        b, pos = ctx.batch_index, ctx.position
-        if layer not in self.latest:
-            self.latest[layer] = self._zeros(keys)
-        latest_k, latest_v = self.latest[layer]
-        latest_k[b, :, pos] = keys
-        latest_v[b, :, pos] = values
-        if not (self.keep_steps and layer in self.looped_layers):
-            return latest_k, latest_v
+        cache_k, cache_v = self.cache.slots(layer, 1)
+        cache_k[ctx.batch_index, :, ctx.position] = keys.to(cache_k.dtype)
+        cache_v[ctx.batch_index, :, ctx.position] = values.to(cache_v.dtype)
+        return cache_k, cache_v
 
-        step_key = (layer, ctx.step)
-        if step_key not in self.steps:
-            self.steps[step_key] = self._zeros(keys)
-        step_k, step_v = self.steps[step_key]
-        step_k[b, :, pos] = keys
-        step_v[b, :, pos] = values
-        if layer not in self.computed:
-            self.computed[layer] = torch.zeros(
-                self.batch_size, self.capacity, dtype=torch.long, device=keys.device
-            )
-        computed = self.computed[layer]
-        computed[b, pos] = ctx.step
-        has_step = (computed >= ctx.step)[:, None, :, None]  # (B, 1, S, 1)
-        return torch.where(has_step, step_k, latest_k), torch.where(has_step, step_v, latest_v)
+
+class GivenKV:
+    """The keys/values of a few layers handed in as tensors, as the store of a compiled piece: the
+    layers see the tensors given for this call (``kv``: K then V, ``[B, nh, S, hs]`` each, per layer of
+    ``layers``) and write at ``position``. A loop step's slots are chosen outside the compiled code, so
+    that every step of a group runs the same compiled function (the step is no constant inside)."""
+
+    def __init__(self, layers: Sequence[int], kv: Sequence[torch.Tensor], position: torch.Tensor):
+        self.tensors = {layer: (kv[2 * index], kv[2 * index + 1]) for index, layer in enumerate(layers)}
+        self.position = position
+
+    def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
+               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache_k, cache_v = self.tensors[layer]
+        return _write_at(cache_k, cache_v, self.position, keys, values)
+
+
+def _write_at(cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``keys``/``values`` ``[B, nh, 1, hs]`` (or ``[B, nh, hs]``) at ``position`` ``[1]`` of ``cache_k``/``cache_v``
+    ``[B, nh, S, hs]`` (in place; cast to the cache's dtype under autocast); return the two caches."""
+    if keys.dim() == 3:  # [B, nh, hs] from the packing path of attention
+        keys, values = keys.unsqueeze(2), values.unsqueeze(2)
+    if keys.dtype != cache_k.dtype:
+        keys, values = keys.to(cache_k.dtype), values.to(cache_v.dtype)
+    cache_k.index_copy_(2, position, keys)
+    cache_v.index_copy_(2, position, values)
+    return cache_k, cache_v

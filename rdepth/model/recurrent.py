@@ -17,10 +17,9 @@ same code: :meth:`embed`, :meth:`run_layers`, :meth:`init_state`,
 :meth:`group_input`, :meth:`loop_step`, :meth:`readout`. :meth:`forward` composes them in two
 layouts (see :mod:`rdepth.model.layers`): dense ``[B, T, d]`` for training and
 fixed-budget evaluation, and packed rows when a loop controller (per-token
-exits) or a key/value cache is given. Token-by-token decoding is
-:class:`rdepth.model.decoder.Decoder`, which drives these pieces over its own
-static cache; the cache mode here serves teacher-forced warm start and the
-exported model's ``forward(use_cache=True)``.
+exits) is given. Token-by-token decoding (and so teacher-forced warm start and the
+exported model's ``forward(use_cache=True)``) is :class:`rdepth.model.decoder.Decoder`,
+which drives these pieces over the one key/value cache (:meth:`new_cache`).
 """
 
 from __future__ import annotations
@@ -36,9 +35,9 @@ from torch import nn
 
 from rdepth.config import ModelConfig, parse_loop_counts
 from rdepth.errors import RdepthError
-from rdepth.model.control import FixedController, LoopController
+from rdepth.model.control import LoopController
 from rdepth.model.fused_loss import readout_loss
-from rdepth.model.kv import AttentionContext, KVStore
+from rdepth.model.kv import AttentionContext, KVCache, RowsKV
 from rdepth.model.layers import BLOCKS, make_norm
 from rdepth.model.loop import LoopRows, run_fixed
 from rdepth.model.noise import CounterNoise, StateNoise
@@ -162,9 +161,16 @@ class RecurrentLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def new_cache(self, batch_size: int) -> KVStore:
-        """An empty packed key/value cache for :meth:`forward` (decoding uses :class:`rdepth.model.decoder.Decoder`)."""
-        return KVStore(batch_size, self.config.block_size, self.looped_layers, keep_steps=True)
+    def new_cache(self, batch_size: int, capacity: int | None = None, steps: Sequence[int] | None = None,
+                  dtype: torch.dtype | None = None, device: torch.device | None = None) -> KVCache:
+        """The key/value cache for ``batch_size`` rows and ``capacity`` positions (default: the block size),
+        keeping ``steps`` loop steps per group (default: one, the latest key); in the parameters' dtype
+        and on their device unless given."""
+        parameter = next(self.parameters())
+        steps = tuple(steps) if steps is not None else (1,) * self.n_groups
+        return KVCache(self.config.n_layer, self.group_layers, (self.config.n_head, self.config.head_dim),
+                       batch_size, capacity or self.config.block_size, steps, dtype or parameter.dtype,
+                       device or parameter.device)
 
     def resolve_loop_counts(
         self, loop_counts: Sequence[int] | str | int | None, generator: torch.Generator | None = None
@@ -283,30 +289,22 @@ class RecurrentLM(nn.Module):
         generator: Noise = None,
         observer: Observer | None = None,
         controller: LoopController | None = None,
-        cache: KVStore | None = None,
-        warm_start: bool = False,
         shifted_warm_start: bool = False,
         loss_head: str = "logits",
     ) -> ModelOutput:
         """Run the model on ``idx`` ``[B, T]``.
 
-        Without ``controller`` and ``cache``: dense fixed-count loops (training,
-        evaluation); in training mode gradients flow through the last
-        ``backprop_depth`` steps of each loop only. With either: packed rows,
-        per-token exits decided by ``controller`` (default: the fixed counts),
-        keys/values appended to ``cache`` (the exported model's cached calls; decoding itself runs
-        :class:`rdepth.model.decoder.Decoder`).
+        Without ``controller``: dense fixed-count loops (training, evaluation); in training mode
+        gradients flow through the last ``backprop_depth`` steps of each loop only. With one: packed
+        rows, every position in lock-step, per-token exits decided by ``controller``. A pass that
+        keeps keys/values for later calls, or starts each loop from the previous position's state
+        (warm start), runs positions one at a time: :class:`rdepth.model.decoder.Decoder`
+        (:func:`rdepth.model.generation.teacher_forced` for a scored pass).
         ``targets`` ``[B, T]`` (-1 = ignore) adds the mean cross-entropy.
         ``generator``: where the initial loop states come from (:data:`Noise`);
         a ``torch.Generator`` also drives the training draw of loop counts.
-        ``warm_start``: each group's loop for a token starts from the state that
-        group handed on at the previous position of the same row (Geiping et al.'s
-        "continuous compute"), the first position from noise. The positions then
-        run one after another through a key/value cache (``cache``, or a private
-        one), so teacher-forced evaluation and cached decoding are the same
-        computation.
         ``shifted_warm_start`` (dense path; for training): the parallel stand-in for
-        ``warm_start``. Each group first loops from noise without gradients; then
+        the decoder's warm start. Each group first loops from noise without gradients; then
         every position but the first starts from the state the previous position
         handed on in that pass, and the loop runs again (truncated backprop as
         usual). Where the loop converges whatever its start, this is the state the
@@ -320,23 +318,12 @@ class RecurrentLM(nn.Module):
         if loss_head not in LOSS_HEADS:
             raise ValueError(f"loss_head must be one of {', '.join(LOSS_HEADS)}, got {loss_head!r}")
         computed = used = None
-        if warm_start:
-            counts = None
-            if controller is None:
-                counts = self.resolve_loop_counts(loop_counts, _generator_of(generator))
-                controller = FixedController(counts)
-            if cache is None:  # a private cache: positions one at a time, as decoding computes them
-                cache = self.new_cache(idx.shape[0])
-            x, computed, used = self._forward_warm(idx, controller, cache, generator, observer)
-        elif controller is None and cache is None:
+        if controller is None:
             counts = self.resolve_loop_counts(loop_counts, _generator_of(generator))
             x = self._forward_dense(idx, counts, generator, observer, shifted_warm_start)
         else:
             counts = None
-            if controller is None:
-                counts = self.resolve_loop_counts(loop_counts, _generator_of(generator))
-                controller = FixedController(counts)
-            x, computed, used = self._forward_packed(idx, controller, cache, generator, observer)
+            x, computed, used = self._forward_packed(idx, controller, generator, observer)
         if targets is not None and loss_head != "logits":
             loss = readout_loss(self, x, targets, compiled=loss_head == "fused_compiled")
             return ModelOutput(None, loss, counts, computed, used)
@@ -388,27 +375,15 @@ class RecurrentLM(nn.Module):
         state = run_fixed(noise_state, steps, lambda state, step: self.loop_step(group, state, projected))
         return torch.cat([noise_state[:, :1], state[:, :-1]], dim=1)
 
-    def _forward_warm(self, idx, controller, cache, noise, observer):
-        """Warm-started loops: the positions of ``idx`` one at a time through ``cache``."""
-        outputs, computed, used = [], [], []
-        for t in range(idx.shape[1]):
-            x, c, u = self._forward_packed(idx[:, t:t + 1], controller, cache, noise, observer, warm=True)
-            outputs.append(x)
-            computed.append(c)
-            used.append(u)
-        return (torch.cat(outputs, dim=1), [torch.cat(parts, dim=1) for parts in zip(*computed)],
-                [torch.cat(parts, dim=1) for parts in zip(*used)])
-
-    def _forward_packed(self, idx, controller, cache, noise, observer, warm: bool = False):
+    def _forward_packed(self, idx, controller, noise, observer):
+        """Every position of ``idx`` in lock-step, as packed rows under ``controller`` (a row that stops
+        drops out; later steps read its last key: :class:`RowsKV`)."""
         batch, seq = idx.shape
-        start = cache.length if cache is not None else 0
-        store = cache if cache is not None else KVStore(batch, seq, self.looped_layers, keep_steps=False)
-        if store.batch_size != batch:
-            raise RdepthError(f"cache holds {store.batch_size} rows but the input has {batch}")
         device = idx.device
-        x = self.embed(idx, start).reshape(batch * seq, -1)  # (N, d), rows by batch then time
+        x = self.embed(idx).reshape(batch * seq, -1)  # (N, d), rows by batch then time
+        store = RowsKV(self.new_cache(batch, seq, dtype=x.dtype, device=device))
         batch_index = torch.arange(batch, device=device).repeat_interleave(seq)
-        position = start + torch.arange(seq, device=device).repeat(batch)
+        position = torch.arange(seq, device=device).repeat(batch)
         all_rows = AttentionContext.build(store, 1, batch_index, position)
         computed_out: list[torch.Tensor] = []
         used_out: list[torch.Tensor] = []
@@ -419,10 +394,7 @@ class RecurrentLM(nn.Module):
             group = stage.group
             inputs = x
             projected = self.group_input(group, inputs)  # W_e e, once for every loop step
-            if warm and group in store.warm:  # one position per call: the row's previous handed-on state
-                state = store.warm[group].to(inputs.dtype)
-            else:
-                state = self.init_state(group, inputs.view(batch, seq, -1), noise, start).reshape(batch * seq, -1)
+            state = self.init_state(group, inputs.view(batch, seq, -1), noise).reshape(batch * seq, -1)
             loop = LoopRows(controller, group, state)
             if observer is not None:
                 observer(group, 0, state.view(batch, seq, -1), None)
@@ -436,12 +408,8 @@ class RecurrentLM(nn.Module):
 
             loop.run(state, step_fn, observe if observer is not None else None)
             x = loop.handed_on
-            if warm:
-                store.warm[group] = x.view(batch, seq, -1)[:, -1]
             computed_out.append(loop.computed.view(batch, seq))
             used_out.append(loop.used.view(batch, seq))
-        if cache is not None:
-            cache.length = start + seq
         return x.view(batch, seq, -1), computed_out, used_out
 
 

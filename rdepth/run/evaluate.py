@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from rdepth.model import ModelOutput, RecurrentLM
 from rdepth.model.noise import StateNoise
+from rdepth.model.generation import teacher_forced
 
 # forward(x [B, T], y [B, T], noise) -> ModelOutput
 Forward = Callable[[torch.Tensor, torch.Tensor, StateNoise], ModelOutput]
@@ -84,7 +85,8 @@ def evaluate(
     counts = model.config.default_eval_loops if loop_counts is None else model.resolve_loop_counts(loop_counts)
     total_loss, total_tokens = 0.0, 0
     for out, n_tokens in eval_outputs(
-        model, windows, lambda x, y, noise: model(x, y, counts, generator=noise, warm_start=warm_start),
+        model, windows,
+        lambda x, y, noise: teacher_forced(model, x, y, loop_counts=counts, noise=noise, warm_start=warm_start),
         batch_size=batch_size,
         device=device, seed=seed, autocast_dtype=autocast_dtype, progress=progress, masks=masks,
     ):

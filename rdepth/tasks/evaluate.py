@@ -24,6 +24,7 @@ from rdepth.model.control import LoopController
 from rdepth.run.evaluate import eval_outputs
 from rdepth.tasks.accuracy import problem_correct
 from rdepth.tasks.data import HeldOut, load_heldout, task_manifest
+from rdepth.model.generation import teacher_forced
 
 
 class _Tally:
@@ -90,8 +91,9 @@ def heldout_accuracy(
 
     def forward(x, y, noise):
         if controller_factory is not None:
-            return model(x, y, controller=controller_factory(), generator=noise, warm_start=warm_start)
-        return model(x, y, counts, generator=noise, warm_start=warm_start)
+            return teacher_forced(model, x, y, controller_factory=controller_factory, noise=noise,
+                                  warm_start=warm_start)
+        return teacher_forced(model, x, y, loop_counts=counts, noise=noise, warm_start=warm_start)
 
     tally = _Tally()
     steps_answer, steps_other = 0.0, 0.0

@@ -16,10 +16,9 @@ import torch
 from rdepth.config import COMPILE_MODES
 from rdepth.errors import RdepthError
 from rdepth.model.executors.eager import Executor
-from rdepth.model.kv import AttentionContext
+from rdepth.model.kv import AttentionContext, GivenKV
 from rdepth.model.loop import LoopRows
 from rdepth.model.recurrent import StageKind
-from rdepth.model.static_decode import GivenKV
 
 # Graphs dynamo may compile per compiled function (its default is 8): a decoder's pieces compile a few
 # graphs per group and single-pass stage, and each decoder in a process adds its own.
