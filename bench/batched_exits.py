@@ -147,11 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rdepth.config import get_preset, parse_loop_counts
-    from rdepth.exits import PolicyController
     from rdepth.io import environment_info
     from rdepth.model import RecurrentLM
     from rdepth.model.noise import StateNoise
     from rdepth.exits.batch_quantile import BatchQuantile
+    from rdepth.exits.controller import controller_factory
     from rdepth.model.decoder import Decoder
     from rdepth.model.executors.eager import Executor
     from rdepth.run.device import device_name, resolve_device
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         return torch.from_numpy(np.asarray(heldout.tokens[:batch, :length], dtype=np.int64)).to(device)
 
     def factory(tau: float):
-        return lambda: PolicyController.from_name(args.policy, tau=tau, k_max=list(k_max), decode=model.readout)
+        return controller_factory(args.policy, tau, list(k_max), lambda: model.readout)
 
     def decoder(batch: int, noise, **options):
         return Decoder(model, batch, noise=noise, capacity=length, **options)

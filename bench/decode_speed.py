@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rdepth.config import get_preset, parse_loop_counts
-    from rdepth.exits import PolicyController
+    from rdepth.exits.controller import controller_factory
     from rdepth.io import environment_info
     from rdepth.model import RecurrentLM
     from rdepth.model.noise import StateNoise
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             results["d_plain_static" + suffix] = static_rounds(static((), on=plain, compiled=compiled), graph=graphs)
             results["d_plain_static" + suffix]["path"] = "graph" if graphs else "eager"
         if "e" not in skip and "f" not in skip and loops:
-            never = lambda: PolicyController.from_name("step_norm", tau=1e-30, k_max=list(loops))  # noqa: E731
+            never = lambda: controller_factory("step_norm", 1e-30, list(loops))()  # noqa: E731
             results["e_exit_check" + suffix] = static_rounds(static(factory=never, compiled=compiled), graph=graphs)
             results["f_budget_1" + suffix] = static_rounds(static((1,) * len(loops), compiled=compiled),
                                                            graph=graphs)

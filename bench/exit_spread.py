@@ -102,7 +102,7 @@ def record(checkpoint: str, data: str, policy: str, tau: float, k_max: int, diff
     ``difficulty`` (teacher-forced, which the decoder equals), counted per group over every position."""
     import numpy as np
 
-    from rdepth.exits import PolicyController
+    from rdepth.exits.controller import controller_factory
     from rdepth.model.noise import StateNoise
     from rdepth.run.checkpoint import load_model
     from rdepth.tasks.data import load_heldout
@@ -114,7 +114,7 @@ def record(checkpoint: str, data: str, policy: str, tau: float, k_max: int, diff
     with torch.no_grad():
         for start in range(0, idx.shape[0], 16):
             part = idx[start:start + 16]
-            controller = PolicyController.from_name(policy, tau=tau, k_max=k_max, decode=model.readout)
+            controller = controller_factory(policy, tau, k_max, lambda: model.readout)()
             out = model(part, controller=controller, generator=StateNoise(0, range(start, start + part.shape[0])))
             for group, computed in enumerate(out.computed):
                 steps = torch.bincount(computed.flatten() - 1, minlength=k_max)

@@ -39,11 +39,11 @@ def main(argv=None) -> int:
     for name, model in models.items():
         prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
         new = min(48, model.config.block_size - 16)
-        out = generate(model, prompt, new, temperature=0, generator=StateNoise(0, [0]))  # warm-up
+        out = generate(model, prompt, new, temperature=0, noise=StateNoise(0, [0]))  # warm-up
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            generate(model, prompt, new, temperature=0, generator=StateNoise(0, [0]))
+            generate(model, prompt, new, temperature=0, noise=StateNoise(0, [0]))
             times.append((time.perf_counter() - start) / new * 1e3)
         print(f"{name}: {statistics.median(times):.3f} ms/token, last tokens {out[0, -8:].tolist()}", flush=True)
     return 0

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def plain():
             return generate(model, prompt, args.new_tokens, temperature=0.0, loop_counts=verify,
-                            generator=StateNoise(0, [number]))
+                            noise=StateNoise(0, [number]))
 
         def fast():
             return speculative_generate(model, prompt, args.new_tokens, draft_loops=draft, loop_counts=verify,

@@ -180,7 +180,7 @@ def test_every_policy_generates_under_bf16_with_the_cache_as_fp32_would(model, n
         factory = controller_factory(name, value, K_MAX, lambda: model.readout)
         with _autocast(torch.bfloat16):
             tokens = generate(model, prompt, 8, temperature=0.0, controller_factory=factory,
-                              generator=StateNoise.consecutive(0, 0, 2))
+                              noise=StateNoise.consecutive(0, 0, 2))
         assert tokens.shape == (2, 12), label
         if not exact:
             continue
@@ -193,7 +193,7 @@ def test_every_policy_generates_under_bf16_with_the_cache_as_fp32_would(model, n
         assert torch.equal(tokens[:, 4:][clear], logits.argmax(-1)[clear]), label
     with _autocast(torch.bfloat16):  # warm-started loops too
         generate(model, prompt, 4, temperature=0.0, controller_factory=factory, warm_start=True,
-                 generator=StateNoise.consecutive(0, 0, 2))
+                 noise=StateNoise.consecutive(0, 0, 2))
 
 
 def test_the_sweep_runs_every_policy_under_bf16_with_decode_latency(model):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rdepth.cli.main import main
+from rdepth.exits.controller import controller_factory
 from rdepth.config import ModelConfig
 from rdepth.calibrate.run import better_on_calibration, choose, read_through_rest, record_iterates, refine
 from rdepth.model import RecurrentLM
@@ -155,7 +156,6 @@ def test_generate_takes_a_profile_and_refuses_mixing_it_with_loops(tmp_path, cap
 
 
 def test_export_takes_a_profile_as_per_group_thresholds(tmp_path):
-    from rdepth.exits.controller import PolicyController
     from rdepth.exits.profile import make_profile
     from rdepth.interop.config import ExportConfig
 
@@ -164,8 +164,7 @@ def test_export_takes_a_profile_as_per_group_thresholds(tmp_path):
     spec = ExportConfig(checkpoint="x", out="y", exit_profile=str(path)).exit_spec()
     assert spec == {"name": "kl", "tau": [1e-3, 1e-2], "k_max": [5, 6], "direction": "new_old"}
     options = dict(spec)
-    controller = PolicyController.from_name(options.pop("name"), tau=options.pop("tau"), k_max=options.pop("k_max"),
-                                            **options)
+    controller = controller_factory(options.pop("name"), options.pop("tau"), options.pop("k_max"), None, options)()
     assert [(controller.policy(g).tau, controller.policy(g).k_max) for g in (0, 1)] == [(1e-3, 5), (1e-2, 6)]
     with pytest.raises(Exception, match="not both"):
         ExportConfig(checkpoint="x", out="y", exit_profile=str(path), exit_policy="kl")

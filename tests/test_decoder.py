@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_model
 
 from rdepth.errors import RdepthError
-from rdepth.exits import PolicyController
+from rdepth.exits.controller import controller_factory as exit_controllers
 from rdepth.exits.registry import POLICIES
 from rdepth.model import FixedController, RecurrentLM
 from rdepth.model.generation import generate, teacher_forced
@@ -113,11 +113,10 @@ def test_full_budget_is_k_max_and_a_plain_model_decodes_too():
 def controller_factory(model: RecurrentLM, name: str, value: float | None):
     """Fresh controllers of rule ``name`` at threshold ``value`` (``argmax_stable``: patience)."""
     if name == "argmax_stable":
-        return lambda: PolicyController.from_name(name, k_max=list(K_MAX), decode=model.readout,
-                                                  patience=int(value))
+        return exit_controllers(name, None, list(K_MAX), lambda: model.readout, {"patience": int(value)})
     if not POLICIES[name].uses_tau:
-        return lambda: PolicyController.from_name(name, k_max=list(K_MAX))
-    return lambda: PolicyController.from_name(name, tau=value, k_max=list(K_MAX), decode=model.readout)
+        return exit_controllers(name, None, list(K_MAX))
+    return exit_controllers(name, value, list(K_MAX), lambda: model.readout)
 
 
 def varied_setting(model: RecurrentLM, idx: torch.Tensor, noise: StateNoise, name: str):
@@ -238,14 +237,14 @@ def test_greedy_equals_generate(block):
     model = tiny_model(block)
     prompt = tokens(2, 4)
     noise = StateNoise(9, [0, 1])
-    expected = generate(model, prompt, 8, temperature=0, loop_counts=(3, 2), generator=noise)
+    expected = generate(model, prompt, 8, temperature=0, loop_counts=(3, 2), noise=noise)
     assert torch.equal(make(model, 2, loop_counts=(3, 2), noise=noise).generate(prompt, 8), expected)
     factory = controller_factory(model, "step_norm", 0.3)
-    expected = generate(model, prompt, 8, temperature=0, controller_factory=factory, generator=noise)
+    expected = generate(model, prompt, 8, temperature=0, controller_factory=factory, noise=noise)
     decoder = make(model, 2, controller_factory=factory, noise=noise, check_every=3)
     assert torch.equal(decoder.generate(prompt, 8), expected)
     # to the end of the block, as generate stops there
-    long = generate(model, prompt, 40, temperature=0, loop_counts=(3, 2), generator=noise)
+    long = generate(model, prompt, 40, temperature=0, loop_counts=(3, 2), noise=noise)
     assert torch.equal(make(model, 2, loop_counts=(3, 2), noise=noise).generate(prompt, 40), long)
     assert long.shape[1] == model.config.block_size + 1
 
@@ -551,7 +550,7 @@ def test_sampling_is_the_generators_draw_and_the_model_is_left_as_found():
 
     def sample(seed, **options):
         decoder = make(model, 2, loop_counts=(2, 2), noise=noise)
-        return decoder.generate(prompt, 8, generator=torch.Generator().manual_seed(seed), **options)
+        return decoder.generate(prompt, 8, rng=torch.Generator().manual_seed(seed), **options)
 
     hot = sample(1, temperature=5.0)
     assert torch.equal(hot, sample(1, temperature=5.0)) and not torch.equal(hot, sample(2, temperature=5.0))

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from rdepth.config import ModelConfig
+from rdepth.exits.controller import controller_factory
 from rdepth.exits.base import POLICIES
-from rdepth.exits.controller import PolicyController
 from rdepth.model import RecurrentLM
 from rdepth.model.noise import StateNoise
 from rdepth.model.decoder import Decoder
@@ -61,7 +61,7 @@ def run_with_policy(net, idx, name, tau):
         for group, layer in ((0, 2), (1, 4))]
     cls = POLICIES[name]
     options = {"tau": tau} if cls.uses_tau else {}
-    controller = PolicyController.from_name(name, k_max=K_MAX, decode=net.readout, **options)
+    controller = controller_factory(name, None, K_MAX, lambda: net.readout, options)()
     try:
         out = net(idx, controller=controller, generator=StateNoise.consecutive(7, 0, idx.shape[0]),
                   observer=observer)
@@ -106,7 +106,7 @@ def test_random_initial_states_cached_equals_teacher_forced_and_batch_of_one(nam
     def controller():
         if name is None:
             return None
-        return PolicyController.from_name(name, tau=tau, k_max=K_MAX, decode=net.readout)
+        return controller_factory(name, tau, K_MAX, lambda: net.readout)()
 
     with torch.no_grad():
         noise = StateNoise.consecutive(5, 0, 3)

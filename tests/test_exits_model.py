@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rdepth.config import get_preset
-from rdepth.exits import PolicyController, make_policy, replay
+from rdepth.exits.controller import controller_factory
+from rdepth.exits import make_policy, replay
 from rdepth.model import RecurrentLM
 from rdepth.model.decoder import Decoder
 
@@ -72,7 +73,7 @@ def _signal_median(model, tokens, name) -> float:
 @pytest.mark.parametrize("name", ["acceleration", "step_norm", "kl", "acceleration_rel"])
 def test_online_exits_equal_replay_of_the_recorded_iterates(model, tokens, name):
     tau = _signal_median(model, tokens, name)
-    controller = PolicyController.from_name(name, tau=tau, k_max=K_MAX, decode=model.readout)
+    controller = controller_factory(name, tau, K_MAX, lambda: model.readout)()
     recorder = Recorder()
     with torch.no_grad():
         out = model(tokens, controller=controller, observer=recorder, generator=torch.Generator().manual_seed(5))
@@ -88,7 +89,7 @@ def test_online_exits_equal_replay_of_the_recorded_iterates(model, tokens, name)
 
 
 def test_fixed_policy_online_equals_the_dense_forward(model, tokens):
-    controller = PolicyController.from_name("fixed", k_max=[3, 5])
+    controller = controller_factory("fixed", None, [3, 5])()
     with torch.no_grad():
         packed = model(tokens, controller=controller, generator=torch.Generator().manual_seed(2))
         dense = model(tokens, loop_counts=[3, 5], generator=torch.Generator().manual_seed(2))
@@ -106,7 +107,7 @@ def deterministic_model() -> RecurrentLM:
 
 
 def _controller(model, name, tau):
-    return PolicyController.from_name(name, tau=tau, k_max=K_MAX, decode=model.readout)
+    return controller_factory(name, tau, K_MAX, lambda: model.readout)()
 
 
 @pytest.mark.parametrize("name", ["acceleration", "kl"])

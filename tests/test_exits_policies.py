@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rdepth.errors import RdepthError
+from rdepth.exits.controller import controller_factory
 from rdepth.exits import POLICIES, PolicyController, drive_recorded, make_policy, replay
 
 D = 16  # embedding dimension of the constructed trajectories
@@ -297,7 +298,7 @@ def test_bad_settings_are_user_errors(kwargs, message):
 
 def test_controller_keeps_groups_independent():
     states = contraction(20)
-    controller = PolicyController.from_name("step_norm", tau=0.01, k_max=[20, 5])
+    controller = controller_factory("step_norm", 0.01, [20, 5])()
     assert controller.max_steps(0) == 20 and controller.max_steps(1) == 5
     assert [t.item() for t in drive_recorded(controller, 0, states)] == [7, 7]
     assert [t.item() for t in drive_recorded(controller, 1, states)] == [5, 5]

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from rdepth.cli.main import main
+from rdepth.exits.controller import controller_factory
 from rdepth.config import get_preset
 from rdepth.data.tokenizers import train_bpe
 from rdepth.errors import RdepthError
-from rdepth.exits import PolicyController
 from rdepth.sweep.config import SweepConfig
 from rdepth.exits.evaluate import evaluate_with_exits
 from rdepth.sweep.plots import save_sweep_figures
@@ -56,7 +56,7 @@ def windows() -> torch.Tensor:
 
 def test_fixed_controller_evaluation_equals_the_dense_budget(tiny_model, windows):
     dense = evaluate_with_exits(tiny_model, windows, loop_counts=[3, 2], batch_size=4)
-    packed = evaluate_with_exits(tiny_model, windows, controller=PolicyController.from_name("fixed", k_max=[3, 2]),
+    packed = evaluate_with_exits(tiny_model, windows, controller=controller_factory("fixed", None, [3, 2])(),
                                  batch_size=4)
     assert packed.ce == pytest.approx(dense.ce, rel=1e-5)
     assert dense.tokens == packed.tokens == 6 * 16
@@ -65,7 +65,7 @@ def test_fixed_controller_evaluation_equals_the_dense_budget(tiny_model, windows
 
 
 def test_histograms_and_means_agree_with_the_model_outputs(tiny_model, windows):
-    factory = lambda: PolicyController.from_name("step_norm", tau=0.6, k_max=6)  # noqa: E731
+    factory = lambda: controller_factory("step_norm", 0.6, 6)()  # noqa: E731
     result = evaluate_with_exits(tiny_model, windows, controller=factory, batch_size=3, seed=4)
     computed, used, losses = [[], []], [[], []], []
     for first in (0, 3):

@@ -7,7 +7,7 @@ import torch
 
 import rdepth.run.generate_text as generate_text_module
 from rdepth.cli.main import main
-from rdepth.exits.controller import PolicyController
+from rdepth.exits.controller import controller_factory
 from rdepth.model.generation import generate
 from rdepth.model.noise import StateNoise
 from rdepth.run.checkpoint import load_model
@@ -34,14 +34,13 @@ def cli_texts(capsys, run, *flags) -> list[str]:
 
 
 def api_texts(run, name, tau, k_max, autocast=None, **options) -> list[str]:
-    """The same generation composed from the Python API: PolicyController.from_name in every group."""
+    """The same generation composed from the Python API: controller_factory's controllers, the same rule in every group."""
     model, _ = load_model(run)
     tokenizer = run_tokenizer(run)
     prompt = torch.tensor([tokenizer.encode(PROMPT)] * 2)
     with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        tokens = generate(model, prompt, 10, temperature=0.0, generator=StateNoise.consecutive(0, 0, 2),
-                          controller_factory=lambda: PolicyController.from_name(name, tau=tau, k_max=k_max,
-                                                                                decode=model.readout, **options))
+        tokens = generate(model, prompt, 10, temperature=0.0, noise=StateNoise.consecutive(0, 0, 2),
+                          controller_factory=lambda: controller_factory(name, tau, k_max, lambda: model.readout, options)())
     return [tokenizer.decode(row).replace("<|endoftext|>", "\n") for row in tokens.tolist()]
 
 

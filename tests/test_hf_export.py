@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rdepth.errors import RdepthError
+from rdepth.exits.controller import controller_factory
 from rdepth.model.generation import generate
 from rdepth.model.noise import StateNoise
 
@@ -122,7 +123,7 @@ def test_left_padded_batch_generates_each_rows_unpadded_tokens(exported):
     width = batch.input_ids.shape[1]
     for row, prompt, sequence in zip(tokens, prompts, (4, 5, 6)):
         ids = torch.tensor([tiny_tokenizer().encode(prompt)])
-        alone = generate(model, ids, 12, temperature=0, loop_counts=(2, 3, 1), generator=StateNoise(0, [sequence]))
+        alone = generate(model, ids, 12, temperature=0, loop_counts=(2, 3, 1), noise=StateNoise(0, [sequence]))
         assert row[width - ids.shape[1]:].tolist() == alone[0].tolist()
     with pytest.raises(ValueError, match="left-padded"):
         right = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="right")
@@ -183,7 +184,7 @@ def test_greedy_generate_equals_rdepth_generate(exported):
     assert ids[0].tolist() == tiny_tokenizer().encode(PROMPT)
     for counts in ((1, 2, 1), (3, 3, 3)):
         theirs = hf.generate(ids, max_new_tokens=15, do_sample=False, loop_counts=list(counts))
-        ours = generate(model, ids, 15, temperature=0, loop_counts=counts, generator=StateNoise.consecutive(0, 0, 1))
+        ours = generate(model, ids, 15, temperature=0, loop_counts=counts, noise=StateNoise.consecutive(0, 0, 1))
         assert theirs.tolist() == ours.tolist()
     # and rdepth generate's own pipeline (seed 0, one sample: the same keyed initial states)
     text = generate_text(GenerateConfig(checkpoint=str(run), prompt=PROMPT, max_new_tokens=15, temperature=0,
@@ -326,7 +327,6 @@ EXIT_RULES = [
 
 @pytest.mark.parametrize("rule", EXIT_RULES, ids=lambda rule: rule["name"])
 def test_exit_policies_match_rdepths_controller(exported, rule):
-    from rdepth.exits.controller import PolicyController
 
     _, model, _, hf = exported
     options = dict(rule)
@@ -334,7 +334,7 @@ def test_exit_policies_match_rdepths_controller(exported, rule):
     k_max = tuple(k_max) if isinstance(k_max, list) else k_max
 
     def controller():
-        return PolicyController.from_name(name, k_max=k_max, decode=model.readout, **options)
+        return controller_factory(name, None, k_max, lambda: model.readout, options)()
 
     ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
     with torch.no_grad():
@@ -345,12 +345,11 @@ def test_exit_policies_match_rdepths_controller(exported, rule):
         torch.testing.assert_close(theirs.logits, ours.logits, rtol=0, atol=1e-5)
         assert all(bool((c < c.max()).any()) for c in ours.computed) or name == "argmax_stable"  # exits differ
     tokens = generate(model, ids, 10, temperature=0, controller_factory=controller,
-                      generator=StateNoise.consecutive(0, 0, 1))
+                      noise=StateNoise.consecutive(0, 0, 1))
     assert hf.generate(ids, max_new_tokens=10, do_sample=False, exit_policy=rule).tolist() == tokens.tolist()
 
 
 def test_exit_policy_from_the_export_flags(tmp_path, monkeypatch, capsys):
-    from rdepth.exits.controller import PolicyController
 
     run, model = tiny_run(tmp_path / "run")
     assert cli(monkeypatch, "export", "--checkpoint", run, "--out", tmp_path / "hf", "--exit-policy",
@@ -360,7 +359,7 @@ def test_exit_policy_from_the_export_flags(tmp_path, monkeypatch, capsys):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
     ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
     with torch.no_grad():
-        controller = PolicyController.from_name("step_norm", tau=5.0, k_max=(4, 6), decode=model.readout)
+        controller = controller_factory("step_norm", 5.0, (4, 6), lambda: model.readout)()
         assert torch.equal(hf(ids).logits, model(ids, generator=StateNoise(0, [0]), controller=controller).logits)
         # turned off for one call: fixed counts again
         assert torch.equal(hf(ids, exit_policy=False, loop_counts=2).logits,

@@ -93,7 +93,7 @@ def test_loglikelihood_rolling_and_generate_until(run):
     (text,) = lm.generate_until(instances("generate_until", [(prompt, {"until": ["."], "max_gen_toks": 12})]),
                                 disable_tqdm=True)
     ids = tokenizer.encode(prompt)
-    tokens = generate(model, torch.tensor([ids]), 12, temperature=0, loop_counts=(2, 2), generator=StateNoise(0, [0]))
+    tokens = generate(model, torch.tensor([ids]), 12, temperature=0, loop_counts=(2, 2), noise=StateNoise(0, [0]))
     assert text == tokenizer.decode(tokens[0, len(ids):].tolist()).split(".")[0]
 
 

@@ -32,7 +32,7 @@ def test_one_loop_is_the_original_bit_for_bit(tmp_path, groups, scale):
             assert torch.equal(looped(ids, loop_counts=1, generator=noise).logits, expected)
         # the packed path (cached generation) too
         ours = generate(looped, ids[:1], 8, temperature=0, loop_counts=(1,) * looped.n_groups,
-                        generator=StateNoise(0, [0]))
+                        noise=StateNoise(0, [0]))
         assert ours.tolist() == generate(plain, ids[:1], 8, temperature=0).tolist()
         # every step recomputes layers_g(e) until training moves the adapters' state half off zero
         assert torch.equal(looped(ids, loop_counts=3, generator=StateNoise(3, [0, 1])).logits, expected)

@@ -44,9 +44,9 @@ def expected(tmp_path_factory):
     with torch.no_grad():
         logits = {c: model(first, loop_counts=c, generator=StateNoise(0, [0])).logits for c in hf_probe.BUDGETS}
         greedy = {c: generate(model, first, hf_probe.NEW, temperature=0, loop_counts=c,
-                              generator=StateNoise(0, [0])).tolist() for c in hf_probe.BUDGETS}
+                              noise=StateNoise(0, [0])).tolist() for c in hf_probe.BUDGETS}
         alone = [generate(model, torch.tensor([row]), hf_probe.NEW, temperature=0, loop_counts=(3, 2, 5),
-                          generator=StateNoise(0, [0]))[0].tolist() for row in ids]
+                          noise=StateNoise(0, [0]))[0].tolist() for row in ids]
     return {"folder": out, "root": root, "ids": ids, "logits": logits, "greedy": greedy, "alone": alone,
             "vocab": model.config.vocab_size, "block_size": model.config.block_size}
 

@@ -97,7 +97,7 @@ def test_every_decoding_entry_point_runs_the_decoder(monkeypatch):
 
     monkeypatch.setattr(model, "forward", no_cache_forward)
     prompt = torch.randint(0, 50, (1, 4))
-    plain = generation.generate(model, prompt, 6, temperature=0, loop_counts=(3,), generator=StateNoise(0, [0]))
+    plain = generation.generate(model, prompt, 6, temperature=0, loop_counts=(3,), noise=StateNoise(0, [0]))
     fast, _ = speculative.speculative_generate(model, prompt, 6, draft_loops=1, loop_counts=(3,),
                                                noise=StateNoise(0, [0]))
     assert torch.equal(plain, fast) and len(made) == 2
@@ -135,6 +135,6 @@ def test_one_default_temperature_greedy_in_both_generate_functions():
     assert inspect.signature(Decoder.generate).parameters["temperature"].default == 0.0
     model = tiny_model()
     idx = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(3))
-    default = generate(model, idx, 6, loop_counts=(2, 3), generator=StateNoise(0, [0, 1]))
-    greedy = generate(model, idx, 6, temperature=0, loop_counts=(2, 3), generator=StateNoise(0, [0, 1]))
+    default = generate(model, idx, 6, loop_counts=(2, 3), noise=StateNoise(0, [0, 1]))
+    greedy = generate(model, idx, 6, temperature=0, loop_counts=(2, 3), noise=StateNoise(0, [0, 1]))
     assert torch.equal(default, greedy)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rdepth.config import ModelConfig
-from rdepth.exits.controller import PolicyController
+from rdepth.exits.controller import controller_factory
 from rdepth.model import RecurrentLM
 from rdepth.model.generation import generate
 from rdepth.model.noise import StateNoise
@@ -23,7 +23,7 @@ def tiny(block_size: int = 24) -> RecurrentLM:
 @pytest.mark.parametrize("draft_tokens", [1, 3, 6])
 def test_greedy_output_equals_plain_decoding(draft_tokens):
     model, prompt = tiny(), torch.tensor([[1, 5, 7]])
-    plain = generate(model, prompt, 14, temperature=0.0, loop_counts=(4, 5), generator=StateNoise(9, [0]))
+    plain = generate(model, prompt, 14, temperature=0.0, loop_counts=(4, 5), noise=StateNoise(9, [0]))
     fast, stats = speculative_generate(model, prompt, 14, draft_loops=1, loop_counts=(4, 5),
                                        draft_tokens=draft_tokens, noise=StateNoise(9, [0]))
     assert torch.equal(fast, plain)
@@ -34,7 +34,7 @@ def test_drafting_at_the_verifying_budget_accepts_everything():
     model, prompt = tiny(), torch.tensor([[2, 3]])
     fast, stats = speculative_generate(model, prompt, 12, draft_loops=(4, 5), loop_counts=(4, 5),
                                        draft_tokens=4, noise=StateNoise(1, [0]))
-    plain = generate(model, prompt, 12, temperature=0.0, loop_counts=(4, 5), generator=StateNoise(1, [0]))
+    plain = generate(model, prompt, 12, temperature=0.0, loop_counts=(4, 5), noise=StateNoise(1, [0]))
     assert torch.equal(fast, plain) and stats.acceptance == 1.0
 
 
@@ -43,9 +43,9 @@ def test_with_exits_and_at_the_block_size():
     model, prompt = tiny(block_size=12), torch.tensor([[4, 1, 9]])
 
     def controller():
-        return PolicyController.from_name("kl", tau=1e-3, k_max=6, decode=model.readout)
+        return controller_factory("kl", 1e-3, 6, lambda: model.readout)()
 
-    plain = generate(model, prompt, 30, temperature=0.0, controller_factory=controller, generator=StateNoise(2, [0]))
+    plain = generate(model, prompt, 30, temperature=0.0, controller_factory=controller, noise=StateNoise(2, [0]))
     fast, _ = speculative_generate(model, prompt, 30, draft_loops=1, controller_factory=controller,
                                    draft_tokens=3, noise=StateNoise(2, [0]))
     assert plain.shape[1] == 13  # generation stops at the block size (block + 1 tokens)
@@ -143,7 +143,7 @@ def test_speculative_fill_with_exits_and_bad_templates():
     template, free = _template()  # longer than the block: free positions past 16 stay as given
 
     def controller():
-        return PolicyController.from_name("kl", tau=1e-3, k_max=6, decode=model.readout)
+        return controller_factory("kl", 1e-3, 6, lambda: model.readout)()
 
     plain = greedy_fill(model, template, free, controller_factory=controller, noise=StateNoise(2, [0]))
     fast, _ = speculative_fill(model, template, free, draft_loops=1, controller_factory=controller,

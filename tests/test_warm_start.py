@@ -60,7 +60,7 @@ def test_warm_start_changes_every_position_but_the_first(model, tokens):
 def test_greedy_decoding_with_warm_start_follows_the_teacher_forced_argmax(model, tokens):
     prompt = tokens[:, :4]
     noise = StateNoise.consecutive(5, 0, prompt.shape[0])
-    out = generate(model, prompt, 8, temperature=0, controller_factory=controller, generator=noise, warm_start=True)
+    out = generate(model, prompt, 8, temperature=0, controller_factory=controller, noise=noise, warm_start=True)
     forced = teacher_forced(model, out[:, :-1], controller_factory=controller, noise=noise, warm_start=True)
     assert torch.equal(forced.logits[:, 3:].argmax(-1), out[:, 4:])
 

@@ -158,9 +158,9 @@ def make_decoder(model, batch, budget, args, noise, *, loop_counts=None, factory
 
 
 def policy_factory(name, tau, budget):
-    from rdepth.exits import PolicyController
+    from rdepth.exits.controller import controller_factory
 
-    return lambda: PolicyController.from_name(name, tau=tau, k_max=list(budget))
+    return controller_factory(name, tau, list(budget))
 
 
 def calibrate_tau(model, budget, args, device, noise, prompt, steps, deadline, iterations=14,

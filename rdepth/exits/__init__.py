@@ -31,6 +31,7 @@ _EXPORTS = {
     "make_policy": "rdepth.exits.registry",
     "register_policy": "rdepth.exits.base",
     "PolicyController": "rdepth.exits.controller",
+    "controller_factory": "rdepth.exits.controller",
     "drive_recorded": "rdepth.exits.recorded",
     "replay": "rdepth.exits.recorded",
 }

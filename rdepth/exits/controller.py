@@ -14,7 +14,7 @@ import torch
 
 from rdepth.errors import RdepthError
 from rdepth.exits.base import Decode, ExitPolicy
-from rdepth.exits.registry import get_policy_class
+from rdepth.exits.registry import get_policy_class, make_policy
 
 PolicySource = Union[Sequence[ExitPolicy], Callable[[int], ExitPolicy]]
 
@@ -51,22 +51,6 @@ class PolicyController:
             for group, policy in enumerate(policies):
                 self._policies[group] = self._checked(policy, group)
         self.decode = decode
-
-    @classmethod
-    def from_name(
-        cls,
-        name: str,
-        tau: float | Sequence[float] | None = None,
-        k_max: int | Sequence[int] = 32,
-        decode: Decode | None = None,
-        **options: Any,
-    ) -> "PolicyController":
-        """The same rule in every group (:func:`controller_factory`'s controller); ``tau`` and ``k_max``
-        one value or one per group, further policy ``options`` by keyword."""
-        if tau is None and get_policy_class(name).sweep_parameter in options:
-            parameter = get_policy_class(name).sweep_parameter
-            tau = options.pop(parameter)
-        return controller_factory(name, tau, k_max, None if decode is None else (lambda: decode), options)()
 
     @staticmethod
     def _checked(policy: Any, group: int) -> ExitPolicy:
@@ -123,7 +107,9 @@ def controller_factory(
     options: dict | None = None,
 ) -> Callable[[], PolicyController]:
     """The one way from a policy name and its threshold(s) to loop controllers: a factory of fresh
-    :class:`PolicyController` objects running ``policy`` in every group.
+    :class:`PolicyController` objects running ``policy`` in every group, each group's policy made by
+    :func:`~rdepth.exits.registry.make_policy` (``controller_factory(name, tau, k_max)()`` is one
+    controller).
 
     Args:
         policy: a registered rule (:mod:`rdepth.exits.policies`).
@@ -133,12 +119,15 @@ def controller_factory(
         k_max: the most loop steps, one value or one per group.
         decode_factory: a fresh reading per controller (``lambda: model.readout``, or a
             :class:`~rdepth.exits.decode.RestDecode` maker) for rules that read the distribution.
-        options: further policy options (e.g. the KL direction).
+        options: further policy options (e.g. the KL direction); the swept parameter may come here by
+            name instead (``{"patience": 2}``) when ``value`` is None.
 
     Every group's settings are checked here, before any model runs (one-line errors).
     """
     cls = get_policy_class(policy)
     options = dict(options or {})
+    if value is None and cls.sweep_parameter in options:
+        value = options.pop(cls.sweep_parameter)
     caps = None if isinstance(k_max, int) else tuple(int(k) for k in k_max)
     values = None if value is None or isinstance(value, (int, float)) else tuple(value)
     if caps is not None and values is not None and len(caps) != len(values):
@@ -152,11 +141,11 @@ def controller_factory(
         cap = k_max if caps is None else caps[group]
         chosen = value if values is None else values[group]
         if chosen is None:
-            return cls(k_max=cap, **options)
+            return make_policy(policy, k_max=cap, **options)
         if cls.sweep_parameter == "tau":
-            return cls(tau=chosen, k_max=cap, **options)
+            return make_policy(policy, tau=chosen, k_max=cap, **options)
         chosen = int(chosen) if float(chosen).is_integer() else chosen
-        return cls(k_max=cap, **{cls.sweep_parameter: chosen}, **options)
+        return make_policy(policy, k_max=cap, **{cls.sweep_parameter: chosen}, **options)
 
     for group in range(max(1, len(caps or ()), len(values or ()))):
         build(group)  # bad settings fail here, before the model runs

@@ -36,9 +36,10 @@ log = logging.getLogger(__name__)
 
 WEIGHT_PREFIX = "model."  # RdepthForCausalLM holds the RecurrentLM as .model
 
+
 def check_exit_spec(spec: dict | None, n_groups: int) -> None:
     """Build the exit rule once, so a bad name, threshold or cap fails at export, not at load."""
-    from rdepth.exits.controller import PolicyController
+    from rdepth.exits.controller import controller_factory
 
     if spec is None:
         return
@@ -46,8 +47,8 @@ def check_exit_spec(spec: dict | None, n_groups: int) -> None:
     k_max = options.pop("k_max")
     if isinstance(k_max, list) and len(k_max) != n_groups:
         raise RdepthError(f"export: --exit-k-max has {len(k_max)} values for {n_groups} recurrence groups")
-    PolicyController.from_name(options.pop("name"), tau=options.pop("tau", None),
-                               k_max=tuple(k_max) if isinstance(k_max, list) else k_max, **options)
+    caps = tuple(k_max) if isinstance(k_max, list) else k_max
+    controller_factory(options.pop("name"), options.pop("tau", None), caps, None, options)()  # checks every group
 
 
 def export_config_dict(model_config, loop_counts, state_seed: int, eot_id: int,

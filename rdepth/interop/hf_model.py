@@ -50,6 +50,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from rdepth.config import ModelConfig, parse_loop_counts
+from rdepth.exits.controller import controller_factory
 from rdepth.exits.controller import PolicyController
 from rdepth.interop.hf_config import RdepthConfig
 from rdepth.model.decoder import Decoder
@@ -214,8 +215,7 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"exit_policy needs a 'name' (a rule of rdepth.exits.policies), got {spec!r}")
         k_max = options.pop("k_max", 32)
         k_max = int(k_max) if isinstance(k_max, (int, float)) else tuple(int(k) for k in k_max)
-        return PolicyController.from_name(name, tau=options.pop("tau", None), k_max=k_max,
-                                          decode=self.model.readout, **options)
+        return controller_factory(name, options.pop("tau", None), k_max, lambda: self.model.readout, options)()
 
     def state_noise(self, batch: int, state_seed: int | None, sequence_ids) -> StateNoise:
         seed = self.config.state_seed if state_seed is None else int(state_seed)

@@ -167,7 +167,7 @@ class RdepthLM(TemplateLM):
             ids = self.tok_encode(context)[-(self.max_length - max_new):] or [self.eot_token_id]
             prompt = torch.tensor([ids], device=self._device)
             tokens = generate(self.model, prompt, max_new, temperature=0, loop_counts=self.loop_counts,
-                              generator=StateNoise(self.seed, [0]))
+                              noise=StateNoise(self.seed, [0]))
             new = tokens[0, len(ids):].tolist()
             if self.eot_token_id in new:
                 new = new[: new.index(self.eot_token_id)]

@@ -1,11 +1,10 @@
 """The one token-by-token decoder: every path that extends a sequence a token at a time drives it.
 
-``rdepth generate`` (sampling, exits, exit profiles, warm start), self-speculative decoding (drafts, a
-verifying pass, rollback), the exported model's ``generate()``, lm-eval's ``generate_until`` and the
-sweep's decode latencies run :class:`Decoder`. It drives the model's pieces (``embed``, ``run_layers``,
-``group_input`` once per group, ``loop_step`` per step, ``readout``) over a preallocated cache
-(the one :class:`~rdepth.model.kv.KVCache`, made by the model), exact against teacher-forced evaluation (cached =
-teacher-forced = batch-of-one, with exits and warm start).
+``rdepth generate``, self-speculative decoding, the exported model's ``generate()`` and cached
+``forward``, teacher-forced warm start, lm-eval's ``generate_until`` and the sweep's decode latencies run
+:class:`Decoder`. It drives the model's pieces (``embed``, ``run_layers``, ``group_input`` once per
+group, ``loop_step`` per step, ``readout``) over the one cache (:class:`~rdepth.model.kv.KVCache`, made
+by the model), exact against teacher-forced evaluation (cached = teacher-forced = batch-of-one).
 
 * **A plan per budget** (fixed counts per group, or a loop controller: per-token exits), built once and
   replayed for every token: pieces (``run``) and host checks (``check``). Each group's loop runs under
@@ -18,7 +17,7 @@ teacher-forced = batch-of-one, with exits and warm start).
 * **Several tokens at once** (:meth:`Decoder.extend`, ``T > 1`` at a fixed budget) run in lock-step
   under a causal mask, as the teacher-forced forward does; with exits or warm start one by one.
 * **Rollback** sets the cache length back; **warm start** starts each group's loop at position p from
-  the state it handed on at p - 1 (kept per position, so rollback keeps it right).
+  the state it handed on at p - 1 (kept per position: rollback keeps it right).
 """
 
 from __future__ import annotations
@@ -109,8 +108,7 @@ class Decoder:
             raise RdepthError(f"decoder: noise holds {len(noise.sequence_ids)} sequence ids for {batch_size} rows")
         self.noise = noise
         self.length = 0  # positions filled; the host counts them, never reads the device
-        self.prompt_computed: torch.Tensor | None = None  # [G, B, T] loop steps of the last extend's tokens
-        self.prompt_used: torch.Tensor | None = None  # [G, B, T] the iterate each of them handed on
+        self.prompt_computed = self.prompt_used = None  # [G, B, T]: steps and hand-off of the last extend
         # How the pieces run (rdepth.model.executors): eager; a host check per step on the CPU, none on CUDA.
         self.executor = Executor(check_every=None if self.device.type == "cuda" else 1)
         self._span: int | None = -1  # positions the attention reads now (None: the whole cache; -1: none yet)
@@ -331,12 +329,10 @@ class Decoder:
                 logits.append(self.logits.clone())
                 computed.append(self.computed.clone())
                 used.append(self.used.clone())
-            self.prompt_computed = torch.stack(computed, dim=2)
-            self.prompt_used = torch.stack(used, dim=2)
+            self.prompt_computed, self.prompt_used = torch.stack(computed, dim=2), torch.stack(used, dim=2)
             return torch.stack(logits, dim=1)
         logits = self._extend_parallel(tokens, budget.counts)
-        self.prompt_computed = self.computed[:, :, None].expand(-1, -1, length).clone()
-        self.prompt_used = self.prompt_computed.clone()
+        self.prompt_computed = self.prompt_used = self.computed[:, :, None].expand(-1, -1, length).clone()
         return logits
 
     @torch.no_grad()
@@ -401,19 +397,19 @@ class Decoder:
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                 top_k: int | None = None, rng: torch.Generator | None = None) -> torch.Tensor:
         """``prompt`` ``[B, T0]`` extended by up to ``max_new_tokens`` tokens (fewer where the capacity
-        ends), chosen by :func:`choose_tokens` on the device; ``[B, T0 + n]``."""
+        ends), chosen by :func:`choose_tokens` on the device (sampling from ``rng``); ``[B, T0 + n]``."""
         prompt = prompt.to(self.device)
         if max_new_tokens < 1:
             return prompt
         logits = self.prefill(prompt)[:, -1]
-        chosen = [choose_tokens(logits, temperature, top_k, generator)]
+        chosen = [choose_tokens(logits, temperature, top_k, rng)]
         for _ in range(max_new_tokens - 1):
             if self.length >= self.capacity:
                 break
             self._advance(chosen[-1])
-            chosen.append(choose_tokens(self.logits, temperature, top_k, generator))
+            chosen.append(choose_tokens(self.logits, temperature, top_k, rng))
         return torch.cat([prompt, *chosen], dim=1)
 
 

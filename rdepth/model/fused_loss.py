@@ -1,4 +1,8 @@
-"""The head and the cross-entropy fused, a chunk of rows at a time: no ``[N, V]`` logits kept.
+"""The one chunked cross-entropy: of low-precision logits, or fused with the head; fp32 a chunk at a time.
+
+Both run :func:`_chunk_loss` over chunks of rows and make the gradients in the forward, so the backward
+only scales them. :func:`logits_cross_entropy` scores given ``[N, V]`` logits (bf16 under autocast:
+:func:`rdepth.model.recurrent.lm_loss`) without an fp32 copy of them. The head fused with the loss:
 
 ``lm_loss(model.readout(x), targets)`` makes the whole ``[B*T, V]`` logits (bf16 under autocast), keeps
 them for the backward, and writes a gradient of the same size. :func:`readout_loss` computes the same
@@ -69,6 +73,38 @@ def _chunk_loss(wide: torch.Tensor, picked: torch.Tensor, valid: torch.Tensor, s
     grad = grad.scatter_add(1, picked.unsqueeze(1), torch.full_like(log_norm.unsqueeze(1), -1.0))
     grad = grad * (valid.to(grad.dtype) * scale).unsqueeze(1)
     return loss, grad.to(wide.dtype)
+
+
+def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` ``[N, V]`` against ``targets`` ``[N]`` (-1 = ignore), in fp32 (fp64
+    for fp64 logits) ``chunk_rows`` rows at a time; the gradient, in the logits' dtype, is made in the
+    forward when the logits need one (no fp32 ``[N, V]`` tensor is kept). NaN when nothing is scored,
+    as ``F.cross_entropy``."""
+    return _LogitsCrossEntropy.apply(logits, targets, chunk_rows)
+
+
+class _LogitsCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, chunk_rows):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        want_grad = ctx.needs_input_grad[0]
+        valid, picked = targets != -1, targets.clamp_min(0)
+        scale = 1.0 / valid.sum().to(dtype)
+        total = torch.zeros((), dtype=dtype, device=logits.device)
+        grad_logits = torch.empty_like(logits) if want_grad else None
+        for start in range(0, logits.shape[0], chunk_rows):
+            part = slice(start, start + chunk_rows)
+            loss, grad = _chunk_loss(logits[part], picked[part], valid[part], scale, want_grad)
+            total += loss.to(dtype)
+            if want_grad:
+                grad_logits[part] = grad
+        ctx.save_for_backward(grad_logits)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad_logits,) = ctx.saved_tensors
+        return grad_logits * grad_output.to(grad_logits.dtype), None, None
 
 
 @functools.cache

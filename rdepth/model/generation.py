@@ -24,21 +24,21 @@ def generate(
     top_k: int | None = None,
     loop_counts: Sequence[int] | None = None,
     controller_factory: Callable[[], LoopController] | None = None,
-    generator: StateNoise | None = None,
-    sample_generator: torch.Generator | None = None,
+    noise: StateNoise | None = None,
+    rng: torch.Generator | None = None,
     warm_start: bool = False,
 ) -> torch.Tensor:
     """Extend ``idx`` ``[B, T0]`` by up to ``max_new_tokens`` tokens through :class:`Decoder`.
 
     The prompt runs once, then one token per step, each reading the cached keys/values of every
     earlier position at the same loop step (or its last computed step when it exited early).
-    ``temperature=0`` (the default, as :meth:`Decoder.generate`'s) is greedy; sampling draws from ``sample_generator`` on the device.
-    Generation stops at the model's block size. ``generator``: the initial loop states (a
+    ``temperature=0`` (the default, as :meth:`Decoder.generate`'s) is greedy; sampling draws from ``rng`` on the device.
+    Generation stops at the model's block size. ``noise``: the initial loop states (a
     :class:`StateNoise`, one id per row; default ids ``0..B-1`` with seed 0). ``warm_start``: each
     group's loop starts from the state it handed on at the previous token.
     ``controller_factory``: per-token exits (``loop_counts`` is then unused).
     """
-    if generator is not None and not isinstance(generator, StateNoise):
+    if noise is not None and not isinstance(noise, StateNoise):
         raise RdepthError("generate: the initial loop states come from a StateNoise (one sequence id per row)")
     if temperature < 0 or (top_k is not None and top_k < 1):
         raise RdepthError(f"generate: temperature must be >= 0 and top_k >= 1, got {temperature}, {top_k}")
@@ -46,9 +46,9 @@ def generate(
         raise RdepthError(f"generate: a prompt of {idx.shape[1]} tokens exceeds the model's block size "
                           f"{model.config.block_size}")
     decoder = Decoder(model, idx.shape[0], loop_counts=None if controller_factory is not None else loop_counts,
-                      controller_factory=controller_factory, noise=generator, warm_start=warm_start,
+                      controller_factory=controller_factory, noise=noise, warm_start=warm_start,
                       capacity=min(model.config.block_size, idx.shape[1] + max(max_new_tokens, 1)))
-    return decoder.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=sample_generator)
+    return decoder.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, rng=rng)
 
 
 def teacher_forced(

@@ -36,7 +36,7 @@ from torch import nn
 from rdepth.config import ModelConfig, parse_loop_counts
 from rdepth.errors import RdepthError
 from rdepth.model.control import LoopController
-from rdepth.model.fused_loss import readout_loss
+from rdepth.model.fused_loss import logits_cross_entropy, readout_loss
 from rdepth.model.kv import AttentionContext, KVCache, RowsKV
 from rdepth.model.layers import BLOCKS, make_norm
 from rdepth.model.loop import LoopRows, run_fixed
@@ -430,7 +430,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None 
     """Mean cross-entropy of ``logits`` ``[B, T, V]`` against ``targets`` ``[B, T]`` (-1 = ignore), in fp32.
 
     float32/float64 logits: ``F.cross_entropy`` on ``logits.float()``, as always. Low-precision
-    logits (bf16/fp16 under autocast): :class:`_ChunkedCrossEntropy`, ``chunk_rows`` rows at a time
+    logits (bf16/fp16 under autocast): :func:`rdepth.model.fused_loss.logits_cross_entropy` (the one
+    chunked cross-entropy, also behind the fused head), ``chunk_rows`` rows at a time
     (default: :data:`LOSS_CHUNK_ELEMENTS` / V), so no ``[B*T, V]`` fp32 copy is made, neither in the
     forward nor kept for the backward.
     """
@@ -439,43 +440,4 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None 
     if flat.dtype not in (torch.float16, torch.bfloat16):
         return F.cross_entropy(flat.float(), flat_targets, ignore_index=-1)
     rows = chunk_rows or max(1, LOSS_CHUNK_ELEMENTS // flat.shape[-1])
-    return _ChunkedCrossEntropy.apply(flat, flat_targets, rows)
-
-
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of low-precision logits ``[N, V]``, in fp32 a chunk of rows at a time.
-
-    The forward keeps only the per-row log-sum-exp ``[N]`` (fp32) beside the logits it was given;
-    the backward recomputes each chunk's softmax in fp32 and writes the gradient in the logits'
-    dtype: ``(softmax - onehot(target)) * grad / valid rows``, zero on ignored rows (target -1).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int) -> torch.Tensor:
-        valid = targets != -1  # (N,)
-        picked_index = targets.clamp_min(0).unsqueeze(1)  # (N, 1)
-        log_norm = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        for start in range(0, logits.shape[0], chunk_rows):
-            part = slice(start, start + chunk_rows)
-            wide = logits[part].float()  # (chunk, V) fp32, freed after this chunk
-            log_norm[part] = torch.logsumexp(wide, dim=-1)
-            picked = wide.gather(1, picked_index[part]).squeeze(1)
-            total += ((log_norm[part] - picked) * valid[part]).sum()
-        count = valid.sum()
-        ctx.save_for_backward(logits, picked_index, valid, log_norm, count)
-        ctx.chunk_rows = chunk_rows
-        return total / count  # NaN when every target is ignored, as F.cross_entropy
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        logits, picked_index, valid, log_norm, count = ctx.saved_tensors
-        grad_logits = torch.empty_like(logits)
-        scale = grad_output.float() / count
-        for start in range(0, logits.shape[0], ctx.chunk_rows):
-            part = slice(start, start + ctx.chunk_rows)
-            grad = torch.exp(logits[part].float() - log_norm[part, None])  # softmax (chunk, V)
-            grad.scatter_add_(1, picked_index[part], torch.full_like(log_norm[part, None], -1.0))
-            grad *= valid[part, None] * scale
-            grad_logits[part] = grad.to(logits.dtype)
-        return grad_logits, None, None
+    return logits_cross_entropy(flat, flat_targets, rows)

@@ -72,5 +72,5 @@ def _generate(config: GenerateConfig, model, model_config, prompt, counts, noise
             rows.append(row)
         return torch.cat(rows)
     return generate(model, prompt, config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-                    loop_counts=counts, generator=noise, sample_generator=sampling, warm_start=config.warm_start,
+                    loop_counts=counts, noise=noise, rng=sampling, warm_start=config.warm_start,
                     controller_factory=None if controllers is None else controllers(model))

@@ -108,7 +108,7 @@ def generate_call(
     def call() -> None:
         with _autocast(device, autocast_dtype):
             generate(model, prompt, new_tokens, temperature=0.0, loop_counts=loop_counts,
-                     controller_factory=controller_factory, generator=noise)
+                     controller_factory=controller_factory, noise=noise)
 
     return call
 
