@@ -13,8 +13,7 @@ from rdepth.errors import RdepthError
 from rdepth.sweep.summary import summarize
 from rdepth.reproduce import claims as C
 from rdepth.reproduce.config import ReproduceConfig
-from rdepth.reproduce.plan import (SAFETY_SECONDS, SPEED_MARGIN, Probe, Workload, after_training_seconds,
-                                   expected_train_flops, plan_run, probe_from_steps, size_config, train_flops)
+from rdepth.reproduce.plan import (SAFETY_SECONDS, SPEED_MARGIN, Probe, Workload, expected_train_flops, plan_run, probe_from_steps, size_config, train_flops)
 
 # ------------------------------------------------------------------ constructed geometry summaries
 
@@ -452,21 +451,55 @@ def test_toy_run_end_to_end(wiki_small, tmp_path, capsys):
     assert "other settings" in capsys.readouterr().err
 
 
-def test_the_after_training_estimate_matches_the_h100_run_it_was_calibrated_on():
-    """The first H100 run (docs/results.md, "On an H100"): `mini` on the GPT-2 vocabulary, probed at
-    1.408e-14 s/FLOP, 4 checkpoints, 32 analysis windows, 64 sweep windows, 20 policy points, 16 decoded
-    tokens, 3 repeats: analyze took 20.9 s and the sweep 165.3 s. The estimate is within 25% of both.
-    That analysis ran in float32 without the DLR curve and the Jacobian spectra (issue 26 added them)."""
-    config = size_config("mini", 50257, "gpt2")
-    work = Workload(checkpoints=4, analyze_sequences=32, long_loops=30, sweep_windows=64, sweep_settings=20,
-                    timing_batch=32, generate_tokens=16, repeats=3, val_windows=256,
-                    dlr_curve_loops=0, jacobian_positions=0, analyze_precision="float32")
-    parts = after_training_seconds(config, work, 1.4083307529675732e-14, "cuda")
-    assert parts["analyze"] == pytest.approx(20.9, rel=0.25)
-    assert parts["sweep"] == pytest.approx(165.3, rel=0.25)
-    # Half the decoded tokens take a good part of the sweep off (the CUDA default is now 8).
-    assert after_training_seconds(config, Workload(**{**work.__dict__, "generate_tokens": 8}), 1.4083307529675732e-14,
-                                  "cuda")["sweep"] < 0.7 * parts["sweep"]
+def test_flops_of_a_constructed_size_by_hand():
+    """The toy size: d = 64, MLP ratio 4, context 64, six layers looped as 1 | 2-3 | 4 (4 and 5 run once)."""
+    from rdepth.reproduce.plan import forward_flops, layer_flops, loop_step_flops
+
+    config = size_config("toy", 512, "bpe:512")
+    assert (config.d_model, config.mlp_ratio, config.block_size, config.n_layer) == (64, 4, 64, 6)
+    layer = 2 * (4 + 2 * 4) * 64 * 64 + 2 * 64 * 64  # matrices + attention over T/2 keys, 2 FLOPs a multiply-add
+    assert layer_flops(config) == layer == 106_496
+    adapter = 4 * 64 * 64
+    assert [loop_step_flops(config, g) for g in range(3)] == [layer + adapter, 2 * layer + adapter, layer + adapter]
+    once = 2 * layer + 2 * config.padded_vocab_size * 64
+    assert forward_flops(config, [0, 0, 0]) == once
+    assert forward_flops(config, [2, 1, 3]) == once + 2 * (layer + adapter) + (2 * layer + adapter) + 3 * (layer + adapter)
+
+
+def test_the_after_training_estimate_counts_what_the_stages_run(monkeypatch):
+    """With the per-call and fixed overheads set to zero, every stage's estimate is its forward tokens x FLOPs
+    per token x seconds per FLOP x EVAL_OVERHEAD (x FLOAT64_SLOWDOWN in float64): the counts on a constructed
+    workload, by hand."""
+    from rdepth.reproduce import plan as P
+
+    for name in ("CALL_SECONDS", "DECODE_CALL_SECONDS", "ANALYZE_SECONDS_PER_CHECKPOINT", "REPORT_SECONDS"):
+        monkeypatch.setattr(P, name, {"cuda": 0.0, "cpu": 0.0})
+    config = size_config("toy", 512, "bpe:512")
+    T, flops = config.block_size, lambda counts: P.forward_flops(config, counts)
+    eval_loops, k_max = list(config.default_eval_loops), [2 * k for k in config.default_eval_loops]
+    work = Workload(checkpoints=3, analyze_sequences=8, long_loops=10, sweep_windows=8, sweep_settings=2,
+                    timing_batch=8, generate_tokens=0, repeats=2, val_windows=16, dlr_curve_loops=0,
+                    jacobian_positions=0, analyze_precision="float32")
+    unit = 1.0 / (P.EVAL_OVERHEAD * T)  # seconds per FLOP that make one forward token of F FLOPs cost F / T
+    parts = P.after_training_seconds(config, work, unit, "cpu")
+    # analyze: 3 checkpoints x 8 windows at the eval budget and at 10 loops per group
+    assert parts["analyze"] == pytest.approx(3 * 8 * (flops(eval_loops) + flops([10, 10, 10])))
+    # sweep: quality of the full budget and 2 settings with their fixed baselines (5 passes over 8 windows);
+    # per timed round (1 warm-up + 2 repeats), 5 settings + 3 fixed (dense) at batch 1 and batched (1 + 8 windows)
+    assert parts["sweep"] == pytest.approx(5 * 8 * flops(k_max) + 3 * 8 * 9 * flops(k_max))
+    # validation: 4 batches of 16 windows per checkpoint; the loop budgets: 3 budgets x 16 windows at 2 x eval
+    assert parts["validation"] == pytest.approx(3 * 4 * 16 * flops(eval_loops))
+    assert parts["loop_budgets"] == pytest.approx(3 * 16 * flops([max(k_max)] * 3))
+    assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+    # float64 costs FLOAT64_SLOWDOWN x; the DLR curve adds K = 1..4 loops on 4 windows of the last checkpoint
+    wide = Workload(**{**work.__dict__, "analyze_precision": "float64"})
+    assert P.analyze_seconds(config, wide, unit, "cpu") == pytest.approx(P.FLOAT64_SLOWDOWN["cpu"] * parts["analyze"])
+    curve = Workload(**{**work.__dict__, "dlr_curve_loops": 4})
+    assert P.analyze_seconds(config, curve, unit, "cpu") - parts["analyze"] == pytest.approx(
+        4 * sum(flops([k] * 3) for k in range(1, 5)))
+    # twice the seconds per FLOP, twice every FLOP-bound stage
+    double = P.after_training_seconds(config, work, 2 * unit, "cpu")
+    assert all(double[k] == pytest.approx(2 * parts[k]) for k in ("analyze", "sweep", "validation", "loop_budgets"))
 
 
 def test_training_may_take_what_the_later_stages_leave():
