@@ -155,8 +155,12 @@ def test_tiny_vision_run_end_to_end_and_teacher_reuse(small_fmnist, tmp_path, ca
     assert 0.0 <= results["floor"]["pixel_probe_accuracy"] <= 1.0
     dynamics = json.loads((out / "dynamics.json").read_text())
     assert len(dynamics["teacher"]["perturbation"]) == 8 and len(dynamics["raptor"]["basins"]["ratio"]) == 9
+    null = dynamics["null"]  # the teacher against its nulls, 3 seeds of 20 of the 40 dynamics images
+    assert (null["seeds"], null["images_per_seed"], len(null["random_init"]), len(null["shuffled_depth"])) == (3, 20, 3, 3)
+    assert all(row["verdict"] in ("reproduced", "partly", "not reproduced") for row in null["verdicts"])
     page = (out / "index.html").read_text()
     assert page.index("Downstream retention") < page.index("dynamics findings")
+    assert "verdict against the nulls" in page
     config = json.loads((out / "config.json").read_text())
     assert config["teacher"]["trained_here"] is True
     # the same settings in the same folder reuse the saved teacher; a teacher folder given by path is loaded
