@@ -673,8 +673,8 @@ def _fronts_why(fronts: dict[str, Any]) -> list[str]:
             elif result["covers"]:
                 text = "matches it but is better nowhere"
             else:
-                text = (f"leaves {len(result['unmatched'])} of its {len(result['other_front'])} front points "
-                        "unmatched")
+                text = (f"leaves {len(result['unmatched'])} of {other}'s {len(result['other_front'])} front "
+                        "points unmatched")
             why.append(f"{judged} against {other}, quality vs {axis}: {text}.")
         if comparison["dominated"]:
             why.append(f"{other}'s front dominates {judged}'s.")
