@@ -198,6 +198,8 @@ def test_vision_bad_inputs_are_one_line_errors(small_fmnist, tmp_path, capsys):
     assert "gzip" in err
     err = one_line_error(capsys, main(flags(small_fmnist, tmp_path / "d", "--compare-k", "0")))
     assert "compare_k" in err
+    err = one_line_error(capsys, main(flags(small_fmnist, tmp_path / "d", "--null-seeds", "-1")))
+    assert "null_seeds must be an integer >= 0" in err
     folder = tmp_path / "not_a_teacher"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "vit"}))
