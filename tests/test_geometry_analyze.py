@@ -133,11 +133,44 @@ def test_analyze_saves_its_headline_numbers(analyzed):
     for entry in summary["checkpoints"]:
         for budget in entry["budgets"].values():
             for group in budget["groups"]:
+                # what each headline number means is tested on a constructed group below; here: every group
+                # of every budget has them, read off its own saved curves
                 saved = group["headline"]
-                assert saved == group_headline(group)
+                assert set(saved) == HEADLINE_KEYS
                 sizes = group["step_size"]["mean"]
                 assert saved["first_step_size"] == sizes[0]
                 assert saved["decay_5_over_0"] == (pytest.approx(sizes[5] / sizes[0]) if len(sizes) > 5 else None)
+
+
+HEADLINE_KEYS = {"first_step_size", "second_step_size", "decay_5_over_0", "decay_10_over_0", "decay_10_over_1",
+                 "noise_floor_step", "settled_cosine", "settled_cosine_std", "settled_cosine_window", "plateau",
+                 "last_effective_rank"}
+
+
+def test_headline_numbers_of_a_constructed_group():
+    """Step sizes 2 x 0.5^k (relative steps 0.5^k, under the 1e-3 floor from k = 10), cosines that settle at
+    0.6 from j = 4 after a swing from the random start, and a last effective rank of 3: every headline number
+    is known by hand."""
+    sizes = [2.0 * 0.5 ** k for k in range(14)]
+    cosines = [-0.9, 0.95, 0.8, 0.7, 0.58, 0.62, 0.6, 0.6, 0.6, -1.0, -1.0, -1.0, -1.0]
+    group = {"step_size": {"mean": sizes}, "relative_step_size": {"mean": [0.5 ** k for k in range(14)]},
+             "cosine": {"mean": cosines, "std": [0.1 * j for j in range(13)]}, "effective_rank": [9.0, 5.0, 3.0]}
+    headline = group_headline(group)
+    assert set(headline) == HEADLINE_KEYS
+    assert headline["first_step_size"] == 2.0 and headline["second_step_size"] == 1.0
+    assert headline["decay_5_over_0"] == pytest.approx(1 / 32) and headline["decay_10_over_0"] == pytest.approx(1 / 1024)
+    assert headline["decay_10_over_1"] == pytest.approx(1 / 512)
+    assert headline["noise_floor_step"] == 10  # 0.5^10 = 9.8e-4 < 1e-3 <= 0.5^9
+    # cosine j counts while update j+1 is above the floor: j = 1..8; the last five are j = 4..8
+    assert headline["settled_cosine_window"] == {"usable": 8, "window": [4, 8], "plateau": True,
+                                                 "range": pytest.approx(0.04)}
+    assert headline["settled_cosine"] == pytest.approx(0.6)
+    assert headline["settled_cosine_std"] == pytest.approx(0.6)  # stds 0.4..0.8, mean 0.6
+    assert headline["plateau"] == {"ratio": pytest.approx(0.5 ** 10), "last_relative": pytest.approx(0.5 ** 13),
+                                   "window": 10, "holds": False}
+    assert headline["last_effective_rank"] == 3.0
+    flat = dict(group, step_size={"mean": [2.0] + [0.3] * 13}, relative_step_size={"mean": [1.0] + [0.01] * 13})
+    assert group_headline(flat)["plateau"]["holds"] is True and group_headline(flat)["noise_floor_step"] is None
 
 
 def test_analyze_loss_equals_eval_whatever_the_batch_size(tiny_run, analyzed):

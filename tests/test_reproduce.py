@@ -13,8 +13,7 @@ from rdepth.errors import RdepthError
 from rdepth.sweep.summary import summarize
 from rdepth.reproduce import claims as C
 from rdepth.reproduce.config import ReproduceConfig
-from rdepth.reproduce.plan import (SAFETY_SECONDS, SPEED_MARGIN, Probe, Workload, after_training_seconds,
-                                   expected_train_flops, plan_run, probe_from_steps, size_config, train_flops)
+from rdepth.reproduce.plan import (SAFETY_SECONDS, SPEED_MARGIN, Probe, Workload, expected_train_flops, plan_run, probe_from_steps, size_config, train_flops)
 
 # ------------------------------------------------------------------ constructed geometry summaries
 
@@ -196,16 +195,22 @@ def _timed(ms: float, spread: float = 0.02) -> dict:
             "ms_per_token_batched": ms / 10, "ms_per_token_batched_iqr": [ms / 10 * 0.98, ms / 10 * 1.02]}
 
 
-def _sweep(ppl: dict[str, list[float]], ms: dict[str, float]) -> dict:
-    taus = [1e-5, 1e-4, 1e-3, 1e-2]
+def _sweep(ppl: dict[str, list[float]], ms: dict[str, float], steps: dict[str, list[float]] | None = None) -> dict:
+    """A sweep result: per policy its perplexity at each threshold of its grid (SCALE_FREE_GRID for the
+    scale-free rules, the paper's taus for the rest), 18 executed steps of 24 unless ``steps`` says, and a
+    batch-1 latency of ``ms[policy]`` (or ms[policy] x steps / 18 when ``steps`` is given)."""
+    from rdepth.reproduce.config import PAPER_TAUS, SCALE_FREE_GRID
+
     reference = {"budget": [8, 8, 8], "ppl": 100.0, "mean_steps": [8.0] * 3, "timing_path": "packed", **_timed(3.0)}
     points = []
     for policy, values in ppl.items():
-        for tau, value in zip(taus, values):
-            steps = [6.0, 6.0, 6.0]
-            baseline = {"budget": [6, 6, 6], "ppl": 100.5, "mean_steps": steps, **_timed(2.5)}
-            points.append({"policy": policy, "parameter": "tau", "value": tau, "ppl": value, "mean_steps": steps,
-                           "steps": sum(steps), "baseline": baseline, **_timed(ms[policy])})
+        taus = SCALE_FREE_GRID.get(policy, PAPER_TAUS)
+        counts = (steps or {}).get(policy) or [18.0] * len(values)
+        for tau, value, total in zip(taus, values, counts):
+            per_group = [total / 3] * 3
+            baseline = {"budget": [6, 6, 6], "ppl": 100.5, "mean_steps": [6.0] * 3, **_timed(2.5)}
+            points.append({"policy": policy, "parameter": "tau", "value": tau, "ppl": value, "mean_steps": per_group,
+                           "steps": total, "baseline": baseline, **_timed(ms[policy] * total / 18.0)})
     result = {"reference": reference, "points": points, "fixed_ladder": [], "k_max": [8, 8, 8], "config": {}}
     result["summary"] = summarize(result, 0.01)
     return result
@@ -213,6 +218,21 @@ def _sweep(ppl: dict[str, list[float]], ms: dict[str, float]) -> dict:
 
 FLAT = [100.0, 100.1, 100.2, 100.3]
 CLIFF = [100.0, 100.2, 102.0, 130.0]
+# the scale-free rules over their five thresholds: executed steps falling as the threshold rises
+SAVING = [22.0, 20.0, 16.0, 12.0, 10.0]
+FLAT5 = [100.0, 100.05, 100.1, 100.15, 100.2]
+STEEP5 = [100.0, 101.0, 103.0, 110.0, 130.0]
+
+
+def _fronts(accel: tuple[list, list], kl: tuple[list, list], step: tuple[list, list], per_step_ms=(1.0, 1.0, 1.0),
+            paper: tuple[list, list, list] = (FLAT, FLAT, CLIFF)) -> dict:
+    """A sweep with the scale-free rules given as (perplexities, executed steps) and the paper's grid rows."""
+    rules = {"acceleration_rel": accel, "kl": kl, "step_norm_rel": step}
+    ppl = {name: values for name, (values, _) in rules.items()}
+    steps = {name: counts for name, (_, counts) in rules.items()}
+    ppl.update(acceleration=paper[0], step_norm=paper[2])
+    ms = dict(zip(rules, per_step_ms), acceleration=1.0, step_norm=1.0)
+    return _sweep(ppl, ms, steps)  # KL's own grid holds the paper's four taus: its rows serve both
 
 
 def test_a_model_that_did_not_learn_answers_no_claim():
@@ -234,49 +254,95 @@ def test_a_model_that_did_not_learn_answers_no_claim():
     assert C.judge_all(summary, sweep, learned)[0]["verdict"] == C.REPRODUCED
 
 
-def test_exit_claim_reproduced():
-    claim = C.claim_exits(_sweep({"acceleration": FLAT, "kl": FLAT, "step_norm": CLIFF},
-                                 {"acceleration": 1.0, "kl": 2.0, "step_norm": 0.8}))
-    assert claim["verdict"] == C.REPRODUCED
-    checks = claim["ours"]["checks"]
-    assert checks["faster_than_kl"]["kl_over_acceleration_b1"]["ratio"] == pytest.approx(2.0)
-    assert checks["step_norm_cliff"]["ppl_rise_at_largest_tau"] == pytest.approx(0.30)
+def test_the_paper_grid_row_keeps_its_old_checks():
+    """The paper's absolute grid, reported beside the fronts: (a) flat acceleration saving steps, (b) faster than
+    KL at matched quality, (c) the step-norm cliff."""
+    claim = C.claim_exits(_sweep({"acceleration": FLAT, "kl": FLAT, "step_norm": CLIFF, "acceleration_rel": FLAT5,
+                                  "step_norm_rel": FLAT5}, {"acceleration": 1.0, "kl": 2.0, "step_norm": 0.8,
+                                                            "acceleration_rel": 1.0, "step_norm_rel": 1.0}))
+    paper = claim["ours"]["paper_grid"]
+    assert paper["verdict"] == C.REPRODUCED
+    assert paper["checks"]["faster_than_kl"]["kl_over_acceleration_b1"]["ratio"] == pytest.approx(2.0)
+    assert paper["checks"]["step_norm_cliff"]["ppl_rise_at_largest_tau"] == pytest.approx(0.30)
+    assert paper["checks"]["acceleration_flat"]["most_steps_saved"] == pytest.approx(0.25)  # 18 of 24 steps
     rows = claim["ours"]["policies"]["acceleration"]
     assert [row["tau"] for row in rows] == [1e-5, 1e-4, 1e-3, 1e-2]
     assert rows[0]["tokens_per_s_batched"] == pytest.approx(10_000.0)  # 1000 / (1.0 / 10) ms
-
-
-def test_exit_claim_partly_and_not():
-    # KL faster, but acceleration flat and the step-norm cliff there: two of three
-    claim = C.claim_exits(_sweep({"acceleration": FLAT, "kl": FLAT, "step_norm": CLIFF},
-                                 {"acceleration": 2.0, "kl": 1.0, "step_norm": 0.8}))
-    assert claim["verdict"] == C.PARTLY
-    assert not claim["ours"]["checks"]["faster_than_kl"]["holds"]
-    # equal latencies are within noise: not "faster"; acceleration loses quality; no cliff
-    claim = C.claim_exits(_sweep({"acceleration": [100.0, 100.0, 103.0, 110.0], "kl": FLAT, "step_norm": FLAT},
-                                 {"acceleration": 1.0, "kl": 1.01, "step_norm": 0.8}))
-    assert claim["verdict"] == C.NOT
-    assert "noise" in claim["ours"]["checks"]["faster_than_kl"]["reason"]
-
-
-def test_flat_acceleration_needs_steps_saved():
-    """Flat perplexity at 100% of the steps says nothing: acceleration must save >= 10% at some tau."""
-    sweep = _sweep({"acceleration": FLAT, "kl": FLAT, "step_norm": CLIFF}, {"acceleration": 1.0, "kl": 2.0, "step_norm": 1.0})
-    check = C.claim_exits(sweep)["ours"]["checks"]["acceleration_flat"]
-    assert check["holds"] and check["most_steps_saved"] == pytest.approx(0.25)  # 18 of 24 steps
-    for point in sweep["points"]:
-        if point["policy"] == "acceleration":
-            point["mean_steps"], point["steps"] = [7.5, 7.5, 7.5], 22.5  # saves 6.25%: barely fires
-    claim = C.claim_exits(sweep)
-    check = claim["ours"]["checks"]["acceleration_flat"]
+    assert "Paper's absolute grid (reported, not judged" in " ".join(claim["why"])
+    # KL faster: two of three; equal latencies within noise, acceleration losing quality, no cliff: none
+    ms = {"acceleration": 2.0, "kl": 1.0, "step_norm": 0.8, "acceleration_rel": 1.0, "step_norm_rel": 1.0}
+    ppl = {"acceleration": FLAT, "kl": FLAT, "step_norm": CLIFF, "acceleration_rel": FLAT5, "step_norm_rel": FLAT5}
+    assert C.claim_exits(_sweep(ppl, ms))["ours"]["paper_grid"]["verdict"] == C.PARTLY
+    ppl.update(acceleration=[100.0, 100.0, 103.0, 110.0], step_norm=FLAT)
+    paper = C.claim_exits(_sweep(ppl, dict(ms, acceleration=1.0, kl=1.01)))["ours"]["paper_grid"]
+    assert paper["verdict"] == C.NOT and "noise" in paper["checks"]["faster_than_kl"]["reason"]
+    # flat at 100% of the steps says nothing: acceleration must save >= 10% at some tau
+    sweep = _sweep(dict(ppl, acceleration=FLAT), dict(ms, acceleration=1.0, kl=2.0),
+                   {"acceleration": [22.5] * 4})
+    check = C.claim_exits(sweep)["ours"]["paper_grid"]["checks"]["acceleration_flat"]
     assert check["flat"] and not check["saves_enough"] and not check["holds"]
-    assert claim["verdict"] == C.PARTLY and "barely fires" in " ".join(claim["why"])
-    assert "rescaled threshold" in " ".join(claim["why"])
 
 
-def test_exit_claim_untested_without_the_policies():
-    claim = C.claim_exits(_sweep({"acceleration": FLAT}, {"acceleration": 1.0}))
+def test_a_front_that_dominates_both_rules_is_reproduced():
+    """Acceleration saves steps at flat perplexity; KL is as flat but saves fewer steps; step-norm saves as many
+    but loses perplexity: acceleration's front dominates both, in steps and in ms/token."""
+    claim = C.claim_exits(_fronts((FLAT5, SAVING), (FLAT5, [23.0, 22.0, 21.0, 20.0, 19.0]), (STEEP5, SAVING)))
+    assert claim["verdict"] == C.REPRODUCED, claim["why"]
+    fronts = claim["ours"]["fronts"]
+    assert fronts["axes"] == ["steps", "ms/token"]
+    for other in ("kl", "step_norm_rel"):
+        assert fronts["comparisons"][other]["dominates"] and not fronts["comparisons"][other]["dominated"]
+    assert fronts["stability"]["step_norm_rel"] == pytest.approx(0.20)  # 110 -> 130 between neighbours
+    assert fronts["stability"]["acceleration_rel"] == pytest.approx(0.0005)
+
+
+def test_the_same_front_as_kl_is_not_reproduced():
+    """The null control: acceleration's points are KL's (and step-norm's): no front dominates, whatever the
+    rules are called; nor does a rule that never fires (every threshold at the full 24 steps)."""
+    same = (FLAT5, SAVING)
+    claim = C.claim_exits(_fronts(same, same, same))
+    assert claim["verdict"] == C.NOT
+    assert all(not c["dominates"] and c["axes"]["steps"]["covers"] for c in claim["ours"]["fronts"]["comparisons"].values())
+    never = C.claim_exits(_fronts((FLAT5, [24.0] * 5), same, (STEEP5, SAVING)))
+    assert never["verdict"] == C.NOT
+    assert never["ours"]["fronts"]["comparisons"]["kl"]["dominated"]  # KL saves steps at the same quality
+
+
+def test_crossing_fronts_are_partly():
+    """Acceleration dominates step-norm but crosses KL: KL is cheaper at its loose thresholds for a 0.5% loss
+    acceleration never takes."""
+    kl = ([100.0, 100.05, 100.1, 100.5, 100.6], [23.0, 22.0, 21.0, 8.0, 7.0])
+    claim = C.claim_exits(_fronts((FLAT5, SAVING), kl, (STEEP5, SAVING)))
+    assert claim["verdict"] == C.PARTLY
+    comparisons = claim["ours"]["fronts"]["comparisons"]
+    assert comparisons["step_norm_rel"]["dominates"] and not comparisons["kl"]["dominates"]
+    assert not comparisons["kl"]["dominated"]  # crossing: neither way
+
+
+def test_slower_steps_lose_the_latency_front():
+    """Fewer steps but each twice as slow as KL's: dominance in steps, not in ms/token, so not better than KL
+    (step-norm, as slow a step as acceleration and losing quality, is still dominated)."""
+    claim = C.claim_exits(_fronts((FLAT5, SAVING), (FLAT5, [23.0, 22.0, 21.0, 20.0, 19.0]), (STEEP5, SAVING),
+                                  per_step_ms=(2.0, 1.0, 2.0)))
+    comparison = claim["ours"]["fronts"]["comparisons"]["kl"]
+    assert comparison["axes"]["steps"]["dominates"] and not comparison["axes"]["ms/token"]["dominates"]
+    assert claim["verdict"] == C.PARTLY
+
+
+def test_exit_claim_untested_without_the_scale_free_rules():
+    claim = C.claim_exits(_sweep({"acceleration": FLAT, "kl": FLAT, "step_norm": CLIFF}, {"acceleration": 1.0, "kl": 2.0,
+                                                                                         "step_norm": 1.0}))
     assert claim["verdict"] == C.UNTESTED
+    assert "acceleration_rel, step_norm_rel" in claim["why"][0] and "rerun `rdepth reproduce two-scale`" in claim["why"][0]
+
+
+def test_the_reproduce_sweep_uses_the_scale_free_grids():
+    from rdepth.reproduce.config import PAPER_TAUS, SCALE_FREE_GRID
+
+    config = ReproduceConfig()
+    assert config.grid() == SCALE_FREE_GRID
+    assert config.sweep_settings() == 2 * len(PAPER_TAUS) + 3 * 5
+    assert ReproduceConfig(policies=("step_norm", "kl")).grid() == {"kl": SCALE_FREE_GRID["kl"]}
 
 
 # ------------------------------------------------------------------ the planner
@@ -424,7 +490,11 @@ def test_toy_run_end_to_end(wiki_small, tmp_path, capsys):
     assert "zero-drift control" in doc["claims"][3]["ours"]["value"]
     assert_verdicts_follow_the_saved_numbers(out)
     exits = doc["claims"][4]["ours"]["policies"]
-    assert {"acceleration", "kl", "step_norm"} <= set(exits) and len(exits["kl"]) == 4
+    assert {"acceleration", "kl", "step_norm", "acceleration_rel", "step_norm_rel"} <= set(exits)
+    assert [len(exits[name]) for name in ("acceleration", "step_norm", "kl", "acceleration_rel")] == [4, 4, 5, 5]
+    fronts = doc["claims"][4]["ours"]["fronts"]  # judged along fronts; the paper's grid is one reported row
+    assert set(fronts["comparisons"]) == {"kl", "step_norm_rel"} and fronts["axes"][0] == "steps"
+    assert doc["claims"][4]["ours"]["paper_grid"]["verdict"] in C.VERDICTS
     assert exits["kl"][0]["ms_per_token_b1"] > 0 and exits["kl"][0]["tokens_per_s_batched"] > 0
     context = doc["context"]
     assert context["unigram"]["ppl"] > context["loop_budgets"][0]["ppl"]  # it learned something
@@ -452,21 +522,55 @@ def test_toy_run_end_to_end(wiki_small, tmp_path, capsys):
     assert "other settings" in capsys.readouterr().err
 
 
-def test_the_after_training_estimate_matches_the_h100_run_it_was_calibrated_on():
-    """The first H100 run (docs/results.md, "On an H100"): `mini` on the GPT-2 vocabulary, probed at
-    1.408e-14 s/FLOP, 4 checkpoints, 32 analysis windows, 64 sweep windows, 20 policy points, 16 decoded
-    tokens, 3 repeats: analyze took 20.9 s and the sweep 165.3 s. The estimate is within 25% of both.
-    That analysis ran in float32 without the DLR curve and the Jacobian spectra (issue 26 added them)."""
-    config = size_config("mini", 50257, "gpt2")
-    work = Workload(checkpoints=4, analyze_sequences=32, long_loops=30, sweep_windows=64, sweep_settings=20,
-                    timing_batch=32, generate_tokens=16, repeats=3, val_windows=256,
-                    dlr_curve_loops=0, jacobian_positions=0, analyze_precision="float32")
-    parts = after_training_seconds(config, work, 1.4083307529675732e-14, "cuda")
-    assert parts["analyze"] == pytest.approx(20.9, rel=0.25)
-    assert parts["sweep"] == pytest.approx(165.3, rel=0.25)
-    # Half the decoded tokens take a good part of the sweep off (the CUDA default is now 8).
-    assert after_training_seconds(config, Workload(**{**work.__dict__, "generate_tokens": 8}), 1.4083307529675732e-14,
-                                  "cuda")["sweep"] < 0.7 * parts["sweep"]
+def test_flops_of_a_constructed_size_by_hand():
+    """The toy size: d = 64, MLP ratio 4, context 64, six layers looped as 1 | 2-3 | 4 (4 and 5 run once)."""
+    from rdepth.reproduce.plan import forward_flops, layer_flops, loop_step_flops
+
+    config = size_config("toy", 512, "bpe:512")
+    assert (config.d_model, config.mlp_ratio, config.block_size, config.n_layer) == (64, 4, 64, 6)
+    layer = 2 * (4 + 2 * 4) * 64 * 64 + 2 * 64 * 64  # matrices + attention over T/2 keys, 2 FLOPs a multiply-add
+    assert layer_flops(config) == layer == 106_496
+    adapter = 4 * 64 * 64
+    assert [loop_step_flops(config, g) for g in range(3)] == [layer + adapter, 2 * layer + adapter, layer + adapter]
+    once = 2 * layer + 2 * config.padded_vocab_size * 64
+    assert forward_flops(config, [0, 0, 0]) == once
+    assert forward_flops(config, [2, 1, 3]) == once + 2 * (layer + adapter) + (2 * layer + adapter) + 3 * (layer + adapter)
+
+
+def test_the_after_training_estimate_counts_what_the_stages_run(monkeypatch):
+    """With the per-call and fixed overheads set to zero, every stage's estimate is its forward tokens x FLOPs
+    per token x seconds per FLOP x EVAL_OVERHEAD (x FLOAT64_SLOWDOWN in float64): the counts on a constructed
+    workload, by hand."""
+    from rdepth.reproduce import plan as P
+
+    for name in ("CALL_SECONDS", "DECODE_CALL_SECONDS", "ANALYZE_SECONDS_PER_CHECKPOINT", "REPORT_SECONDS"):
+        monkeypatch.setattr(P, name, {"cuda": 0.0, "cpu": 0.0})
+    config = size_config("toy", 512, "bpe:512")
+    T, flops = config.block_size, lambda counts: P.forward_flops(config, counts)
+    eval_loops, k_max = list(config.default_eval_loops), [2 * k for k in config.default_eval_loops]
+    work = Workload(checkpoints=3, analyze_sequences=8, long_loops=10, sweep_windows=8, sweep_settings=2,
+                    timing_batch=8, generate_tokens=0, repeats=2, val_windows=16, dlr_curve_loops=0,
+                    jacobian_positions=0, analyze_precision="float32")
+    unit = 1.0 / (P.EVAL_OVERHEAD * T)  # seconds per FLOP that make one forward token of F FLOPs cost F / T
+    parts = P.after_training_seconds(config, work, unit, "cpu")
+    # analyze: 3 checkpoints x 8 windows at the eval budget and at 10 loops per group
+    assert parts["analyze"] == pytest.approx(3 * 8 * (flops(eval_loops) + flops([10, 10, 10])))
+    # sweep: quality of the full budget and 2 settings with their fixed baselines (5 passes over 8 windows);
+    # per timed round (1 warm-up + 2 repeats), 5 settings + 3 fixed (dense) at batch 1 and batched (1 + 8 windows)
+    assert parts["sweep"] == pytest.approx(5 * 8 * flops(k_max) + 3 * 8 * 9 * flops(k_max))
+    # validation: 4 batches of 16 windows per checkpoint; the loop budgets: 3 budgets x 16 windows at 2 x eval
+    assert parts["validation"] == pytest.approx(3 * 4 * 16 * flops(eval_loops))
+    assert parts["loop_budgets"] == pytest.approx(3 * 16 * flops([max(k_max)] * 3))
+    assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+    # float64 costs FLOAT64_SLOWDOWN x; the DLR curve adds K = 1..4 loops on 4 windows of the last checkpoint
+    wide = Workload(**{**work.__dict__, "analyze_precision": "float64"})
+    assert P.analyze_seconds(config, wide, unit, "cpu") == pytest.approx(P.FLOAT64_SLOWDOWN["cpu"] * parts["analyze"])
+    curve = Workload(**{**work.__dict__, "dlr_curve_loops": 4})
+    assert P.analyze_seconds(config, curve, unit, "cpu") - parts["analyze"] == pytest.approx(
+        4 * sum(flops([k] * 3) for k in range(1, 5)))
+    # twice the seconds per FLOP, twice every FLOP-bound stage
+    double = P.after_training_seconds(config, work, 2 * unit, "cpu")
+    assert all(double[k] == pytest.approx(2 * parts[k]) for k in ("analyze", "sweep", "validation", "loop_budgets"))
 
 
 def test_training_may_take_what_the_later_stages_leave():

@@ -24,14 +24,20 @@ def one_hot(labels: torch.Tensor, n: int = 4) -> torch.Tensor:
 
 
 def test_identical_surrogate_retains_exactly_everything():
-    g = torch.Generator().manual_seed(0)
-    train, test = torch.randn(200, 8, generator=g), torch.randn(100, 8, generator=g)
-    train_labels, test_labels = (train[:, :4].argmax(1), test[:, :4].argmax(1))
-    result = probe_retention({"teacher": (train, test), "raptor": (train.clone(), test.clone())},
+    # one-hot class features: the teacher's probe is exact (accuracy 1, known, not read off the teacher);
+    # a surrogate with the same features keeps all of it; one with constant features carries no information:
+    # every score ties, the probe answers class 0, right for exactly the quarter of examples labelled 0
+    train_labels, test_labels = torch.arange(200) % 4, torch.arange(100) % 4
+    teacher = (one_hot(train_labels), one_hot(test_labels))
+    result = probe_retention({"teacher": teacher, "raptor": (teacher[0].clone(), teacher[1].clone()),
+                              "blank": (torch.zeros(200, 4), torch.zeros(100, 4))},
                              train_labels, test_labels, 4, floor=0.25)
+    assert result["teacher"]["own_probe_accuracy"] == 1.0 and result["teacher"]["teacher_probe_accuracy"] == 1.0
     for key in ("teacher_probe_retention", "own_probe_retention", "teacher_probe_normalised", "own_probe_normalised"):
         assert result["raptor"][key] == 1.0 and result["teacher"][key] == 1.0
-    assert result["raptor"]["teacher_probe_accuracy"] == result["teacher"]["own_probe_accuracy"]
+    blank = result["blank"]
+    assert blank["own_probe_accuracy"] == 0.25 and blank["teacher_probe_accuracy"] == 0.25
+    assert blank["own_probe_retention"] == 0.25 and blank["own_probe_normalised"] == 0.0
 
 
 def test_planted_degradation_gives_the_computed_retention():
@@ -149,8 +155,12 @@ def test_tiny_vision_run_end_to_end_and_teacher_reuse(small_fmnist, tmp_path, ca
     assert 0.0 <= results["floor"]["pixel_probe_accuracy"] <= 1.0
     dynamics = json.loads((out / "dynamics.json").read_text())
     assert len(dynamics["teacher"]["perturbation"]) == 8 and len(dynamics["raptor"]["basins"]["ratio"]) == 9
+    null = dynamics["null"]  # the teacher against its nulls, 3 seeds of 20 of the 40 dynamics images
+    assert (null["seeds"], null["images_per_seed"], len(null["random_init"]), len(null["shuffled_depth"])) == (3, 20, 3, 3)
+    assert all(row["verdict"] in ("reproduced", "partly", "not reproduced") for row in null["verdicts"])
     page = (out / "index.html").read_text()
     assert page.index("Downstream retention") < page.index("dynamics findings")
+    assert "verdict against the nulls" in page
     config = json.loads((out / "config.json").read_text())
     assert config["teacher"]["trained_here"] is True
     # the same settings in the same folder reuse the saved teacher; a teacher folder given by path is loaded
@@ -188,6 +198,8 @@ def test_vision_bad_inputs_are_one_line_errors(small_fmnist, tmp_path, capsys):
     assert "gzip" in err
     err = one_line_error(capsys, main(flags(small_fmnist, tmp_path / "d", "--compare-k", "0")))
     assert "compare_k" in err
+    err = one_line_error(capsys, main(flags(small_fmnist, tmp_path / "d", "--null-seeds", "-1")))
+    assert "null_seeds must be an integer >= 0" in err
     folder = tmp_path / "not_a_teacher"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "vit"}))

@@ -19,6 +19,12 @@ from rdepth.threads import THREADS_HELP
 PAPER_TAUS = (1e-5, 1e-4, 1e-3, 1e-2)
 PAPER_POLICIES = ("step_norm", "step_norm_rel", "kl", "acceleration", "acceleration_rel")
 MAX_MINUTES = 24 * 60
+# Claim 4 is judged along fronts (rdepth.reproduce.fronts): each judged rule swept on a grid that spans its own
+# range, whatever the state's scale (issue 40 item 4). Eq. 6's bounded acceleration lies in [0, 1) and on a loop
+# contracting by rho per step is at least (1 - rho) / (1 + rho): the paper's 1e-5..1e-2 never fires it. The
+# relative step ||Δ|| / ||x|| reaches the 1e-3 noise floor; KL is in nats. The absolute rules keep PAPER_TAUS.
+SCALE_FREE_GRID = {"acceleration_rel": (0.05, 0.1, 0.2, 0.4, 0.8), "step_norm_rel": (3e-3, 1e-2, 3e-2, 0.1, 0.3),
+                   "kl": (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)}
 
 # On CUDA, the `paper` and `small` sizes join the default sizes from this budget on. On an H100 their
 # probes ran at about 108k and 104k tokens/s, and a long run trains slower than its probe (`mini`: 154k
@@ -139,6 +145,15 @@ class ReproduceConfig:
                 if name == "sizes" and kind == "cuda" and self.minutes >= PAPER_SIZE_MINUTES:
                     values[name] = ("paper", "small", *default)
         return ReproduceConfig(**values)
+
+    def grid(self) -> dict[str, tuple[float, ...]]:
+        """The sweep's per-policy grids: SCALE_FREE_GRID for the swept policies it names (the rest: ``taus``)."""
+        return {name: values for name, values in SCALE_FREE_GRID.items() if name in self.policies}
+
+    def sweep_settings(self) -> int:
+        """Policy points the sweep measures: each policy's grid, or ``taus``."""
+        grid = self.grid()
+        return sum(len(grid.get(name, self.taus)) for name in self.policies)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

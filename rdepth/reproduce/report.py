@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 CLAIMS_FILE = "claims.json"
 # 2: a fifth claim (the step-norm plateau), each claim's "judged_on" (budget, precision, seeds, spread).
-CLAIMS_FORMAT = 2
+# 3: claim 4 judged along fronts ("fronts"; the paper's absolute grid in "paper_grid", issue 40 item 4).
+CLAIMS_FORMAT = 3
 PAPER = "Two-Scale Latent Dynamics for Recurrent-Depth Transformers (Pappone, Crisostomi, Rodolà)"
 # Per claim: the figures that show it, best first (stems under report/figures); the first that exists is used.
 CLAIM_FIGURES = {

@@ -124,7 +124,7 @@ def _probe(size: str, config: ReproduceConfig, data: Path, kind: str) -> Probe:
 def _workload(config: ReproduceConfig) -> Workload:
     return Workload(checkpoints=config.checkpoints, analyze_sequences=config.analyze_sequences,
                     long_loops=config.long_loops, sweep_windows=_sweep_windows(config),
-                    sweep_settings=len(config.policies) * len(config.taus), timing_batch=config.timing_batch,
+                    sweep_settings=config.sweep_settings(), timing_batch=config.timing_batch,
                     generate_tokens=config.generate_tokens, repeats=config.repeats, val_windows=config.val_windows)
 
 
@@ -231,7 +231,7 @@ def _swept(run: Path, data: Path, config: ReproduceConfig, block_size: int) -> P
     generate = min(config.generate_tokens, max(0, block_size - GENERATE_PROMPT))
     result = sweep_checkpoint(SweepConfig(
         checkpoint=str(run), data=str(data), out=str(Path(config.out) / "report"), policies=config.policies,
-        taus=config.taus, batch_size=SWEEP_BATCH, max_batches=windows // SWEEP_BATCH,
+        taus=config.taus, grid=config.grid(), batch_size=SWEEP_BATCH, max_batches=windows // SWEEP_BATCH,
         timing_batch_size=min(config.timing_batch, windows), warmup=1, repeats=config.repeats,
         generate_tokens=generate, generate_prompt=GENERATE_PROMPT, fixed_ladder=False, seed=config.seed,
         device=config.device, threads=config.threads))

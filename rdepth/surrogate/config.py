@@ -89,6 +89,9 @@ class VisionConfig:
     compare_k: tuple[int, ...] = option((1, 2, 3), "block counts of the retention table (the surrogate of --k "
                                         "is saved and its dynamics drawn; --k is added if missing)")
     perturbation: float = option(0.05, "self-correction test: perturbation norm relative to each token's state")
+    null_seeds: int = option(3, "seeds of the null controls of the dynamics findings (the teacher against a "
+                             "random-init ViT of its shape and its own layers in a shuffled order, each on a seeded "
+                             "half of the dynamics images); verdicts need >= 3; 0 skips them")
     data_dir: str = option("/usr/share/datasets/fashion-mnist", "folder of the Fashion-MNIST idx .gz files "
                            "(Debian package dataset-fashion-mnist)")
 
@@ -97,6 +100,8 @@ class VisionConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise RdepthError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.null_seeds, int) or isinstance(self.null_seeds, bool) or self.null_seeds < 0:
+            raise RdepthError(f"null_seeds must be an integer >= 0, got {self.null_seeds!r}")
         if not self.compare_k or any(not isinstance(k, int) or k < 1 for k in self.compare_k):
             raise RdepthError(f"compare_k must list block counts >= 1, got {self.compare_k!r}")
         if not 0.0 < self.perturbation < 1.0:

@@ -220,6 +220,15 @@ def run_vision_surrogate(config: SurrogateRunConfig) -> Path:
                                   vision.perturbation, config.seed),
     }
     dynamics["findings"] = {name: findings(dynamics, name) for name in ("teacher", "raptor")}
+    if vision.null_seeds:
+        from rdepth.surrogate.vision_null import null_dynamics
+
+        def measure(step, states, mask, labels, seed):
+            return vision_dynamics(step, states, mask, labels, None, vision.perturbation, seed)
+
+        held_images = test[0][held_out]
+        dynamics["null"] = null_dynamics(model, teacher_record["vit"], held_images, held_labels, vision.null_seeds,
+                                         vision.perturbation, measure)
     dynamics["perturbation_relative_norm"] = vision.perturbation
     for name, stem in (("fit", "similarity"), ("eval", "similarity_eval")):
         with atomic_path(out / f"{stem}.npz") as tmp:

@@ -46,6 +46,15 @@ def write_vision_report(out: str | Path) -> Path:
     findings = report.section("findings", "The paper's dynamics findings, measured", order=20)
     findings.table(rows, caption=f"teacher and the k = {results['k']} surrogate on the held-out images; "
                                  f"perturbation norm {dynamics['perturbation_relative_norm']} of each token's state")
+    null = dynamics.get("null")
+    if null:
+        findings.table([{"finding": row["finding"], "statistic": row["statistic"], "supports the claim": row["direction"],
+                         "verdict against the nulls": row["verdict"], "why": row.get("why", "")}
+                        for row in null["verdicts"]],
+                       caption=f"the teacher against a random-init ViT of its shape and its own layers in a shuffled "
+                               f"order, {null['seeds']} seeds of {null['images_per_seed']} held-out images each: "
+                               "reproduced only where the teacher is beyond every null by more than the spread over "
+                               "seeds (and the finding's own checks hold at every seed)")
     findings.figure(save_report_figure(plots.plot_basins(dynamics), out, "basins"),
                     "class basins: [CLS] angle to its class's mean direction (within) and between class directions")
     findings.figure(save_report_figure(plots.plot_perturbation(dynamics), out, "perturbation"),

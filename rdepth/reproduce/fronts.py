@@ -1,0 +1,60 @@
+"""Exit rules compared along their quality-versus-cost fronts (issue 40, item 4). Pure functions, torch-free.
+
+A rule swept over a threshold grid gives one (cost, quality) point per threshold: cost is what a token
+pays (executed loop steps, or decode ms per token), quality is what it keeps (the negative perplexity
+rise over the full budget: 0 is the full budget's quality, higher is better). Comparing two rules at
+the same threshold compares nothing, since a threshold means something else to each rule; comparing their
+fronts does. :func:`front` keeps the points no other point beats on both; rule A is better than rule B
+when A's front dominates B's (:func:`dominates`): every point of B's front is matched by a point of A's
+at no more cost and no less quality (within the slacks), and A has a point B's front cannot match.
+:func:`neighbour_spread` is the stability of a rule: how far quality moves between neighbouring
+thresholds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+Point = tuple[float, float]  # (cost, quality): lower cost and higher quality are better
+
+
+def front(points: Sequence[Point]) -> list[Point]:
+    """The points no other point beats on both axes (at most the cost and at least the quality, better on
+    one), sorted by cost; duplicates kept once."""
+    unique = sorted(set((float(c), float(q)) for c, q in points))
+    kept = []
+    for cost, quality in unique:
+        beaten = any(c <= cost and q >= quality and (c, q) != (cost, quality) for c, q in unique)
+        if not beaten:
+            kept.append((cost, quality))
+    return kept
+
+
+def matched(point: Point, others: Sequence[Point], cost_slack: float, quality_slack: float) -> bool:
+    """Some point of ``others`` costs at most ``point``'s cost x (1 + cost_slack) and keeps at least its
+    quality - quality_slack."""
+    cost, quality = point
+    return any(c <= cost * (1.0 + cost_slack) and q >= quality - quality_slack for c, q in others)
+
+
+def dominates(a: Sequence[Point], b: Sequence[Point], cost_slack: float = 0.0,
+              quality_slack: float = 0.0) -> dict[str, Any]:
+    """Does the front of ``a`` dominate the front of ``b``?
+
+    ``covers``: every point of b's front is matched by a's (:func:`matched`); ``better_at``: the points of
+    a's front that b's front cannot match; ``dominates``: covers and better somewhere. Two fronts that cross
+    (each better somewhere) dominate neither way; equal fronts neither either.
+    """
+    front_a, front_b = front(a), front(b)
+    unmatched = [point for point in front_b if not matched(point, front_a, cost_slack, quality_slack)]
+    better_at = [point for point in front_a if not matched(point, front_b, cost_slack, quality_slack)]
+    return {"dominates": bool(front_a) and not unmatched and bool(better_at), "covers": not unmatched,
+            "unmatched": unmatched, "better_at": better_at, "front": front_a, "other_front": front_b}
+
+
+def neighbour_spread(qualities: Sequence[float]) -> float | None:
+    """The largest quality change between neighbouring thresholds (``qualities`` in threshold order); None
+    with fewer than two. A rule whose quality jumps between neighbours is one whose threshold is hard to set."""
+    if len(qualities) < 2:
+        return None
+    return max(abs(b - a) for a, b in zip(qualities, qualities[1:]))
