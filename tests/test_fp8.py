@@ -175,12 +175,12 @@ def test_fp8_may_change_on_resume_and_the_change_is_recorded():
 
 
 def steps_of(fp8: bool, steps: int, monkeypatch) -> tuple[list[float], object]:
-    from rdepth.train import trainer as trainer_module
+    from rdepth.train import step as step_module
 
-    monkeypatch.setattr(trainer_module, "check_fp8_device", lambda device: None)  # float8 on the CPU, for the test
+    monkeypatch.setattr(step_module, "check_fp8_device", lambda device: None)  # float8 on the CPU, for the test
     config = TrainConfig(data="(random ids)", out="(none)", batch_size=4, device="cpu", compile=False, seed=0,
                          fp8=fp8, max_steps=100, warmup_steps=2, lr=1e-2)
-    trainer = trainer_module.Trainer.on_random_tokens(tiny_config(vocab_size=64), config)
+    trainer = step_module.TrainStep.on_tokens(tiny_config(vocab_size=64), config)
     return [float(trainer.train_step(step)[0]) for step in range(steps)], trainer
 
 
@@ -201,7 +201,7 @@ def test_training_steps_in_float8_follow_the_float32_run(monkeypatch):
 def test_one_compiled_loop_step_in_float8_equals_the_uncompiled_one():
     """compile_scope step (fullgraph, no graph break) through the float8 hook: the same loss and gradients
     (dynamo's eager backend: the graph capture is what is tested, not Inductor's kernels)."""
-    from rdepth.train.trainer import compile_loop_steps
+    from rdepth.train.step import compile_loop_steps
 
     torch._dynamo.reset()
     model = fresh_model()
@@ -228,13 +228,13 @@ def _float8_card() -> bool:
 @pytest.mark.skipif(not _float8_card(), reason="needs a CUDA card of compute capability >= 8.9")
 def test_float8_on_the_card_follows_bf16():
     """bf16 autocast and float8 tensor cores, compiled layers: 8 steps within 2% of the bf16 run's loss."""
-    from rdepth.train.trainer import Trainer
+    from rdepth.train.step import TrainStep
 
     runs = {}
     for fp8 in (False, True):
         config = TrainConfig(data="(random ids)", out="(none)", batch_size=8, device="cuda", compile=True, seed=0,
                              fp8=fp8, max_steps=100, warmup_steps=2, lr=1e-2)
-        trainer = Trainer.on_random_tokens(tiny_config(vocab_size=64, d_model=64, n_head=4), config)
+        trainer = TrainStep.on_tokens(tiny_config(vocab_size=64, d_model=64, n_head=4), config)
         runs[fp8] = [float(trainer.train_step(step)[0]) for step in range(8)]
     gaps = [abs(a - b) / b for a, b in zip(runs[True], runs[False])]
     assert max(gaps) < 0.02, (runs, gaps)
@@ -251,10 +251,10 @@ def test_the_suite_section_trains_both_runs_on_the_same_tokens(monkeypatch, tmp_
     from bench.gpu.report import evaluate_targets, markdown
     from bench.gpu.suite import parse_args
     from rdepth.train import fp8 as fp8_module
-    from rdepth.train import trainer as trainer_module
+    from rdepth.train import step as step_module
 
     monkeypatch.setattr(fp8_module, "check_fp8_device", lambda device: None)
-    monkeypatch.setattr(trainer_module, "check_fp8_device", lambda device: None)
+    monkeypatch.setattr(step_module, "check_fp8_device", lambda device: None)
     args = parse_args(["--smoke", "--out", str(tmp_path), "--sections", "fp8", "--device", "cpu",
                        "--fp8-data", str(wiki_small), "--train-set", "fp8=true"])
     result = fp8_section(args, torch.device("cpu"), time.perf_counter() + 120, {"device_name": "cpu"})
@@ -279,14 +279,14 @@ def test_a_failed_fp8_run_keeps_the_bf16_curve(monkeypatch, tmp_path):
     from bench.gpu.fp8 import fp8_section
     from bench.gpu.suite import parse_args
     from rdepth.train import fp8 as fp8_module
-    from rdepth.train import trainer as trainer_module
+    from rdepth.train import step as step_module
 
     def broken(model):
         raise RuntimeError("no float8 kernel")
 
     monkeypatch.setattr(fp8_module, "check_fp8_device", lambda device: None)
-    monkeypatch.setattr(trainer_module, "check_fp8_device", lambda device: None)
-    monkeypatch.setattr(trainer_module, "convert_to_fp8", broken)
+    monkeypatch.setattr(step_module, "check_fp8_device", lambda device: None)
+    monkeypatch.setattr(step_module, "convert_to_fp8", broken)
     args = parse_args(["--smoke", "--out", str(tmp_path), "--sections", "fp8", "--device", "cpu", "--fp8-steps", "2"])
     result = fp8_section(args, torch.device("cpu"), time.perf_counter() + 60, {"device_name": "cpu"})
     assert result["status"] == "error" and result["error"] == "fp8 run: RuntimeError: no float8 kernel"

@@ -223,18 +223,18 @@ def test_the_trainer_draws_counter_noise_keyed_by_the_global_row(tmp_path):
     from rdepth.config import ModelConfig
     from rdepth.model.noise import StateNoise
     from rdepth.train.config import TrainConfig
-    from rdepth.train.trainer import Trainer
+    from rdepth.train.step import TrainStep
 
     model_config = ModelConfig(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=64, groups="1",
                                mean_loops=3.0, backprop_depth=2, tokenizer="bpe:512")
     config = TrainConfig(data=str(tmp_path / "none"), out=str(tmp_path / "none"), batch_size=8, grad_accum=2,
                          device="cpu", seed=3, max_steps=10, warmup_steps=1, threads=1, state_noise="counter")
-    trainer = Trainer.on_random_tokens(model_config, config)
+    trainer = TrainStep.on_tokens(model_config, config)
     batches = list(trainer._micro_batches(5))
     assert [type(noise) for *_, noise in batches] == [CounterNoise, CounterNoise]
     assert [noise.sequence_ids for *_, noise in batches] == [list(range(40, 44)), list(range(44, 48))]
     assert not batches[0][3].compile  # the CPU run compiles nothing
-    plain = Trainer.on_random_tokens(model_config, replace(config, state_noise="sequence"))
+    plain = TrainStep.on_tokens(model_config, replace(config, state_noise="sequence"))
     assert [type(noise) for *_, noise in plain._micro_batches(5)] == [StateNoise, StateNoise]
     losses = [float(t.train_step(0)[0]) for t in (trainer, plain)]
     assert losses[0] != losses[1]

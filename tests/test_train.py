@@ -182,7 +182,7 @@ def test_bad_flags_are_one_line(argv, fragment, capsys):
 
 
 def test_batches_go_to_the_cpu_as_they_are():
-    from rdepth.train.trainer import host_for_copy
+    from rdepth.train.step import host_for_copy
 
     batch = torch.arange(12).view(3, 4)
     assert host_for_copy(batch, torch.device("cpu")) is batch  # no pinning, no copy
@@ -191,7 +191,7 @@ def test_batches_go_to_the_cpu_as_they_are():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_batches_go_to_cuda_through_pinned_memory():
-    from rdepth.train.trainer import host_for_copy
+    from rdepth.train.step import host_for_copy
 
     batch = torch.arange(12).view(3, 4)
     pinned = host_for_copy(batch, torch.device("cuda"))
@@ -201,12 +201,12 @@ def test_batches_go_to_cuda_through_pinned_memory():
     assert torch.equal(on_device.cpu(), batch[1:])
 
 
-def test_a_trainer_on_random_tokens_needs_no_folders_and_steps_as_its_seed_says(tmp_path):
-    """Trainer.on_random_tokens (bench/gpu_suite.py's trainer): no data or run folder is read or made; the
+def test_a_train_step_on_random_tokens_needs_no_folders_and_steps_as_its_seed_says(tmp_path):
+    """TrainStep.on_tokens (the GPU suite's trainer): no data or run folder is read or made; the
     steps train (the weights move, the loss is finite) and are a function of the seed alone."""
     from rdepth.config import ModelConfig
     from rdepth.train.config import TrainConfig
-    from rdepth.train.trainer import Trainer
+    from rdepth.train.step import TrainStep
 
     model_config = ModelConfig(n_layer=3, n_head=2, d_model=32, block_size=16, vocab_size=64, groups="1",
                                mean_loops=3.0, backprop_depth=2, tokenizer="bpe:512")
@@ -214,7 +214,7 @@ def test_a_trainer_on_random_tokens_needs_no_folders_and_steps_as_its_seed_says(
                          seed=3, max_steps=10, warmup_steps=1, threads=1)
     runs = []
     for _ in range(2):
-        trainer = Trainer.on_random_tokens(model_config, config)
+        trainer = TrainStep.on_tokens(model_config, config)
         start = [param.detach().clone() for param in trainer.model.parameters()]
         step_losses = [float(trainer.train_step(step)[0]) for step in range(2)]
         runs.append((step_losses, [param.detach().clone() for param in trainer.model.parameters()]))
@@ -229,13 +229,13 @@ def test_a_trainer_on_random_tokens_needs_no_folders_and_steps_as_its_seed_says(
 def _random_token_trainer(tmp_path, **fields):
     from rdepth.config import ModelConfig
     from rdepth.train.config import TrainConfig
-    from rdepth.train.trainer import Trainer
+    from rdepth.train.step import TrainStep
 
     model_config = ModelConfig(n_layer=3, n_head=2, d_model=32, block_size=16, vocab_size=64, groups="1",
                                mean_loops=3.0, backprop_depth=2, tokenizer="bpe:512")
     config = TrainConfig(data=str(tmp_path / "no-data"), out=str(tmp_path / "no-run"), batch_size=4, device="cpu",
                          seed=3, max_steps=10, warmup_steps=1, threads=1, **fields)
-    return Trainer.on_random_tokens(model_config, config)
+    return TrainStep.on_tokens(model_config, config)
 
 
 def test_training_with_the_fused_loss_head_follows_the_logits_head(tmp_path):
@@ -280,7 +280,7 @@ def test_compile_mode_reaches_every_compiled_region(tmp_path, monkeypatch):
 
 
 def test_a_trainer_on_given_tokens_draws_its_windows_from_them():
-    """Trainer.on_tokens (the GPU suite's fp8 section, on a prepared folder's tokens): the batches are the
+    """TrainStep.on_tokens on given tokens (the GPU suite's fp8 section): the batches are the
     BatchSampler's windows of those tokens; an id outside the model's vocabulary is a one-line error."""
     import numpy as np
 
@@ -288,16 +288,16 @@ def test_a_trainer_on_given_tokens_draws_its_windows_from_them():
     from rdepth.data.loader import BatchSampler
     from rdepth.errors import RdepthError
     from rdepth.train.config import TrainConfig
-    from rdepth.train.trainer import Trainer
+    from rdepth.train.step import TrainStep
 
     model_config = ModelConfig(n_layer=2, n_head=2, d_model=16, block_size=8, vocab_size=64, groups="1",
                                mean_loops=2.0, backprop_depth=1, tokenizer="bpe:512")
     config = TrainConfig(data="(none)", out="(none)", batch_size=2, device="cpu", seed=5, max_steps=10, threads=1)
     tokens = (np.arange(200) * 7 % 60).astype(np.uint16)
-    trainer = Trainer.on_tokens(model_config, config, tokens)
+    trainer = TrainStep.on_tokens(model_config, config, tokens)
     expected = BatchSampler(tokens, 2, 8, 5)
     for step in (0, 3):
         assert all(torch.equal(a, b) for a, b in zip(trainer.sampler.batch(step), expected.batch(step)))
     assert torch.isfinite(trainer.train_step(0)[0])
     with pytest.raises(RdepthError, match="token id 64 is not below the model's vocabulary size 64"):
-        Trainer.on_tokens(model_config, config, np.append(tokens, 64).astype(np.uint16))
+        TrainStep.on_tokens(model_config, config, np.append(tokens, 64).astype(np.uint16))

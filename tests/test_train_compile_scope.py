@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 from rdepth.errors import RdepthError
 from rdepth.model.noise import StateNoise
 from rdepth.train.config import TrainConfig
-from rdepth.train.trainer import compile_loop_steps
+from rdepth.train.step import compile_loop_steps
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_decoder import tiny_model  # noqa: E402

@@ -44,7 +44,7 @@ Training data: the ``paper`` preset's GPT-2 vocabulary needs tokenizer files tha
 machine does not hold, and the vocabulary size is part of what is timed (the head is ~8% of the
 FLOPs). So the trainer's step runs on random token ids of the preset's vocabulary through the
 trainer's own ``BatchSampler``; the trainer is built without a data folder
-(``Trainer.on_random_tokens``, :func:`bench.gpu.train.bench_trainer`), and only ``train_step`` is driven: the step
+(``TrainStep.on_tokens``, :func:`bench.gpu.train.bench_trainer`), and only ``train_step`` is driven: the step
 users run.
 """
 

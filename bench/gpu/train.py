@@ -105,22 +105,19 @@ def train_overrides(pairs) -> dict:
 
 def bench_trainer(model_config, batch: int, device, compile_layers: bool, seed: int = 0, compile_scope: str = "layer",
                   tokens=None, **overrides):
-    """A :class:`rdepth.train.trainer.Trainer` on random token ids of the model's vocabulary, without a data
-    folder (:meth:`~rdepth.train.trainer.Trainer.on_random_tokens`): seeded weights, the trainer's AdamW
-    (fused on CUDA), bf16 autocast on CUDA, ``BatchSampler`` windows, each layer compiled when asked. No
-    run folder, validation or checkpoints: only the step is timed. ``tokens``: a 1-D id array to draw the
-    windows from instead (:meth:`~rdepth.train.trainer.Trainer.on_tokens`). ``overrides``: further
+    """A :class:`rdepth.train.step.TrainStep` on random token ids of the model's vocabulary, or on
+    ``tokens`` (a 1-D id array), without a data folder (:meth:`~rdepth.train.step.TrainStep.on_tokens`):
+    seeded weights, the trainer's AdamW (fused on CUDA), bf16 autocast on CUDA, ``BatchSampler`` windows,
+    each layer compiled when asked; only the step is timed. ``overrides``: further
     :class:`~rdepth.train.config.TrainConfig` fields (``--train-set``).
     """
     from rdepth.train.config import TrainConfig
-    from rdepth.train.trainer import Trainer
+    from rdepth.train.step import TrainStep
 
     config = TrainConfig(data="(random ids)", out="(none)", batch_size=batch, device=str(device),
                          compile=compile_layers, seed=seed, max_steps=10**6, compile_scope=compile_scope,
                          **overrides)
-    if tokens is not None:
-        return Trainer.on_tokens(model_config, config, tokens)
-    return Trainer.on_random_tokens(model_config, config)
+    return TrainStep.on_tokens(model_config, config, tokens)
 
 
 def time_training(model_config, args, device, deadline, compile_layers: bool) -> dict:

@@ -6,7 +6,8 @@ checkpoint continues exactly, and every data-parallel rank draws the same loop
 counts. On the CPU, N steps straight and N/2 + resume + N/2 give identical
 losses and weights.
 
-Beside the loop, in modules of their own: the optimizer and its schedule (``optim``), what a
+Beside the loop, in modules of their own: the step machinery the trainer is built on (``step``:
+:class:`~rdepth.train.step.TrainStep`, also usable alone), the optimizer and its schedule (``optim``), what a
 resume must share with its run (``resume``), the run folder's checks and files (``rundir``), the
 memory check (``memory``), the time limit's schedule fits (``timefit``), sharding and its
 checkpoints (``fsdp``, ``dcp``) and the process group (``distributed``).
@@ -15,48 +16,38 @@ checkpoints (``fsdp``, ``dcp``) and the process group (``distributed``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import dataclasses
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
-from rdepth.config import ModelConfig, check_fits_memory
+from rdepth.config import ModelConfig
 from rdepth.data.loader import BatchSampler
-from rdepth.data.shards import TokenShards, token_dtype
+from rdepth.data.shards import TokenShards
 from rdepth.errors import RdepthError
 from rdepth.io import append_jsonl, exclusive, write_json
-from rdepth.model import RecurrentLM, sample_loop_counts, step_generator
-from rdepth.model.noise import CounterNoise, StateNoise
 from rdepth.run import checkpoint as ckpt
 from rdepth.run.device import resolve_device
 from rdepth.run.evaluate import evaluate
 from rdepth.run.heldout import held_out_problem_windows, held_out_windows
 from rdepth.train.config import TrainConfig
-from rdepth.train.fp8 import check_fp8_device, convert_to_fp8, require_torchao
+from rdepth.train.fp8 import check_fp8_device, require_torchao
 from rdepth.train.memory import check_fits
-from rdepth.train.optim import check_optimizer_state, lr_at, make_optimizer
+from rdepth.train.optim import check_optimizer_state, lr_at
 from rdepth.train.rundir import check_run_folder, write_run_files
 from rdepth.train.resume import (check_resume_config, check_same_data, config_mismatch, data_model_config,
                                  data_record)
 from rdepth.train.timefit import ScheduleTimer, fitted_max_steps, refit
 from rdepth.train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown_distributed
-from rdepth.train.fsdp import check_launch, full_norm
+from rdepth.train.fsdp import check_launch
+from rdepth.train.step import TrainStep, check_batch_split
 
 log = logging.getLogger(__name__)
 
-# TrainConfig.state_noise -> the noise of ``count`` consecutive training rows from global row ``first``:
-# (seed, first, count, compile) -> StateNoise or CounterNoise.
-NOISE_SOURCES = {
-    "sequence": lambda seed, first, count, compile: StateNoise.consecutive(seed, first, count),
-    "counter": lambda seed, first, count, compile: CounterNoise.consecutive(seed, first, count, compile=compile),
-}
 
 
 @dataclass
@@ -68,13 +59,14 @@ class TrainResult:
     wall_seconds: float
 
 
-class Trainer:
-    """One training run in ``config.out``. The main rank holds the folder's write lock from
-    here until :meth:`run` returns (or this constructor fails): a second trainer on the same
-    folder stops at once with a one-line error."""
+class Trainer(TrainStep):
+    """One training run in ``config.out``: the step machinery (:class:`~rdepth.train.step.TrainStep`) on
+    the run's data, with its folder, validation, checkpoints and resume. The main rank holds the
+    folder's write lock from here until :meth:`run` returns (or this constructor fails): a second
+    trainer on the same folder stops at once with a one-line error."""
 
     def __init__(self, model_config: ModelConfig, config: TrainConfig, resume: bool = False,
-                 preset: str | None = None, *, random_windows: int | None = None, tokens=None):
+                 preset: str | None = None):
         self.config = config  # a time limit may end its schedule sooner (_fit_schedule)
         self.requested_config = config  # config.json keeps the settings asked for
         self.preset = preset
@@ -82,7 +74,6 @@ class Trainer:
         if config.fp8:  # before any data is read: no float8 card or no torchao stops the run at once
             check_fp8_device(self.device)
             require_torchao()
-        self.fp8_plan = None  # what runs in float8 (rdepth.train.fp8.FP8Plan), set in _place_model
         if config.threads:
             torch.set_num_threads(config.threads)
         self.start_step = 0
@@ -90,17 +81,12 @@ class Trainer:
         self.resumed_from: Path | None = None  # never rotated away during this run
         self.resumes: list[dict] = []
         self.schedule_fits: list[dict] = []  # the time limit's changes to the schedule (_fit_schedule)
-        self.ddp = None
         self._lock = contextlib.ExitStack()
-        if random_windows is not None or tokens is not None:
-            self._build_on_random_tokens(model_config, random_windows, tokens)
-            return
         check_launch(config.parallel)  # FSDP runs under torchrun only
         self.dist: DistInfo = init_distributed(self.device.type)
         if self.dist.enabled and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
-        self.fsdp = config.parallel == "fsdp"  # sharded model (rdepth.train.fsdp), DCP checkpoints
-        _check_batch_split(config, self.dist)
+        check_batch_split(config, self.dist)  # before the lock and the data
         self.run_dir = Path(config.out)
         if self.dist.is_main:
             self._lock.enter_context(exclusive(self.run_dir, "train"))
@@ -120,9 +106,9 @@ class Trainer:
         micro_rows = config.batch_size // (config.grad_accum * self.dist.world_size)
         check_fits(self.model_config, micro_rows, self.device, "a training micro-step")
         check_fits(self.model_config, config.eval_batch_size, self.device, "a validation batch")
-        self._new_model()
+        TrainStep.__init__(self, self.model_config, config, self.device, self.dist)  # the model, seeded
         self._setup_run_dir(resume)
-        self._place_model()
+        self.place_model(self.resumed_from)
         # Data with loss masks (a task's answers) trains and validates on the masked targets only.
         # Task data (a problem index) also starts every window at a problem, with an optional curriculum.
         starts, levels = self.shards.problem_index("train") or (None, None)
@@ -148,96 +134,8 @@ class Trainer:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = DistributedDataParallel(self.model, device_ids=ids)
-        self._compile_layers()
+        self.compile_layers()
         self._write_run_files()
-
-    @classmethod
-    def on_random_tokens(cls, model_config: ModelConfig, config: TrainConfig, windows: int = 4) -> "Trainer":
-        """``Trainer(model_config, config, random_windows=windows)``: a trainer without a data folder
-        (:meth:`_build_on_random_tokens`), for speed measurements and tests."""
-        return cls(model_config, config, random_windows=windows)
-
-    @classmethod
-    def on_tokens(cls, model_config: ModelConfig, config: TrainConfig, tokens: np.ndarray) -> "Trainer":
-        """:meth:`on_random_tokens` with its batches drawn from ``tokens`` (a 1-D array of ids below the
-        model's vocabulary size, e.g. a prepared folder's ``TokenShards.train``) instead of random ids:
-        the same windows at every step for every setting of the same seed (e.g. bf16 against fp8)."""
-        return cls(model_config, config, tokens=tokens)
-
-    def _build_on_random_tokens(self, model_config: ModelConfig, windows: int | None, tokens=None) -> None:
-        """No data folder: :meth:`train_step` draws its batches, through the same :class:`BatchSampler`,
-        from ``windows`` batches' worth of uniformly random ids of the model's vocabulary (drawn once
-        from ``config.seed``), or from ``tokens`` when given. The model (seeded weights), AdamW, bf16
-        autocast on CUDA, the loop-count and initial-state draws and the per-layer compile are the ones
-        a run builds. One process, no run folder (``config.data`` and ``config.out`` are not read), no
-        lock, validation or checkpoints: only :meth:`train_step` is for use."""
-        config = self.config
-        self.dist, self.fsdp = DistInfo(), False
-        _check_batch_split(config, self.dist)
-        self.model_config = model_config
-        self._new_model()
-        self._place_model()
-        if tokens is None:
-            count = windows * config.batch_size * (model_config.block_size + 1)
-            ids = np.random.default_rng(config.seed).integers(0, model_config.vocab_size, size=count)
-            tokens = ids.astype(token_dtype(model_config.vocab_size))
-        elif len(tokens) and int(np.max(tokens)) >= model_config.vocab_size:
-            raise RdepthError(f"token id {int(np.max(tokens))} is not below the model's vocabulary size "
-                              f"{model_config.vocab_size}")
-        self.sampler = BatchSampler(tokens, config.batch_size, model_config.block_size, config.seed)
-        self._compile_layers()
-
-    def _new_model(self) -> None:
-        """The model with its initial weights (a function of the seed alone) and its optimizer."""
-        check_fits_memory(self.model_config, "train", copies=4)
-        torch.manual_seed(self.config.seed)
-        self.model = RecurrentLM(self.model_config)
-        self.optimizer = make_optimizer(self.model, self.config, self.device)
-        # Set when a step's loss or gradient norm is not finite; read (one host sync) only at
-        # log points and before validating or saving, so a diverged run never saves its weights.
-        self.nonfinite = torch.zeros((), dtype=torch.bool)
-
-    def _place_model(self) -> None:
-        """The model on the device (its shards, with --parallel fsdp); bf16 autocast there on CUDA; its
-        layers' and adapters' matmuls in float8 with ``config.fp8`` (:mod:`rdepth.train.fp8`)."""
-        if self.fsdp:
-            from rdepth.train import dcp
-            from rdepth.train.fsdp import shard_model
-
-            shard_model(self.model, self.device, self.config.mixed_precision, self.config.activation_checkpointing)
-            self.optimizer = make_optimizer(self.model, self.config, self.device)  # over the sharded parameters
-            if self.resumed_from is not None:
-                dcp.load(self.resumed_from, self.model, self.optimizer)
-        self.model.to(self.device)
-        self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
-        if self.config.fp8:  # the same parameters, so the optimizer and checkpoints are unchanged
-            self.fp8_plan = convert_to_fp8(self.model)
-
-    def _compile_layers(self) -> None:
-        """``torch.compile`` each layer, or each loop step and the single-pass layers
-        (``config.compile``, default on CUDA; ``config.compile_scope``, ``config.compile_mode``)."""
-        config = self.config
-        if self.compiled:
-            options = {} if config.compile_mode == "default" else {"mode": config.compile_mode}
-            if config.compile_scope == "step":
-                compile_loop_steps(self.model, **options)
-            looped = {layer for layers in self.model.group_layers for layer in layers}
-            for index, layer in enumerate(self.model.layers):  # per block: loop counts vary, shapes do not
-                if config.compile_scope == "layer" or index not in looped:
-                    layer.compile(**options)
-
-    @property
-    def compiled(self) -> bool:
-        """Whether this run compiles (``config.compile``, default on CUDA): the layers, the fused loss
-        head's chunk arithmetic and the counter noise's draw (one fused kernel per group)."""
-        return self.config.compile if self.config.compile is not None else self.device.type == "cuda"
-
-    @property
-    def loss_head(self) -> str:
-        """The model's ``loss_head`` for training steps (``config.fused_loss``; compiled with the layers)."""
-        if not self.config.fused_loss:
-            return "logits"
-        return "fused_compiled" if self.compiled else "fused"
 
     # ---------------------------------------------------------------- set-up
     def _data_record(self) -> dict:
@@ -285,7 +183,7 @@ class Trainer:
         mismatch = config_mismatch(saved, self.model_config)
         if mismatch:
             raise RdepthError(f"model config does not match checkpoint {checkpoint}: {'; '.join(mismatch[:4])}")
-        if self.fsdp:  # the weights and optimizer state load once sharded (_place_model)
+        if self.fsdp:  # the weights and optimizer state load once sharded (place_model)
             from rdepth.train.dcp import read_state
 
             trainer_state, state = None, read_state(checkpoint)
@@ -325,58 +223,6 @@ class Trainer:
             )
 
     # ------------------------------------------------------------------ step
-    def _micro_batches(self, step: int):
-        """This rank's micro-batches of the global batch at ``step``:
-        (x, y, loop counts, initial-state noise). The noise of a row is keyed by its
-        place in the global batch of ``step``, so ranks draw only their own rows and
-        together reproduce the single-process run."""
-        config, dist = self.config, self.dist
-        x_all, y_all = (host_for_copy(batch, self.device) for batch in self.sampler.batch(step))
-        micro = config.batch_size // config.grad_accum
-        per_rank = micro // dist.world_size
-        for index in range(config.grad_accum):
-            lo = index * micro + dist.rank * per_rank
-            counts = sample_loop_counts(self.model_config, step_generator(config.seed, step, 1 + index))
-            noise = NOISE_SOURCES[config.state_noise](config.seed, step * config.batch_size + lo, per_rank,
-                                                      self.compiled)
-            yield (
-                x_all[lo : lo + per_rank].to(self.device, non_blocking=True),
-                y_all[lo : lo + per_rank].to(self.device, non_blocking=True),
-                counts,
-                noise,
-            )
-
-    def train_step(self, step: int) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
-        """One optimizer step; returns the mean loss (a device tensor, no host sync)."""
-        config = self.config
-        model = self.ddp or self.model
-        model.train()
-        lr = lr_at(step, config)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        total = torch.zeros((), device=self.device)
-        used_counts = []
-        batches = list(self._micro_batches(step))
-        for index, (x, y, counts, noise) in enumerate(batches):
-            last = index == len(batches) - 1
-            sync = self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
-            with sync, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_dtype is not None):
-                out = model(x, y, counts, generator=noise, shifted_warm_start=config.warm_start,
-                            loss_head=self.loss_head)
-                loss = out.loss / config.grad_accum
-            loss.backward()
-            total += loss.detach()
-            used_counts.append(counts)
-        # The norm is always measured (max_norm inf: no clipping) for the divergence check.
-        grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                             config.grad_clip if config.grad_clip > 0 else math.inf))
-        bad = ~(torch.isfinite(total) & torch.isfinite(grad_norm))
-        self.nonfinite = self.nonfinite.to(bad.device) | bad  # on the device: no host sync
-        self.last_grad_norm = grad_norm.detach()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total, used_counts
-
     # ------------------------------------------------------------------- run
     def check_finite(self, done: int) -> None:
         """Stop (one-line error, no checkpoint written) if any step so far had a non-finite
@@ -537,52 +383,8 @@ class Trainer:
             log.info("--keep-last %d: removed %s", config.keep_last, ", ".join(removed))
 
 
-def _check_batch_split(config: TrainConfig, dist: DistInfo) -> None:
-    per_step = config.grad_accum * dist.world_size
-    if config.batch_size % per_step:
-        raise RdepthError(
-            f"batch_size {config.batch_size} is not divisible by grad_accum x world size = {per_step}"
-        )
-
-
-def host_for_copy(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``batch`` ready for ``.to(device, non_blocking=True)``: in pinned (page-locked) memory when
-    ``device`` is CUDA, so the copy runs asynchronously from the host; unchanged otherwise (the
-    copy is then synchronous whatever ``non_blocking`` says). Pinned buffers are kept alive by
-    torch's host allocator until their copies complete."""
-    if device.type != "cuda" or batch.is_pinned():
-        return batch
-    return batch.pin_memory()
-
-
 def train(model_config: ModelConfig, config: TrainConfig, resume: bool = False,
           preset: str | None = None) -> TrainResult:
     return Trainer(model_config, config, resume, preset).run()
 
 
-def compile_loop_steps(model, **options) -> None:
-    """One compiled region per loop step: ``model.loop_step`` (the adapter and the group's layers) through
-    ``torch.compile(fullgraph=True, dynamic=False)``, set on the instance, so every driver of the dense
-    loop calls it. Shapes do not change with the step or the loop count, so dynamo keeps three graphs per
-    group (steps without gradients, the first step with them, the later ones) and one more per group in
-    evaluation, and recompiles nothing when the drawn loop counts change (``options``: e.g. a
-    ``backend``, for tests). The graphs of every group belong to one function, so dynamo's recompile
-    limit (8 by default; with fullgraph=True an error past it) is raised to their number around each call:
-    the ``paper`` preset's three groups need 9 in training (on the H200 at c9ab2bb the 9th failed and
-    the trainer fell back to eager)."""
-    compiled = torch.compile(model.loop_step, fullgraph=True, dynamic=False, **options)
-    graphs = 4 * model.n_groups
-
-    config = torch._dynamo.config
-
-    @functools.wraps(compiled)
-    def loop_step(*args, **kwargs):  # set and restored directly: config.patch costs ~50 us a call here, ~4 us
-        previous = config.recompile_limit
-        if previous < graphs:
-            config.recompile_limit = graphs
-        try:
-            return compiled(*args, **kwargs)
-        finally:
-            config.recompile_limit = previous
-
-    model.loop_step = loop_step
