@@ -133,7 +133,7 @@ class Setting:
 
         decoder, chosen, steps = self.decoder, [], []
         for t in range(self.prompt_length, self.stream.shape[1] - 1):
-            decoder._advance(self.stream[:, t : t + 1])
+            decoder.step(self.stream[:, t : t + 1])
             if record:
                 chosen.append(decoder.logits.float().argmax(-1))
                 steps.append(decoder.computed.clone())

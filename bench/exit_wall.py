@@ -204,7 +204,7 @@ def compare_mode(args, text: bool) -> dict:
                 part = rows[index * batch:(index + 1) * batch]
                 decoder.reset()
                 for t in range(part.shape[1]):
-                    decoder._advance(part[:, t:t + 1])
+                    decoder.step(part[:, t:t + 1])
                     stats["steps"] += int(decoder.computed.sum())
                     stats["tokens"] += batch
         return call, stats, rows.numel()
@@ -245,7 +245,7 @@ def compare_mode(args, text: bool) -> dict:
         def run_tokens(decoder=decoder):
             decoder.reset()
             for t in range(problem.shape[1]):
-                decoder._advance(problem[:, t:t + 1])
+                decoder.step(problem[:, t:t + 1])
 
         run_tokens()
         report["counts"][label] = counts_per_token(run_tokens, problem.shape[1])

@@ -407,7 +407,7 @@ def test_span_graphs_captured_after_a_prompt_and_rolled_back_below_it_decode_as_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_captured_decoder_run_unreplayed_equals_its_replay():
-    """``_advance(replay=False)`` (how the GPU suite counts the kernels of a captured token) runs the
+    """``Captured.replay = False`` (how the GPU suite counts the kernels of a captured token) runs the
     pieces the graphs were recorded from: the same logits, steps and cache as replaying them."""
     model = tiny_model().cuda()
     idx = tokens(3).cuda()
@@ -417,11 +417,10 @@ def test_a_captured_decoder_run_unreplayed_equals_its_replay():
     for replay in (True, False):
         decoder = make(model, 3, noise=noise, controller_factory=factory, check_every=2)
         decoder.prefill(idx[:, :PROMPT])
-        Captured.record(decoder)
+        Captured.record(decoder).replay = replay
         logits = []
         for t in range(PROMPT, LENGTH):
-            decoder._advance(idx[:, t : t + 1], replay=replay)
-            logits.append(decoder.logits.clone())
+            logits.append(decoder.step(idx[:, t : t + 1]))
         runs.append((torch.stack(logits), decoder.computed.clone(), decoder.cache.looped))
     (replayed, replayed_steps, replayed_kv), (direct, direct_steps, direct_kv) = runs
     torch.testing.assert_close(direct, replayed, rtol=0, atol=1e-10)
@@ -432,7 +431,7 @@ def test_a_captured_decoder_run_unreplayed_equals_its_replay():
 
 
 def test_unreplayed_tokens_of_a_captured_decoder_touch_no_graph():
-    """On the CPU, with stand-in graphs that fail when replayed: ``_advance(replay=False)`` runs the plan's
+    """On the CPU, with stand-in graphs that fail when replayed: ``Captured.replay = False`` runs the plan's
     pieces, and decodes as eager does."""
 
     class NoReplay:
@@ -448,16 +447,20 @@ def test_unreplayed_tokens_of_a_captured_decoder_touch_no_graph():
     decoder = make(model, 3, **options)
     decoder.use(Captured(decoder.executor))
     decoder.executor.graphs[None] = [None if kind == "check" else NoReplay() for kind, _ in decoder.plan.pieces]
+    decoder.executor.replay = False
     decoder.rollback(0)
     for t in range(PROMPT):  # the prompt unreplayed too
-        decoder._advance(idx[:, t : t + 1], replay=False)
+        decoder.step(idx[:, t : t + 1])
     logits, computed = [], []
     for t in range(PROMPT, LENGTH):
-        decoder._advance(idx[:, t : t + 1], replay=False)
-        logits.append(decoder.logits.clone())
+        logits.append(decoder.step(idx[:, t : t + 1]))
         computed.append(decoder.computed.clone())
     torch.testing.assert_close(torch.stack(logits, 1), expected[0][:, PROMPT:], rtol=0, atol=1e-10)
     assert torch.equal(torch.stack(computed, 2), expected[1][:, :, PROMPT:])
+    decoder.executor.replay = True  # and the flag is what kept the graphs out
+    decoder.rollback(PROMPT)
+    with pytest.raises(AssertionError, match="replayed"):
+        decoder.step(idx[:, PROMPT : PROMPT + 1])
 
 
 # --------------------------------------------------------------- the one decoder's other duties

@@ -29,9 +29,9 @@ def static_timing(decoder, prompt, steps, rounds, device, deadline, graph: bool)
     if graph:
         capture(decoder)
     elif compiled:
-        decoder._advance(steps[0])
+        decoder.step(steps[0])
     compile_s = time.perf_counter() - started
-    times = time_rounds(lambda: decoder.prefill(prompt), lambda: [decoder._advance(t) for t in steps],
+    times = time_rounds(lambda: decoder.prefill(prompt), lambda: [decoder.step(t) for t in steps],
                         rounds, device, deadline)
     result = summary(times)
     result["path"] = ("inductor+" if compiled else "") + ("graph" if graph else "eager")
@@ -52,10 +52,14 @@ def kernels_per_token(decoder, prompt, steps, device, replay: bool = False) -> d
     from bench.decode_speed import count_per_token
 
     tokens = steps[:KERNEL_COUNT_TOKENS]
+    if is_captured(decoder):
+        decoder.executor.replay = replay
     decoder.prefill(prompt)
-    decoder._advance(tokens[0], replay=replay)
+    decoder.step(tokens[0])
     decoder.prefill(prompt)
-    counts = count_per_token(lambda: [decoder._advance(token, replay=replay) for token in tokens], device)
+    counts = count_per_token(lambda: [decoder.step(token) for token in tokens], device)
+    if is_captured(decoder):
+        decoder.executor.replay = True
     result = {key: value / len(tokens) for key, value in counts.items() if isinstance(value, (int, float))}
     result["per_token"] = result["kernels" if device.type == "cuda" else "aten_ops"]
     result["run"] = ("graph replay" if replay and is_captured(decoder) else "eager") + \

@@ -343,16 +343,15 @@ class Decoder:
         return self.logits.clone()
 
     @torch.no_grad()
-    def _advance(self, tokens: torch.Tensor, budget: Budget | None = None, replay: bool = True) -> None:
-        """One position for every row: ``tokens`` ``[B, 1]``; the logits land in ``logits``.
-        ``replay=False``: an executor with recorded graphs runs the pieces they were recorded from."""
+    def _advance(self, tokens: torch.Tensor, budget: Budget | None = None) -> None:
+        """One position for every row: ``tokens`` ``[B, 1]``; the logits land in ``logits``."""
         if self.length >= self.capacity:
             raise RdepthError(f"decoder: the cache is full ({self.capacity} positions)")
         plan = self._plan_for(budget or self.budget)
         self.tokens.copy_(tokens)
         if self.executor.prefix_reads:
             self.cache.limit = self.length + 1
-        self.executor.run_token(self, plan, replay)
+        self.executor.run_token(self, plan)
         self.length += 1
 
     def _extend_parallel(self, tokens: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:

@@ -68,7 +68,7 @@ class Compiled(Executor):
         return self.step_check(loop.group, step, state, decoder.inputs,
                                *self.kv[decoder.model.group_layers[loop.group], step])
 
-    def run_token(self, decoder, plan, replay: bool = True) -> None:
+    def run_token(self, decoder, plan) -> None:
         with self.scope():
             decoder.run_pieces(plan)
 

@@ -43,6 +43,6 @@ class Executor:
         loop.step_all(step, state, new)
         return new
 
-    def run_token(self, decoder, plan, replay: bool = True) -> None:
-        """One token's pieces (``replay`` matters to executors holding graphs only)."""
+    def run_token(self, decoder, plan) -> None:
+        """One token's pieces."""
         decoder.run_pieces(plan)

@@ -18,7 +18,9 @@ from rdepth.model.executors.eager import Executor
 
 
 class Captured(Executor):
-    """Replays the graphs recorded by :meth:`record`; other tokens run through ``inner``."""
+    """Replays the graphs recorded by :meth:`record`; other tokens run through ``inner``. ``replay``
+    False: the main budget's tokens run the pieces the graphs were recorded from, each op launched
+    (e.g. to count what a graph holds)."""
 
     def __init__(self, inner: Executor, span_buckets: int | None = None):
         super().__init__(inner.check_every, prefix_reads=False)
@@ -31,6 +33,7 @@ class Captured(Executor):
         self.inner = inner
         self.span_buckets = span_buckets
         self.graphs: dict[int | None, list] = {}  # per read span: a graph per plan piece (None at checks)
+        self.replay = True
 
     @classmethod
     @torch.no_grad()
@@ -103,9 +106,9 @@ class Captured(Executor):
     def exit_step(self, decoder, loop, step, state):
         return self.inner.exit_step(decoder, loop, step, state)
 
-    def run_token(self, decoder, plan, replay: bool = True) -> None:
+    def run_token(self, decoder, plan) -> None:
         decoder.read_span(self.span_for(decoder, decoder.length + 1))
-        graphs = self.graphs.get(decoder._span) if (replay and plan is decoder.plan) else None
+        graphs = self.graphs.get(decoder._span) if (self.replay and plan is decoder.plan) else None
         if graphs is None:
             self.inner.run_token(decoder, plan)
         else:
