@@ -71,14 +71,10 @@ def train_overrides(pairs) -> dict:
     """``KEY=VALUE`` texts (``--train-set``) as :class:`rdepth.train.config.TrainConfig` fields, converted by
     each field's type (bools: true/false, on/off, 1/0); an unknown field or a bad value raises ``ValueError``
     naming it. The trainer's own validation runs when the section builds its config."""
-    import dataclasses
-    import typing
-
-    from rdepth.cli.options import _scalar, _strip_optional
+    from rdepth.cli.options import field_kinds
     from rdepth.train.config import TrainConfig
 
-    kinds = {f.name: _scalar(_strip_optional(hints)) for f, hints in
-             ((f, typing.get_type_hints(TrainConfig)[f.name]) for f in dataclasses.fields(TrainConfig))}
+    kinds = field_kinds(TrainConfig)
     own = {"compile": "--compile", "compile_scope": "--train-compile-scope", "batch_size": "--train-batch",
            "device": "--device", "data": None, "out": None, "max_steps": None, "seed": None}
     out = {}

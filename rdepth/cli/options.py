@@ -35,6 +35,13 @@ def _scalar(kind: Any) -> type:
     return kind if kind in (bool, int, float, str) else str
 
 
+def field_kinds(cls: type) -> dict[str, type]:
+    """Each field of the dataclass ``cls`` and the scalar type a flag's text converts to (bool, int, float
+    or str; Optional unwrapped), as the flags built from ``cls`` convert them."""
+    hints = typing.get_type_hints(cls)
+    return {field.name: _scalar(_strip_optional(hints[field.name])) for field in dataclasses.fields(cls)}
+
+
 def check_typed_value(name: str, value: Any) -> None:
     """A one-line error for what no flag means: a non-finite float (nan, inf: every float field is a
     finite quantity) and text that is not valid UTF-8 (argv bytes Python kept as surrogates);
