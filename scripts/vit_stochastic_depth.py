@@ -33,7 +33,7 @@ from rdepth.report.figures import save_report_figure
 from rdepth.surrogate.pages import plots
 from rdepth.surrogate.bank import build_bank
 from rdepth.surrogate.config import FitConfig
-from rdepth.surrogate.measure.evaluate import evaluate_vision, surrogate_fn, truncated_fn
+from rdepth.surrogate.measure.fidelity import evaluate_vision, surrogate_fn, truncated_fn
 from rdepth.surrogate.fit import fit_surrogate
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
 from rdepth.surrogate.phases import block_structure, dp_phases, equal_phases

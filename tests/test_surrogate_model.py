@@ -12,7 +12,7 @@ from torch import nn
 
 from rdepth.errors import RdepthError
 from rdepth.surrogate.bank import build_bank
-from rdepth.surrogate.measure.evaluate import collect_states, fidelity, surrogate_fn, truncated_fn
+from rdepth.surrogate.measure.fidelity import collect_states, fidelity, surrogate_fn, truncated_fn
 from rdepth.surrogate.fit import FitConfig, fit_surrogate, force_probability, stage_force, stage_loss, state_loss
 from rdepth.surrogate.teachers.hf_loader import Gpt2Embedding
 from rdepth.surrogate.teachers.layers import LayerSpec, Teacher, TransformerLayer

@@ -19,7 +19,7 @@ from rdepth.io import atomic_path, environment_info, write_json
 from rdepth.surrogate.bank import build_bank
 from rdepth.surrogate.measure.dynamics import dynamics_summary
 from rdepth.surrogate.config import SurrogateRunConfig
-from rdepth.surrogate.measure.evaluate import evaluate_text, surrogate_fn, truncated_fn
+from rdepth.surrogate.measure.fidelity import evaluate_text, surrogate_fn, truncated_fn
 from rdepth.surrogate.fit import fit_surrogate
 from rdepth.surrogate.measure.geometry import write_phase_geometry
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig

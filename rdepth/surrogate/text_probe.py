@@ -32,7 +32,7 @@ from rdepth.errors import RdepthError
 from rdepth.surrogate.bank import StateBank
 from rdepth.surrogate.choose import choose_phases
 from rdepth.surrogate.config import SurrogateRunConfig
-from rdepth.surrogate.measure.evaluate import probe_accuracy, ridge_probe
+from rdepth.surrogate.measure.fidelity import probe_accuracy, ridge_probe
 from rdepth.surrogate.fit import fit_surrogate
 from rdepth.surrogate.teachers.layers import Teacher
 from rdepth.surrogate.teachers.minilm import mean_pool

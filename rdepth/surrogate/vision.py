@@ -26,7 +26,7 @@ from rdepth.surrogate.bank import build_bank
 from rdepth.surrogate.choose import choose_phases
 from rdepth.surrogate.config import SurrogateRunConfig
 from rdepth.surrogate.measure.dynamics import dynamics_summary
-from rdepth.surrogate.measure.evaluate import collect_states, fidelity, surrogate_fn, truncated_fn
+from rdepth.surrogate.measure.fidelity import collect_states, fidelity, surrogate_fn, truncated_fn
 from rdepth.surrogate.fit import fit_surrogate
 from rdepth.surrogate.teachers.layers import Teacher
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig

@@ -2,7 +2,7 @@
 
 Raptor's headline (96% of DINOv2's ImageNet linear-probe accuracy with 2 blocks) is a ratio
 of probe accuracies. Two probes are read for every model, both ridge-regression probes
-(:func:`rdepth.surrogate.measure.evaluate.ridge_probe`) on the final [CLS] feature:
+(:func:`rdepth.surrogate.measure.fidelity.ridge_probe`) on the final [CLS] feature:
 
 * ``teacher_probe``: the probe trained on the *teacher's* training features, applied unchanged
   to the model's test features (does the surrogate land where the teacher's readout expects?);
@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from rdepth.surrogate.measure.evaluate import probe_accuracy, ridge_probe
+from rdepth.surrogate.measure.fidelity import probe_accuracy, ridge_probe
 
 
 def normalised(accuracy: float, teacher: float, floor: float) -> float:
