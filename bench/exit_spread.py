@@ -115,7 +115,7 @@ def record(checkpoint: str, data: str, policy: str, tau: float, k_max: int, diff
         for start in range(0, idx.shape[0], 16):
             part = idx[start:start + 16]
             controller = controller_factory(policy, tau, k_max, lambda: model.readout)()
-            out = model(part, controller=controller, generator=StateNoise(0, range(start, start + part.shape[0])))
+            out = model(part, controller=controller, noise=StateNoise(0, range(start, start + part.shape[0])))
             for group, computed in enumerate(out.computed):
                 steps = torch.bincount(computed.flatten() - 1, minlength=k_max)
                 counts[group] = [a + int(b) for a, b in zip(counts[group], steps.tolist())]

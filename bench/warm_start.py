@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 sizes.setdefault(group, []).append((state - start[group]).norm(dim=-1).flatten())
 
         with torch.no_grad():
-            model(sample, loop_counts=2, generator=StateNoise.consecutive(0, 0, sample.shape[0]), observer=observer,
+            model(sample, loop_counts=2, noise=StateNoise.consecutive(0, 0, sample.shape[0]), observer=observer,
                   warm_start=warm)
         first["warm" if warm else "fresh"] = {
             g: {"mean": float(torch.cat(v).mean()), "median": float(torch.cat(v).median())} for g, v in sizes.items()}

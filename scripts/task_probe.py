@@ -164,7 +164,7 @@ def evaluate(args, task, model: RecurrentLM, difficulties: list[int], loop_budge
         results[difficulty] = {}
         for loops in loop_budgets:
             generator = torch.Generator().manual_seed(args.seed)
-            logits = model(x, loop_counts=loops, generator=generator).logits
+            logits = model(x, loop_counts=loops, noise=generator).logits
             accuracy = answer_accuracy(logits, targets, windows.answer_mask[:, 1:], windows.problem_ids[:, 1:])
             results[difficulty][str(loops or 1)] = round(100 * accuracy, 1)
     return results

@@ -14,7 +14,9 @@ releases and compares the results with rdepth's own). It saves a dict of:
   text-generation pipeline's texts;
 - ``resized``: after ``resize_token_embeddings(V + 1)``: the logits' width, a loss on the new token,
   and whether the saved folder reloads with equal logits;
-- ``too_long``: the message ``generate`` gives past the block size.
+- ``too_long``: the message ``generate`` gives past the block size;
+- ``hidden``: ``output_hidden_states=True``'s last hidden state (the final norm's output) at ``(3, 2, 5)``
+  and the shapes of its ``loop_states``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def probe(folder: str) -> dict:
         looped = model.generate(first, max_new_tokens=NEW, do_sample=False, loop_counts=[3, 2, 5],
                                 return_dict_in_generate=True, output_scores=True)
         out["hf_loop_cached"] = looped.sequences.tolist()
+        states = model(first, loop_counts=[3, 2, 5], output_hidden_states=True)
+        out["hidden"] = (states.hidden_states[-1], [tuple(s.shape) for s in states.loop_states])
         out["hf_loop_uncached"] = model.generate(first, max_new_tokens=NEW, do_sample=False, loop_counts=[3, 2, 5],
                                                  use_cache=False).tolist()
         batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)

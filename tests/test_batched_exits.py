@@ -35,7 +35,7 @@ def test_predicated_equals_packed(name, block, batch):
     idx = tokens(batch)
     noise = StateNoise(1, range(batch))
     factory = controller_factory(model, name, varied_setting(model, idx, noise, name))
-    forced = model(idx, controller=factory(), generator=noise)
+    forced = model(idx, controller=factory(), noise=noise)
     expected_computed, expected_used = torch.stack(forced.computed), torch.stack(forced.used)[:, :, PROMPT:]
     logits, computed, used = decode_all(make(model, batch, controller_factory=factory, noise=noise, check_every=1),
                                         idx)

@@ -141,7 +141,7 @@ def _settings(name: str) -> list[tuple[str, float | None, bool]]:
 
 def _forward(model, idx, factory, dtype):
     with torch.no_grad(), _autocast(dtype):
-        return model(idx, controller=factory(), generator=StateNoise.consecutive(0, 0, idx.shape[0]))
+        return model(idx, controller=factory(), noise=StateNoise.consecutive(0, 0, idx.shape[0]))
 
 
 @pytest.mark.parametrize("name", list(POLICIES))

@@ -84,7 +84,7 @@ def test_reading_the_recorded_full_budget_states_reproduces_the_model():
     assert [tuple(s.shape) for s in iterates] == [(4, 60, 16), (3, 60, 16)]
     with torch.no_grad():
         direct = torch.cat([model(windows[i:i + 2, :-1], loop_counts=list(k_max),
-                                  generator=StateNoise.consecutive(7, i, windows[i:i + 2].shape[0])).logits
+                                  noise=StateNoise.consecutive(7, i, windows[i:i + 2].shape[0])).logits
                             for i in range(0, 5, 2)])
     assert torch.equal(logits, direct)
     for group in (0, 1):  # the final iterate read through the rest is the model's own output

@@ -34,5 +34,5 @@ def test_a_loaded_model_is_not_initialised_first_and_equals_the_saved_one(tmp_pa
     assert all(not p.is_meta for p in loaded.parameters()) and not loaded.training
     idx = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert torch.equal(loaded(idx, generator=StateNoise(0, [0, 1])).logits,
-                           model(idx, generator=StateNoise(0, [0, 1])).logits)
+        assert torch.equal(loaded(idx, noise=StateNoise(0, [0, 1])).logits,
+                           model(idx, noise=StateNoise(0, [0, 1])).logits)

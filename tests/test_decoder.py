@@ -89,7 +89,7 @@ def test_fixed_budget_equals_teacher_forced(block, batch, loop_state):
     idx = tokens(batch)
     noise = StateNoise(3, range(batch))
     counts = (4, 3)
-    forced = model(idx, loop_counts=counts, generator=noise).logits
+    forced = model(idx, loop_counts=counts, noise=noise).logits
     decoder = make(model, batch, loop_counts=counts, noise=noise)
     static, computed, used = decode_all(decoder, idx)
     torch.testing.assert_close(static, forced, rtol=0, atol=1e-10)
@@ -103,7 +103,7 @@ def test_full_budget_is_k_max_and_a_plain_model_decodes_too():
     idx = tokens(2)
     noise = StateNoise(0, [7, 8])
     static, _, _ = decode_all(make(model, 2, noise=noise), idx)
-    torch.testing.assert_close(static, model(idx, loop_counts=K_MAX, generator=noise).logits, rtol=0, atol=1e-10)
+    torch.testing.assert_close(static, model(idx, loop_counts=K_MAX, noise=noise).logits, rtol=0, atol=1e-10)
     plain = tiny_model(groups="")
     static, _, _ = decode_all(Decoder(plain, 2), idx)
     torch.testing.assert_close(static, plain(idx).logits, rtol=0, atol=1e-10)
@@ -125,7 +125,7 @@ def varied_setting(model: RecurrentLM, idx: torch.Tensor, noise: StateNoise, nam
         [10.0 ** (e / 2) for e in range(-12, 3)]
     best, spread = grid[0], -1
     for value in grid:
-        out = model(idx, controller=controller_factory(model, name, value)(), generator=noise)
+        out = model(idx, controller=controller_factory(model, name, value)(), noise=noise)
         distinct = sum(len(torch.unique(c)) for c in out.computed)
         if distinct > spread:
             best, spread = value, distinct
@@ -142,7 +142,7 @@ def test_exits_equal_the_packed_path(name, batch):
     noise = StateNoise(1, range(batch))
     setting = varied_setting(model, idx, noise, name)
     factory = controller_factory(model, name, setting)
-    forced = model(idx, controller=factory(), generator=noise)
+    forced = model(idx, controller=factory(), noise=noise)
     computed_forced = torch.stack(forced.computed)
     if name != "fixed":
         assert computed_forced.min() < computed_forced.max(), "the setting should make exits vary"
@@ -165,7 +165,7 @@ def test_exits_hand_on_the_previous_state_and_equal_teacher_forced(block, batch,
     noise = StateNoise(2, range(batch))
     setting = varied_setting(model, idx, noise, "acceleration")
     factory = controller_factory(model, "acceleration", setting)
-    forced = model(idx, controller=factory(), generator=noise)
+    forced = model(idx, controller=factory(), noise=noise)
     forced_used, forced_computed = torch.stack(forced.used), torch.stack(forced.computed)
     assert (forced_used < forced_computed).any(), "some token should hand on the state before its last step"
     decoder = make(model, batch, controller_factory=factory, noise=noise)
@@ -280,7 +280,7 @@ def test_a_token_has_no_host_sync_but_one_per_chunk_check(name, check_every):
     checks = sum(1 for kind, _ in decoder.plan.pieces if kind == "check")
     assert syncs <= checks and (check_every is None) == (checks == 0)
     # the teacher-forced packed pass, for contrast (the counter sees syncs), syncs at every loop step
-    packed = op_counts(lambda: model(idx[:, :PROMPT + 1], controller=FixedController(K_MAX), generator=noise))
+    packed = op_counts(lambda: model(idx[:, :PROMPT + 1], controller=FixedController(K_MAX), noise=noise))
     assert sum(packed.get(op, 0) for op in SYNC_OPS) >= sum(K_MAX)
 
 
@@ -485,7 +485,7 @@ def test_warm_start_equals_teacher_forced_warm_start(name, loop_state):
     rest = torch.cat([decoder.step(idx[:, t:t + 1])[:, None] for t in range(PROMPT, LENGTH)], 1)
     torch.testing.assert_close(torch.cat([logits, rest], 1), reference.logits, rtol=0, atol=1e-10)
     if name is not None:  # the exits differ from a cold start, or the test would not tell warm from cold
-        cold = model(idx, generator=noise, controller=options["controller_factory"]())
+        cold = model(idx, noise=noise, controller=options["controller_factory"]())
         assert not torch.equal(torch.stack(cold.computed), torch.stack(reference.computed))
     decoder.rollback(PROMPT + 2)
     again = decoder.extend(idx[:, PROMPT + 2:])
@@ -526,7 +526,7 @@ def test_extend_at_another_budget_then_rollback_equals_the_budget_alone():
     model = tiny_model()
     idx = tokens(3)
     noise = StateNoise(1, range(3))
-    forced = model(idx, loop_counts=(4, 3), generator=noise).logits
+    forced = model(idx, loop_counts=(4, 3), noise=noise).logits
     decoder = make(model, 3, loop_counts=(4, 3), noise=noise)
     decoder.prefill(idx[:, :PROMPT])
     drafted = decoder.extend(idx[:, PROMPT:PROMPT + 4], loop_counts=(1, 1))

@@ -63,7 +63,7 @@ def run_with_policy(net, idx, name, tau):
     options = {"tau": tau} if cls.uses_tau else {}
     controller = controller_factory(name, None, K_MAX, lambda: net.readout, options)()
     try:
-        out = net(idx, controller=controller, generator=StateNoise.consecutive(7, 0, idx.shape[0]),
+        out = net(idx, controller=controller, noise=StateNoise.consecutive(7, 0, idx.shape[0]),
                   observer=observer)
     finally:
         for hook in hooks:
@@ -92,7 +92,7 @@ def test_handed_on_state_is_the_named_iterate(name):
         if not POLICIES[name].hands_on_previous:
             with torch.no_grad():
                 scheduled = net(idx, controller=ScheduledController(out.used),
-                                generator=StateNoise.consecutive(7, 0, idx.shape[0]))
+                                noise=StateNoise.consecutive(7, 0, idx.shape[0]))
             torch.testing.assert_close(scheduled.logits, out.logits, rtol=0, atol=1e-12)
     assert early_exits > 0, f"{name} never exited early on this grid: the test checked nothing"
 
@@ -111,7 +111,7 @@ def test_random_initial_states_cached_equals_teacher_forced_and_batch_of_one(nam
     with torch.no_grad():
         noise = StateNoise.consecutive(5, 0, 3)
         counts = (3, 4) if name is None else None
-        full = net(idx, loop_counts=counts, controller=controller(), generator=noise)
+        full = net(idx, loop_counts=counts, controller=controller(), noise=noise)
         decoder = Decoder(net, 3, loop_counts=counts, controller_factory=None if name is None else controller,
                           noise=noise)
         pieces = [decoder.prefill(idx[:, :4])]
@@ -119,7 +119,7 @@ def test_random_initial_states_cached_equals_teacher_forced_and_batch_of_one(nam
             pieces.append(decoder.step(idx[:, position:position + 1])[:, None])
         cached = torch.cat(pieces, dim=1)
         single = torch.cat([net(idx[b:b + 1], loop_counts=counts, controller=controller(),
-                                generator=StateNoise(5, [b])).logits for b in range(3)])
+                                noise=StateNoise(5, [b])).logits for b in range(3)])
     torch.testing.assert_close(cached, full.logits, rtol=0, atol=1e-10)
     torch.testing.assert_close(single, full.logits, rtol=0, atol=1e-10)
     if name is not None:

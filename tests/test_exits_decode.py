@@ -66,7 +66,7 @@ def _run(model, tokens, probes, decode, counts=(3, 3)):
     recorder = Recorder()
     controller = PolicyController(probes, decode=decode)
     with torch.no_grad():
-        out = model(tokens, controller=controller, observer=recorder, generator=torch.Generator().manual_seed(2))
+        out = model(tokens, controller=controller, observer=recorder, noise=torch.Generator().manual_seed(2))
     return out, recorder
 
 

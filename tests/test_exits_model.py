@@ -48,7 +48,7 @@ def _signal_median(model, tokens, name) -> float:
     """A tau inside the policy's signal on this model (so exits vary)."""
     recorder = Recorder()
     with torch.no_grad():
-        model(tokens, loop_counts=K_MAX, observer=recorder, generator=torch.Generator().manual_seed(5))
+        model(tokens, loop_counts=K_MAX, observer=recorder, noise=torch.Generator().manual_seed(5))
     states = recorder.stacked(0)
     deltas = states[1:] - states[:-1]
     states = states.detach()
@@ -76,7 +76,7 @@ def test_online_exits_equal_replay_of_the_recorded_iterates(model, tokens, name)
     controller = controller_factory(name, tau, K_MAX, lambda: model.readout)()
     recorder = Recorder()
     with torch.no_grad():
-        out = model(tokens, controller=controller, observer=recorder, generator=torch.Generator().manual_seed(5))
+        out = model(tokens, controller=controller, observer=recorder, noise=torch.Generator().manual_seed(5))
     exits_seen = set()
     for group in range(model.n_groups):
         states = recorder.stacked(group)
@@ -91,8 +91,8 @@ def test_online_exits_equal_replay_of_the_recorded_iterates(model, tokens, name)
 def test_fixed_policy_online_equals_the_dense_forward(model, tokens):
     controller = controller_factory("fixed", None, [3, 5])()
     with torch.no_grad():
-        packed = model(tokens, controller=controller, generator=torch.Generator().manual_seed(2))
-        dense = model(tokens, loop_counts=[3, 5], generator=torch.Generator().manual_seed(2))
+        packed = model(tokens, controller=controller, noise=torch.Generator().manual_seed(2))
+        dense = model(tokens, loop_counts=[3, 5], noise=torch.Generator().manual_seed(2))
     assert torch.allclose(packed.logits, dense.logits, atol=1e-10)
     assert (packed.used[0] == 3).all() and (packed.computed[1] == 5).all()
 
@@ -149,7 +149,7 @@ def test_exited_tokens_are_not_computed(model, tokens):
     try:
         with torch.no_grad():
             out = model(tokens, controller=_controller(model, "acceleration", tau),
-                        generator=torch.Generator().manual_seed(5))
+                        noise=torch.Generator().manual_seed(5))
     finally:
         hook.remove()
     assert sum(rows_seen) == int(out.computed[0].sum())

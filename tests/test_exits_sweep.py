@@ -72,7 +72,7 @@ def test_histograms_and_means_agree_with_the_model_outputs(tiny_model, windows):
         batch = windows[first:first + 3]
         noise = StateNoise.consecutive(4, first, 3)  # window i starts from the run layer's noise row i
         with torch.no_grad():
-            out = tiny_model(batch[:, :-1], batch[:, 1:], controller=factory(), generator=noise)
+            out = tiny_model(batch[:, :-1], batch[:, 1:], controller=factory(), noise=noise)
         losses.append(out.loss.item())
         for group in range(2):
             computed[group].append(out.computed[group].flatten())

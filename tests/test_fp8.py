@@ -213,7 +213,7 @@ def test_one_compiled_loop_step_in_float8_equals_the_uncompiled_one():
         results = []
         for m in (model, reference):
             m.zero_grad()
-            loss = m(idx, idx, counts, generator=StateNoise(0, range(2))).loss
+            loss = m(idx, idx, counts, noise=StateNoise(0, range(2))).loss
             loss.backward()
             results.append((loss.detach(), [p.grad.clone() for p in m.parameters() if p.grad is not None]))
         assert torch.equal(results[0][0], results[1][0])

@@ -131,8 +131,8 @@ def test_two_ranks_match_one_process_and_resume_after_kill_is_exact(wiki_small, 
     model_a, model_b = load_model(sharded)[0], load_model(single)[0]
     idx = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        a = model_a(idx, loop_counts=(4,), generator=torch.Generator().manual_seed(1)).logits
-        b = model_b(idx, loop_counts=(4,), generator=torch.Generator().manual_seed(1)).logits
+        a = model_a(idx, loop_counts=(4,), noise=torch.Generator().manual_seed(1)).logits
+        b = model_b(idx, loop_counts=(4,), noise=torch.Generator().manual_seed(1)).logits
     torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
 
     # the 2-rank step-25 checkpoint resumes here at world size 1: DCP re-cuts the shards
@@ -181,7 +181,7 @@ def test_looped_layer_gradients_accumulate_over_applications(float64, one_rank):
     sharded = shard_model(RecurrentLM(config), torch.device("cpu"))
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     for model in (plain, sharded):
-        model(idx, idx, (5,), generator=torch.Generator().manual_seed(2)).loss.backward()
+        model(idx, idx, (5,), noise=torch.Generator().manual_seed(2)).loss.backward()
     for (name, p), (_, q) in zip(plain.named_parameters(), sharded.named_parameters()):
         assert torch.equal(p.grad, q.grad.full_tensor()), name
     assert plain.layers[1].attn.qkv.weight.grad.abs().sum() > 0  # the looped layer

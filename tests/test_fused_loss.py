@@ -103,7 +103,7 @@ def test_the_model_forward_with_the_fused_head_equals_the_logits_head():
     results = []
     for head in ("logits", "fused"):
         model.zero_grad()
-        out = model(idx, targets, (3, 2), generator=torch.Generator().manual_seed(5), loss_head=head)
+        out = model(idx, targets, (3, 2), noise=torch.Generator().manual_seed(5), loss_head=head)
         out.loss.backward()
         results.append((out, [p.grad.clone() for p in model.parameters()]))
     (logits_out, logits_grads), (fused_out, fused_grads) = results

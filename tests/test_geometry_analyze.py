@@ -96,7 +96,7 @@ def test_analyze_writes_numbers_figures_and_report(tiny_run, analyzed):
                 iterates[group][number].append(state.clone())
 
             noise = StateNoise.consecutive(0, 2 * number, batch.shape[0])  # window i: noise row i, seed 0
-            last_model(batch[:, :-1], loop_counts=(3, 3, 3), generator=noise, observer=keep)
+            last_model(batch[:, :-1], loop_counts=(3, 3, 3), noise=noise, observer=keep)
     # [K+1, N, d] per group, rows ordered batch, sequence, position (as the observer sees them)
     per_group = [torch.cat([torch.stack(states).flatten(1, 2) for states in group], dim=1) for group in iterates]
     for group in range(3):

@@ -68,7 +68,7 @@ def test_model_spectrum_matches_finite_differences(loop_state):
     with torch.no_grad():  # the last group's state is what the coda reads: the readout of it equals forward's
         x = model.run_layers((3,), finals[1])
         torch.testing.assert_close(model.readout(x), model(idx, loop_counts=5,
-                                                           generator=StateNoise.consecutive(0, 0, 2)).logits)
+                                                           noise=StateNoise.consecutive(0, 0, 2)).logits)
     position = 6
     prefix = finals[0][0, :position + 1]
     projected = inputs[0][:1, :position + 1]

@@ -52,23 +52,63 @@ def test_logits_equal_rdepth(exported, counts):
     _, model, _, hf = exported
     ids = torch.tensor([tiny_tokenizer().encode(PROMPT)] * 2)
     with torch.no_grad():
-        ours = model(ids, loop_counts=counts, generator=StateNoise(0, [0, 0])).logits
+        ours = model(ids, loop_counts=counts, noise=StateNoise(0, [0, 0])).logits
         theirs = hf(ids, loop_counts=list(counts)).logits
         assert torch.equal(theirs, ours)
         # the seed and the per-row sequence ids are per-call settings, keyed as rdepth keys them
-        ours = model(ids, loop_counts=counts, generator=StateNoise(7, [3, 9])).logits
+        ours = model(ids, loop_counts=counts, noise=StateNoise(7, [3, 9])).logits
         assert torch.equal(hf(ids, loop_counts=counts, state_seed=7, sequence_ids=[3, 9]).logits, ours)
         assert not torch.equal(hf(ids, loop_counts=counts, state_seed=8, sequence_ids=[3, 9]).logits, ours)
+
+
+def test_hidden_states_and_loop_iterates_are_the_models_own(exported):
+    """output_hidden_states=True: the embedding, layer 0's output, each group's hand-off, layer 5's
+    output and the final norm's (which the head reads), and per group the start state and every
+    iterate, computed here step by step from the model's pieces; with a cache or an exit policy a
+    ValueError names what to pass."""
+    _, model, _, hf = exported
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)] * 2)
+    counts, noise = (3, 2, 4), StateNoise(0, [0, 0])
+    with torch.no_grad():
+        out = hf(ids, loop_counts=list(counts), output_hidden_states=True)
+        x = model.embed(ids)
+        hidden, loops = [x], []
+        x = model.layers[0](x)
+        hidden.append(x)
+        for group, steps in enumerate(counts):
+            projected = model.group_input(group, x)
+            state = model.init_state(group, x, noise)
+            iterates = [state]
+            for _ in range(steps):
+                state = model.loop_step(group, state, projected)
+                iterates.append(state)
+            loops.append(torch.stack(iterates))
+            x = state
+            hidden.append(x)
+        hidden.append(model.layers[5](x))
+        hidden.append(model.norm_f(hidden[-1]))
+        plain = hf(ids, loop_counts=list(counts)).logits
+    assert len(out.hidden_states) == 7 and len(out.loop_states) == 3
+    for got, want in zip(out.hidden_states, hidden):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    for got, want in zip(out.loop_states, loops):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert torch.equal(out.logits, plain)
+    assert torch.equal(model.readout(out.hidden_states[-2]), plain)  # the head reads the last one through the norm
+    for refused in ({"use_cache": True}, {"exit_policy": {"name": "step_norm", "tau": 1.0, "k_max": 4}}):
+        with pytest.raises(ValueError, match="output_hidden_states needs the dense forward"):
+            hf(ids, output_hidden_states=True, **refused)
 
 
 def test_default_loops_come_from_the_config(exported):
     _, model, _, hf = exported
     ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
     with torch.no_grad():
-        assert torch.equal(hf(ids).logits, model(ids, generator=StateNoise(0, [0])).logits)  # round(mean_loops)
+        assert torch.equal(hf(ids).logits, model(ids, noise=StateNoise(0, [0])).logits)  # round(mean_loops)
         hf.config.loop_counts = [2, 1, 2]
         try:
-            assert torch.equal(hf(ids).logits, model(ids, loop_counts=(2, 1, 2), generator=StateNoise(0, [0])).logits)
+            assert torch.equal(hf(ids).logits, model(ids, loop_counts=(2, 1, 2), noise=StateNoise(0, [0])).logits)
         finally:
             hf.config.loop_counts = None
 
@@ -234,7 +274,7 @@ def test_exported_code_runs_without_rdepth(exported, tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     with torch.no_grad():
-        expected = model(torch.tensor([ids]), loop_counts=(2, 3, 1), generator=StateNoise(0, [0])).logits
+        expected = model(torch.tensor([ids]), loop_counts=(2, 3, 1), noise=StateNoise(0, [0])).logits
     assert torch.equal(torch.load(tmp_path / "logits.pt"), expected)
 
 
@@ -338,7 +378,7 @@ def test_exit_policies_match_rdepths_controller(exported, rule):
 
     ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
     with torch.no_grad():
-        ours = model(ids, generator=StateNoise(0, [0]), controller=controller())
+        ours = model(ids, noise=StateNoise(0, [0]), controller=controller())
         theirs = hf(ids, exit_policy=rule)
         # The same exits; the logits to float32 rounding (the two paths gather rows in another order,
         # which changes the last bits on some CPUs' kernels; fixed budgets stay bit-equal above).
@@ -360,10 +400,10 @@ def test_exit_policy_from_the_export_flags(tmp_path, monkeypatch, capsys):
     ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
     with torch.no_grad():
         controller = controller_factory("step_norm", 5.0, (4, 6), lambda: model.readout)()
-        assert torch.equal(hf(ids).logits, model(ids, generator=StateNoise(0, [0]), controller=controller).logits)
+        assert torch.equal(hf(ids).logits, model(ids, noise=StateNoise(0, [0]), controller=controller).logits)
         # turned off for one call: fixed counts again
         assert torch.equal(hf(ids, exit_policy=False, loop_counts=2).logits,
-                           model(ids, loop_counts=2, generator=StateNoise(0, [0])).logits)
+                           model(ids, loop_counts=2, noise=StateNoise(0, [0])).logits)
     capsys.readouterr()
     for flags, message in ((["--exit-policy", "nope"], "unknown exit policy"),
                            (["--exit-policy", "acceleration", "--exit-tau", "-1"], "tau"),
@@ -393,7 +433,7 @@ def test_gpt2_block_model_exports_exactly(tmp_path):
     ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
     with torch.no_grad():
         for counts in ((1,), (3,)):
-            ours = model(ids, loop_counts=counts, generator=StateNoise(0, [0])).logits
+            ours = model(ids, loop_counts=counts, noise=StateNoise(0, [0])).logits
             assert torch.equal(hf(ids, loop_counts=list(counts)).logits, ours)
 
 
@@ -410,15 +450,15 @@ def test_residual_loop_state_exports_exactly(tmp_path):
     ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
     with torch.no_grad():
         for counts in ((1, 1), (3, 5)):
-            ours = model(ids, loop_counts=counts, generator=StateNoise(0, [0])).logits
+            ours = model(ids, loop_counts=counts, noise=StateNoise(0, [0])).logits
             assert torch.equal(hf(ids, loop_counts=list(counts)).logits, ours)
         sandwich = model.config.replace(loop_state="sandwich")
         from rdepth.model import RecurrentLM
 
         other = RecurrentLM(sandwich).eval()
         other.load_state_dict(model.state_dict())  # same weights, the other loop: other logits
-        assert not torch.equal(other(ids, loop_counts=(3, 5), generator=StateNoise(0, [0])).logits,
-                               model(ids, loop_counts=(3, 5), generator=StateNoise(0, [0])).logits)
+        assert not torch.equal(other(ids, loop_counts=(3, 5), noise=StateNoise(0, [0])).logits,
+                               model(ids, loop_counts=(3, 5), noise=StateNoise(0, [0])).logits)
         cached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True)
         uncached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached)

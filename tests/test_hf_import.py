@@ -31,8 +31,8 @@ def test_export_then_import_is_the_same_run(tmp_path, monkeypatch):
     assert run_tokenizer(tmp_path / "back").encode(TEXT) == tiny_tokenizer().encode(TEXT)
     ids = torch.tensor([tiny_tokenizer().encode(TEXT)])
     with torch.no_grad():
-        assert torch.equal(back(ids, generator=StateNoise(0, [0])).logits,
-                           model(ids, loop_counts=(2, 3), generator=StateNoise(0, [0])).logits)
+        assert torch.equal(back(ids, noise=StateNoise(0, [0])).logits,
+                           model(ids, loop_counts=(2, 3), noise=StateNoise(0, [0])).logits)
 
 
 def _tiny_gpt2(folder, vocab_size=None, **overrides):
@@ -102,7 +102,7 @@ def test_gpt2_from_pytorch_model_bin_and_retrofit_keeps_it_exact(tmp_path, monke
         plain = model(ids).logits
         torch.testing.assert_close(plain, reference(ids).logits, rtol=1e-5, atol=1e-5)
         for counts in ((1,), (4,)):  # the [0 | I] adapters ignore the state: the original, bit for bit
-            assert torch.equal(looped(ids, loop_counts=counts, generator=torch.Generator().manual_seed(3)).logits,
+            assert torch.equal(looped(ids, loop_counts=counts, noise=torch.Generator().manual_seed(3)).logits,
                                plain)
 
 

@@ -48,7 +48,7 @@ def instances(kind: str, arguments: list[tuple]):
 def hand_scores(model, ids: list[int], first_target: int, loops) -> tuple[float, bool]:
     """Sum of log p(ids[t] | ids[:t]) for t >= first_target, from one forward of the model."""
     with torch.no_grad():
-        logits = model(torch.tensor([ids[:-1]]), loop_counts=loops, generator=StateNoise(0, [0])).logits[0]
+        logits = model(torch.tensor([ids[:-1]]), loop_counts=loops, noise=StateNoise(0, [0])).logits[0]
     logprobs = F.log_softmax(logits, dim=-1)[first_target - 1 :]
     targets = torch.tensor(ids[first_target:])
     return float(logprobs.gather(1, targets[:, None]).sum()), bool((logprobs.argmax(-1) == targets).all())
@@ -239,7 +239,7 @@ def test_chase_generation_task_scores_a_task_model(tmp_path, monkeypatch, capsys
         right = 0
         for row in rows:
             ids = torch.tensor([vocab.encode(row["context"])])
-            logits = model(ids, loop_counts=(2,), generator=StateNoise(0, [0])).logits[0, -1]
+            logits = model(ids, loop_counts=(2,), noise=StateNoise(0, [0])).logits[0, -1]
             right += vocab.decode([int(logits.argmax())]) == row["answer"]
     p = right / len(rows)
     assert metrics["exact_match"] == pytest.approx(p)

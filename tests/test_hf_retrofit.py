@@ -29,17 +29,17 @@ def test_one_loop_is_the_original_bit_for_bit(tmp_path, groups, scale):
         expected = plain(ids).logits
         # random initial states (keyed or from a generator) are ignored by the [0 | I] adapters
         for noise in (StateNoise(3, [0, 1]), torch.Generator().manual_seed(5)):
-            assert torch.equal(looped(ids, loop_counts=1, generator=noise).logits, expected)
+            assert torch.equal(looped(ids, loop_counts=1, noise=noise).logits, expected)
         # the packed path (cached generation) too
         ours = generate(looped, ids[:1], 8, temperature=0, loop_counts=(1,) * looped.n_groups,
                         noise=StateNoise(0, [0]))
         assert ours.tolist() == generate(plain, ids[:1], 8, temperature=0).tolist()
         # every step recomputes layers_g(e) until training moves the adapters' state half off zero
-        assert torch.equal(looped(ids, loop_counts=3, generator=StateNoise(3, [0, 1])).logits, expected)
+        assert torch.equal(looped(ids, loop_counts=3, noise=StateNoise(3, [0, 1])).logits, expected)
         with torch.no_grad():
             for adapter in looped.adapters:
                 adapter.weight[:, : looped.config.d_model] += 0.05
-        assert not torch.allclose(looped(ids, loop_counts=3, generator=StateNoise(3, [0, 1])).logits, expected)
+        assert not torch.allclose(looped(ids, loop_counts=3, noise=StateNoise(3, [0, 1])).logits, expected)
 
 
 def test_refuses_a_model_that_already_loops(tmp_path):
@@ -57,7 +57,7 @@ def test_retrofitted_adapters_train(tmp_path):
     _, plain = tiny_run(tmp_path / "run", groups="")
     looped = retrofit_model(plain, "2-3").train()
     ids = torch.tensor([tiny_tokenizer().encode(TEXT)])
-    out = looped(ids[:, :-1], ids[:, 1:], loop_counts=3, generator=StateNoise(0, [0]))
+    out = looped(ids[:, :-1], ids[:, 1:], loop_counts=3, noise=StateNoise(0, [0]))
     out.loss.backward()
     d = looped.config.d_model
     assert looped.adapters[0].weight.grad[:, :d].abs().sum() > 0
@@ -78,7 +78,7 @@ def test_cli_writes_a_run_that_rdepth_reads(tmp_path, monkeypatch, capsys):
     assert json.loads((out / "retrofit.json").read_text())["source_step"] == 7
     ids = torch.tensor([tiny_tokenizer().encode(TEXT)])
     with torch.no_grad():
-        assert torch.equal(model(ids, loop_counts=1, generator=StateNoise(0, [0])).logits, plain(ids).logits)
+        assert torch.equal(model(ids, loop_counts=1, noise=StateNoise(0, [0])).logits, plain(ids).logits)
     capsys.readouterr()
 
     err = one_line_error(capsys, cli(monkeypatch, "retrofit", "--checkpoint", out, "--groups", "2", "--out",

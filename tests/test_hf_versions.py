@@ -42,12 +42,17 @@ def expected(tmp_path_factory):
     ids = [tiny_tokenizer().encode(prompt) for prompt in hf_probe.PROMPTS]
     first = torch.tensor([ids[0]])
     with torch.no_grad():
-        logits = {c: model(first, loop_counts=c, generator=StateNoise(0, [0])).logits for c in hf_probe.BUDGETS}
+        logits = {c: model(first, loop_counts=c, noise=StateNoise(0, [0])).logits for c in hf_probe.BUDGETS}
+        last = []
+        hook = model.norm_f.register_forward_hook(lambda module, inputs, output: last.append(output))
+        model(first, loop_counts=(3, 2, 5), noise=StateNoise(0, [0]))  # the head's input, as the probe reads it
+        hook.remove()
         greedy = {c: generate(model, first, hf_probe.NEW, temperature=0, loop_counts=c,
                               noise=StateNoise(0, [0])).tolist() for c in hf_probe.BUDGETS}
         alone = [generate(model, torch.tensor([row]), hf_probe.NEW, temperature=0, loop_counts=(3, 2, 5),
                           noise=StateNoise(0, [0]))[0].tolist() for row in ids]
     return {"folder": out, "root": root, "ids": ids, "logits": logits, "greedy": greedy, "alone": alone,
+            "hidden": last[0],
             "vocab": model.config.vocab_size, "block_size": model.config.block_size}
 
 
@@ -79,6 +84,10 @@ def check(got: dict, expected: dict, version: str) -> None:
     for counts in hf_probe.BUDGETS:
         assert torch.equal(got["logits"][counts], expected["logits"][counts]), counts
         assert got["greedy"][counts] == expected["greedy"][counts], counts
+    hidden, loop_shapes = got["hidden"]  # output_hidden_states: the head's input, and every iterate
+    assert torch.equal(hidden, expected["hidden"]) and loop_shapes == [(4, 1, hidden.shape[1], hidden.shape[2]),
+                                                                       (3, 1, hidden.shape[1], hidden.shape[2]),
+                                                                       (6, 1, hidden.shape[1], hidden.shape[2])]
     # transformers' own loop, with rdepth's cache and without: the decoder's tokens
     assert got["hf_loop_cached"] == got["hf_loop_uncached"] == expected["greedy"][(3, 2, 5)]
     # one left-padded batch: every row's tokens are its unpadded generation's, after its pads

@@ -176,8 +176,8 @@ def test_loop_state_is_validated_and_old_configs_load_as_the_default(tmp_path):
 def test_dense_equals_packed_path(block, loop_state):
     model = tiny_model(block=block, init_state_scale=1.0, loop_state=loop_state)
     idx = torch.randint(0, 50, (3, 10))
-    dense = model(idx, loop_counts=(4, 2), generator=torch.Generator().manual_seed(1))
-    packed = model(idx, controller=FixedController((4, 2)), generator=torch.Generator().manual_seed(1))
+    dense = model(idx, loop_counts=(4, 2), noise=torch.Generator().manual_seed(1))
+    packed = model(idx, controller=FixedController((4, 2)), noise=torch.Generator().manual_seed(1))
     torch.testing.assert_close(dense.logits, packed.logits, rtol=0, atol=1e-12)
     assert all((c == k).all() for c, k in zip(packed.computed, (4, 2)))
 

@@ -42,7 +42,7 @@ def test_evaluation_does_not_depend_on_the_batch_size():
 def test_evaluation_equals_a_hand_written_loop():
     model, held_out = tiny(), windows(4)
     with torch.no_grad():
-        out = model(held_out[:, :-1], held_out[:, 1:], 2, generator=StateNoise.consecutive(0, 0, 4))
+        out = model(held_out[:, :-1], held_out[:, 1:], 2, noise=StateNoise.consecutive(0, 0, 4))
     assert evaluate(model, held_out, loop_counts=2, batch_size=2)["ce"] == pytest.approx(float(out.loss), rel=1e-6)
 
 
@@ -52,7 +52,7 @@ def test_masks_score_only_the_masked_targets():
     masks[:, 5] = masks[:, 9] = True  # targets y[:, 4] and y[:, 8]
     result = evaluate(model, held_out, loop_counts=2, batch_size=2, masks=masks)
     with torch.no_grad():
-        logits = model(held_out[:, :-1], None, 2, generator=StateNoise.consecutive(0, 0, 3)).logits
+        logits = model(held_out[:, :-1], None, 2, noise=StateNoise.consecutive(0, 0, 3)).logits
     picked = logits[:, [4, 8]].reshape(-1, 40)
     expected = F.cross_entropy(picked, held_out[:, [5, 9]].reshape(-1))
     assert result["tokens"] == 6
@@ -64,7 +64,7 @@ def test_eval_outputs_restores_train_mode():
     model, held_out = tiny(), windows(2)
     model.train()
     with torch.no_grad():
-        for _ in eval_outputs(model, held_out, lambda x, y, noise: model(x, y, 1, generator=noise), batch_size=1):
+        for _ in eval_outputs(model, held_out, lambda x, y, noise: model(x, y, 1, noise=noise), batch_size=1):
             assert not model.training
     assert model.training
 

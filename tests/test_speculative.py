@@ -110,7 +110,7 @@ def test_greedy_fill_is_the_argmax_of_uncached_forwards():
     filled = greedy_fill(model, template, free, loop_counts=(4, 5), noise=StateNoise(4, [0]))
     expected = template.clone()
     for position in torch.nonzero(free).flatten().tolist():
-        logits = model(expected[:, :position], loop_counts=(4, 5), generator=StateNoise(4, [0])).logits
+        logits = model(expected[:, :position], loop_counts=(4, 5), noise=StateNoise(4, [0])).logits
         expected[0, position] = logits[0, -1].argmax()
     assert torch.equal(filled, expected)
     assert torch.equal(filled[0, ~free], template[0, ~free])  # given tokens stay

@@ -44,7 +44,7 @@ def test_accuracy_equals_a_direct_computation(task_data):
     result = heldout_accuracy(model, heldout, loop_counts=3, batch_size=5, seed=1)
     windows = torch.from_numpy(heldout.tokens)
     with torch.no_grad():
-        logits = model(windows[:, :-1], None, 3, generator=StateNoise.consecutive(1, 0, len(windows))).logits
+        logits = model(windows[:, :-1], None, 3, noise=StateNoise.consecutive(1, 0, len(windows))).logits
     _, solved = problem_correct(logits, heldout.tokens[:, 1:], heldout.answer_mask[:, 1:], heldout.problem_ids[:, 1:])
     assert result["problems"] == 24 == solved.size
     assert result["accuracy"] == pytest.approx(float(solved.mean()))

@@ -24,7 +24,7 @@ from test_decoder import tiny_model  # noqa: E402
 
 def loss_and_grads(model, idx, counts):
     model.zero_grad()
-    loss = model(idx, idx, counts, generator=StateNoise(0, range(idx.shape[0]))).loss
+    loss = model(idx, idx, counts, noise=StateNoise(0, range(idx.shape[0]))).loss
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 

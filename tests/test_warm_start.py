@@ -50,7 +50,7 @@ def test_one_call_equals_token_by_token_with_a_cache(model, tokens):
 @torch.no_grad()
 def test_warm_start_changes_every_position_but_the_first(model, tokens):
     noise = StateNoise.consecutive(3, 0, tokens.shape[0])
-    fresh = model(tokens, loop_counts=3, generator=noise)
+    fresh = model(tokens, loop_counts=3, noise=noise)
     warm = teacher_forced(model, tokens, loop_counts=3, noise=noise, warm_start=True)
     torch.testing.assert_close(warm.logits[:, 0], fresh.logits[:, 0], rtol=1e-10, atol=1e-10)  # starts from noise
     assert (warm.logits[:, 1:] - fresh.logits[:, 1:]).abs().amax(-1).min() > 1e-6
@@ -77,7 +77,7 @@ def one_group() -> RecurrentLM:
 def test_shifted_warm_start_is_its_definition(one_group, tokens):
     """Loop from noise without gradients, shift the handed-on states one position, loop again."""
     model, noise = one_group, StateNoise.consecutive(3, 0, tokens.shape[0])
-    got = model(tokens, loop_counts=4, generator=noise, shifted_warm_start=True).logits
+    got = model(tokens, loop_counts=4, noise=noise, shifted_warm_start=True).logits
     x = model.run_layers([0], model.embed(tokens))
     start = model.init_state(0, x, noise)
     state = start
@@ -94,7 +94,7 @@ def test_shifted_warm_start_equals_the_sequential_one_where_the_definitions_meet
     """Position 0 starts from noise in both; position 1 from position 0's noise-started hand-off in
     both; from position 2 on the sequential start has itself been warm-started."""
     model, noise = one_group, StateNoise.consecutive(3, 0, tokens.shape[0])
-    shifted = model(tokens, loop_counts=4, generator=noise, shifted_warm_start=True).logits
+    shifted = model(tokens, loop_counts=4, noise=noise, shifted_warm_start=True).logits
     sequential = teacher_forced(model, tokens, loop_counts=4, noise=noise, warm_start=True).logits
     torch.testing.assert_close(shifted[:, :2], sequential[:, :2], rtol=1e-12, atol=1e-12)
     assert (shifted[:, 2:] - sequential[:, 2:]).abs().amax() > 1e-8
@@ -103,7 +103,7 @@ def test_shifted_warm_start_equals_the_sequential_one_where_the_definitions_meet
 def test_shifted_warm_start_trains_through_the_second_pass_only(one_group, tokens):
     model = one_group.train()
     try:
-        out = model(tokens, tokens, loop_counts=4, generator=StateNoise.consecutive(3, 0, 3),
+        out = model(tokens, tokens, loop_counts=4, noise=StateNoise.consecutive(3, 0, 3),
                     shifted_warm_start=True)
         out.loss.backward()
         assert model.adapters[0].weight.grad is not None and model.adapters[0].weight.grad.abs().sum() > 0

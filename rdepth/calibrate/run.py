@@ -162,7 +162,7 @@ def record_iterates(model: RecurrentLM, windows: torch.Tensor, k_max: Sequence[i
         def observer(group, step, state, active):
             steps[group].append(state.reshape(-1, state.shape[-1]).clone())
 
-        out = model(x, loop_counts=list(k_max), generator=StateNoise.consecutive(seed, first, x.shape[0]),
+        out = model(x, loop_counts=list(k_max), noise=StateNoise.consecutive(seed, first, x.shape[0]),
                     observer=observer)
         logits.append(out.logits)
         for group in range(model.n_groups):

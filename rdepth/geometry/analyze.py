@@ -60,7 +60,7 @@ def run_budget(
     observer = GeometryObserver(config.threshold, config.keep_sequence, config.rank)
 
     def forward(x, y, noise):
-        return model(x, y, loop_counts, generator=noise, observer=observer)
+        return model(x, y, loop_counts, noise=noise, observer=observer)
 
     total_loss, total_tokens = 0.0, 0
     with torch.no_grad():

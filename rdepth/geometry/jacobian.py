@@ -91,7 +91,7 @@ def group_fixed_points(model, idx: torch.Tensor, loop_counts, noise) -> tuple[li
         if step == counts[group]:
             finals[group] = state.detach().clone()
 
-    model(idx, loop_counts=counts, generator=noise, observer=observer)
+    model(idx, loop_counts=counts, noise=noise, observer=observer)
     x = model.embed(idx)
     inputs: list[torch.Tensor] = []
     for stage in model.stages:

@@ -63,6 +63,14 @@ CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLM
     else "past_key_values"
 
 
+@dataclasses.dataclass
+class RdepthCausalLMOutput(CausalLMOutputWithPast):
+    """transformers' causal-LM output with the loop's iterates: ``loop_states``, per recurrence group
+    ``[K + 1, B, T, d]`` (the start state and each loop step's iterate), with ``output_hidden_states``."""
+
+    loop_states: tuple[torch.Tensor, ...] | None = None
+
+
 def model_config_of(config: RdepthConfig) -> ModelConfig:
     """The rdepth model config held in a Hugging Face config (the fields of ModelConfig)."""
     values = {field.name: getattr(config, field.name) for field in dataclasses.fields(ModelConfig)}
@@ -237,6 +245,7 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         sequence_ids: Sequence[int] | None = None,
         exit_policy: dict | bool | None = None,
         return_dict: bool | None = None,
+        output_hidden_states: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]``; with ``labels`` (HF
@@ -248,7 +257,10 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         and the cache comes back for the next call. The cache arrives as
         ``cache`` (transformers >= 5.24) or ``past_key_values`` (before). Padded rows (contiguous ones
         in ``attention_mask``) are shifted to start at position 0 and back: their real logits are the
-        unpadded row's.
+        unpadded row's. ``output_hidden_states`` (the dense forward only: no cache, no exit policy) adds
+        ``hidden_states`` (the embedding, each single-pass layer's output and each group's hand-off in
+        order, then the final norm's output, which the head reads; each ``[B, T, d]``) and ``loop_states``
+        (per group ``[K + 1, B, T, d]``: the start state and every iterate).
         """
         if input_ids is None:
             raise ValueError("rdepth models take input_ids (inputs_embeds is not supported)")
@@ -262,19 +274,55 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             input_ids = shift_rows(input_ids, offsets)
         controller = self.exit_controller(exit_policy)
         counts = self.resolve_loop_counts(loop_counts) if controller is None else None
+        hidden = loops = None
+        if output_hidden_states and (cached or controller is not None):
+            raise ValueError("output_hidden_states needs the dense forward: pass use_cache=False and no exit_policy")
         if cached:
             logits, cache = self._cached_logits(input_ids, cache, counts, exit_policy, controller is not None,
                                                 state_seed, sequence_ids)
+        elif output_hidden_states:
+            noise = self.state_noise(input_ids.shape[0], state_seed, sequence_ids)
+            logits, hidden, loops = self._states(input_ids, counts, noise)
         else:
             noise = self.state_noise(input_ids.shape[0], state_seed, sequence_ids)
-            logits = self.model(input_ids, loop_counts=counts, generator=noise, controller=controller).logits
+            logits = self.model(input_ids, loop_counts=counts, noise=noise, controller=controller).logits
         if offsets is not None:
             logits = shift_rows(logits, -offsets)
+            hidden = None if hidden is None else tuple(shift_rows(h, -offsets) for h in hidden)
+            loops = None if loops is None else tuple(
+                torch.stack([shift_rows(s, -offsets) for s in steps]) for steps in loops)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
+        if hidden is not None:
+            return RdepthCausalLMOutput(loss=loss, logits=logits, hidden_states=hidden, loop_states=loops,
+                                        **{CACHE_FIELD: cache})
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
+
+    def _states(self, input_ids: torch.Tensor, counts, noise) -> tuple[torch.Tensor, tuple, tuple]:
+        """The dense forward's logits, with its hidden states (see :meth:`forward`) and loop iterates, read
+        by the model's observer (each group's iterates) and forward hooks on the single-pass layers."""
+        model = self.model
+        counts = counts if counts is not None else model.config.default_eval_loops
+        hidden = [model.embed(input_ids)]
+        loops: dict[int, list[torch.Tensor]] = {}
+        looped = model.looped_layers
+
+        def observe(group, step, state, active):
+            loops.setdefault(group, []).append(state)
+            if step == counts[group]:
+                hidden.append(state)
+
+        hooks = [layer.register_forward_hook(lambda module, inputs, output: hidden.append(output))
+                 for index, layer in enumerate(model.layers) if index not in looped]
+        try:
+            output = model(input_ids, loop_counts=counts, noise=noise, observer=observe)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        hidden.append(model.norm_f(hidden[-1]))
+        return output.logits, tuple(hidden), tuple(torch.stack(loops[g]) for g in sorted(loops))
 
     def _cached_logits(self, input_ids: torch.Tensor, cache: RdepthCache | None, counts, exit_policy, exits: bool,
                        state_seed, sequence_ids) -> tuple[torch.Tensor, RdepthCache]:

@@ -103,7 +103,7 @@ class RdepthLM(TemplateLM):
         for row, tokens in enumerate(inputs):
             batch[row, : len(tokens)] = torch.tensor(tokens)  # right padding: causal attention never reads it
         noise = StateNoise(self.seed, [0] * len(rows))
-        logits = self.model(batch.to(self._device), loop_counts=self.loop_counts, generator=noise).logits
+        logits = self.model(batch.to(self._device), loop_counts=self.loop_counts, noise=noise).logits
         logprobs = F.log_softmax(logits.float(), dim=-1)
         results = []
         for row, ((context, targets), tokens) in enumerate(zip(rows, inputs)):

@@ -72,8 +72,8 @@ def teacher_forced(
         raise RdepthError("teacher_forced: give loop_counts or controller_factory, not both")
     if not warm_start:
         if controller_factory is not None:
-            return model(idx, targets, controller=controller_factory(), generator=noise)
-        return model(idx, targets, loop_counts, generator=noise)
+            return model(idx, targets, controller=controller_factory(), noise=noise)
+        return model(idx, targets, loop_counts, noise=noise)
     if noise is not None and not isinstance(noise, StateNoise):
         raise RdepthError("teacher_forced: warm start draws its initial loop states from a StateNoise")
     counts = None if controller_factory is not None else model.resolve_loop_counts(loop_counts)

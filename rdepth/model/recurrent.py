@@ -286,7 +286,7 @@ class RecurrentLM(nn.Module):
         targets: torch.Tensor | None = None,
         loop_counts: Sequence[int] | str | int | None = None,
         *,
-        generator: Noise = None,
+        noise: Noise = None,
         observer: Observer | None = None,
         controller: LoopController | None = None,
         shifted_warm_start: bool = False,
@@ -301,7 +301,7 @@ class RecurrentLM(nn.Module):
         (warm start), runs positions one at a time: :class:`rdepth.model.decoder.Decoder`
         (:func:`rdepth.model.generation.teacher_forced` for a scored pass).
         ``targets`` ``[B, T]`` (-1 = ignore) adds the mean cross-entropy.
-        ``generator``: where the initial loop states come from (:data:`Noise`);
+        ``noise``: where the initial loop states come from (:data:`Noise`);
         a ``torch.Generator`` also drives the training draw of loop counts.
         ``shifted_warm_start`` (dense path; for training): the parallel stand-in for
         the decoder's warm start. Each group first loops from noise without gradients; then
@@ -319,11 +319,11 @@ class RecurrentLM(nn.Module):
             raise ValueError(f"loss_head must be one of {', '.join(LOSS_HEADS)}, got {loss_head!r}")
         computed = used = None
         if controller is None:
-            counts = self.resolve_loop_counts(loop_counts, _generator_of(generator))
-            x = self._forward_dense(idx, counts, generator, observer, shifted_warm_start)
+            counts = self.resolve_loop_counts(loop_counts, _generator_of(noise))
+            x = self._forward_dense(idx, counts, noise, observer, shifted_warm_start)
         else:
             counts = None
-            x, computed, used = self._forward_packed(idx, controller, generator, observer)
+            x, computed, used = self._forward_packed(idx, controller, noise, observer)
         if targets is not None and loss_head != "logits":
             loss = readout_loss(self, x, targets, compiled=loss_head == "fused_compiled")
             return ModelOutput(None, loss, counts, computed, used)

@@ -74,9 +74,9 @@ def forward_call(
         generator.manual_seed(seed)
         with _autocast(device, autocast_dtype):
             if loop_counts is not None:
-                model(idx, loop_counts=loop_counts, generator=generator)
+                model(idx, loop_counts=loop_counts, noise=generator)
             else:
-                model(idx, controller=controller_factory(), generator=generator)
+                model(idx, controller=controller_factory(), noise=generator)
 
     return call
 

@@ -167,7 +167,7 @@ def heldout_accuracy_budgets(
         def forward(x, y, noise):
             logits_at.clear()
             batch.update(targets=y, noise=noise)
-            return model(x, y, longest, generator=noise, observer=observe if last >= 0 else None)
+            return model(x, y, longest, noise=noise, observer=observe if last >= 0 else None)
 
         for output, n_scored in eval_outputs(model, windows, forward, batch_size=batch_size, device=device,
                                              seed=seed, masks=masks):

@@ -180,7 +180,7 @@ class TrainStep:
             last = index == len(batches) - 1
             sync = self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
             with sync, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_dtype is not None):
-                out = model(x, y, counts, generator=noise, shifted_warm_start=config.warm_start,
+                out = model(x, y, counts, noise=noise, shifted_warm_start=config.warm_start,
                             loss_head=self.loss_head)
                 loss = out.loss / config.grad_accum
             loss.backward()
