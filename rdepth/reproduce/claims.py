@@ -143,9 +143,9 @@ def decay_trend(series: list[dict[str, Any]]) -> dict[str, Any]:
     return {"groups": groups, "holds": all(g["faster"] for g in judged) if judged else None}
 
 
-def claim_step_decay(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Claim 1: loop-step sizes decay within 5-10 steps (Fig. 3a), faster in later checkpoints (§3 (iii))."""
-    final, budget, groups = _final_groups(summary)
+def _decay_rows(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Claim 1 per group of one checkpoint: its decay step (:func:`decay_step`), the first step sizes and
+    the saved headline decay numbers."""
     per_group = []
     for group in groups:
         sizes = group["step_size"]["mean"]
@@ -154,12 +154,83 @@ def claim_step_decay(summary: dict[str, Any], seeds: dict[str, Any] | None = Non
                           "step_sizes": [float(v) for v in sizes[:DECAY_BY_STEP + 1]],
                           "decay_10_over_1": headline.get("decay_10_over_1"),
                           "noise_floor_step": headline.get("noise_floor_step")})
-    series = [{"checkpoint": entry["label"], "step": entry["step"],
-               "decay_step": {g["name"]: decay_step(g["step_size"]["mean"])
-                              for g in entry["budgets"][budget]["groups"]},
-               "decay_left": {g["name"]: decay_left(g["step_size"]["mean"])
-                              for g in entry["budgets"][budget]["groups"]}}
-              for entry in summary["checkpoints"]]
+    return per_group
+
+
+def _decay_series(summary: dict[str, Any], budget: str) -> list[dict[str, Any]]:
+    """Claim 1 at every checkpoint: per group, its decay step and :func:`decay_left` at ``budget``."""
+    return [{"checkpoint": entry["label"], "step": entry["step"],
+             "decay_step": {g["name"]: decay_step(g["step_size"]["mean"])
+                            for g in entry["budgets"][budget]["groups"]},
+             "decay_left": {g["name"]: decay_left(g["step_size"]["mean"])
+                            for g in entry["budgets"][budget]["groups"]}}
+            for entry in summary["checkpoints"]]
+
+
+def _decay_held(per_group: list[dict[str, Any]]) -> int:
+    """The groups whose step size has decayed by DECAY_BY_STEP."""
+    return sum(g["decay_step"] is not None and g["decay_step"] <= DECAY_BY_STEP for g in per_group)
+
+
+def _decay_level(per_group: list[dict[str, Any]], held: int) -> str:
+    """Claim 1's level: reproduced when every group decays by DECAY_BY_STEP, partly when some do or every
+    group's decay comes later."""
+    verdict = _verdict(held, len(per_group))
+    if verdict == NOT and any(g["decay_step"] is not None for g in per_group):
+        verdict = PARTLY
+    return verdict
+
+
+def _decay_with_trend(verdict: str, holds: bool | None) -> str:
+    """Claim 1's level graded by its trend over training (``holds``: :func:`decay_trend`'s)."""
+    if holds is False and verdict == REPRODUCED:
+        return PARTLY  # decays in time, but not faster over training
+    if holds and verdict == NOT:
+        return PARTLY  # never decays 10x in time, but faster over training
+    return verdict
+
+
+def _decay_moves(trend: dict[str, Any]) -> str:
+    """Per group judged over training, the step size left at the first -> the last checkpoint."""
+    return ", ".join(f"group {g['group']}: {g['first']:.2g} -> {g['last']:.2g}" for g in trend["groups"]
+                     if g["faster"] is not None)
+
+
+def _decay_value(per_group: list[dict[str, Any]], trend: dict[str, Any]) -> str:
+    """Claim 1's measured value: each group's decay step, then the trend's moves when judged."""
+    text = ", ".join(f"group {g['group']}: " + ("never" if g["decay_step"] is None else f"step {g['decay_step']}")
+                     for g in per_group)
+    value = f"step size at 1/{round(1 / DECAY_FRACTION)} of step 1 by {text}"
+    if trend["holds"] is not None:
+        value += f"; ||Δ({DECAY_BY_STEP})||/||Δ(1)|| first -> last checkpoint: " + _decay_moves(trend)
+    return value
+
+
+def _decay_why(per_group: list[dict[str, Any]], held: int, checkpoint: str, trend: dict[str, Any],
+               checkpoints: int) -> list[str]:
+    """Claim 1's reasons: the level at the final checkpoint, then the trend over training."""
+    why = [f"{held} of {len(per_group)} groups decay {round(1 / DECAY_FRACTION)}x by step {DECAY_BY_STEP} "
+           f"at the final checkpoint ({checkpoint})."]
+    if trend["holds"] is None:
+        why.append("Trend over training not tested: one checkpoint.")
+    else:
+        why.append(f"||Δ({DECAY_BY_STEP})|| / ||Δ(1)|| from the first to the last of {checkpoints} "
+                   f"checkpoints ({_decay_moves(trend)}): " + ("faster decay in every group." if trend["holds"] else
+                                                              "not faster in every group."))
+    return why
+
+
+def _first_step_spread(groups: list[dict[str, Any]]) -> str:
+    """Per group with a refinement step, ||Δ(1)||'s mean ± std over tokens."""
+    return ", ".join(f"group {g['name']}: ||Δ(1)|| {g['step_size']['mean'][1]:.3g} ± {g['step_size']['std'][1]:.2g}"
+                     for g in groups if len(g["step_size"]["mean"]) > 1)
+
+
+def claim_step_decay(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Claim 1: loop-step sizes decay within 5-10 steps (Fig. 3a), faster in later checkpoints (§3 (iii))."""
+    final, budget, groups = _final_groups(summary)
+    per_group = _decay_rows(groups)
+    series = _decay_series(summary, budget)
     result = _claim("step_decay", "Loop-step sizes ||Δ(k)|| decay quickly, within 5-10 loop steps, and faster in "
                                   "later checkpoints.",
                     {"figure": "Fig. 3a, §3 (iii)", "value": "decay within 5-10 steps, every group and checkpoint; "
@@ -173,37 +244,14 @@ def claim_step_decay(summary: dict[str, Any], seeds: dict[str, Any] | None = Non
                              "when one of them holds")
     if not per_group:
         return _untested(result, "the model has no looped group")
-    held = sum(g["decay_step"] is not None and g["decay_step"] <= DECAY_BY_STEP for g in per_group)
-    verdict = _verdict(held, len(per_group))
-    if verdict == NOT and any(g["decay_step"] is not None for g in per_group):
-        verdict = PARTLY
+    held = _decay_held(per_group)
+    level = _decay_level(per_group, held)
     trend = decay_trend(series)
-    if trend["holds"] is False and verdict == REPRODUCED:
-        verdict = PARTLY  # decays in time, but not faster over training
-    elif trend["holds"] and verdict == NOT:
-        verdict = PARTLY  # never decays 10x in time, but faster over training
-    text = ", ".join(f"group {g['group']}: " + ("never" if g["decay_step"] is None else f"step {g['decay_step']}")
-                     for g in per_group)
-    value = f"step size at 1/{round(1 / DECAY_FRACTION)} of step 1 by {text}"
-    if trend["holds"] is not None:
-        value += (f"; ||Δ({DECAY_BY_STEP})||/||Δ(1)|| first -> last checkpoint: "
-                  + ", ".join(f"group {g['group']}: {g['first']:.2g} -> {g['last']:.2g}" for g in trend["groups"]
-                              if g["faster"] is not None))
-    result.update(verdict=verdict, ours={"value": value,
-                                          "groups": per_group, "series": series, "trend": trend, "budget": budget,
-                                          "checkpoint": final["label"]})
-    result["why"] = [f"{held} of {len(per_group)} groups decay {round(1 / DECAY_FRACTION)}x by step {DECAY_BY_STEP} "
-                     f"at the final checkpoint ({final['label']})."]
-    if trend["holds"] is None:
-        result["why"].append("Trend over training not tested: one checkpoint.")
-    else:
-        moves = ", ".join(f"group {g['group']}: {g['first']:.2g} -> {g['last']:.2g}" for g in trend["groups"]
-                          if g["faster"] is not None)
-        result["why"].append(f"||Δ({DECAY_BY_STEP})|| / ||Δ(1)|| from the first to the last of {len(series)} "
-                             f"checkpoints ({moves}): " + ("faster decay in every group." if trend["holds"] else
-                                                          "not faster in every group."))
-    spread = ", ".join(f"group {g['name']}: ||Δ(1)|| {g['step_size']['mean'][1]:.3g} ± {g['step_size']['std'][1]:.2g}"
-                       for g in groups if len(g["step_size"]["mean"]) > 1)
+    result.update(verdict=_decay_with_trend(level, trend["holds"]),
+                  ours={"value": _decay_value(per_group, trend), "groups": per_group, "series": series,
+                        "trend": trend, "budget": budget, "checkpoint": final["label"]})
+    result["why"] = _decay_why(per_group, held, final["label"], trend, len(series))
+    spread = _first_step_spread(groups)
     result["judged_on"] = judged_on(summary, budget, final["budgets"][budget].get("loop_counts"),
                                     f"over tokens (mean ± std): {spread}" if spread else None, seeds, final["label"])
     return result
