@@ -322,15 +322,17 @@ def cosine_status(value: float | None, low: float, high: float) -> str:
     return "collinear" if value >= COLLINEAR else "outside"
 
 
-def claim_cosine(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Claim 2: consecutive-step cosines settle around 0.5-0.65, a slow spiral (Fig. 3b, Fig. 5), and get
-    there over training ("increasingly orthogonal", judged as a trend over the checkpoint series)."""
-    final, budget, groups = _final_groups(summary)
-    low, high = PAPER_COSINE[0] - COSINE_SLACK, PAPER_COSINE[1] + COSINE_SLACK
+def _require_settled_windows(final: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+    """RdepthError naming ``settled_cosine_window`` when a group's headline predates it."""
     for g in groups:
         if "settled_cosine_window" not in (g.get("headline") or {}):
             raise missing_field("settled_cosine_window", f"checkpoint {final['label']}, group {g['name']}",
                                 "where the settled cosine is read, leaving out the step from the random start")
+
+
+def _cosine_rows(groups: list[dict[str, Any]], low: float, high: float) -> list[dict[str, Any]]:
+    """Claim 2 per group of one checkpoint: the settled cosine, its status against [low, high], the window
+    it was read over and the first cosines."""
     per_group = []
     for g in groups:
         headline = g["headline"]
@@ -339,10 +341,54 @@ def claim_cosine(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -
                           "status": cosine_status(headline.get("settled_cosine"), low, high),
                           "cosines_used": window["usable"], "window": window["window"],
                           "cosines": [float(v) for v in g["cosine"]["mean"][:DECAY_BY_STEP]]})
-    series = [{"checkpoint": entry["label"], "step": entry["step"],
-               "settled_cosine": {g["name"]: g.get("headline", {}).get("settled_cosine")
-                                  for g in entry["budgets"][budget]["groups"]}}
-              for entry in summary["checkpoints"]]
+    return per_group
+
+
+def _cosine_series(summary: dict[str, Any], budget: str) -> list[dict[str, Any]]:
+    """Claim 2 at every checkpoint: per group, the settled cosine at ``budget``."""
+    return [{"checkpoint": entry["label"], "step": entry["step"],
+             "settled_cosine": {g["name"]: g.get("headline", {}).get("settled_cosine")
+                                for g in entry["budgets"][budget]["groups"]}}
+            for entry in summary["checkpoints"]]
+
+
+def _cosine_level(per_group: list[dict[str, Any]], measured: list[dict[str, Any]], inside: int) -> str:
+    """Claim 2's level: reproduced when every group is inside the band, partly when some group is or every
+    settled group is positive."""
+    verdict = _verdict(inside, len(per_group))
+    if verdict == NOT and all(g["settled_cosine"] > 0 for g in measured):
+        verdict = PARTLY
+    return verdict
+
+
+def _cosine_with_trend(verdict: str, holds: bool | None) -> str:
+    """Claim 2's level graded by its trend over training (``holds``: :func:`cosine_trend`'s)."""
+    if verdict == NOT and holds:
+        return PARTLY  # not there yet, but getting there: the "increasingly" half of the claim
+    return verdict
+
+
+def _cosine_values(per_group: list[dict[str, Any]]) -> str:
+    """Per group, the settled cosine and the window it was read over (or "no plateau")."""
+    return ", ".join(f"group {g['group']}: " + (f"{g['settled_cosine']:.2f} over {g['window'][0]}-{g['window'][1]}"
+                                                 if g["settled_cosine"] is not None else "no plateau")
+                     for g in per_group)
+
+
+def _settled_cosine_spread(groups: list[dict[str, Any]]) -> str:
+    """Per group with one saved, the settled cosine's std over tokens."""
+    return ", ".join(f"group {g['name']}: ± {g['headline']['settled_cosine_std']:.2f}" for g in groups
+                     if (g.get("headline") or {}).get("settled_cosine_std") is not None)
+
+
+def claim_cosine(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Claim 2: consecutive-step cosines settle around 0.5-0.65, a slow spiral (Fig. 3b, Fig. 5), and get
+    there over training ("increasingly orthogonal", judged as a trend over the checkpoint series)."""
+    final, budget, groups = _final_groups(summary)
+    low, high = PAPER_COSINE[0] - COSINE_SLACK, PAPER_COSINE[1] + COSINE_SLACK
+    _require_settled_windows(final, groups)
+    per_group = _cosine_rows(groups, low, high)
+    series = _cosine_series(summary, budget)
     result = _claim("cosine", "Consecutive loop steps settle at cosines of about 0.5-0.65: a slow spiral, "
                               "complementary rather than collinear pushes.",
                     {"figure": "Fig. 3b, Fig. 5", "value": f"settled cos(Δ(k), Δ(k-1)) ≈ {PAPER_COSINE[0]}-"
@@ -361,23 +407,15 @@ def claim_cosine(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -
         return _untested(result, f"no plateau: no group has 5 settled cosines above the noise floor ({counts})")
     inside = sum(g["status"] == "inside" for g in per_group)
     collinear = [g["group"] for g in per_group if g["status"] == "collinear"]
-    verdict = _verdict(inside, len(per_group))
-    if verdict == NOT and all(g["settled_cosine"] > 0 for g in measured):
-        verdict = PARTLY
-    values = ", ".join(f"group {g['group']}: " + (f"{g['settled_cosine']:.2f} over {g['window'][0]}-{g['window'][1]}"
-                                                   if g["settled_cosine"] is not None else "no plateau")
-                       for g in per_group)
+    level = _cosine_level(per_group, measured, inside)
+    values = _cosine_values(per_group)
     trend = cosine_trend(series, low, high)
-    if verdict == NOT and trend["holds"]:
-        verdict = PARTLY  # not there yet, but getting there: the "increasingly" half of the claim
-    if collinear:
-        verdict = NOT
+    verdict = NOT if collinear else _cosine_with_trend(level, trend["holds"])
     why = _cosine_why(measured, inside, values, trend, len(series), low, high)
     if collinear:
         why.insert(1, f"Collinear in group {', '.join(collinear)} (settled cosine >= {COLLINEAR:g}): consecutive "
                       "steps push in one direction, the opposite of 'increasingly orthogonal'.")
-    spread = ", ".join(f"group {g['name']}: ± {g['headline']['settled_cosine_std']:.2f}" for g in groups
-                       if (g.get("headline") or {}).get("settled_cosine_std") is not None)
+    spread = _settled_cosine_spread(groups)
     result.update(verdict=verdict, why=why, ours={"value": f"settled cosine {values}", "groups": per_group,
                                                   "series": series, "trend": trend, "budget": budget,
                                                   "checkpoint": final["label"]})
