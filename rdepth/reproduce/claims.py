@@ -545,6 +545,85 @@ def _handoff_holds(row: dict[str, Any], bar: float) -> bool:
     return above and (control is None or value >= CONTROL_MARGIN * control)
 
 
+def _handoff_series(summary: dict[str, Any], budget: str) -> list[dict[str, Any]]:
+    """Claim 3 at every checkpoint: per boundary, the hand-off ratio's median and its zero-drift control."""
+    return [{"checkpoint": entry["label"], "step": entry["step"],
+             "handoff": {row["boundary"]: {"median": row["handoff_median"], "control": row["control_median"]}
+                         for row in _handoff_rows(summary, entry, budget)}}
+            for entry in summary["checkpoints"]]
+
+
+def _add_eq2_medians(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """Each hand-off row gets Eq. 2's median at its boundary (``eq2_median``, None where not measured), read
+    where :func:`_dlr_budget` says; returns that budget's label."""
+    eq2_budget, eq2_boundaries, _ = _dlr_budget(summary)
+    eq2 = {row["boundary"]: row for row in _dlr_rows(eq2_boundaries, summary.get("dlr_default_refine", "first_refine"))}
+    for row in rows:
+        row["eq2_median"] = (eq2.get(row["boundary"]) or {}).get("literal_median")
+    return eq2_budget
+
+
+def _dlr_verdict(rows: list[dict[str, Any]]) -> str:
+    """Claim 3's verdict: every boundary's hand-off ratio >= DLR_MUCH (reproduced) or > 1 (partly), each
+    clear of its zero-drift control (:func:`_handoff_holds`)."""
+    if all(_handoff_holds(row, DLR_MUCH) for row in rows):
+        return REPRODUCED
+    return PARTLY if all(_handoff_holds(row, 1.0) for row in rows) else NOT
+
+
+def _control_text(control: float | None) -> str:
+    return "n/a" if control is None else f"{control:.2g}"
+
+
+def _handoff_text(rows: list[dict[str, Any]]) -> str:
+    """Per boundary, the hand-off ratio's median and its zero-drift control."""
+    return ", ".join(f"{row['boundary']}: {row['handoff_median']:.2f} (zero-drift control "
+                     f"{_control_text(row['control_median'])})" for row in rows)
+
+
+def _eq2_text(rows: list[dict[str, Any]]) -> str:
+    """Per boundary where measured, Eq. 2's median ('' when none is)."""
+    return ", ".join(f"{row['boundary']}: {row['eq2_median']:.1f}" for row in rows if row["eq2_median"] is not None)
+
+
+def _dlr_curve_why(curve: dict[str, Any] | None, rows: list[dict[str, Any]]) -> list[str]:
+    """With the loop-budget curve: how Eq. 2 and the hand-off ratio change from its first to its last budget."""
+    if not curve:
+        return []
+    names = [row["boundary"] for row in rows]
+    return [f"Against the loop budget, Eq. 2: {_dlr_growth(curve, names)}; the hand-off ratio: "
+            f"{_dlr_growth(curve, names, HANDOFF, start=2)}."]
+
+
+def _weak_boundaries_why(rows: list[dict[str, Any]]) -> list[str]:
+    """The boundaries whose ratio is within CONTROL_MARGIN x of its zero-drift control, when there are any."""
+    weak = [row["boundary"] for row in rows if row["control_median"] is not None
+            and row["handoff_median"] < CONTROL_MARGIN * row["control_median"]]
+    if not weak:
+        return []
+    return [f"At {', '.join(weak)} the ratio is within {CONTROL_MARGIN:g}x of what the same loops read with no "
+            "drift at all: the loops have not settled enough to tell drift from what is left to contract."]
+
+
+def _handoff_series_why(series: list[dict[str, Any]]) -> list[str]:
+    """With more than one checkpoint: the hand-off ratio (and its control) at each."""
+    if len(series) <= 1:
+        return []
+
+    def reading(entry):
+        return ", ".join(f"{name} {v['median']:.2f} ({_control_text(v['control'])})"
+                         for name, v in entry["handoff"].items() if v["median"] is not None)
+
+    return ["Per checkpoint, hand-off ratio (zero-drift control): "
+            + "; ".join(f"{entry['checkpoint']}: {reading(entry)}" for entry in series) + "."]
+
+
+def _handoff_spread(rows: list[dict[str, Any]]) -> str:
+    """Per boundary with both, the hand-off ratio's 10th-90th percentiles over tokens."""
+    return ", ".join(f"{row['boundary']}: p10-p90 {row['handoff_p10']:.2f}-{row['handoff_p90']:.2f}" for row in rows
+                     if row["handoff_p10"] is not None and row["handoff_p90"] is not None)
+
+
 def claim_dlr(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
     """Claim 3: drift between groups is much larger than a loop step, DLR >> 1 (Fig. 2), judged by the
     hand-off ratio (free of the loop budget and the random start) against its zero-drift control, with
@@ -564,51 +643,21 @@ def claim_dlr(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> d
     if not (final["budgets"][budget].get("dlr") or {}):
         return _untested(result, "one looped group: there is no boundary between groups to measure drift across")
     rows = _handoff_rows(summary, final, budget)
-    series = [{"checkpoint": entry["label"], "step": entry["step"],
-               "handoff": {row["boundary"]: {"median": row["handoff_median"], "control": row["control_median"]}
-                           for row in _handoff_rows(summary, entry, budget)}}
-              for entry in summary["checkpoints"]]
-    eq2_budget, eq2_boundaries, eq2_counts = _dlr_budget(summary)
-    eq2 = {row["boundary"]: row for row in _dlr_rows(eq2_boundaries, summary.get("dlr_default_refine", "first_refine"))}
-    for row in rows:
-        row["eq2_median"] = (eq2.get(row["boundary"]) or {}).get("literal_median")
+    series = _handoff_series(summary, budget)
+    eq2_budget = _add_eq2_medians(summary, rows)
     if any(row["handoff_median"] is None for row in rows):
         return _untested(result, "the hand-off ratio is undefined at some boundary (a group of one loop step)")
-    verdict = (REPRODUCED if all(_handoff_holds(row, DLR_MUCH) for row in rows) else
-               PARTLY if all(_handoff_holds(row, 1.0) for row in rows) else NOT)
-
-    def control(row):
-        return "n/a" if row["control_median"] is None else f"{row['control_median']:.2g}"
-
-    text = ", ".join(f"{row['boundary']}: {row['handoff_median']:.2f} (zero-drift control {control(row)})"
-                     for row in rows)
-    eq2_text = ", ".join(f"{row['boundary']}: {row['eq2_median']:.1f}" for row in rows if row["eq2_median"] is not None)
+    verdict = _dlr_verdict(rows)
+    text, eq2_text = _handoff_text(rows), _eq2_text(rows)
     why = [f"Hand-off ratio medians at the '{budget}' budget: {text}.",
            f"Eq. 2 as written at {eq2_budget}, not judged (it grows with K and reads the random start): "
            f"{eq2_text or 'n/a'}."]
-    curve = summary.get("dlr_curve")
-    if curve:
-        names = [row["boundary"] for row in rows]
-        why.append(f"Against the loop budget, Eq. 2: {_dlr_growth(curve, names)}; the hand-off ratio: "
-                   f"{_dlr_growth(curve, names, HANDOFF, start=2)}.")
-    weak = [row["boundary"] for row in rows if row["control_median"] is not None
-            and row["handoff_median"] < CONTROL_MARGIN * row["control_median"]]
-    if weak:
-        why.append(f"At {', '.join(weak)} the ratio is within {CONTROL_MARGIN:g}x of what the same loops read with no "
-                   "drift at all: the loops have not settled enough to tell drift from what is left to contract.")
-    if len(series) > 1:
-        def reading(entry):
-            return ", ".join(f"{name} {v['median']:.2f} ({'n/a' if v['control'] is None else format(v['control'], '.2g')})"
-                             for name, v in entry["handoff"].items() if v["median"] is not None)
-
-        why.append("Per checkpoint, hand-off ratio (zero-drift control): "
-                   + "; ".join(f"{entry['checkpoint']}: {reading(entry)}" for entry in series) + ".")
+    why += _dlr_curve_why(summary.get("dlr_curve"), rows) + _weak_boundaries_why(rows) + _handoff_series_why(series)
     result.update(verdict=verdict, why=why,
                   ours={"value": f"hand-off ratio (median, '{budget}') {text}; Eq. 2 at {eq2_budget}: {eq2_text or 'n/a'}",
                         "boundaries": rows, "series": series, "budget": budget, "checkpoint": final["label"],
                         "eq2_budget": eq2_budget, "eq2_series": _dlr_series(summary), "curve": summary.get("dlr_curve")})
-    spread = ", ".join(f"{row['boundary']}: p10-p90 {row['handoff_p10']:.2f}-{row['handoff_p90']:.2f}" for row in rows
-                       if row["handoff_p10"] is not None and row["handoff_p90"] is not None)
+    spread = _handoff_spread(rows)
     result["judged_on"] = judged_on(summary, budget, final["budgets"][budget].get("loop_counts"),
                                     f"hand-off ratio over tokens: {spread}" if spread else None, seeds, final["label"])
     return result
