@@ -763,13 +763,9 @@ def _front_points(rows: list[dict], full: tuple[float, float] | None, cost: str)
     return [(float(row[cost]), -row["ppl_rise"]) for row in rows] + ([full] if full else [])
 
 
-def exit_fronts(sweep: dict[str, Any], policies: dict[str, list[dict]]) -> dict[str, Any]:
-    """Claim 4 along fronts: per cost axis (executed loop steps; decode ms/token when timed), whether the
-    acceleration rule's front dominates KL's and step-norm's (:func:`rdepth.reproduce.fronts.dominates`), and
-    per rule its stability (the largest perplexity change between neighbouring thresholds)."""
-    from rdepth.reproduce.fronts import dominates, neighbour_spread
-
-    summary, reference = sweep["summary"], sweep["reference"]
+def _front_axes(summary: dict[str, Any], reference: dict[str, Any]) -> dict[str, tuple[str, tuple[float, float], float]]:
+    """The cost axes the fronts are compared on, each as (row key, the full budget's point, cost slack):
+    executed loop steps always, decode ms/token when the sweep timed the full budget."""
     full_steps = float(summary.get("full_steps") or sum(reference.get("mean_steps") or reference.get("budget") or [0]))
     latency = summary.get("latency_key")
     axes = {"steps": ("steps", (full_steps, 0.0), FRONT_STEPS_SLACK)}
@@ -778,21 +774,40 @@ def exit_fronts(sweep: dict[str, Any], policies: dict[str, list[dict]]) -> dict[
         row_key = {"b1": "ms_per_token_b1", "generate": "ms_per_token_generate"}.get(key)
         if row_key:
             axes["ms/token"] = (row_key, (float(reference[latency]), 0.0), summary.get("noise_threshold", 0.1))
+    return axes
+
+
+def _compare_fronts(policies: dict[str, list[dict]], judged: str, other: str,
+                    axes: dict[str, tuple[str, tuple[float, float], float]]) -> dict[str, Any]:
+    """``judged``'s front against ``other``'s: per axis where both have points, the comparison
+    (:func:`rdepth.reproduce.fronts.dominates`); whether it dominates on every such axis, and whether
+    ``other``'s front dominates it on any."""
+    from rdepth.reproduce.fronts import dominates
+
+    per_axis = {}
+    for axis, (cost, full, slack) in axes.items():
+        mine, theirs = (_front_points(policies[name], full, cost) for name in (judged, other))
+        if not mine or not theirs:
+            continue
+        per_axis[axis] = dominates(mine, theirs, slack, FRONT_QUALITY_SLACK)
+    return {"axes": per_axis,
+            "dominates": bool(per_axis) and all(c["dominates"] for c in per_axis.values()),
+            "dominated": any(dominates(_front_points(policies[other], axes[axis][1], axes[axis][0]),
+                                       _front_points(policies[judged], axes[axis][1], axes[axis][0]),
+                                       axes[axis][2], FRONT_QUALITY_SLACK)["dominates"]
+                             for axis in per_axis)}
+
+
+def exit_fronts(sweep: dict[str, Any], policies: dict[str, list[dict]]) -> dict[str, Any]:
+    """Claim 4 along fronts: per cost axis (executed loop steps; decode ms/token when timed), whether the
+    acceleration rule's front dominates KL's and step-norm's (:func:`rdepth.reproduce.fronts.dominates`), and
+    per rule its stability (the largest perplexity change between neighbouring thresholds)."""
+    from rdepth.reproduce.fronts import neighbour_spread
+
+    axes = _front_axes(sweep["summary"], sweep["reference"])
     judged = FRONT_RULES["acceleration"]
-    comparisons: dict[str, dict[str, Any]] = {}
-    for other in (FRONT_RULES["kl"], FRONT_RULES["step_norm"]):
-        per_axis = {}
-        for axis, (cost, full, slack) in axes.items():
-            mine, theirs = (_front_points(policies[name], full, cost) for name in (judged, other))
-            if not mine or not theirs:
-                continue
-            per_axis[axis] = dominates(mine, theirs, slack, FRONT_QUALITY_SLACK)
-        comparisons[other] = {"axes": per_axis,
-                              "dominates": bool(per_axis) and all(c["dominates"] for c in per_axis.values()),
-                              "dominated": any(dominates(_front_points(policies[other], axes[axis][1], axes[axis][0]),
-                                                         _front_points(policies[judged], axes[axis][1], axes[axis][0]),
-                                                         axes[axis][2], FRONT_QUALITY_SLACK)["dominates"]
-                                               for axis in per_axis)}
+    comparisons = {other: _compare_fronts(policies, judged, other, axes)
+                   for other in (FRONT_RULES["kl"], FRONT_RULES["step_norm"])}
     stability = {name: neighbour_spread([row["ppl_rise"] for row in rows]) for name, rows in policies.items() if rows}
     return {"rule": judged, "axes": list(axes), "comparisons": comparisons, "stability": stability,
             "taus": {name: [row["tau"] for row in rows] for name, rows in policies.items() if rows}}
