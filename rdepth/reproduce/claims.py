@@ -828,10 +828,47 @@ def _fronts_why(fronts: dict[str, Any]) -> list[str]:
             why.append(f"{judged} against {other}, quality vs {axis}: {text}.")
         if comparison["dominated"]:
             why.append(f"{other}'s front dominates {judged}'s.")
-    stability = ", ".join(f"{name} {100 * value:.2f}%" for name, value in fronts["stability"].items()
-                          if value is not None)
-    why.append(f"Stability (largest perplexity change between neighbouring thresholds, one sweep seed): {stability}.")
+    why.append("Stability (largest perplexity change between neighbouring thresholds, one sweep seed): "
+               f"{_stability_text(fronts)}.")
     return why
+
+
+def _stability_text(fronts: dict[str, Any]) -> str:
+    """Per rule, the largest perplexity change between neighbouring thresholds, in percent."""
+    return ", ".join(f"{name} {100 * value:.2f}%" for name, value in fronts["stability"].items() if value is not None)
+
+
+def _fronts_verdict(beaten: list[str], fronts: dict[str, Any]) -> str:
+    """Claim 4's verdict: reproduced when acceleration's front dominates every other rule's, partly when some."""
+    return REPRODUCED if len(beaten) == len(fronts["comparisons"]) else (PARTLY if beaten else NOT)
+
+
+def _paper_grid(sweep: dict[str, Any], policies: dict[str, list[dict]], tolerance: float) -> dict[str, Any]:
+    """The paper's absolute grid, reported and not judged: checks (a)-(c) and their verdict; {} when the
+    sweep lacks one of its rules."""
+    if not all(policies[name] for name in ("acceleration", "kl", "step_norm")):
+        return {}
+    checks = {"acceleration_flat": _acceleration_flat(policies["acceleration"], sweep["reference"], tolerance),
+              "faster_than_kl": _faster_than_kl(sweep),
+              "step_norm_cliff": _step_norm_cliff(policies["step_norm"], tolerance)}
+    return {"checks": checks, "verdict": _verdict(sum(bool(c["holds"]) for c in checks.values()), len(checks))}
+
+
+def _fronts_value(fronts: dict[str, Any]) -> str:
+    """Per other rule and cost axis, whether acceleration's front dominates."""
+    return "; ".join(f"{FRONT_RULES['acceleration']} vs {other}: " + ", ".join(
+        f"{axis} {'dominates' if r['dominates'] else 'does not dominate'}" for axis, r in c["axes"].items())
+        for other, c in fronts["comparisons"].items())
+
+
+def _exits_judged_on(sweep: dict[str, Any], seeds: dict[str, Any] | None, fronts: dict[str, Any]) -> dict[str, Any]:
+    """What claim 4 rests on: the full budget and the exit sweep, its autocast, seeds and the fronts' stability."""
+    config = sweep.get("config") or {}
+    return {"budget": "full budget and exit sweep", "loops": sweep["reference"].get("budget"),
+            "precision": f"autocast {config.get('autocast', 'none')}",
+            "seeds": {**(seeds or {}), "sweep": config.get("seed")},
+            "tokens": None, "checkpoint": None,
+            "spread": f"perplexity between neighbouring thresholds (one seed): {_stability_text(fronts)}"}
 
 
 def claim_exits(sweep: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -866,31 +903,19 @@ def claim_exits(sweep: dict[str, Any], seeds: dict[str, Any] | None = None) -> d
     reference = sweep["reference"]
     fronts = exit_fronts(sweep, policies)
     beaten = [other for other, c in fronts["comparisons"].items() if c["dominates"]]
-    verdict = REPRODUCED if len(beaten) == len(fronts["comparisons"]) else (PARTLY if beaten else NOT)
     why = [f"{rules['acceleration']}'s front dominates " + (", ".join(beaten) if beaten else "neither rule") + "."]
     why += _fronts_why(fronts)
-    paper = {}
-    if all(policies[name] for name in ("acceleration", "kl", "step_norm")):
-        checks = {"acceleration_flat": _acceleration_flat(policies["acceleration"], reference, tolerance),
-                  "faster_than_kl": _faster_than_kl(sweep),
-                  "step_norm_cliff": _step_norm_cliff(policies["step_norm"], tolerance)}
-        paper = {"checks": checks, "verdict": _verdict(sum(bool(c["holds"]) for c in checks.values()), len(checks))}
+    paper = _paper_grid(sweep, policies, tolerance)
+    if paper:
         why += ["Paper's absolute grid (reported, not judged; its verdict by the old checks: "
-                f"{paper['verdict']}): " + " ".join(_exits_why(checks, tolerance))]
-    value = "; ".join(f"{rules['acceleration']} vs {other}: " + ", ".join(
-        f"{axis} {'dominates' if r['dominates'] else 'does not dominate'}" for axis, r in c["axes"].items())
-        for other, c in fronts["comparisons"].items())
-    spread = ", ".join(f"{name} {100 * value:.2f}%" for name, value in fronts["stability"].items() if value is not None)
-    result["judged_on"] = {"budget": "full budget and exit sweep", "loops": reference.get("budget"),
-                           "precision": f"autocast {(sweep.get('config') or {}).get('autocast', 'none')}",
-                           "seeds": {**(seeds or {}), "sweep": (sweep.get("config") or {}).get("seed")},
-                           "tokens": None, "checkpoint": None,
-                           "spread": f"perplexity between neighbouring thresholds (one seed): {spread}"}
-    result.update(verdict=verdict, why=why, ours={"value": value, "fronts": fronts, "paper_grid": paper,
-                                                  "checks": paper.get("checks"), "policies": policies,
-                                                  "full_ppl": reference["ppl"], "tolerance": tolerance,
-                                                  "timing_path": summary.get("timing_path"),
-                                                  "device": sweep.get("environment", {}).get("device")})
+                f"{paper['verdict']}): " + " ".join(_exits_why(paper["checks"], tolerance))]
+    result["judged_on"] = _exits_judged_on(sweep, seeds, fronts)
+    result.update(verdict=_fronts_verdict(beaten, fronts), why=why,
+                  ours={"value": _fronts_value(fronts), "fronts": fronts, "paper_grid": paper,
+                        "checks": paper.get("checks"), "policies": policies,
+                        "full_ppl": reference["ppl"], "tolerance": tolerance,
+                        "timing_path": summary.get("timing_path"),
+                        "device": sweep.get("environment", {}).get("device")})
     return result
 
 
