@@ -149,6 +149,14 @@ class ModelConfig:
         "pre-norm, no new parameters)")
 
     def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_ranges()
+        self._check_choices()
+        self.group_specs  # validates the group string
+        self._resolve_eval_loops()
+
+    def _check_sizes(self) -> None:
+        """The integer sizes: positive, heads dividing the width, layers and context under their caps."""
         for name in ("n_layer", "n_head", "d_model", "block_size", "vocab_size", "mlp_ratio"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -161,6 +169,9 @@ class ModelConfig:
             raise RdepthError(f"model config: n_layer must be <= {MAX_LAYERS}, got {self.n_layer!r}")
         if self.block_size > MAX_BLOCK_SIZE:
             raise RdepthError(f"model config: block_size must be <= {MAX_BLOCK_SIZE}, got {self.block_size!r}")
+
+    def _check_ranges(self) -> None:
+        """The loop schedule's and the norm's numbers inside their intervals (written so NaN fails)."""
         if not (1 <= self.mean_loops <= MAX_LOOPS):
             raise RdepthError(f"model config: mean_loops must be in 1..{MAX_LOOPS}, got {self.mean_loops!r}")
         if not (0 <= self.loop_sigma <= 10):
@@ -175,19 +186,25 @@ class ModelConfig:
             raise RdepthError(
                 f"model config: init_state_scale must be >= 0, got {self.init_state_scale!r}"
             )
+
+    def _check_choices(self) -> None:
+        """The named choices: the layer type and what a loop carries."""
         if self.block not in BLOCK_TYPES:
             raise RdepthError(f"model config: block must be one of {', '.join(BLOCK_TYPES)}, got {self.block!r}")
         if self.loop_state not in LOOP_STATES:
             raise RdepthError(
                 f"model config: loop_state must be one of {', '.join(LOOP_STATES)}, got {self.loop_state!r}")
-        self.group_specs  # validates the group string
-        if self.eval_loops is not None:
-            spec = self.eval_loops
-            given = spec if isinstance(spec, (list, tuple)) else [v for v in str(spec).split(",") if v.strip()]
-            if not self.group_specs and len(given):
-                raise RdepthError(f"model config: eval_loops {self.eval_loops!r} given, but the model has no "
-                                  "recurrence groups (groups ''): drop it or give --groups")
-            self.eval_loops = parse_loop_counts(self.eval_loops, len(self.group_specs))
+
+    def _resolve_eval_loops(self) -> None:
+        """``eval_loops`` parsed into one count per group (refused when the model has no groups)."""
+        if self.eval_loops is None:
+            return
+        spec = self.eval_loops
+        given = spec if isinstance(spec, (list, tuple)) else [v for v in str(spec).split(",") if v.strip()]
+        if not self.group_specs and len(given):
+            raise RdepthError(f"model config: eval_loops {self.eval_loops!r} given, but the model has no "
+                              "recurrence groups (groups ''): drop it or give --groups")
+        self.eval_loops = parse_loop_counts(self.eval_loops, len(self.group_specs))
 
     @property
     def group_specs(self) -> tuple[GroupSpec, ...]:

@@ -143,9 +143,9 @@ def decay_trend(series: list[dict[str, Any]]) -> dict[str, Any]:
     return {"groups": groups, "holds": all(g["faster"] for g in judged) if judged else None}
 
 
-def claim_step_decay(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Claim 1: loop-step sizes decay within 5-10 steps (Fig. 3a), faster in later checkpoints (§3 (iii))."""
-    final, budget, groups = _final_groups(summary)
+def _decay_rows(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Claim 1 per group of one checkpoint: its decay step (:func:`decay_step`), the first step sizes and
+    the saved headline decay numbers."""
     per_group = []
     for group in groups:
         sizes = group["step_size"]["mean"]
@@ -154,12 +154,83 @@ def claim_step_decay(summary: dict[str, Any], seeds: dict[str, Any] | None = Non
                           "step_sizes": [float(v) for v in sizes[:DECAY_BY_STEP + 1]],
                           "decay_10_over_1": headline.get("decay_10_over_1"),
                           "noise_floor_step": headline.get("noise_floor_step")})
-    series = [{"checkpoint": entry["label"], "step": entry["step"],
-               "decay_step": {g["name"]: decay_step(g["step_size"]["mean"])
-                              for g in entry["budgets"][budget]["groups"]},
-               "decay_left": {g["name"]: decay_left(g["step_size"]["mean"])
-                              for g in entry["budgets"][budget]["groups"]}}
-              for entry in summary["checkpoints"]]
+    return per_group
+
+
+def _decay_series(summary: dict[str, Any], budget: str) -> list[dict[str, Any]]:
+    """Claim 1 at every checkpoint: per group, its decay step and :func:`decay_left` at ``budget``."""
+    return [{"checkpoint": entry["label"], "step": entry["step"],
+             "decay_step": {g["name"]: decay_step(g["step_size"]["mean"])
+                            for g in entry["budgets"][budget]["groups"]},
+             "decay_left": {g["name"]: decay_left(g["step_size"]["mean"])
+                            for g in entry["budgets"][budget]["groups"]}}
+            for entry in summary["checkpoints"]]
+
+
+def _decay_held(per_group: list[dict[str, Any]]) -> int:
+    """The groups whose step size has decayed by DECAY_BY_STEP."""
+    return sum(g["decay_step"] is not None and g["decay_step"] <= DECAY_BY_STEP for g in per_group)
+
+
+def _decay_level(per_group: list[dict[str, Any]], held: int) -> str:
+    """Claim 1's level: reproduced when every group decays by DECAY_BY_STEP, partly when some do or every
+    group's decay comes later."""
+    verdict = _verdict(held, len(per_group))
+    if verdict == NOT and any(g["decay_step"] is not None for g in per_group):
+        verdict = PARTLY
+    return verdict
+
+
+def _decay_with_trend(verdict: str, holds: bool | None) -> str:
+    """Claim 1's level graded by its trend over training (``holds``: :func:`decay_trend`'s)."""
+    if holds is False and verdict == REPRODUCED:
+        return PARTLY  # decays in time, but not faster over training
+    if holds and verdict == NOT:
+        return PARTLY  # never decays 10x in time, but faster over training
+    return verdict
+
+
+def _decay_moves(trend: dict[str, Any]) -> str:
+    """Per group judged over training, the step size left at the first -> the last checkpoint."""
+    return ", ".join(f"group {g['group']}: {g['first']:.2g} -> {g['last']:.2g}" for g in trend["groups"]
+                     if g["faster"] is not None)
+
+
+def _decay_value(per_group: list[dict[str, Any]], trend: dict[str, Any]) -> str:
+    """Claim 1's measured value: each group's decay step, then the trend's moves when judged."""
+    text = ", ".join(f"group {g['group']}: " + ("never" if g["decay_step"] is None else f"step {g['decay_step']}")
+                     for g in per_group)
+    value = f"step size at 1/{round(1 / DECAY_FRACTION)} of step 1 by {text}"
+    if trend["holds"] is not None:
+        value += f"; ||Δ({DECAY_BY_STEP})||/||Δ(1)|| first -> last checkpoint: " + _decay_moves(trend)
+    return value
+
+
+def _decay_why(per_group: list[dict[str, Any]], held: int, checkpoint: str, trend: dict[str, Any],
+               checkpoints: int) -> list[str]:
+    """Claim 1's reasons: the level at the final checkpoint, then the trend over training."""
+    why = [f"{held} of {len(per_group)} groups decay {round(1 / DECAY_FRACTION)}x by step {DECAY_BY_STEP} "
+           f"at the final checkpoint ({checkpoint})."]
+    if trend["holds"] is None:
+        why.append("Trend over training not tested: one checkpoint.")
+    else:
+        why.append(f"||Δ({DECAY_BY_STEP})|| / ||Δ(1)|| from the first to the last of {checkpoints} "
+                   f"checkpoints ({_decay_moves(trend)}): " + ("faster decay in every group." if trend["holds"] else
+                                                              "not faster in every group."))
+    return why
+
+
+def _first_step_spread(groups: list[dict[str, Any]]) -> str:
+    """Per group with a refinement step, ||Δ(1)||'s mean ± std over tokens."""
+    return ", ".join(f"group {g['name']}: ||Δ(1)|| {g['step_size']['mean'][1]:.3g} ± {g['step_size']['std'][1]:.2g}"
+                     for g in groups if len(g["step_size"]["mean"]) > 1)
+
+
+def claim_step_decay(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Claim 1: loop-step sizes decay within 5-10 steps (Fig. 3a), faster in later checkpoints (§3 (iii))."""
+    final, budget, groups = _final_groups(summary)
+    per_group = _decay_rows(groups)
+    series = _decay_series(summary, budget)
     result = _claim("step_decay", "Loop-step sizes ||Δ(k)|| decay quickly, within 5-10 loop steps, and faster in "
                                   "later checkpoints.",
                     {"figure": "Fig. 3a, §3 (iii)", "value": "decay within 5-10 steps, every group and checkpoint; "
@@ -173,37 +244,14 @@ def claim_step_decay(summary: dict[str, Any], seeds: dict[str, Any] | None = Non
                              "when one of them holds")
     if not per_group:
         return _untested(result, "the model has no looped group")
-    held = sum(g["decay_step"] is not None and g["decay_step"] <= DECAY_BY_STEP for g in per_group)
-    verdict = _verdict(held, len(per_group))
-    if verdict == NOT and any(g["decay_step"] is not None for g in per_group):
-        verdict = PARTLY
+    held = _decay_held(per_group)
+    level = _decay_level(per_group, held)
     trend = decay_trend(series)
-    if trend["holds"] is False and verdict == REPRODUCED:
-        verdict = PARTLY  # decays in time, but not faster over training
-    elif trend["holds"] and verdict == NOT:
-        verdict = PARTLY  # never decays 10x in time, but faster over training
-    text = ", ".join(f"group {g['group']}: " + ("never" if g["decay_step"] is None else f"step {g['decay_step']}")
-                     for g in per_group)
-    value = f"step size at 1/{round(1 / DECAY_FRACTION)} of step 1 by {text}"
-    if trend["holds"] is not None:
-        value += (f"; ||Δ({DECAY_BY_STEP})||/||Δ(1)|| first -> last checkpoint: "
-                  + ", ".join(f"group {g['group']}: {g['first']:.2g} -> {g['last']:.2g}" for g in trend["groups"]
-                              if g["faster"] is not None))
-    result.update(verdict=verdict, ours={"value": value,
-                                          "groups": per_group, "series": series, "trend": trend, "budget": budget,
-                                          "checkpoint": final["label"]})
-    result["why"] = [f"{held} of {len(per_group)} groups decay {round(1 / DECAY_FRACTION)}x by step {DECAY_BY_STEP} "
-                     f"at the final checkpoint ({final['label']})."]
-    if trend["holds"] is None:
-        result["why"].append("Trend over training not tested: one checkpoint.")
-    else:
-        moves = ", ".join(f"group {g['group']}: {g['first']:.2g} -> {g['last']:.2g}" for g in trend["groups"]
-                          if g["faster"] is not None)
-        result["why"].append(f"||Δ({DECAY_BY_STEP})|| / ||Δ(1)|| from the first to the last of {len(series)} "
-                             f"checkpoints ({moves}): " + ("faster decay in every group." if trend["holds"] else
-                                                          "not faster in every group."))
-    spread = ", ".join(f"group {g['name']}: ||Δ(1)|| {g['step_size']['mean'][1]:.3g} ± {g['step_size']['std'][1]:.2g}"
-                       for g in groups if len(g["step_size"]["mean"]) > 1)
+    result.update(verdict=_decay_with_trend(level, trend["holds"]),
+                  ours={"value": _decay_value(per_group, trend), "groups": per_group, "series": series,
+                        "trend": trend, "budget": budget, "checkpoint": final["label"]})
+    result["why"] = _decay_why(per_group, held, final["label"], trend, len(series))
+    spread = _first_step_spread(groups)
     result["judged_on"] = judged_on(summary, budget, final["budgets"][budget].get("loop_counts"),
                                     f"over tokens (mean ± std): {spread}" if spread else None, seeds, final["label"])
     return result
@@ -274,15 +322,17 @@ def cosine_status(value: float | None, low: float, high: float) -> str:
     return "collinear" if value >= COLLINEAR else "outside"
 
 
-def claim_cosine(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Claim 2: consecutive-step cosines settle around 0.5-0.65, a slow spiral (Fig. 3b, Fig. 5), and get
-    there over training ("increasingly orthogonal", judged as a trend over the checkpoint series)."""
-    final, budget, groups = _final_groups(summary)
-    low, high = PAPER_COSINE[0] - COSINE_SLACK, PAPER_COSINE[1] + COSINE_SLACK
+def _require_settled_windows(final: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+    """RdepthError naming ``settled_cosine_window`` when a group's headline predates it."""
     for g in groups:
         if "settled_cosine_window" not in (g.get("headline") or {}):
             raise missing_field("settled_cosine_window", f"checkpoint {final['label']}, group {g['name']}",
                                 "where the settled cosine is read, leaving out the step from the random start")
+
+
+def _cosine_rows(groups: list[dict[str, Any]], low: float, high: float) -> list[dict[str, Any]]:
+    """Claim 2 per group of one checkpoint: the settled cosine, its status against [low, high], the window
+    it was read over and the first cosines."""
     per_group = []
     for g in groups:
         headline = g["headline"]
@@ -291,10 +341,54 @@ def claim_cosine(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -
                           "status": cosine_status(headline.get("settled_cosine"), low, high),
                           "cosines_used": window["usable"], "window": window["window"],
                           "cosines": [float(v) for v in g["cosine"]["mean"][:DECAY_BY_STEP]]})
-    series = [{"checkpoint": entry["label"], "step": entry["step"],
-               "settled_cosine": {g["name"]: g.get("headline", {}).get("settled_cosine")
-                                  for g in entry["budgets"][budget]["groups"]}}
-              for entry in summary["checkpoints"]]
+    return per_group
+
+
+def _cosine_series(summary: dict[str, Any], budget: str) -> list[dict[str, Any]]:
+    """Claim 2 at every checkpoint: per group, the settled cosine at ``budget``."""
+    return [{"checkpoint": entry["label"], "step": entry["step"],
+             "settled_cosine": {g["name"]: g.get("headline", {}).get("settled_cosine")
+                                for g in entry["budgets"][budget]["groups"]}}
+            for entry in summary["checkpoints"]]
+
+
+def _cosine_level(per_group: list[dict[str, Any]], measured: list[dict[str, Any]], inside: int) -> str:
+    """Claim 2's level: reproduced when every group is inside the band, partly when some group is or every
+    settled group is positive."""
+    verdict = _verdict(inside, len(per_group))
+    if verdict == NOT and all(g["settled_cosine"] > 0 for g in measured):
+        verdict = PARTLY
+    return verdict
+
+
+def _cosine_with_trend(verdict: str, holds: bool | None) -> str:
+    """Claim 2's level graded by its trend over training (``holds``: :func:`cosine_trend`'s)."""
+    if verdict == NOT and holds:
+        return PARTLY  # not there yet, but getting there: the "increasingly" half of the claim
+    return verdict
+
+
+def _cosine_values(per_group: list[dict[str, Any]]) -> str:
+    """Per group, the settled cosine and the window it was read over (or "no plateau")."""
+    return ", ".join(f"group {g['group']}: " + (f"{g['settled_cosine']:.2f} over {g['window'][0]}-{g['window'][1]}"
+                                                 if g["settled_cosine"] is not None else "no plateau")
+                     for g in per_group)
+
+
+def _settled_cosine_spread(groups: list[dict[str, Any]]) -> str:
+    """Per group with one saved, the settled cosine's std over tokens."""
+    return ", ".join(f"group {g['name']}: ± {g['headline']['settled_cosine_std']:.2f}" for g in groups
+                     if (g.get("headline") or {}).get("settled_cosine_std") is not None)
+
+
+def claim_cosine(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Claim 2: consecutive-step cosines settle around 0.5-0.65, a slow spiral (Fig. 3b, Fig. 5), and get
+    there over training ("increasingly orthogonal", judged as a trend over the checkpoint series)."""
+    final, budget, groups = _final_groups(summary)
+    low, high = PAPER_COSINE[0] - COSINE_SLACK, PAPER_COSINE[1] + COSINE_SLACK
+    _require_settled_windows(final, groups)
+    per_group = _cosine_rows(groups, low, high)
+    series = _cosine_series(summary, budget)
     result = _claim("cosine", "Consecutive loop steps settle at cosines of about 0.5-0.65: a slow spiral, "
                               "complementary rather than collinear pushes.",
                     {"figure": "Fig. 3b, Fig. 5", "value": f"settled cos(Δ(k), Δ(k-1)) ≈ {PAPER_COSINE[0]}-"
@@ -313,23 +407,15 @@ def claim_cosine(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -
         return _untested(result, f"no plateau: no group has 5 settled cosines above the noise floor ({counts})")
     inside = sum(g["status"] == "inside" for g in per_group)
     collinear = [g["group"] for g in per_group if g["status"] == "collinear"]
-    verdict = _verdict(inside, len(per_group))
-    if verdict == NOT and all(g["settled_cosine"] > 0 for g in measured):
-        verdict = PARTLY
-    values = ", ".join(f"group {g['group']}: " + (f"{g['settled_cosine']:.2f} over {g['window'][0]}-{g['window'][1]}"
-                                                   if g["settled_cosine"] is not None else "no plateau")
-                       for g in per_group)
+    level = _cosine_level(per_group, measured, inside)
+    values = _cosine_values(per_group)
     trend = cosine_trend(series, low, high)
-    if verdict == NOT and trend["holds"]:
-        verdict = PARTLY  # not there yet, but getting there: the "increasingly" half of the claim
-    if collinear:
-        verdict = NOT
+    verdict = NOT if collinear else _cosine_with_trend(level, trend["holds"])
     why = _cosine_why(measured, inside, values, trend, len(series), low, high)
     if collinear:
         why.insert(1, f"Collinear in group {', '.join(collinear)} (settled cosine >= {COLLINEAR:g}): consecutive "
                       "steps push in one direction, the opposite of 'increasingly orthogonal'.")
-    spread = ", ".join(f"group {g['name']}: ± {g['headline']['settled_cosine_std']:.2f}" for g in groups
-                       if (g.get("headline") or {}).get("settled_cosine_std") is not None)
+    spread = _settled_cosine_spread(groups)
     result.update(verdict=verdict, why=why, ours={"value": f"settled cosine {values}", "groups": per_group,
                                                   "series": series, "trend": trend, "budget": budget,
                                                   "checkpoint": final["label"]})
@@ -459,6 +545,85 @@ def _handoff_holds(row: dict[str, Any], bar: float) -> bool:
     return above and (control is None or value >= CONTROL_MARGIN * control)
 
 
+def _handoff_series(summary: dict[str, Any], budget: str) -> list[dict[str, Any]]:
+    """Claim 3 at every checkpoint: per boundary, the hand-off ratio's median and its zero-drift control."""
+    return [{"checkpoint": entry["label"], "step": entry["step"],
+             "handoff": {row["boundary"]: {"median": row["handoff_median"], "control": row["control_median"]}
+                         for row in _handoff_rows(summary, entry, budget)}}
+            for entry in summary["checkpoints"]]
+
+
+def _add_eq2_medians(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """Each hand-off row gets Eq. 2's median at its boundary (``eq2_median``, None where not measured), read
+    where :func:`_dlr_budget` says; returns that budget's label."""
+    eq2_budget, eq2_boundaries, _ = _dlr_budget(summary)
+    eq2 = {row["boundary"]: row for row in _dlr_rows(eq2_boundaries, summary.get("dlr_default_refine", "first_refine"))}
+    for row in rows:
+        row["eq2_median"] = (eq2.get(row["boundary"]) or {}).get("literal_median")
+    return eq2_budget
+
+
+def _dlr_verdict(rows: list[dict[str, Any]]) -> str:
+    """Claim 3's verdict: every boundary's hand-off ratio >= DLR_MUCH (reproduced) or > 1 (partly), each
+    clear of its zero-drift control (:func:`_handoff_holds`)."""
+    if all(_handoff_holds(row, DLR_MUCH) for row in rows):
+        return REPRODUCED
+    return PARTLY if all(_handoff_holds(row, 1.0) for row in rows) else NOT
+
+
+def _control_text(control: float | None) -> str:
+    return "n/a" if control is None else f"{control:.2g}"
+
+
+def _handoff_text(rows: list[dict[str, Any]]) -> str:
+    """Per boundary, the hand-off ratio's median and its zero-drift control."""
+    return ", ".join(f"{row['boundary']}: {row['handoff_median']:.2f} (zero-drift control "
+                     f"{_control_text(row['control_median'])})" for row in rows)
+
+
+def _eq2_text(rows: list[dict[str, Any]]) -> str:
+    """Per boundary where measured, Eq. 2's median ('' when none is)."""
+    return ", ".join(f"{row['boundary']}: {row['eq2_median']:.1f}" for row in rows if row["eq2_median"] is not None)
+
+
+def _dlr_curve_why(curve: dict[str, Any] | None, rows: list[dict[str, Any]]) -> list[str]:
+    """With the loop-budget curve: how Eq. 2 and the hand-off ratio change from its first to its last budget."""
+    if not curve:
+        return []
+    names = [row["boundary"] for row in rows]
+    return [f"Against the loop budget, Eq. 2: {_dlr_growth(curve, names)}; the hand-off ratio: "
+            f"{_dlr_growth(curve, names, HANDOFF, start=2)}."]
+
+
+def _weak_boundaries_why(rows: list[dict[str, Any]]) -> list[str]:
+    """The boundaries whose ratio is within CONTROL_MARGIN x of its zero-drift control, when there are any."""
+    weak = [row["boundary"] for row in rows if row["control_median"] is not None
+            and row["handoff_median"] < CONTROL_MARGIN * row["control_median"]]
+    if not weak:
+        return []
+    return [f"At {', '.join(weak)} the ratio is within {CONTROL_MARGIN:g}x of what the same loops read with no "
+            "drift at all: the loops have not settled enough to tell drift from what is left to contract."]
+
+
+def _handoff_series_why(series: list[dict[str, Any]]) -> list[str]:
+    """With more than one checkpoint: the hand-off ratio (and its control) at each."""
+    if len(series) <= 1:
+        return []
+
+    def reading(entry):
+        return ", ".join(f"{name} {v['median']:.2f} ({_control_text(v['control'])})"
+                         for name, v in entry["handoff"].items() if v["median"] is not None)
+
+    return ["Per checkpoint, hand-off ratio (zero-drift control): "
+            + "; ".join(f"{entry['checkpoint']}: {reading(entry)}" for entry in series) + "."]
+
+
+def _handoff_spread(rows: list[dict[str, Any]]) -> str:
+    """Per boundary with both, the hand-off ratio's 10th-90th percentiles over tokens."""
+    return ", ".join(f"{row['boundary']}: p10-p90 {row['handoff_p10']:.2f}-{row['handoff_p90']:.2f}" for row in rows
+                     if row["handoff_p10"] is not None and row["handoff_p90"] is not None)
+
+
 def claim_dlr(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
     """Claim 3: drift between groups is much larger than a loop step, DLR >> 1 (Fig. 2), judged by the
     hand-off ratio (free of the loop budget and the random start) against its zero-drift control, with
@@ -478,51 +643,21 @@ def claim_dlr(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> d
     if not (final["budgets"][budget].get("dlr") or {}):
         return _untested(result, "one looped group: there is no boundary between groups to measure drift across")
     rows = _handoff_rows(summary, final, budget)
-    series = [{"checkpoint": entry["label"], "step": entry["step"],
-               "handoff": {row["boundary"]: {"median": row["handoff_median"], "control": row["control_median"]}
-                           for row in _handoff_rows(summary, entry, budget)}}
-              for entry in summary["checkpoints"]]
-    eq2_budget, eq2_boundaries, eq2_counts = _dlr_budget(summary)
-    eq2 = {row["boundary"]: row for row in _dlr_rows(eq2_boundaries, summary.get("dlr_default_refine", "first_refine"))}
-    for row in rows:
-        row["eq2_median"] = (eq2.get(row["boundary"]) or {}).get("literal_median")
+    series = _handoff_series(summary, budget)
+    eq2_budget = _add_eq2_medians(summary, rows)
     if any(row["handoff_median"] is None for row in rows):
         return _untested(result, "the hand-off ratio is undefined at some boundary (a group of one loop step)")
-    verdict = (REPRODUCED if all(_handoff_holds(row, DLR_MUCH) for row in rows) else
-               PARTLY if all(_handoff_holds(row, 1.0) for row in rows) else NOT)
-
-    def control(row):
-        return "n/a" if row["control_median"] is None else f"{row['control_median']:.2g}"
-
-    text = ", ".join(f"{row['boundary']}: {row['handoff_median']:.2f} (zero-drift control {control(row)})"
-                     for row in rows)
-    eq2_text = ", ".join(f"{row['boundary']}: {row['eq2_median']:.1f}" for row in rows if row["eq2_median"] is not None)
+    verdict = _dlr_verdict(rows)
+    text, eq2_text = _handoff_text(rows), _eq2_text(rows)
     why = [f"Hand-off ratio medians at the '{budget}' budget: {text}.",
            f"Eq. 2 as written at {eq2_budget}, not judged (it grows with K and reads the random start): "
            f"{eq2_text or 'n/a'}."]
-    curve = summary.get("dlr_curve")
-    if curve:
-        names = [row["boundary"] for row in rows]
-        why.append(f"Against the loop budget, Eq. 2: {_dlr_growth(curve, names)}; the hand-off ratio: "
-                   f"{_dlr_growth(curve, names, HANDOFF, start=2)}.")
-    weak = [row["boundary"] for row in rows if row["control_median"] is not None
-            and row["handoff_median"] < CONTROL_MARGIN * row["control_median"]]
-    if weak:
-        why.append(f"At {', '.join(weak)} the ratio is within {CONTROL_MARGIN:g}x of what the same loops read with no "
-                   "drift at all: the loops have not settled enough to tell drift from what is left to contract.")
-    if len(series) > 1:
-        def reading(entry):
-            return ", ".join(f"{name} {v['median']:.2f} ({'n/a' if v['control'] is None else format(v['control'], '.2g')})"
-                             for name, v in entry["handoff"].items() if v["median"] is not None)
-
-        why.append("Per checkpoint, hand-off ratio (zero-drift control): "
-                   + "; ".join(f"{entry['checkpoint']}: {reading(entry)}" for entry in series) + ".")
+    why += _dlr_curve_why(summary.get("dlr_curve"), rows) + _weak_boundaries_why(rows) + _handoff_series_why(series)
     result.update(verdict=verdict, why=why,
                   ours={"value": f"hand-off ratio (median, '{budget}') {text}; Eq. 2 at {eq2_budget}: {eq2_text or 'n/a'}",
                         "boundaries": rows, "series": series, "budget": budget, "checkpoint": final["label"],
                         "eq2_budget": eq2_budget, "eq2_series": _dlr_series(summary), "curve": summary.get("dlr_curve")})
-    spread = ", ".join(f"{row['boundary']}: p10-p90 {row['handoff_p10']:.2f}-{row['handoff_p90']:.2f}" for row in rows
-                       if row["handoff_p10"] is not None and row["handoff_p90"] is not None)
+    spread = _handoff_spread(rows)
     result["judged_on"] = judged_on(summary, budget, final["budgets"][budget].get("loop_counts"),
                                     f"hand-off ratio over tokens: {spread}" if spread else None, seeds, final["label"])
     return result
@@ -628,13 +763,9 @@ def _front_points(rows: list[dict], full: tuple[float, float] | None, cost: str)
     return [(float(row[cost]), -row["ppl_rise"]) for row in rows] + ([full] if full else [])
 
 
-def exit_fronts(sweep: dict[str, Any], policies: dict[str, list[dict]]) -> dict[str, Any]:
-    """Claim 4 along fronts: per cost axis (executed loop steps; decode ms/token when timed), whether the
-    acceleration rule's front dominates KL's and step-norm's (:func:`rdepth.reproduce.fronts.dominates`), and
-    per rule its stability (the largest perplexity change between neighbouring thresholds)."""
-    from rdepth.reproduce.fronts import dominates, neighbour_spread
-
-    summary, reference = sweep["summary"], sweep["reference"]
+def _front_axes(summary: dict[str, Any], reference: dict[str, Any]) -> dict[str, tuple[str, tuple[float, float], float]]:
+    """The cost axes the fronts are compared on, each as (row key, the full budget's point, cost slack):
+    executed loop steps always, decode ms/token when the sweep timed the full budget."""
     full_steps = float(summary.get("full_steps") or sum(reference.get("mean_steps") or reference.get("budget") or [0]))
     latency = summary.get("latency_key")
     axes = {"steps": ("steps", (full_steps, 0.0), FRONT_STEPS_SLACK)}
@@ -643,21 +774,40 @@ def exit_fronts(sweep: dict[str, Any], policies: dict[str, list[dict]]) -> dict[
         row_key = {"b1": "ms_per_token_b1", "generate": "ms_per_token_generate"}.get(key)
         if row_key:
             axes["ms/token"] = (row_key, (float(reference[latency]), 0.0), summary.get("noise_threshold", 0.1))
+    return axes
+
+
+def _compare_fronts(policies: dict[str, list[dict]], judged: str, other: str,
+                    axes: dict[str, tuple[str, tuple[float, float], float]]) -> dict[str, Any]:
+    """``judged``'s front against ``other``'s: per axis where both have points, the comparison
+    (:func:`rdepth.reproduce.fronts.dominates`); whether it dominates on every such axis, and whether
+    ``other``'s front dominates it on any."""
+    from rdepth.reproduce.fronts import dominates
+
+    per_axis = {}
+    for axis, (cost, full, slack) in axes.items():
+        mine, theirs = (_front_points(policies[name], full, cost) for name in (judged, other))
+        if not mine or not theirs:
+            continue
+        per_axis[axis] = dominates(mine, theirs, slack, FRONT_QUALITY_SLACK)
+    return {"axes": per_axis,
+            "dominates": bool(per_axis) and all(c["dominates"] for c in per_axis.values()),
+            "dominated": any(dominates(_front_points(policies[other], axes[axis][1], axes[axis][0]),
+                                       _front_points(policies[judged], axes[axis][1], axes[axis][0]),
+                                       axes[axis][2], FRONT_QUALITY_SLACK)["dominates"]
+                             for axis in per_axis)}
+
+
+def exit_fronts(sweep: dict[str, Any], policies: dict[str, list[dict]]) -> dict[str, Any]:
+    """Claim 4 along fronts: per cost axis (executed loop steps; decode ms/token when timed), whether the
+    acceleration rule's front dominates KL's and step-norm's (:func:`rdepth.reproduce.fronts.dominates`), and
+    per rule its stability (the largest perplexity change between neighbouring thresholds)."""
+    from rdepth.reproduce.fronts import neighbour_spread
+
+    axes = _front_axes(sweep["summary"], sweep["reference"])
     judged = FRONT_RULES["acceleration"]
-    comparisons: dict[str, dict[str, Any]] = {}
-    for other in (FRONT_RULES["kl"], FRONT_RULES["step_norm"]):
-        per_axis = {}
-        for axis, (cost, full, slack) in axes.items():
-            mine, theirs = (_front_points(policies[name], full, cost) for name in (judged, other))
-            if not mine or not theirs:
-                continue
-            per_axis[axis] = dominates(mine, theirs, slack, FRONT_QUALITY_SLACK)
-        comparisons[other] = {"axes": per_axis,
-                              "dominates": bool(per_axis) and all(c["dominates"] for c in per_axis.values()),
-                              "dominated": any(dominates(_front_points(policies[other], axes[axis][1], axes[axis][0]),
-                                                         _front_points(policies[judged], axes[axis][1], axes[axis][0]),
-                                                         axes[axis][2], FRONT_QUALITY_SLACK)["dominates"]
-                                               for axis in per_axis)}
+    comparisons = {other: _compare_fronts(policies, judged, other, axes)
+                   for other in (FRONT_RULES["kl"], FRONT_RULES["step_norm"])}
     stability = {name: neighbour_spread([row["ppl_rise"] for row in rows]) for name, rows in policies.items() if rows}
     return {"rule": judged, "axes": list(axes), "comparisons": comparisons, "stability": stability,
             "taus": {name: [row["tau"] for row in rows] for name, rows in policies.items() if rows}}
@@ -678,10 +828,47 @@ def _fronts_why(fronts: dict[str, Any]) -> list[str]:
             why.append(f"{judged} against {other}, quality vs {axis}: {text}.")
         if comparison["dominated"]:
             why.append(f"{other}'s front dominates {judged}'s.")
-    stability = ", ".join(f"{name} {100 * value:.2f}%" for name, value in fronts["stability"].items()
-                          if value is not None)
-    why.append(f"Stability (largest perplexity change between neighbouring thresholds, one sweep seed): {stability}.")
+    why.append("Stability (largest perplexity change between neighbouring thresholds, one sweep seed): "
+               f"{_stability_text(fronts)}.")
     return why
+
+
+def _stability_text(fronts: dict[str, Any]) -> str:
+    """Per rule, the largest perplexity change between neighbouring thresholds, in percent."""
+    return ", ".join(f"{name} {100 * value:.2f}%" for name, value in fronts["stability"].items() if value is not None)
+
+
+def _fronts_verdict(beaten: list[str], fronts: dict[str, Any]) -> str:
+    """Claim 4's verdict: reproduced when acceleration's front dominates every other rule's, partly when some."""
+    return REPRODUCED if len(beaten) == len(fronts["comparisons"]) else (PARTLY if beaten else NOT)
+
+
+def _paper_grid(sweep: dict[str, Any], policies: dict[str, list[dict]], tolerance: float) -> dict[str, Any]:
+    """The paper's absolute grid, reported and not judged: checks (a)-(c) and their verdict; {} when the
+    sweep lacks one of its rules."""
+    if not all(policies[name] for name in ("acceleration", "kl", "step_norm")):
+        return {}
+    checks = {"acceleration_flat": _acceleration_flat(policies["acceleration"], sweep["reference"], tolerance),
+              "faster_than_kl": _faster_than_kl(sweep),
+              "step_norm_cliff": _step_norm_cliff(policies["step_norm"], tolerance)}
+    return {"checks": checks, "verdict": _verdict(sum(bool(c["holds"]) for c in checks.values()), len(checks))}
+
+
+def _fronts_value(fronts: dict[str, Any]) -> str:
+    """Per other rule and cost axis, whether acceleration's front dominates."""
+    return "; ".join(f"{FRONT_RULES['acceleration']} vs {other}: " + ", ".join(
+        f"{axis} {'dominates' if r['dominates'] else 'does not dominate'}" for axis, r in c["axes"].items())
+        for other, c in fronts["comparisons"].items())
+
+
+def _exits_judged_on(sweep: dict[str, Any], seeds: dict[str, Any] | None, fronts: dict[str, Any]) -> dict[str, Any]:
+    """What claim 4 rests on: the full budget and the exit sweep, its autocast, seeds and the fronts' stability."""
+    config = sweep.get("config") or {}
+    return {"budget": "full budget and exit sweep", "loops": sweep["reference"].get("budget"),
+            "precision": f"autocast {config.get('autocast', 'none')}",
+            "seeds": {**(seeds or {}), "sweep": config.get("seed")},
+            "tokens": None, "checkpoint": None,
+            "spread": f"perplexity between neighbouring thresholds (one seed): {_stability_text(fronts)}"}
 
 
 def claim_exits(sweep: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -716,31 +903,19 @@ def claim_exits(sweep: dict[str, Any], seeds: dict[str, Any] | None = None) -> d
     reference = sweep["reference"]
     fronts = exit_fronts(sweep, policies)
     beaten = [other for other, c in fronts["comparisons"].items() if c["dominates"]]
-    verdict = REPRODUCED if len(beaten) == len(fronts["comparisons"]) else (PARTLY if beaten else NOT)
     why = [f"{rules['acceleration']}'s front dominates " + (", ".join(beaten) if beaten else "neither rule") + "."]
     why += _fronts_why(fronts)
-    paper = {}
-    if all(policies[name] for name in ("acceleration", "kl", "step_norm")):
-        checks = {"acceleration_flat": _acceleration_flat(policies["acceleration"], reference, tolerance),
-                  "faster_than_kl": _faster_than_kl(sweep),
-                  "step_norm_cliff": _step_norm_cliff(policies["step_norm"], tolerance)}
-        paper = {"checks": checks, "verdict": _verdict(sum(bool(c["holds"]) for c in checks.values()), len(checks))}
+    paper = _paper_grid(sweep, policies, tolerance)
+    if paper:
         why += ["Paper's absolute grid (reported, not judged; its verdict by the old checks: "
-                f"{paper['verdict']}): " + " ".join(_exits_why(checks, tolerance))]
-    value = "; ".join(f"{rules['acceleration']} vs {other}: " + ", ".join(
-        f"{axis} {'dominates' if r['dominates'] else 'does not dominate'}" for axis, r in c["axes"].items())
-        for other, c in fronts["comparisons"].items())
-    spread = ", ".join(f"{name} {100 * value:.2f}%" for name, value in fronts["stability"].items() if value is not None)
-    result["judged_on"] = {"budget": "full budget and exit sweep", "loops": reference.get("budget"),
-                           "precision": f"autocast {(sweep.get('config') or {}).get('autocast', 'none')}",
-                           "seeds": {**(seeds or {}), "sweep": (sweep.get("config") or {}).get("seed")},
-                           "tokens": None, "checkpoint": None,
-                           "spread": f"perplexity between neighbouring thresholds (one seed): {spread}"}
-    result.update(verdict=verdict, why=why, ours={"value": value, "fronts": fronts, "paper_grid": paper,
-                                                  "checks": paper.get("checks"), "policies": policies,
-                                                  "full_ppl": reference["ppl"], "tolerance": tolerance,
-                                                  "timing_path": summary.get("timing_path"),
-                                                  "device": sweep.get("environment", {}).get("device")})
+                f"{paper['verdict']}): " + " ".join(_exits_why(paper["checks"], tolerance))]
+    result["judged_on"] = _exits_judged_on(sweep, seeds, fronts)
+    result.update(verdict=_fronts_verdict(beaten, fronts), why=why,
+                  ours={"value": _fronts_value(fronts), "fronts": fronts, "paper_grid": paper,
+                        "checks": paper.get("checks"), "policies": policies,
+                        "full_ppl": reference["ppl"], "tolerance": tolerance,
+                        "timing_path": summary.get("timing_path"),
+                        "device": sweep.get("environment", {}).get("device")})
     return result
 
 

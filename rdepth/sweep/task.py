@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -115,6 +115,105 @@ def _brief(entry: dict) -> dict:
     return {k: entry[k] for k in keys if k in entry}
 
 
+def _settings(model: RecurrentLM, config: SweepConfig, k_max: tuple[int, ...],
+              new_decode: Callable) -> list[tuple[dict, Callable]]:
+    """Every setting swept, as (labels, controller factory): each fixed budget 1..k_max (capped per group),
+    each policy at each value of its grid, then the exit profile when one is given."""
+    settings: list[tuple[dict, Callable]] = []
+    for steps in range(1, max(k_max) + 1):
+        budget = tuple(min(steps, cap) for cap in k_max)
+        settings.append(({"label": f"fixed {','.join(map(str, budget))}", "budget": list(budget)},
+                         lambda budget=budget: FixedController(budget)))
+    for name in config.policies:
+        parameter = get_policy_class(name).sweep_parameter
+        for value in config.values(name):
+            factory = controller_factory(name, value, k_max, new_decode, config.policy_options(name))
+            settings.append(({"label": f"{name} {parameter}={value:g}", "policy": name, "parameter": parameter,
+                              "value": value}, factory))
+    if config.exit_profile is not None:
+        profile = load_profile(config.exit_profile, model.n_groups, config.checkpoint, config.force_profile)
+        values = ",".join(f"{v:g}" for v in profile["values"])
+        settings.append(({"label": f"profile {profile['policy']} {values}", "policy": "profile",
+                          "parameter": profile["parameter"], "value": profile["values"][0],
+                          "values": profile["values"]},
+                         profile_controller_factory(profile, lambda: model.readout)))
+    return settings
+
+
+class _HeldoutSweep(NamedTuple):
+    """One held-out set swept: its result block; with hops, each policy point's steps per answer token
+    (label, steps) and the per-token oracle; with timing, each setting's forward call and (entry, tokens)."""
+
+    block: dict
+    answer_steps: list[tuple[str, np.ndarray]]
+    oracle: np.ndarray | None
+    calls: dict[str, Callable[[], None]]
+    work: dict[str, tuple[dict, int]]
+
+
+def _sweep_heldout(model: RecurrentLM, heldout: HeldOut, config: SweepConfig, k_max: tuple[int, ...],
+                   device: torch.device, progress: bool, per_token: bool) -> _HeldoutSweep:
+    """Measure every setting on one held-out set (``per_token``: keep the answer tokens' steps and
+    correctness for the depth measure), and prepare its timing calls when the sweep is timed."""
+    seq_len = heldout.tokens.shape[1] - 1
+    if seq_len > model.config.block_size:
+        raise RdepthError(f"sweep: held-out windows of {seq_len} tokens exceed the model's block size "
+                          f"{model.config.block_size}")
+    timing_idx = torch.from_numpy(heldout.tokens[: config.timing_batch_size, :-1]).to(device)
+    new_decode = decode_factory(model, config.measure_settings(), seq_len)
+    settings = _settings(model, config, k_max, new_decode)
+    fixed, points, fixed_right, answer_steps = [], [], [], []
+    calls: dict[str, Callable[[], None]] = {}
+    work: dict[str, tuple[dict, int]] = {}
+    desc = f"task sweep d={heldout.difficulty}"
+    for labels, factory in tqdm(settings, desc=desc, disable=not progress):
+        entry = {**labels, **_measure(model, heldout, factory, config.measure_settings(), device,
+                                      per_token=per_token)}
+        right, steps = entry.pop("answer_right", None), entry.pop("answer_steps", None)
+        if "budget" in entry:
+            fixed.append(entry)
+            fixed_right.append(right)
+        else:
+            points.append(entry)
+            answer_steps.append((entry["label"], steps))
+        if config.timing:
+            key = f"{heldout.difficulty}:{entry['label']}"
+            calls[key] = forward_call(model, timing_idx, controller_factory=factory, seed=config.seed)
+            work[key] = (entry, timing_idx.numel())
+        log.debug("d=%d %s: accuracy %.3f, steps %.2f (answers %.2f, other %.2f)", heldout.difficulty,
+                  entry["label"], entry["accuracy"], entry["steps"], entry["mean_steps_answer"],
+                  entry["mean_steps_other"])
+    oracle = oracle_steps(np.stack(fixed_right), [sum(f["budget"]) for f in fixed]) if per_token else None
+    block = {"difficulty": heldout.difficulty, "problems": int(heldout.problem_ids.max()) + 1,
+             "windows": int(heldout.tokens.shape[0]), "seq_len": seq_len, "fixed": fixed, "points": points}
+    return _HeldoutSweep(block, answer_steps if per_token else [], oracle, calls, work)
+
+
+def _time_settings(calls: dict[str, Callable[[], None]], work: dict[str, tuple[dict, int]], config: SweepConfig,
+                   device: torch.device, progress: bool) -> None:
+    """Time every setting's forward call in interleaved rounds; each entry gets its median ms/token and IQR."""
+    with tqdm(total=config.repeats, desc=f"timing {len(calls)} settings", disable=not progress) as bar:
+        samples = time_interleaved(calls, device, warmup=config.warmup, repeats=config.repeats, seed=config.seed,
+                                   progress=lambda _: bar.update())
+    for key, times in samples.items():
+        entry, tokens = work[key]
+        stats = spread([t / tokens for t in times])
+        entry["ms_per_token"], entry["ms_per_token_iqr"] = stats["median"], stats["iqr"]
+        entry["timing_batch_size"] = config.timing_batch_size
+
+
+def _depth(blocks: list[dict], heldouts: Sequence[HeldOut], hops: Sequence[np.ndarray],
+           steps_of: dict[str, list[np.ndarray]], oracle: list[np.ndarray]) -> dict:
+    """Depth against hops (:func:`rdepth.sweep.depth.depth_vs_hops`) on every held-out set's answer tokens
+    pooled: per policy setting (described by the first set's points) and for the oracle."""
+    difficulty = np.concatenate([np.full(len(h), heldout.difficulty) for h, heldout in zip(hops, heldouts)])
+    keys = ("label", "policy", "parameter", "value")
+    described = [{k: p[k] for k in keys if k in p} for p in blocks[0]["points"]]
+    return depth_vs_hops(np.concatenate(hops), difficulty,
+                         [{**d, "steps": np.concatenate(steps_of[d["label"]])} for d in described],
+                         np.concatenate(oracle))
+
+
 def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: SweepConfig, *,
                    device: str | torch.device = "cpu", tolerance: float = 0.01, progress: bool = False,
                    hops: Sequence[np.ndarray] | None = None) -> dict:
@@ -132,63 +231,16 @@ def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: Swee
     work: dict[str, tuple[dict, int]] = {}
     blocks = []
     for heldout in heldouts:
-        seq_len = heldout.tokens.shape[1] - 1
-        if seq_len > model.config.block_size:
-            raise RdepthError(f"sweep: held-out windows of {seq_len} tokens exceed the model's block size "
-                              f"{model.config.block_size}")
-        timing_idx = torch.from_numpy(heldout.tokens[: config.timing_batch_size, :-1]).to(device)
-        new_decode = decode_factory(model, config.measure_settings(), seq_len)
-        settings: list[tuple[dict, Callable]] = []
-        for steps in range(1, max(k_max) + 1):
-            budget = tuple(min(steps, cap) for cap in k_max)
-            settings.append(({"label": f"fixed {','.join(map(str, budget))}", "budget": list(budget)},
-                             lambda budget=budget: FixedController(budget)))
-        for name in config.policies:
-            parameter = get_policy_class(name).sweep_parameter
-            for value in config.values(name):
-                factory = controller_factory(name, value, k_max, new_decode, config.policy_options(name))
-                settings.append(({"label": f"{name} {parameter}={value:g}", "policy": name, "parameter": parameter,
-                                  "value": value}, factory))
-        if config.exit_profile is not None:
-            profile = load_profile(config.exit_profile, model.n_groups, config.checkpoint, config.force_profile)
-            values = ",".join(f"{v:g}" for v in profile["values"])
-            settings.append(({"label": f"profile {profile['policy']} {values}", "policy": "profile",
-                              "parameter": profile["parameter"], "value": profile["values"][0],
-                              "values": profile["values"]},
-                             profile_controller_factory(profile, lambda: model.readout)))
-        fixed, points = [], []
-        fixed_right = []
-        desc = f"task sweep d={heldout.difficulty}"
-        for labels, factory in tqdm(settings, desc=desc, disable=not progress):
-            entry = {**labels, **_measure(model, heldout, factory, config.measure_settings(), device,
-                                          per_token=hops is not None)}
-            answer_right, answer_steps = entry.pop("answer_right", None), entry.pop("answer_steps", None)
-            if hops is not None:
-                if "budget" in entry:
-                    fixed_right.append(answer_right)
-                else:
-                    steps_of.setdefault(entry["label"], []).append(answer_steps)
-            (fixed if "budget" in entry else points).append(entry)
-            if config.timing:
-                key = f"{heldout.difficulty}:{entry['label']}"
-                calls[key] = forward_call(model, timing_idx, controller_factory=factory, seed=config.seed)
-                work[key] = (entry, timing_idx.numel())
-            log.debug("d=%d %s: accuracy %.3f, steps %.2f (answers %.2f, other %.2f)", heldout.difficulty,
-                     entry["label"], entry["accuracy"], entry["steps"], entry["mean_steps_answer"],
-                     entry["mean_steps_other"])
-        if hops is not None:
-            oracle.append(oracle_steps(np.stack(fixed_right), [sum(f["budget"]) for f in fixed]))
-        blocks.append({"difficulty": heldout.difficulty, "problems": int(heldout.problem_ids.max()) + 1,
-                       "windows": int(heldout.tokens.shape[0]), "seq_len": seq_len, "fixed": fixed, "points": points})
+        swept = _sweep_heldout(model, heldout, config, k_max, device, progress, per_token=hops is not None)
+        for label, steps in swept.answer_steps:
+            steps_of.setdefault(label, []).append(steps)
+        if swept.oracle is not None:
+            oracle.append(swept.oracle)
+        calls.update(swept.calls)
+        work.update(swept.work)
+        blocks.append(swept.block)
     if calls:
-        with tqdm(total=config.repeats, desc=f"timing {len(calls)} settings", disable=not progress) as bar:
-            samples = time_interleaved(calls, device, warmup=config.warmup, repeats=config.repeats, seed=config.seed,
-                                       progress=lambda _: bar.update())
-        for key, times in samples.items():
-            entry, tokens = work[key]
-            stats = spread([t / tokens for t in times])
-            entry["ms_per_token"], entry["ms_per_token_iqr"] = stats["median"], stats["iqr"]
-            entry["timing_batch_size"] = config.timing_batch_size
+        _time_settings(calls, work, config, device, progress)
     saved = asdict(config)
     saved.update(k_max=list(k_max), grids=config.grid, accuracy_tolerance=tolerance)
     result = {"format": FORMAT, "kind": "task", "config": saved,
@@ -197,12 +249,7 @@ def run_task_sweep(model: RecurrentLM, heldouts: Sequence[HeldOut], config: Swee
               "timing_path": "packed (fixed budgets and policies alike)"}
     result["summary"] = summarize_task_sweep(result, tolerance)
     if hops is not None:
-        difficulty = np.concatenate([np.full(len(h), heldout.difficulty) for h, heldout in zip(hops, heldouts)])
-        keys = ("label", "policy", "parameter", "value")
-        described = [{k: p[k] for k in keys if k in p} for p in blocks[0]["points"]]
-        result["depth"] = depth_vs_hops(np.concatenate(hops), difficulty,
-                                        [{**d, "steps": np.concatenate(steps_of[d["label"]])} for d in described],
-                                        np.concatenate(oracle))
+        result["depth"] = _depth(blocks, heldouts, hops, steps_of, oracle)
         result["summary"]["depth"] = depth_summary(result, result["summary"])
     return result
 

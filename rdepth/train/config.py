@@ -124,33 +124,12 @@ class TrainConfig:
         _check_kinds(self)
         check_fields(self, "train config")
         # The rules between fields.
-        if self.compile is False and (self.compile_mode != "default" or self.compile_scope != "layer"):
-            flag = "--compile-mode" if self.compile_mode != "default" else "--compile-scope"
-            raise RdepthError(f"train config: {flag} applies when compiling, and --no-compile turns compiling off: "
-                              "drop one of them")
-        if self.stop_at is not None and self.stop_at > self.max_steps:
-            raise RdepthError(f"train config: stop_at must be in 1..max_steps, got {self.stop_at!r}")
-        if self.time_limit is not None and self.stop_at is not None:
-            raise RdepthError("train config: time_limit and stop_at both end a run early; give one of them")
-        if self.milestone_every is not None and self.milestone_every % self.checkpoint_every:
-            raise RdepthError(f"train config: milestone_every must be a positive multiple of checkpoint_every "
-                              f"{self.checkpoint_every}, got {self.milestone_every!r}")
-        if self.lr * self.weight_decay >= 1:  # AdamW multiplies weights by (1 - lr * wd) each step
-            raise RdepthError(f"train config: lr x weight_decay must be below 1 (AdamW's decoupled decay), "
-                              f"got {self.lr!r} x {self.weight_decay!r}")
-        if self.batch_size % self.grad_accum:
-            raise RdepthError(
-                f"train config: batch_size {self.batch_size} is not divisible by grad_accum {self.grad_accum}"
-            )
-        if self.device not in ("auto", "cpu", "cuda") and not (
-                self.device.startswith("cuda:") and self.device[5:].isdigit()):
-            raise RdepthError(f"train config: device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.parallel != "fsdp" and (self.mixed_precision != "none" or self.activation_checkpointing):
-            raise RdepthError("train config: mixed_precision and activation_checkpointing are --parallel fsdp "
-                              "options: add --parallel fsdp (under torchrun)")
-        if self.fp8 and self.parallel == "fsdp":
-            raise RdepthError("train config: fp8 is not supported with --parallel fsdp (torchao's float8 "
-                              "all-gather of sharded weights is not wired in): use --parallel ddp")
+        _check_compile_flags(self)
+        _check_schedule(self)
+        _check_optimizer(self)
+        _check_batching(self)
+        _check_device(self)
+        _check_parallel(self)
 
     @property
     def milestone_interval(self) -> int:
@@ -184,3 +163,55 @@ def _check_kinds(config: TrainConfig) -> None:
         value = getattr(config, name)
         if not isinstance(value, bool) and not (value is None and name == "compile"):
             raise RdepthError(f"train config: {name} must be true or false, got {value!r}")
+
+
+def _check_compile_flags(config: TrainConfig) -> None:
+    """--compile-mode and --compile-scope only with compiling on."""
+    if config.compile is False and (config.compile_mode != "default" or config.compile_scope != "layer"):
+        flag = "--compile-mode" if config.compile_mode != "default" else "--compile-scope"
+        raise RdepthError(f"train config: {flag} applies when compiling, and --no-compile turns compiling off: "
+                          "drop one of them")
+
+
+def _check_schedule(config: TrainConfig) -> None:
+    """Where a run ends and which checkpoints are milestones: stop_at within the schedule, one early end,
+    milestones on the checkpoint grid."""
+    if config.stop_at is not None and config.stop_at > config.max_steps:
+        raise RdepthError(f"train config: stop_at must be in 1..max_steps, got {config.stop_at!r}")
+    if config.time_limit is not None and config.stop_at is not None:
+        raise RdepthError("train config: time_limit and stop_at both end a run early; give one of them")
+    if config.milestone_every is not None and config.milestone_every % config.checkpoint_every:
+        raise RdepthError(f"train config: milestone_every must be a positive multiple of checkpoint_every "
+                          f"{config.checkpoint_every}, got {config.milestone_every!r}")
+
+
+def _check_optimizer(config: TrainConfig) -> None:
+    """AdamW's decoupled decay shrinking the weights, not flipping their sign."""
+    if config.lr * config.weight_decay >= 1:  # AdamW multiplies weights by (1 - lr * wd) each step
+        raise RdepthError(f"train config: lr x weight_decay must be below 1 (AdamW's decoupled decay), "
+                          f"got {config.lr!r} x {config.weight_decay!r}")
+
+
+def _check_batching(config: TrainConfig) -> None:
+    """The global batch splitting evenly into micro-steps."""
+    if config.batch_size % config.grad_accum:
+        raise RdepthError(
+            f"train config: batch_size {config.batch_size} is not divisible by grad_accum {config.grad_accum}"
+        )
+
+
+def _check_device(config: TrainConfig) -> None:
+    """auto, cpu, cuda or cuda:N."""
+    if config.device not in ("auto", "cpu", "cuda") and not (
+            config.device.startswith("cuda:") and config.device[5:].isdigit()):
+        raise RdepthError(f"train config: device must be auto, cpu or cuda[:N], got {config.device!r}")
+
+
+def _check_parallel(config: TrainConfig) -> None:
+    """The FSDP-only options only with --parallel fsdp, and fp8 never with it."""
+    if config.parallel != "fsdp" and (config.mixed_precision != "none" or config.activation_checkpointing):
+        raise RdepthError("train config: mixed_precision and activation_checkpointing are --parallel fsdp "
+                          "options: add --parallel fsdp (under torchrun)")
+    if config.fp8 and config.parallel == "fsdp":
+        raise RdepthError("train config: fp8 is not supported with --parallel fsdp (torchao's float8 "
+                          "all-gather of sharded weights is not wired in): use --parallel ddp")
