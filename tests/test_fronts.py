@@ -45,3 +45,12 @@ def test_slack_forgives_differences_within_the_noise():
 def test_neighbour_spread_is_the_largest_jump():
     assert neighbour_spread([0.0, -0.001, -0.003, -0.3]) == pytest.approx(0.297)
     assert neighbour_spread([0.1]) is None
+
+
+def test_a_diverged_point_is_no_point_of_the_front_and_the_order_is_fixed():
+    """A NaN or infinite cost or quality (a setting whose perplexity diverged) drops out: the front of the
+    finite points, the same at every call (NaN hashes by identity: it made the order vary by run)."""
+    finite = [(1.0, -0.5), (2.0, -0.1), (3.0, -0.2)]
+    nan = float("nan")
+    for _ in range(5):
+        assert front(finite + [(1.5, nan), (nan, 0.0), (0.5, float("-inf"))]) == [(1.0, -0.5), (2.0, -0.1)]

@@ -287,10 +287,7 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             noise = self.state_noise(input_ids.shape[0], state_seed, sequence_ids)
             logits = self.model(input_ids, loop_counts=counts, noise=noise, controller=controller).logits
         if offsets is not None:
-            logits = shift_rows(logits, -offsets)
-            hidden = None if hidden is None else tuple(shift_rows(h, -offsets) for h in hidden)
-            loops = None if loops is None else tuple(
-                torch.stack([shift_rows(s, -offsets) for s in steps]) for steps in loops)
+            logits, hidden, loops = _shift_back(offsets, logits, hidden, loops)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
@@ -445,6 +442,15 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             out[rows.to(out.device), length:] = tokens[:, size:].to(out.device)
         return _finish_rows(out, length, options.get("eos_token_id"), options.get("pad_token_id"),
                             options.get("stopping_criteria"))
+
+
+def _shift_back(offsets: torch.Tensor, logits: torch.Tensor, hidden, loops):
+    """Padded rows' outputs moved back to their padded places (:func:`shift_rows` by ``-offsets``): the
+    logits, and the hidden states and loop iterates where asked for."""
+    logits = shift_rows(logits, -offsets)
+    hidden = None if hidden is None else tuple(shift_rows(h, -offsets) for h in hidden)
+    loops = None if loops is None else tuple(torch.stack([shift_rows(s, -offsets) for s in steps]) for steps in loops)
+    return logits, hidden, loops
 
 
 def _new_token_count(options: dict, prompt_length: int) -> int:

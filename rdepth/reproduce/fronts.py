@@ -13,6 +13,7 @@ thresholds.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 Point = tuple[float, float]  # (cost, quality): lower cost and higher quality are better
@@ -20,8 +21,10 @@ Point = tuple[float, float]  # (cost, quality): lower cost and higher quality ar
 
 def front(points: Sequence[Point]) -> list[Point]:
     """The points no other point beats on both axes (at most the cost and at least the quality, better on
-    one), sorted by cost; duplicates kept once."""
-    unique = sorted(set((float(c), float(q)) for c, q in points))
+    one), sorted by cost; duplicates kept once. A point with a non-finite cost or quality (a setting that
+    diverged) is no point of a front (NaN would also make the order depend on the run: it hashes by
+    identity)."""
+    unique = sorted(set((float(c), float(q)) for c, q in points if math.isfinite(float(c)) and math.isfinite(float(q))))
     kept = []
     for cost, quality in unique:
         beaten = any(c <= cost and q >= quality and (c, q) != (cost, quality) for c, q in unique)
