@@ -255,3 +255,68 @@ def test_sentence_endings_leave_out_sentences_too_long_for_a_small_block():
     examples = sentence_endings(" ".join(short + [long]), count=50, min_words=5, max_words=48)
     assert len(examples) == 12 and all("old river old river old river" not in c for e in examples
                                        for c in e["choices"] + [e["context"]])
+
+
+GEN_TASK = "rdepth_batched_continuations"
+GEN_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+  cache_dir: {cache_dir}
+test_split: test
+output_type: generate_until
+doc_to_text: context
+doc_to_target: target
+generation_kwargs:
+  until: ["."]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def test_batched_generation_through_lm_evals_own_hf_model_equals_each_prompt_alone(run, tmp_path):
+    """EleutherAI lm-eval's own ``--model hf`` on a generation task with prompts of different lengths at
+    batch size 8 (issue 43: it failed on padding when lm-eval's stopping criteria sent generate() into
+    transformers' loop): every continuation equals rdepth's greedy decoding of that prompt alone, cut at
+    the first stop string as the harness cuts."""
+    lm_eval_or_skip()
+    pytest.importorskip("accelerate")
+    import json
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from rdepth.interop.config import ExportConfig
+    from rdepth.interop.export import export_run
+    from rdepth.model.generation import generate
+
+    folder, model = run
+    contexts = [" ".join(sentence.split()[: 2 + index % 7]) for index, sentence in enumerate(sentences(12, seed=4))]
+    assert len({len(tiny_tokenizer().encode(c)) for c in contexts}) > 3  # prompts of different lengths
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = tasks / "docs.jsonl"
+    data.write_text("".join(json.dumps({"context": c, "target": "x"}) + "\n" for c in contexts))
+    (tasks / f"{GEN_TASK}.yaml").write_text(GEN_YAML.format(name=GEN_TASK, data=data, cache_dir=tmp_path / "cache"))
+    exported = export_run(ExportConfig(checkpoint=str(folder), out=str(tmp_path / "hf")))
+    result = simple_evaluate(model="hf", model_args=f"pretrained={exported},trust_remote_code=True,"
+                             "loop_counts=3:2,dtype=float32", batch_size=8, device="cpu",
+                             tasks=[GEN_TASK], task_manager=TaskManager(include_path=str(tasks)),
+                             log_samples=True, bootstrap_iters=0)
+    samples = sorted(result["samples"][GEN_TASK], key=lambda sample: sample["doc_id"])
+    assert len(samples) == len(contexts)
+    tokenizer = tiny_tokenizer()
+    for sample, context in zip(samples, contexts):
+        ids = torch.tensor([tokenizer.encode(context)])
+        with torch.no_grad():
+            tokens = generate(model, ids, 6, loop_counts=(3, 2), noise=StateNoise(0, [0]))[0, ids.shape[1]:]
+        alone = tokenizer.decode(tokens.tolist()).split(".")[0]
+        assert sample["resps"][0][0] == alone, context
+    assert sum(bool(sample["resps"][0][0].strip()) for sample in samples) >= len(samples) // 2  # text was made
