@@ -12,6 +12,7 @@ from conftest import tiny_model
 
 from rdepth.errors import RdepthError
 from rdepth.exits import PolicyController
+from rdepth.exits.gate import random_gate
 from rdepth.exits.registry import POLICIES
 from rdepth.model import RecurrentLM
 from rdepth.model.generation import generate
@@ -121,13 +122,20 @@ def controller_factory(model: RecurrentLM, name: str, value: float | None):
                                                   patience=int(value))
     if not POLICIES[name].uses_tau:
         return lambda: PolicyController.from_name(name, k_max=list(K_MAX))
+    if name == "learned":  # a gate with random weights: the rule's mechanics, not its quality
+        gate = random_gate(model.n_groups, model.config.d_model)
+        return lambda: PolicyController.from_name(name, tau=value, k_max=list(K_MAX), gate=gate)
     return lambda: PolicyController.from_name(name, tau=value, k_max=list(K_MAX), decode=model.readout)
+
+
+# Thresholds of the rules whose signal is a probability's complement (tau in (0, 1]).
+BOUNDED_GRID = [0.5, 0.8, 0.9, 0.93, 0.95, 0.96, 0.97, 0.98, 0.99, 0.995, 1.0]
 
 
 def varied_setting(model: RecurrentLM, idx: torch.Tensor, noise: StateNoise, name: str):
     """The rule's setting (from a grid) under which the tokens' loop steps vary the most."""
     grid = [1, 2] if name == "argmax_stable" else [None] if not POLICIES[name].uses_tau else \
-        [10.0 ** (e / 2) for e in range(-12, 3)]
+        BOUNDED_GRID if POLICIES[name].tau_max is not None else [10.0 ** (e / 2) for e in range(-12, 3)]
     best, spread = grid[0], -1
     for value in grid:
         out = model(idx, controller=controller_factory(model, name, value)(), generator=noise)
