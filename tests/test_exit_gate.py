@@ -150,3 +150,22 @@ def test_gate_help_lists_its_flags(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "--checkpoint" in out and "--validation-share" in out and "exit_gate.safetensors" in out
+
+
+def test_generate_exit_learned_reads_the_gate_and_refuses_a_run_without_one(trained, tmp_path, capsys):
+    """``rdepth generate --exit learned`` (the one decoder) takes the run's gate; tau 1 stops every token at
+    step 1 of each group, which is the fixed budget of one loop."""
+    _, run = trained
+    argv = ["generate", "--checkpoint", str(run), "--prompt", "a ? b", "--max-new-tokens", "4", "--temperature", "0",
+            "--device", "cpu"]
+    capsys.readouterr()
+    assert main(argv + ["--exit", "learned", "--tau", "1", "--k-max", "3"]) == 0
+    learned = capsys.readouterr().out
+    assert main(argv + ["--loops", "1"]) == 0
+    assert learned == capsys.readouterr().out
+    copy, checkpoint = copy_run(run, tmp_path)
+    (checkpoint / GATE_FILE).unlink()
+    argv[2] = str(copy)
+    assert main(argv + ["--exit", "learned", "--tau", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "has no trained exit gate" in err and len(err.strip().splitlines()) == 1
