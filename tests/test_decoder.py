@@ -276,7 +276,7 @@ def op_counts(call) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("name, check_every", [(None, None), ("acceleration", None), ("kl", None),
-                                               ("step_norm", 2)])
+                                               ("confidence", None), ("learned", None), ("step_norm", 2)])
 def test_a_token_has_no_host_sync_but_one_per_chunk_check(name, check_every):
     model = tiny_model()
     idx = tokens(3)
