@@ -169,3 +169,21 @@ def test_generate_exit_learned_reads_the_gate_and_refuses_a_run_without_one(trai
     assert main(argv + ["--exit", "learned", "--tau", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "has no trained exit gate" in err and len(err.strip().splitlines()) == 1
+
+
+def test_positions_all_trains_on_every_position_and_answers_needs_task_data(trained, tmp_path, capsys):
+    data, run = trained
+    copy, _ = copy_run(run, tmp_path)
+    assert main(["gate", "--checkpoint", str(copy), "--data", str(data), "--windows", "12", "--k-max", "3",
+                 "--steps", "20", "--positions", "all", "--no-progress"]) == 0
+    every = json.loads(load_gate(copy).metadata["training"])
+    answers = json.loads(load_gate(run).metadata["training"])
+    assert every["positions"] == "all" and answers["positions"] == "masked"
+    assert every["groups"][0]["fit"]["rows"] > answers["groups"][0]["fit"]["rows"]
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "manifest.json").write_text(json.dumps({"format_version": 1}))
+    capsys.readouterr()
+    assert main(["gate", "--checkpoint", str(run), "--data", str(text), "--positions", "answers"]) == 2
+    err = capsys.readouterr().err
+    assert "--positions answers needs task data" in err and len(err.strip().splitlines()) == 1

@@ -137,8 +137,13 @@ def train_gate(model: RecurrentLM, windows: torch.Tensor, config: GateConfig,
 def train_gate_checkpoint(config: GateConfig) -> dict:
     """``rdepth gate``: open the run, train on the val split's first ``config.windows`` windows, save the gate
     beside the checkpoint (the run folder locked meanwhile). Returns the report with the gate's ``path``."""
+    from rdepth.tasks.eval_checkpoint import is_task_data
+
     if config.threads:
         torch.set_num_threads(config.threads)
+    task = is_task_data(config.data)
+    if not task and config.positions == "answers":
+        raise RdepthError(f"gate: --positions answers needs task data; {config.data} is text data: drop it")
     checkpoint = resolve_checkpoint(config.checkpoint)
     folder = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint
     with exclusive(folder, "gate"):
@@ -146,7 +151,7 @@ def train_gate_checkpoint(config: GateConfig) -> dict:
         windows = run.windows(config.windows)
         if windows.shape[0] < 2:
             raise RdepthError(f"gate: {config.data} holds fewer than two val windows")
-        masks = _answer_windows(run, config.windows) if run.starts is not None else None
+        masks = _answer_windows(run, config.windows) if task and config.positions != "all" else None
         gate, report = train_gate(run.model, windows, config, masks)
         report["data"] = str(Path(config.data))
         report["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()}
