@@ -60,7 +60,7 @@ def test_gate_command_saves_a_gate_tied_to_the_weights_and_the_sweep_runs_it(tra
     assert (gate.n_groups, gate.d_model) == (2, 16)
     assert gate.metadata["weights_sha256"] == run_identity(resolve_checkpoint(run))["weights_sha256"]
     report = json.loads(gate.metadata["training"])
-    assert report["k_max"] == [3, 3] and report["positions"] == "masked" and len(report["groups"]) == 2
+    assert report["k_max"] == [3, 3] and report["positions"] == "all" and len(report["groups"]) == 2
     for group in report["groups"]:
         assert 1 <= group["mean_target_step"] <= 3 and group["kept_out"]["rows"] > 0
     capsys.readouterr()
@@ -171,13 +171,13 @@ def test_generate_exit_learned_reads_the_gate_and_refuses_a_run_without_one(trai
     assert "has no trained exit gate" in err and len(err.strip().splitlines()) == 1
 
 
-def test_positions_all_trains_on_every_position_and_answers_needs_task_data(trained, tmp_path, capsys):
+def test_positions_answers_trains_on_the_answer_tokens_only_and_needs_task_data(trained, tmp_path, capsys):
     data, run = trained
     copy, _ = copy_run(run, tmp_path)
     assert main(["gate", "--checkpoint", str(copy), "--data", str(data), "--windows", "12", "--k-max", "3",
-                 "--steps", "20", "--positions", "all", "--no-progress"]) == 0
-    every = json.loads(load_gate(copy).metadata["training"])
-    answers = json.loads(load_gate(run).metadata["training"])
+                 "--steps", "20", "--positions", "answers", "--no-progress"]) == 0
+    answers = json.loads(load_gate(copy).metadata["training"])
+    every = json.loads(load_gate(run).metadata["training"])
     assert every["positions"] == "all" and answers["positions"] == "masked"
     assert every["groups"][0]["fit"]["rows"] > answers["groups"][0]["fit"]["rows"]
     text = tmp_path / "text"

@@ -12,8 +12,10 @@
    right at the cap, the per-token oracle of :mod:`rdepth.sweep.depth`. The row (token, s) is labelled 1
    when ``s`` >= that step ("the answer will not change from here"), else 0.
 3. **Fit.** One linear head per group on :func:`rdepth.exits.gate.gate_features` of ``(x^(s-1), x^(s))``,
-   logistic loss, full batch, Adam; the model stays frozen. A share of the windows is kept out of the
-   fit, and the loss and accuracy on them are reported (and saved in the gate's metadata).
+   logistic loss, full batch, Adam; the model stays frozen. Every position gives rows (the gate runs at
+   every position), or with ``positions="answers"`` on task data the answer tokens only. A share of the
+   windows is kept out of the fit, and the loss and accuracy on them are reported (and saved in the gate's
+   metadata).
 4. **Save** ``exit_gate.safetensors`` beside the checkpoint's weights, tied to them by their SHA-256.
 """
 
@@ -151,7 +153,7 @@ def train_gate_checkpoint(config: GateConfig) -> dict:
         windows = run.windows(config.windows)
         if windows.shape[0] < 2:
             raise RdepthError(f"gate: {config.data} holds fewer than two val windows")
-        masks = _answer_windows(run, config.windows) if task and config.positions != "all" else None
+        masks = _answer_windows(run, config.windows) if config.positions == "answers" else None
         gate, report = train_gate(run.model, windows, config, masks)
         report["data"] = str(Path(config.data))
         report["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()}
@@ -162,7 +164,7 @@ def train_gate_checkpoint(config: GateConfig) -> dict:
 
 def _answer_windows(run, max_windows: int) -> torch.Tensor:
     """bool ``[S, T + 1]``: the val split's answer mask cut into the same problem windows as ``run.windows``
-    (task data: the gate learns from the answer tokens, the ones the model was trained to predict)."""
+    (``positions="answers"``: the gate learns from the answer tokens, the ones the model was trained to predict)."""
     from rdepth.data.shards import TokenShards
     from rdepth.run.heldout import held_out_problem_windows
     from rdepth.tasks.data import answer_masks

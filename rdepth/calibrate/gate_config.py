@@ -26,9 +26,9 @@ class GateConfig:
     k_max: tuple[int, ...] | None = option(
         None, "loop-step cap N (every group) or N,N,... (per group): the budget the iterates are recorded at and "
         "the step the labels look ahead to", default_text="twice the model's eval loops")
-    positions: str | None = option(
-        None, "which positions give training rows: answers (task data: the answer tokens, which the model was "
-        "trained to predict) or all", default_text="answers on task data, all on text", choices=("answers", "all"))
+    positions: str = option(
+        "all", "which positions give training rows: all (the gate runs at every position) or answers (task data "
+        "only: the answer tokens, which the model was trained to predict)", choices=("all", "answers"))
     steps: int = option(400, "optimizer steps of the fit (full batch, Adam)", bounds="[1, 100000]")
     lr: float = option(0.05, "learning rate of the fit", bounds="(0, 10]")
     batch_size: int = option(16, "windows per forward pass while recording", bounds="[1, inf)")
