@@ -187,3 +187,19 @@ def test_positions_answers_trains_on_the_answer_tokens_only_and_needs_task_data(
     assert main(["gate", "--checkpoint", str(run), "--data", str(text), "--positions", "answers"]) == 2
     err = capsys.readouterr().err
     assert "--positions answers needs task data" in err and len(err.strip().splitlines()) == 1
+
+
+def test_calibrate_chooses_a_learned_threshold_per_group(trained, tmp_path, capsys):
+    """``rdepth calibrate --policy learned`` reads the run's gate, tries taus in (0, 1] only, and writes a
+    profile that eval applies."""
+    data, run = trained
+    profile = tmp_path / "learned.json"
+    assert main(["calibrate", "--checkpoint", str(run), "--data", str(data), "--policy", "learned",
+                 "--max-quality-loss", "0.05", "--k-max", "3", "--windows", "10", "--validation-windows", "10",
+                 "--out", str(profile)]) == 0
+    saved = json.loads(profile.read_text())
+    assert saved["policy"] == "learned" and saved["options"] == {"gate": str(run)} and len(saved["values"]) == 2
+    assert all(0 < value <= 1 for value in saved["values"])
+    assert max(row["value"] for row in saved["candidates"][0]) == 1.0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--data", str(data), "--exit-profile", str(profile)]) == 0

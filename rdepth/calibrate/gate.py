@@ -69,16 +69,16 @@ def fit_head(features: torch.Tensor, labels: torch.Tensor, *, steps: int, lr: fl
 
 
 def gate_rows(model: RecurrentLM, group: int, iterates: torch.Tensor, seq_len: int, k_max: Sequence[int], *,
-              batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              batch_size: int, seed: int, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One group's training rows from its recorded ``iterates`` ``[K + 1, S*T, d]`` (window-major):
     ``features`` ``[K, S*T, d + 1]`` (after steps 1..K), ``labels`` bool ``[K, S*T]`` (the prediction no
     longer changes from that step on) and ``target`` long ``[S*T]`` (the first such step)."""
     steps, rows, width = iterates.shape[0] - 1, iterates.shape[1], iterates.shape[2]
     windows = rows // seq_len
-    predictions = torch.stack([
+    predictions = torch.stack([  # (K, S*T)
         read_through_rest(model, group, iterates[step].view(windows, seq_len, width), k_max, batch_size=batch_size,
                           seed=seed).argmax(-1).reshape(rows)
-        for step in range(1, steps + 1)])  # (K, S*T)
+        for step in tqdm(range(1, steps + 1), desc=f"label group {group}", disable=not progress, leave=False)])
     target = stable_from(predictions)
     labels = torch.arange(1, steps + 1, device=target.device)[:, None] >= target[None, :]
     return gate_features(iterates[:-1], iterates[1:]), labels, target
@@ -119,7 +119,8 @@ def train_gate(model: RecurrentLM, windows: torch.Tensor, config: GateConfig,
     for group in range(model.n_groups):
         with torch.no_grad():
             features, labels, target = gate_rows(model, group, iterates[group].float(), seq_len, k_max,
-                                                 batch_size=config.batch_size, seed=config.seed)
+                                                 batch_size=config.batch_size, seed=config.seed,
+                                                 progress=config.progress)
         width = features.shape[-1]
         fitted_on, held_on = fitted.to(features.device), held.to(features.device)
         fit_x, fit_y = features[:, fitted_on].reshape(-1, width), labels[:, fitted_on].reshape(-1)
