@@ -188,3 +188,14 @@ def test_decoder_equals_teacher_forced_equals_batch_of_one(name):
             torch.testing.assert_close(cached[0][0], forced.logits[row], rtol=0, atol=1e-10)
             assert torch.equal(cached[1][:, 0], computed_forced[:, row, PROMPT:])
     assert (computed_forced == 1).any() and (computed_forced > 1).any()
+
+
+def test_the_sweeps_shared_taus_keep_a_bounded_rules_range_and_its_own_grid_must_fit():
+    from rdepth.sweep.config import SweepConfig
+
+    config = SweepConfig(policies=("kl", "confidence"), taus=(1e-3, 0.5, 2.0))
+    assert config.values("kl") == (1e-3, 0.5, 2.0) and config.values("confidence") == (1e-3, 0.5)
+    with pytest.raises(RdepthError, match="confidence takes tau in \\(0, 1\\]; the grid holds 2"):
+        SweepConfig(policies=("confidence",), grid={"confidence": (0.5, 2.0)})
+    with pytest.raises(RdepthError, match="--taus holds none"):
+        SweepConfig(policies=("confidence",), taus=(2.0, 3.0))

@@ -139,6 +139,9 @@ class SweepConfig:
         for name in self.policies:
             cls = get_policy_class(name)
             values = self.values(name)
+            if not values:
+                raise RdepthError(f"sweep: {name} takes tau in (0, {cls.tau_max:g}] and --taus holds none; give "
+                                  f"--grid {name}=...")
             if cls.tau_max is not None and cls.sweep_parameter == "tau" and max(values) > cls.tau_max:
                 raise RdepthError(f"sweep: {name} takes tau in (0, {cls.tau_max:g}]; the grid holds {max(values):g}")
             if cls.trained and self.checkpoint:
@@ -156,7 +159,8 @@ class SweepConfig:
         return {"direction": self.kl_direction} if policy == "kl" else {}
 
     def values(self, policy: str) -> tuple[float, ...]:
-        """The values swept for ``policy``: its ``grid`` entry, else its own default grid, else ``taus``."""
+        """The values swept for ``policy``: its ``grid`` entry, else its own default grid, else ``taus`` (those
+        within a bounded rule's range: confidence and learned take tau in (0, 1])."""
         from rdepth.exits.registry import get_policy_class
 
         if policy in self.grid:
@@ -164,7 +168,7 @@ class SweepConfig:
         cls = get_policy_class(policy)
         if cls.default_grid is not None:
             return tuple(cls.default_grid)
-        return self.taus
+        return tuple(t for t in self.taus if cls.tau_max is None or t <= cls.tau_max)
 
     def resolve_k_max(self, n_groups: int, eval_loops: tuple[int, ...]) -> tuple[int, ...]:
         """The per-group step cap for a model with ``n_groups`` groups and these eval loop counts."""
