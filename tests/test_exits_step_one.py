@@ -97,6 +97,17 @@ def test_learned_fires_on_the_gates_probability_from_step_one():
     torch.testing.assert_close(features[:, :d], states[1] / states[1].pow(2).mean(-1, keepdim=True).add(1e-6).sqrt())
 
 
+def test_the_rules_score_is_the_trained_probe_on_the_features():
+    """The policy's hot path (no features built) gives the probe's score on gate_features, as trained."""
+    gate = random_gate(3, 16, seed=5, scale=3.0)
+    generator = torch.Generator().manual_seed(6)
+    prev, new = (torch.randn(40, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    for group in range(3):
+        expected = gate_features(prev, new) @ gate.weight[group] + gate.bias[group]
+        torch.testing.assert_close(gate.score(group, prev, new), expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gate.probability(group, prev, new), torch.sigmoid(expected), rtol=1e-12, atol=0)
+
+
 def test_the_gates_target_is_the_per_token_oracle_on_tokens_right_at_the_cap():
     """stable_from (the first step from which the prediction no longer changes) equals the sweep's per-token
     oracle (the fewest steps from which it is right and stays right) on every token right at the cap."""

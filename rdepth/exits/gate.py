@@ -96,13 +96,26 @@ class ExitGate:
 
     def probability(self, group: int, prev: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """``[A]``: the probability that each token's prediction no longer changes after this step."""
-        features = gate_features(prev, new)  # (A, d + 1)
-        key = (features.device, features.dtype)
-        if key not in self._placed:  # one copy per device and dtype, made once
-            self._placed[key] = (self.weight.to(features.device, features.dtype),
-                                 self.bias.to(features.device, features.dtype))
-        weight, bias = self._placed[key]
-        return torch.sigmoid(features @ weight[group] + bias[group])
+        return torch.sigmoid(self.score(group, prev, new))
+
+    def score(self, group: int, prev: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``[A]``: the gate's pre-sigmoid score, ``gate_features(prev, new) @ weight[group] + bias[group]``
+        computed without building the features (the rule's hot path: ~16 ops per step, one of them the
+        O(d) dot product, the rms norm applied to that dot product instead of to the state)."""
+        dtype = torch.promote_types(new.dtype, torch.float32)
+        prev, new = prev.to(dtype), new.to(dtype)
+        state_weight, update_weight, bias = self._head(group, new.device, dtype)
+        inverse_rms = torch.rsqrt(new.pow(2).mean(-1) + EPS)  # (A,)
+        update = torch.linalg.vector_norm(new - prev, dim=-1) / (torch.linalg.vector_norm(prev, dim=-1) + EPS)
+        return (new @ state_weight) * inverse_rms + torch.log(update + EPS) * update_weight + bias
+
+    def _head(self, group: int, device: torch.device, dtype: torch.dtype):
+        """(state weight [d], update weight [], bias []) of ``group`` on ``device`` in ``dtype``, made once."""
+        key = (group, device, dtype)
+        if key not in self._placed:
+            weight = self.weight[group].to(device, dtype)
+            self._placed[key] = (weight[:-1].contiguous(), weight[-1].clone(), self.bias[group].to(device, dtype))
+        return self._placed[key]
 
 
 def config_sha256(model_config: dict) -> str:

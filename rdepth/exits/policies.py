@@ -51,6 +51,7 @@ with the exact rule).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -354,7 +355,8 @@ class ConfidencePolicy(_DecodedPolicy):
 @register_policy
 class LearnedPolicy(ExitPolicy):
     """Exit when a trained gate says the token's prediction will not change from here: ``1 - p < tau``,
-    i.e. the gate's probability ``p`` exceeds ``1 - tau`` (:mod:`rdepth.exits.gate`).
+    i.e. the gate's probability ``p`` exceeds ``1 - tau`` (:mod:`rdepth.exits.gate`), decided on its score
+    ``z`` as ``z > log((1 - tau) / tau)`` (tau 1: every token stops at step 1).
 
     ``gate`` (option, required): a run or checkpoint folder whose ``exit_gate.safetensors`` was trained for
     that model (``rdepth gate``), or an :class:`~rdepth.exits.gate.ExitGate`. Reads the group's head on
@@ -386,6 +388,8 @@ class LearnedPolicy(ExitPolicy):
 
     def _reset(self, state):
         self.gate.check_state(self.group, state)
+        # 1 - sigmoid(z) < tau  <=>  z > log((1 - tau) / tau): the score against a constant (no sigmoid)
+        self.score_floor = math.log((1.0 - self.tau) / self.tau) if self.tau < 1.0 else -math.inf
 
     def _exits(self, step, rows, prev, new):
-        return (1.0 - self.gate.probability(self.group, prev, new)) < self.tau
+        return self.gate.score(self.group, prev, new) > self.score_floor
