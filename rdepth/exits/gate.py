@@ -103,7 +103,8 @@ class ExitGate:
         computed without building the features (the rule's hot path: ~16 ops per step, one of them the
         O(d) dot product, the rms norm applied to that dot product instead of to the state)."""
         dtype = torch.promote_types(new.dtype, torch.float32)
-        prev, new = prev.to(dtype), new.to(dtype)
+        if new.dtype != dtype or prev.dtype != dtype:  # no call when they are (the hot path)
+            prev, new = prev.to(dtype), new.to(dtype)
         state_weight, update_weight, bias = self._head(group, new.device, dtype)
         inverse_rms = torch.rsqrt(new.pow(2).mean(-1) + EPS)  # (A,)
         update = torch.linalg.vector_norm(new - prev, dim=-1) / (torch.linalg.vector_norm(prev, dim=-1) + EPS)
