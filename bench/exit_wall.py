@@ -38,7 +38,8 @@ import time
 
 TAUS = {"step_norm": (0.5, 1, 2, 4, 8), "step_norm_rel": (0.02, 0.05, 0.1, 0.2, 0.3),
         "acceleration": (0.5, 1, 2, 4, 8), "acceleration_rel": (0.1, 0.2, 0.4, 0.6, 0.8),
-        "cosine": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1), "kl": (1e-3, 1e-2, 0.03, 0.1, 0.3)}
+        "cosine": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1), "kl": (1e-3, 1e-2, 0.03, 0.1, 0.3),
+        "confidence": (1e-3, 1e-2, 0.03, 0.1), "learned": (1e-3, 1e-2, 0.03, 0.1)}
 
 
 def parse_args(argv):
@@ -114,9 +115,10 @@ def settings_for(model, args) -> dict:
         counts = tuple(min(k, cap) for cap in full)
         settings[f"fixed {','.join(map(str, counts))}"] = {"loop_counts": counts}
     for name in [p for p in args.policies.split(",") if p]:
+        options = {"gate": args.run} if name == "learned" else {}  # the run's gate (rdepth gate)
         for tau in TAUS[name]:
-            settings[f"{name} {tau:g}"] = {"policy": name, "tau": tau,
-                                            "factory": controller_factory(name, tau, full, lambda: model.readout)}
+            settings[f"{name} {tau:g}"] = {"policy": name, "tau": tau, "factory": controller_factory(
+                name, tau, full, lambda: model.readout, options)}
     return settings
 
 

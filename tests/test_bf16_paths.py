@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from rdepth.config import get_preset
 from rdepth.sweep.config import SweepConfig
 from rdepth.exits.controller import controller_factory
-from rdepth.exits.registry import POLICIES, get_policy_class
+from rdepth.exits.gate import random_gate
+from rdepth.exits.registry import POLICIES, get_policy_class, sweepable_policies
 from rdepth.sweep.run import run_sweep
 from rdepth.model import RecurrentLM
 from rdepth.model.generation import generate
@@ -136,7 +137,12 @@ def _settings(name: str) -> list[tuple[str, float | None, bool]]:
     if cls.sweep_parameter == "patience":
         # patience k_max never fires; patience 1 fires when the top token repeats, precision-dependent
         return [("late", K_MAX[0], True), ("early", 1, False)]
-    return [("late", 1e-30, True), ("early", 1e30, True)]
+    return [("late", 1e-30, True), ("early", 1e30 if cls.tau_max is None else cls.tau_max, True)]
+
+
+def _options(name: str, model) -> dict:
+    """The learned rule's gate (random weights: the rule's mechanics under bf16, not its quality)."""
+    return {"gate": random_gate(model.n_groups, model.config.d_model)} if name == "learned" else {}
 
 
 def _forward(model, idx, factory, dtype):
@@ -149,7 +155,7 @@ def test_every_policy_runs_under_bf16_on_the_packed_path_and_matches_fp32(model,
     torch.manual_seed(4)
     idx = torch.randint(0, 64, (2, 16))
     for label, value, exact in _settings(name):
-        factory = controller_factory(name, value, K_MAX, lambda: model.readout)
+        factory = controller_factory(name, value, K_MAX, lambda: model.readout, _options(name, model))
         wide, low = _forward(model, idx, factory, None), _forward(model, idx, factory, torch.bfloat16)
         assert low.logits.dtype == torch.bfloat16 and torch.isfinite(low.logits).all(), label
         for computed in low.computed:
@@ -177,7 +183,7 @@ def test_every_policy_generates_under_bf16_with_the_cache_as_fp32_would(model, n
     torch.manual_seed(5)
     prompt = torch.randint(0, 64, (2, 4))
     for label, value, exact in _settings(name):
-        factory = controller_factory(name, value, K_MAX, lambda: model.readout)
+        factory = controller_factory(name, value, K_MAX, lambda: model.readout, _options(name, model))
         with _autocast(torch.bfloat16):
             tokens = generate(model, prompt, 8, temperature=0.0, controller_factory=factory,
                               noise=StateNoise.consecutive(0, 0, 2))
@@ -204,7 +210,7 @@ def test_the_sweep_runs_every_policy_under_bf16_with_decode_latency(model):
                          autocast="bf16")
     result = run_sweep(model, windows, config)
     assert result["config"]["generate_tokens"] == 16  # the default, the window leaves room for it
-    assert {p["policy"] for p in result["points"]} == set(POLICIES) - {"fixed"}
+    assert {p["policy"] for p in result["points"]} == set(sweepable_policies())  # all but fixed and learned
     for entry in [result["reference"], *result["points"]]:
         assert entry["ms_per_token_generate"] > 0 and entry["ms_per_token_b1"] > 0
         assert len(entry["timing_samples"]["ms_per_token_generate"]) == 1

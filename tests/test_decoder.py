@@ -12,6 +12,7 @@ from conftest import tiny_model
 
 from rdepth.errors import RdepthError
 from rdepth.exits.controller import controller_factory as exit_controllers
+from rdepth.exits.gate import random_gate
 from rdepth.exits.registry import POLICIES
 from rdepth.model import FixedController, RecurrentLM
 from rdepth.model.generation import generate, teacher_forced
@@ -116,13 +117,20 @@ def controller_factory(model: RecurrentLM, name: str, value: float | None):
         return exit_controllers(name, None, list(K_MAX), lambda: model.readout, {"patience": int(value)})
     if not POLICIES[name].uses_tau:
         return exit_controllers(name, None, list(K_MAX))
+    if name == "learned":  # a gate with random weights: the rule's mechanics, not its quality
+        gate = random_gate(model.n_groups, model.config.d_model)
+        return exit_controllers(name, value, list(K_MAX), None, {"gate": gate})
     return exit_controllers(name, value, list(K_MAX), lambda: model.readout)
+
+
+# Thresholds of the rules whose signal is a probability's complement (tau in (0, 1]).
+BOUNDED_GRID = [0.5, 0.8, 0.9, 0.93, 0.95, 0.96, 0.97, 0.98, 0.99, 0.995, 1.0]
 
 
 def varied_setting(model: RecurrentLM, idx: torch.Tensor, noise: StateNoise, name: str):
     """The rule's setting (from a grid) under which the tokens' loop steps vary the most."""
     grid = [1, 2] if name == "argmax_stable" else [None] if not POLICIES[name].uses_tau else \
-        [10.0 ** (e / 2) for e in range(-12, 3)]
+        BOUNDED_GRID if POLICIES[name].tau_max is not None else [10.0 ** (e / 2) for e in range(-12, 3)]
     best, spread = grid[0], -1
     for value in grid:
         out = model(idx, controller=controller_factory(model, name, value)(), noise=noise)
@@ -260,7 +268,7 @@ def op_counts(call) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("name, check_every", [(None, None), ("acceleration", None), ("kl", None),
-                                               ("step_norm", 2)])
+                                               ("confidence", None), ("learned", None), ("step_norm", 2)])
 def test_a_token_has_no_host_sync_but_one_per_chunk_check(name, check_every):
     model = tiny_model()
     idx = tokens(3)

@@ -15,12 +15,14 @@ import torch
 from rdepth.config import ModelConfig
 from rdepth.exits.controller import controller_factory
 from rdepth.exits.base import POLICIES
+from rdepth.exits.gate import random_gate
 from rdepth.model import RecurrentLM
 from rdepth.model.noise import StateNoise
 from rdepth.model.decoder import Decoder
 
 K_MAX = 6
 TAUS = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0)
+BOUNDED_TAUS = (0.5, 0.9, 0.95, 0.97, 0.99, 1.0)  # rules with tau in (0, 1]
 
 
 def model() -> RecurrentLM:
@@ -61,6 +63,8 @@ def run_with_policy(net, idx, name, tau):
         for group, layer in ((0, 2), (1, 4))]
     cls = POLICIES[name]
     options = {"tau": tau} if cls.uses_tau else {}
+    if name == "learned":  # a gate with random weights: which state is handed on, not the gate's quality
+        options["gate"] = random_gate(net.n_groups, net.config.d_model)
     controller = controller_factory(name, None, K_MAX, lambda: net.readout, options)()
     try:
         out = net(idx, controller=controller, noise=StateNoise.consecutive(7, 0, idx.shape[0]),
@@ -76,7 +80,7 @@ def test_handed_on_state_is_the_named_iterate(name):
     net = model()
     idx = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(1))
     early_exits = 0
-    for tau in TAUS if POLICIES[name].uses_tau else (None,):
+    for tau in (BOUNDED_TAUS if POLICIES[name].tau_max else TAUS) if POLICIES[name].uses_tau else (None,):
         with torch.no_grad():
             out, iterates, handed = run_with_policy(net, idx, name, tau)
         for group in (0, 1):

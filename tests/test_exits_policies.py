@@ -10,6 +10,7 @@ import torch
 from rdepth.errors import RdepthError
 from rdepth.exits.controller import controller_factory
 from rdepth.exits import POLICIES, PolicyController, drive_recorded, make_policy, replay
+from rdepth.exits.gate import random_gate
 
 D = 16  # embedding dimension of the constructed trajectories
 
@@ -259,7 +260,8 @@ def test_latent_rules_never_decode():
         if cls.needs_decode:
             continue
         tau = 0.5 if cls.uses_tau else None
-        controller = PolicyController([make_policy(name, tau=tau, k_max=7)], decode=forbidden)
+        options = {"gate": random_gate(1, states.shape[-1])} if name == "learned" else {}
+        controller = PolicyController([make_policy(name, tau=tau, k_max=7, **options)], decode=forbidden)
         drive_recorded(controller, 0, states)
 
 

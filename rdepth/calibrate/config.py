@@ -77,9 +77,13 @@ class CalibrateConfig:
         if self.values is not None:
             return self.values
         cls = get_policy_class(self.policy)
-        return tuple(cls.default_grid) if cls.default_grid is not None else CALIBRATE_TAUS
+        if cls.default_grid is not None:
+            return tuple(cls.default_grid)
+        return tuple(v for v in CALIBRATE_TAUS if cls.tau_max is None or v <= cls.tau_max)
 
     def policy_options(self) -> dict:
+        if self.policy == "learned":  # the gate trained for this checkpoint (rdepth gate), checked against it
+            return {"gate": self.checkpoint}
         return {"direction": self.kl_direction} if self.policy == "kl" else {}
 
     def resolve_k_max(self, n_groups: int, eval_loops: tuple[int, ...]) -> tuple[int, ...]:

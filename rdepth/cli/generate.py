@@ -49,10 +49,11 @@ def policy_controllers(config):
     from rdepth.exits.config import resolve_k_max
     from rdepth.exits.controller import controller_factory
 
-    controller_factory(config.exit, config.tau, config.k_max or (1,))
+    options = {"gate": config.checkpoint} if config.exit == "learned" else {}  # the run's trained gate
+    controller_factory(config.exit, config.tau, config.k_max or (1,), options=options)
 
     def controllers(model):
         k_max = resolve_k_max("generate", config.k_max, model.n_groups, model.config.default_eval_loops)
-        return controller_factory(config.exit, config.tau, k_max, lambda: model.readout)
+        return controller_factory(config.exit, config.tau, k_max, lambda: model.readout, options)
 
     return controllers

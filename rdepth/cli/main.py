@@ -31,6 +31,7 @@ SUBCOMMANDS = [
     "analyze",
     "sweep",
     "calibrate",
+    "gate",
     "surrogate",
     "export",
     "import_hf",

@@ -4,7 +4,9 @@ Layout (each file one purpose; dependencies point down the list):
 
 * ``base``: the exit-policy protocol; ``policies``: the rules; ``registry``:
   policies by name; ``decode``: how decoded rules read a state (the head, or
-  the rest of the model); ``controller``: policies as a model loop controller;
+  the rest of the model); ``gate``: the learned exit gate (a head per group on
+  the loop state, saved beside a checkpoint) that the ``learned`` rule reads;
+  ``controller``: policies as a model loop controller;
   ``recorded``: policies replayed on recorded iterates (:func:`replay`).
 * ``evaluate``: teacher-forced held-out evaluation with exits (through the run
   layer's one evaluation loop); ``profile``: a policy with one threshold per group,

@@ -69,6 +69,13 @@ class ExitPolicy:
     # threshold; ``default_grid`` None means the sweep's tau grid.
     sweep_parameter: ClassVar[str] = "tau"
     default_grid: ClassVar[tuple[float, ...] | None] = None
+    # The largest tau the rule's signal can use (a probability's complement: 1.0); None: any positive tau.
+    tau_max: ClassVar[float | None] = None
+    # True for a rule that reads a head trained for one model (the learned gate): a sweep runs it only
+    # when asked by name, never by default.
+    trained: ClassVar[bool] = False
+    # The group whose loop this object serves (PolicyController sets it); a learned gate reads its head.
+    group: int = 0
 
     def __init__(
         self,
@@ -86,6 +93,8 @@ class ExitPolicy:
                 raise RdepthError(f"exit policy {self.name}: tau must be a number, got {tau!r}") from None
             if not (math.isfinite(tau) and tau > 0):
                 raise RdepthError(f"exit policy {self.name}: tau must be positive and finite, got {tau!r}")
+            if self.tau_max is not None and tau > self.tau_max:
+                raise RdepthError(f"exit policy {self.name}: tau must be in (0, {self.tau_max:g}], got {tau!r}")
         elif tau is not None:
             raise RdepthError(f"exit policy {self.name}: takes no tau (got tau={tau!r})")
         if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:

@@ -68,6 +68,7 @@ class PolicyController:
                 )
             self._policies[group] = self._checked(self._factory(group), group)
         policy = self._policies[group]
+        policy.group = group  # which group's head a learned gate reads
         if policy.needs_decode and policy.decode is None:
             policy.decode = self.decode
         return policy

@@ -33,6 +33,17 @@ decoded, so their first comparison is at step 2):
 * ``argmax_stable``: no tau; exits when the top token has not changed for
   ``patience`` consecutive steps.
 
+* ``confidence``: ``1 - max_v p^(s)_v < tau`` (``signal="max_prob"``, the default) or
+  ``1 - (p^(s)_(1) - p^(s)_(2)) < tau`` (``signal="margin"``, the top two probabilities); no memory
+  across steps, so it decodes ``x^(1)`` and can stop at step 1. ``tau`` in (0, 1].
+
+Learned rule (O(d) per token-step; a head trained for one model, :mod:`rdepth.exits.gate`):
+
+* ``learned``: a gate's probability ``p`` that the token's prediction will not change from here;
+  exits when ``1 - p < tau`` (``p > 1 - tau``), from step 1 on; ``tau`` in (0, 1]. Its ``gate``
+  option is a run or checkpoint folder holding ``exit_gate.safetensors`` (loaded and checked against
+  that model) or an :class:`~rdepth.exits.gate.ExitGate`.
+
 ``kl`` and ``entropy_diff`` take ``every=k``: the head is read at every k-th step only and the rule
 compares consecutive readings (KL off the hot path; ``bench/exit_wall.py`` reports its agreement
 with the exact rule).
@@ -40,11 +51,15 @@ with the exact rule).
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 import torch.nn.functional as F
 
 from rdepth.errors import RdepthError
 from rdepth.exits.base import ExitPolicy, compute_dtype, register_policy
+from rdepth.exits.gate import ExitGate, load_gate
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -305,3 +320,76 @@ class ArgmaxStablePolicy(_DecodedPolicy):
         self.prev_top[rows] = top
         self.streak[rows] = streak
         return streak >= self.options["patience"]
+
+
+@register_policy
+class ConfidencePolicy(_DecodedPolicy):
+    """Exit when the decoded prediction is confident: ``1 - max_v p^(s)_v < tau`` (``signal="max_prob"``)
+    or ``1 - (p_(1) - p_(2)) < tau`` (``signal="margin"``, the top two probabilities).
+
+    Reads ``x^(s)`` after every step from step 1 (never the random start) and keeps nothing between
+    steps, so a token whose first iterate already decodes confidently stops at step 1. Cost per
+    token-step: the head, O(d V) (the ``decode``), then O(V) for the log-softmax and the top one or two;
+    O(1) memory per token. Per row, no host read. ``tau`` in (0, 1] (a probability's complement)."""
+
+    name = "confidence"
+    tau_max = 1.0
+    option_defaults = {"signal": "max_prob"}
+    SIGNALS = ("max_prob", "margin")
+
+    def _validate_options(self) -> None:
+        if self.options["signal"] not in self.SIGNALS:
+            raise RdepthError(f"exit policy {self.name}: signal must be one of {', '.join(self.SIGNALS)}, "
+                              f"got {self.options['signal']!r}")
+
+    def _exits(self, step, rows, prev, new):
+        log_probs = self._log_probs(new)  # (A, V)
+        if self.options["signal"] == "max_prob":
+            unsure = 1.0 - log_probs.max(dim=-1).values.exp()
+        else:
+            top = log_probs.topk(min(2, log_probs.shape[-1]), dim=-1).values.exp()  # (A, 2)
+            unsure = 1.0 - (top[:, 0] - top[:, -1]) if top.shape[-1] == 2 else 1.0 - top[:, 0]
+        return unsure < self.tau
+
+
+@register_policy
+class LearnedPolicy(ExitPolicy):
+    """Exit when a trained gate says the token's prediction will not change from here: ``1 - p < tau``,
+    i.e. the gate's probability ``p`` exceeds ``1 - tau`` (:mod:`rdepth.exits.gate`), decided on its score
+    ``z`` as ``z > log((1 - tau) / tau)`` (tau 1: every token stops at step 1).
+
+    ``gate`` (option, required): a run or checkpoint folder whose ``exit_gate.safetensors`` was trained for
+    that model (``rdepth gate``), or an :class:`~rdepth.exits.gate.ExitGate`. Reads the group's head on
+    ``x^(s-1)`` and ``x^(s)`` from step 1: O(d) per token-step, no memory across steps, per row, no
+    host read. ``tau`` in (0, 1]."""
+
+    name = "learned"
+    tau_max = 1.0
+    trained = True
+    option_defaults = {"gate": None}
+
+    def _validate_options(self) -> None:
+        gate = self.options["gate"]
+        if gate is None:
+            raise RdepthError(f"exit policy {self.name}: needs a trained exit gate (option gate: a run or checkpoint "
+                              "folder holding exit_gate.safetensors, made by rdepth gate)")
+        if isinstance(gate, (str, os.PathLike)):
+            gate = load_gate(gate)
+        elif not isinstance(gate, ExitGate):
+            raise RdepthError(f"exit policy {self.name}: gate must be a run folder or an ExitGate, "
+                              f"got {type(gate).__name__}")
+        self.gate = gate
+
+    def describe(self):
+        described = super().describe()
+        gate = getattr(self, "gate", None)
+        described["gate"] = None if gate is None else gate.source or "in memory"
+        return described
+
+    def _reset(self, state):
+        self.gate.check_state(self.group, state)
+        # 1 - sigmoid(z) < tau  <=>  z > log((1 - tau) / tau): the score against a constant (no sigmoid)
+        self.score_floor = math.log((1.0 - self.tau) / self.tau) if self.tau < 1.0 else -math.inf
+
+    def _exits(self, step, rows, prev, new):
+        return self.gate.score(self.group, prev, new) > self.score_floor

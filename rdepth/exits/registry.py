@@ -30,5 +30,5 @@ def make_policy(
 
 
 def sweepable_policies() -> tuple[str, ...]:
-    """Every registered policy except ``fixed`` (the sweep's baseline, always measured)."""
-    return tuple(name for name in POLICIES if name != "fixed")
+    """Every registered policy except ``fixed`` (the sweep's baseline, always measured) and trained ones."""
+    return tuple(name for name, cls in POLICIES.items() if name != "fixed" and not cls.trained)

@@ -109,6 +109,7 @@ class SweepConfig:
         check_fields(self, "sweep")
         self.taus = tuple(float(t) for t in self.taus)
         self.grid = _checked_grid(self.grid)
+        self._check_bounded_and_trained()
         self.k_max = checked_k_max("sweep", self.k_max)
         if self.decode == "rest" and self.timing and self.generate_tokens:
             raise RdepthError(
@@ -129,6 +130,23 @@ class SweepConfig:
             raise RdepthError(f"sweep: accuracy_tolerance must be a fraction in [0, 1], got {self.accuracy_tolerance!r}")
         check_device_name("sweep", self.device)
 
+    def _check_bounded_and_trained(self) -> None:
+        """A one-line error before any work: a tau above a rule's bound (confidence, learned: 1); a trained
+        rule (learned) on a checkpoint without a gate trained for it."""
+        from rdepth.exits.gate import load_gate
+        from rdepth.exits.registry import get_policy_class
+
+        for name in self.policies:
+            cls = get_policy_class(name)
+            values = self.values(name)
+            if not values:
+                raise RdepthError(f"sweep: {name} takes tau in (0, {cls.tau_max:g}] and --taus holds none; give "
+                                  f"--grid {name}=...")
+            if cls.tau_max is not None and cls.sweep_parameter == "tau" and max(values) > cls.tau_max:
+                raise RdepthError(f"sweep: {name} takes tau in (0, {cls.tau_max:g}]; the grid holds {max(values):g}")
+            if cls.trained and self.checkpoint:
+                load_gate(self.checkpoint)
+
     @property
     def max_windows(self) -> int | None:
         """Held-out windows evaluated per point (None: every window of the text)."""
@@ -136,10 +154,13 @@ class SweepConfig:
 
     def policy_options(self, policy: str) -> dict:
         """Options every point of ``policy`` is built with (besides its swept parameter)."""
+        if policy == "learned":  # the gate trained for this checkpoint (rdepth gate), checked against it
+            return {"gate": self.checkpoint}
         return {"direction": self.kl_direction} if policy == "kl" else {}
 
     def values(self, policy: str) -> tuple[float, ...]:
-        """The values swept for ``policy``: its ``grid`` entry, else its own default grid, else ``taus``."""
+        """The values swept for ``policy``: its ``grid`` entry, else its own default grid, else ``taus`` (those
+        within a bounded rule's range: confidence and learned take tau in (0, 1])."""
         from rdepth.exits.registry import get_policy_class
 
         if policy in self.grid:
@@ -147,7 +168,7 @@ class SweepConfig:
         cls = get_policy_class(policy)
         if cls.default_grid is not None:
             return tuple(cls.default_grid)
-        return self.taus
+        return tuple(t for t in self.taus if cls.tau_max is None or t <= cls.tau_max)
 
     def resolve_k_max(self, n_groups: int, eval_loops: tuple[int, ...]) -> tuple[int, ...]:
         """The per-group step cap for a model with ``n_groups`` groups and these eval loop counts."""
