@@ -52,6 +52,7 @@ with the exact rule).
 from __future__ import annotations
 
 import math
+import importlib
 import os
 
 import torch
@@ -59,7 +60,7 @@ import torch.nn.functional as F
 
 from rdepth.errors import RdepthError
 from rdepth.exits.base import ExitPolicy, compute_dtype, register_policy
-from rdepth.exits.gate import ExitGate, load_gate
+from rdepth.exits.gate import ExitGate
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -374,7 +375,7 @@ class LearnedPolicy(ExitPolicy):
             raise RdepthError(f"exit policy {self.name}: needs a trained exit gate (option gate: a run or checkpoint "
                               "folder holding exit_gate.safetensors, made by rdepth gate)")
         if isinstance(gate, (str, os.PathLike)):
-            gate = load_gate(gate)
+            gate = _gate_of_run(gate)
         elif not isinstance(gate, ExitGate):
             raise RdepthError(f"exit policy {self.name}: gate must be a run folder or an ExitGate, "
                               f"got {type(gate).__name__}")
@@ -393,3 +394,14 @@ class LearnedPolicy(ExitPolicy):
 
     def _exits(self, step, rows, prev, new):
         return self.gate.score(self.group, prev, new) > self.score_floor
+
+
+def _gate_of_run(folder: str | os.PathLike) -> ExitGate:
+    """The gate saved beside ``folder``'s checkpoint (:func:`rdepth.exits.gate_file.load_gate`), imported when
+    asked for: the exported model's bundled code carries the rules without rdepth's run-folder code, so there
+    a gate comes as an :class:`ExitGate` (a folder is a one-line error)."""
+    try:
+        gate_file = importlib.import_module("rdepth.exits.gate_file")
+    except ImportError:
+        raise RdepthError("exit policy learned: a gate file needs rdepth installed; pass an ExitGate") from None
+    return gate_file.load_gate(folder)

@@ -61,6 +61,7 @@ MODELING_PARTS: tuple[Part, ...] = (
     Part("rdepth.model.sampling"),
     Part("rdepth.model.decoder"),
     Part("rdepth.exits.base"),
+    Part("rdepth.exits.gate"),
     Part("rdepth.exits.policies"),
     Part("rdepth.exits.registry"),
     Part("rdepth.exits.controller"),

@@ -133,7 +133,7 @@ class SweepConfig:
     def _check_bounded_and_trained(self) -> None:
         """A one-line error before any work: a tau above a rule's bound (confidence, learned: 1); a trained
         rule (learned) on a checkpoint without a gate trained for it."""
-        from rdepth.exits.gate import load_gate
+        from rdepth.exits.gate_file import load_gate
         from rdepth.exits.registry import get_policy_class
 
         for name in self.policies:
