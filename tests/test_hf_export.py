@@ -389,6 +389,39 @@ def test_exit_policies_match_rdepths_controller(exported, rule):
     assert hf.generate(ids, max_new_tokens=10, do_sample=False, exit_policy=rule).tolist() == tokens.tolist()
 
 
+def test_the_learned_exit_gate_travels_with_the_export(tmp_path, monkeypatch, capsys):
+    """``rdepth export --exit-policy learned`` writes the run's trained gate beside the weights; the exported
+    model's exits, logits and greedy tokens are rdepth's under the same gate (issue 38 item 3); a run
+    without a gate is a one-line error and writes nothing."""
+    from rdepth.exits.gate import random_gate
+    from rdepth.exits.gate_file import load_gate, save_gate
+
+    run, model = tiny_run(tmp_path / "run")
+    err = one_line_error(capsys, cli(monkeypatch, "export", "--checkpoint", run, "--out", tmp_path / "none",
+                                     "--exit-policy", "learned", "--exit-tau", "0.5", "--exit-k-max", "6"))
+    assert "has no trained exit gate" in err and not (tmp_path / "none").exists()
+    save_gate(random_gate(model.n_groups, model.config.d_model, seed=3, scale=4.0), run)
+    assert cli(monkeypatch, "export", "--checkpoint", run, "--out", tmp_path / "hf", "--exit-policy", "learned",
+               "--exit-tau", "0.5", "--exit-k-max", "6") == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["exit_policy"] == {"name": "learned", "k_max": 6, "tau": 0.5, "gate": "exit_gate.safetensors"}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    gate = load_gate(run)
+
+    def controller():
+        return controller_factory("learned", 0.5, 6, None, {"gate": gate})()
+
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    with torch.no_grad():
+        ours = model(ids, noise=StateNoise(0, [0]), controller=controller())
+        theirs = hf(ids)
+    torch.testing.assert_close(theirs.logits, ours.logits, rtol=0, atol=1e-5)
+    steps = torch.cat([c.flatten() for c in ours.computed])
+    assert steps.min() < steps.max()  # the gate stops tokens at different steps: the test sees the gate
+    tokens = generate(model, ids, 8, temperature=0, controller_factory=controller, noise=StateNoise.consecutive(0, 0, 1))
+    assert hf.generate(ids, max_new_tokens=8, do_sample=False).tolist() == tokens.tolist()
+
+
 def test_exit_policy_from_the_export_flags(tmp_path, monkeypatch, capsys):
 
     run, model = tiny_run(tmp_path / "run")

@@ -35,6 +35,17 @@ from rdepth.run.heldout import run_tokenizer
 log = logging.getLogger(__name__)
 
 WEIGHT_PREFIX = "model."  # RdepthForCausalLM holds the RecurrentLM as .model
+EXPORTED_GATE = "exit_gate.safetensors"  # the learned exit rule's gate, beside the weights
+
+
+def _exported_gate(spec: dict | None, checkpoint):
+    """The checkpoint's trained exit gate when the exported exit policy is ``learned`` (one-line errors: no
+    gate, a gate for other weights), else None."""
+    if not spec or spec.get("name") != "learned":
+        return None
+    from rdepth.exits.gate_file import load_gate
+
+    return load_gate(checkpoint)
 
 
 def check_exit_spec(spec: dict | None, n_groups: int) -> None:
@@ -89,8 +100,14 @@ def export_run(config: ExportConfig) -> Path:
     tokenizer = run_tokenizer(checkpoint)
     counts = parse_loop_counts(config.loops, model_config.n_groups) if config.loops else None
     exit_spec = config.exit_spec(model_config.n_groups, checkpoint)
-    check_exit_spec(exit_spec, model_config.n_groups)
+    gate = _exported_gate(exit_spec, checkpoint)
+    check_exit_spec(exit_spec if gate is None else {**exit_spec, "gate": gate}, model_config.n_groups)
     with staged_folder(config.out) as folder:
+        if gate is not None:  # the learned rule's gate travels with the model (checked against it above)
+            save_file({"weight": gate.weight.float().contiguous(), "bias": gate.bias.float().contiguous()},
+                      str(folder / EXPORTED_GATE), metadata={"format": "pt"})
+            ordinary_mode(folder / EXPORTED_GATE)
+            exit_spec = {**exit_spec, "gate": EXPORTED_GATE}
         weights = {WEIGHT_PREFIX + name: tensor.detach().float().contiguous().cpu()
                    for name, tensor in model.state_dict().items()}
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})

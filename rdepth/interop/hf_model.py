@@ -42,6 +42,7 @@ detected from the output class); ``forward`` takes either name.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Sequence
 
 import torch
@@ -50,8 +51,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from rdepth.config import ModelConfig, parse_loop_counts
-from rdepth.exits.controller import controller_factory
-from rdepth.exits.controller import PolicyController
+from rdepth.exits.controller import PolicyController, controller_factory
+from rdepth.exits.gate import ExitGate
 from rdepth.interop.hf_config import RdepthConfig
 from rdepth.model.decoder import Decoder
 from rdepth.model.noise import StateNoise
@@ -223,7 +224,24 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"exit_policy needs a 'name' (a rule of rdepth.exits.policies), got {spec!r}")
         k_max = options.pop("k_max", 32)
         k_max = int(k_max) if isinstance(k_max, (int, float)) else tuple(int(k) for k in k_max)
+        if name == "learned" and isinstance(options.get("gate"), str):
+            options["gate"] = self.exit_gate(options["gate"])
         return controller_factory(name, options.pop("tau", None), k_max, lambda: self.model.readout, options)()
+
+    def exit_gate(self, file: str) -> ExitGate:
+        """The learned exit rule's gate exported beside the weights (``file`` in the model's folder), read
+        once."""
+        path = os.path.join(self.name_or_path or ".", file)
+        cached = getattr(self, "_exit_gate", None)
+        if cached is None or cached[0] != path:
+            from safetensors.torch import load_file
+
+            if not os.path.isfile(path):
+                raise ValueError(f"exit_policy learned: no exit gate {file!r} in {self.name_or_path!r} (export the "
+                                 "run with rdepth export --exit-policy learned after rdepth gate)")
+            tensors = load_file(path)
+            self._exit_gate = (path, ExitGate(tensors["weight"], tensors["bias"], {}, path))
+        return self._exit_gate[1]
 
     def state_noise(self, batch: int, state_seed: int | None, sequence_ids) -> StateNoise:
         seed = self.config.state_seed if state_seed is None else int(state_seed)
