@@ -192,6 +192,7 @@ def test_a_consolidate_killed_mid_write_leaves_the_old_file_whole_and_the_next_r
     assert not (folder / "model.safetensors").exists()
     (leftover,) = temporary_files(folder)
     assert leftover.startswith(".model.safetensors.") and is_leftover_tmp(folder / leftover)
+    (folder / ".model.safetensors.tmp").write_bytes(b"half")  # the fixed name of earlier versions
 
     assert main(["consolidate", "--checkpoint", str(folder)]) == 0
     assert temporary_files(folder) == [] and equal_weights(folder / "model.safetensors", weights)

@@ -166,7 +166,7 @@ def _run_lock(checkpoint: Path) -> Iterator[str]:
     folder = checkpoint.parent.parent if in_run else checkpoint
     lock = contextlib.ExitStack()
     try:
-        lock.enter_context(exclusive(folder, "consolidate"))  # outside a run, its recovery removes the temporary files
+        lock.enter_context(exclusive(folder, "consolidate"))
     except LockHeld as held:
         holder = held.holder or "another rdepth process"
         log.warning("%s is in use by %s: reading %s beside it, without the lock (its --keep-last rotation may "
@@ -176,8 +176,12 @@ def _run_lock(checkpoint: Path) -> Iterator[str]:
     with lock:
         if in_run:
             removed = ckpt.clean_debris(folder)
-            if removed:
-                log.info("removed what an interrupted checkpoint or consolidate left: %s", ", ".join(removed))
+        else:  # (exclusive removed atomic_path's; this adds the fixed name of earlier versions)
+            removed = [temp.name for temp in ckpt.weight_temp_files(checkpoint)]
+            for name in removed:
+                (checkpoint / name).unlink(missing_ok=True)
+        if removed:
+            log.info("removed what an interrupted checkpoint or consolidate left: %s", ", ".join(removed))
         yield ""
 
 
