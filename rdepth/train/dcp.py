@@ -164,11 +164,12 @@ def _run_lock(checkpoint: Path) -> Iterator[str]:
     is read without the lock (see :func:`consolidate`)."""
     in_run = checkpoint.parent.name == "checkpoints"
     folder = checkpoint.parent.parent if in_run else checkpoint
-    lock = contextlib.ExitStack()
+    lock, holder = contextlib.ExitStack(), ""
     try:
         lock.enter_context(exclusive(folder, "consolidate"))
     except LockHeld as held:
         holder = held.holder or "another rdepth process"
+    if holder:  # (outside the except: an error while reading beside training is not "during" LockHeld)
         log.warning("%s is in use by %s: reading %s beside it, without the lock (its --keep-last rotation may "
                     "remove that checkpoint later, model.safetensors included)", folder, holder, checkpoint.name)
         yield holder
