@@ -73,7 +73,7 @@ def lock_is_held(run: Path) -> bool:
 
 
 def temporary_files(folder: Path) -> list[str]:
-    return sorted(path.name for path in folder.iterdir() if path.name.endswith(".tmp"))
+    return sorted(path.name for path in folder.iterdir() if path.name.endswith(".tmp") or path.name.startswith(".tmp"))
 
 
 def equal_weights(path: Path, weights: dict) -> bool:
@@ -140,6 +140,34 @@ def test_a_checkpoint_rotated_away_mid_read_beside_training_is_read_again_from_t
         training.close()
 
 
+def test_a_checkpoint_rotated_away_mid_write_beside_training_is_written_into_the_newest(
+        tmp_path, weights, monkeypatch, capsys):
+    """The rotation comes while model.safetensors is written: safetensors' I/O error (a SafetensorError,
+    a traceback before) is one more checkpoint gone, and the newest is consolidated instead."""
+    import safetensors.torch
+
+    run = tmp_path / "run"
+    old = save_dcp(run, 4, weights)
+    new = save_dcp(run, 8, weights, latest=False)
+    real_save = safetensors.torch.save_file
+
+    def rotate_then_save(*args, **kwargs):
+        if old.exists():
+            (run / "checkpoints" / "latest").write_text(new.name + "\n")
+            assert ckpt.rotate_checkpoints(run, keep_last=1) == [old.name]
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", rotate_then_save)
+    training = hold_lock_as_training(run)
+    try:
+        assert main(["consolidate", "--checkpoint", str(run)]) == 0
+    finally:
+        training.close()
+    assert capsys.readouterr().out.strip() == f"consolidated {new / 'model.safetensors'}"
+    assert equal_weights(new / "model.safetensors", weights) and not old.exists()
+    assert temporary_files(new) == []
+
+
 def test_the_checks_stay_errors_beside_training(tmp_path, weights, capsys):
     """Reading beside training retries only a checkpoint that went away: a damaged one still exists and
     is the usual one-line "corrupt"."""
@@ -157,14 +185,16 @@ def test_the_checks_stay_errors_beside_training(tmp_path, weights, capsys):
     assert not (folder / "model.safetensors").exists() and temporary_files(folder) == []
 
 
+# What a SIGKILL inside safetensors' save_file leaves: the file it was given (consolidate's temporary file)
+# still empty, and safetensors' own temporary file (.tmpXXXXXX beside it, renamed over the first when whole)
+# half-written.
 KILLED_WRITE = """
 import os, signal, sys
 import safetensors.torch
-real_save = safetensors.torch.save_file
 def half_then_killed(tensors, filename, metadata=None):
-    real_save(tensors, filename, metadata=metadata)
-    data = open(filename, "rb").read()
-    open(filename, "wb").write(data[: len(data) // 2])
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    with open(os.path.join(os.path.dirname(filename), ".tmpAb12Cd"), "wb") as handle:
+        handle.write(data[: len(data) // 2])
     os.kill(os.getpid(), signal.SIGKILL)
 safetensors.torch.save_file = half_then_killed
 from rdepth.cli.main import main
@@ -190,8 +220,8 @@ def test_a_consolidate_killed_mid_write_leaves_the_old_file_whole_and_the_next_r
     killed = killed_consolidate("--checkpoint", str(folder))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (folder / "model.safetensors").exists()
-    (leftover,) = temporary_files(folder)
-    assert leftover.startswith(".model.safetensors.") and is_leftover_tmp(folder / leftover)
+    ours, theirs = temporary_files(folder)
+    assert ours.startswith(".model.safetensors.") and is_leftover_tmp(folder / ours) and theirs == ".tmpAb12Cd"
     (folder / ".model.safetensors.tmp").write_bytes(b"half")  # the fixed name of earlier versions
 
     assert main(["consolidate", "--checkpoint", str(folder)]) == 0
@@ -200,7 +230,7 @@ def test_a_consolidate_killed_mid_write_leaves_the_old_file_whole_and_the_next_r
     killed = killed_consolidate("--checkpoint", str(folder), "--overwrite")
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert equal_weights(folder / "model.safetensors", weights)  # the earlier file, whole
-    assert len(temporary_files(folder)) == 1
+    assert len(temporary_files(folder)) == 2
     assert main(["consolidate", "--checkpoint", str(folder), "--overwrite"]) == 0
     assert temporary_files(folder) == [] and equal_weights(folder / "model.safetensors", weights)
 
@@ -212,10 +242,11 @@ def test_a_killed_consolidates_temporary_file_neither_blocks_rotation_nor_outliv
     run = tmp_path / "run"
     old, new = save_dcp(run, 4, weights), save_dcp(run, 8, weights)
     (old / ".model.safetensors.ab12cd34.tmp").write_bytes(b"half")
+    (old / ".tmpAb12Cd").write_bytes(b"half")  # safetensors' own
     (new / ".model.safetensors.tmp").write_bytes(b"half")
     (new / ".model.safetensors.x.tmp").write_bytes(b"someone else's")  # not rdepth's naming: kept
     assert ckpt.is_checkpoint_folder(old)
-    assert ckpt.clean_debris(run) == [f"{old.name}/.model.safetensors.ab12cd34.tmp",
+    assert ckpt.clean_debris(run) == [f"{old.name}/.model.safetensors.ab12cd34.tmp", f"{old.name}/.tmpAb12Cd",
                                       f"{new.name}/.model.safetensors.tmp"]
     assert temporary_files(old) == [] and temporary_files(new) == [".model.safetensors.x.tmp"]
     assert not ckpt.is_checkpoint_folder(new)  # a file rdepth did not write: rotation leaves the folder

@@ -136,15 +136,25 @@ def read_latest(latest: Path) -> str:
     return name
 
 
+# safetensors' save_file writes its file as ``.tmpXXXXXX`` in the target's folder, then renames it
+SAFETENSORS_TMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
+
+
 def weight_temp_files(checkpoint: Path) -> list[Path]:
     """The temporary files of ``model.safetensors`` that a killed ``rdepth consolidate`` left in a checkpoint
-    folder: ``.model.safetensors.XXXXXXXX.tmp`` (:func:`rdepth.io.atomic_path`), or ``.model.safetensors.tmp``
-    (the fixed name of earlier versions)."""
+    folder: ``.model.safetensors.XXXXXXXX.tmp`` (:func:`rdepth.io.atomic_path`; ``.model.safetensors.tmp``,
+    the fixed name of earlier versions) and safetensors' own ``.tmpXXXXXX`` (the one a kill mid-write leaves
+    full-size: :data:`SAFETENSORS_TMP`; rdepth writes nothing else into a finished checkpoint)."""
     if checkpoint.is_symlink() or not checkpoint.is_dir():
         return []
-    return sorted(path for path in checkpoint.iterdir()
-                  if path.name == ".model.safetensors.tmp" and path.is_file() and not path.is_symlink()
-                  or path.name.startswith(".model.safetensors.") and is_leftover_tmp(path))
+
+    def is_temp(path: Path) -> bool:
+        if path.name.startswith(".model.safetensors.") and is_leftover_tmp(path):
+            return True
+        return (path.name == ".model.safetensors.tmp" or bool(SAFETENSORS_TMP.match(path.name))) \
+            and path.is_file() and not path.is_symlink()
+
+    return sorted(path for path in checkpoint.iterdir() if is_temp(path))
 
 
 def clean_debris(run_dir: str | os.PathLike) -> list[str]:

@@ -238,6 +238,7 @@ def _write_weights(checkpoint: Path, overwrite: bool) -> None:
     """:func:`consolidate` of one checkpoint folder: its config, shapes, dtypes and finiteness checked, then
     ``model.safetensors`` written atomically."""
     import torch.distributed.checkpoint as dcp
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from rdepth.model import RecurrentLM
@@ -278,7 +279,10 @@ def _write_weights(checkpoint: Path, overwrite: bool) -> None:
                               "nothing written")
     # parents=False: a folder rotated away meanwhile is an error here, never re-created holding weights alone
     with atomic_path(target, parents=False) as temporary:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(temporary), metadata={"format": "pt"})
+        try:
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(temporary), metadata={"format": "pt"})
+        except SafetensorError as exc:  # wraps the OSError of a full disk, or of a folder removed meanwhile
+            raise RdepthError(f"cannot write {target}: {' '.join(str(exc).split())[:200]}") from None
 
 
 @dataclass
