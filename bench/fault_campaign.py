@@ -967,7 +967,13 @@ def _session_alive(pid: int) -> bool:
 def _debris(run: Path) -> list[str]:
     root = run / "checkpoints"
     return sorted(str(p.relative_to(root)) for p in root.rglob("*")
-                  if p.name.startswith(".step_") or p.name.endswith(".tmp"))
+                  if p.name.startswith((".step_", ".tmp")) or p.name.endswith(".tmp"))
+
+
+def _temporary_files(checkpoint: Path) -> list[Path]:
+    """consolidate's temporary file (``.model.safetensors.XXXXXXXX.tmp``; ``.model.safetensors.tmp`` in
+    earlier versions) and the one safetensors writes first beside it (``.tmpXXXXXX``)."""
+    return [*checkpoint.glob(".model.safetensors.*tmp"), *checkpoint.glob(".tmp??????")]
 
 
 def consolidate_cases() -> list[Case]:
@@ -1018,8 +1024,9 @@ def consolidate_cases() -> list[Case]:
 
     def killed_mid_write(c: Campaign, tmp: Path) -> str:
         """SIGKILL while model.safetensors is written (50 MB: a 4-layer d_model-512 model): as soon as its
-        temporary file appears, once it has bytes, once it holds half or more; after each kill the file is
-        absent or the earlier one, whole; the next consolidate removes the temporary file and writes it."""
+        temporary file appears, once safetensors' has bytes, once it holds half or more; after each kill the
+        file is absent or the earlier one, whole; the next consolidate removes the temporary files and
+        writes it."""
         out = tmp / "run"
         train = _fsdp_train(c, out, "--max-steps", "1", "--checkpoint-every", "1", "--eval-every", "1000",
                             "--n-layer", "4", "--n-head", "8", "--d-model", "512", session=False)
@@ -1039,13 +1046,16 @@ def consolidate_cases() -> list[Case]:
             proc = subprocess.Popen([sys.executable, "-m", "rdepth", "consolidate", "--checkpoint", str(out), *extra],
                                     env=ENV, cwd=c.work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     text=True, start_new_session=True)
-            deadline, size = time.monotonic() + 4 * c.timeout, None
+            deadline, size, where = time.monotonic() + 4 * c.timeout, None, ""
             while proc.poll() is None and time.monotonic() < deadline:
-                temps = list(checkpoint.glob(".model.safetensors.*tmp"))  # (earlier versions: .model.safetensors.tmp)
-                try:
-                    size = temps[0].stat().st_size if temps else None
-                except FileNotFoundError:
-                    size = None
+                sizes = []
+                for temp in _temporary_files(checkpoint):
+                    try:
+                        owner = "ours" if temp.name.startswith(".model.") else "safetensors'"
+                        sizes.append((temp.stat().st_size, owner))
+                    except FileNotFoundError:  # renamed meanwhile
+                        pass
+                size, where = max(sizes) if sizes else (None, "")
                 if size is not None and ready(size):
                     break
                 time.sleep(0.001)
@@ -1054,14 +1064,16 @@ def consolidate_cases() -> list[Case]:
             except ProcessLookupError:  # it finished before the kill
                 pass
             proc.wait()
-            return f"{size / 2**20:.0f} MB" if size is not None and proc.returncode < 0 else "finished first"
+            if size is None or proc.returncode >= 0:
+                return "finished first"
+            return f"{size / 2**20:.0f} MB ({where})"
 
         kills = [kill_when(lambda size: True)]
         if target.exists():  # the kill came after the rename: the whole file
             c.note = "the first kill came after the rename"
         first = c.rdepth("consolidate", "--checkpoint", str(out), "--overwrite")
-        if first.code != 0 or list(checkpoint.glob(".model.safetensors.*")):
-            c.note = f"re-run after a kill: exit {first.code}, left {[p.name for p in checkpoint.glob('.model.*')]}"
+        if first.code != 0 or _temporary_files(checkpoint):
+            c.note = f"re-run after a kill: exit {first.code}, left {[p.name for p in _temporary_files(checkpoint)]}"
             return expect_success(first) if first.code != 0 else "lost"
         whole, full_size = sha(target), target.stat().st_size
         for ready in (lambda size: size > 0, lambda size: size >= full_size // 2):
@@ -1070,7 +1082,7 @@ def consolidate_cases() -> list[Case]:
                 c.note = f"model.safetensors changed by a kill at {kills[-1]}"
                 return "lost"
         again = c.rdepth("consolidate", "--checkpoint", str(out), "--overwrite")
-        leftovers = [p.name for p in checkpoint.iterdir() if p.name.endswith(".tmp")]
+        leftovers = [p.name for p in _temporary_files(checkpoint)]
         check = c.rdepth("eval", "--checkpoint", str(out), "--data", str(c.data), "--max-batches", "1")
         c.note = f"killed with {', '.join(kills)} of {full_size / 2**20:.0f} MB written"
         if all(kill == "finished first" for kill in kills):
