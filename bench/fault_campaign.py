@@ -13,7 +13,10 @@ Re-runs the campaign's categories in temporary folders, every case a real
 - ``data``: data and checkpoint that do not belong together; resume semantics;
 - ``round3`` (issue 31): calibrate, exit profiles (bounds, run identity), export/retrofit/import-hf and
   reproduce inputs, demo re-runs over damaged files, huge model configs, non-UTF-8 and mathtext text,
-  flags that do not apply, and re-runs of analyze/sweep killed at several stages (never a mixed folder).
+  flags that do not apply, and re-runs of analyze/sweep killed at several stages (never a mixed folder);
+- ``consolidate`` (issue 43): ``rdepth consolidate`` of a ``--parallel fsdp`` run (one rank under torchrun)
+  while it trains with ``--keep-last 1`` (a checkpoint removed while being read), and killed while writing
+  ``model.safetensors`` then re-run.
 
 Each case is classified:
 
@@ -26,9 +29,11 @@ Each case is classified:
 - ``traceback``: a Python traceback reached the user;
 - ``silent``: a bad input was accepted (exit 0), or a run gave a wrong result;
 - ``lost``: a file that existed before was damaged or removed;
-- ``hang``: the case ran past its time limit (killed).
+- ``hang``: the case ran past its time limit (killed);
+- ``orphan``: a process the case started, or one of its children, was still running after it (checked by
+  the cases that start commands in the background: ``consolidate``'s).
 
-Usage (CPU; about 15 minutes on 2 cores, 147 cases)::
+Usage (CPU; about 15 minutes on 2 cores, 149 cases; the consolidate category alone about 70 s)::
 
     python bench/fault_campaign.py [--timeout 60] [--only flags,files] [--json results.json] [--keep]
 """
@@ -56,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
 TINY = ["--n-layer", "3", "--n-head", "2", "--d-model", "32", "--block-size", "32", "--groups", "1",
         "--mean-loops", "3", "--backprop-depth", "2", "--threads", "1"]
-CLASSES = ("clean", "untidy", "traceback", "silent", "lost", "hang")
+CLASSES = ("clean", "untidy", "traceback", "silent", "lost", "hang", "orphan")
 
 
 @dataclass
@@ -932,6 +937,171 @@ def round3_cases() -> list[Case]:
     return cases
 
 
+# ------------------------------------------------------------------ consolidate (issue 43)
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _fsdp_train(c: Campaign, out: Path, *extra: str, session: bool = True) -> subprocess.Popen:
+    """``rdepth train --parallel fsdp`` on one rank under torchrun, in the background (its own session)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+            str(_free_port()), "-m", "rdepth", *c.train_argv(c.data, out, *extra), "--parallel", "fsdp"]
+    return subprocess.Popen(argv, env=ENV, cwd=c.work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=session)
+
+
+def _session_alive(pid: int) -> bool:
+    """Whether any process of the session ``pid`` led is still running; kills what is left."""
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    os.killpg(pid, signal.SIGKILL)
+    return True
+
+
+def _debris(run: Path) -> list[str]:
+    root = run / "checkpoints"
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                  if p.name.startswith((".step_", ".tmp")) or p.name.endswith(".tmp"))
+
+
+def _temporary_files(checkpoint: Path) -> list[Path]:
+    """consolidate's temporary file (``.model.safetensors.XXXXXXXX.tmp``; ``.model.safetensors.tmp`` in
+    earlier versions) and the one safetensors writes first beside it (``.tmpXXXXXX``)."""
+    return [*checkpoint.glob(".model.safetensors.*tmp"), *checkpoint.glob(".tmp??????")]
+
+
+def consolidate_cases() -> list[Case]:
+    def beside_training(c: Campaign, tmp: Path) -> str:
+        """Consolidate the run folder again and again while it trains, saving every step and keeping one
+        checkpoint: each consolidate writes the newest one or is one line, never "corrupt"; then once more
+        after the training (under the run's lock), and eval reads the result."""
+        out = tmp / "run"
+        train = _fsdp_train(c, out, "--max-steps", "200", "--checkpoint-every", "1", "--eval-every", "1000",
+                            "--keep-last", "1", "--milestone-every", "1000")
+        deadline = time.monotonic() + 4 * c.timeout
+        while train.poll() is None and time.monotonic() < deadline and not (out / "checkpoints" / "latest").exists():
+            time.sleep(0.05)
+        beside = []
+        while train.poll() is None and time.monotonic() < deadline:
+            beside.append(c.rdepth("consolidate", "--checkpoint", str(out), "--overwrite"))
+        try:
+            train.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _session_alive(train.pid)
+            return "hang"
+        train_err = train.stderr.read()
+        after = c.rdepth("consolidate", "--checkpoint", str(out), "--overwrite")
+        debris = _debris(out)
+        check = c.rdepth("eval", "--checkpoint", str(out), "--data", str(c.data), "--max-batches", "1")
+        outcomes = [*beside, after, check]
+        written = sum(o.code == 0 for o in beside)
+        refusals = [o.error_lines[-1] for o in beside if o.code != 0 and o.error_lines]
+        rotated = sum(o.err.count("removed or replaced while being read") for o in beside)
+        c.note = (f"{len(beside)} consolidates beside training: {written} wrote the newest checkpoint "
+                  f"({rotated} reads of a checkpoint rotated away, read again), {len(beside) - written} refused"
+                  + (f" ({refusals[0][:100]})" if refusals else ""))
+        if _session_alive(train.pid):
+            return "orphan"
+        if any(o.code is None for o in outcomes):
+            return "hang"
+        if "Traceback" in train_err or any("Traceback" in o.err for o in outcomes):
+            return "traceback"
+        if debris:
+            c.note += f"; debris {debris[:3]}"
+            return "lost"
+        if train.returncode != 0 or after.code != 0 or check.code != 0 or not beside \
+                or any(o.code not in (0, 2) or "corrupt" in o.err for o in beside):
+            return "silent"
+        if any(o.code == 2 and len(o.error_lines) != 1 for o in beside):
+            return "untidy"
+        return "clean"
+
+    def killed_mid_write(c: Campaign, tmp: Path) -> str:
+        """SIGKILL while model.safetensors is written (50 MB: a 4-layer d_model-512 model): as soon as its
+        temporary file appears, once safetensors' has bytes, once it holds half or more; after each kill the
+        file is absent or the earlier one, whole; the next consolidate removes the temporary files and
+        writes it."""
+        out = tmp / "run"
+        train = _fsdp_train(c, out, "--max-steps", "1", "--checkpoint-every", "1", "--eval-every", "1000",
+                            "--n-layer", "4", "--n-head", "8", "--d-model", "512", session=False)
+        try:
+            train.wait(timeout=4 * c.timeout)
+        except subprocess.TimeoutExpired:
+            train.kill()
+            return "hang"
+        if train.returncode != 0:
+            c.note = f"set-up: train exited {train.returncode}: {train.stderr.read()[-160:]}"
+            return "error"
+        checkpoint = out / "checkpoints" / "step_000001"
+        target = checkpoint / "model.safetensors"
+
+        def kill_when(ready: Callable[[int], bool], *extra: str) -> str:
+            """Start consolidate; SIGKILL its session once its temporary file's size satisfies ``ready``."""
+            proc = subprocess.Popen([sys.executable, "-m", "rdepth", "consolidate", "--checkpoint", str(out), *extra],
+                                    env=ENV, cwd=c.work, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True, start_new_session=True)
+            deadline, size, where = time.monotonic() + 4 * c.timeout, None, ""
+            while proc.poll() is None and time.monotonic() < deadline:
+                sizes = []
+                for temp in _temporary_files(checkpoint):
+                    try:
+                        owner = "ours" if temp.name.startswith(".model.") else "safetensors'"
+                        sizes.append((temp.stat().st_size, owner))
+                    except FileNotFoundError:  # renamed meanwhile
+                        pass
+                size, where = max(sizes) if sizes else (None, "")
+                if size is not None and ready(size):
+                    break
+                time.sleep(0.001)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it finished before the kill
+                pass
+            proc.wait()
+            if size is None or proc.returncode >= 0:
+                return "finished first"
+            return f"{size / 2**20:.0f} MB ({where})"
+
+        kills = [kill_when(lambda size: True)]
+        if target.exists():  # the kill came after the rename: the whole file
+            c.note = "the first kill came after the rename"
+        first = c.rdepth("consolidate", "--checkpoint", str(out), "--overwrite")
+        if first.code != 0 or _temporary_files(checkpoint):
+            c.note = f"re-run after a kill: exit {first.code}, left {[p.name for p in _temporary_files(checkpoint)]}"
+            return expect_success(first) if first.code != 0 else "lost"
+        whole, full_size = sha(target), target.stat().st_size
+        for ready in (lambda size: size > 0, lambda size: size >= full_size // 2):
+            kills.append(kill_when(ready, "--overwrite"))
+            if sha(target) != whole:
+                c.note = f"model.safetensors changed by a kill at {kills[-1]}"
+                return "lost"
+        again = c.rdepth("consolidate", "--checkpoint", str(out), "--overwrite")
+        leftovers = [p.name for p in _temporary_files(checkpoint)]
+        check = c.rdepth("eval", "--checkpoint", str(out), "--data", str(c.data), "--max-batches", "1")
+        c.note = f"killed with {', '.join(kills)} of {full_size / 2**20:.0f} MB written"
+        if all(kill == "finished first" for kill in kills):
+            return "skip"  # no kill came while the file was written: nothing was tested
+        if any(o.code is None for o in (first, again, check)):
+            return "hang"
+        if any("Traceback" in o.err for o in (first, again, check)):
+            return "traceback"
+        if leftovers:
+            c.note += f"; left {leftovers}"
+            return "lost"
+        return "clean" if again.code == 0 and check.code == 0 and sha(target) == whole else "silent"
+
+    return [
+        Case("consolidate", "consolidate while training with --keep-last 1", beside_training),
+        Case("consolidate", "consolidate killed mid-write, then re-run", killed_mid_write),
+    ]
+
+
 # ------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -942,7 +1112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = parser.parse_args(argv)
     groups = {"flags": flag_cases, "files": file_cases, "kills": kill_cases, "concurrent": concurrency_cases,
-              "output": output_cases, "data": data_cases, "round3": round3_cases}
+              "output": output_cases, "data": data_cases, "round3": round3_cases,
+              "consolidate": consolidate_cases}
     chosen = [g for g in (args.only.split(",") if args.only else groups) if g]
     # started in the background (`nohup ... &`), this process inherits an ignored SIGINT, and so would every
     # command it starts: the SIGINT cases would test nothing. A handler here is reset to the default on exec.

@@ -37,16 +37,19 @@ from rdepth.errors import RdepthError
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, *, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success move it into place.
+def atomic_path(path: str | os.PathLike, *, overwrite: bool = True, parents: bool = True) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` (``.NAME.XXXXXXXX.tmp``, which :func:`recover_folder` removes
+    when a kill leaves it); on success move it into place.
 
-    On an exception the temporary file is removed and ``path`` is untouched. With
+    On an exception the temporary file is removed and ``path`` is untouched. ``parents=False``: the
+    folder must exist already (a folder removed meanwhile is a FileNotFoundError, never re-created). With
     ``overwrite=False`` the file is put in place by a hard link, which the kernel refuses when
     ``path`` exists: of two writers racing for one name exactly one wins, and the other gets a
     one-line RdepthError (a check-then-write would let both "succeed" and the second replace the first).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
@@ -380,6 +383,15 @@ def exclusive(folder: str | os.PathLike, command: str, *, beside: bool = False) 
 _HELD: dict[str, int] = {}  # lock files this process holds -> nesting depth
 
 
+class LockHeld(RdepthError):
+    """:func:`exclusive` found the folder locked by another process; ``holder`` names it
+    ("rdepth train (pid 123)", or "" when the lock file does not say)."""
+
+    def __init__(self, message: str, holder: str = "") -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
 def _acquire(path: Path, folder: Path, command: str):
     """Open and flock ``path``; retry if the file was replaced between open and lock."""
     for _ in range(20):
@@ -393,9 +405,9 @@ def _acquire(path: Path, folder: Path, command: str):
             handle.close()
             if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 holder = _holder(path)
-                raise RdepthError(
+                raise LockHeld(
                     f"{folder} is in use by {holder or 'another rdepth process'}; wait for it to finish "
-                    "or choose another output folder"
+                    "or choose another output folder", holder
                 ) from None
             raise RdepthError(f"cannot lock {path}: {exc.strerror or exc}") from None
         try:  # the file we locked must still be the one at ``path`` (not unlinked meanwhile)
@@ -505,7 +517,7 @@ _TMP_PATTERN = __import__("re").compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 RDEPTH_SUBFOLDERS = ("checkpoints", "figures", "report", "report/sections", "geometry")
 
 
-def _is_leftover_tmp(path: Path) -> bool:
+def is_leftover_tmp(path: Path) -> bool:
     """A temporary file of :func:`atomic_path` (``.NAME.XXXXXXXX.tmp``) that a kill left behind."""
     return bool(_TMP_PATTERN.match(path.name)) and path.is_file() and not path.is_symlink()
 
@@ -530,7 +542,7 @@ def recover_folder(folder: str | os.PathLike) -> list[str]:
             if not parent.is_dir() or parent.is_symlink():
                 continue
             for path in parent.iterdir():
-                if _is_leftover_tmp(path):
+                if is_leftover_tmp(path):
                     path.unlink(missing_ok=True)
                     done.append(str(path.relative_to(folder)))
     return done

@@ -32,7 +32,7 @@ import torch
 
 from rdepth.config import ModelConfig
 from rdepth.errors import RdepthError
-from rdepth.io import json_text, ordinary_mode, read_json_object, write_json, write_text
+from rdepth.io import is_leftover_tmp, json_text, ordinary_mode, read_json_object, write_json, write_text
 
 STEP_PATTERN = re.compile(r"^step_(\d+)$")
 
@@ -136,15 +136,42 @@ def read_latest(latest: Path) -> str:
     return name
 
 
+# safetensors' save_file writes its file as ``.tmpXXXXXX`` in the target's folder, then renames it
+SAFETENSORS_TMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
+
+
+def weight_temp_files(checkpoint: Path) -> list[Path]:
+    """The temporary files of ``model.safetensors`` that a killed ``rdepth consolidate`` left in a checkpoint
+    folder: ``.model.safetensors.XXXXXXXX.tmp`` (:func:`rdepth.io.atomic_path`; ``.model.safetensors.tmp``,
+    the fixed name of earlier versions) and safetensors' own ``.tmpXXXXXX`` (the one a kill mid-write leaves
+    full-size: :data:`SAFETENSORS_TMP`; rdepth writes nothing else into a finished checkpoint)."""
+    if checkpoint.is_symlink() or not checkpoint.is_dir():
+        return []
+
+    def is_temp(path: Path) -> bool:
+        if path.name.startswith(".model.safetensors.") and is_leftover_tmp(path):
+            return True
+        return (path.name == ".model.safetensors.tmp" or bool(SAFETENSORS_TMP.match(path.name))) \
+            and path.is_file() and not path.is_symlink()
+
+    return sorted(path for path in checkpoint.iterdir() if is_temp(path))
+
+
 def clean_debris(run_dir: str | os.PathLike) -> list[str]:
-    """Remove what a killed :func:`save_checkpoint` left behind (``.step_N.*`` staging folders);
-    a checkpoint caught between its two renames (only ``.step_N.old`` left) is put back first.
+    """Remove what a killed :func:`save_checkpoint` left behind (``.step_N.*`` staging folders), and what
+    a killed ``rdepth consolidate`` left in a checkpoint (:func:`weight_temp_files`); a checkpoint caught
+    between its two renames (only ``.step_N.old`` left) is put back first.
     Call it only while holding the run folder's lock. Returns the names removed."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
     removed = []
     for path in sorted(root.iterdir()):
+        if STEP_PATTERN.match(path.name):
+            for temp in weight_temp_files(path):
+                temp.unlink(missing_ok=True)
+                removed.append(f"{path.name}/{temp.name}")
+            continue
         if not path.name.startswith(".step_"):
             continue
         if path.name.endswith(".old"):
@@ -164,10 +191,11 @@ CHECKPOINT_FILES = frozenset({"model.safetensors", "config.json", "trainer.pt", 
 
 def is_checkpoint_folder(path: Path) -> bool:
     """True for a real folder named ``step_N`` holding model.safetensors (or dcp/) and only the files
-    :func:`save_checkpoint` writes (never a link, never a folder with anything of someone else's)."""
+    :func:`save_checkpoint` writes, or a temporary file of ``rdepth consolidate`` (:func:`weight_temp_files`)
+    (never a link, never a folder with anything of someone else's)."""
     if path.is_symlink() or not path.is_dir() or not STEP_PATTERN.match(path.name):
         return False
-    names = {entry.name for entry in path.iterdir()}
+    names = {entry.name for entry in path.iterdir()} - {temp.name for temp in weight_temp_files(path)}
     return bool(names & {"model.safetensors", "dcp"}) and names <= CHECKPOINT_FILES
 
 

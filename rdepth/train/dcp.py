@@ -15,20 +15,21 @@ resumes at another: the shards are re-cut on load.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from rdepth.config import ModelConfig
 from rdepth.errors import RdepthError
 from rdepth.fields import option
-from rdepth.io import json_text, ordinary_mode, read_json_object, write_text
+from rdepth.io import LockHeld, atomic_path, exclusive, json_text, ordinary_mode, read_json_object, write_text
 from rdepth.run import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
@@ -137,16 +138,111 @@ def _checkpoint_of(path: str | Path) -> Path:
     return checkpoint
 
 
+@contextlib.contextmanager
+def _quiet_dcp_logs() -> Iterator[None]:
+    """DCP logs a failed read with tracebacks on the root logger before it raises; the exception becomes
+    rdepth's one line, so those records go to this module's debug log (``-v``) instead."""
+    def demote(record: logging.LogRecord) -> bool:
+        if "torch/distributed/checkpoint/" not in record.pathname.replace(os.sep, "/"):
+            return True
+        log.debug("torch.distributed.checkpoint: %s", record.getMessage(), exc_info=record.exc_info)
+        return False
+
+    root = logging.getLogger()
+    root.addFilter(demote)
+    try:
+        yield
+    finally:
+        root.removeFilter(demote)
+
+
+@contextlib.contextmanager
+def _run_lock(checkpoint: Path) -> Iterator[str]:
+    """Hold the write lock of the run that ``checkpoint`` belongs to (the one ``rdepth train`` holds; a
+    checkpoint outside a run: its own folder's) and remove what a killed consolidate left there. Yields
+    "" then; while training holds the lock, yields its holder ("rdepth train (pid N)") instead: the run
+    is read without the lock (see :func:`consolidate`)."""
+    in_run = checkpoint.parent.name == "checkpoints"
+    folder = checkpoint.parent.parent if in_run else checkpoint
+    lock, holder = contextlib.ExitStack(), ""
+    try:
+        lock.enter_context(exclusive(folder, "consolidate"))
+    except LockHeld as held:
+        holder = held.holder or "another rdepth process"
+    if holder:  # (outside the except: an error while reading beside training is not "during" LockHeld)
+        log.warning("%s is in use by %s: reading %s beside it, without the lock (its --keep-last rotation may "
+                    "remove that checkpoint later, model.safetensors included)", folder, holder, checkpoint.name)
+        yield holder
+        return
+    with lock:
+        if in_run:
+            removed = ckpt.clean_debris(folder)
+        else:  # (exclusive removed atomic_path's; this adds the fixed name of earlier versions)
+            removed = [temp.name for temp in ckpt.weight_temp_files(checkpoint)]
+            for name in removed:
+                (checkpoint / name).unlink(missing_ok=True)
+        if removed:
+            log.info("removed what an interrupted checkpoint or consolidate left: %s", ", ".join(removed))
+        yield ""
+
+
+def _folder_id(checkpoint: Path) -> tuple[int, int] | None:
+    try:
+        stat = checkpoint.stat()
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+# How many checkpoints a consolidate running beside training reads before giving up: each was rotated
+# away while it was being read (a run saving faster than the weights can be read).
+ROTATED_TRIES = 5
+
+
 def consolidate(path: str | Path, overwrite: bool = False) -> Path:
     """Write ``model.safetensors`` (the whole weights, in their training dtype) into the DCP
     checkpoint ``path`` (or the latest of the run ``path``); one process, no process group.
-    Returns the checkpoint folder, now readable by every command that reads checkpoints."""
+    Returns the checkpoint folder, now readable by every command that reads checkpoints.
+
+    Holds the run's write lock, as ``rdepth train`` does; while a training run holds it, reads beside it:
+    a checkpoint that the run's ``--keep-last`` rotation removes (or a re-save replaces) while it is being
+    read is read again from the newest checkpoint when ``path`` is the run, and is a one-line error when
+    ``path`` names that checkpoint. ``model.safetensors`` is written under a temporary name
+    (:func:`rdepth.io.atomic_path`) and renamed into place: never half-written; a kill leaves the
+    temporary file, which the next consolidate or training start removes."""
+    checkpoint = _checkpoint_of(path)
+    follow_latest = checkpoint != Path(path)  # given the run folder: its newest checkpoint, whichever by then
+    with _run_lock(checkpoint) as holder:
+        for _ in range(ROTATED_TRIES):
+            folder = _folder_id(checkpoint)
+            try:
+                _write_weights(checkpoint, overwrite)
+                return checkpoint
+            except (RdepthError, OSError):
+                now = _folder_id(checkpoint)
+                if not holder or now is not None and now == folder:
+                    raise  # the checkpoint is still the one being read: its own error
+            # removed by the rotation (or saved again) of the training run that holds the lock
+            if now is None and not follow_latest:
+                raise RdepthError(f"checkpoint {checkpoint} was removed while being read (the --keep-last rotation "
+                                  f"of {holder}, which is training the run): consolidate a newer one, or pass "
+                                  f"--checkpoint {checkpoint.parent.parent} for the newest") from None
+            log.info("%s was removed or replaced while being read (by %s): reading %s", checkpoint.name, holder,
+                     "the newest checkpoint" if follow_latest else "it again")
+            checkpoint = _checkpoint_of(path)
+        raise RdepthError(f"{path}: {ROTATED_TRIES} checkpoints in a row were removed while being read (the rotation "
+                          f"of {holder}): run consolidate after the training, or train with a larger --keep-last")
+
+
+def _write_weights(checkpoint: Path, overwrite: bool) -> None:
+    """:func:`consolidate` of one checkpoint folder: its config, shapes, dtypes and finiteness checked, then
+    ``model.safetensors`` written atomically."""
     import torch.distributed.checkpoint as dcp
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from rdepth.model import RecurrentLM
 
-    checkpoint = _checkpoint_of(path)
     target = checkpoint / "model.safetensors"
     if target.exists() and not overwrite:
         raise RdepthError(f"{target} exists already (pass --overwrite to write it again)")
@@ -172,7 +268,7 @@ def consolidate(path: str | Path, overwrite: bool = False) -> Path:
                               "not a floating-point weight: corrupt")
     weights = {name: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for name, meta in found.items()}
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        with warnings.catch_warnings(), _quiet_dcp_logs():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({"model": weights}, checkpoint_id=checkpoint / DCP_DIR, no_dist=True)
     except _failures() as exc:
@@ -181,11 +277,12 @@ def consolidate(path: str | Path, overwrite: bool = False) -> Path:
         if not bool(torch.isfinite(tensor).all()):
             raise RdepthError(f"distributed checkpoint {checkpoint / DCP_DIR}: {name} holds NaN or infinite values: "
                               "nothing written")
-    staging = checkpoint / ".model.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(staging), metadata={"format": "pt"})
-    ordinary_mode(staging)
-    os.replace(staging, target)
-    return checkpoint
+    # parents=False: a folder rotated away meanwhile is an error here, never re-created holding weights alone
+    with atomic_path(target, parents=False) as temporary:
+        try:
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(temporary), metadata={"format": "pt"})
+        except SafetensorError as exc:  # wraps the OSError of a full disk, or of a folder removed meanwhile
+            raise RdepthError(f"cannot write {target}: {' '.join(str(exc).split())[:200]}") from None
 
 
 @dataclass

@@ -29,7 +29,7 @@ def check_run_folder(run_dir: Path, resume: bool, is_main: bool) -> dict:
     if is_main:
         removed = ckpt.clean_debris(run_dir)
         if removed:
-            log.info("removed debris of an interrupted checkpoint: %s", ", ".join(removed))
+            log.info("removed what an interrupted checkpoint or consolidate left: %s", ", ".join(removed))
     existing = ckpt.list_checkpoints(run_dir)
     saved_run = ckpt.read_run_config(run_dir) if existing else {}
     if resume:
