@@ -1,0 +1,92 @@
+"""``rdepth import-hf`` on Huginn-0125 / raven folders (rdepth.interop.hf_raven): the layout maps onto the
+one model, and whatever rdepth cannot honour is refused in one line naming it, with nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rdepth.interop.hf_raven import raven_weight_shapes, raven_config_json, write_raven_folder
+from rdepth.model.decoder import Decoder
+from rdepth.model.noise import StateNoise
+
+from test_hf_helpers import cli, one_line_error, tiny_tokenizer  # noqa: E402
+
+
+def raven_folder(path, **overrides):
+    tokenizer = tiny_tokenizer()
+    folder = path / "raven"
+    tokenizer.save(path / "bpe")
+    return write_raven_folder(folder, seed=3, tokenizer_json=(path / "bpe" / "tokenizer.json").read_text(),
+                              vocab_size=tokenizer.vocab_size, **overrides)
+
+
+def test_a_raven_folder_imports_into_the_one_model(tmp_path, monkeypatch):
+    from rdepth.run.checkpoint import load_model
+
+    folder = raven_folder(tmp_path)
+    assert cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run") == 0
+    model, config = load_model(tmp_path / "run")
+    assert (config.n_layer, config.groups, config.positions, config.mlp, config.mlp_hidden) == (
+        4, "1-2", "rotary", "swiglu", 48)
+    assert config.qk_bias and config.handoff_norm and config.eval_loops == (4,) and config.mean_loops == 5.0
+    weights = load_file(str(folder / "model.safetensors"))
+    torch.testing.assert_close(model.layers[2].attn.qkv.weight, weights["transformer.core_block.1.attn.Wqkv.weight"],
+                               rtol=0, atol=0)
+    torch.testing.assert_close(model.layers[3].attn.qk_bias, weights["transformer.coda.0.attn.qk_bias"][:, 0],
+                               rtol=0, atol=0)
+    torch.testing.assert_close(model.adapters[0].weight, weights["transformer.adapter.weight"], rtol=0, atol=0)
+    model = model.double()
+    idx = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    noise = StateNoise(0, [0, 1])
+    forced = model(idx, loop_counts=4, noise=noise).logits
+    decoder = Decoder(model, 2, loop_counts=4, noise=noise)
+    stepped = torch.cat([decoder.prefill(idx[:, :4])] + [decoder.step(idx[:, t:t + 1])[:, None] for t in range(4, 9)], 1)
+    torch.testing.assert_close(stepped, forced, rtol=0, atol=1e-10)
+
+
+def test_the_writer_is_a_function_of_its_seed(tmp_path):
+    first = load_file(str(write_raven_folder(tmp_path / "a", seed=5) / "model.safetensors"))
+    again = load_file(str(write_raven_folder(tmp_path / "b", seed=5) / "model.safetensors"))
+    other = load_file(str(write_raven_folder(tmp_path / "c", seed=6) / "model.safetensors"))
+    assert set(first) == set(raven_weight_shapes(raven_config_json()))
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert not torch.equal(first["transformer.adapter.weight"], other["transformer.adapter.weight"])
+
+
+def _edit_weights(folder, edit):
+    weights = load_file(str(folder / "model.safetensors"))
+    edit(weights)
+    save_file(weights, str(folder / "model.safetensors"))
+
+
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda f: _edit_weights(f, lambda w: w.pop("transformer.coda.0.mlp.fc.weight")), "transformer.coda.0.mlp.fc.weight"),
+    (lambda f: _edit_weights(f, lambda w: w.update({"transformer.extra.weight": torch.zeros(2)})),
+     "transformer.extra.weight"),
+    (lambda f: _edit_weights(f, lambda w: w.update({"transformer.adapter.weight": torch.zeros(32, 32)})),
+     "transformer.adapter.weight"),
+    (lambda f: _edit_weights(f, lambda w: w.update({"lm_head.weight": torch.zeros_like(w["transformer.wte.weight"])})),
+     "lm_head"),
+    (lambda f: _edit_weights(f, lambda w: w.update({"freqs_cis": torch.zeros(1, 64, 1, 4, 2)})), "freqs_cis"),
+    (lambda f: _edit_config(f, num_key_value_heads=2), "num_key_value_heads"),
+    (lambda f: _edit_config(f, nonlin_name="GELU"), "nonlin_name"),
+    (lambda f: _edit_config(f, tie_embeddings=False), "tie_embeddings"),
+    (lambda f: _edit_config(f, test_time_noise=0.5), "test_time_noise"),
+    (lambda f: _edit_config(f, intermediate_size=40), "transformer.prelude.0.mlp.fc.weight"),
+])
+def test_bad_raven_folders_are_refused_in_one_line(tmp_path, monkeypatch, capsys, damage, named):
+    folder = raven_folder(tmp_path)
+    damage(folder)
+    err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run"))
+    assert named in err
+    assert not (tmp_path / "run").exists()
