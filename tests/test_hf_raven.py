@@ -3,13 +3,15 @@ one model, and whatever rdepth cannot honour is refused in one line naming it, w
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rdepth.interop.hf_raven import raven_weight_shapes, raven_config_json, write_raven_folder
+from rdepth.interop.hf_raven import raven_config_json, raven_model, raven_weight_shapes, write_raven_folder
 from rdepth.model.decoder import Decoder
 from rdepth.model.noise import StateNoise
 
@@ -52,7 +54,7 @@ def test_the_writer_is_a_function_of_its_seed(tmp_path):
     first = load_file(str(write_raven_folder(tmp_path / "a", seed=5) / "model.safetensors"))
     again = load_file(str(write_raven_folder(tmp_path / "b", seed=5) / "model.safetensors"))
     other = load_file(str(write_raven_folder(tmp_path / "c", seed=6) / "model.safetensors"))
-    assert set(first) == set(raven_weight_shapes(raven_config_json()))
+    assert set(first) == set(raven_weight_shapes(raven_config_json())) | {"freqs_cis"}
     assert all(torch.equal(first[name], again[name]) for name in first)
     assert not torch.equal(first["transformer.adapter.weight"], other["transformer.adapter.weight"])
 
@@ -90,3 +92,31 @@ def test_bad_raven_folders_are_refused_in_one_line(tmp_path, monkeypatch, capsys
     err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run"))
     assert named in err
     assert not (tmp_path / "run").exists()
+
+
+GOLDEN = Path(__file__).parent / "golden" / "raven_tiny"
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_the_import_reproduces_the_reference_logits(tmp_path, dtype, tolerance):
+    """tests/golden/raven_tiny: the checkpoint the writer makes from a seed (its bytes checked by hash), the
+    reference implementation's logits for it at 1, 4 and 32 recurrences from rdepth's initial state (the
+    .json names the code, versions and call). The import reproduces them: float32 against the released
+    file, float64 against it with its float32 casts widened."""
+    meta = json.loads(GOLDEN.with_suffix(".json").read_text())
+    golden = load_file(str(GOLDEN.with_suffix(".safetensors")))
+    folder = write_raven_folder(tmp_path / "raven", meta["writer"]["seed"], **meta["writer"]["overrides"])
+    digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == meta["writer"]["model_safetensors_sha256"], "the writer no longer makes the golden checkpoint"
+    model = raven_model(folder).to(dtype)
+    tokens = torch.tensor(meta["tokens"])
+    noise = StateNoise(meta["state_noise"]["seed"], meta["state_noise"]["sequence_ids"])
+    state = model.init_state(0, torch.zeros(*tokens.shape, model.config.d_model), noise)
+    assert torch.equal(state.float(), golden["state"]), "the initial state is not the one the reference was given"
+    for steps in meta["steps"]:
+        with torch.no_grad():
+            logits = model(tokens, loop_counts=steps, noise=noise).logits
+        reference = golden[f"logits_{str(dtype)[6:]}_steps{steps}"]
+        assert reference.dtype == dtype
+        difference = (logits - reference).abs().max().item()
+        assert difference <= tolerance, f"{steps} recurrences: max |rdepth - reference| = {difference:.3e}"

@@ -83,6 +83,12 @@ def raven_model_config(folder: Path, hf: dict) -> dict:
     if hf.get("num_key_value_heads", n_head) != n_head:
         refusals.append(f"num_key_value_heads {hf['num_key_value_heads']!r} (grouped-query attention; rdepth's "
                         f"attention has as many key/value heads as query heads, {n_head})")
+    width = hf.get("n_embd")
+    if "head_dim" in hf and isinstance(width, int) and isinstance(n_head, int) and n_head > 0 \
+            and hf["head_dim"] != width // n_head:
+        refusals.append(f"head_dim {hf['head_dim']!r} (rdepth's heads are n_embd / heads = {width // n_head} wide)")
+    if hf.get("padded_vocab_size", hf.get("vocab_size")) != hf.get("vocab_size"):
+        refusals.append(f"padded_vocab_size {hf['padded_vocab_size']!r} other than vocab_size {hf.get('vocab_size')!r}")
     if refusals:
         raise RdepthError(f"cannot import {folder} ({MODEL_TYPE}): rdepth's model does not compute "
                           + "; ".join(refusals))
@@ -202,13 +208,24 @@ def raven_tokenizer_files(folder: Path, vocab_size: int) -> tuple[str, dict[str,
     return f"bpe:{vocab_size}", {META_FILE: None, BPE_FILE: path.read_text()}
 
 
+def raven_model(folder: str | Path, tokenizer: str | None = None) -> RecurrentLM:
+    """The rdepth model (float32, eval mode) of the raven folder ``folder`` (``tokenizer``: the spec its
+    config records; default ``bpe:<vocab_size>``)."""
+    from rdepth.io import read_json_object
+
+    folder = Path(folder)
+    values = raven_model_config(folder, read_json_object(folder / "config.json", "Hugging Face config"))
+    model = RecurrentLM(ModelConfig.from_dict({**values, "tokenizer": tokenizer or f"bpe:{values['vocab_size']}"}))
+    model.load_state_dict(raven_state_dict(folder, read_raven_weights(folder), model))
+    return model.eval()
+
+
 def import_raven(folder: Path, hf_config: dict) -> tuple[RecurrentLM, dict]:
     """A raven folder: the rdepth model (float32, eval mode) and the tokenizer files to save."""
-    values = raven_model_config(folder, hf_config)
-    spec, tokenizer_files = raven_tokenizer_files(folder, values["vocab_size"])
-    model = RecurrentLM(ModelConfig.from_dict({**values, "tokenizer": spec}))
-    model.load_state_dict(raven_state_dict(folder, read_raven_weights(folder), model))
-    return model.eval(), tokenizer_files
+    if hf_config.get("model_type") != MODEL_TYPE:
+        raise RdepthError(f"{folder}: model_type {hf_config.get('model_type')!r} is not {MODEL_TYPE!r}")
+    spec, tokenizer_files = raven_tokenizer_files(folder, raven_model_config(folder, hf_config)["vocab_size"])
+    return raven_model(folder, spec), tokenizer_files
 
 
 # ------------------------------------------------------------------ a tiny raven-layout folder
@@ -230,8 +247,8 @@ def raven_config_json(**overrides) -> dict:
 
 
 def raven_weight_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a raven checkpoint with its shape, in the reference's names and order (tied head
-    and rotary buffer left out, as its safetensors files leave them)."""
+    """Every parameter of a raven checkpoint with its shape, in the reference's names and order (the tied
+    head left out, as its safetensors files leave it; the rotary buffer ``freqs_cis`` is no parameter)."""
     d, n_head, hidden = hf["n_embd"], hf["n_heads"], hf["intermediate_size"]
     layer = {"norm_1.weight": (d,), "attn.Wqkv.weight": (3 * d, d),
              **({"attn.qk_bias": (2, 1, n_head, d // n_head)} if hf.get("qk_bias", True) else {}),
@@ -252,10 +269,13 @@ def raven_weight_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
 def write_raven_folder(folder: str | Path, seed: int = 0, tokenizer_json: str | None = None,
                        **overrides) -> Path:
     """A random raven-layout folder: ``config.json`` (:func:`raven_config_json` with ``overrides``) and
-    ``model.safetensors``, every tensor drawn from a generator seeded with ``seed`` in the order of
+    ``model.safetensors``, every parameter drawn from a generator seeded with ``seed`` in the order of
     :func:`raven_weight_shapes` (matrices ~ N(0, 1/d), norm gains 1 + N(0, 0.2^2), the qk bias
-    N(0, 0.2^2): all of them matter); a ``tokenizer.json`` when given."""
+    N(0, 0.2^2): all of them matter), and the rotary buffer ``freqs_cis`` ``[1, S, 1, hs/2, 2]`` as the
+    reference saves it; a ``tokenizer.json`` when given."""
     from safetensors.torch import save_file
+
+    from rdepth.model.layers import Rotary
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -270,6 +290,9 @@ def write_raven_folder(folder: str | Path, seed: int = 0, tokenizer_json: str | 
             weights[name] = 0.2 * noise
         else:
             weights[name] = noise / shape[-1] ** 0.5
+    head_dim = hf["n_embd"] // hf["n_heads"]
+    table = Rotary(head_dim, hf["rope_base"], hf["block_size"]).table(torch.device("cpu"))
+    weights["freqs_cis"] = table.view(1, hf["block_size"], 1, head_dim // 2, 2)
     save_file({name: tensor.float().contiguous() for name, tensor in weights.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     if tokenizer_json is not None:
