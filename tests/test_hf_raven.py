@@ -149,3 +149,27 @@ def test_huginn_0125s_published_config_is_accepted_and_sized():
         model = RecurrentLM(config)
     assert model.num_parameters() == 3_564_976_800
     assert abs(config.weight_count / model.num_parameters() - 1) < 1e-3  # the memory check's estimate
+
+
+def test_an_imported_raven_run_exports_with_equal_logits(tmp_path, monkeypatch):
+    """raven folder -> rdepth run -> exported folder: transformers' model of the export gives rdepth's logits
+    bit for bit (every raven option travels in config.json and the bundled code), cached generation too."""
+    transformers = pytest.importorskip("transformers")
+    from rdepth.run.checkpoint import load_model
+
+    folder = raven_folder(tmp_path)
+    assert cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run") == 0
+    assert cli(monkeypatch, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf") == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["positions"], config["mlp"], config["qk_bias"], config["handoff_norm"]) == (
+        "rotary", "swiglu", True, True)
+    model, _ = load_model(tmp_path / "run")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for steps in (1, 4):
+            assert torch.equal(hf(ids, loop_counts=[steps]).logits,
+                               model(ids, loop_counts=steps, noise=StateNoise(0, [0])).logits)
+        cached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True)
+        uncached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
