@@ -139,12 +139,22 @@ def cases(args) -> None:
 
 def logits(args) -> None:
     _, model_class = reference_classes(args.reference, args.impl)
+    cache_class = sys.modules[model_class.__module__].HuginnDynamicCache
     results = []
     for case in torch.load(args.cases):
         model = model_class.from_pretrained(args.folder).eval().to(case["dtype"])
+        idx, state, steps = case["idx"], case["state"].to(case["dtype"]), case["steps"]
         with torch.no_grad():
-            output = model(case["idx"], input_states=case["state"].to(case["dtype"]), num_steps=case["steps"])
-        results.append(output.logits)
+            if not args.prefill:
+                results.append(model(idx, input_states=state, num_steps=steps).logits)
+                continue
+            # the reference's own cache ("full" lookup): a prompt, then one token per call at its position
+            cache, prompt, logits = cache_class("full"), args.prefill, []
+            for start, end in [(0, prompt)] + [(t, t + 1) for t in range(prompt, idx.shape[1])]:
+                output = model(idx[:, start:end], input_states=state[:, start:end], num_steps=steps,
+                               past_key_values=cache, use_cache=True, cache_position=torch.arange(start, end))
+                logits.append(output.logits)
+            results.append(torch.cat(logits, dim=1))
     torch.save(results, args.out)
 
 
@@ -198,6 +208,9 @@ def main() -> None:
     step.add_argument("--folder", required=True)
     step.add_argument("--cases", required=True)
     step.add_argument("--impl", choices=("released", "widened"), required=True)
+    step.add_argument("--prefill", type=int, default=0,
+                      help="through the reference's cache (HuginnDynamicCache 'full'): this many prompt tokens, "
+                           "then one token per call (0: one uncached forward)")
     step.add_argument("--out", required=True)
     step = sub.add_parser("compare")
     step.add_argument("--cases", required=True)
