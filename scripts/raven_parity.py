@@ -158,6 +158,46 @@ def logits(args) -> None:
     torch.save(results, args.out)
 
 
+def padded_cases(args) -> None:
+    """A left-padded batch for the exported run: rows of 24 and 15 real tokens, and each row's initial state
+    as the export draws it (``StateNoise(state_seed 0, [row])`` from the row's first real token)."""
+    from rdepth.model.noise import StateNoise
+    from rdepth.run.checkpoint import load_model
+
+    model = load_model(args.run)[0]
+    lengths, width = (24, 15), model.config.d_model
+    rows = torch.randint(1, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(13))
+    idx, mask = torch.zeros(2, 24, dtype=torch.long), torch.zeros(2, 24, dtype=torch.long)
+    states = []
+    for row, length in enumerate(lengths):
+        idx[row, 24 - length:], mask[row, 24 - length:] = rows[row, :length], 1
+        states.append(model.init_state(0, torch.zeros(1, length, width), StateNoise(0, [row]))[0])
+    torch.save(dict(idx=idx, mask=mask, lengths=lengths, states=states), args.out)
+
+
+def padded(args) -> None:
+    """The exported folder's logits for the left-padded batch against the reference on each row alone."""
+    import transformers
+
+    _, model_class = reference_classes(args.reference, "widened")
+    case = torch.load(args.cases)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(args.export, trust_remote_code=True).eval()
+    reference = model_class.from_pretrained(args.folder).eval()
+    for dtype in (torch.float32, torch.float64):
+        exported, reference = exported.to(dtype), reference.to(dtype)
+        for steps in STEPS:
+            with torch.no_grad():
+                batch = exported(case["idx"], attention_mask=case["mask"], loop_counts=[steps],
+                                 sequence_ids=[0, 1]).logits
+                worst = 0.0
+                for row, length in enumerate(case["lengths"]):
+                    alone = reference(case["idx"][row:row + 1, -length:], input_states=case["states"][row][None].to(dtype),
+                                      num_steps=steps).logits[0]
+                    worst = max(worst, (batch[row, -length:].double() - alone.double()).abs().max().item())
+            print(f"exported, left-padded batch of 2, {str(dtype)[6:]:8s} {steps:2d} recurrences vs the reference "
+                  f"(widened) on each row alone: max |diff| {worst:.3e}")
+
+
 def compare(args) -> None:
     for case, reference in zip(torch.load(args.cases), torch.load(args.logits)):
         difference = (case["rdepth"].double() - reference.double()).abs().max().item()
@@ -212,6 +252,12 @@ def main() -> None:
                       help="through the reference's cache (HuginnDynamicCache 'full'): this many prompt tokens, "
                            "then one token per call (0: one uncached forward)")
     step.add_argument("--out", required=True)
+    step = sub.add_parser("padded-cases")
+    step.add_argument("--run", required=True)
+    step.add_argument("--out", required=True)
+    step = sub.add_parser("padded")
+    for name in ("reference", "folder", "export", "cases"):
+        step.add_argument(f"--{name}", type=Path if name == "reference" else str, required=True)
     step = sub.add_parser("compare")
     step.add_argument("--cases", required=True)
     step.add_argument("--logits", required=True)
@@ -219,7 +265,9 @@ def main() -> None:
     for name in ("folder", "cases", "released", "widened", "out"):
         step.add_argument(f"--{name}", required=True)
     args = parser.parse_args()
-    {"build": build, "cases": cases, "logits": logits, "compare": compare, "golden": golden}[args.command](args)
+    commands = {"build": build, "cases": cases, "logits": logits, "padded-cases": padded_cases, "padded": padded,
+                "compare": compare, "golden": golden}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":
