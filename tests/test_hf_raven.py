@@ -173,3 +173,13 @@ def test_an_imported_raven_run_exports_with_equal_logits(tmp_path, monkeypatch):
         cached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True)
         uncached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached)
+
+
+def test_a_raven_model_too_large_for_the_machine_is_refused_before_loading(tmp_path, monkeypatch, capsys):
+    import rdepth.config
+
+    folder = raven_folder(tmp_path)
+    monkeypatch.setattr(rdepth.config, "machine_memory_bytes", lambda: 1000)
+    err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run"))
+    assert "cannot import" in err and "GiB" in err and "memory" in err
+    assert not (tmp_path / "run").exists()

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from rdepth.config import ModelConfig
+from rdepth.config import ModelConfig, check_fits_memory
 from rdepth.data.tokenizers import BPE_FILE, META_FILE
 from rdepth.errors import RdepthError
 from rdepth.model import RecurrentLM
@@ -215,7 +215,9 @@ def raven_model(folder: str | Path, tokenizer: str | None = None) -> RecurrentLM
 
     folder = Path(folder)
     values = raven_model_config(folder, read_json_object(folder / "config.json", "Hugging Face config"))
-    model = RecurrentLM(ModelConfig.from_dict({**values, "tokenizer": tokenizer or f"bpe:{values['vocab_size']}"}))
+    config = ModelConfig.from_dict({**values, "tokenizer": tokenizer or f"bpe:{values['vocab_size']}"})
+    check_fits_memory(config, f"cannot import {folder} ({MODEL_TYPE})")  # before anything is allocated
+    model = RecurrentLM(config)
     model.load_state_dict(raven_state_dict(folder, read_raven_weights(folder), model))
     return model.eval()
 
