@@ -113,7 +113,7 @@ def test_a_shifted_sequence_gives_the_same_logits():
     model = raven_like(init_state_scale=0.0)
     idx = tokens(2)
     plain = model(idx, loop_counts=3).logits
-    rotary = model.layers[0].attn.rotary
+    rotary = model.rotary
     table = rotary.table(torch.device("cpu"))
     rotary._tables[torch.device("cpu")] = table[17:]
     try:

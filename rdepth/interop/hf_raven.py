@@ -165,7 +165,7 @@ def raven_state_dict(folder: Path, weights: dict[str, torch.Tensor], model: Recu
 def _check_rotary_table(folder: Path, stored: torch.Tensor, model: RecurrentLM) -> None:
     """The reference's saved rotary buffer ``[1, S, 1, hs/2, 2]`` must be the table rdepth computes (to the
     precision it was stored in): another base or layout would change every logit."""
-    table = model.layers[0].attn.rotary.table(torch.device("cpu"))
+    table = model.rotary.table(torch.device("cpu"))
     shape = (1, table.shape[0], 1, *table.shape[1:])
     if tuple(stored.shape) != shape:
         raise RdepthError(f"{folder}: raven buffer 'freqs_cis' has shape {tuple(stored.shape)}, its config.json "

@@ -116,6 +116,8 @@ class Decoder:
         with torch.no_grad():
             self.cache = model.new_cache(batch_size, self.capacity, self.steps, self.dtype, self.device)
             self._allocate()
+            if model.rotary is not None:  # the angle table on the device now, never first inside a graph capture
+                model.rotary.table(self.device)
         self._plans: dict[Budget, Plan] = {}
         self.plan = self._plan_for(self.budget)
 

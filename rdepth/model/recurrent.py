@@ -112,10 +112,10 @@ class RecurrentLM(nn.Module):
         self.wte = nn.Embedding(config.padded_vocab_size, d)
         # Learned positions: an embedding per position; rotary ones: one angle table the layers share.
         self.wpe = nn.Embedding(config.block_size, d) if config.positions == "learned" else None
-        rotary = (Rotary(config.head_dim, config.rope_base, config.block_size)
-                  if config.positions == "rotary" else None)
+        self.rotary = (Rotary(config.head_dim, config.rope_base, config.block_size)
+                       if config.positions == "rotary" else None)
         block = BLOCKS[config.block]
-        self.layers = nn.ModuleList(block(config, i, rotary) for i in range(config.n_layer))
+        self.layers = nn.ModuleList(block(config, i, self.rotary) for i in range(config.n_layer))
         self.adapters = nn.ModuleList(nn.Linear(2 * d, d, bias=False) for _ in config.group_specs)
         # How an adapter's halves are multiplied (:func:`adapter_matmul`): the one point every loop step's
         # adapter matmuls pass through, so that a training option can swap it (float8: rdepth.train.fp8).
