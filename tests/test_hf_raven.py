@@ -183,3 +183,25 @@ def test_a_raven_model_too_large_for_the_machine_is_refused_before_loading(tmp_p
     err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run"))
     assert "cannot import" in err and "GiB" in err and "memory" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_exported_hidden_states_hand_on_what_the_coda_reads(tmp_path, monkeypatch):
+    """With the hand-off norm, the exported model's hidden state of the core is the normalised state the
+    coda reads, and the last hidden state is what the head reads: the logits follow from it."""
+    transformers = pytest.importorskip("transformers")
+    from rdepth.run.checkpoint import load_model
+
+    folder = raven_folder(tmp_path)
+    assert cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run") == 0
+    assert cli(monkeypatch, "export", "--checkpoint", tmp_path / "run", "--out", tmp_path / "hf") == 0
+    model, _ = load_model(tmp_path / "run")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = hf(ids, loop_counts=[3], output_hidden_states=True)
+        core_out = out.loop_states[0][-1]  # the last iterate, [B, T, d]
+        torch.testing.assert_close(out.hidden_states[2], model.norm_f(core_out), rtol=0, atol=0)
+        coda = model.run_layers([3], out.hidden_states[2])
+        torch.testing.assert_close(out.hidden_states[3], coda, rtol=0, atol=0)
+        logits = torch.nn.functional.linear(out.hidden_states[-1], model.wte.weight)[..., : model.config.vocab_size]
+        torch.testing.assert_close(logits, out.logits, rtol=0, atol=1e-6)

@@ -309,7 +309,7 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         def observe(group, step, state, active):
             loops.setdefault(group, []).append(state)
             if step == counts[group]:
-                hidden.append(state)
+                hidden.append(model.hand_on(state))  # what the next stage reads
 
         hooks = [layer.register_forward_hook(lambda module, inputs, output: hidden.append(output))
                  for index, layer in enumerate(model.layers) if index not in looped]
