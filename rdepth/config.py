@@ -31,6 +31,12 @@ LOOP_STATES = ("sandwich", "residual")
 # Inductor modes rdepth compiles with (training layers and decoding pieces): none that captures CUDA
 # graphs of its own (loop counts vary in training; the Decoder captures its graphs itself).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# Where a token's position enters (rdepth.model.layers): a learned embedding added to the token's, or
+# rotary positions on each head's queries and keys (Huginn-0125 / raven: pairs of adjacent channels).
+POSITION_TYPES = ("learned", "rotary")
+# The MLP of a block: the block type's own (SiLU for sandwich, GELU-tanh for gpt2), or a gated SiLU
+# (SwiGLU: silu(gate) * up from one fused input matrix, gate rows first; Huginn-0125 / raven).
+MLP_TYPES = ("plain", "swiglu")
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,20 @@ class ModelConfig:
         "state replaced each step) or 'residual' (a residual stream: s <- s + layers(adapter(rmsnorm(s), e)), "
         "pre-norm, no new parameters)")
 
+    positions: str = option(
+        "learned", "positional encoding: 'learned' (an embedding per position, added to the token's) or "
+        "'rotary' (each head's queries and keys rotated by the absolute position; no position weights)")
+    rope_base: float = option(10000.0, "rotary positions: the base of the rotation frequencies")
+    mlp: str = option(
+        "plain", "MLP: 'plain' (the block type's activation: SiLU for sandwich, GELU-tanh for gpt2) or "
+        "'swiglu' (silu(gate) * up, one fused input matrix with the gate rows first)")
+    mlp_hidden: int | None = option(None, "MLP hidden width (each of gate and up for swiglu)",
+                                    default_text="mlp_ratio * d_model")
+    qk_bias: bool = option(False, "a learned bias on each head's queries and keys (before rotary positions)")
+    handoff_norm: bool = option(
+        False, "apply the final norm (norm_f, the readout's own) to the state each recurrence group hands "
+        "on, before the next stage (Huginn-0125 / raven)")
+
     def __post_init__(self) -> None:
         self._check_sizes()
         self._check_ranges()
@@ -169,6 +189,12 @@ class ModelConfig:
             raise RdepthError(f"model config: n_layer must be <= {MAX_LAYERS}, got {self.n_layer!r}")
         if self.block_size > MAX_BLOCK_SIZE:
             raise RdepthError(f"model config: block_size must be <= {MAX_BLOCK_SIZE}, got {self.block_size!r}")
+        hidden = self.mlp_hidden
+        if hidden is not None and (not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1):
+            raise RdepthError(f"model config: mlp_hidden must be a positive integer, got {hidden!r}")
+        if self.positions == "rotary" and self.head_dim % 2:
+            raise RdepthError(f"model config: rotary positions need an even head_dim, got {self.head_dim} "
+                              f"(d_model={self.d_model}, n_head={self.n_head})")
 
     def _check_ranges(self) -> None:
         """The loop schedule's and the norm's numbers inside their intervals (written so NaN fails)."""
@@ -182,15 +208,25 @@ class ModelConfig:
             raise RdepthError(
                 f"model config: backprop_depth must be a positive integer, got {self.backprop_depth!r}"
             )
+        if not (1 < self.rope_base < 1e12):
+            raise RdepthError(f"model config: rope_base must be in (1, 1e12), got {self.rope_base!r}")
         if not (0 <= self.init_state_scale < 1e6):
             raise RdepthError(
                 f"model config: init_state_scale must be >= 0, got {self.init_state_scale!r}"
             )
 
     def _check_choices(self) -> None:
-        """The named choices: the layer type and what a loop carries."""
+        """The named choices: the layer type, what a loop carries, the positions and the MLP."""
         if self.block not in BLOCK_TYPES:
             raise RdepthError(f"model config: block must be one of {', '.join(BLOCK_TYPES)}, got {self.block!r}")
+        if self.positions not in POSITION_TYPES:
+            raise RdepthError(
+                f"model config: positions must be one of {', '.join(POSITION_TYPES)}, got {self.positions!r}")
+        if self.mlp not in MLP_TYPES:
+            raise RdepthError(f"model config: mlp must be one of {', '.join(MLP_TYPES)}, got {self.mlp!r}")
+        for name in ("qk_bias", "handoff_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise RdepthError(f"model config: {name} must be true or false, got {getattr(self, name)!r}")
         if self.loop_state not in LOOP_STATES:
             raise RdepthError(
                 f"model config: loop_state must be one of {', '.join(LOOP_STATES)}, got {self.loop_state!r}")
@@ -225,6 +261,11 @@ class ModelConfig:
         return self.d_model // self.n_head
 
     @property
+    def hidden_width(self) -> int:
+        """The MLP's hidden width (``mlp_hidden``, else ``mlp_ratio * d_model``)."""
+        return self.mlp_hidden if self.mlp_hidden is not None else self.mlp_ratio * self.d_model
+
+    @property
     def padded_vocab_size(self) -> int:
         """Vocabulary rounded up to a multiple of 64 (faster matmuls; extra rows unused)."""
         return int(math.ceil(self.vocab_size / 64) * 64)
@@ -246,8 +287,9 @@ class ModelConfig:
         """Weights of the model, approximately (attention and MLP matrices, the groups' adapters,
         the embeddings): what :func:`check_fits_memory` sizes before anything is allocated."""
         d = self.d_model
-        return int(self.n_layer * (4 + 3 * self.mlp_ratio) * d * d + self.n_groups * 2 * d * d
-                   + (self.padded_vocab_size + self.block_size) * d)
+        positions = self.block_size if self.positions == "learned" else 0
+        return int(self.n_layer * (4 * d + 3 * self.hidden_width) * d + self.n_groups * 2 * d * d
+                   + (self.padded_vocab_size + positions) * d)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

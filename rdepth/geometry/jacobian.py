@@ -99,7 +99,7 @@ def group_fixed_points(model, idx: torch.Tensor, loop_counts, noise) -> tuple[li
             x = model.run_layers(stage.layers, x)
         else:
             inputs.append(model.group_input(stage.group, x))
-            x = finals[stage.group]
+            x = model.hand_on(finals[stage.group])  # what the next stage reads (handoff_norm)
     return [finals[g] for g in range(model.n_groups)], inputs
 
 

@@ -80,6 +80,12 @@ class RdepthConfig(_BaseConfig):
     block: str = "sandwich"
     tokenizer: str = "gpt2"
     loop_state: str = "sandwich"
+    positions: str = "learned"
+    rope_base: float = 10000.0
+    mlp: str = "plain"
+    mlp_hidden: int | None = None
+    qk_bias: bool = False
+    handoff_norm: bool = False
     # the exported model's own
     loop_counts: list[int] | None = None
     state_seed: int = 0

@@ -3,7 +3,9 @@
 An importer is chosen by ``config.json``'s ``model_type`` from :data:`IMPORTERS`:
 folders written by ``rdepth export`` (the round trip is exact) and GPT-2 folders
 (:mod:`rdepth.interop.hf_gpt2`: a plain model of ``block="gpt2"`` layers, logits equal
-to ``transformers``' own GPT-2). Architectures :class:`~rdepth.model.RecurrentLM`
+to ``transformers``' own GPT-2) and Huginn-0125 / raven folders (:mod:`rdepth.interop.hf_raven`: the
+sandwich model with rotary positions, a gated MLP, a query/key bias and the final norm on the
+hand-off). Architectures :class:`~rdepth.model.RecurrentLM`
 cannot compute are refused with the mismatch named in :data:`MISMATCHES`, never
 approximated.
 """
@@ -21,6 +23,7 @@ from rdepth.data.tokenizers import BPE_FILE, META_FILE, load_tokenizer
 from rdepth.errors import RdepthError
 from rdepth.interop.config import ImportConfig
 from rdepth.interop.hf_gpt2 import import_gpt2
+from rdepth.interop.hf_raven import MODEL_TYPE as RAVEN, import_raven
 from rdepth.interop.output import check_new_folder, staged_folder
 from rdepth.io import read_json_object, write_json, write_text
 from rdepth.model import RecurrentLM
@@ -34,8 +37,8 @@ WEIGHT_PREFIX = "model."  # as rdepth.interop.export writes them
 MISMATCHES: dict[str, str] = {
     "gpt_neo": "its attention alternates global and local (windowed) layers and is not scaled by "
                "1/sqrt(head_dim); rdepth's gpt2 block is global and scaled",
-    "llama": "its blocks are pre-RMSNorm with rotary positions and a gated SwiGLU MLP; rdepth's are "
-             "sandwich-RMSNorm with learned positions and a plain SiLU MLP",
+    "llama": "its blocks are pre-RMSNorm (an unnormalised residual stream) with rotate-half rotary positions; "
+             "rdepth's sandwich blocks normalise after each residual sum and rotate adjacent channel pairs",
 }
 
 
@@ -87,6 +90,7 @@ def import_rdepth_export(folder: Path, hf_config: dict) -> tuple[RecurrentLM, di
 IMPORTERS: dict[str, Callable[[Path, dict], tuple[RecurrentLM, dict]]] = {
     "rdepth": import_rdepth_export,
     "gpt2": import_gpt2,
+    RAVEN: import_raven,
 }
 
 

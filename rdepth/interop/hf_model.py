@@ -31,7 +31,7 @@ takes left-padded prompts: rows with the same real length decode together throug
 rdepth's decoder, so each row's tokens equal its unpadded generation. rdepth's cache
 (``use_cache`` in transformers' own loop) takes no padding. Beam search is not
 supported (the cache is not reordered). A sequence longer than ``block_size``
-(learned positions end there) is refused with a message, in ``forward`` and before
+(its positions end there) is refused with a message, in ``forward`` and before
 ``generate`` starts.
 
 Versions: transformers 4.46 to the newest (see ``configuration_rdepth.py``). The cache
@@ -129,7 +129,7 @@ def shift_rows(tensor: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
 def check_length(length: int, block_size: int, what: str) -> None:
     if length > block_size:
         raise ValueError(f"{what} is {length} positions; this rdepth model reads at most block_size = "
-                         f"{block_size} (learned positions end there): shorten the prompt or max_new_tokens")
+                         f"{block_size} (its positions end there): shorten the prompt or max_new_tokens")
 
 
 class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
@@ -327,7 +327,7 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         def observe(group, step, state, active):
             loops.setdefault(group, []).append(state)
             if step == counts[group]:
-                hidden.append(state)
+                hidden.append(model.hand_on(state))  # what the next stage reads
 
         hooks = [layer.register_forward_hook(lambda module, inputs, output: hidden.append(output))
                  for index, layer in enumerate(model.layers) if index not in looped]

@@ -63,6 +63,8 @@ def model_card(*, checkpoint: Path, out: str, model_config, loops, state_seed: i
         "---",
     ])
     groups = config.groups or "none (a plain transformer)"
+    positions = ("the positions are learned" if config.positions == "learned"
+                 else "rotary positions, kept to the block size the model was trained with")
     body = f"""
 # rdepth recurrent-depth model
 
@@ -109,7 +111,7 @@ out = model.generate(**batch, max_new_tokens=20, do_sample=False)
 
 ## Limits
 
-- A sequence (prompt + new tokens) of at most {config.block_size} tokens: the positions are learned, and
+- A sequence (prompt + new tokens) of at most {config.block_size} tokens: {positions}, and
   longer input is refused with a message (no sliding window).
 - Padding: `forward` takes left or right padding (rows are shifted to start at position 0, so a padded
   row's logits are its unpadded ones); batched `generate` takes left padding. rdepth's key/value cache

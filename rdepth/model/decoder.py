@@ -116,6 +116,8 @@ class Decoder:
         with torch.no_grad():
             self.cache = model.new_cache(batch_size, self.capacity, self.steps, self.dtype, self.device)
             self._allocate()
+            if model.rotary is not None:  # the angle table on the device now, never first inside a graph capture
+                model.rotary.table(self.device)
         self._plans: dict[Budget, Plan] = {}
         self.plan = self._plan_for(self.budget)
 
@@ -265,7 +267,7 @@ class Decoder:
     def _end_group(self, plan: Plan, group: int) -> None:
         if not plan.budget.fixed or plan.steps[group] < self.steps[group]:
             self.cache.settle(group, self.computed[group])  # the latest-KV rule for the steps not run
-        self._x.copy_(self._handed)
+        self._x.copy_(self.model.hand_on(self._handed))
         if self.warm_start:
             self._warm[group].index_copy_(1, self.cache.position, self._handed.unsqueeze(1))
 
@@ -387,7 +389,7 @@ class Decoder:
                 self.cache.settle_all(group, counts[group], slice(start, end))
             self.computed[group].fill_(counts[group])
             self.used[group].fill_(counts[group])
-            x = state
+            x = model.hand_on(state)
         logits = model.readout(x).view(batch, length, -1)
         self.logits.copy_(logits[:, -1])
         self.length = end

@@ -14,7 +14,10 @@ Every layer accepts activations in one of two layouts:
   This serves cached generation and per-token early exit, where tokens that
   left a loop are no longer computed.
 
-Norms and MLPs act per token, so only attention needs to know the layout.
+Norms and MLPs act per token, so only attention needs to know the layout. With rotary
+positions (``ModelConfig.positions``) attention rotates queries and keys by each token's
+absolute position: ``0 .. T-1`` in the dense layout, the context's ``position`` per row in
+the packed one, so that cached decoding computes what the dense pass does.
 """
 
 from __future__ import annotations
@@ -46,6 +49,39 @@ class RMSNorm(nn.Module):
         return normed.type_as(x)
 
 
+class Rotary:
+    """Rotary positions over pairs of adjacent channels ``(2i, 2i+1)`` of each head (Huginn-0125's
+    layout; Llama's pairs ``(i, i + hs/2)`` instead): the pair at position p turns by ``p * base^(-2i/hs)``.
+
+    The angle table is computed once per device in float32, as the reference computes its buffer (the
+    same ops, so the same values), and is no parameter or buffer: casting the model does not round it.
+    Half-precision queries and keys are rotated in float32 and rounded back; float32 and float64 in their
+    own dtype."""
+
+    def __init__(self, head_dim: int, base: float, length: int):
+        self.head_dim, self.base, self.length = head_dim, float(base), length
+        self._tables: dict[torch.device, torch.Tensor] = {}
+
+    def table(self, device: torch.device) -> torch.Tensor:
+        """``[length, hs/2, 2]`` float32: cos and sin of every position's angles."""
+        if device not in self._tables:
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+            inverse = 1.0 / (self.base ** exponents)
+            angles = torch.outer(torch.arange(self.length, dtype=torch.float32), inverse)  # (S, hs/2)
+            self._tables[device] = torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1).to(device)
+        return self._tables[device]
+
+    def rotate(self, x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., hs]`` rotated by ``turn`` ``[..., hs/2, 2]`` (rows of :meth:`table`, broadcast)."""
+        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        pairs = wide.unflatten(-1, (-1, 2))  # (..., hs/2, 2)
+        turn = turn.to(wide.dtype)
+        cos, sin = turn[..., 0], turn[..., 1]
+        real, imag = pairs[..., 0], pairs[..., 1]
+        rotated = torch.stack([real * cos - imag * sin, imag * cos + real * sin], dim=-1)
+        return rotated.flatten(-2).to(x.dtype)
+
+
 def has_bias(config: ModelConfig) -> bool:
     """Linear layers carry biases in GPT-2 blocks only."""
     return config.block == "gpt2"
@@ -59,30 +95,63 @@ def make_norm(config: ModelConfig) -> nn.Module:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int):
+    """Causal self-attention, scaled by 1/sqrt(head_dim); one fused ``qkv`` matrix (rows: queries, keys,
+    values); optionally a learned bias on queries and keys (``qk_bias``) and rotary positions."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, rotary: Rotary | None = None):
         super().__init__()
         self.layer_index = layer_index
         self.n_head = config.n_head
         self.head_dim = config.head_dim
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=has_bias(config))
         self.proj = nn.Linear(config.d_model, config.d_model, bias=has_bias(config))
+        # (2, nh, hs): added to queries (0) and keys (1) before their rotation
+        self.qk_bias = nn.Parameter(torch.zeros(2, self.n_head, self.head_dim)) if config.qk_bias else None
+        self.rotary = rotary
+
+    def _position_qk(self, q: torch.Tensor, k: torch.Tensor, position: torch.Tensor | None):
+        """Queries and keys with their bias and rotation: dense ``[B, nh, T, hs]`` (``position`` None: the
+        positions ``0 .. T-1``), one row per batch row ``[B, nh, 1, hs]`` or packed rows ``[N, nh, hs]``
+        (``position`` ``[B]`` / ``[N]``: each row's absolute position)."""
+        if self.qk_bias is not None:
+            q_bias, k_bias = self.qk_bias[0], self.qk_bias[1]  # (nh, hs)
+            if position is None or q.dim() == 4:  # (B, nh, T or 1, hs): heads at -3
+                q_bias, k_bias = q_bias[:, None], k_bias[:, None]
+            q, k = q + q_bias, k + k_bias
+        if self.rotary is None:
+            return q, k
+        table = self.rotary.table(q.device)
+        if position is None:  # dense (B, nh, T, hs)
+            turn = table[: q.shape[-2]]  # (T, hs/2, 2)
+        elif q.dim() == 4:  # one row per batch row (B, nh, 1, hs)
+            turn = table[position][:, None, None]  # (B, 1, 1, hs/2, 2)
+        else:  # packed rows (N, nh, hs)
+            turn = table[position][:, None]  # (N, 1, hs/2, 2)
+        return self.rotary.rotate(q, turn), self.rotary.rotate(k, turn)
 
     def forward(self, x: torch.Tensor, attn: AttentionContext | None = None) -> torch.Tensor:
+        positioned = self.qk_bias is not None or self.rotary is not None
         if attn is None:
             batch, seq, dim = x.shape
             qkv = self.qkv(x).view(batch, seq, 3, self.n_head, self.head_dim)
             q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, nh, T, hs)
+            if positioned:
+                q, k = self._position_qk(q, k, None)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.proj(y.transpose(1, 2).reshape(batch, seq, dim))
 
         rows, dim = x.shape
         if attn.one_per_row:  # row i is batch row i's only query: views, no packing (same values)
             q, k, v = self.qkv(x).view(rows, 3, self.n_head, 1, self.head_dim).unbind(1)  # each (B, nh, 1, hs)
+            if positioned:
+                q, k = self._position_qk(q, k, attn.position)
             keys, values = attn.store.update(self.layer_index, attn, k, v)  # (B, nh, S, hs)
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn.mask)  # (B, nh, 1, hs)
             return self.proj(y.reshape(rows, dim))
         qkv = self.qkv(x).view(rows, 3, self.n_head, self.head_dim)
         q, k, v = qkv.unbind(1)  # each (N, nh, hs)
+        if positioned:
+            q, k = self._position_qk(q, k, attn.position)
         keys, values = attn.store.update(self.layer_index, attn, k, v)  # (B, nh, S, hs)
         # Pack each batch row's queries into (B, nh, A, hs); padding slots are masked.
         packed = q.new_zeros(attn.n_batch, attn.slots, self.n_head, self.head_dim)
@@ -95,17 +164,22 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``proj(act(fc(x)))``: SiLU without biases (sandwich), GELU-tanh with biases (gpt2)."""
+    """``proj(act(fc(x)))``: SiLU without biases (sandwich), GELU-tanh with biases (gpt2); with
+    ``mlp="swiglu"``, ``proj(silu(gate) * up)`` where ``fc(x)`` is ``[gate | up]``."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        hidden = config.mlp_ratio * config.d_model
-        self.fc = nn.Linear(config.d_model, hidden, bias=has_bias(config))
+        hidden = config.hidden_width
+        self.gated = config.mlp == "swiglu"
+        self.fc = nn.Linear(config.d_model, 2 * hidden if self.gated else hidden, bias=has_bias(config))
         self.proj = nn.Linear(hidden, config.d_model, bias=has_bias(config))
         self.gelu = config.block == "gpt2"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.fc(x)
+        if self.gated:
+            gate, up = hidden.chunk(2, dim=-1)
+            return self.proj(F.silu(gate) * up)
         hidden = F.gelu(hidden, approximate="tanh") if self.gelu else F.silu(hidden)
         return self.proj(hidden)
 
@@ -118,11 +192,11 @@ class SandwichBlock(nn.Module):
         x = norm_4(x + mlp(norm_3(x)))
     """
 
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, rotary: Rotary | None = None):
         super().__init__()
         eps = config.norm_eps
         self.norm_1 = RMSNorm(config.d_model, eps)
-        self.attn = CausalSelfAttention(config, layer_index)
+        self.attn = CausalSelfAttention(config, layer_index, rotary)
         self.norm_2 = RMSNorm(config.d_model, eps)
         self.norm_3 = RMSNorm(config.d_model, eps)
         self.mlp = MLP(config)
@@ -141,10 +215,10 @@ class GPT2Block(nn.Module):
         x = x + mlp(norm_2(x))
     """
 
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, rotary: Rotary | None = None):
         super().__init__()
         self.norm_1 = make_norm(config)
-        self.attn = CausalSelfAttention(config, layer_index)
+        self.attn = CausalSelfAttention(config, layer_index, rotary)
         self.norm_2 = make_norm(config)
         self.mlp = MLP(config)
 

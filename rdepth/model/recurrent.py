@@ -38,7 +38,7 @@ from rdepth.errors import RdepthError
 from rdepth.model.control import LoopController
 from rdepth.model.fused_loss import logits_cross_entropy, readout_loss
 from rdepth.model.kv import AttentionContext, KVCache, RowsKV
-from rdepth.model.layers import BLOCKS, make_norm
+from rdepth.model.layers import BLOCKS, Rotary, make_norm
 from rdepth.model.loop import LoopRows, run_fixed
 from rdepth.model.noise import CounterNoise, StateNoise
 from rdepth.model.schedule import sample_loop_counts
@@ -110,9 +110,12 @@ class RecurrentLM(nn.Module):
         self.config = config
         d = config.d_model
         self.wte = nn.Embedding(config.padded_vocab_size, d)
-        self.wpe = nn.Embedding(config.block_size, d)
+        # Learned positions: an embedding per position; rotary ones: one angle table the layers share.
+        self.wpe = nn.Embedding(config.block_size, d) if config.positions == "learned" else None
+        self.rotary = (Rotary(config.head_dim, config.rope_base, config.block_size)
+                       if config.positions == "rotary" else None)
         block = BLOCKS[config.block]
-        self.layers = nn.ModuleList(block(config, i) for i in range(config.n_layer))
+        self.layers = nn.ModuleList(block(config, i, self.rotary) for i in range(config.n_layer))
         self.adapters = nn.ModuleList(nn.Linear(2 * d, d, bias=False) for _ in config.group_specs)
         # How an adapter's halves are multiplied (:func:`adapter_matmul`): the one point every loop step's
         # adapter matmuls pass through, so that a training option can swap it (float8: rdepth.train.fp8).
@@ -149,8 +152,8 @@ class RecurrentLM(nn.Module):
         std = self.base_std
         out_std = std / math.sqrt(2.0 * self.config.unrolled_depth)
         for name, param in self.named_parameters():
-            if param.dim() == 1 and name.endswith(".bias"):  # gpt2 blocks only
-                nn.init.zeros_(param)
+            if (param.dim() == 1 and name.endswith(".bias")) or name.endswith(".qk_bias"):
+                nn.init.zeros_(param)  # gpt2 blocks' biases; the query/key bias (qk_bias)
             elif param.dim() == 1:
                 nn.init.ones_(param)
             elif name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
@@ -184,7 +187,8 @@ class RecurrentLM(nn.Module):
 
     # ----------------------------------------------------------------- pieces
     def embed(self, idx: torch.Tensor, start_pos: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Token + learned position embeddings: idx ``[B, T]`` -> ``[B, T, d]``.
+        """Token + learned position embeddings: idx ``[B, T]`` -> ``[B, T, d]`` (rotary positions: the
+        token embedding alone; the layers rotate by position).
 
         ``positions``: the positions as a device tensor ``[T]`` instead of ``start_pos`` (static-shape
         decoding, where the position lives on the device; not checked against the block size).
@@ -196,13 +200,16 @@ class RecurrentLM(nn.Module):
         GPT-2 blocks take the embedding unscaled, as GPT-2 does.
         """
         if positions is not None:
-            return self.embed_scale * self.wte(idx) + self.wpe(positions)
+            tokens = self.embed_scale * self.wte(idx)
+            return tokens if self.wpe is None else tokens + self.wpe(positions)
         seq = idx.shape[-1]
         if start_pos + seq > self.config.block_size:
             raise RdepthError(
                 f"sequence of {start_pos + seq} tokens exceeds the model's block size "
                 f"{self.config.block_size}"
             )
+        if self.wpe is None:
+            return self.embed_scale * self.wte(idx)
         positions = torch.arange(start_pos, start_pos + seq, device=idx.device)
         return self.embed_scale * self.wte(idx) + self.wpe(positions)
 
@@ -274,6 +281,12 @@ class RecurrentLM(nn.Module):
         update = self.run_layers(self.group_layers[group], x, attn)
         return state + update if residual else update
 
+    def hand_on(self, state: torch.Tensor) -> torch.Tensor:
+        """What the next stage receives from a group whose loop ended at ``state`` ``[..., d]``: the state
+        itself, or with ``handoff_norm`` the final norm of it (Huginn-0125: its ``ln_f``, used twice).
+        Every path from a group's loop to the next stage passes through here."""
+        return self.norm_f(state) if self.config.handoff_norm else state
+
     def readout(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and the tied head; logits over the real vocabulary."""
         logits = F.linear(self.norm_f(x), self.wte.weight)
@@ -340,7 +353,7 @@ class RecurrentLM(nn.Module):
                       if stage.kind is StageKind.GROUP and stage.group == group), None)
         if index is None:
             raise RdepthError(f"the model has no recurrence group {group}")
-        return self._run_stages(self.stages[index + 1:], x, counts, noise, None)
+        return self._run_stages(self.stages[index + 1:], self.hand_on(x), counts, noise, None)
 
     def _forward_dense(self, idx, counts, noise, observer, shifted_warm_start=False) -> torch.Tensor:
         return self._run_stages(self.stages, self.embed(idx), counts, noise, observer, shifted_warm_start)
@@ -361,9 +374,9 @@ class RecurrentLM(nn.Module):
             # Truncated backprop: the first steps run without a graph.
             steps = counts[group]
             observe = (lambda step, state, group=group: observer(group, step, state, None)) if observer else None
-            x = run_fixed(state, steps, lambda state, step, group=group, projected=projected:
-                          self.loop_step(group, state, projected),
-                          observe, max(steps - self.config.backprop_depth, 0) + 1)
+            x = self.hand_on(run_fixed(state, steps, lambda state, step, group=group, projected=projected:
+                                       self.loop_step(group, state, projected),
+                                       observe, max(steps - self.config.backprop_depth, 0) + 1))
         return x
 
     @torch.no_grad()
@@ -407,7 +420,7 @@ class RecurrentLM(nn.Module):
                 observer(group, step, state.view(batch, seq, -1), active.view(batch, seq))
 
             loop.run(state, step_fn, observe if observer is not None else None)
-            x = loop.handed_on
+            x = self.hand_on(loop.handed_on)
             computed_out.append(loop.computed.view(batch, seq))
             used_out.append(loop.used.view(batch, seq))
         return x.view(batch, seq, -1), computed_out, used_out
