@@ -473,8 +473,8 @@ def assert_verdicts_follow_the_saved_numbers(out) -> None:
 @pytest.mark.slow
 def test_toy_run_end_to_end(wiki_small, tmp_path, capsys):
     out, export = tmp_path / "run", tmp_path / "export"
-    argv = ["reproduce", "two-scale", "--out", str(out), "--data", str(wiki_small), "--minutes", "1.5",
-            "--device", "cpu", "--threads", "1", "--train-share", "0.3", "--export-dir", str(export)]
+    argv = ["reproduce", "two-scale", "--out", str(out), "--data", str(wiki_small), "--minutes", "3",
+            "--device", "cpu", "--threads", "1", "--train-share", "0.12", "--export-dir", str(export)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "| # | claim | paper | ours | judged on | verdict |" in printed
