@@ -38,6 +38,7 @@ from tqdm import tqdm
 from rdepth.errors import RdepthError
 from rdepth.sweep.config import MeasureSettings, SweepConfig
 from rdepth.sweep.depth import DEPTH_CSV, depth_csv, depth_summary, depth_vs_hops, oracle_steps
+from rdepth.sweep.halves import half_scores, honest_selection, target_problems
 from rdepth.exits.controller import controller_factory
 from rdepth.sweep.measure import decode_factory
 from rdepth.exits.profile import load_profile, profile_controller_factory
@@ -83,7 +84,8 @@ def pareto_front(entries: Sequence[dict]) -> list[dict]:
 def summarize_task_sweep(result: dict, tolerance: float) -> dict:
     """Per difficulty: the full budget, the cheapest policy point within ``tolerance`` (a fraction:
     0.01 = one point of accuracy) of it, the cheapest fixed budget at least as accurate as that point,
-    the steps saved against each, and the Pareto front (labels)."""
+    the steps saved against each, the Pareto front (labels), and the honest selection (``halves``: chosen
+    on one half of the problems, judged on the other, :func:`rdepth.sweep.halves.honest_selection`)."""
     out = {"tolerance": tolerance, "difficulties": []}
     for block in result["difficulties"]:
         full = block["fixed"][-1]
@@ -105,6 +107,8 @@ def summarize_task_sweep(result: dict, tolerance: float) -> dict:
                     row["time_saved_vs_cheapest_fixed"] = 1 - best["ms_per_token"] / cheapest["ms_per_token"]
             row["answer_over_other_steps"] = best["mean_steps_answer"] / max(best["mean_steps_other"], 1e-12)
         row["pareto"] = [e["label"] for e in pareto_front(block["fixed"] + block["points"])]
+        if all("halves" in e for e in block["fixed"] + block["points"]):  # (sweeps saved before have none)
+            row["halves"] = honest_selection(block["fixed"], block["points"], tolerance)
         out["difficulties"].append(row)
     return out
 
@@ -166,10 +170,11 @@ def _sweep_heldout(model: RecurrentLM, heldout: HeldOut, config: SweepConfig, k_
     calls: dict[str, Callable[[], None]] = {}
     work: dict[str, tuple[dict, int]] = {}
     desc = f"task sweep d={heldout.difficulty}"
+    problems = target_problems(heldout.answer_mask, heldout.problem_ids)
     for labels, factory in tqdm(settings, desc=desc, disable=not progress):
-        entry = {**labels, **_measure(model, heldout, factory, config.measure_settings(), device,
-                                      per_token=per_token)}
-        right, steps = entry.pop("answer_right", None), entry.pop("answer_steps", None)
+        entry = {**labels, **_measure(model, heldout, factory, config.measure_settings(), device, per_token=True)}
+        right, steps = entry.pop("answer_right"), entry.pop("answer_steps")
+        entry["halves"] = half_scores(right, steps, problems)  # for the honest selection (rdepth.sweep.halves)
         if "budget" in entry:
             fixed.append(entry)
             fixed_right.append(right)
@@ -278,8 +283,28 @@ def format_task_sweep(result: dict) -> list[str]:
             f"budget" + (f", {100 * summary['steps_saved_vs_cheapest_fixed']:.0f}% fewer than {cheapest['label']}, "
                          f"the cheapest fixed budget as accurate" if cheapest else "") + "); answer tokens get "
             f"{best['mean_steps_answer']:.2f} steps, the rest {best['mean_steps_other']:.2f}")
+        lines += format_halves(summary.get("halves", []))
     if "depth" in result:
         lines += format_depth(result["depth"])
+    return lines
+
+
+def format_halves(rows: list[dict]) -> list[str]:
+    """Text lines of the honest selection: per direction, the setting chosen on one half and how it does on
+    the other (accuracy, answer-token steps, the bar), beside the cheapest fixed budget chosen alike."""
+    lines = []
+    for row in rows:
+        head = f"  chosen on half {row['chosen_on']}, judged on {row['judged_on']}"
+        point = row["point"]
+        if point is None:
+            lines.append(f"{head}: no policy within the tolerance on half {row['chosen_on']}")
+            continue
+        fixed = row.get("cheapest_fixed")
+        lines.append(f"{head}: {point['label']} {100 * point['accuracy']:.1f}% (full budget "
+                     f"{100 * row['full_accuracy']:.1f}%, {'meets' if point['meets_bar'] else 'misses'} the bar) at "
+                     f"{point['answer_steps']:.2f} answer steps" + (
+                         f"; {fixed['label']} {100 * fixed['accuracy']:.1f}% at {fixed['answer_steps']:.2f}"
+                         if fixed else ""))
     return lines
 
 
