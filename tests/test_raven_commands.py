@@ -224,3 +224,13 @@ def test_lm_eval_per_loop_budget_scores_the_models_own_choices(raven, tmp_path, 
                 scores.append(float(logprobs.gather(1, torch.tensor(whole[len(context):])[:, None]).sum()))
             correct += int(np.argmax(scores) == example["label"])
         assert budget["results"][name]["acc"] == pytest.approx(correct / len(examples), abs=1e-9)
+
+
+def test_generate_under_bf16_autocast(raven, monkeypatch, capsys):
+    """The Huginn checkpoint is bf16: ``--autocast bf16`` decodes with the cache (the query/key bias once
+    promoted the keys alone to float32, and writing them beside bf16 values raised)."""
+    assert cli(monkeypatch, "generate", "--checkpoint", raven.run, "--prompt", "The old castle", "--samples", "2",
+               "--temperature", "0", "--max-new-tokens", "6", "--autocast", "bf16", "--exit", "kl", "--tau", "0.1",
+               "--k-max", "8") == 0
+    texts = capsys.readouterr().out.split("\n---\n")[:2]
+    assert all(text.startswith("The old castle") and len(text) > len("The old castle") for text in texts)
