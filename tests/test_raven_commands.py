@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from rdepth.model.noise import StateNoise
 
-from test_hf_helpers import cli, sentences  # noqa: E402
+from test_hf_helpers import cli, one_line_error, sentences  # noqa: E402
 
 VOCAB = 320
 
@@ -45,8 +45,8 @@ def raven(tmp_path_factory):
     model, config = load_model(root / "run")
     assert (config.positions, config.mlp, config.groups, config.eval_loops) == ("rotary", "swiglu", "1-2", (4,))
     val = np.asarray(TokenShards.open(root / "data").val)
-    return SimpleNamespace(run=root / "run", data=root / "data", model=model.eval(),
-                           tokenizer=run_tokenizer(root / "run"), val=val)
+    return SimpleNamespace(run=root / "run", data=root / "data", raven=folder, corpus=root / "corpus.txt",
+                           model=model.eval(), tokenizer=run_tokenizer(root / "run"), val=val)
 
 
 def windows(raven, seq_len: int, count: int) -> torch.Tensor:
@@ -234,3 +234,16 @@ def test_generate_under_bf16_autocast(raven, monkeypatch, capsys):
                "--k-max", "8") == 0
     texts = capsys.readouterr().out.split("\n---\n")[:2]
     assert all(text.startswith("The old castle") and len(text) > len("The old castle") for text in texts)
+
+
+@pytest.mark.parametrize("command, named", [
+    (lambda r, out: ["retrofit", "--checkpoint", r.run, "--groups", "1-2", "--out", out], "already loops"),
+    (lambda r, out: ["surrogate", "--teacher", r.run, "--corpus", r.corpus, "--out", out], "already loops"),
+    (lambda r, out: ["surrogate", "--teacher", r.raven, "--corpus", r.corpus, "--out", out], "huginn_raven"),
+])
+def test_commands_that_need_a_plain_transformer_refuse_in_one_line(raven, tmp_path, monkeypatch, capsys, command,
+                                                                   named):
+    """retrofit makes a plain model loop and the surrogate fits one: a raven run already loops (its core)."""
+    err = one_line_error(capsys, cli(monkeypatch, *command(raven, tmp_path / "out")))
+    assert named in err
+    assert not (tmp_path / "out").exists()
