@@ -177,11 +177,29 @@ def test_calibrate_then_eval_with_its_profile(raven, tmp_path, monkeypatch, caps
     assert out.is_file()
 
 
-def test_train_init_from_fine_tunes_with_randomized_depth(raven, tmp_path, monkeypatch):
+def test_train_init_from_fine_tunes_with_randomized_depth(raven, tmp_path, monkeypatch, capsys):
+    """New text prepared with the run's own tokenizer (``prepare --tokenizer from:RUN``, what fine-tuning
+    Huginn-0125 needs: a trained BPE would give other ids), then four steps from the imported weights."""
+    from rdepth.data.shards import TokenShards
+    from rdepth.data.tokenizers import tokenizer_fingerprint
     from rdepth.run.checkpoint import load_model
 
+    (tmp_path / "new.txt").write_text("\n\n".join(" ".join(sentences(5, seed=100 + s)) for s in range(30)))
+    data = tmp_path / "new_data"
+    assert cli(monkeypatch, "prepare", "--corpus", tmp_path / "new.txt", "--tokenizer", f"from:{raven.run}",
+               "--out", data, "--val-fraction", "0.2") == 0
+    shards = TokenShards.open(data)
+    assert shards.manifest["tokenizer"] == f"bpe:{VOCAB}"
+    assert shards.tokenizer_fingerprint == tokenizer_fingerprint(raven.tokenizer)
+    # a BPE trained on the new text has the same name and other ids: refused, as it must be
+    assert cli(monkeypatch, "prepare", "--corpus", tmp_path / "new.txt", "--tokenizer", f"bpe:{VOCAB}",
+               "--out", tmp_path / "own_bpe", "--val-fraction", "0.2") == 0
+    capsys.readouterr()
+    err = one_line_error(capsys, cli(monkeypatch, "train", "--init-from", raven.run, "--data", tmp_path / "own_bpe",
+                                     "--out", tmp_path / "refused", "--max-steps", "1"))
+    assert "tokenizer" in err
     out = tmp_path / "finetune"
-    assert cli(monkeypatch, "train", "--init-from", raven.run, "--data", raven.data, "--out", out, "--max-steps", "4",
+    assert cli(monkeypatch, "train", "--init-from", raven.run, "--data", data, "--out", out, "--max-steps", "4",
                "--batch-size", "2", "--warmup-steps", "1", "--eval-every", "4", "--eval-batches", "1",
                "--eval-batch-size", "2", "--checkpoint-every", "4", "--log-every", "1", "--lr", "1e-3") == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -247,3 +265,10 @@ def test_commands_that_need_a_plain_transformer_refuse_in_one_line(raven, tmp_pa
     err = one_line_error(capsys, cli(monkeypatch, *command(raven, tmp_path / "out")))
     assert named in err
     assert not (tmp_path / "out").exists()
+
+
+def test_prepare_from_a_folder_without_a_tokenizer_is_one_line(raven, tmp_path, monkeypatch, capsys):
+    err = one_line_error(capsys, cli(monkeypatch, "prepare", "--corpus", raven.corpus, "--tokenizer",
+                                     f"from:{tmp_path / 'nothing'}", "--out", tmp_path / "data"))
+    assert "from:" in err and "nothing" in err
+    assert not (tmp_path / "data").exists()
