@@ -79,20 +79,23 @@ def test_eval_per_loop_budget_is_the_models_own_loss(raven, tmp_path, monkeypatc
     assert len({round(r["ce"], 4) for r in results}) == 3, "the loop budget does not reach the model"
 
 
-def test_generate_with_an_exit_policy_at_batch_above_one_equals_each_sample_alone(raven, monkeypatch, capsys):
+@pytest.mark.parametrize("policy, tau", [("kl", 0.1), ("entropy_diff", 0.1), ("argmax_stable", 1.0),
+                                         ("acceleration", 0.3)])
+def test_generate_with_an_exit_policy_at_batch_above_one_equals_each_sample_alone(raven, monkeypatch, capsys,
+                                                                                  policy, tau):
     from rdepth.exits.controller import controller_factory
     from rdepth.model.generation import generate
 
     prompt, new, samples = "The old castle", 10, 3
     assert cli(monkeypatch, "generate", "--checkpoint", raven.run, "--prompt", prompt, "--samples", samples,
-               "--temperature", "0", "--exit", "kl", "--tau", "0.1", "--k-max", "8", "--max-new-tokens", new,
+               "--temperature", "0", "--exit", policy, "--tau", tau, "--k-max", "8", "--max-new-tokens", new,
                "--show-special") == 0
     batched = capsys.readouterr().out.split("\n---\n")[:samples]
     model, ids = raven.model, torch.tensor([raven.tokenizer.encode(prompt)])
     alone, fixed = [], []
     for sample in range(samples):  # sample i starts every loop from noise row i, as in the batch
         noise = StateNoise(0, [sample])
-        factory = controller_factory("kl", 0.1, [8], lambda: model.readout)
+        factory = controller_factory(policy, tau, [8], lambda: model.readout)
         alone.append(raven.tokenizer.decode(generate(model, ids, new, controller_factory=factory, noise=noise)[0].tolist()))
         fixed.append(raven.tokenizer.decode(generate(model, ids, new, loop_counts=[8], noise=noise)[0].tolist()))
     assert batched == alone
