@@ -132,3 +132,23 @@ def test_a_shifted_sequence_gives_the_same_logits():
 def test_bad_options_are_named(change, named):
     with pytest.raises(RdepthError, match=named):
         ModelConfig.from_dict({**tiny_config().to_dict(), **change})
+
+
+@pytest.mark.parametrize("exits", [False, True])
+def test_the_decoder_follows_the_dense_pass_under_bf16_autocast(exits):
+    """Under autocast the query/key bias is added in the queries' dtype, as the rotation is: keys and values
+    reach the cache in one dtype (a float32 bias once promoted the keys alone, and the cached decoder
+    raised, so ``rdepth generate --autocast bf16`` failed on every Huginn import)."""
+    model = raven_like().float()
+    idx = tokens(2)
+    noise = StateNoise(1, range(2))
+    settings = dict(controller_factory=controller_factory("acceleration", 0.3, [6, 5])) if exits else \
+        dict(loop_counts=(4, 3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if exits:
+            forced = model(idx, controller=settings["controller_factory"](), noise=noise).logits
+        else:
+            forced = model(idx, loop_counts=(4, 3), noise=noise).logits
+        decoded = decode_all(Decoder(model, 2, noise=noise, **settings), idx)
+    assert decoded.shape == forced.shape
+    torch.testing.assert_close(decoded.float(), forced.float(), rtol=0.05, atol=0.1)

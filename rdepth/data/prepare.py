@@ -24,7 +24,7 @@ import numpy as np
 
 from rdepth.data.corpora import CORPORA, load_corpus
 from rdepth.data.shards import ShardWriter, check_output_folder
-from rdepth.data.tokenizers import Tokenizer, build_tokenizer, parse_tokenizer_spec
+from rdepth.data.tokenizers import META_FILE, Tokenizer, build_tokenizer, load_tokenizer, parse_tokenizer_spec
 from rdepth.errors import RdepthError
 from rdepth.fields import check_fields, option
 from rdepth.io import environment_info
@@ -41,7 +41,9 @@ class PrepareConfig:
 
     corpus: str = option("wiki", "wiki, shakespeare, medium (docs/medium_corpus.md), bundle:FILE (a bundle "
                          "written by --bundle), or a .txt/.md/.jsonl file or folder")
-    tokenizer: str = option("bpe:4096", "gpt2 (the exact GPT-2 BPE) or bpe:N (a byte-level BPE trained on the corpus)")
+    tokenizer: str = option("bpe:4096", "gpt2 (the exact GPT-2 BPE), bpe:N (a byte-level BPE trained on the corpus) "
+                            "or from:PATH (the tokenizer of a run, e.g. one rdepth import-hf wrote, or of a "
+                            "prepared folder: data a model with that tokenizer can train on)")
     out: Path | None = option(None, "output folder", default_text="data/<corpus>-<tokenizer>, e.g. data/wiki-bpe4096")
     val_fraction: float = option(0.05, "share of documents held out for validation, in (0, 1)", bounds="(0, 1)")
     seed: int = option(0, "seed of the train/val split", bounds="[0, inf)")
@@ -58,7 +60,10 @@ class PrepareConfig:
             raise RdepthError("corpus: must be a corpus name or a path")
         if not isinstance(self.tokenizer, str):
             raise RdepthError("tokenizer: must be a string such as gpt2 or bpe:4096")
-        parse_tokenizer_spec(self.tokenizer)
+        if self.tokenizer.startswith(FROM):
+            saved_tokenizer_folder(self.tokenizer.removeprefix(FROM))
+        else:
+            parse_tokenizer_spec(self.tokenizer)
         check_fields(self, "prepare")
         if self.bundle is not None:
             self.bundle = Path(self.bundle).expanduser()
@@ -74,8 +79,25 @@ class PrepareConfig:
 
 
 def default_data_folder(corpus_name: str, tokenizer: str) -> Path:
-    """``data/wiki-bpe4096`` for corpus ``wiki`` and tokenizer ``bpe:4096``."""
+    """``data/wiki-bpe4096`` for corpus ``wiki`` and tokenizer ``bpe:4096``; ``data/wiki-huginn`` for
+    ``from:runs/huginn``."""
+    if tokenizer.startswith(FROM):
+        return Path("data") / f"{corpus_name}-{Path(tokenizer.removeprefix(FROM)).expanduser().resolve().name}"
     return Path("data") / f"{corpus_name}-{tokenizer.replace(':', '')}"
+
+
+FROM = "from:"
+
+
+def saved_tokenizer_folder(path: str) -> Path:
+    """The folder holding the tokenizer that ``from:PATH`` names: ``PATH`` itself (a prepared folder or a
+    run's ``tokenizer/``) or ``PATH/tokenizer`` (a run folder); RdepthError naming PATH when neither holds one."""
+    folder = Path(path).expanduser()
+    for candidate in (folder, folder / "tokenizer"):
+        if (candidate / META_FILE).is_file():
+            return candidate
+    raise RdepthError(f"tokenizer from:{path}: neither {folder} nor {folder / 'tokenizer'} holds a saved "
+                      f"tokenizer ({META_FILE})")
 
 
 def split_documents(n_documents: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -175,7 +197,10 @@ def prepare(cfg: PrepareConfig) -> Path:
     log.info("corpus %s: %d documents (%d train, %d val)", corpus.name, len(documents),
              len(train_idx), len(val_idx))
 
-    tokenizer = build_tokenizer(cfg.tokenizer, lambda: iter(splits["train"]), cache_dir=cfg.cache_dir)
+    if cfg.tokenizer.startswith(FROM):  # an existing model's ids, e.g. to fine-tune an imported run
+        tokenizer = load_tokenizer(saved_tokenizer_folder(cfg.tokenizer.removeprefix(FROM)))
+    else:
+        tokenizer = build_tokenizer(cfg.tokenizer, lambda: iter(splits["train"]), cache_dir=cfg.cache_dir)
     log.info("tokenizer %s: vocab_size %d, eot %d", tokenizer.name, tokenizer.vocab_size, tokenizer.eot_id)
 
     with ShardWriter(cfg.out, tokenizer.vocab_size, tokenizer.eot_id) as writer:

@@ -239,8 +239,7 @@ def _write_at(cache_k: torch.Tensor, cache_v: torch.Tensor, position: torch.Tens
     ``[B, nh, S, hs]`` (in place; cast to the cache's dtype under autocast); return the two caches."""
     if keys.dim() == 3:  # [B, nh, hs] from the packing path of attention
         keys, values = keys.unsqueeze(2), values.unsqueeze(2)
-    if keys.dtype != cache_k.dtype:
-        keys, values = keys.to(cache_k.dtype), values.to(cache_v.dtype)
+    keys, values = keys.to(cache_k.dtype), values.to(cache_v.dtype)  # each on its own: no-ops when they match
     cache_k.index_copy_(2, position, keys)
     cache_v.index_copy_(2, position, values)
     return cache_k, cache_v

@@ -117,7 +117,7 @@ class CausalSelfAttention(nn.Module):
             q_bias, k_bias = self.qk_bias[0], self.qk_bias[1]  # (nh, hs)
             if position is None or q.dim() == 4:  # (B, nh, T or 1, hs): heads at -3
                 q_bias, k_bias = q_bias[:, None], k_bias[:, None]
-            q, k = q + q_bias, k + k_bias
+            q, k = (q + q_bias).to(q.dtype), (k + k_bias).to(k.dtype)  # under autocast: as the rotation, its dtype
         if self.rotary is None:
             return q, k
         table = self.rotary.table(q.device)
