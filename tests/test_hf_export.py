@@ -17,20 +17,9 @@ from rdepth.model.noise import StateNoise
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_helpers import cli, one_line_error, tiny_run, tiny_tokenizer  # noqa: E402
+from test_hf_helpers import cli, one_line_error, real, tiny_run, tiny_tokenizer  # noqa: E402
 
 PROMPT = "The old castle on the hill above the river"
-
-
-def real(logits: torch.Tensor) -> torch.Tensor:
-    """The exported logits' real vocabulary: all but the last column, the export's own pad token's (one past the
-    vocabulary), which is -inf, so that softmax and log-softmax over every column equal, bit for bit, those
-    over the real ones (what lm-eval and transformers' sampling read)."""
-    assert torch.isneginf(logits[..., -1]).all()
-    body = logits[..., :-1]
-    assert torch.equal(logits.softmax(-1)[..., :-1], body.softmax(-1))
-    assert torch.equal(logits.log_softmax(-1)[..., :-1], body.log_softmax(-1))
-    return body
 
 
 @pytest.fixture(scope="module")
