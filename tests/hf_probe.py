@@ -12,8 +12,14 @@ releases and compares the results with rdepth's own). It saves a dict of:
   cache, and re-running the whole sequence each step);
 - ``left_padded``: ``generate`` of every prompt in one left-padded batch; ``pipeline``: the batched
   text-generation pipeline's texts;
-- ``resized``: after ``resize_token_embeddings(V + 1)``: the logits' width, a loss on the new token,
-  and whether the saved folder reloads with equal logits;
+- ``special``: the pad and end ids of the config, generation config and tokenizer; ``mask_warnings``:
+  transformers' warnings that the attention mask cannot be inferred, from its own loop on one prompt and
+  on a batch of two, neither with a mask;
+- ``penalised`` / ``penalised_alone``: ``repetition_penalty`` (transformers' own loop, uncached) on the
+  left-padded batch and on each prompt alone: the new tokens and each step's scores;
+- ``resized``: after ``resize_token_embeddings(len(tokenizer))`` (the model's V tokens and the pad, which
+  becomes an ordinary token V): the logits' width, a loss on the new token, and whether the saved folder
+  reloads with equal logits;
 - ``too_long``: the message ``generate`` gives past the block size;
 - ``hidden``: ``output_hidden_states=True``'s last hidden state (the final norm's output) at ``(3, 2, 5)``
   and the shapes of its ``loop_states``.
@@ -21,6 +27,7 @@ releases and compares the results with rdepth's own). It saves a dict of:
 
 from __future__ import annotations
 
+import logging
 import sys
 import tempfile
 
@@ -29,6 +36,25 @@ import torch
 PROMPTS = ["The old castle on the hill above the river", "A small village", "The north tower and the market"]
 BUDGETS = ((1, 1, 1), (3, 2, 5))
 NEW = 8
+PENALTY = 1.5
+
+
+class _Messages(logging.Handler):
+    """The messages logged to transformers' loggers while attached."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _penalised(model, inputs: dict) -> tuple[list, list]:
+    """Greedy tokens and per-step scores under ``repetition_penalty`` through transformers' own loop."""
+    out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, loop_counts=[3, 2, 5], use_cache=False,
+                         repetition_penalty=PENALTY, return_dict_in_generate=True, output_scores=True)
+    return out.sequences[:, inputs["input_ids"].shape[1]:].tolist(), [scores.clone() for scores in out.scores]
 
 
 def probe(folder: str) -> dict:
@@ -41,8 +67,14 @@ def probe(folder: str) -> dict:
     out: dict = {"version": transformers.__version__, "tied": bool(model.config.tie_word_embeddings),
                  "pad_token": tokenizer.pad_token, "padding_side": tokenizer.padding_side}
     out["ids"] = [tokenizer(p).input_ids for p in PROMPTS]
+    out["special"] = {"pad": getattr(model.config, "pad_token_id", None),
+                      "generation_pad": model.generation_config.pad_token_id,
+                      "tokenizer_pad": tokenizer.pad_token_id, "eos": model.config.eos_token_id,
+                      "vocab": model.config.vocab_size, "tokenizer_length": len(tokenizer)}
     first = torch.tensor([out["ids"][0]])
     out["logits"], out["greedy"] = {}, {}
+    heard = _Messages()
+    logging.getLogger("transformers").addHandler(heard)
     with torch.no_grad():
         for counts in BUDGETS:
             out["logits"][counts] = model(first, loop_counts=list(counts)).logits
@@ -52,6 +84,10 @@ def probe(folder: str) -> dict:
         looped = model.generate(first, max_new_tokens=NEW, do_sample=False, loop_counts=[3, 2, 5],
                                 return_dict_in_generate=True, output_scores=True)
         out["hf_loop_cached"] = looped.sequences.tolist()
+        model.generate(torch.cat([first, first]), max_new_tokens=2, do_sample=False, loop_counts=[3, 2, 5],
+                       return_dict_in_generate=True, output_scores=True)  # a batch without a mask
+        logging.getLogger("transformers").removeHandler(heard)
+        out["mask_warnings"] = [m for m in heard.messages if "cannot be inferred" in m]
         states = model(first, loop_counts=[3, 2, 5], output_hidden_states=True)
         out["hidden"] = (states.hidden_states[-1], [tuple(s.shape) for s in states.loop_states])
         out["hf_loop_uncached"] = model.generate(first, max_new_tokens=NEW, do_sample=False, loop_counts=[3, 2, 5],
@@ -61,6 +97,8 @@ def probe(folder: str) -> dict:
                                             loop_counts=[3, 2, 5]).tolist()
         out["left_padded_mask"] = batch.attention_mask.tolist()
         out["padded_logits"] = model(**batch, loop_counts=[3, 2, 5]).logits
+        out["penalised"] = _penalised(model, dict(batch))
+        out["penalised_alone"] = [_penalised(model, dict(tokenizer(p, return_tensors="pt"))) for p in PROMPTS]
         generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
         texts = generator(PROMPTS, batch_size=3, max_new_tokens=NEW, do_sample=False, loop_counts=[3, 2, 5])
         out["pipeline"] = [t[0]["generated_text"] for t in texts]
@@ -69,9 +107,9 @@ def probe(folder: str) -> dict:
             out["too_long"] = None
         except ValueError as error:
             out["too_long"] = str(error)
-    vocab = model.config.vocab_size
+    vocab = len(tokenizer) - 1  # the model's own vocabulary: the tokenizer's pad lies one past it
     before = out["logits"][(3, 2, 5)]
-    model.resize_token_embeddings(vocab + 1)
+    model.resize_token_embeddings(len(tokenizer))
     with torch.no_grad():
         logits = model(first, loop_counts=[3, 2, 5]).logits
     labels = first.clone()
@@ -85,7 +123,7 @@ def probe(folder: str) -> dict:
         again = AutoModelForCausalLM.from_pretrained(saved, trust_remote_code=True).eval()
         with torch.no_grad():
             reloaded = again(first, loop_counts=[3, 2, 5]).logits
-    out["resized"] = {"width": logits.shape[-1], "old_columns_diff": float((logits[..., :vocab] - before).abs().max()),
+    out["resized"] = {"width": logits.shape[-1], "old_columns_diff": float((logits[..., :vocab] - before[..., :vocab]).abs().max()),
                       "loss": float(loss.detach()), "reloads_equal": bool(torch.equal(reloaded, logits))}
     return out
 

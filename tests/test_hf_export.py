@@ -17,7 +17,7 @@ from rdepth.model.noise import StateNoise
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf_helpers import cli, one_line_error, tiny_run, tiny_tokenizer  # noqa: E402
+from test_hf_helpers import cli, one_line_error, real, tiny_run, tiny_tokenizer  # noqa: E402
 
 PROMPT = "The old castle on the hill above the river"
 
@@ -53,12 +53,12 @@ def test_logits_equal_rdepth(exported, counts):
     ids = torch.tensor([tiny_tokenizer().encode(PROMPT)] * 2)
     with torch.no_grad():
         ours = model(ids, loop_counts=counts, noise=StateNoise(0, [0, 0])).logits
-        theirs = hf(ids, loop_counts=list(counts)).logits
+        theirs = real(hf(ids, loop_counts=list(counts)).logits)
         assert torch.equal(theirs, ours)
         # the seed and the per-row sequence ids are per-call settings, keyed as rdepth keys them
         ours = model(ids, loop_counts=counts, noise=StateNoise(7, [3, 9])).logits
-        assert torch.equal(hf(ids, loop_counts=counts, state_seed=7, sequence_ids=[3, 9]).logits, ours)
-        assert not torch.equal(hf(ids, loop_counts=counts, state_seed=8, sequence_ids=[3, 9]).logits, ours)
+        assert torch.equal(real(hf(ids, loop_counts=counts, state_seed=7, sequence_ids=[3, 9]).logits), ours)
+        assert not torch.equal(real(hf(ids, loop_counts=counts, state_seed=8, sequence_ids=[3, 9]).logits), ours)
 
 
 def test_hidden_states_and_loop_iterates_are_the_models_own(exported):
@@ -87,14 +87,14 @@ def test_hidden_states_and_loop_iterates_are_the_models_own(exported):
             hidden.append(x)
         hidden.append(model.layers[5](x))
         hidden.append(model.norm_f(hidden[-1]))
-        plain = hf(ids, loop_counts=list(counts)).logits
+        plain = real(hf(ids, loop_counts=list(counts)).logits)
     assert len(out.hidden_states) == 7 and len(out.loop_states) == 3
     for got, want in zip(out.hidden_states, hidden):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     for got, want in zip(out.loop_states, loops):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-    assert torch.equal(out.logits, plain)
+    assert torch.equal(real(out.logits), plain)
     assert torch.equal(model.readout(out.hidden_states[-2]), plain)  # the head reads the last one through the norm
     for refused in ({"use_cache": True}, {"exit_policy": {"name": "step_norm", "tau": 1.0, "k_max": 4}}):
         with pytest.raises(ValueError, match="output_hidden_states needs the dense forward"):
@@ -105,10 +105,10 @@ def test_default_loops_come_from_the_config(exported):
     _, model, _, hf = exported
     ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
     with torch.no_grad():
-        assert torch.equal(hf(ids).logits, model(ids, noise=StateNoise(0, [0])).logits)  # round(mean_loops)
+        assert torch.equal(real(hf(ids).logits), model(ids, noise=StateNoise(0, [0])).logits)  # round(mean_loops)
         hf.config.loop_counts = [2, 1, 2]
         try:
-            assert torch.equal(hf(ids).logits, model(ids, loop_counts=(2, 1, 2), noise=StateNoise(0, [0])).logits)
+            assert torch.equal(real(hf(ids).logits), model(ids, loop_counts=(2, 1, 2), noise=StateNoise(0, [0])).logits)
         finally:
             hf.config.loop_counts = None
 
@@ -124,8 +124,8 @@ def test_zero_initial_state(tmp_path):
     ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
     with torch.no_grad():
         expected = model(ids, loop_counts=(2, 3)).logits
-        assert torch.equal(hf(ids).logits, expected)
-        assert torch.equal(hf(ids, state_seed=5).logits, expected)
+        assert torch.equal(real(hf(ids).logits), expected)
+        assert torch.equal(real(hf(ids, state_seed=5).logits), expected)
 
 
 def test_padding_on_either_side_leaves_real_tokens_exact(exported):
@@ -136,13 +136,13 @@ def test_padding_on_either_side_leaves_real_tokens_exact(exported):
     left = torch.tensor([ids, [0] * pads + short])
     right_mask = torch.tensor([[1] * len(ids), [1] * 5 + [0] * pads])
     with torch.no_grad():
-        alone = hf(torch.tensor([short])).logits
-        full = hf(torch.tensor([ids])).logits
+        alone = real(hf(torch.tensor([short])).logits)
+        full = real(hf(torch.tensor([ids])).logits)
         # the same maths (causal attention never reads the pads); a different length rounds differently
-        from_right = hf(right, attention_mask=right_mask).logits
+        from_right = real(hf(right, attention_mask=right_mask).logits)
         torch.testing.assert_close(from_right[1, :5], alone[0], rtol=1e-5, atol=1e-5)
         # left pads: the row is shifted to start at position 0 (learned positions) and shifted back
-        from_left = hf(left, attention_mask=right_mask.flip(1)).logits
+        from_left = real(hf(left, attention_mask=right_mask.flip(1)).logits)
         assert torch.equal(from_left[1, pads:], from_right[1, :5]) and torch.equal(from_left[0], from_right[0])
         torch.testing.assert_close(from_left[0], full[0], rtol=1e-5, atol=1e-5)
         with pytest.raises(ValueError, match="contiguous"):  # a gap inside a row
@@ -154,7 +154,7 @@ def test_padding_on_either_side_leaves_real_tokens_exact(exported):
 def test_left_padded_batch_generates_each_rows_unpadded_tokens(exported):
     _, model, out, hf = exported
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    assert tokenizer.pad_token == "<|endoftext|>" and tokenizer.padding_side == "left"
+    assert tokenizer.pad_token == "<|pad|>" and tokenizer.padding_side == "left"
     prompts = [PROMPT, "A small village", "The north tower and the market"]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     assert set(batch) == {"input_ids", "attention_mask"}
@@ -168,6 +168,62 @@ def test_left_padded_batch_generates_each_rows_unpadded_tokens(exported):
     with pytest.raises(ValueError, match="left-padded"):
         right = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="right")
         hf.generate(**right, max_new_tokens=4)
+
+
+def test_the_pad_token_is_its_own(exported):
+    """issue 43: pad = eos = bos = 0 and no pad_token_id in config.json. The pad is its own token now, one past
+    the model's vocabulary, in config.json, generation_config.json and the tokenizer files."""
+    _, model, out, hf = exported
+    vocab = model.config.vocab_size
+    config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    assert config["pad_token_id"] == generation["pad_token_id"] == tokenizer.pad_token_id == vocab
+    assert config["eos_token_id"] == generation["eos_token_id"] == tokenizer.eos_token_id != vocab
+    assert json.loads((out / "tokenizer_config.json").read_text())["pad_token"] == tokenizer.pad_token == "<|pad|>"
+    # transformers' vocabulary (the logits' width, the tokenizer's length) counts the pad; the model's does not
+    assert config["vocab_size"] == len(tokenizer) == vocab + 1 and hf.model.config.vocab_size == vocab
+    assert tokenizer.decode([vocab, *tiny_tokenizer().encode("A small village")], skip_special_tokens=True) \
+        == "A small village"
+
+
+def test_repetition_penalty_on_a_left_padded_batch_equals_each_prompt_alone(exported):
+    """``repetition_penalty`` sends generate() into transformers' own loop, whose penalty reads every input id,
+    the pads included. With pad = eos the pads penalised the end token in padded rows only (issue 43); the
+    export's own pad has a -inf column that the penalty leaves -inf. Every row's scores on the real vocabulary
+    and its tokens are its prompt's alone."""
+    _, model, out, hf = exported
+    vocab = model.config.vocab_size
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    prompts = [PROMPT, "A small village", "The north tower and the market"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert (batch.input_ids == vocab).any()
+    settings = dict(max_new_tokens=8, do_sample=False, loop_counts=[3, 2, 5], repetition_penalty=1.5, use_cache=False,
+                    return_dict_in_generate=True, output_scores=True)
+    together = hf.generate(**batch, **settings)
+    width = batch.input_ids.shape[1]
+    for row, prompt in enumerate(prompts):
+        ids = tokenizer(prompt, return_tensors="pt")
+        alone = hf.generate(**ids, **settings)
+        assert together.sequences[row, width:].tolist() == alone.sequences[0, ids.input_ids.shape[1]:].tolist()
+        for scores, scores_alone in zip(together.scores, alone.scores):  # a different length rounds differently
+            torch.testing.assert_close(scores[row, :vocab], scores_alone[0, :vocab], rtol=1e-5, atol=1e-5)
+            assert torch.isneginf(scores[row, vocab:]).all() and torch.isneginf(scores_alone[0, vocab:]).all()
+
+
+def test_labels_and_inputs_holding_the_pad(exported):
+    """The pad reads as the end token (the model has no row for it) and is never a target: a right-padded row
+    with its pads as labels has the loss of the row without them."""
+    _, model, _, hf = exported
+    vocab = model.config.vocab_size
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    padded = torch.cat([ids, torch.full((1, 4), vocab)], dim=1)
+    mask = torch.cat([torch.ones_like(ids), torch.zeros(1, 4, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        alone = hf(ids, labels=ids)
+        with_pads = hf(padded, attention_mask=mask, labels=padded)
+    torch.testing.assert_close(with_pads.loss, alone.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(with_pads.logits[:, :ids.shape[1]], alone.logits, rtol=1e-5, atol=1e-5)
 
 
 def test_generation_past_the_block_size_is_a_clear_error(exported):
@@ -193,11 +249,13 @@ def test_resized_embeddings_keep_the_head_tied_and_reload(tmp_path):
     ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
     vocab = model.config.vocab_size
     with torch.no_grad():
-        before = hf(ids).logits
+        before = real(hf(ids).logits)
     hf.resize_token_embeddings(vocab + 1)
     with torch.no_grad():
         after = hf(ids).logits
+    # the pad token (id vocab) is an ordinary token now: its column is the new row's logit, not -inf
     assert after.shape[-1] == vocab + 1 and torch.equal(after[..., :vocab], before)
+    assert torch.isfinite(after).all() and hf.config.pad_token_id == vocab and not hf.config.extra_pad_token
     # the new token's embedding row is its head row: both start at the mean of the old rows
     assert torch.equal(hf.get_input_embeddings().weight[vocab], model.wte.weight[:vocab].mean(dim=0))
     labels = ids.clone()
@@ -275,7 +333,7 @@ def test_exported_code_runs_without_rdepth(exported, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     with torch.no_grad():
         expected = model(torch.tensor([ids]), loop_counts=(2, 3, 1), noise=StateNoise(0, [0])).logits
-    assert torch.equal(torch.load(tmp_path / "logits.pt"), expected)
+    assert torch.equal(real(torch.load(tmp_path / "logits.pt")), expected)
 
 
 def test_gpt2_tokenizer_exports_with_equal_ids(tmp_path):
@@ -287,11 +345,12 @@ def test_gpt2_tokenizer_exports_with_equal_ids(tmp_path):
         tokenizer = Gpt2Tokenizer(gpt2_bpe_files())
     except RdepthError as exc:
         pytest.skip(f"GPT-2 BPE files unavailable offline: {exc}")
-    write_tokenizer_files(tokenizer, tmp_path, 1024)
+    write_tokenizer_files(tokenizer, tmp_path, 1024, pad_id=50257)
     hf = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path)
     text = "Hello world! It's  3.14 \u00e9t\u00e9 \n\n  tabs\there \U0001F600 don't WORLD   "
     assert hf(text).input_ids == tokenizer.encode(text)
     assert tokenizer.encode("Hello world") == [15496, 995] and hf.eos_token_id == 50256
+    assert hf.pad_token == "<|pad|>" and hf.pad_token_id == 50257 and len(hf) == 50258
 
 
 def test_generated_source_is_rdepths_own(tmp_path):
@@ -382,7 +441,7 @@ def test_exit_policies_match_rdepths_controller(exported, rule):
         theirs = hf(ids, exit_policy=rule)
         # The same exits; the logits to float32 rounding (the two paths gather rows in another order,
         # which changes the last bits on some CPUs' kernels; fixed budgets stay bit-equal above).
-        torch.testing.assert_close(theirs.logits, ours.logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(real(theirs.logits), ours.logits, rtol=0, atol=1e-5)
         assert all(bool((c < c.max()).any()) for c in ours.computed) or name == "argmax_stable"  # exits differ
     tokens = generate(model, ids, 10, temperature=0, controller_factory=controller,
                       noise=StateNoise.consecutive(0, 0, 1))
@@ -415,7 +474,7 @@ def test_the_learned_exit_gate_travels_with_the_export(tmp_path, monkeypatch, ca
     with torch.no_grad():
         ours = model(ids, noise=StateNoise(0, [0]), controller=controller())
         theirs = hf(ids)
-    torch.testing.assert_close(theirs.logits, ours.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(real(theirs.logits), ours.logits, rtol=0, atol=1e-5)
     steps = torch.cat([c.flatten() for c in ours.computed])
     assert steps.min() < steps.max()  # the gate stops tokens at different steps: the test sees the gate
     tokens = generate(model, ids, 8, temperature=0, controller_factory=controller, noise=StateNoise.consecutive(0, 0, 1))
@@ -433,9 +492,9 @@ def test_exit_policy_from_the_export_flags(tmp_path, monkeypatch, capsys):
     ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
     with torch.no_grad():
         controller = controller_factory("step_norm", 5.0, (4, 6), lambda: model.readout)()
-        assert torch.equal(hf(ids).logits, model(ids, noise=StateNoise(0, [0]), controller=controller).logits)
+        assert torch.equal(real(hf(ids).logits), model(ids, noise=StateNoise(0, [0]), controller=controller).logits)
         # turned off for one call: fixed counts again
-        assert torch.equal(hf(ids, exit_policy=False, loop_counts=2).logits,
+        assert torch.equal(real(hf(ids, exit_policy=False, loop_counts=2).logits),
                            model(ids, loop_counts=2, noise=StateNoise(0, [0])).logits)
     capsys.readouterr()
     for flags, message in ((["--exit-policy", "nope"], "unknown exit policy"),
@@ -467,7 +526,7 @@ def test_gpt2_block_model_exports_exactly(tmp_path):
     with torch.no_grad():
         for counts in ((1,), (3,)):
             ours = model(ids, loop_counts=counts, noise=StateNoise(0, [0])).logits
-            assert torch.equal(hf(ids, loop_counts=list(counts)).logits, ours)
+            assert torch.equal(real(hf(ids, loop_counts=list(counts)).logits), ours)
 
 
 def test_residual_loop_state_exports_exactly(tmp_path):
@@ -484,7 +543,7 @@ def test_residual_loop_state_exports_exactly(tmp_path):
     with torch.no_grad():
         for counts in ((1, 1), (3, 5)):
             ours = model(ids, loop_counts=counts, noise=StateNoise(0, [0])).logits
-            assert torch.equal(hf(ids, loop_counts=list(counts)).logits, ours)
+            assert torch.equal(real(hf(ids, loop_counts=list(counts)).logits), ours)
         sandwich = model.config.replace(loop_state="sandwich")
         from rdepth.model import RecurrentLM
 

@@ -55,6 +55,17 @@ def tiny_run(folder: Path, groups: str = "1|2-3", n_layer: int = 5, seed: int = 
     return folder, model
 
 
+def real(logits: torch.Tensor) -> torch.Tensor:
+    """The exported logits' real vocabulary: all but the last column, the export's own pad token's (one past the
+    vocabulary), which is -inf, so that softmax and log-softmax over every column equal, bit for bit, those
+    over the real ones (what lm-eval and transformers' sampling read)."""
+    assert torch.isneginf(logits[..., -1]).all()
+    body = logits[..., :-1]
+    assert torch.equal(logits.softmax(-1)[..., :-1], body.softmax(-1))
+    assert torch.equal(logits.log_softmax(-1)[..., :-1], body.log_softmax(-1))
+    return body
+
+
 def cli(monkeypatch, *args) -> int:
     """``rdepth ARGS`` through the real entry point, with this work's subcommands registered."""
     import rdepth.cli.main as cli_main

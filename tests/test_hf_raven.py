@@ -15,7 +15,7 @@ from rdepth.interop.hf_raven import raven_config_json, raven_model, raven_weight
 from rdepth.model.decoder import Decoder
 from rdepth.model.noise import StateNoise
 
-from test_hf_helpers import cli, one_line_error, tiny_tokenizer  # noqa: E402
+from test_hf_helpers import cli, one_line_error, real, tiny_tokenizer  # noqa: E402
 
 
 def raven_folder(path, **overrides):
@@ -168,7 +168,7 @@ def test_an_imported_raven_run_exports_with_equal_logits(tmp_path, monkeypatch):
     ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         for steps in (1, 4):
-            assert torch.equal(hf(ids, loop_counts=[steps]).logits,
+            assert torch.equal(real(hf(ids, loop_counts=[steps]).logits),
                                model(ids, loop_counts=steps, noise=StateNoise(0, [0])).logits)
         cached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True)
         uncached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
@@ -204,4 +204,4 @@ def test_exported_hidden_states_hand_on_what_the_coda_reads(tmp_path, monkeypatc
         coda = model.run_layers([3], out.hidden_states[2])
         torch.testing.assert_close(out.hidden_states[3], coda, rtol=0, atol=0)
         logits = torch.nn.functional.linear(out.hidden_states[-1], model.wte.weight)[..., : model.config.vocab_size]
-        torch.testing.assert_close(logits, out.logits, rtol=0, atol=1e-6)
+        torch.testing.assert_close(logits, real(out.logits), rtol=0, atol=1e-6)

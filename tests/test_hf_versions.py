@@ -80,9 +80,18 @@ def check(got: dict, expected: dict, version: str) -> None:
     """What the probe saw equals rdepth's own model (logits bit for bit, tokens exactly)."""
     assert got["version"] == version
     assert got["ids"] == expected["ids"]
-    assert got["tied"] and got["pad_token"] == "<|endoftext|>" and got["padding_side"] == "left"
+    assert got["tied"] and got["pad_token"] == "<|pad|>" and got["padding_side"] == "left"
+    # the pad is its own token, one past the model's vocabulary, which transformers' vocabulary counts (issue 43)
+    vocab = expected["vocab"]
+    special = got["special"]
+    assert special["pad"] == special["generation_pad"] == special["tokenizer_pad"] == vocab != special["eos"]
+    assert special["vocab"] == special["tokenizer_length"] == vocab + 1
+    assert got["mask_warnings"] == []  # transformers infers the attention mask from the pads
     for counts in hf_probe.BUDGETS:
-        assert torch.equal(got["logits"][counts], expected["logits"][counts]), counts
+        # the real vocabulary bit for bit; the pad's column -inf (softmax over the real columns unchanged)
+        logits = got["logits"][counts]
+        assert torch.equal(logits[..., :vocab], expected["logits"][counts]), counts
+        assert logits.shape[-1] == vocab + 1 and torch.isneginf(logits[..., vocab]).all()
         assert got["greedy"][counts] == expected["greedy"][counts], counts
     hidden, loop_shapes = got["hidden"]  # output_hidden_states: the head's input, and every iterate
     assert torch.equal(hidden, expected["hidden"]) and loop_shapes == [(4, 1, hidden.shape[1], hidden.shape[2]),
@@ -95,7 +104,14 @@ def check(got: dict, expected: dict, version: str) -> None:
     for row, mask, alone in zip(got["left_padded"], got["left_padded_mask"], expected["alone"]):
         pads = width - sum(mask)
         assert row[pads:] == alone and mask[:pads] == [0] * pads
-    torch.testing.assert_close(got["padded_logits"][0], expected["logits"][(3, 2, 5)][0])
+    torch.testing.assert_close(got["padded_logits"][0, :, :vocab], expected["logits"][(3, 2, 5)][0])
+    # repetition_penalty (transformers' loop, which penalises every input id, pads included): every left-padded
+    # row's tokens and real-vocabulary scores are its prompt's alone (with pad = eos they were not, on 4.46-5.0)
+    tokens, scores = got["penalised"]
+    for row, (tokens_alone, scores_alone) in enumerate(got["penalised_alone"]):
+        assert tokens[row] == tokens_alone[0], row
+        for step, step_alone in zip(scores, scores_alone):
+            torch.testing.assert_close(step[row, :vocab], step_alone[0, :vocab], rtol=1e-5, atol=1e-5)
     tokenizer = transformers.AutoTokenizer.from_pretrained(expected["folder"])
     assert got["pipeline"] == [tokenizer.decode(alone) for alone in expected["alone"]]
     assert f"block_size = {expected['block_size']}" in got["too_long"]

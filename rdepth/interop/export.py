@@ -8,7 +8,8 @@ The folder holds::
     modeling_rdepth.py       generated from rdepth's source (rdepth.interop.source)
     configuration_rdepth.py
     tokenizer.json, tokenizer_config.json
-    generation_config.json
+                             the pad token <|pad|> is its own, id vocab_size (rdepth.interop.hf_tokenizer)
+    generation_config.json   bos = eos = the end token; pad_token_id = vocab_size
     README.md                the model card (rdepth.interop.model_card): front matter, training
                              record, loop counts, how to load, the transformers range
 
@@ -78,6 +79,11 @@ def export_config_dict(model_config, loop_counts, state_seed: int, eot_id: int,
         },
         "bos_token_id": eot_id,
         "eos_token_id": eot_id,
+        # its own pad token, one past the model's vocabulary, counted by transformers' vocab_size (the
+        # model reads it as the end token; its logit is -inf)
+        "pad_token_id": model_config.vocab_size,
+        "vocab_size": model_config.vocab_size + 1,
+        "extra_pad_token": True,
         "tie_word_embeddings": True,  # the head is the token embedding
         "use_cache": True,
         "dtype": "float32",
@@ -116,11 +122,11 @@ def export_run(config: ExportConfig) -> Path:
                    export_config_dict(model_config, counts, config.state_seed, tokenizer.eot_id, exit_spec),
                    strict=True)
         write_json(folder / "generation_config.json", {
-            "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "pad_token_id": tokenizer.eot_id,
+            "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "pad_token_id": model_config.vocab_size,
             "do_sample": False,
         })
         write_modeling_files(folder)
-        write_tokenizer_files(tokenizer, folder, model_config.block_size)
+        write_tokenizer_files(tokenizer, folder, model_config.block_size, pad_id=model_config.vocab_size)
         write_text(folder / "README.md", model_card(
             checkpoint=checkpoint, out=str(config.out), model_config=model_config,
             loops=counts or model_config.default_eval_loops, state_seed=config.state_seed, exit_policy=exit_spec,

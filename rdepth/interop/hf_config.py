@@ -1,8 +1,9 @@
 """The Hugging Face config of an exported rdepth model (shipped as ``configuration_rdepth.py``).
 
 Its model fields mirror :class:`rdepth.config.ModelConfig` one to one (a test keeps
-them equal), so ``config.json`` reads like an rdepth checkpoint's config. Three fields
-are the exported model's own:
+them equal), so ``config.json`` reads like an rdepth checkpoint's config, but for one thing:
+``vocab_size`` is transformers' vocabulary, the logits' width, which counts the export's own pad
+token (``extra_pad_token``). Four fields are the exported model's own:
 
 - ``loop_counts``: loop steps per group when ``forward``/``generate`` get none
   (``None``: the model's ``eval_loops``, else ``round(mean_loops)`` for every group);
@@ -11,7 +12,11 @@ are the exported model's own:
   id 0 unless ``sequence_ids`` is passed, so outputs are deterministic and do not
   depend on the batch. ``init_state_scale = 0`` gives a zero state instead;
 - ``exit_policy``: per-token early exit, e.g. ``{"name": "acceleration", "tau":
-  0.001, "k_max": 12}`` (``None``: fixed loop counts).
+  0.001, "k_max": 12}`` (``None``: fixed loop counts);
+- ``extra_pad_token``: ``vocab_size`` counts the pad token (``pad_token_id = vocab_size - 1``), which
+  the rdepth model does not hold: its vocabulary is ``vocab_size - 1`` tokens, the pad reads as the end
+  token and its logit is ``-inf`` (:mod:`rdepth.interop.hf_model`). transformers checks that special
+  ids lie below ``vocab_size``, and its processors index the logits by input ids.
 
 Supported ``transformers``: 4.46 through the newest tested release (:data:`TESTED_RANGE`).
 What differs between them is feature-detected here and in the wrapper: the config base class
@@ -90,6 +95,7 @@ class RdepthConfig(_BaseConfig):
     loop_counts: list[int] | None = None
     state_seed: int = 0
     exit_policy: dict | None = None
+    extra_pad_token: bool = False
     # the head is the token embedding itself (RecurrentLM.readout): tied
     tie_word_embeddings: bool = True
     use_cache: bool = True
@@ -103,6 +109,11 @@ class RdepthConfig(_BaseConfig):
                 else:
                     setattr(self, name, copy.deepcopy(value))
             super().__init__(**kwargs)
+
+
+def model_vocab_size(config) -> int:
+    """The rdepth model's vocabulary in a config of this class: ``vocab_size`` less the export's own pad token."""
+    return int(config.vocab_size) - (1 if getattr(config, "extra_pad_token", False) else 0)
 
 
 def _own_fields() -> list[str]:

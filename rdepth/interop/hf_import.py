@@ -12,6 +12,7 @@ approximated.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Callable
@@ -24,6 +25,7 @@ from rdepth.errors import RdepthError
 from rdepth.interop.config import ImportConfig
 from rdepth.interop.hf_gpt2 import import_gpt2
 from rdepth.interop.hf_raven import MODEL_TYPE as RAVEN, import_raven
+from rdepth.interop.hf_tokenizer import PAD_TEXT
 from rdepth.interop.output import check_new_folder, staged_folder
 from rdepth.io import read_json_object, write_json, write_text
 from rdepth.model import RecurrentLM
@@ -60,6 +62,8 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
 def import_rdepth_export(folder: Path, hf_config: dict) -> tuple[RecurrentLM, dict]:
     """A folder written by ``rdepth export``: its model and the tokenizer files to save."""
     values = {name: hf_config[name] for name in field_names() if name in hf_config}
+    if hf_config.get("extra_pad_token"):  # transformers' vocab_size counts the export's own pad token
+        values["vocab_size"] = hf_config["vocab_size"] - 1
     if hf_config.get("loop_counts") is not None:  # the exported default budget becomes the eval budget
         values["eval_loops"] = hf_config["loop_counts"]
     config = ModelConfig.from_dict(values)
@@ -82,8 +86,19 @@ def import_rdepth_export(folder: Path, hf_config: dict) -> tuple[RecurrentLM, di
     if config.tokenizer.startswith("bpe"):
         if not (folder / "tokenizer.json").is_file():
             raise RdepthError(f"{folder} has no tokenizer.json for its {config.tokenizer!r} tokenizer")
-        tokenizer_files[BPE_FILE] = (folder / "tokenizer.json").read_text()
+        tokenizer_files[BPE_FILE] = without_pad_token((folder / "tokenizer.json").read_text(), config.vocab_size)
     return model.eval(), tokenizer_files
+
+
+def without_pad_token(text: str, vocab_size: int) -> str:
+    """An exported ``tokenizer.json`` less the export's own pad token (:data:`PAD_TEXT`, id ``vocab_size``,
+    past the model's vocabulary): rdepth's tokenizer is the model's vocabulary."""
+    data = json.loads(text)
+    added = data.get("added_tokens") or []
+    kept = [token for token in added if not (token.get("content") == PAD_TEXT and token.get("id") == vocab_size)]
+    if len(kept) == len(added):
+        return text
+    return json.dumps({**data, "added_tokens": kept}, ensure_ascii=False)
 
 
 # model_type -> importer(folder, config.json) -> (model, tokenizer files)

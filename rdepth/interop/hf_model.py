@@ -34,6 +34,15 @@ supported (the cache is not reordered). A sequence longer than ``block_size``
 (its positions end there) is refused with a message, in ``forward`` and before
 ``generate`` starts.
 
+The pad token: the export's own, ``config.pad_token_id`` = the model's vocabulary size, one past it (not
+the end token, so transformers infers the attention mask from it, and processors that read the input
+ids, such as ``repetition_penalty``, never mistake pads for end tokens). The model reads a pad as the end
+token (the pads' outputs are never read by real tokens), and the logits gain one column for it,
+``-inf``, so every id the tokenizer gives indexes the logits (transformers' processors take
+``scores[:, input_ids]``), the pad is never generated, and softmax over the real vocabulary is
+unchanged; a label equal to the pad id is ignored (as -100). After ``resize_token_embeddings`` past the
+pad id the pad is an ordinary token of the vocabulary.
+
 Versions: transformers 4.46 to the newest (see ``configuration_rdepth.py``). The cache
 travels as ``cache`` from 5.24 and as ``past_key_values`` before (:data:`CACHE_FIELD`,
 detected from the output class); ``forward`` takes either name.
@@ -53,7 +62,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from rdepth.config import ModelConfig, parse_loop_counts
 from rdepth.exits.controller import PolicyController, controller_factory
 from rdepth.exits.gate import ExitGate
-from rdepth.interop.hf_config import RdepthConfig
+from rdepth.interop.hf_config import RdepthConfig, model_vocab_size
 from rdepth.model.decoder import Decoder
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM
@@ -75,6 +84,7 @@ class RdepthCausalLMOutput(CausalLMOutputWithPast):
 def model_config_of(config: RdepthConfig) -> ModelConfig:
     """The rdepth model config held in a Hugging Face config (the fields of ModelConfig)."""
     values = {field.name: getattr(config, field.name) for field in dataclasses.fields(ModelConfig)}
+    values["vocab_size"] = model_vocab_size(config)  # less the export's own pad token
     if values["eval_loops"] is not None:
         values["eval_loops"] = tuple(values["eval_loops"])
     return ModelConfig(**values)
@@ -124,6 +134,14 @@ def shift_rows(tensor: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
     index = (torch.arange(length, device=tensor.device)[None, :] + shifts.to(tensor.device)[:, None]) % length
     index = index.view(*index.shape, *([1] * (tensor.ndim - 2))).expand_as(tensor)
     return tensor.gather(1, index)
+
+
+def with_pad_columns(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """``logits`` ``[..., V]`` widened to ``[..., width]`` with ``-inf`` columns (ids past the vocabulary:
+    never predicted; softmax over the first V columns unchanged)."""
+    if width <= logits.shape[-1]:
+        return logits
+    return F.pad(logits, (0, width - logits.shape[-1]), value=float("-inf"))
 
 
 def check_length(length: int, block_size: int, what: str) -> None:
@@ -194,12 +212,32 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         new.weight.requires_grad_(old.weight.requires_grad)
         self.model.wte = new
         self.model.config = config
-        self.config.vocab_size = int(new_num_tokens)
+        # the export's own pad token stays one past the vocabulary only while it lies just past it
+        extra = getattr(self.config, "pad_token_id", None) == int(new_num_tokens)
+        self.config.extra_pad_token = extra
+        self.config.vocab_size = int(new_num_tokens) + extra
         if hasattr(self, "vocab_size"):
-            self.vocab_size = int(new_num_tokens)
+            self.vocab_size = self.config.vocab_size
         return new
 
     # -------------------------------------------------------------- settings
+    def pad_past_vocabulary(self) -> int | None:
+        """``config.pad_token_id`` where it lies past the model's vocabulary (the export's own pad token),
+        else None (no pad id, or one the vocabulary holds, e.g. after ``resize_token_embeddings``)."""
+        pad = getattr(self.config, "pad_token_id", None)
+        if not isinstance(pad, int) or pad < self.model.config.vocab_size:
+            return None
+        return pad
+
+    def read_pads_as_end(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` with the pad id (past the vocabulary: it has no embedding) read as the end token."""
+        pad = self.pad_past_vocabulary()
+        if pad is None:
+            return input_ids
+        end = self.config.eos_token_id
+        end = end[0] if isinstance(end, (list, tuple)) else end
+        return input_ids.masked_fill(input_ids == pad, 0 if end is None else int(end))
+
     def resolve_loop_counts(self, loop_counts: Sequence[int] | int | str | None) -> tuple[int, ...] | None:
         """Per-call counts, else ``config.loop_counts``, else the model's eval counts
         (in training mode with neither: rdepth's random training draw, ``None``)."""
@@ -266,8 +304,9 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """Logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]``; with ``labels`` (HF
-        convention: the inputs, shifted inside, -100 ignored) the mean cross-entropy.
+        """Logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]`` (``[B, T, pad_token_id + 1]`` where the pad
+        id lies past the vocabulary: its column is ``-inf``); with ``labels`` (HF convention: the inputs,
+        shifted inside, -100 and the pad id ignored) the mean cross-entropy.
 
         A plain call runs the dense forward (``use_cache`` defaults to off; with an exit policy, packed
         rows under rdepth's loop controller: exited tokens cost nothing); with a ``cache`` or
@@ -288,6 +327,7 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         offsets = padding_offsets(attention_mask, cached=cached)
         check_length((cache.get_seq_length() if cache is not None else 0) + input_ids.shape[1],
                      self.model.config.block_size, "the sequence")
+        input_ids = self.read_pads_as_end(input_ids)
         if offsets is not None:
             input_ids = shift_rows(input_ids, offsets)
         controller = self.exit_controller(exit_policy)
@@ -307,9 +347,14 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         if offsets is not None:
             logits, hidden, loops = _shift_back(offsets, logits, hidden, loops)
         loss = None
+        pad = self.pad_past_vocabulary()
         if labels is not None:
+            if pad is not None:  # the pad is never a target
+                labels = labels.masked_fill(labels == pad, -100)
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
+        if pad is not None:  # every id the tokenizer gives indexes the logits; the pad's is -inf
+            logits = with_pad_columns(logits, pad + 1)
         if hidden is not None:
             return RdepthCausalLMOutput(loss=loss, logits=logits, hidden_states=hidden, loop_states=loops,
                                         **{CACHE_FIELD: cache})
@@ -432,6 +477,9 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
                 exit_policy) -> torch.Tensor:
         """:meth:`generate` through rdepth's decoder: rows of one real (unpadded) length decode together."""
         batch, length = input_ids.shape
+        pad = self.pad_past_vocabulary()
+        if attention_mask is None and pad is not None and bool((input_ids == pad).any()):
+            attention_mask = (input_ids != pad).long()  # the pads mark themselves, as in transformers' loop
         offsets = padding_offsets(attention_mask, cached=False)
         if offsets is not None and bool((attention_mask.bool()[:, -1] == 0).any()):
             raise ValueError("rdepth generate() takes left-padded prompts (tokenizer.padding_side = 'left'): "

@@ -102,7 +102,7 @@ ids = tokenizer("The", return_tensors="pt").input_ids
 out = model.generate(ids, max_new_tokens=20, do_sample=False, loop_counts={loops})
 print(tokenizer.decode(out[0]))
 
-# a batch: the tokenizer pads on the left with its pad token (<|endoftext|>)
+# a batch: the tokenizer pads on the left with its own pad token (<|pad|>, not the end token)
 batch = tokenizer(["The", "A longer prompt"], return_tensors="pt", padding=True)
 out = model.generate(**batch, max_new_tokens=20, do_sample=False)
 ```
@@ -118,6 +118,9 @@ out = model.generate(**batch, max_new_tokens=20, do_sample=False)
   takes none, so transformers' own generation loop (beam search, `top_p`, logits processors, dict
   outputs) needs prompts of equal length; greedy and temperature/top-k sampling run rdepth's decoder.
 - No beam search (the cache is not reordered); `inputs_embeds` are not taken.
+- The pad token `<|pad|>` is its own (`pad_token_id` = the model's vocabulary size, which `vocab_size`
+  counts): the model reads it as the end token and its logit is always `-inf` (never generated; softmax
+  over the other tokens unchanged); a label equal to it is ignored.
 - The head is the token embedding (`tie_word_embeddings: true`); `resize_token_embeddings` resizes both.
 - `modeling_rdepth.py` is generated from rdepth's own source; do not edit it.
 """
