@@ -15,7 +15,8 @@ releases and compares the results with rdepth's own). It saves a dict of:
 - ``special``: the pad and end ids of the config, generation config and tokenizer; ``mask_warnings``:
   transformers' warnings that the attention mask cannot be inferred, from its own loop on one prompt and
   on a batch of two, neither with a mask;
-- ``penalised`` / ``penalised_alone``: ``repetition_penalty`` (transformers' own loop, uncached) on the
+- ``penalised`` / ``penalised_cached`` / ``penalised_alone``: ``repetition_penalty`` (transformers' own loop,
+  uncached, and with rdepth's cache) on the
   left-padded batch and on each prompt alone: the new tokens and each step's scores;
 - ``resized``: after ``resize_token_embeddings(len(tokenizer))`` (the model's V tokens and the pad, which
   becomes an ordinary token V): the logits' width, a loss on the new token, and whether the saved folder
@@ -50,9 +51,9 @@ class _Messages(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _penalised(model, inputs: dict) -> tuple[list, list]:
+def _penalised(model, inputs: dict, use_cache: bool = False) -> tuple[list, list]:
     """Greedy tokens and per-step scores under ``repetition_penalty`` through transformers' own loop."""
-    out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, loop_counts=[3, 2, 5], use_cache=False,
+    out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, loop_counts=[3, 2, 5], use_cache=use_cache,
                          repetition_penalty=PENALTY, return_dict_in_generate=True, output_scores=True)
     return out.sequences[:, inputs["input_ids"].shape[1]:].tolist(), [scores.clone() for scores in out.scores]
 
@@ -98,6 +99,7 @@ def probe(folder: str) -> dict:
         out["left_padded_mask"] = batch.attention_mask.tolist()
         out["padded_logits"] = model(**batch, loop_counts=[3, 2, 5]).logits
         out["penalised"] = _penalised(model, dict(batch))
+        out["penalised_cached"] = _penalised(model, dict(batch), use_cache=True)  # rdepth's cache, left pads
         out["penalised_alone"] = [_penalised(model, dict(tokenizer(p, return_tensors="pt"))) for p in PROMPTS]
         generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
         texts = generator(PROMPTS, batch_size=3, max_new_tokens=NEW, do_sample=False, loop_counts=[3, 2, 5])

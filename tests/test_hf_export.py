@@ -147,8 +147,13 @@ def test_padding_on_either_side_leaves_real_tokens_exact(exported):
         torch.testing.assert_close(from_left[0], full[0], rtol=1e-5, atol=1e-5)
         with pytest.raises(ValueError, match="contiguous"):  # a gap inside a row
             hf(right, attention_mask=torch.tensor([[1] * len(ids), [1, 0] * (len(ids) // 2) + [1] * (len(ids) % 2)]))
-        with pytest.raises(ValueError, match="cache takes no padding"):
-            hf(left, attention_mask=right_mask.flip(1), use_cache=True)
+        # the cache takes left padding (each row from its first real token, as alone), not right padding
+        cached = real(hf(left, attention_mask=right_mask.flip(1), use_cache=True).logits)
+        torch.testing.assert_close(cached[1, pads:], alone[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cached[0], full[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(cached[1, :pads], torch.zeros_like(cached[1, :pads]))
+        with pytest.raises(ValueError, match="cache takes left padding only"):
+            hf(right, attention_mask=right_mask, use_cache=True)
 
 
 def test_left_padded_batch_generates_each_rows_unpadded_tokens(exported):
@@ -198,17 +203,18 @@ def test_repetition_penalty_on_a_left_padded_batch_equals_each_prompt_alone(expo
     prompts = [PROMPT, "A small village", "The north tower and the market"]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     assert (batch.input_ids == vocab).any()
-    settings = dict(max_new_tokens=8, do_sample=False, loop_counts=[3, 2, 5], repetition_penalty=1.5, use_cache=False,
-                    return_dict_in_generate=True, output_scores=True)
-    together = hf.generate(**batch, **settings)
-    width = batch.input_ids.shape[1]
-    for row, prompt in enumerate(prompts):
-        ids = tokenizer(prompt, return_tensors="pt")
-        alone = hf.generate(**ids, **settings)
-        assert together.sequences[row, width:].tolist() == alone.sequences[0, ids.input_ids.shape[1]:].tolist()
-        for scores, scores_alone in zip(together.scores, alone.scores):  # a different length rounds differently
-            torch.testing.assert_close(scores[row, :vocab], scores_alone[0, :vocab], rtol=1e-5, atol=1e-5)
-            assert torch.isneginf(scores[row, vocab:]).all() and torch.isneginf(scores_alone[0, vocab:]).all()
+    for use_cache in (False, True):  # with the cache: a decoder per group of rows of one real length
+        settings = dict(max_new_tokens=8, do_sample=False, loop_counts=[3, 2, 5], repetition_penalty=1.5,
+                        use_cache=use_cache, return_dict_in_generate=True, output_scores=True)
+        together = hf.generate(**batch, **settings)
+        width = batch.input_ids.shape[1]
+        for row, prompt in enumerate(prompts):
+            ids = tokenizer(prompt, return_tensors="pt")
+            alone = hf.generate(**ids, **settings)
+            assert together.sequences[row, width:].tolist() == alone.sequences[0, ids.input_ids.shape[1]:].tolist()
+            for scores, scores_alone in zip(together.scores, alone.scores):  # a different length rounds differently
+                torch.testing.assert_close(scores[row, :vocab], scores_alone[0, :vocab], rtol=1e-5, atol=1e-5)
+                assert torch.isneginf(scores[row, vocab:]).all() and torch.isneginf(scores_alone[0, vocab:]).all()
 
 
 def test_labels_and_inputs_holding_the_pad(exported):

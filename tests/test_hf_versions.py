@@ -107,11 +107,12 @@ def check(got: dict, expected: dict, version: str) -> None:
     torch.testing.assert_close(got["padded_logits"][0, :, :vocab], expected["logits"][(3, 2, 5)][0])
     # repetition_penalty (transformers' loop, which penalises every input id, pads included): every left-padded
     # row's tokens and real-vocabulary scores are its prompt's alone (with pad = eos they were not, on 4.46-5.0)
-    tokens, scores = got["penalised"]
-    for row, (tokens_alone, scores_alone) in enumerate(got["penalised_alone"]):
-        assert tokens[row] == tokens_alone[0], row
-        for step, step_alone in zip(scores, scores_alone):
-            torch.testing.assert_close(step[row, :vocab], step_alone[0, :vocab], rtol=1e-5, atol=1e-5)
+    for key in ("penalised", "penalised_cached"):  # uncached, and through rdepth's cache with left pads
+        tokens, scores = got[key]
+        for row, (tokens_alone, scores_alone) in enumerate(got["penalised_alone"]):
+            assert tokens[row] == tokens_alone[0], (key, row)
+            for step, step_alone in zip(scores, scores_alone):
+                torch.testing.assert_close(step[row, :vocab], step_alone[0, :vocab], rtol=1e-5, atol=1e-5)
     tokenizer = transformers.AutoTokenizer.from_pretrained(expected["folder"])
     assert got["pipeline"] == [tokenizer.decode(alone) for alone in expected["alone"]]
     assert f"block_size = {expected['block_size']}" in got["too_long"]

@@ -29,7 +29,8 @@ a token's position is its place among the row's real tokens), runs, and shifts t
 logits back, so a padded row's real logits equal the unpadded row's. ``generate``
 takes left-padded prompts: rows with the same real length decode together through
 rdepth's decoder, so each row's tokens equal its unpadded generation. rdepth's cache
-(``use_cache`` in transformers' own loop) takes no padding. Beam search is not
+(``use_cache`` in transformers' own loop) takes left padding the same way: a decoder per group of rows
+of one real length (right padding is refused with the cache). Beam search is not
 supported (the cache is not reordered). A sequence longer than ``block_size``
 (its positions end there) is refused with a message, in ``forward`` and before
 ``generate`` starts.
@@ -91,33 +92,37 @@ def model_config_of(config: RdepthConfig) -> ModelConfig:
 
 
 class RdepthCache:
-    """rdepth's cache for one ``generate`` call: the decoder that holds the key/value cache, and the
-    budget (fixed counts or an exit policy) it was made for."""
+    """rdepth's cache for one ``generate`` call: per group of rows of one real (unpadded) length, the decoder
+    that holds their key/value cache (a left-padded batch decodes each row from its first real token, as
+    that row alone); the budget (fixed counts or an exit policy) it was made for; the positions seen,
+    padding included (what transformers' loop counts)."""
 
     is_compileable = False
     is_linear = (False,)
     is_croppable = False
 
-    def __init__(self, decoder: Decoder, budget: tuple):
-        self.decoder = decoder
+    def __init__(self, groups: list[tuple[torch.Tensor, Decoder]], budget: tuple):
+        self.groups = groups
         self.budget = budget
+        self.length = 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.decoder.length
+        return self.length
 
 
 def padding_offsets(attention_mask: torch.Tensor | None, cached: bool) -> torch.Tensor | None:
     """Per row, the index of its first real token ``[B]`` (None: no padding at all).
 
-    A row's ones must be contiguous (left padding, right padding or both); rdepth's cache takes none."""
+    A row's ones must be contiguous (left padding, right padding or both); rdepth's cache takes left padding
+    only (``cached``: a row's last token must be real)."""
     if attention_mask is None or attention_mask.ndim != 2:
         return None
     mask = attention_mask.bool()
     if bool(mask.all()):
         return None
-    if cached:
-        raise ValueError("rdepth's key/value cache takes no padding: generate() left-padded prompts through "
-                         "rdepth's decoder (greedy or sampling, no beam search), or pass use_cache=False")
+    if cached and not bool(mask[:, -1].all()):
+        raise ValueError("rdepth's key/value cache takes left padding only (a row's last token real): pad on "
+                         "the left (tokenizer.padding_side = 'left'), or pass use_cache=False")
     positions = torch.arange(mask.shape[1], device=mask.device)
     first = torch.where(mask, positions, mask.shape[1]).min(dim=1).values.clamp(max=mask.shape[1] - 1)
     count = mask.sum(dim=1)
@@ -325,6 +330,8 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             cache = past_key_values
         cached = cache is not None or bool(use_cache)
         offsets = padding_offsets(attention_mask, cached=cached)
+        if cached:  # the cache's decoders start each row at its first real token (only a new cache reads them)
+            offsets, first_offsets = None, (offsets if cache is None else None)
         check_length((cache.get_seq_length() if cache is not None else 0) + input_ids.shape[1],
                      self.model.config.block_size, "the sequence")
         input_ids = self.read_pads_as_end(input_ids)
@@ -336,8 +343,8 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         if output_hidden_states and (cached or controller is not None):
             raise ValueError("output_hidden_states needs the dense forward: pass use_cache=False and no exit_policy")
         if cached:
-            logits, cache = self._cached_logits(input_ids, cache, counts, exit_policy, controller is not None,
-                                                state_seed, sequence_ids)
+            logits, cache = self._cached_logits(input_ids, first_offsets, cache, counts, exit_policy,
+                                                controller is not None, state_seed, sequence_ids)
         elif output_hidden_states:
             noise = self.state_noise(input_ids.shape[0], state_seed, sequence_ids)
             logits, hidden, loops = self._states(input_ids, counts, noise)
@@ -384,21 +391,38 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         hidden.append(model.norm_f(hidden[-1]))
         return output.logits, tuple(hidden), tuple(torch.stack(loops[g]) for g in sorted(loops))
 
-    def _cached_logits(self, input_ids: torch.Tensor, cache: RdepthCache | None, counts, exit_policy, exits: bool,
-                       state_seed, sequence_ids) -> tuple[torch.Tensor, RdepthCache]:
-        """The logits of ``input_ids`` appended through the cache's decoder (a new cache when ``cache`` is
-        None), and the cache: fixed ``counts`` or ``exit_policy``, as the cache was made with, or for
-        this call where they differ (within the loop steps the cache keeps)."""
+    def _cached_logits(self, input_ids: torch.Tensor, offsets: torch.Tensor | None, cache: RdepthCache | None,
+                       counts, exit_policy, exits: bool, state_seed,
+                       sequence_ids) -> tuple[torch.Tensor, RdepthCache]:
+        """The logits of ``input_ids`` appended through the cache's decoders (a new cache when ``cache`` is
+        None: rows grouped by real length, ``offsets`` their left pads; the pads' logits are zeros), and
+        the cache: fixed ``counts`` or ``exit_policy``, as the cache was made with, or for this call where
+        they differ (within the loop steps the cache keeps)."""
         factory = (lambda: self.exit_controller(exit_policy)) if exits else None
         budget = (tuple(counts) if counts is not None else None, repr(exit_policy) if exits else None)
+        batch, length = input_ids.shape
         if cache is None:
-            batch = input_ids.shape[0]
-            decoder = Decoder(self.model, batch, loop_counts=counts, controller_factory=factory,
-                              noise=self.state_noise(batch, state_seed, sequence_ids))
-            cache = RdepthCache(decoder, budget)
-        if budget == cache.budget:
-            return cache.decoder.extend(input_ids), cache
-        return cache.decoder.extend(input_ids, loop_counts=counts, controller_factory=factory), cache
+            noise = self.state_noise(batch, state_seed, sequence_ids)
+            real = torch.full((batch,), length) if offsets is None else length - offsets.cpu()
+            groups = []
+            for size in sorted(set(real.tolist())):
+                rows = (real == size).nonzero().flatten()
+                groups.append((rows, Decoder(self.model, len(rows), loop_counts=counts, controller_factory=factory,
+                                             noise=StateNoise(noise.seed, [noise.sequence_ids[int(r)] for r in rows]))))
+            cache = RdepthCache(groups, budget)
+        pieces = []
+        for rows, decoder in cache.groups:
+            tokens = input_ids[rows.to(input_ids.device)]
+            if cache.length == 0 and offsets is not None:  # the prompt: each group from its first real token
+                tokens = tokens[:, int(offsets.cpu()[rows[0]]):]
+            same = budget == cache.budget
+            pieces.append((rows, decoder.extend(tokens) if same else
+                           decoder.extend(tokens, loop_counts=counts, controller_factory=factory)))
+        logits = pieces[0][1].new_zeros(batch, length, pieces[0][1].shape[-1])
+        for rows, part in pieces:
+            logits[rows.to(logits.device), length - part.shape[1]:] = part
+        cache.length += length
+        return logits, cache
 
     def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, past_key_values=None,
                                       **kwargs):
