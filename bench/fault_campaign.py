@@ -33,7 +33,7 @@ Each case is classified:
 - ``orphan``: a process the case started, or one of its children, was still running after it (checked by
   the cases that start commands in the background: ``consolidate``'s).
 
-Usage (CPU; about 15 minutes on 2 cores, 149 cases; the consolidate category alone about 70 s)::
+Usage (CPU; about 15 minutes on 2 cores, 157 cases; the consolidate category alone about 70 s)::
 
     python bench/fault_campaign.py [--timeout 60] [--only flags,files] [--json results.json] [--keep]
 """
@@ -251,6 +251,16 @@ def flag_cases() -> list[Case]:
                                  ("prepare", "--val-fraction", "1.5"), ("prepare", "--tokenizer", "bpe:10"),
                                  ("demo", "--preset", "huge"), ("demo", "--lr", "-1")]:
         cases.append(Case("flags", f"{command} {flag} {value!r}", bad_flag(command, flag, value)))
+    # issues 38 and 43: flags that were silently ignored or contradict each other; rules without what they need
+    for command, *flags in [("demo", "--mode", "text", "--task", "chase"),
+                            ("demo", "--mode", "text", "--task-params", "{"),
+                            ("demo", "--mode", "task"),  # with the text-only --max-documents bad_flag passes
+                            ("train", "--compile-mode", "max-autotune-no-cudagraphs", "--no-compile"),
+                            ("train", "--groups", "", "--eval-loops", "4"),
+                            ("sweep", "--policies", "learned"),  # a run without a trained exit gate
+                            ("generate", "--exit", "learned"),
+                            ("generate", "--exit", "confidence", "--exit-tau", "2")]:
+        cases.append(Case("flags", f"{command} {' '.join(flags)}", bad_flag(command, *flags)))
     return cases
 
 
