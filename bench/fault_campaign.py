@@ -33,7 +33,7 @@ Each case is classified:
 - ``orphan``: a process the case started, or one of its children, was still running after it (checked by
   the cases that start commands in the background: ``consolidate``'s).
 
-Usage (CPU; about 15 minutes on 2 cores, 157 cases; the consolidate category alone about 70 s)::
+Usage (CPU; about 15 minutes on 2 cores, 158 cases; the consolidate category alone about 70 s)::
 
     python bench/fault_campaign.py [--timeout 60] [--only flags,files] [--json results.json] [--keep]
 """
@@ -478,6 +478,55 @@ def kill_cases() -> list[Case]:
             return "traceback"
         return "clean" if code == 128 + signal.SIGTERM and "terminated" in err else "silent"
     cases.append(Case("kills", "SIGTERM exits like Ctrl-C (status 143, one line)", sigterm_exit))
+
+    def demo_ranks_orphaned(c: Campaign, tmp: Path) -> str:
+        """``rdepth demo --ranks 2`` SIGKILLed once its ranks train (issue 43): the ranks die with it."""
+        out = tmp / "demo"
+        proc = subprocess.Popen([sys.executable, "-m", "rdepth", "demo", "--out", str(out), "--ranks", "2",
+                                 "--baselines", "none", "--no-analyze", "--no-sweep", "--max-steps", "100000"],
+                                env=ENV, cwd=c.work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def descendants() -> list[int]:  # the demo's processes below it (spawned ranks, the resource tracker)
+            listing = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+            children: dict[int, list[int]] = {}
+            for line in listing.splitlines():
+                pid, ppid = map(int, line.split())
+                children.setdefault(ppid, []).append(pid)
+            found, todo = [], [proc.pid]
+            while todo:
+                for child in children.get(todo.pop(), []):
+                    found.append(child)
+                    todo.append(child)
+            return found
+
+        def alive(pids: list[int]) -> list[int]:
+            listing = subprocess.run(["ps", "-eo", "pid=,stat="], capture_output=True, text=True).stdout
+            running = {int(line.split()[0]) for line in listing.splitlines() if not line.split()[1].startswith("Z")}
+            return [pid for pid in pids if pid in running]
+
+        deadline = time.monotonic() + c.timeout
+        while proc.poll() is None and time.monotonic() < deadline and len(descendants()) < 2:
+            time.sleep(0.2)
+        ranks = descendants()
+        if proc.poll() is not None or len(ranks) < 2:
+            proc.kill()
+            return "untidy"  # the ranks never started: nothing was tested
+        time.sleep(2.0)  # the ranks train
+        ranks = descendants()
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while alive(ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = alive(ranks)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return "orphan" if left else "clean"
+    cases.append(Case("kills", "demo --ranks 2 SIGKILLed while its ranks train: the ranks die with it",
+                      demo_ranks_orphaned))
 
     def prepare_killed(c: Campaign, tmp: Path) -> str:
         data = c.copy(c.data, "data")
