@@ -330,8 +330,9 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             cache = past_key_values
         cached = cache is not None or bool(use_cache)
         offsets = padding_offsets(attention_mask, cached=cached)
-        if cached:  # the cache's decoders start each row at its first real token (only a new cache reads them)
-            offsets, first_offsets = None, (offsets if cache is None else None)
+        # With the cache, a new cache's decoders start each row at its first real token: nothing is shifted
+        prompt_offsets = offsets if cached and cache is None else None
+        offsets = None if cached else offsets
         check_length((cache.get_seq_length() if cache is not None else 0) + input_ids.shape[1],
                      self.model.config.block_size, "the sequence")
         input_ids = self.read_pads_as_end(input_ids)
@@ -343,7 +344,7 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         if output_hidden_states and (cached or controller is not None):
             raise ValueError("output_hidden_states needs the dense forward: pass use_cache=False and no exit_policy")
         if cached:
-            logits, cache = self._cached_logits(input_ids, first_offsets, cache, counts, exit_policy,
+            logits, cache = self._cached_logits(input_ids, prompt_offsets, cache, counts, exit_policy,
                                                 controller is not None, state_seed, sequence_ids)
         elif output_hidden_states:
             noise = self.state_noise(input_ids.shape[0], state_seed, sequence_ids)
@@ -353,19 +354,25 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             logits = self.model(input_ids, loop_counts=counts, noise=noise, controller=controller).logits
         if offsets is not None:
             logits, hidden, loops = _shift_back(offsets, logits, hidden, loops)
-        loss = None
-        pad = self.pad_past_vocabulary()
-        if labels is not None:
-            if pad is not None:  # the pad is never a target
-                labels = labels.masked_fill(labels == pad, -100)
-            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                                   labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
-        if pad is not None:  # every id the tokenizer gives indexes the logits; the pad's is -inf
-            logits = with_pad_columns(logits, pad + 1)
+        loss, logits = self._loss_and_columns(logits, labels)
         if hidden is not None:
             return RdepthCausalLMOutput(loss=loss, logits=logits, hidden_states=hidden, loop_states=loops,
                                         **{CACHE_FIELD: cache})
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
+
+    def _loss_and_columns(self, logits: torch.Tensor, labels: torch.Tensor | None):
+        """The loss against ``labels`` (HF convention: shifted inside, -100 ignored; the pad is never a target)
+        and the logits widened to every id the tokenizer gives (the pad's column -inf)."""
+        loss = None
+        pad = self.pad_past_vocabulary()
+        if labels is not None:
+            if pad is not None:
+                labels = labels.masked_fill(labels == pad, -100)
+            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                   labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
+        if pad is not None:
+            logits = with_pad_columns(logits, pad + 1)
+        return loss, logits
 
     def _states(self, input_ids: torch.Tensor, counts, noise) -> tuple[torch.Tensor, tuple, tuple]:
         """The dense forward's logits, with its hidden states (see :meth:`forward`) and loop iterates, read
@@ -410,12 +417,11 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
                 groups.append((rows, Decoder(self.model, len(rows), loop_counts=counts, controller_factory=factory,
                                              noise=StateNoise(noise.seed, [noise.sequence_ids[int(r)] for r in rows]))))
             cache = RdepthCache(groups, budget)
-        pieces = []
+        pieces, same = [], budget == cache.budget
         for rows, decoder in cache.groups:
             tokens = input_ids[rows.to(input_ids.device)]
             if cache.length == 0 and offsets is not None:  # the prompt: each group from its first real token
                 tokens = tokens[:, int(offsets.cpu()[rows[0]]):]
-            same = budget == cache.budget
             pieces.append((rows, decoder.extend(tokens) if same else
                            decoder.extend(tokens, loop_counts=counts, controller_factory=factory)))
         logits = pieces[0][1].new_zeros(batch, length, pieces[0][1].shape[-1])
