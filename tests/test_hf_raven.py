@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rdepth.interop.hf_raven import raven_config_json, raven_model, raven_weight_shapes, write_raven_folder
+from rdepth.interop.hf_raven import HUGINN_0125, raven_config_json, raven_model, raven_weight_shapes, write_raven_folder
 from rdepth.model.decoder import Decoder
 from rdepth.model.noise import StateNoise
 
@@ -120,19 +120,6 @@ def test_the_import_reproduces_the_reference_logits(tmp_path, dtype, tolerance):
         assert reference.dtype == dtype
         difference = (logits - reference).abs().max().item()
         assert difference <= tolerance, f"{steps} recurrences: max |rdepth - reference| = {difference:.3e}"
-
-
-# The field values of Huginn-0125's published config.json (recpre/raven_config_minimal.json in
-# seal-rg/recurrent-pretraining), as data.
-HUGINN_0125 = dict(
-    model_type="huginn_raven", block_size=4096, vocab_size=65536, padding_multiple=4096, tie_embeddings=True,
-    num_attention_heads=55, num_key_value_heads=55, n_embd=5280, intermediate_size=17920, bias=False,
-    architecture_class_name="RecurrentGPT", block_class_name="SandwichBlock", norm_class_name="RMSNorm_llama",
-    norm_eps=1e-6, mlp_class_name="GatedMLP", nonlin_name="SiLU", init_strategy="takase", init_orthogonal=False,
-    state_init="like-init", injection_type="linear", n_layers_in_recurrent_block=4, mean_recurrence=32,
-    sampling_scheme="poisson-lognormal-filling", mean_backprop_depth=8, n_layers_in_prelude=2, n_layers_in_coda=2,
-    qk_bias=True, activation_checkpoint_impl="per-iteration", torch_dtype="bfloat16",
-)
 
 
 def test_huginn_0125s_published_config_is_accepted_and_sized():

@@ -7,7 +7,7 @@
 #   bash bench/gpu/device_call.sh REVISION STEP [STEP ...]      (CALL_BUDGET_S: the whole call, default 450)
 #
 # Steps: tests, train, train_fused, noise, train_autotune, fp8, trained_exits, spread, spread_spans,
-# decode_autotune (see step_* below).
+# decode_autotune, huginn (see step_* below).
 # The machine has no network: the package runs from the checkout (PYTHONPATH), torchao comes from a
 # carried wheel (fp8), the trained task model from carried runs/gpu-task (trained_exits).
 set -u -o pipefail
@@ -78,13 +78,20 @@ step_decode_autotune() {  # batch-1 decode, the default mode then max-autotune o
             --decode-compile-mode max-autotune-no-cudagraphs
 }
 
+step_huginn() {  # Huginn-0125's published config at its real size (random weights): import-hf and the GPU
+                # recipe's commands (docs/ecosystem.md), each timed with the card's peak memory
+    PYTHONPATH=. python3 bench/gpu/huginn_scale.py run --carry runs/huginn-carry --work /tmp/huginn \
+        --out "$OUT/huginn" --budget-s "$1"
+}
+
 if ((ONE)); then  # --one REVISION STEP SECONDS
     "step_$1" "$2"
     exit $?
 fi
 
 declare -A LIMIT=([tests]=90 [train]=150 [train_fused]=150 [train_autotune]=240 [fp8]=150 [trained_exits]=100
-                  [spread]=120 [spread_spans]=120 [decode_autotune]=240 [noise]=60)
+                  [spread]=120 [spread_spans]=120 [decode_autotune]=240 [noise]=60
+                  [huginn]=330)
 for name in "$@"; do  # every name checked before anything runs
     if ! declare -F "step_$name" >/dev/null; then
         echo "== unknown step $name (choose from ${!LIMIT[*]})"; exit 2

@@ -230,6 +230,19 @@ def import_raven(folder: Path, hf_config: dict) -> tuple[RecurrentLM, dict]:
     return raven_model(folder, spec), tokenizer_files
 
 
+# The field values of Huginn-0125's published config.json (recpre/raven_config_minimal.json in
+# seal-rg/recurrent-pretraining), as data.
+HUGINN_0125 = dict(
+    model_type="huginn_raven", block_size=4096, vocab_size=65536, padding_multiple=4096, tie_embeddings=True,
+    num_attention_heads=55, num_key_value_heads=55, n_embd=5280, intermediate_size=17920, bias=False,
+    architecture_class_name="RecurrentGPT", block_class_name="SandwichBlock", norm_class_name="RMSNorm_llama",
+    norm_eps=1e-6, mlp_class_name="GatedMLP", nonlin_name="SiLU", init_strategy="takase", init_orthogonal=False,
+    state_init="like-init", injection_type="linear", n_layers_in_recurrent_block=4, mean_recurrence=32,
+    sampling_scheme="poisson-lognormal-filling", mean_backprop_depth=8, n_layers_in_prelude=2, n_layers_in_coda=2,
+    qk_bias=True, activation_checkpoint_impl="per-iteration", torch_dtype="bfloat16",
+)
+
+
 # ------------------------------------------------------------------ a tiny raven-layout folder
 TINY_RAVEN = dict(n_embd=32, n_heads=4, intermediate_size=48, n_layers_in_prelude=1, n_layers_in_recurrent_block=2,
                   n_layers_in_coda=1, block_size=64, vocab_size=96, mean_recurrence=4, mean_backprop_depth=2,
