@@ -87,3 +87,40 @@ def test_model_spectrum_matches_finite_differences(loop_state):
     assert len(result) == 2 and len(result[0]["eigenvalues"]) == 2 and len(result[0]["eigenvalues"][0]) == 3
     radius = result[0]["spectral_radius"]
     assert radius["min"] <= radius["median"] <= radius["max"]
+
+
+def test_a_chunked_jacobian_equals_the_whole_and_the_chunk_fits_its_budget():
+    """jacrev in chunks of 3 of d = 16 backward passes gives the same matrix as all 16 at once (float64);
+    the chunk shrinks as the prefix grows so that one chunk's activations stay inside the budget, and is
+    None (all at once) when every pass fits. On Huginn-0125's width (d 5,280, MLP 17,920, 55 heads, 4
+    looped layers) the default 2 GiB budget at 200 positions allows fewer than d passes: the unchunked jacrev
+    asked an H200 for 38 GiB at once."""
+    from rdepth.geometry.jacobian import jacobian_chunk
+
+    config = get_preset("tiny", n_layer=3, n_head=2, d_model=16, block_size=12, vocab_size=50, groups="1",
+                        mean_loops=3.0)
+    torch.manual_seed(1)
+    model = RecurrentLM(config).double().eval()
+    idx = torch.randint(0, 50, (1, 9))
+    finals, inputs = group_fixed_points(model, idx, 4, StateNoise.consecutive(0, 0, 1))
+
+    def step(states):
+        return model.loop_step(0, states.unsqueeze(0), inputs[0][:1])[0]
+
+    whole = own_state_jacobian(step, finals[0][0])
+    chunked = own_state_jacobian(step, finals[0][0], chunk=3)
+    assert torch.equal(whole, chunked) or torch.allclose(whole, chunked, rtol=0, atol=1e-15)
+    assert jacobian_chunk(model, 0, 9) is None  # 16 tiny passes fit the budget
+    per_pass = 9 * 1 * (8 * 16 + 3 * config.hidden_width + 2 * 2 * 9) * 8
+    assert jacobian_chunk(model, 0, 9, budget=5 * per_pass) == 5
+    assert jacobian_chunk(model, 0, 9, budget=1) == 1
+    from rdepth.interop.hf_raven import HUGINN_0125, raven_model_config
+    from rdepth.config import ModelConfig
+    from pathlib import Path
+
+    huginn = ModelConfig.from_dict({**raven_model_config(Path("h"), HUGINN_0125), "tokenizer": "bpe:65536"})
+    with torch.device("meta"):
+        big = RecurrentLM(huginn)
+    chunk = jacobian_chunk(big, 0, 200)
+    assert chunk is not None and 1 <= chunk < 5280
+    assert chunk * 200 * 4 * (8 * 5280 + 3 * 17920 + 2 * 55 * 200) * 4 <= 2**31

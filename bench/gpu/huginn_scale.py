@@ -62,8 +62,8 @@ def huginn_config(size: str) -> dict:
 
 
 def write_folder(folder: Path, hf: dict, tokenizer_json: str, shards: int = 4) -> float:
-    """Random weights in Huginn's layout (drawn on the card when there is one), as sharded safetensors
-    with an index; returns the seconds it took."""
+    """Random weights in Huginn's layout (drawn on the card when there is one), in the config's
+    ``torch_dtype``, as sharded safetensors with an index; returns the seconds it took."""
     import torch
     from safetensors.torch import save_file
 
@@ -74,6 +74,7 @@ def write_folder(folder: Path, hf: dict, tokenizer_json: str, shards: int = 4) -
     folder.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device=device).manual_seed(0)
+    dtype = getattr(torch, hf.get("torch_dtype", "float32"))  # as the hub ships them: bfloat16 for Huginn-0125
     shapes = list(raven_weight_shapes(hf).items())
     per_shard = -(-len(shapes) // shards)
     weight_map = {}
@@ -88,7 +89,7 @@ def write_folder(folder: Path, hf: dict, tokenizer_json: str, shards: int = 4) -
                 value = 0.2 * noise
             else:
                 value = noise / shape[-1] ** 0.5
-            tensors[key] = value.cpu()
+            tensors[key] = value.to(dtype).cpu()
             weight_map[key] = name
         if shard == shards - 1:
             head_dim = hf["n_embd"] // hf["n_heads"]

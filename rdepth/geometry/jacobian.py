@@ -29,13 +29,18 @@ from rdepth.errors import RdepthError
 
 # How many eigenvalues (largest modulus first) are saved per position.
 TOP_EIGENVALUES = 6
+# Memory the vectorised backward passes of one Jacobian may take (jacrev's chunk is sized to fit it)
+JACOBIAN_BYTES = 2**31
 
 
-def own_state_jacobian(step: Callable[[torch.Tensor], torch.Tensor], states: torch.Tensor) -> torch.Tensor:
+def own_state_jacobian(step: Callable[[torch.Tensor], torch.Tensor], states: torch.Tensor,
+                       chunk: int | None = None) -> torch.Tensor:
     """d step(states)[-1] / d states[-1]: the own-state Jacobian ``[d, d]`` of the last position.
 
     ``states`` ``[L, d]``: the positions up to and including the one of interest (a causal step
-    reads no later position, so the prefix is exact). ``step``: ``[L, d] -> [L, d]``.
+    reads no later position, so the prefix is exact). ``step``: ``[L, d] -> [L, d]``. ``chunk``: how
+    many of the d backward passes run vectorised at once (None: all d; the rows are the same either
+    way, only the memory differs).
     """
     if states.dim() != 2:
         raise RdepthError(f"own_state_jacobian expects states [L, d], got {tuple(states.shape)}")
@@ -44,7 +49,19 @@ def own_state_jacobian(step: Callable[[torch.Tensor], torch.Tensor], states: tor
     def last(own: torch.Tensor) -> torch.Tensor:
         return step(torch.cat([others, own.unsqueeze(0)]))[-1]
 
-    return torch.func.jacrev(last)(states[-1])
+    return torch.func.jacrev(last, chunk_size=chunk)(states[-1])
+
+
+def jacobian_chunk(model, group: int, rows: int, budget: int = JACOBIAN_BYTES) -> int | None:
+    """The most backward passes of one loop step of ``group`` over ``rows`` positions that fit ``budget``
+    bytes at once (None when all d do): each pass keeps, per position and looped layer, about the
+    residual stream's few copies, the MLP's hidden activations and a row of attention weights."""
+    config = model.config
+    layers = len(config.group_specs[group].layers)
+    element = next(model.parameters()).element_size()
+    per_pass = rows * layers * (8 * config.d_model + 3 * config.hidden_width + 2 * config.n_head * rows) * element
+    chunk = max(1, budget // max(per_pass, 1))
+    return None if chunk >= config.d_model else chunk
 
 
 def leading_eigenvalues(jacobian: torch.Tensor, count: int = TOP_EIGENVALUES) -> torch.Tensor:
@@ -126,7 +143,8 @@ def spectra(model, idx: torch.Tensor, positions: list[int], loop_counts, noise,
             with torch.enable_grad(), warnings.catch_warnings():
                 # vmap over attention's backward falls back to a loop on CPU: correct, just slower
                 warnings.filterwarnings("ignore", message="There is a performance drop")
-                jacobian = own_state_jacobian(step, finals[group][window, prefix])
+                jacobian = own_state_jacobian(step, finals[group][window, prefix],
+                                              jacobian_chunk(model, group, position + 1))
             per_position.append(eigen_rows(leading_eigenvalues(jacobian.detach(), count)))
         result.append({"eigenvalues": per_position, **summarize_spectra(per_position)})
     return result

@@ -217,8 +217,9 @@ def raven_model(folder: str | Path, tokenizer: str | None = None) -> RecurrentLM
     values = raven_model_config(folder, read_json_object(folder / "config.json", "Hugging Face config"))
     config = ModelConfig.from_dict({**values, "tokenizer": tokenizer or f"bpe:{values['vocab_size']}"})
     check_fits_memory(config, f"cannot import {folder} ({MODEL_TYPE})")  # before anything is allocated
-    model = RecurrentLM(config)
-    model.load_state_dict(raven_state_dict(folder, read_raven_weights(folder), model))
+    with torch.device("meta"):  # the folder's tensors become the parameters: no init, no second copy
+        model = RecurrentLM(config)
+    model.load_state_dict(raven_state_dict(folder, read_raven_weights(folder), model), assign=True)
     return model.eval()
 
 
