@@ -124,3 +124,31 @@ def test_a_chunked_jacobian_equals_the_whole_and_the_chunk_fits_its_budget():
     chunk = jacobian_chunk(big, 0, 200)
     assert chunk is not None and 1 <= chunk < 5280
     assert chunk * 200 * 4 * (8 * 5280 + 3 * 17920 + 2 * 55 * 200) * 4 <= 2**31
+
+
+def test_spectra_differentiate_the_state_only_and_give_the_weights_back_as_they_were():
+    """While the Jacobian runs, no weight requires grad (their gradient paths filled an H200); afterwards
+    every weight requires grad exactly as before (a frozen one stays frozen) and none holds a gradient."""
+    import rdepth.geometry.jacobian as jacobian_module
+
+    config = get_preset("tiny", n_layer=3, n_head=2, d_model=8, block_size=8, vocab_size=30, groups="1",
+                        mean_loops=2.0)
+    model = RecurrentLM(config).double().eval()
+    model.layers[0].requires_grad_(False)
+    before = {name: p.requires_grad for name, p in model.named_parameters()}
+    seen = []
+    original = jacobian_module.own_state_jacobian
+
+    def spy(step, states, chunk=None):
+        seen.append(any(p.requires_grad for p in model.parameters()))
+        return original(step, states, chunk)
+
+    jacobian_module.own_state_jacobian = spy
+    try:
+        spectra(model, torch.randint(0, 30, (1, 6)), [4], 3, StateNoise.consecutive(0, 0, 1), count=2)
+    finally:
+        jacobian_module.own_state_jacobian = original
+    assert seen == [False]
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == before
+    assert not before["layers.0.attn.qkv.weight"] and before["layers.1.attn.qkv.weight"]
+    assert all(p.grad is None for p in model.parameters())
