@@ -6,6 +6,7 @@
 #   shared/data/wiki-gpt2/               the wiki corpus in exact GPT-2 tokens (FP8 vs bf16)   ~3.9 MB
 #   runs/gpu-task/{train,data}           a trained chase-task model and its held-out sets       ~7 MB
 #                                        (trained_exits: batched exits at matched accuracy)
+#   runs/huginn-carry/                   held-out text + tokenizer.json for the huginn step           ~0.8 MB
 #   data/medium.zip                      the medium corpus bundle with the GPT-2 tokenizer      ~26 MB
 #                                        (the r = 12 reproduction, docs/reproduce.md; its own call)
 #
@@ -33,6 +34,11 @@ if [[ ! -f shared/data/wiki-gpt2/train.bin ]]; then
     python3 -m rdepth prepare --corpus wiki --tokenizer gpt2 --out shared/data/wiki-gpt2
 fi
 
+if [[ ! -f runs/huginn-carry/tokenizer.json ]]; then
+    echo "== Huginn-size carry: held-out text and a 65,536-token tokenizer.json ($((SECONDS - t0)) s)"
+    python3 bench/gpu/huginn_scale.py prepare --out runs/huginn-carry
+fi
+
 if [[ ! -f data/medium.zip ]]; then
     echo "== the medium corpus bundle ($((SECONDS - t0)) s)"
     python3 -m rdepth prepare --corpus medium --tokenizer gpt2 --out data/medium-gpt2 --bundle data/medium.zip
@@ -57,4 +63,4 @@ if [[ ! -f runs/gpu-task/train/checkpoints/latest ]]; then
     rm -rf runs/gpu-task && mv runs/gpu-task.partial runs/gpu-task
     rm -rf "$work"
 fi
-echo "== carry ready ($((SECONDS - t0)) s): $(du -sh shared/wheels shared/data/wiki-gpt2 runs/gpu-task data/medium.zip | awk '{print $2" "$1}' | paste -sd' ')"
+echo "== carry ready ($((SECONDS - t0)) s): $(du -sh shared/wheels shared/data/wiki-gpt2 runs/huginn-carry runs/gpu-task data/medium.zip | awk '{print $2" "$1}' | paste -sd' ')"
