@@ -36,7 +36,7 @@ fi
 
 if [[ ! -f runs/huginn-carry/tokenizer.json ]]; then
     echo "== Huginn-size carry: held-out text and a 65,536-token tokenizer.json ($((SECONDS - t0)) s)"
-    python3 bench/gpu/huginn_scale.py prepare --out runs/huginn-carry
+    PYTHONPATH=. python3 bench/gpu/huginn_scale.py prepare --out runs/huginn-carry
 fi
 
 if [[ ! -f data/medium.zip ]]; then
