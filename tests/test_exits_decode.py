@@ -164,7 +164,10 @@ def test_sweep_config_for_decoding():
         SweepConfig(decode="rest", generate_tokens=4)
     with pytest.raises(RdepthError, match="kl_direction"):
         SweepConfig(kl_direction="both")
-    assert SweepConfig(kl_direction="old_new").policy_options("kl") == {"direction": "old_new"}
+    assert SweepConfig(kl_direction="old_new").policy_options("kl") == {"direction": "old_new", "prior": "none"}
+    assert SweepConfig(kl_prior="uniform").policy_options("kl") == {"direction": "new_old", "prior": "uniform"}
+    with pytest.raises(RdepthError, match="kl_prior must be one of none, uniform"):
+        SweepConfig(kl_prior="flat")
     assert SweepConfig().policy_options("step_norm") == {}
 
 

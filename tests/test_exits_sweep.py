@@ -270,7 +270,7 @@ def test_saved_timings_name_their_path_and_spread(swept):
     assert sorted(budgets) == sorted({tuple(e["budget"]): e["budget"] for e in fixed}.values())  # each once
     assert all(row["b1"]["ratio"] > 0 and "batched" in row for row in summary["packed_over_dense"])
     assert summary["noisy"] == bool(summary["noise_warnings"])
-    assert summary["decode"] == {"mode": "head", "loops": None, "kl_direction": "new_old",
+    assert summary["decode"] == {"mode": "head", "loops": None, "kl_direction": "new_old", "kl_prior": "none",
                                  "description": summary["decode"]["description"]}
     row = summary["matched_quality"]["b1"][0]
     for name in ("speedup_vs_full_b1", "speedup_vs_fixed_b1", "speedup_vs_dense_full_b1"):

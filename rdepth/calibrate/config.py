@@ -42,6 +42,7 @@ class CalibrateConfig:
     difficulty: int | None = option(None, "task data: the held-out difficulty to calibrate on",
                                     default_text="the top training difficulty", bounds="[1, inf)")
     kl_direction: str = option("new_old", "kl policy: new_old or old_new (see rdepth sweep)")
+    kl_prior: str = option("none", "kl policy: none or uniform (see rdepth sweep)")
     batch_size: int = option(16, "windows per forward pass", bounds="[1, inf)")
     refine_rounds: int = option(
         3, "real runs on the calibration windows that may correct the additive estimate: while the chosen "
@@ -69,6 +70,8 @@ class CalibrateConfig:
         self.k_max = checked_k_max("calibrate", self.k_max)
         if self.kl_direction not in get_policy_class("kl").DIRECTIONS:
             raise RdepthError(f"calibrate: kl_direction must be new_old or old_new, got {self.kl_direction!r}")
+        if self.kl_prior not in get_policy_class("kl").PRIORS:
+            raise RdepthError(f"calibrate: kl_prior must be none or uniform, got {self.kl_prior!r}")
         check_device_name("calibrate", self.device)
 
     def candidate_values(self) -> tuple[float, ...]:
@@ -84,7 +87,7 @@ class CalibrateConfig:
     def policy_options(self) -> dict:
         if self.policy == "learned":  # the gate trained for this checkpoint (rdepth gate), checked against it
             return {"gate": self.checkpoint}
-        return {"direction": self.kl_direction} if self.policy == "kl" else {}
+        return {"direction": self.kl_direction, "prior": self.kl_prior} if self.policy == "kl" else {}
 
     def resolve_k_max(self, n_groups: int, eval_loops: tuple[int, ...]) -> tuple[int, ...]:
         return resolve_k_max("calibrate", self.k_max, n_groups, eval_loops)

@@ -18,6 +18,9 @@ Latent rules (O(d) per token-step, never decode the vocabulary):
   ``a / (||Delta^(s-1)|| + ||Delta^(s-2)|| + eps)`` in ``[0, 2]``, same two hits.
 * ``acceleration_state``: ``a / (||x^(s-1)|| + eps)``, same two hits.
 * ``cosine``: ``1 - cos(x^(s), x^(s-1)) < tau`` (consecutive states).
+* ``latent_diff``: ``||Delta|| / (||x^(s)|| + eps) < tau`` (the newer state's norm below; eps 0 by
+  default): Geiping et al.'s ``latent-diff`` criterion. Step 1 compares with the start state, so it
+  can stop at step 1.
 
 Decoded rules (O(V) per token-step through ``decode``: by default the final
 norm + head, a logit-lens reading of a middle group; :mod:`rdepth.exits.decode`
@@ -29,6 +32,12 @@ decoded, so their first comparison is at step 2):
   paper's Eq. 4 (the newer distribution first). ``direction="old_new"`` is
   ``KL(p^(s-1) || p^(s))``, what Geiping et al.'s released code computes
   (``F.kl_div(log_p_new, log_p_old, log_target=True)``). Log-softmax in float32.
+  ``prior="uniform"`` also reads the first state and compares it with the uniform distribution over
+  the head's V outputs, as Geiping et al.'s code starts (so a token can stop at step 1); the default
+  ``prior="none"`` never compares the first reading.
+* ``minp_kl``: the same KL (default ``direction="old_new"``, ``prior="uniform"``: Geiping et al.'s
+  ``minp-kl``) between min-p filtered distributions: every probability under ``min_p`` (0.1) times
+  the largest is set to ``1/V``, then the distribution is renormalised.
 * ``entropy_diff``: ``|H(p^(s)) - H(p^(s-1))| < tau`` (nats).
 * ``argmax_stable``: no tau; exits when the top token has not changed for
   ``patience`` consecutive steps.
@@ -203,6 +212,19 @@ class CosinePolicy(_EpsPolicy):
         return (1.0 - cosine) < self.tau
 
 
+@register_policy
+class LatentDiffPolicy(_EpsPolicy):
+    """``||x^(s) - x^(s-1)|| / (||x^(s)|| + eps) < tau``: Geiping et al.'s ``latent-diff`` (their default
+    tau 0.03), the newer state's norm below."""
+
+    name = "latent_diff"
+    option_defaults = {"eps": 0.0}
+
+    def _exits(self, step, rows, prev, new):
+        new = _wide(new)
+        return _norm(new - _wide(prev)) / (_norm(new) + self.options["eps"]) < self.tau
+
+
 class _DecodedPolicy(ExitPolicy):
     """Rules on the decoded distribution ``p^(s) = softmax(decode(x^(s)))``.
 
@@ -233,30 +255,37 @@ class _DecodedPolicy(ExitPolicy):
 class KLPolicy(_DecodedPolicy):
     """``KL(p^(s) || p^(s-1)) < tau`` (Eq. 4, ``direction="new_old"``, the default) or
     ``KL(p^(s-1) || p^(s)) < tau`` (``direction="old_new"``, Geiping et al.'s code); keeps the
-    previous log-probs ``[N, V]``."""
+    previous log-probs ``[N, V]``. ``prior="uniform"``: the first reading is compared with the uniform
+    distribution (Geiping et al.'s start) instead of never."""
 
     name = "kl"
-    option_defaults = {"direction": "new_old", "every": 1}
+    option_defaults = {"direction": "new_old", "every": 1, "prior": "none"}
     DIRECTIONS = ("new_old", "old_new")
+    PRIORS = ("none", "uniform")
 
     def _validate_options(self) -> None:
         self._check_every()
-        if self.options["direction"] not in self.DIRECTIONS:
-            raise RdepthError(
-                f"exit policy {self.name}: direction must be one of {', '.join(self.DIRECTIONS)}, "
-                f"got {self.options['direction']!r}"
-            )
+        for option, allowed in (("direction", self.DIRECTIONS), ("prior", self.PRIORS)):
+            if self.options[option] not in allowed:
+                raise RdepthError(f"exit policy {self.name}: {option} must be one of {', '.join(allowed)}, "
+                                  f"got {self.options[option]!r}")
 
     def _reset(self, state):
         self.prev_log_probs: torch.Tensor | None = None
 
+    def _distribution(self, new: torch.Tensor) -> torch.Tensor:
+        """The log-probabilities the rule compares ``[A, V]``."""
+        return self._log_probs(new)
+
     def _exits(self, step, rows, prev, new):
         if not self._reads(step):
             return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-        log_probs = self._log_probs(new)  # (A, V)
+        log_probs = self._distribution(new)  # (A, V)
+        uniform = self.options["prior"] == "uniform"
         if self.prev_log_probs is None:
-            self.prev_log_probs = log_probs.new_zeros((self.n_rows, log_probs.shape[-1]))
-        if self._first_reading(step):
+            vocab = log_probs.shape[-1]
+            self.prev_log_probs = log_probs.new_full((self.n_rows, vocab), -math.log(vocab) if uniform else 0.0)
+        if self._first_reading(step) and not uniform:
             exits = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         else:
             prev_log_probs = self.prev_log_probs[rows]
@@ -267,6 +296,27 @@ class KLPolicy(_DecodedPolicy):
             exits = kl < self.tau
         self.prev_log_probs[rows] = log_probs
         return exits
+
+
+@register_policy
+class MinpKLPolicy(KLPolicy):
+    """``kl`` between min-p filtered distributions (Geiping et al.'s ``minp-kl``, their default tau 1e-5):
+    probabilities under ``min_p`` times the largest become ``1/V``, then all are renormalised."""
+
+    name = "minp_kl"
+    option_defaults = {"direction": "old_new", "every": 1, "prior": "uniform", "min_p": 0.1}
+
+    def _validate_options(self) -> None:
+        super()._validate_options()
+        min_p = self.options["min_p"]
+        if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0 < min_p <= 1:
+            raise RdepthError(f"exit policy {self.name}: min_p must be in (0, 1], got {min_p!r}")
+
+    def _distribution(self, new: torch.Tensor) -> torch.Tensor:
+        probs = self._log_probs(new).exp()
+        floor = self.options["min_p"] * probs.amax(dim=-1, keepdim=True)
+        probs = torch.where(probs < floor, torch.full_like(probs, 1.0 / probs.shape[-1]), probs)
+        return (probs / probs.sum(dim=-1, keepdim=True)).log()
 
 
 @register_policy

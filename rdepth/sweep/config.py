@@ -84,6 +84,9 @@ class SweepConfig:
         "new_old", "kl policy: new_old = KL(p_new || p_old) (the paper's Eq. 4) or old_new = KL(p_old || p_new) "
         "(Geiping et al.'s code)",
     )
+    kl_prior: str = option(
+        "none", "kl policy: none (the first reading is never compared) or uniform (compared with the uniform "
+        "distribution, as Geiping et al.'s code starts)")
     autocast: str = option("none", "autocast dtype during evaluation and timing: none, bf16 or fp16")
     difficulties: tuple[int, ...] | None = option(
         None, "task data: held-out difficulties to sweep", default_text="the top training difficulty")
@@ -119,6 +122,9 @@ class SweepConfig:
         directions = get_policy_class("kl").DIRECTIONS
         if self.kl_direction not in directions:
             raise RdepthError(f"sweep: kl_direction must be one of {', '.join(directions)}, got {self.kl_direction!r}")
+        priors = get_policy_class("kl").PRIORS
+        if self.kl_prior not in priors:
+            raise RdepthError(f"sweep: kl_prior must be one of {', '.join(priors)}, got {self.kl_prior!r}")
         check_autocast_name("sweep", self.autocast)
         if self.difficulties is not None:
             self.difficulties = tuple(int(d) for d in self.difficulties)
@@ -156,7 +162,7 @@ class SweepConfig:
         """Options every point of ``policy`` is built with (besides its swept parameter)."""
         if policy == "learned":  # the gate trained for this checkpoint (rdepth gate), checked against it
             return {"gate": self.checkpoint}
-        return {"direction": self.kl_direction} if policy == "kl" else {}
+        return {"direction": self.kl_direction, "prior": self.kl_prior} if policy == "kl" else {}
 
     def values(self, policy: str) -> tuple[float, ...]:
         """The values swept for ``policy``: its ``grid`` entry, else its own default grid, else ``taus`` (those

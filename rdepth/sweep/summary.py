@@ -255,10 +255,11 @@ def decode_summary(config: dict) -> dict:
     """How the decoded rules read a state, from the saved sweep config (older configs: the head)."""
     mode = config.get("decode", "head")
     loops = config.get("decode_loops", 1) if mode == "rest" else None
-    direction = config.get("kl_direction", "new_old")
+    direction, prior = config.get("kl_direction", "new_old"), config.get("kl_prior", "none")
+    start = ", its first reading compared with the uniform distribution" if prior == "uniform" else ""
     return {
-        "mode": mode, "loops": loops, "kl_direction": direction,
-        "description": DECODE_DESCRIPTIONS[mode].format(loops=loops) + f"; kl is {KL_FORMULAS[direction]}",
+        "mode": mode, "loops": loops, "kl_direction": direction, "kl_prior": prior,
+        "description": DECODE_DESCRIPTIONS[mode].format(loops=loops) + f"; kl is {KL_FORMULAS[direction]}{start}",
     }
 
 
