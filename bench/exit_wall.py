@@ -17,6 +17,13 @@
    fixed budget and the full budget measured in the same run. Batch 1 and each ``--batch`` size.
 4. Ops and host reads per token (aten ops and single-value reads under the profiler, one problem).
 
+``task --difficulties 1,2,...`` is a mixed workload: ``--problems`` problems of each difficulty (equal
+shares) for quality, the first ``--timed-problems`` of each decoded per timed round, and beside the rules
+two batch-1 references decoded on the same decoder (``bench/exit_workload.py``): the per-problem oracle
+(each problem at the smallest fixed budget that solves it) and the router (each problem at its
+difficulty's cheapest fixed budget within the tolerance there). Every row also gives the answer tokens'
+mean loop steps per difficulty.
+
 ``text`` (a trained text model): the same with perplexity on ``--problems`` held-out windows spread over
 the split, the bar the full budget's perplexity plus ``--tolerance`` (0.5%), and the first ``--tokens``
 positions of ``--timed-problems`` windows decoded per timed round.
@@ -48,6 +55,9 @@ def parse_args(argv):
     parser.add_argument("--run", default=None, help="a trained run (task mode: a task model)")
     parser.add_argument("--data", default=None, help="its prepared data (task mode)")
     parser.add_argument("--difficulty", type=int, default=4)
+    parser.add_argument("--difficulties", default="",
+                        help="task mode: a mixed workload, --problems (and --timed-problems) of each of these "
+                             "difficulties (comma list), with the per-problem oracle and the difficulty router")
     parser.add_argument("--problems", type=int, default=256, help="problems for accuracy and steps")
     parser.add_argument("--timed-problems", type=int, default=16, help="problems decoded per timed round")
     parser.add_argument("--batch", default="16", help="batch sizes timed beside batch 1 (comma list; '' none)")
@@ -123,20 +133,49 @@ def settings_for(model, args) -> dict:
 
 
 def task_quality(model, args, settings):
-    """Accuracy (higher is better) and loop steps per token of every setting on the held-out problems."""
+    """Accuracy (higher is better) and loop steps per token of every setting on the held-out problems; on a
+    mixed workload also the oracle's and the router's (bench/exit_workload.py), added to ``settings``."""
+    import numpy as np
+
     from rdepth.tasks.data import load_heldout
     from rdepth.tasks.evaluate import heldout_accuracy
 
-    heldout = load_heldout(args.data, args.difficulty).first_problems(args.problems)
-    quality = {}
+    from exit_workload import (mixed_heldout, oracle_budgets, router_budgets, steps_by_difficulty,
+                               window_solved)
+
+    difficulties = [int(d) for d in args.difficulties.split(",") if d.strip()]
+    if difficulties:
+        heldout, labels = mixed_heldout(args.data, difficulties, args.problems, args.timed_problems)
+    else:
+        heldout = load_heldout(args.data, args.difficulty).first_problems(args.problems)
+        labels = np.full(heldout.tokens.shape[0], args.difficulty)
+    quality, solved = {}, {}
     for label, setting in settings.items():
         result = heldout_accuracy(model, heldout, loop_counts=setting.get("loop_counts"),
-                                  controller_factory=setting.get("factory"), batch_size=64, seed=args.seed)
+                                  controller_factory=setting.get("factory"), batch_size=64, seed=args.seed,
+                                  per_token=True)
         steps = float(sum(setting["loop_counts"])) if "loop_counts" in setting else _mean_steps(result, heldout)
-        quality[label] = {"accuracy": result["accuracy"], "steps": steps}
-        print(f"  {label:<26} accuracy {100 * result['accuracy']:5.1f}%  steps/token {steps:5.2f}", flush=True)
+        by_difficulty = steps_by_difficulty(heldout, labels, result["answer_steps"])
+        quality[label] = {"accuracy": result["accuracy"], "steps": steps, "answer_steps_by_difficulty": by_difficulty}
+        if "loop_counts" in setting and len(setting["loop_counts"]) == 1:
+            solved[setting["loop_counts"][0]] = window_solved(heldout, result["answer_right"])
+        print(f"  {label:<26} accuracy {100 * result['accuracy']:5.1f}%  steps/token {steps:5.2f}  answer steps by "
+              f"difficulty {' '.join(f'{d}:{v:.2f}' for d, v in by_difficulty.items())}", flush=True)
+    info = {"difficulties": difficulties or [args.difficulty], "problems": int(heldout.tokens.shape[0])}
+    if difficulties and solved:  # one looped group: the per-window references
+        full = max(solved)
+        per_window = {"oracle": oracle_budgets(solved, full)}
+        route = router_budgets(solved, labels, full, args.tolerance)
+        per_window["router"] = np.array([route[int(d)] for d in labels])
+        info["router_budgets"] = route
+        for label, budgets in per_window.items():
+            settings[label] = {"per_window": budgets}
+            right = np.array([solved[int(k)][w] for w, k in enumerate(budgets)])
+            quality[label] = {"accuracy": float(right.mean()), "steps": float(budgets.mean()),
+                              "answer_steps_by_difficulty": {int(d): float(budgets[labels == d].mean())
+                                                             for d in difficulties}}
+            print(f"  {label:<26} accuracy {100 * right.mean():5.1f}%  steps/token {budgets.mean():5.2f}", flush=True)
     windows = heldout.tokens[:, :-1].astype("int64")
-    info = {"difficulty": args.difficulty, "problems": int(heldout.problem_ids.max()) + 1}
     return quality, windows, info, "accuracy"
 
 
@@ -186,19 +225,26 @@ def compare_mode(args, text: bool) -> dict:
         if ok:
             chosen[name] = min(ok, key=lambda label: quality[label]["steps"])
         half[name] = min(labels, key=lambda label: abs(quality[label]["steps"] - full_steps / 2))
-    timed = sorted({full_label, cheapest_fixed, *chosen.values(), *half.values()},
+    references = [label for label in ("oracle", "router") if label in settings]
+    timed = sorted({full_label, cheapest_fixed, *chosen.values(), *half.values(), *references},
                    key=lambda label: (not label.startswith("fixed"), label))
-    count = max(args.timed_problems, *_batches(args), 1)
+    mixed = len(info.get("difficulties", [])) > 1
+    timed_windows = args.timed_problems * (len(info["difficulties"]) if mixed else 1)
+    count = max(timed_windows, *_batches(args), 1)
     windows = torch.from_numpy(windows[:count])
     if text:
         windows = windows[:, : args.tokens]  # decode the first --tokens positions of each window
 
     def decode_call(label: str, batch: int):
         setting, stats = settings[label], {"steps": 0, "tokens": 0}
-        rows = windows[:args.timed_problems] if batch == 1 else windows[:batch]
-        decoders = [Decoder(model, batch, loop_counts=setting.get("loop_counts"),
-                            controller_factory=setting.get("factory"),
-                            noise=StateNoise(args.seed, range(first, first + batch)))
+        rows = windows[:timed_windows] if batch == 1 else windows[:batch]
+
+        def budget(first):  # a per-window reference decodes each window at its own fixed budget
+            if "per_window" in setting:
+                return {"loop_counts": int(setting["per_window"][first])}
+            return {"loop_counts": setting.get("loop_counts"), "controller_factory": setting.get("factory")}
+
+        decoders = [Decoder(model, batch, noise=StateNoise(args.seed, range(first, first + batch)), **budget(first))
                     for first in range(0, rows.shape[0], batch)]
 
         def call():
@@ -211,15 +257,17 @@ def compare_mode(args, text: bool) -> dict:
                     stats["tokens"] += batch
         return call, stats, rows.numel()
 
-    report = {**info, "metric": key, "full_budget": full_label, "quality_bar": bar, "quality": quality,
+    report = {**info, "metric": key, "timed_windows": timed_windows, "full_budget": full_label, "quality_bar": bar, "quality": quality,
               "cheapest_fixed": cheapest_fixed, "chosen": chosen, "half_steps": half, "timing": {}}
     for batch in [1, *_batches(args)]:
         calls, stats, work = {}, {}, {}
         for label in timed:
+            if batch > 1 and "per_window" in settings[label]:
+                continue  # per-window budgets are batch-1 references (a lock-step batch runs one budget)
             calls[label], stats[label], work[label] = decode_call(label, batch)
         samples = interleaved(calls, args.rounds, args.warmup, args.seed)
         rows = {}
-        for label in timed:
+        for label in calls:
             median = statistics.median(samples[label])
             rows[label] = {"ms_per_token": 1e3 * median / work[label],
                            "range_ms_per_token": [1e3 * min(samples[label]) / work[label],
@@ -240,7 +288,7 @@ def compare_mode(args, text: bool) -> dict:
                   f"{row['latency_vs_full']:.3f} of full ({shown})", flush=True)
     problem = windows[:1]
     report["counts"] = {}
-    for label in timed:
+    for label in [label for label in timed if "per_window" not in settings[label]]:
         decoder = Decoder(model, 1, loop_counts=settings[label].get("loop_counts"),
                           controller_factory=settings[label].get("factory"), noise=StateNoise(args.seed, [0]))
 
