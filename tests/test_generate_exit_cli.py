@@ -78,7 +78,22 @@ def test_cli_autocast_runs_generation_under_bf16(capsys, run, monkeypatch):
     assert seen[-1] is False  # the default: no autocast
 
 
+def test_cli_exit_options_reach_the_policy(capsys, run):
+    """``--exit-options direction=old_new,prior=uniform`` is Geiping et al.'s kl: the same tokens as the API
+    built with those options; at a huge tau the uniform start stops every token at step 1 (the fixed budget
+    of one step), where the default start never compares step 1 (two steps)."""
+    flags = ["--exit", "kl", "--tau", "1e9", "--k-max", "3"]
+    uniform = cli_texts(capsys, run, *flags, "--exit-options", "direction=old_new,prior=uniform")
+    assert uniform == api_texts(run, "kl", 1e9, 3, direction="old_new", prior="uniform")
+    assert uniform == cli_texts(capsys, run, "--loops", "1")
+    assert cli_texts(capsys, run, *flags) == cli_texts(capsys, run, "--loops", "2")
+
+
 @pytest.mark.parametrize("flags, fragment", [
+    (["--exit", "kl", "--tau", "1e-3", "--exit-options", "prior"], "--exit-options wants KEY=VALUE"),
+    (["--exit", "kl", "--tau", "1e-3", "--exit-options", "prior=flat"], "prior must be one of none, uniform"),
+    (["--exit", "kl", "--tau", "1e-3", "--exit-options", "speed=2"], "unknown option(s) speed"),
+    (["--exit-options", "prior=uniform"], "give --exit too"),
     (["--exit", "nope", "--tau", "1e-3"], "unknown exit policy 'nope'"),
     (["--exit", "kl", "--tau", "-1"], "tau must be a finite number > 0"),
     (["--exit", "kl", "--tau", "nan"], "tau must be a finite number > 0"),

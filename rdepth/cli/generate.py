@@ -49,7 +49,7 @@ def policy_controllers(config):
     from rdepth.exits.config import resolve_k_max
     from rdepth.exits.controller import controller_factory
 
-    options = {"gate": config.checkpoint} if config.exit == "learned" else {}  # the run's trained gate
+    options = config.policy_options()  # a bad option fails in the next line, before the checkpoint is loaded
     controller_factory(config.exit, config.tau, config.k_max or (1,), options=options)
 
     def controllers(model):

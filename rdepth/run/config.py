@@ -126,9 +126,30 @@ class GenerateConfig:
     k_max: tuple[int, ...] | None = option(
         None, "with --exit: loop-step cap N (every group) or N,N,... (per group)",
         default_text="twice the model's eval loops", bounds=f"[1, {MAX_LOOPS}]")
+    exit_options: str | None = option(
+        None, "with --exit: the policy's options as KEY=VALUE,... (e.g. kl: direction=old_new,prior=uniform, "
+        "Geiping et al.'s kl)", default_text="the policy's own", metavar="KEY=VALUE,...")
     autocast: str = option("none", "autocast dtype of the forward passes: none, bf16 or fp16")
     device: str = option("auto", DEVICE_HELP)
     threads: int = option(0, THREADS_HELP, bounds="[0, inf)")
+
+    def policy_options(self) -> dict:
+        """``--exit-options`` as a dict, each value an int, a float or text; the learned rule's gate is the run's."""
+        options = {"gate": self.checkpoint} if self.exit == "learned" else {}
+        for item in (self.exit_options or "").split(","):
+            if not item.strip():
+                continue
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip() or not value.strip():
+                raise RdepthError(f"generate: --exit-options wants KEY=VALUE,..., got {item!r}")
+            for kind in (int, float):
+                try:
+                    value = kind(value)
+                    break
+                except ValueError:
+                    continue
+            options[key.strip()] = value.strip() if isinstance(value, str) else value
+        return options
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -148,8 +169,8 @@ class GenerateConfig:
         if self.exit_profile is not None and self.exit is not None:
             raise RdepthError("generate: give --exit or --exit-profile, not both")
         check_force_profile("generate", self)
-        if self.exit is None and (self.tau is not None or self.k_max is not None):
-            raise RdepthError("generate: --tau and --k-max set the policy of --exit; give --exit too")
+        if self.exit is None and (self.tau is not None or self.k_max is not None or self.exit_options is not None):
+            raise RdepthError("generate: --tau, --k-max and --exit-options set the policy of --exit; give --exit too")
         if self.exit is not None and (self.loops or self.draft_loops is not None):
             raise RdepthError("generate: --exit replaces --loops and --draft-loops; give one")
         if self.exit_profile is not None and (self.loops or self.draft_loops is not None):
