@@ -290,6 +290,16 @@ def compare_mode(args, text: bool) -> dict:
         report["timing"][f"batch {batch}"] = rows
         print(f"batch {batch}: ms/token (median, range), executed steps/token, vs {cheapest_fixed}, vs full",
               flush=True)
+        steps_low, steps_full = quality[cheapest_fixed]["steps"], quality[full_label]["steps"]
+        if steps_full > steps_low:  # the two fixed budgets give a loop step's time and the rest's
+            per_step = (top - base) / (steps_full - steps_low)
+            outside = base - steps_low * per_step
+            report.setdefault("loop_share", {})[f"batch {batch}"] = {
+                "ms_per_loop_step": per_step, "ms_outside_loop": outside,
+                "share_at_full": steps_full * per_step / top, "share_at_cheapest_fixed": steps_low * per_step / base}
+            print(f"  a loop step {per_step:.3f} ms/token, the rest {outside:.3f}: the loop is "
+                  f"{100 * steps_full * per_step / top:.0f}% of a token at the full budget, "
+                  f"{100 * steps_low * per_step / base:.0f}% at {cheapest_fixed}", flush=True)
         for label, row in rows.items():
             low, high = row["range_ms_per_token"]
             shown = (f"{100 * quality[label][key]:.1f}%" if key == "accuracy" else f"ppl {quality[label][key]:.2f}")
