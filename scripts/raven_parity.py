@@ -43,7 +43,13 @@ VARIANTS = {
     "B": dict(n_embd=48, n_heads=3, intermediate_size=80, n_layers_in_prelude=1, n_layers_in_recurrent_block=3,
               n_layers_in_coda=1, block_size=64, vocab_size=320, mean_recurrence=6, mean_backprop_depth=2,
               qk_bias=False, rope_base=10_000),
+    # Huginn's 2 + 4 layout (the reference's latest-m4 cache lookup is written for it), for the exits check
+    "C": dict(n_embd=48, n_heads=4, intermediate_size=96, n_layers_in_prelude=2, n_layers_in_recurrent_block=4,
+              n_layers_in_coda=2, block_size=64, vocab_size=320, mean_recurrence=8, mean_backprop_depth=4,
+              qk_bias=True, rope_base=50_000),
 }
+EXIT_TAUS = (0.05, 0.1, 0.2, 0.3)  # latent_diff thresholds of the exits check (exits spread over the steps)
+EXIT_TOKENS, EXIT_CAP = 24, 16
 # The golden checkpoint's writer settings (tests/golden/raven_tiny.json records them too)
 GOLDEN = dict(seed=42, noise_seed=5, overrides=dict(
     n_embd=16, n_heads=2, intermediate_size=24, n_layers_in_prelude=1, n_layers_in_recurrent_block=2,
@@ -158,6 +164,89 @@ def logits(args) -> None:
     torch.save(results, args.out)
 
 
+def exits_cases(args) -> None:
+    """rdepth's greedy decoding of a raven run with per-token exits (``latent_diff``, the reference's
+    ``latent-diff``; no head reading, so both sides decide on the same states) at batch 1: from a
+    one-token prompt, EXIT_TOKENS tokens at each of EXIT_TAUS, cap EXIT_CAP; every token's loop steps and
+    logits, and the initial loop states of every position (given to the reference)."""
+    from rdepth.exits.controller import controller_factory
+    from rdepth.model.decoder import Decoder
+    from rdepth.model.noise import StateNoise
+    from rdepth.run.checkpoint import load_model
+
+    model = load_model(args.run)[0].eval()
+    length, width = 1 + EXIT_TOKENS, model.config.d_model
+    noise = StateNoise(3, [0])
+    states = model.init_state(0, torch.zeros(1, length, width), noise)
+    prompt = torch.tensor([[5]])
+    out = {"prompt": prompt, "states": states, "cap": EXIT_CAP, "runs": []}
+    for tau in EXIT_TAUS:
+        factory = controller_factory("latent_diff", tau, (EXIT_CAP,), None, {})
+        decoder = Decoder(model, 1, controller_factory=factory, noise=noise)
+        logits = [decoder.prefill(prompt)[:, -1]]
+        steps, tokens = [int(decoder.computed[0, 0])], []
+        for _ in range(EXIT_TOKENS - 1):
+            tokens.append(int(logits[-1].argmax(-1)))
+            logits.append(decoder.step(torch.tensor([[tokens[-1]]])))
+            steps.append(int(decoder.computed[0, 0]))
+        tokens.append(int(logits[-1].argmax(-1)))
+        out["runs"].append(dict(tau=tau, tokens=tokens, steps=steps, logits=torch.cat(logits)))
+        print(f"rdepth latent_diff {tau}: steps {steps}")
+    torch.save(out, args.out)
+
+
+def exits_reference(args) -> None:
+    """The reference's ``generate_with_adaptive_compute(criterion="latent-diff", cache_lookup_strategy=...)``
+    on the same prompt, initial states and thresholds, greedy; each token's steps (its ``iterate_one_step``
+    calls) and the logits it samples from."""
+    from transformers import GenerationConfig
+
+    _, model_class = reference_classes(args.reference, "released")
+    case = torch.load(args.cases)
+    results = []
+    for run in case["runs"]:
+        model = model_class.from_pretrained(args.folder).eval()
+        table, offset, steps, logits = case["states"], [0], [], []
+
+        def initialize_state(embeds, scale=1.0):
+            part = table[:, offset[0]:offset[0] + embeds.shape[1]].to(embeds.dtype)
+            offset[0] += embeds.shape[1]
+            steps.append(0)
+            return part
+
+        iterate = model.iterate_one_step
+
+        def counted(*a, **k):
+            steps[-1] += 1
+            return iterate(*a, **k)
+
+        sample = model._sample_next_token
+
+        def recorded(next_token_logits, *a, **k):
+            logits.append(next_token_logits.clone())
+            return sample(next_token_logits, *a, **k)
+
+        model.initialize_state, model.iterate_one_step, model._sample_next_token = initialize_state, counted, recorded
+        out = model.generate_with_adaptive_compute(
+            case["prompt"], generation_config=GenerationConfig(do_sample=False, max_length=64),
+            criterion="latent-diff", exit_threshold=run["tau"], cache_lookup_strategy=args.lookup,
+            num_steps=case["cap"], max_new_tokens=len(run["tokens"]))
+        results.append(dict(tau=run["tau"], tokens=out[0, case["prompt"].shape[1]:].tolist(), steps=steps,
+                            logits=torch.cat(logits)))
+        print(f"reference {args.lookup} latent-diff {run['tau']}: steps {steps}")
+    torch.save(results, args.out)
+
+
+def exits_compare(args) -> None:
+    case, reference = torch.load(args.cases), torch.load(args.reference_out)
+    for mine, theirs in zip(case["runs"], reference):
+        same_steps, same_tokens = mine["steps"] == theirs["steps"], mine["tokens"] == theirs["tokens"]
+        n = min(len(mine["logits"]), len(theirs["logits"]))
+        difference = (mine["logits"][:n] - theirs["logits"][:n]).abs().max().item()
+        print(f"tau {mine['tau']}: steps equal {same_steps} (rdepth {sorted(set(mine['steps']))}), tokens equal "
+              f"{same_tokens}, max |logits difference| {difference:.2e} over {n} tokens")
+
+
 def padded_cases(args) -> None:
     """A left-padded batch for the exported run: rows of 24 and 15 real tokens, and each row's initial state
     as the export draws it (``StateNoise(state_seed 0, [row])`` from the row's first real token)."""
@@ -258,6 +347,18 @@ def main() -> None:
     step = sub.add_parser("padded")
     for name in ("reference", "folder", "export", "cases"):
         step.add_argument(f"--{name}", type=Path if name == "reference" else str, required=True)
+    step = sub.add_parser("exits-cases")
+    step.add_argument("--run", required=True)
+    step.add_argument("--out", required=True)
+    step = sub.add_parser("exits-reference")
+    step.add_argument("--reference", type=Path, required=True)
+    step.add_argument("--folder", required=True)
+    step.add_argument("--cases", required=True)
+    step.add_argument("--lookup", default="latest-m4", help="the reference's cache_lookup_strategy")
+    step.add_argument("--out", required=True)
+    step = sub.add_parser("exits-compare")
+    step.add_argument("--cases", required=True)
+    step.add_argument("--reference-out", required=True)
     step = sub.add_parser("compare")
     step.add_argument("--cases", required=True)
     step.add_argument("--logits", required=True)
@@ -265,7 +366,8 @@ def main() -> None:
     for name in ("folder", "cases", "released", "widened", "out"):
         step.add_argument(f"--{name}", required=True)
     args = parser.parse_args()
-    commands = {"build": build, "cases": cases, "logits": logits, "padded-cases": padded_cases, "padded": padded,
+    commands = {"exits-cases": exits_cases, "exits-reference": exits_reference, "exits-compare": exits_compare,
+                "build": build, "cases": cases, "logits": logits, "padded-cases": padded_cases, "padded": padded,
                 "compare": compare, "golden": golden}
     commands[args.command](args)
 
