@@ -50,6 +50,11 @@ VARIANTS = {
 }
 EXIT_TAUS = (0.05, 0.1, 0.2, 0.3)  # latent_diff thresholds of the exits check (exits spread over the steps)
 EXIT_TOKENS, EXIT_CAP = 24, 16
+# The exits golden (tests/golden/raven_exits.json): rdepth's writer, Huginn's 2 + 4 layout, tiny
+EXITS_GOLDEN = dict(seed=43, noise_seed=3, tokens=12, taus=(0.1, 0.3), overrides=dict(
+    n_embd=16, n_heads=2, intermediate_size=24, n_layers_in_prelude=2, n_layers_in_recurrent_block=4,
+    n_layers_in_coda=1, block_size=16, vocab_size=32, mean_recurrence=4, mean_backprop_depth=2, rope_base=50_000.0,
+    qk_bias=True))
 # The golden checkpoint's writer settings (tests/golden/raven_tiny.json records them too)
 GOLDEN = dict(seed=42, noise_seed=5, overrides=dict(
     n_embd=16, n_heads=2, intermediate_size=24, n_layers_in_prelude=1, n_layers_in_recurrent_block=2,
@@ -174,18 +179,25 @@ def exits_cases(args) -> None:
     from rdepth.model.noise import StateNoise
     from rdepth.run.checkpoint import load_model
 
-    model = load_model(args.run)[0].eval()
-    length, width = 1 + EXIT_TOKENS, model.config.d_model
+    count, taus = EXIT_TOKENS, EXIT_TAUS
+    if args.writer_seed is not None:  # the golden: rdepth's writer from a seed, no tokenizer needed
+        from rdepth.interop.hf_raven import raven_model, write_raven_folder
+
+        write_raven_folder(args.folder, args.writer_seed, **EXITS_GOLDEN["overrides"])
+        model, count, taus = raven_model(args.folder), EXITS_GOLDEN["tokens"], EXITS_GOLDEN["taus"]
+    else:
+        model = load_model(args.run)[0].eval()
+    length, width = 1 + count, model.config.d_model
     noise = StateNoise(3, [0])
     states = model.init_state(0, torch.zeros(1, length, width), noise)
     prompt = torch.tensor([[5]])
     out = {"prompt": prompt, "states": states, "cap": EXIT_CAP, "runs": []}
-    for tau in EXIT_TAUS:
+    for tau in taus:
         factory = controller_factory("latent_diff", tau, (EXIT_CAP,), None, {})
         decoder = Decoder(model, 1, controller_factory=factory, noise=noise)
         logits = [decoder.prefill(prompt)[:, -1]]
         steps, tokens = [int(decoder.computed[0, 0])], []
-        for _ in range(EXIT_TOKENS - 1):
+        for _ in range(count - 1):
             tokens.append(int(logits[-1].argmax(-1)))
             logits.append(decoder.step(torch.tensor([[tokens[-1]]])))
             steps.append(int(decoder.computed[0, 0]))
@@ -245,6 +257,28 @@ def exits_compare(args) -> None:
         difference = (mine["logits"][:n] - theirs["logits"][:n]).abs().max().item()
         print(f"tau {mine['tau']}: steps equal {same_steps} (rdepth {sorted(set(mine['steps']))}), tokens equal "
               f"{same_tokens}, max |logits difference| {difference:.2e} over {n} tokens")
+
+
+def exits_golden(args) -> None:
+    """tests/golden/raven_exits.json from ``exits-cases --writer-seed`` and the reference's latest-m4 run."""
+    import hashlib
+    import json
+
+    case, reference = torch.load(args.cases), torch.load(args.reference_out)
+    digest = hashlib.sha256((Path(args.folder) / "model.safetensors").read_bytes()).hexdigest()
+    meta = {
+        "about": "The reference's generate_with_adaptive_compute(criterion='latent-diff', cache_lookup_strategy="
+                 "'latest-m4') on a tiny raven checkpoint in Huginn's 2 + 4 layout, written by rdepth's "
+                 "write_raven_folder from a seed: each token's loop steps, greedy tokens and logits "
+                 "(tests/test_hf_raven.py; scripts/raven_parity.py exits-cases --writer-seed).",
+        "writer": {"seed": EXITS_GOLDEN["seed"], "overrides": EXITS_GOLDEN["overrides"],
+                   "model_safetensors_sha256": digest},
+        "prompt": case["prompt"].tolist(), "state_noise": {"seed": EXITS_GOLDEN["noise_seed"], "sequence_ids": [0]},
+        "cap": case["cap"], "reference": {**REFERENCE_NOTE, "call": "generate_with_adaptive_compute, greedy"},
+        "runs": [{"tau": run["tau"], "steps": run["steps"], "tokens": run["tokens"],
+                  "logits": [[round(v, 7) for v in row] for row in run["logits"].tolist()]} for run in reference],
+    }
+    Path(args.out).write_text(json.dumps(meta) + "\n")
 
 
 def padded_cases(args) -> None:
@@ -348,7 +382,9 @@ def main() -> None:
     for name in ("reference", "folder", "export", "cases"):
         step.add_argument(f"--{name}", type=Path if name == "reference" else str, required=True)
     step = sub.add_parser("exits-cases")
-    step.add_argument("--run", required=True)
+    step.add_argument("--run")
+    step.add_argument("--folder")
+    step.add_argument("--writer-seed", type=int)
     step.add_argument("--out", required=True)
     step = sub.add_parser("exits-reference")
     step.add_argument("--reference", type=Path, required=True)
@@ -359,6 +395,9 @@ def main() -> None:
     step = sub.add_parser("exits-compare")
     step.add_argument("--cases", required=True)
     step.add_argument("--reference-out", required=True)
+    step = sub.add_parser("exits-golden")
+    for name in ("folder", "cases", "reference-out", "out"):
+        step.add_argument(f"--{name}", required=True)
     step = sub.add_parser("compare")
     step.add_argument("--cases", required=True)
     step.add_argument("--logits", required=True)
@@ -367,6 +406,7 @@ def main() -> None:
         step.add_argument(f"--{name}", required=True)
     args = parser.parse_args()
     commands = {"exits-cases": exits_cases, "exits-reference": exits_reference, "exits-compare": exits_compare,
+                "exits-golden": exits_golden,
                 "build": build, "cases": cases, "logits": logits, "padded-cases": padded_cases, "padded": padded,
                 "compare": compare, "golden": golden}
     commands[args.command](args)

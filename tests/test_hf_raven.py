@@ -122,6 +122,36 @@ def test_the_import_reproduces_the_reference_logits(tmp_path, dtype, tolerance):
         assert difference <= tolerance, f"{steps} recurrences: max |rdepth - reference| = {difference:.3e}"
 
 
+def test_decoding_with_exits_reproduces_the_references_latest_m4_generation(tmp_path):
+    """tests/golden/raven_exits.json: the reference's generate_with_adaptive_compute (latent-diff exits, its
+    latest-m4 cache, greedy, batch 1) on a checkpoint the writer makes from a seed in Huginn's 2 + 4 layout.
+    rdepth's decoder with latent_diff stops every token at the reference's step (5 to 16 steps), picks the
+    same tokens and gives its logits: the cache rdepth reads after an exit is the reference's latest-m4."""
+    from rdepth.exits.controller import controller_factory
+
+    meta = json.loads((GOLDEN.parent / "raven_exits.json").read_text())
+    folder = write_raven_folder(tmp_path / "raven", meta["writer"]["seed"], **meta["writer"]["overrides"])
+    digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == meta["writer"]["model_safetensors_sha256"], "the writer no longer makes the golden checkpoint"
+    model = raven_model(folder)
+    noise = StateNoise(meta["state_noise"]["seed"], meta["state_noise"]["sequence_ids"])
+    spread = set()
+    for run in meta["runs"]:
+        factory = controller_factory("latent_diff", run["tau"], (meta["cap"],), None, {})
+        decoder = Decoder(model, 1, controller_factory=factory, noise=noise)
+        logits = [decoder.prefill(torch.tensor(meta["prompt"]))[:, -1]]
+        steps = [int(decoder.computed[0, 0])]
+        for token in run["tokens"][:-1]:
+            logits.append(decoder.step(torch.tensor([[token]])))
+            steps.append(int(decoder.computed[0, 0]))
+        logits = torch.cat(logits)
+        assert steps == run["steps"], f"tau {run['tau']}"
+        assert logits.argmax(-1).tolist() == run["tokens"]
+        assert (logits - torch.tensor(run["logits"])).abs().max().item() <= 1e-5
+        spread.update(steps)
+    assert len(spread) >= 6
+
+
 def test_huginn_0125s_published_config_is_accepted_and_sized():
     """Its layout (prelude 2, core 4 looped 32 times by default, coda 2) and its parameter count: 3,564,976,800,
     what the reference's own class counts for this config (the tied head once), built on the meta device."""
