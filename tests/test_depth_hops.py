@@ -192,3 +192,6 @@ def test_sweep_cli_writes_the_depth_measure_figure_and_section(small_chase_data,
     assert (out / "figures" / "depth_vs_hops.png").is_file()
     page = (out / "index.html").read_text()
     assert "Does depth track difficulty" in page and "figures/depth_vs_hops.png" in page
+    # --no-timing: the page says no wall time was measured (it claimed a timing it never took), and how kl read
+    assert "wall time was not measured" in page and "interleaved rounds" not in page
+    assert "kl is KL(p_new || p_old)" in page

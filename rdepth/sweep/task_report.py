@@ -7,6 +7,7 @@ from typing import Any
 
 from rdepth.report import Section, add_section
 from rdepth.sweep.depth import DEPTH_FIGURE
+from rdepth.sweep.summary import decode_summary
 from rdepth.report.figures import pyplot, save_report_figure
 
 SECTION = "task_exits"
@@ -134,7 +135,10 @@ def task_section(result: dict, figure_path: str, depth_path: str | None = None) 
                                    "oracle (the fewest fixed-budget steps from which the token's greedy prediction "
                                    f"stays right up to the cap; {depth['oracle']['undefined']} token(s) wrong at the cap "
                                    "left out).")
-    section.note("Steps are loop steps per token summed over groups; wall time is teacher-forced ms per token "
-                 f"(median of {result['config']['repeats']} interleaved rounds, batch "
-                 f"{result['config']['timing_batch_size']}) on {result['environment'].get('device', '?')}.")
+    config = result["config"]
+    timing = (f"; wall time is teacher-forced ms per token (median of {config['repeats']} interleaved rounds, batch "
+              f"{config['timing_batch_size']}) on {result['environment'].get('device', '?')}"
+              if config.get("timing", True) else "; wall time was not measured (--no-timing)")
+    section.note(f"Steps are loop steps per token summed over groups{timing}. Decoded rules read "
+                 f"{decode_summary(config)['description']}.")
     return section
