@@ -66,6 +66,9 @@ def parse_args(argv):
     parser.add_argument("--tolerance", type=float, default=None,
                         help="quality allowed below the full budget's: accuracy points (task, default 0.01) or "
                              "relative perplexity (text, default 0.005)")
+    parser.add_argument("--full-loops", type=int, default=None,
+                        help="the full budget: every fixed budget 1..N and every rule's cap (default: the model's "
+                        "eval loops)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=48,
@@ -116,11 +119,20 @@ def counts_per_token(run_tokens, tokens: int) -> dict:
 
 
 # ---------------------------------------------------------------------- task and text modes
+def full_budget(model, args) -> tuple[int, ...]:
+    """Per group, the full budget: ``--full-loops`` in every group, else the model's eval loops."""
+    if args.full_loops is None:
+        return tuple(model.config.default_eval_loops)
+    if args.full_loops < 1:
+        raise SystemExit(f"--full-loops must be >= 1, got {args.full_loops}")
+    return (args.full_loops,) * len(model.config.default_eval_loops)
+
+
 def settings_for(model, args) -> dict:
     """Fixed budgets (k in every group, 1..the eval budget) and every policy x tau of the grid."""
     from rdepth.exits.controller import controller_factory
 
-    full = model.config.default_eval_loops
+    full = full_budget(model, args)
     settings = {}
     for k in range(1, max(full) + 1):
         counts = tuple(min(k, cap) for cap in full)
@@ -211,7 +223,7 @@ def compare_mode(args, text: bool) -> dict:
     model = load_model(args.run, torch.device("cpu"))[0].eval()
     settings = settings_for(model, args)
     quality, windows, info, key = (text_quality if text else task_quality)(model, args, settings)
-    full_label = f"fixed {','.join(map(str, model.config.default_eval_loops))}"
+    full_label = f"fixed {','.join(map(str, full_budget(model, args)))}"
     full = quality[full_label][key]
     if key == "accuracy" and len(info.get("difficulties", [])) > 1:
         # honest selection: chosen on half A of the problems (even windows), judged on half B (odd)
