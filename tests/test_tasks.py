@@ -34,7 +34,6 @@ KNOWN = [
     (ChaseTask(nodes=5, queries=2), "d e b c a b e e c d ? a e ? c e", "e e"),  # 4 hops = nodes - 1
     (ChaseTask(nodes=5, queries=2, ordered=True), "b c d d e ? a d ? e e", "d e"),
     (ChaseTask(nodes=5, queries=2, ordered=True), "b c d e e ? a e ? d e", "e e"),
-    (ChaseTask(nodes=5, queries=2, ordered=True, forward=True), "b d c e e ? a e ? c c", "e c"),  # the docstring's
     (ModSumTask(), "+ 3 9 4 1 = 7", "7"),
     (ModSumTask(max_terms=64), "+ " + "9 " * 64 + "= 6", "6"),  # 64 nines = 576
     (AssignTask(variables=4, queries=2), "c = b a = 7 d = 2 b = a ? c 7 ? d 2", "7 2"),
@@ -101,9 +100,7 @@ def main_query_depth(task, problem) -> int:
 @pytest.mark.parametrize("name, params", [(name, {}) for name in sorted(TASKS)]
                          + [("chase", {"nodes": 16, "queries": 8, "ordered": True}),
                             ("chase", {"nodes": 16, "queries": 8, "max_distractor_hops": 1}),
-                            ("chase", {"nodes": 16, "queries": 16, "ordered": True, "min_distractor_hops": 15}),
-                            ("chase", {"nodes": 16, "queries": 16, "ordered": True, "min_distractor_hops": 15,
-                                       "forward": True})])
+                            ("chase", {"nodes": 16, "queries": 16, "ordered": True, "min_distractor_hops": 15})])
 def test_generated_problems_check_and_have_their_difficulty(name, params):
     task = get_task(name, **params)
     rng = np.random.default_rng(0)
@@ -231,8 +228,6 @@ def test_accuracy_counts_only_answer_positions():
     lambda: get_task("chase", nodes=40),
     lambda: get_task("chase", ordered="yes"),
     lambda: get_task("chase", min_distractor_hops=-1),
-    lambda: get_task("chase", forward=True),  # forward needs the ordered listing
-    lambda: get_task("chase", ordered=True, forward=1),
     lambda: get_task("chase", min_distractor_hops=3, max_distractor_hops=2),
     lambda: get_task("chase").sample(np.random.default_rng(0), 0),
     lambda: get_task("chase").sample(np.random.default_rng(0), 20),
@@ -251,36 +246,6 @@ def test_bad_input_is_a_one_line_error(make):
     with pytest.raises(RdepthError) as error:
         make()
     assert "\n" not in str(error.value)
-
-
-def test_chase_forward_arrows_all_point_later_so_no_listed_value_sees_its_successor():
-    """forward: every arrow x -> f(x) != x goes to a later letter, i.e. the value f(x) (position x of the
-    listing) stands before f(f(x)) (position f(x)); the main query still needs exactly its difficulty's hops,
-    and the chains are what the same stream gives without forward, each sorted."""
-    task = get_task("chase", nodes=16, queries=16, ordered=True, min_distractor_hops=15, forward=True)
-    plain = get_task("chase", nodes=16, queries=16, ordered=True, min_distractor_hops=15)
-    for seed in range(20):
-        for difficulty in (1, 4, 8, 15):
-            problem = task.sample(np.random.default_rng(seed), difficulty)
-            values = [t - SYMBOL_IDS[0] for t in problem.tokens[:16]]
-            assert all(value >= position for position, value in enumerate(values))  # never backwards
-            assert main_query_depth(task, problem) == difficulty == max(task.answer_hops(problem.tokens))
-            other = plain.sample(np.random.default_rng(seed), difficulty)
-            # the same partition into chains (sets of symbols with one fixed point), only reordered
-            ends = lambda tokens: sorted(sorted(s for s in range(16) if _end(tokens, s) == e)
-                                         for e in {_end(tokens, s) for s in range(16)})
-            assert ends(problem.tokens) == ends(other.tokens)
-    # on the reordered stream without forward, some arrows point back (what forward rules out)
-    back = [t - SYMBOL_IDS[0] < i for i, t in enumerate(plain.sample(np.random.default_rng(0), 8).tokens[:16])]
-    assert any(back)
-
-
-def _end(tokens, symbol: int) -> int:
-    """The fixed point reached from letter index ``symbol`` in an ordered chase listing."""
-    successor = [t - SYMBOL_IDS[0] for t in tokens[:16]]
-    while successor[symbol] != symbol:
-        symbol = successor[symbol]
-    return symbol
 
 
 # ---------------------------------------------------------------- data writer

@@ -15,15 +15,6 @@ first symbol (easier to learn; the problem must start where the model expects)::
 
     b c d d e   ? a d  ? e e                      (nodes=5, ordered, difficulty 3)
 
-With ``forward=True`` (ordered only) every arrow points to a later letter: each chain's symbols ascend,
-so every listed value ``f(x)`` stands before the value ``f(f(x))`` it leads to. Under causal attention a
-listed value can then never read its successor's, so the lookups cannot be composed inside the listing
-(pointer doubling: 2, 4, 8 hops after 1, 2, 3 rounds, which makes the loop steps a query needs grow with
-the log of its hops); they can only be followed one after another from the query, and the loop steps a
-query needs grow with its hops::
-
-    b d c e e   ? a e  ? c c                      (nodes=5, ordered, forward, difficulty 3: a b d e)
-
 Structure: one *main* chain of ``difficulty`` hops s -> ... -> t with f(t) = t,
 and the other symbols in distractor chains of at most ``difficulty`` hops
 (at most ``max_distractor_hops`` when set, at least ``min_distractor_hops`` while
@@ -63,7 +54,6 @@ class ChaseTask(Task):
     ordered: bool = False
     max_distractor_hops: int | None = None  # None: up to the difficulty
     min_distractor_hops: int = 0  # distractor chains get at least min(this, difficulty, what is left) hops
-    forward: bool = False  # ordered only: every chain ascends, so no listed value can see its successor's
 
     name = "chase"
     min_difficulty = 1
@@ -77,11 +67,8 @@ class ChaseTask(Task):
         check_int("task chase", "min_distractor_hops", self.min_distractor_hops, 0, self.nodes)
         if self.max_distractor_hops is not None and self.min_distractor_hops > self.max_distractor_hops:
             raise RdepthError("task chase: min_distractor_hops must not exceed max_distractor_hops")
-        for flag in ("ordered", "forward"):
-            if not isinstance(getattr(self, flag), bool):
-                raise RdepthError(f"task chase: {flag} must be true or false, got {getattr(self, flag)!r}")
-        if self.forward and not self.ordered:
-            raise RdepthError("task chase: forward needs ordered (the listing's order is the letters' order)")
+        if not isinstance(self.ordered, bool):
+            raise RdepthError(f"task chase: ordered must be true or false, got {self.ordered!r}")
 
     @property
     def max_difficulty(self) -> int:
@@ -102,8 +89,6 @@ class ChaseTask(Task):
             size = int(rng.integers(min(shortest + 1, len(rest)), min(longest + 1, len(rest)) + 1))
             chains.append(rest[:size])
             rest = rest[size:]
-        if self.forward:  # each chain ascends: every arrow points to a later position of the listing
-            chains = [sorted(chain) for chain in chains]
         for chain in chains:
             for source, target in zip(chain[:-1], chain[1:]):
                 successor[source] = target
@@ -116,9 +101,8 @@ class ChaseTask(Task):
         else:
             for index in rng.permutation(self.nodes):
                 tokens += [symbols[index], successor[symbols[index]]]
-        main_start = chains[0][0]
-        others = rng.choice([s for s in symbols if s != main_start], size=self.queries - 1, replace=False)
-        starts = [main_start] + [int(s) for s in others]
+        others = rng.choice(symbols[1:], size=self.queries - 1, replace=False)
+        starts = [symbols[0]] + [int(s) for s in others]
         positions = []
         for index in rng.permutation(self.queries):
             tokens += [QUERY_ID, starts[index], ends[starts[index]]]
