@@ -46,7 +46,9 @@ def stop_and_hand_on(step: int, last: int, active: torch.Tensor, done: torch.Ten
     (``active & done``; every active row at ``last``) hand on ``handoff`` ``[N, d]`` into ``handed`` and its
     iterate index ``used_now`` ``[N]`` into ``used``; ``active`` ``[N]`` bool loses the rows ``done``."""
     stopping = active if step == last else active & done
-    handed.copy_(torch.where(stopping[:, None], handoff.to(handed.dtype), handed))  # (no out=: autograd)
+    if handoff.dtype != handed.dtype:  # (a call even when equal: skipped on the hot path)
+        handoff = handoff.to(handed.dtype)
+    handed.copy_(torch.where(stopping[:, None], handoff, handed))  # (no out=: autograd)
     torch.where(stopping, used_now, used, out=used)
     computed.masked_fill_(active, step)
     active.masked_fill_(done, False)
