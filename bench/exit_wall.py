@@ -44,9 +44,9 @@ import subprocess
 import sys
 import time
 
-TAUS = {"step_norm": (0.5, 1, 2, 4, 8), "step_norm_rel": (0.02, 0.05, 0.1, 0.2, 0.3),
+TAUS = {"step_norm": (0.5, 1, 2, 4, 8), "step_norm_rel": (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8),
         "acceleration": (0.5, 1, 2, 4, 8), "acceleration_rel": (0.1, 0.2, 0.4, 0.6, 0.8),
-        "cosine": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1), "kl": (1e-3, 1e-2, 0.03, 0.1, 0.3),
+        "cosine": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1), "kl": (1e-3, 1e-2, 0.03, 0.05, 0.1, 0.3),
         "confidence": (1e-3, 1e-2, 0.03, 0.1), "learned": (1e-3, 1e-2, 0.03, 0.1)}
 
 
