@@ -572,3 +572,41 @@ def test_sampling_is_the_generators_draw_and_the_model_is_left_as_found():
     assert model.training and next(model.parameters()).dtype == torch.float32
     with pytest.raises(RdepthError, match="temperature must be >= 0"):
         generate(model, prompt, 2, temperature=-1.0)
+
+
+# ------------------------------------------------------------------ a model that is only its loop
+@pytest.mark.parametrize("name", ["fixed", "step_norm_rel", "kl", "learned"])
+@BATCHES
+def test_a_model_that_is_only_its_loop_decodes_as_teacher_forced_and_row_by_row(name, batch):
+    """Issue 38's regime: no single-pass layer before or after the group (``n_layer=1, groups="0"``), so
+    the loop adapter reads the embedding and the head reads the hand-off. The decoder equals the
+    teacher-forced pass at a fixed budget and under exits (steps and logits), and each row decoded alone
+    equals its row of the batch."""
+    from rdepth.model.recurrent import StageKind
+
+    model = tiny_model(n_layer=1, groups="0")
+    assert [stage.kind for stage in model.stages] == [StageKind.GROUP]
+    idx = tokens(batch)
+
+    def run(rows):
+        noise = StateNoise(5, rows)
+        if name == "fixed":
+            return model(idx[rows], loop_counts=(4,), noise=noise), make(model, len(rows), loop_counts=(4,),
+                                                                          noise=noise)
+        factory = controller_factory(model, name, setting)
+        return model(idx[rows], controller=factory(), noise=noise), make(model, len(rows),
+                                                                         controller_factory=factory, noise=noise)
+
+    rows = list(range(batch))
+    setting = None if name == "fixed" else varied_setting(model, idx, StateNoise(5, rows), name)
+    forced, decoder = run(rows)
+    static, computed, _ = decode_all(decoder, idx)
+    torch.testing.assert_close(static, forced.logits, rtol=0, atol=1e-10)
+    if name != "fixed":
+        assert torch.equal(computed, torch.stack(forced.computed))
+        assert computed.min() < computed.max(), "the setting should make exits vary"
+    for row in rows if batch > 1 else []:
+        _, alone = run([row])
+        alone_logits, alone_computed, _ = decode_all(alone, idx[[row]])
+        torch.testing.assert_close(alone_logits, static[[row]], rtol=0, atol=1e-10)
+        assert torch.equal(alone_computed, computed[:, [row]])
