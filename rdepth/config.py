@@ -332,11 +332,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_layer=6, n_head=4, d_model=128, block_size=128, vocab_size=4096,
         groups="1|2-3|4", mean_loops=4.0, backprop_depth=3, tokenizer="bpe:4096",
     ),
-    # The reasoning-task model of the demo (rdepth.tasks): one prelude layer and one looped
-    # layer, a 64-token context (one 16-node pointer-chasing problem), the task vocabulary.
+    # A reasoning-task model (rdepth.tasks): one prelude layer and one looped layer, a 64-token
+    # context (one 16-node pointer-chasing problem), the task vocabulary. The demo's model before issue 38.
     "task": dict(
         n_layer=2, n_head=4, d_model=128, block_size=64, vocab_size=42,
         groups="1", mean_loops=6.0, backprop_depth=4, tokenizer="task:chase",
+    ),
+    # The demo's reasoning-task model (issue 38): the loop is the whole model, one looped layer and no
+    # single-pass layer (the adapter reads the embedding, the head the hand-off), so a loop step is
+    # nearly all of a token's time and early exit saves wall time; otherwise as ``task``.
+    "task_loop": dict(
+        n_layer=1, n_head=4, d_model=128, block_size=64, vocab_size=42,
+        groups="0", mean_loops=6.0, backprop_depth=4, tokenizer="task:chase",
     ),
 }
 

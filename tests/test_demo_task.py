@@ -24,6 +24,10 @@ def test_baselines_have_no_loops_and_the_unrolled_depth():
     no_loop, deep = baseline_model_config(looped, "no_loop"), baseline_model_config(looped, "deep")
     assert (no_loop.n_layer, no_loop.groups, no_loop.n_groups) == (2, "", 0)
     assert (deep.n_layer, deep.groups) == (7, "")
+    # the demo's model since issue 38: the loop is the whole model (no single-pass layer), mean 6 loops
+    whole = get_preset("task_loop")
+    assert (whole.n_layer, whole.groups, unrolled_depth(whole)) == (1, "0", 6)
+    assert (baseline_model_config(whole, "no_loop").n_layer, baseline_model_config(whole, "deep").n_layer) == (1, 6)
 
 
 @pytest.mark.slow
@@ -38,7 +42,7 @@ def test_task_demo_end_to_end(tmp_path, capsys):
 
     result = json.loads((out / "demo.json").read_text())
     assert set(result["accuracy"]) == {"looped", "no_loop", "deep"}
-    assert result["accuracy"]["deep"]["model"]["n_layer"] == 1 + 3 and result["accuracy"]["deep"]["model"]["groups"] == ""
+    assert result["accuracy"]["deep"]["model"]["n_layer"] == 3 and result["accuracy"]["deep"]["model"]["groups"] == ""
     looped_rows = result["accuracy"]["looped"]["rows"]
     assert {tuple(r["loop_counts"]) for r in looped_rows} == {(1,), (2,)}
     assert {r["difficulty"] for r in looped_rows} == {1, 2, 3, 5, 6}

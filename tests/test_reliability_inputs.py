@@ -152,8 +152,9 @@ def test_demo_text_mode_defaults_unchanged():
     assert (config.corpus, config.tokenizer, config.sweep_sequences) == ("wiki", "bpe:4096", 8)
     assert config.task is None and config.baselines is None  # task mode's fields: not used, recorded as null
     task = DemoConfig()
-    assert (task.task, task.train_difficulties, task.train_tokens, task.baselines) == ("chase", (1, 4), 5_000_000,
+    assert (task.task, task.train_difficulties, task.train_tokens, task.baselines) == ("chase", (1, 8), 5_000_000,
                                                                                        ("no_loop",))
+    assert task.preset == "task_loop"  # issue 38: the loop is the whole model
     assert task.loop_budgets == (1, 2, 3, 4, 6, 8, 12, 16, 32) and task.sweep_sequences is None
 
 

@@ -90,7 +90,7 @@ def test_the_task_demo_trains_every_run_at_the_fixed_thread_count(tmp_path):
     from rdepth.demo.task import _runs, run_threads
     from rdepth.tasks.data import TaskDataConfig, prepare_task_data
 
-    config = _demo_config(tmp_path, baselines=("no_loop", "deep"), train_tokens=3000,
+    config = _demo_config(tmp_path, baselines=("no_loop", "deep"), train_tokens=3000, train_difficulties=(1, 4),
                           task_params='{"chase": {"nodes": 8, "queries": 4, "ordered": true}}',
                           model_overrides='{"block_size": 32}')
     data = prepare_task_data(TaskDataConfig(task="chase", train_difficulties=(1, 4), train_tokens=3000,

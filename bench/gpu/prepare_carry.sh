@@ -15,7 +15,8 @@
 #
 # Each part is skipped when it is already in place; a part that fails stops the script (non-zero exit)
 # and leaves the earlier parts. The task model is the looped run of `rdepth demo` (task mode, seed 0,
-# no baseline, no geometry analysis, no exit sweep); only its newest checkpoint and the held-out data
+# no baseline, no geometry analysis, no exit sweep) with the model and difficulties the demo had before
+# issue 38 (`--preset task --train-difficulties 1,4`, which docs/gpu.md's figures are of); only its newest checkpoint and the held-out data
 # are kept (the training shard stays behind: the GPU calls do not read it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -48,7 +49,7 @@ if [[ ! -f runs/gpu-task/train/checkpoints/latest ]]; then
     echo "== the task model: rdepth demo, looped run only, $STEPS steps ($((SECONDS - t0)) s)"
     work=$(mktemp -d /tmp/gpu-task.XXXXXX)
     python3 -m rdepth demo --out "$work" --baselines none --no-analyze --no-sweep --max-steps "$STEPS" \
-        --checkpoint-every "$STEPS" --loop-budgets 1,4,12
+        --checkpoint-every "$STEPS" --loop-budgets 1,4,12 --preset task --train-difficulties 1,4
     rm -rf runs/gpu-task.partial && mkdir -p runs/gpu-task.partial/train/checkpoints runs/gpu-task.partial/data
     for f in config.json summary.json environment.json; do
         [[ -f "$work/train/$f" ]] && cp "$work/train/$f" runs/gpu-task.partial/train/

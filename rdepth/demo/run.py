@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 MODES = ("task", "text")
 # Per mode: the defaults of the fields left at None.
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "task": dict(preset="task", max_steps=2600, batch_size=32, checkpoint_every=650, weight_decay=0.01,
+    "task": dict(preset="task_loop", max_steps=2600, batch_size=32, checkpoint_every=650, weight_decay=0.01,
                  warmup_steps=50, curriculum_steps=1000, ranks=2, task="chase", task_params=None,
-                 train_difficulties=(1, 4), train_tokens=5_000_000, loop_budgets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+                 train_difficulties=(1, 8), train_tokens=5_000_000, loop_budgets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
                  baselines=("no_loop",)),
     "text": dict(preset="tiny", max_steps=500, batch_size=16, checkpoint_every=125, weight_decay=0.1,
                  warmup_steps=None, curriculum_steps=0, corpus="wiki", tokenizer="bpe:4096", sweep_sequences=8),
@@ -73,7 +73,7 @@ class DemoConfig:
     task_params: str | None = option(None, "task mode: JSON of per-task parameters",
                                      default_text=DEFAULT_TASK_PARAMS)
     train_difficulties: tuple[int, ...] | None = option(None, "task mode: training difficulty range LOW,HIGH",
-                                                        default_text="1,4")
+                                                        default_text="1,8")
     train_tokens: int | None = option(None, "task mode: training tokens to generate", default_text="5000000")
     curriculum_steps: int | None = option(
         None, "task mode: steps over which the top training difficulty rises from LOW + 1 to HIGH (0: off)",
@@ -87,7 +87,7 @@ class DemoConfig:
     ranks: int | None = option(None, "task mode: data-parallel processes that train each run, one torch thread "
                                      "each (the numbers depend on this count, not on the machine's cores or load)",
                                default_text="2", bounds="[1, 64]")
-    preset: str | None = option(None, "model preset", default_text="task (task mode) or tiny (text mode)")
+    preset: str | None = option(None, "model preset", default_text="task_loop (task mode) or tiny (text mode)")
     max_steps: int | None = option(None, "training steps", default_text="2600 (task) or 500 (text)",
                                    bounds="[1, inf)")
     batch_size: int | None = option(None, "training sequences per step", default_text="32 (task) or 16 (text)",
