@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import platform
-import random
 import statistics
 import subprocess
 import sys
-import time
+
+from exit_wall import interleaved  # bench/: the same interleaved rounds as the exit wall-time bench
 
 # Thresholds at which each rule never stops a token before K on random weights (its check still runs).
 NEVER = {"learned": 1e-12, "kl": 1e-30, "confidence": 1e-30, "step_norm_rel": 1e-30, "cosine": 1e-30}
@@ -110,17 +110,7 @@ def shape_row(width: int, looped: int, args) -> dict:
                     steps += int(decoder.computed.sum())
             executed[label] = steps / tokens.shape[1]
         calls[label] = call
-    for call in calls.values():  # warm-up
-        call()
-    samples = {label: [] for label in calls}
-    order = random.Random(args.seed)
-    for _ in range(args.rounds):
-        labels = list(calls)
-        order.shuffle(labels)
-        for label in labels:
-            start = time.perf_counter()
-            calls[label]()
-            samples[label].append(time.perf_counter() - start)
+    samples = interleaved(calls, args.rounds, 1, args.seed)  # one warm-up call each, shuffled rounds
     ms = {label: 1e3 * statistics.median(values) / args.tokens for label, values in samples.items()}
     ranges = {label: [1e3 * min(v) / args.tokens, 1e3 * max(v) / args.tokens] for label, v in samples.items()}
     step_ms = (ms[f"fixed {k}"] - ms[f"fixed {half}"]) / (k - half)
