@@ -315,7 +315,7 @@ def task_overview_section(overview: dict[str, Any], figures: list[tuple[str, str
     config = overview["config"]
     section.facts([
         (BASELINE_NAMES.get(name, "looped model" if name == "looped" else name),
-         f"{m['n_layer']} layers, width {m['d_model']}, groups {m['groups'] or 'none'}"
+         f"{m['n_layer']} layer{'' if m['n_layer'] == 1 else 's'}, width {m['d_model']}, groups {m['groups'] or 'none'}"
          + (f", mean {m['mean_loops']:g} loops" if m["groups"] else "")
          + f", {format_value(overview['parameters'].get(name))} parameters") for name, m in models.items()
     ] + [
