@@ -74,6 +74,9 @@ class ExitPolicy:
     # True for a rule that reads a head trained for one model (the learned gate): a sweep runs it only
     # when asked by name, never by default.
     trained: ClassVar[bool] = False
+    # True for a rule whose ``_exits`` never reads ``step``: one call then serves rows at different loop
+    # steps (:meth:`after_steps`, continuous depth batching); the others are called once per distinct step.
+    step_free: ClassVar[bool] = False
     # The group whose loop this object serves (PolicyController sets it); a learned gate reads its head.
     group: int = 0
 
@@ -158,6 +161,40 @@ class ExitPolicy:
             return done, handoff, self._steps(step, rows) - exits.long()
         return done, new, self._steps(step, rows)
 
+    def begin_rows(self, rows: torch.Tensor, state: torch.Tensor) -> None:
+        """Start the loop of the rows ``rows`` ``[A]`` only (their initial states ``state`` ``[A, d]``), the
+        others going on where they are: each row's memory is set as :meth:`begin` sets it. Rows index the
+        ``N`` rows of the last :meth:`begin` (continuous depth batching: one row per batch slot)."""
+        if self.n_rows == 0:
+            raise RdepthError(f"exit policy {self.name}: begin_rows() before begin()")
+        self._reset_rows(rows, state)
+
+    def after_steps(self, steps: torch.Tensor, values: list[int], rows: torch.Tensor, prev: torch.Tensor,
+                    new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`after_step` for rows at different loop steps: ``steps`` ``[A]`` long, each row's step (the
+        one it just computed), ``values`` the distinct steps among them (host ints, ascending). The same
+        decisions as :meth:`after_step` called on each step's rows alone: one call for a :attr:`step_free`
+        rule, else one per distinct step."""
+        if len(values) == 1:
+            return self.after_step(values[0], rows, prev, new)
+        if not 1 <= values[0] <= values[-1] <= self.k_max:
+            raise RdepthError(f"exit policy {self.name}: steps {values[0]}..{values[-1]} outside 1..k_max={self.k_max}")
+        if self.step_free:
+            exits = self._exits(values[0], rows, prev, new)
+            done = exits | (steps == self.k_max)
+            if self.hands_on_previous:
+                return done, torch.where(exits[:, None], prev, new), steps - exits.long()
+            return done, new, steps
+        done = torch.empty(rows.shape[0], dtype=torch.bool, device=rows.device)
+        handoff = torch.empty_like(new)
+        used = torch.empty_like(steps)
+        for value in values:
+            where = (steps == value).nonzero().squeeze(1)
+            part = self.after_step(value, rows[where], prev[where], new[where])
+            for out, got in zip((done, handoff, used), part):
+                out[where] = got.to(out.dtype)
+        return done, handoff, used
+
     def _steps(self, step: int, rows: torch.Tensor) -> torch.Tensor:
         """``[A]`` long, every entry ``step``: made once per (step, A) and reused (read only)."""
         if torch.compiler.is_compiling():  # inside a compiled region: a constant it folds
@@ -172,6 +209,9 @@ class ExitPolicy:
 
     def _reset(self, state: torch.Tensor) -> None:
         """Allocate per-token memory for ``state.shape[0]`` rows."""
+
+    def _reset_rows(self, rows: torch.Tensor, state: torch.Tensor) -> None:
+        """Set the memory of ``rows`` as :meth:`_reset` sets every row's (a rule without memory: nothing)."""
 
     def _exits(self, step: int, rows: torch.Tensor, prev: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

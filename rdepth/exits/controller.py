@@ -88,6 +88,21 @@ class PolicyController:
             self.decode.begin(group, state)
         policy.begin(state)
 
+    def begin_rows(self, group: int, rows: torch.Tensor, state: torch.Tensor) -> None:
+        """Start the loop of ``rows`` only (continuous depth batching); needs a head reading (``decode``
+        without row tracking): a reading through the later layers is defined for whole windows only."""
+        policy = self.policy(group)
+        if self._tracking(policy):
+            raise RdepthError("exit rules reading through the later layers (decode rest) run on whole windows, "
+                              "not on rows that begin at different times; use the head reading")
+        policy.begin_rows(rows, state)
+
+    def after_steps(self, group: int, steps: torch.Tensor, values: list[int], rows: torch.Tensor,
+                    prev: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`after_step` for rows at different steps (``steps`` ``[A]``, ``values`` the distinct ones):
+        :meth:`ExitPolicy.after_steps`."""
+        return self.policy(group).after_steps(steps, values, rows, prev, new)
+
     def after_step(
         self, group: int, step: int, rows: torch.Tensor, prev: torch.Tensor, new: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -92,6 +92,7 @@ def _check_eps(policy: ExitPolicy) -> None:
 class FixedPolicy(ExitPolicy):
     """Every token runs exactly ``k_max`` steps."""
 
+    step_free = True
     name = "fixed"
     uses_tau = False
 
@@ -103,6 +104,7 @@ class FixedPolicy(ExitPolicy):
 class StepNormPolicy(ExitPolicy):
     """``||x^(s) - x^(s-1)|| < tau`` (Eq. 3)."""
 
+    step_free = True
     name = "step_norm"
 
     def _exits(self, step, rows, prev, new):
@@ -122,6 +124,7 @@ class _EpsPolicy(ExitPolicy):
 class StepNormRelPolicy(_EpsPolicy):
     """``||x^(s) - x^(s-1)|| / (||x^(s-1)|| + eps) < tau`` (scale-free step norm)."""
 
+    step_free = True
     name = "step_norm_rel"
 
     def _exits(self, step, rows, prev, new):
@@ -152,6 +155,9 @@ class _TwoHitPolicy(ExitPolicy):
         dtype = compute_dtype(state)
         self.prev_delta = torch.zeros(state.shape, dtype=dtype, device=state.device)
         self.prev_small = torch.zeros(state.shape[0], dtype=torch.bool, device=state.device)
+
+    def _reset_rows(self, rows, state):
+        self.prev_small[rows] = False
 
     def _exits(self, step, rows, prev, new):
         prev = _wide(prev)
@@ -204,6 +210,7 @@ class AccelerationStatePolicy(_TwoHitPolicy):
 class CosinePolicy(_EpsPolicy):
     """``1 - cos(x^(s), x^(s-1)) < tau``: consecutive states point the same way."""
 
+    step_free = True
     name = "cosine"
     option_defaults = {"eps": 1e-8}
 
@@ -217,6 +224,7 @@ class LatentDiffPolicy(_EpsPolicy):
     """``||x^(s) - x^(s-1)|| / (||x^(s)|| + eps) < tau``: Geiping et al.'s ``latent-diff`` (their default
     tau 0.03), the newer state's norm below."""
 
+    step_free = True
     name = "latent_diff"
     option_defaults = {"eps": 0.0}
 
@@ -272,6 +280,11 @@ class KLPolicy(_DecodedPolicy):
 
     def _reset(self, state):
         self.prev_log_probs: torch.Tensor | None = None
+
+    def _reset_rows(self, rows, state):
+        if self.prev_log_probs is not None:  # as first made: the uniform prior's, or zeros
+            vocab = self.prev_log_probs.shape[-1]
+            self.prev_log_probs[rows] = -math.log(vocab) if self.options["prior"] == "uniform" else 0.0
 
     def _distribution(self, new: torch.Tensor) -> torch.Tensor:
         """The log-probabilities the rule compares ``[A, V]``."""
@@ -332,6 +345,9 @@ class EntropyDiffPolicy(_DecodedPolicy):
     def _reset(self, state):
         self.prev_entropy = torch.zeros(state.shape[0], dtype=torch.float64, device=state.device)
 
+    def _reset_rows(self, rows, state):
+        self.prev_entropy[rows] = 0.0
+
     def _exits(self, step, rows, prev, new):
         if not self._reads(step):
             return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
@@ -349,6 +365,7 @@ class EntropyDiffPolicy(_DecodedPolicy):
 class ArgmaxStablePolicy(_DecodedPolicy):
     """Exit when the top token has stayed the same for ``patience`` consecutive steps."""
 
+    step_free = True
     name = "argmax_stable"
     uses_tau = False
     option_defaults = {"patience": 2}
@@ -363,6 +380,10 @@ class ArgmaxStablePolicy(_DecodedPolicy):
     def _reset(self, state):
         self.prev_top = torch.full((state.shape[0],), -1, dtype=torch.long, device=state.device)
         self.streak = torch.zeros(state.shape[0], dtype=torch.long, device=state.device)
+
+    def _reset_rows(self, rows, state):
+        self.prev_top[rows] = -1
+        self.streak[rows] = 0
 
     def _exits(self, step, rows, prev, new):
         top = self.decode(new).argmax(dim=-1)  # (A,)
@@ -383,6 +404,7 @@ class ConfidencePolicy(_DecodedPolicy):
     token-step: the head, O(d V) (the ``decode``), then O(V) for the log-softmax and the top one or two;
     O(1) memory per token. Per row, no host read. ``tau`` in (0, 1] (a probability's complement)."""
 
+    step_free = True
     name = "confidence"
     tau_max = 1.0
     option_defaults = {"signal": "max_prob"}
@@ -414,6 +436,7 @@ class LearnedPolicy(ExitPolicy):
     ``x^(s-1)`` and ``x^(s)`` from step 1: O(d) per token-step, no memory across steps, per row, no
     host read. ``tau`` in (0, 1]."""
 
+    step_free = True
     name = "learned"
     tau_max = 1.0
     trained = True

@@ -37,6 +37,11 @@ class LoopController(Protocol):
         iterates 0..step.
         """
 
+    # Continuous depth batching (rdepth.engine) also calls, on rows that loop at different steps:
+    #   begin_rows(group, rows [A], state [A, d]): start these rows' loops, the others going on;
+    #   after_steps(group, steps [A] long, values (the distinct steps, host ints), rows, prev, new):
+    #   after_step for each row at its own step. FixedController and PolicyController have both.
+
 
 class FixedController:
     """Every token of group g runs exactly ``counts[g]`` steps."""
@@ -54,3 +59,9 @@ class FixedController:
         done = torch.full((rows.numel(),), step >= self.counts[group], dtype=torch.bool, device=rows.device)
         used = torch.full_like(rows, step)
         return done, new, used
+
+    def begin_rows(self, group: int, rows: torch.Tensor, state: torch.Tensor) -> None:
+        pass
+
+    def after_steps(self, group, steps, values, rows, prev, new):
+        return steps >= self.counts[group], new, steps

@@ -1,0 +1,394 @@
+"""Continuous depth batching: many requests decoded at once, each row at its own position and loop step.
+
+The lock-step :class:`~rdepth.model.decoder.Decoder` runs a batch's rows through every loop step until the
+last row stops, so a batch pays for its slowest token at every position. The loop's weights are the same at
+every step, so rows at different steps (and positions) can share one batched call instead. :class:`Engine`
+holds ``batch_size`` slots; each :meth:`Engine.step` (a *tick*) walks the model's stages once
+(:attr:`RecurrentLM.stages`) and, per stage, makes one batched call over the rows that are at it:
+
+* a run of single-pass layers: those layers once, for every row at that stage;
+* a recurrence group: rows arriving at it take the group's input half and their initial state (their own
+  request's noise at their own position, or the state they handed on at the previous position with warm
+  start) and begin their loop; then *one loop step* for every row in the group, each attending to its own
+  cache row at its own step's slot; the exit rule decides per row; rows that stop settle their keys (the
+  latest-KV rule), hand their state on and move to the next stage, in the same tick;
+* after the last stage: the readout for the rows that got there, the next token (the prompt's next, or
+  one chosen greedy or sampled with the request's own generator), finished requests retired and their
+  slots refilled from the queue.
+
+A row's computation is the batch-1 decoder's, whatever shares the batch: its initial states are keyed by
+request and position (never by slot), it reads only its own cache row, and the rule's memory is per row.
+The host reads one small tensor per group per tick (which rows stop, and which went non-finite).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from rdepth.config import parse_loop_counts
+from rdepth.engine.request import Finished, Request
+from rdepth.engine.slots import KV_LAYOUTS, SlotCache
+from rdepth.errors import RdepthError
+from rdepth.model.control import FixedController, LoopController
+from rdepth.model.noise import StateNoise
+from rdepth.model.recurrent import RecurrentLM, StageKind
+from rdepth.model.sampling import choose_tokens
+
+FREE = -1  # stage of an empty slot
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life: ticks, row-steps per group (loop steps computed, summed over rows),
+    positions decoded, occupied slot-ticks (occupancy = that over ticks * batch)."""
+
+    ticks: int = 0
+    positions: int = 0
+    occupied: int = 0
+    loop_steps: list[int] | None = None
+    requests: int = 0
+    failed: int = 0
+
+    def as_dict(self, batch: int) -> dict:
+        steps = self.loop_steps or []
+        return {"ticks": self.ticks, "positions": self.positions, "requests": self.requests,
+                "failed": self.failed, "loop_steps": list(steps),
+                "mean_loop_steps": [s / self.positions if self.positions else 0.0 for s in steps],
+                "occupancy": self.occupied / (self.ticks * batch) if self.ticks else 0.0}
+
+
+class _Live:
+    """A request in a slot: what it has fed and chosen so far."""
+
+    def __init__(self, request_id: int, request: Request, result: Finished, device: torch.device):
+        self.id, self.request, self.result = request_id, request, result
+        self.generator = None
+        if request.temperature > 0:
+            self.generator = torch.Generator(device=device).manual_seed(int(request.seed))
+        self.logits: list[torch.Tensor] = []
+        self.current_steps: list[int] = []
+        self.current_rules: list[str] = []
+
+
+class Engine:
+    """Continuous depth batching over ``batch_size`` slots (see the module).
+
+    Args:
+        model: the model (left as it is; run in eval mode).
+        batch_size: slots B (rows decoded together).
+        loop_counts: a fixed budget per group (default: the model's eval loops), or
+        controller_factory: ``() -> LoopController`` with ``begin_rows``/``after_steps`` (an exit policy's
+            :class:`~rdepth.exits.controller.PolicyController`, or :class:`FixedController`); one controller
+            serves every slot, its memory per row.
+        capacity: positions each slot holds (default: the block size); a request needs its prompt and the
+            tokens fed back to fit.
+        kv_layout: ``"exact"`` (default) or ``"shared"`` (:mod:`rdepth.engine.slots`).
+        warm_start: each group's loop starts from the state the row handed on at its previous position.
+        clock: the time source of the latency figures.
+    """
+
+    def __init__(self, model: RecurrentLM, batch_size: int, *, loop_counts: Sequence[int] | str | int | None = None,
+                 controller_factory: Callable[[], LoopController] | None = None, capacity: int | None = None,
+                 kv_layout: str = "exact", warm_start: bool = False, clock: Callable[[], float] = time.perf_counter):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise RdepthError(f"engine: batch_size must be an integer >= 1, got {batch_size!r}")
+        if kv_layout not in KV_LAYOUTS:
+            raise RdepthError(f"engine: kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+        if loop_counts is not None and controller_factory is not None:
+            raise RdepthError("engine: give loop_counts or controller_factory, not both")
+        config = model.config
+        parameter = next(model.parameters())
+        self.model, self.dtype, self.device = model, parameter.dtype, parameter.device
+        self.batch = batch_size
+        self.capacity = capacity or config.block_size
+        if not 1 <= self.capacity <= config.block_size:
+            raise RdepthError(f"engine: capacity must be 1..{config.block_size} (the block size), got {self.capacity}")
+        n_groups = model.n_groups
+        if controller_factory is not None:
+            self.controller = controller_factory()
+            self.fixed = False
+        else:
+            counts = config.default_eval_loops if loop_counts is None else loop_counts
+            self.controller = FixedController(parse_loop_counts(counts, n_groups) if n_groups else ())
+            self.fixed = True
+        for method in ("begin_rows", "after_steps"):
+            if not hasattr(self.controller, method):
+                raise RdepthError(f"engine: the loop controller {type(self.controller).__name__} has no {method}() "
+                                  "(rows that loop at different steps need it)")
+        self.k_max = [int(self.controller.max_steps(group)) for group in range(n_groups)]
+        if any(k < 1 for k in self.k_max):
+            raise RdepthError(f"engine: every group needs at least one loop step, got {self.k_max}")
+        self.kv_layout = kv_layout
+        self.warm_start = bool(warm_start)
+        self.clock = clock
+        self.stages = model.stages
+        d, batch, device = config.d_model, batch_size, self.device
+        with torch.no_grad():
+            kept = self.k_max if kv_layout == "exact" else [1] * n_groups
+            self.slots = SlotCache(model.new_cache(batch, self.capacity, kept, self.dtype, device), kv_layout)
+            self.x = torch.zeros(batch, d, dtype=self.dtype, device=device)  # activations between stages
+            self.state = torch.zeros_like(self.x)  # each row's newest iterate in its group
+            self.projected = torch.zeros_like(self.x)  # the group's input half W_e e
+            # Per slot and group: the initial states of every position (its request's noise) and, warm, the
+            # state handed on at the previous position.
+            self.initial = {group: torch.zeros(batch, self.capacity, d, dtype=self.dtype, device=device)
+                            for group in range(n_groups)} if config.init_state_scale != 0 else {}
+            self.warm = {group: torch.zeros_like(self.x) for group in range(n_groups)} if self.warm_start else {}
+            for group in range(n_groups):  # the rule's per-row memory for every slot, once
+                self.controller.begin(group, torch.zeros_like(self.x))
+            if model.rotary is not None:
+                model.rotary.table(device)
+        self.stage = np.full(batch, FREE, dtype=np.int64)  # host: the stage each slot's token is at
+        self.step_count = np.zeros(batch, dtype=np.int64)  # loop steps done in the current group
+        self.position = np.zeros(batch, dtype=np.int64)  # where the slot's token in flight writes
+        self.live: list[_Live | None] = [None] * batch
+        self.queue: deque[tuple[int, Request, float, int]] = deque()
+        self.next_id = 0
+        self.stats = EngineStats(loop_steps=[0] * n_groups)
+        self._all_rows = torch.arange(batch, device=device)
+
+    # ------------------------------------------------------------------ clients
+    def add_request(self, request: Request) -> int:
+        """Queue ``request``; returns its id (the order of arrival)."""
+        if not isinstance(request, Request):
+            raise RdepthError(f"engine: add_request takes a Request, got {type(request).__name__}")
+        request_id = self.next_id
+        self.next_id += 1
+        self.queue.append((request_id, request, self.clock(), self.stats.ticks))
+        return request_id
+
+    def pending(self) -> bool:
+        """Whether a request is queued or in flight."""
+        return bool(self.queue) or bool((self.stage != FREE).any())
+
+    def in_flight(self) -> int:
+        return int((self.stage != FREE).sum())
+
+    def run(self) -> Iterator[Finished]:
+        """Tick until every queued request has finished, yielding each as it finishes."""
+        while self.pending():
+            yield from self.step()
+
+    def kv_bytes_per_token(self) -> int:
+        """Key/value bytes one position of one request takes (every layer, every kept loop step)."""
+        return self.slots.bytes_per_token()
+
+    # ------------------------------------------------------------------ a tick
+    @torch.no_grad()
+    def step(self) -> list[Finished]:
+        """One tick (see the module); returns the requests that finished in it."""
+        finished = self._admit()
+        occupied = int((self.stage != FREE).sum())
+        if not occupied:
+            return finished
+        self.stats.ticks += 1
+        self.stats.occupied += occupied
+        for index, stage in enumerate(self.stages):
+            rows = np.flatnonzero(self.stage == index)
+            if rows.size == 0:
+                continue
+            if stage.kind is StageKind.SINGLE:
+                self._single(stage.layers, rows)
+            else:
+                finished += self._loop(stage.group, rows)
+        ready = np.flatnonzero(self.stage == len(self.stages))
+        if ready.size:
+            finished += self._read_out(ready)
+        return finished
+
+    def _rows(self, rows: np.ndarray) -> tuple[torch.Tensor, bool]:
+        """Slot indices on the device, and whether they are every slot in order (views, no gathers)."""
+        if rows.size == self.batch:
+            return self._all_rows, True
+        return torch.from_numpy(rows).to(self.device), False
+
+    def _context(self, rows_t, rows, every, steps=None, same=None):
+        positions = self.position[rows]
+        return self.slots.context(rows_t, torch.from_numpy(positions).to(self.device), int(positions.max()) + 1,
+                                  every, steps, same)
+
+    def _single(self, layers: tuple[int, ...], rows: np.ndarray) -> None:
+        rows_t, every = self._rows(rows)
+        ctx = self._context(rows_t, rows, every)
+        if every:
+            self.x.copy_(self.model.run_layers(layers, self.x, ctx))
+        else:
+            self.x[rows_t] = self.model.run_layers(layers, self.x[rows_t], ctx)
+        self.stage[rows] += 1
+
+    def _loop(self, group: int, rows: np.ndarray) -> list[Finished]:
+        model = self.model
+        entering = rows[self.step_count[rows] == 0]
+        if entering.size:
+            self._begin(group, entering)
+        rows_t, every = self._rows(rows)
+        steps = self.step_count[rows] + 1
+        values = np.unique(steps).tolist()
+        steps_t = torch.from_numpy(steps).to(self.device)
+        ctx = self._context(rows_t, rows, every, steps_t, values[0] if len(values) == 1 else None)
+        prev = self.state if every else self.state[rows_t]
+        projected = self.projected if every else self.projected[rows_t]
+        new = model.loop_step(group, prev, projected, ctx)
+        done, handoff, _ = self.controller.after_steps(group, steps_t, values, rows_t, prev, new)
+        flags = torch.stack([done, ~torch.isfinite(new).all(dim=1)]).cpu().numpy()  # the tick's host read
+        if every:
+            self.state.copy_(new)
+        else:
+            self.state[rows_t] = new
+        self.step_count[rows] = steps
+        self.stats.loop_steps[group] += int(rows.size)
+        stopping, bad = flags[0], flags[1]
+        failed = [self._fail(int(row), f"the loop state of group {group} is not finite at position "
+                             f"{int(self.position[row])}") for row in rows[bad]]
+        stopping = stopping & ~bad
+        if stopping.any():
+            leaving = rows[stopping]
+            leaving_t = torch.from_numpy(leaving).to(self.device)
+            computed = steps[stopping]
+            early = computed < self.k_max[group]
+            if early.any():
+                self.slots.settle(group, leaving_t[torch.from_numpy(early).to(self.device)],
+                                  torch.from_numpy(self.position[leaving][early]).to(self.device),
+                                  torch.from_numpy(computed[early]).to(self.device))
+            handed = handoff[torch.from_numpy(stopping).to(self.device)]
+            self.x[leaving_t] = model.hand_on(handed)
+            if self.warm_start:
+                self.warm[group][leaving_t] = handed
+            for row, count in zip(leaving.tolist(), computed.tolist()):
+                live = self.live[row]
+                live.current_steps.append(count)
+                live.current_rules.append("budget" if self.fixed or count == self.k_max[group] else "rule")
+            self.stage[leaving] += 1
+            self.step_count[leaving] = 0
+        return failed
+
+    def _begin(self, group: int, rows: np.ndarray) -> None:
+        """Rows arriving at ``group``: the input half, the initial state, the rule's memory."""
+        rows_t = torch.from_numpy(rows).to(self.device)
+        positions = self.position[rows]
+        self.projected[rows_t] = self.model.group_input(group, self.x[rows_t])
+        if self.warm_start and (positions > 0).all():
+            start = self.warm[group][rows_t]
+        elif group in self.initial:
+            start = self.initial[group][rows_t, torch.from_numpy(positions).to(self.device)]
+            if self.warm_start:  # rows past position 0 start warm
+                later = torch.from_numpy(positions > 0).to(self.device)
+                start = torch.where(later[:, None], self.warm[group][rows_t], start)
+        else:
+            start = torch.zeros(rows.size, self.x.shape[1], dtype=self.dtype, device=self.device)
+            if self.warm_start:
+                later = torch.from_numpy(positions > 0).to(self.device)
+                start = torch.where(later[:, None], self.warm[group][rows_t], start)
+        self.state[rows_t] = start
+        self.controller.begin_rows(group, rows_t, start)
+
+    # ------------------------------------------------------------------ tokens
+    def _read_out(self, rows: np.ndarray) -> list[Finished]:
+        """Rows whose token went through every stage: logits, the next token, retire or go on."""
+        rows_t, every = self._rows(rows)
+        logits = self.model.readout(self.x if every else self.x[rows_t])  # (E, V)
+        greedy = logits.argmax(dim=-1).tolist()
+        finished, feed_rows, feed_tokens = [], [], []
+        for index, row in enumerate(rows.tolist()):
+            live = self.live[row]
+            result, request = live.result, live.request
+            position = int(self.position[row])
+            result.steps.append(live.current_steps)
+            result.rules.append(live.current_rules)
+            live.current_steps, live.current_rules = [], []
+            if request.keep_logits:
+                kept = logits[index].detach().to("cpu")
+                live.logits.append(kept.float() if kept.dtype in (torch.float16, torch.bfloat16) else kept)
+            self.stats.positions += 1
+            prompt_length = len(request.prompt)
+            if position + 1 < prompt_length:  # still in the prompt: its next token goes in
+                result.predicted.append(greedy[index])
+                feed_rows.append(row)
+                feed_tokens.append(request.prompt[position + 1])
+                continue
+            if position + 1 == prompt_length:
+                result.predicted.append(greedy[index])
+            token = greedy[index] if live.generator is None else int(choose_tokens(
+                logits[index:index + 1], request.temperature, request.top_k, live.generator, request.top_p))
+            result.tokens.append(token)
+            reason = None
+            if token in request.stop:
+                reason = "stop"
+            elif len(result.tokens) >= request.max_tokens:
+                reason = "length"
+            elif position + 1 >= self.capacity:
+                reason = "context"
+            if reason is not None:
+                finished.append(self._retire(row, reason))
+            else:
+                feed_rows.append(row)
+                feed_tokens.append(token)
+        if feed_rows:
+            self._feed(np.asarray(feed_rows, dtype=np.int64), feed_tokens)
+        return finished
+
+    def _feed(self, rows: np.ndarray, tokens: list[int]) -> None:
+        """The next token of each row goes in at the row's next position (stage 0)."""
+        self.position[rows] += 1
+        self._embed(rows, tokens)
+
+    def _embed(self, rows: np.ndarray, tokens: list[int]) -> None:
+        rows_t = torch.from_numpy(rows).to(self.device)
+        positions = torch.from_numpy(self.position[rows]).to(self.device)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        self.x[rows_t] = self.model.embed(ids, positions=positions).to(self.dtype)
+        self.stage[rows] = 0
+        self.step_count[rows] = 0
+
+    # ------------------------------------------------------------------ slots
+    def _admit(self) -> list[Finished]:
+        """Fill free slots from the queue; a request that cannot run finishes at once with its error."""
+        finished = []
+        free = np.flatnonzero(self.stage == FREE).tolist()
+        admitted_rows, first_tokens = [], []
+        while free and self.queue:
+            request_id, request, submitted, tick = self.queue.popleft()
+            result = Finished(request_id, request, submitted_tick=tick, submitted_s=submitted)
+            self.stats.requests += 1
+            if len(request.prompt) > self.capacity:
+                result.finish_reason, result.error = "error", (
+                    f"a prompt of {len(request.prompt)} tokens exceeds the engine's capacity {self.capacity} "
+                    "(the model's context)")
+                self.stats.failed += 1
+                result.finished_tick, result.finished_s = self.stats.ticks, self.clock()
+                finished.append(result)
+                continue
+            row = free.pop(0)
+            self.live[row] = _Live(request_id, request, result, self.device)
+            self.position[row] = 0
+            noise = StateNoise(request.noise_seed, [request.sequence_id])
+            for group, table in self.initial.items():
+                blank = torch.zeros(1, self.capacity, table.shape[-1], dtype=self.dtype, device=self.device)
+                table[row] = self.model.init_state(group, blank, noise, 0)[0]
+            admitted_rows.append(row)
+            first_tokens.append(request.prompt[0])
+        if admitted_rows:
+            self._embed(np.asarray(admitted_rows, dtype=np.int64), first_tokens)
+        return finished
+
+    def _retire(self, row: int, reason: str, error: str | None = None) -> Finished:
+        live = self.live[row]
+        result = live.result
+        result.finish_reason, result.error = reason, error
+        if live.logits:
+            result.logits = torch.stack(live.logits)
+        result.finished_tick, result.finished_s = self.stats.ticks, self.clock()
+        self.live[row] = None
+        self.stage[row] = FREE
+        self.step_count[row] = 0
+        return result
+
+    def _fail(self, row: int, why: str) -> Finished:
+        self.stats.failed += 1
+        return self._retire(row, "error", why)
