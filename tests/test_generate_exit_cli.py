@@ -126,3 +126,56 @@ def test_help_lists_the_exit_flags(capsys):
     text = capsys.readouterr().out
     for flag in ("--exit POLICY", "--tau", "--k-max", "--exit-profile", "--autocast"):
         assert flag in text, flag
+
+
+# ------------------------------------------------------------------ many prompts through the engine
+PROMPTS = ["The city", "In 1900 the", "A river", "Music"]
+
+
+def many_texts(capsys, run, tmp_path, batch, *flags) -> list[str]:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join([PROMPTS[0], "", *PROMPTS[1:]]) + "\n")
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(run), "--prompts-file", str(prompts), "--max-new-tokens", "6",
+                 "--temperature", "0", "--batch-size", str(batch), "--device", "cpu", *flags]) == 0
+    return _texts(capsys.readouterr().out)
+
+
+def _texts(out: str) -> list[str]:
+    """The continuations printed before each '--- prompt i, sample s: ...' line."""
+    texts, current = [], []
+    for line in out.splitlines():
+        if line.startswith("--- prompt "):
+            texts.append("\n".join(current))
+            current = []
+        else:
+            current.append(line)
+    return texts
+
+
+@pytest.mark.parametrize("flags", [(), ("--exit", "kl", "--tau", "0.01", "--k-max", "3")])
+def test_prompts_file_gives_each_prompts_own_text_whatever_the_batch(capsys, run, tmp_path, flags):
+    """Each prompt of the file decodes as it would alone (request i keyed StateNoise(seed, [i])), with batch 1
+    or 3 slots, and blank lines are skipped."""
+    texts = {batch: many_texts(capsys, run, tmp_path, batch, *flags) for batch in (1, 3)}
+    assert texts[1] == texts[3] and len(texts[1]) == len(PROMPTS)
+    model, _ = load_model(run)
+    tokenizer = run_tokenizer(run)
+    for index, prompt in enumerate(PROMPTS):
+        factory = (lambda: controller_factory("kl", 0.01, 3, lambda: model.readout)()) if flags else None
+        tokens = generate(model, torch.tensor([tokenizer.encode(prompt)]), 6, temperature=0.0,
+                          noise=StateNoise(0, [index]), controller_factory=factory)
+        assert texts[1][index] == tokenizer.decode(tokens[0].tolist()).replace("<|endoftext|>", "\n")
+
+
+def test_prompts_file_bad_input_is_one_line(capsys, run, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    for flags, message in ((["--prompts-file", str(tmp_path / "missing.txt")], "no such file"),
+                           (["--prompts-file", str(empty)], "holds no prompt"),
+                           (["--prompts-file", str(empty), "--draft-loops", "1", "--temperature", "0"], "without --draft-loops"),
+                           (["--kv-layout", "shared"], "with --prompts-file")):
+        capsys.readouterr()
+        assert main(["generate", "--checkpoint", str(run), "--device", "cpu", *flags]) != 0
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err

@@ -36,10 +36,31 @@ def run(args: argparse.Namespace) -> int:
         controllers = profile_controllers
     elif config.exit is not None:
         controllers = policy_controllers(config)
+    if config.prompts_file is not None:
+        return _many(config, controllers)
     for text in generate_text(config, controllers):
         print(text)
         print("---")
     return 0
+
+
+def _many(config, controllers) -> int:
+    """Every prompt of the file through the engine: each continuation, then a line with its loop steps;
+    exit 1 when a request failed (its error printed; the others stand)."""
+    import sys
+
+    from rdepth.run.generate_many import generate_many
+
+    failed = 0
+    for item in generate_many(config, controllers):
+        print(item.text)
+        steps = ", ".join(f"{s:.2f}" for s in item.mean_steps)
+        print(f"--- prompt {item.index + 1}, sample {item.sample + 1}: {len(item.tokens)} tokens, "
+              f"mean loop steps per group [{steps}], {item.finish_reason}")
+        if item.error:
+            failed += 1
+            print(f"error: prompt {item.index + 1}: {item.error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def policy_controllers(config):

@@ -129,6 +129,14 @@ class GenerateConfig:
     exit_options: str | None = option(
         None, "with --exit: the policy's options as KEY=VALUE,... (e.g. kl: direction=old_new,prior=uniform, "
         "Geiping et al.'s kl)", default_text="the policy's own", metavar="KEY=VALUE,...")
+    prompts_file: str | None = option(
+        None, "a text file of prompts, one per line (blank lines skipped): every prompt decoded through the "
+        "continuous depth batching engine, --batch-size at a time, each row at its own loop step; --prompt is "
+        "then unused", default_text="none (one --prompt)", metavar="FILE")
+    batch_size: int = option(8, "with --prompts-file: requests decoded together (the engine's slots)", bounds="[1, 4096]")
+    kv_layout: str = option("exact", "with --prompts-file: the engine's key/value layout: exact (the trained "
+                            "rule) or shared (one slot per looped layer: memory flat in the loop budget, "
+                            "outputs change)")
     autocast: str = option("none", "autocast dtype of the forward passes: none, bf16 or fp16")
     device: str = option("auto", DEVICE_HELP)
     threads: int = option(0, THREADS_HELP, bounds="[0, inf)")
@@ -180,3 +188,9 @@ class GenerateConfig:
                               "the drafts' handed-on states)")
         if self.draft_loops is not None and self.temperature != 0:
             raise RdepthError("generate: --draft-loops (speculative decoding) is greedy: pass --temperature 0")
+        if self.prompts_file is not None and self.draft_loops is not None:
+            raise RdepthError("generate: --prompts-file decodes through the engine, without --draft-loops")
+        if self.kv_layout not in ("exact", "shared"):
+            raise RdepthError(f"generate: --kv-layout must be exact or shared, got {self.kv_layout!r}")
+        if self.kv_layout != "exact" and self.prompts_file is None:
+            raise RdepthError("generate: --kv-layout is the engine's (with --prompts-file)")

@@ -1,0 +1,372 @@
+"""Continuous depth batching against lock-step batches and fixed budgets, in wall time, on a mixed workload.
+
+    python bench/depth_batching.py --run runs/demo/train --data runs/demo/data [--json out.json]
+
+On a trained task model (the main job's), a mixed workload of held-out problems (``--difficulties``, equal
+shares, ``--problems`` of each):
+
+1. **Quality** of every fixed budget 1..``--full-loops`` and every rule x threshold of the grid, per problem
+   (solved: every answer right), teacher-forced (which the engine equals: tests/test_engine.py) with each
+   problem's initial states keyed by its index.
+2. **Selection on half A, judged on half B** (even / odd problems): the cheapest fixed budget F within
+   ``--tolerance`` of the full budget on A; per rule the cheapest setting that meets the bar on A pooled
+   (paired difference from F at least ``-tolerance``) and per difficulty (no difficulty more than
+   ``--per-difficulty`` under F's), ``plain``; ``safe`` asks the pooled difference less one paired standard
+   error to meet it. Each is judged on B (the same bars), and over ``--splits`` random A/B splits: the
+   share of splits whose choice meets the bar on its B.
+3. **Wall time** at each width B of ``--widths``: ``max(4B, --min-requests)`` problems of half B (mixed
+   difficulties, arrival order shuffled), each a request of its whole window (the positions fed one at a
+   time, as every row of the lock-step decoder is), decoded by (a) the engine at F, (b) the engine with
+   each chosen rule, (c) the lock-step decoder at F and (d) with each rule, B rows a batch. ``--rounds``
+   interleaved rounds after ``--warmup``, median and range of tokens/s (positions/s), per-request latency
+   p50 / p99 (all requests arrive at once), executed loop steps per position (the lock-step decoder: the
+   steps its batch pays, the slowest row's), the bound those steps imply (F's steps over the rule's) and the
+   share of that bound the measured speed-up reaches; the engine's answers on the timed problems against
+   the teacher-forced ones.
+
+Prints the device, torch version, thread count and git revision; writes everything to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GRID = {"step_norm_rel": (0.1, 0.2, 0.3, 0.4, 0.5), "kl": (0.01, 0.03, 0.05, 0.1),
+        "step_norm": (0.5, 1, 2, 4), "confidence": (0.01, 0.03, 0.1), "learned": (0.01, 0.03, 0.1)}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", required=True, help="a trained task run (its train/ folder)")
+    parser.add_argument("--data", required=True, help="its prepared task data")
+    parser.add_argument("--difficulties", default="1,2,3,4,5,6,7,8")
+    parser.add_argument("--problems", type=int, default=256, help="held-out problems of each difficulty")
+    parser.add_argument("--policies", default="step_norm_rel,kl")
+    parser.add_argument("--full-loops", type=int, default=12)
+    parser.add_argument("--tolerance", type=float, default=0.01, help="pooled accuracy below F's allowed")
+    parser.add_argument("--per-difficulty", type=float, default=0.02, help="accuracy below F's allowed per difficulty")
+    parser.add_argument("--splits", type=int, default=200)
+    parser.add_argument("--widths", default="1,8,16,32,64")
+    parser.add_argument("--min-requests", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    for name in ("problems", "full_loops", "splits", "rounds", "threads", "min_requests"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    unknown = [p for p in args.policies.split(",") if p and p not in GRID]
+    if unknown:
+        parser.error(f"--policies: no grid for {', '.join(unknown)} (choose from {', '.join(GRID)})")
+    return args
+
+
+def revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# ---------------------------------------------------------------------- quality and selection
+def quality(model, heldout, settings: dict, seed: int) -> dict:
+    """Per setting: solved [W] bool and executed loop steps per position (over every position)."""
+    from rdepth.tasks.evaluate import heldout_accuracy
+    from exit_workload import window_solved
+
+    out = {}
+    answers, others = int(heldout.answer_mask[:, 1:].sum()), int((~heldout.answer_mask[:, 1:]).sum())
+    for label, setting in settings.items():
+        result = heldout_accuracy(model, heldout, loop_counts=setting.get("loop_counts"),
+                                  controller_factory=setting.get("factory"), batch_size=64, seed=seed, per_token=True)
+        if "loop_counts" in setting:
+            steps = float(sum(setting["loop_counts"]))
+        else:
+            steps = (result["mean_steps_answer"] * answers + result["mean_steps_other"] * others) / (answers + others)
+        out[label] = {"steps": steps, "solved": window_solved(heldout, result["answer_right"])}
+        print(f"  {label:<22} solved {100 * out[label]['solved'].mean():5.1f}%  steps/position {steps:5.2f}",
+              flush=True)
+    return out
+
+
+def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """Mean of ``a - b`` (bool per problem) and its standard error."""
+    diff = a.astype(float) - b.astype(float)
+    return float(diff.mean()), float(diff.std(ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else 0.0
+
+
+def meets(solved: dict, label: str, fixed: str, rows: np.ndarray, labels: np.ndarray, args, margin: float = 0.0):
+    """Whether ``label`` meets the bar against ``fixed`` on ``rows``: pooled paired difference (less
+    ``margin`` standard errors) >= -tolerance, and every difficulty's accuracy within ``--per-difficulty``."""
+    diff, error = paired(solved[label][rows], solved[fixed][rows])
+    if diff - margin * error < -args.tolerance - 1e-12:
+        return False
+    for difficulty in np.unique(labels[rows]):
+        part = rows[labels[rows] == difficulty]
+        if solved[label][part].mean() < solved[fixed][part].mean() - args.per_difficulty - 1e-12:
+            return False
+    return True
+
+
+def select(qualities: dict, labels: np.ndarray, rows_a: np.ndarray, args) -> dict:
+    """On ``rows_a``: the cheapest fixed budget F within tolerance of the full budget, and per rule its
+    cheapest setting meeting the bar against F (``plain``, and ``safe`` with one standard error)."""
+    solved = {label: q["solved"] for label, q in qualities.items()}
+    full = f"fixed {args.full_loops}"
+    bar = solved[full][rows_a].mean() - args.tolerance
+    fixed = min((label for label in solved if label.startswith("fixed") and solved[label][rows_a].mean() >= bar - 1e-12),
+                key=lambda label: qualities[label]["steps"])
+    chosen = {}
+    for name in [p for p in args.policies.split(",") if p]:
+        labels_of = sorted((label for label in solved if label.split()[0] == name), key=lambda label: qualities[label]["steps"])
+        for mode, margin in (("plain", 0.0), ("safe", 1.0)):
+            ok = [label for label in labels_of if meets(solved, label, fixed, rows_a, labels, args, margin)]
+            chosen[f"{name} {mode}"] = ok[0] if ok else None
+    return {"fixed": fixed, "chosen": chosen}
+
+
+def judge(qualities, labels, rows_b, choice, args) -> dict:
+    solved = {label: q["solved"] for label, q in qualities.items()}
+    out = {}
+    for key, label in choice["chosen"].items():
+        if label is None:
+            out[key] = None
+            continue
+        diff, error = paired(solved[label][rows_b], solved[choice["fixed"]][rows_b])
+        by_difficulty = {int(d): float(solved[label][rows_b[labels[rows_b] == d]].mean()
+                                       - solved[choice["fixed"]][rows_b[labels[rows_b] == d]].mean())
+                         for d in np.unique(labels[rows_b])}
+        out[key] = {"setting": label, "meets": meets(solved, label, choice["fixed"], rows_b, labels, args),
+                    "paired_diff": diff, "paired_se": error, "diff_by_difficulty": by_difficulty}
+    return out
+
+
+def split_shares(qualities, labels, args) -> dict:
+    """Over ``--splits`` random halves: how often each rule's choice on A meets the bar on B."""
+    rng = np.random.default_rng(args.seed)
+    count = len(labels)
+    hits: dict[str, list[bool]] = {}
+    for _ in range(args.splits):
+        order = rng.permutation(count)
+        rows_a, rows_b = np.sort(order[: count // 2]), np.sort(order[count // 2:])
+        choice = select(qualities, labels, rows_a, args)
+        for key, judged in judge(qualities, labels, rows_b, choice, args).items():
+            hits.setdefault(key, []).append(bool(judged and judged["meets"]))
+    return {key: float(np.mean(values)) for key, values in hits.items()}
+
+
+# ---------------------------------------------------------------------- wall time
+def engine_call(model, windows, ids, width, budget, seed):
+    from rdepth.engine import Engine, Request
+
+    engine = Engine(model, width, **budget)
+    requests = [Request(window.tolist(), max_tokens=1, noise_seed=seed, sequence_id=int(i), tag=k)
+                for k, (window, i) in enumerate(zip(windows, ids))]
+    record = {}
+
+    def call():
+        start = time.perf_counter()
+        steps_before, positions_before = sum(engine.stats.loop_steps), engine.stats.positions
+        for request in requests:
+            engine.add_request(request)
+        done = list(engine.run())
+        record["latency"] = [d.finished_s - start for d in done]
+        record["predicted"] = {d.request.tag: d.predicted for d in done}
+        record["steps"] = (sum(engine.stats.loop_steps) - steps_before) / (engine.stats.positions - positions_before)
+        record["paid"] = record["steps"]
+    return call, record
+
+
+def lockstep_call(model, windows, ids, width, budget, seed):
+    import torch
+
+    from rdepth.model.decoder import Decoder
+    from rdepth.model.noise import StateNoise
+
+    batches = [(windows[first:first + width], ids[first:first + width]) for first in range(0, len(windows), width)]
+    decoders = [Decoder(model, len(part), noise=StateNoise(seed, [int(i) for i in part_ids]), **budget)
+                for part, part_ids in batches]
+    tensors = [torch.from_numpy(part) for part, _ in batches]
+    record = {}
+
+    def call():
+        start = time.perf_counter()
+        latency, rows, paid, positions = [], 0.0, 0.0, 0
+        for decoder, part in zip(decoders, tensors):
+            decoder.reset()
+            for t in range(part.shape[1]):
+                decoder.step(part[:, t:t + 1])
+                computed = decoder.computed  # [G, B]
+                rows += float(computed.sum())
+                paid += float(computed.max(dim=1).values.sum()) * part.shape[0]
+                positions += part.shape[0]
+            latency += [time.perf_counter() - start] * part.shape[0]
+        record.update(latency=latency, steps=rows / positions, paid=paid / positions)
+    return call, record
+
+
+def timing(model, heldout, labels, rows_b, choice, settings, args) -> dict:
+    order = list(rows_b)
+    random.Random(args.seed).shuffle(order)
+    windows_all = heldout.tokens[:, :-1].astype("int64")
+    timed_labels = [choice["fixed"], *sorted({label for label in choice["timed"].values() if label})]
+    out = {}
+    for width in [int(w) for w in args.widths.split(",") if w.strip()]:
+        count = min(max(4 * width, args.min_requests), len(order))
+        ids = np.array(order[:count])
+        windows = windows_all[ids]
+        calls, records = {}, {}
+        for label in timed_labels:
+            budget = ({"loop_counts": settings[label]["loop_counts"]} if "loop_counts" in settings[label]
+                      else {"controller_factory": settings[label]["factory"]})
+            calls[f"engine | {label}"], records[f"engine | {label}"] = engine_call(model, windows, ids, width, budget,
+                                                                                  args.seed)
+            calls[f"lockstep | {label}"], records[f"lockstep | {label}"] = lockstep_call(model, windows, ids, width,
+                                                                                        budget, args.seed)
+        samples = {label: [] for label in calls}
+        for call in calls.values():
+            for _ in range(args.warmup):
+                call()
+        shuffle = random.Random(args.seed + width)
+        for _ in range(args.rounds):
+            names = list(calls)
+            shuffle.shuffle(names)
+            for name in names:
+                start = time.perf_counter()
+                calls[name]()
+                samples[name].append(time.perf_counter() - start)
+        positions = windows.size
+        rows = {}
+        for name, seconds in samples.items():
+            latency = np.array(records[name]["latency"])
+            rows[name] = {"tokens_per_s": positions / statistics.median(seconds),
+                          "range_tokens_per_s": [positions / max(seconds), positions / min(seconds)],
+                          "latency_p50_s": float(np.percentile(latency, 50)),
+                          "latency_p99_s": float(np.percentile(latency, 99)),
+                          "steps_per_position": records[name]["steps"],
+                          "paid_steps_per_position": records[name]["paid"]}
+        base = rows[f"engine | {choice['fixed']}"]
+        fixed_steps = settings[choice["fixed"]]["loop_counts"][0]
+        for name, row in rows.items():
+            row["vs_engine_fixed"] = row["tokens_per_s"] / base["tokens_per_s"]
+            row["bound"] = fixed_steps / row["paid_steps_per_position"]
+            row["share_of_bound"] = row["vs_engine_fixed"] / row["bound"]
+        mismatches = {}
+        for name, record in records.items():
+            if name.startswith("engine"):
+                mismatches[name] = engine_vs_teacher_forced(heldout, ids, record["predicted"],
+                                                            settings, name.split(" | ")[1], model, args.seed)
+        out[f"B={width}"] = {"requests": count, "positions": int(positions), "rows": rows,
+                             "engine_answers_vs_teacher_forced": mismatches}
+        print(f"B = {width}: {count} requests, {positions} positions; tokens/s median [range], vs engine at "
+              f"{choice['fixed']}, latency p50/p99 s, paid steps/position, share of bound", flush=True)
+        for name, row in rows.items():
+            low, high = row["range_tokens_per_s"]
+            print(f"  {name:<34}{row['tokens_per_s']:9.0f} [{low:.0f}-{high:.0f}]  x{row['vs_engine_fixed']:.3f}  "
+                  f"{row['latency_p50_s']:.3f}/{row['latency_p99_s']:.3f}  {row['paid_steps_per_position']:5.2f}  "
+                  f"{100 * row['share_of_bound']:5.1f}%", flush=True)
+    return out
+
+
+def engine_vs_teacher_forced(heldout, ids, predicted, settings, label, model, seed) -> dict:
+    """The engine's answers on the timed problems against the teacher-forced predictions: answer tokens
+    that differ (float32: an exit decision at a threshold's edge can flip)."""
+    import torch
+
+    from rdepth.model.generation import teacher_forced
+    from rdepth.model.noise import StateNoise
+
+    setting = settings[label]
+    x = torch.from_numpy(heldout.tokens[ids, :-1].astype("int64"))
+    with torch.no_grad():
+        out = teacher_forced(model, x, loop_counts=setting.get("loop_counts"),
+                             controller_factory=setting.get("factory"), noise=StateNoise(seed, [int(i) for i in ids]))
+    forced = out.logits.argmax(dim=-1).numpy()
+    mask = heldout.answer_mask[ids, 1:].astype(bool)
+    engine = np.array([predicted[k] for k in range(len(ids))])
+    return {"answers": int(mask.sum()), "differ": int((engine[mask] != forced[mask]).sum())}
+
+
+# ---------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from rdepth.exits.controller import controller_factory
+    from rdepth.run.checkpoint import load_model
+    from exit_workload import mixed_heldout
+
+    torch.set_num_threads(args.threads)
+    model = load_model(args.run, torch.device("cpu"))[0].eval()
+    if model.n_groups != 1:
+        raise SystemExit("depth_batching: a model with one looped group (the task models)")
+    difficulties = [int(d) for d in args.difficulties.split(",") if d.strip()]
+    heldout, labels = mixed_heldout(args.data, difficulties, args.problems, 0)
+    settings = {f"fixed {k}": {"loop_counts": (k,)} for k in range(1, args.full_loops + 1)}
+    for name in [p for p in args.policies.split(",") if p]:
+        options = {"gate": args.run} if name == "learned" else {}
+        for tau in GRID[name]:
+            settings[f"{name} {tau:g}"] = {"factory": controller_factory(name, tau, args.full_loops,
+                                                                          lambda: model.readout, options)}
+    cpu = _cpu_name()
+    print(f"depth_batching: {cpu}, torch {torch.__version__}, {args.threads} thread(s), revision {revision()}; "
+          f"{len(labels)} problems, difficulties {difficulties}", flush=True)
+    qualities = quality(model, heldout, settings, args.seed)
+    rows_a, rows_b = np.arange(0, len(labels), 2), np.arange(1, len(labels), 2)
+    choice = select(qualities, labels, rows_a, args)
+    judged = judge(qualities, labels, rows_b, choice, args)
+    shares = split_shares(qualities, labels, args)
+    # Timed per rule: the plain choice when it meets the bar in >= 90% of the splits, else the safe one.
+    choice["timed"] = {}
+    for name in [p for p in args.policies.split(",") if p]:
+        plain, safe = choice["chosen"][f"{name} plain"], choice["chosen"][f"{name} safe"]
+        choice["timed"][name] = plain if shares.get(f"{name} plain", 0) >= 0.9 else safe
+    print(f"cheapest fixed budget on A: {choice['fixed']}; chosen on A: {choice['chosen']}; judged on B: "
+          f"{ {k: (v['setting'], v['meets'], round(100 * v['paired_diff'], 2), round(100 * v['paired_se'], 2)) if v else None for k, v in judged.items()} }; "
+          f"share of {args.splits} splits meeting the bar on B: {shares}; timed: {choice['timed']}", flush=True)
+    report = {"device": cpu, "torch": torch.__version__, "threads": args.threads, "revision": revision(),
+              "args": vars(args), "problems": int(len(labels)),
+              "quality": {label: {"steps": q["steps"], "solved": float(q["solved"].mean()),
+                                  "solved_a": float(q["solved"][rows_a].mean()),
+                                  "solved_b": float(q["solved"][rows_b].mean()),
+                                  "by_difficulty_b": {int(d): float(q["solved"][rows_b[labels[rows_b] == d]].mean())
+                                                      for d in difficulties}}
+                          for label, q in qualities.items()},
+              "choice": choice, "judged_b": judged, "split_shares": shares}
+    report["timing"] = timing(model, heldout, labels, rows_b, choice, settings, args)
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps(report, indent=1, default=float))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
