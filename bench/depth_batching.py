@@ -61,6 +61,9 @@ def parse_args(argv):
     parser.add_argument("--min-requests", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--shared", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the engine with the shared key/value layout (its quality change on the "
+                             "timed problems, paired against the exact layout)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
@@ -170,10 +173,10 @@ def split_shares(qualities, labels, args) -> dict:
 
 
 # ---------------------------------------------------------------------- wall time
-def engine_call(model, windows, ids, width, budget, seed):
+def engine_call(model, windows, ids, width, budget, seed, kv_layout="exact"):
     from rdepth.engine import Engine, Request
 
-    engine = Engine(model, width, **budget)
+    engine = Engine(model, width, kv_layout=kv_layout, **budget)
     requests = [Request(window.tolist(), max_tokens=1, noise_seed=seed, sequence_id=int(i), tag=k)
                 for k, (window, i) in enumerate(zip(windows, ids))]
     record = {}
@@ -237,6 +240,9 @@ def timing(model, heldout, labels, rows_b, choice, settings, args) -> dict:
                                                                                   args.seed)
             calls[f"lockstep | {label}"], records[f"lockstep | {label}"] = lockstep_call(model, windows, ids, width,
                                                                                         budget, args.seed)
+            if "factory" in settings[label] and args.shared:
+                name = f"engine shared-KV | {label}"
+                calls[name], records[name] = engine_call(model, windows, ids, width, budget, args.seed, "shared")
         samples = {label: [] for label in calls}
         for call in calls.values():
             for _ in range(args.warmup):
@@ -265,11 +271,18 @@ def timing(model, heldout, labels, rows_b, choice, settings, args) -> dict:
             row["vs_engine_fixed"] = row["tokens_per_s"] / base["tokens_per_s"]
             row["bound"] = fixed_steps / row["paid_steps_per_position"]
             row["share_of_bound"] = row["vs_engine_fixed"] / row["bound"]
-        mismatches = {}
+        mismatches, solved = {}, {}
         for name, record in records.items():
             if name.startswith("engine"):
                 mismatches[name] = engine_vs_teacher_forced(heldout, ids, record["predicted"],
                                                             settings, name.split(" | ")[1], model, args.seed)
+                solved[name] = engine_solved(heldout, ids, record["predicted"])
+                rows[name]["solved"] = float(solved[name].mean())
+        for name in solved:  # the shared layout's quality change, paired on the same problems
+            if name.startswith("engine shared-KV"):
+                exact = f"engine | {name.split(' | ')[1]}"
+                diff, error = paired(solved[name], solved[exact])
+                rows[name]["vs_exact_layout"] = {"paired_diff": diff, "paired_se": error}
         out[f"B={width}"] = {"requests": count, "positions": int(positions), "rows": rows,
                              "engine_answers_vs_teacher_forced": mismatches}
         print(f"B = {width}: {count} requests, {positions} positions; tokens/s median [range], vs engine at "
@@ -278,8 +291,17 @@ def timing(model, heldout, labels, rows_b, choice, settings, args) -> dict:
             low, high = row["range_tokens_per_s"]
             print(f"  {name:<34}{row['tokens_per_s']:9.0f} [{low:.0f}-{high:.0f}]  x{row['vs_engine_fixed']:.3f}  "
                   f"{row['latency_p50_s']:.3f}/{row['latency_p99_s']:.3f}  {row['paid_steps_per_position']:5.2f}  "
-                  f"{100 * row['share_of_bound']:5.1f}%", flush=True)
+                  f"{100 * row['share_of_bound']:5.1f}%"
+                  + (f"  solved {100 * row['solved']:.1f}%" if "solved" in row else ""), flush=True)
     return out
+
+
+def engine_solved(heldout, ids, predicted) -> np.ndarray:
+    """bool per timed problem: every answer the engine predicted (teacher-forced positions) right."""
+    targets = heldout.tokens[ids, 1:]
+    mask = heldout.answer_mask[ids, 1:].astype(bool)
+    engine = np.array([predicted[k] for k in range(len(ids))])
+    return np.array([bool((engine[k][mask[k]] == targets[k][mask[k]]).all()) for k in range(len(ids))])
 
 
 def engine_vs_teacher_forced(heldout, ids, predicted, settings, label, model, seed) -> dict:

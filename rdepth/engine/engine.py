@@ -18,7 +18,8 @@ holds ``batch_size`` slots; each :meth:`Engine.step` (a *tick*) walks the model'
 
 A row's computation is the batch-1 decoder's, whatever shares the batch: its initial states are keyed by
 request and position (never by slot), it reads only its own cache row, and the rule's memory is per row.
-The host reads one small tensor per group per tick (which rows stop, and which went non-finite).
+The host reads, per tick, which rows stop in each group (nothing at a fixed budget: the host knows) and, at
+the readout, each finished row's argmax and whether its logits are finite (a row that is not fails alone).
 """
 
 from __future__ import annotations
@@ -173,7 +174,9 @@ class Engine:
     def run(self) -> Iterator[Finished]:
         """Tick until every queued request has finished, yielding each as it finishes."""
         while self.pending():
-            yield from self.step()
+            with torch.no_grad():
+                finished = self._tick()
+            yield from finished
 
     def kv_bytes_per_token(self) -> int:
         """Key/value bytes one position of one request takes (every layer, every kept loop step)."""
@@ -183,7 +186,10 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[Finished]:
         """One tick (see the module); returns the requests that finished in it."""
-        finished = self._admit()
+        return self._tick()
+
+    def _tick(self) -> list[Finished]:
+        finished = self._admit() if self.queue else []
         occupied = int((self.stage != FREE).sum())
         if not occupied:
             return finished
@@ -196,7 +202,7 @@ class Engine:
             if stage.kind is StageKind.SINGLE:
                 self._single(stage.layers, rows)
             else:
-                finished += self._loop(stage.group, rows)
+                self._loop(stage.group, rows)
         ready = np.flatnonzero(self.stage == len(self.stages))
         if ready.size:
             finished += self._read_out(ready)
@@ -210,8 +216,9 @@ class Engine:
 
     def _context(self, rows_t, rows, every, steps=None, same=None):
         positions = self.position[rows]
-        return self.slots.context(rows_t, torch.from_numpy(positions).to(self.device), int(positions.max()) + 1,
-                                  every, steps, same)
+        last = int(positions.max())
+        return self.slots.context(rows_t, torch.from_numpy(positions).to(self.device), last + 1, every, steps, same,
+                                  every and int(positions.min()) == last)
 
     def _single(self, layers: tuple[int, ...], rows: np.ndarray) -> None:
         rows_t, every = self._rows(rows)
@@ -222,57 +229,64 @@ class Engine:
             self.x[rows_t] = self.model.run_layers(layers, self.x[rows_t], ctx)
         self.stage[rows] += 1
 
-    def _loop(self, group: int, rows: np.ndarray) -> list[Finished]:
+    def _loop(self, group: int, rows: np.ndarray) -> None:
         model = self.model
         entering = rows[self.step_count[rows] == 0]
         if entering.size:
             self._begin(group, entering)
         rows_t, every = self._rows(rows)
-        steps = self.step_count[rows] + 1
-        values = np.unique(steps).tolist()
-        steps_t = torch.from_numpy(steps).to(self.device)
-        ctx = self._context(rows_t, rows, every, steps_t, values[0] if len(values) == 1 else None)
+        steps = (self.step_count if every else self.step_count[rows]) + 1
+        low, high = int(steps.min()), int(steps.max())
+        values = [low] if low == high else np.unique(steps).tolist()
+        steps_t = None if low == high and self.fixed else torch.from_numpy(steps).to(self.device)
+        ctx = self._context(rows_t, rows, every, steps_t, low if low == high else None)
         prev = self.state if every else self.state[rows_t]
         projected = self.projected if every else self.projected[rows_t]
         new = model.loop_step(group, prev, projected, ctx)
-        done, handoff, _ = self.controller.after_steps(group, steps_t, values, rows_t, prev, new)
-        flags = torch.stack([done, ~torch.isfinite(new).all(dim=1)]).cpu().numpy()  # the tick's host read
+        if self.fixed:  # known on the host: no call, no read of the device
+            handoff, stopping = new, steps >= self.k_max[group]
+        else:
+            done, handoff, _ = self.controller.after_steps(group, steps_t, values, rows_t, prev, new)
+            stopping = done.cpu().numpy()  # the tick's one host read for this group
         if every:
             self.state.copy_(new)
         else:
             self.state[rows_t] = new
         self.step_count[rows] = steps
         self.stats.loop_steps[group] += int(rows.size)
-        stopping, bad = flags[0], flags[1]
-        failed = [self._fail(int(row), f"the loop state of group {group} is not finite at position "
-                             f"{int(self.position[row])}") for row in rows[bad]]
-        stopping = stopping & ~bad
-        if stopping.any():
-            leaving = rows[stopping]
-            leaving_t = torch.from_numpy(leaving).to(self.device)
-            computed = steps[stopping]
-            early = computed < self.k_max[group]
-            if early.any():
-                self.slots.settle(group, leaving_t[torch.from_numpy(early).to(self.device)],
-                                  torch.from_numpy(self.position[leaving][early]).to(self.device),
-                                  torch.from_numpy(computed[early]).to(self.device))
-            handed = handoff[torch.from_numpy(stopping).to(self.device)]
+        if not stopping.any():
+            return
+        leaving = rows[stopping]
+        all_leave = bool(stopping.all())
+        leaving_t = rows_t if all_leave else torch.from_numpy(leaving).to(self.device)
+        computed = steps[stopping]
+        early = computed < self.k_max[group]
+        if early.any():
+            self.slots.settle(group, leaving_t[torch.from_numpy(early).to(self.device)],
+                              torch.from_numpy(self.position[leaving][early]).to(self.device),
+                              torch.from_numpy(computed[early]).to(self.device))
+        handed = handoff if all_leave else handoff[torch.from_numpy(stopping).to(self.device)]
+        if all_leave and every:
+            self.x.copy_(model.hand_on(handed))
+        else:
             self.x[leaving_t] = model.hand_on(handed)
-            if self.warm_start:
-                self.warm[group][leaving_t] = handed
-            for row, count in zip(leaving.tolist(), computed.tolist()):
-                live = self.live[row]
-                live.current_steps.append(count)
-                live.current_rules.append("budget" if self.fixed or count == self.k_max[group] else "rule")
-            self.stage[leaving] += 1
-            self.step_count[leaving] = 0
-        return failed
+        if self.warm_start:
+            self.warm[group][leaving_t] = handed
+        for row, count in zip(leaving.tolist(), computed.tolist()):
+            live = self.live[row]
+            live.current_steps.append(count)
+            live.current_rules.append("budget" if self.fixed or count == self.k_max[group] else "rule")
+        self.stage[leaving] += 1
+        self.step_count[leaving] = 0
 
     def _begin(self, group: int, rows: np.ndarray) -> None:
         """Rows arriving at ``group``: the input half, the initial state, the rule's memory."""
-        rows_t = torch.from_numpy(rows).to(self.device)
+        rows_t, every = self._rows(rows)
         positions = self.position[rows]
-        self.projected[rows_t] = self.model.group_input(group, self.x[rows_t])
+        if every:
+            self.projected.copy_(self.model.group_input(group, self.x))
+        else:
+            self.projected[rows_t] = self.model.group_input(group, self.x[rows_t])
         if self.warm_start and (positions > 0).all():
             start = self.warm[group][rows_t]
         elif group in self.initial:
@@ -285,7 +299,10 @@ class Engine:
             if self.warm_start:
                 later = torch.from_numpy(positions > 0).to(self.device)
                 start = torch.where(later[:, None], self.warm[group][rows_t], start)
-        self.state[rows_t] = start
+        if every:
+            self.state.copy_(start)
+        else:
+            self.state[rows_t] = start
         self.controller.begin_rows(group, rows_t, start)
 
     # ------------------------------------------------------------------ tokens
@@ -293,12 +310,17 @@ class Engine:
         """Rows whose token went through every stage: logits, the next token, retire or go on."""
         rows_t, every = self._rows(rows)
         logits = self.model.readout(self.x if every else self.x[rows_t])  # (E, V)
-        greedy = logits.argmax(dim=-1).tolist()
+        # the tick's host read of the readout: each row's argmax, and -1 where its logits are not finite
+        greedy = torch.where(torch.isfinite(logits).all(dim=-1), logits.argmax(dim=-1), -1).tolist()
         finished, feed_rows, feed_tokens = [], [], []
         for index, row in enumerate(rows.tolist()):
             live = self.live[row]
             result, request = live.result, live.request
             position = int(self.position[row])
+            if greedy[index] < 0:
+                live.current_steps, live.current_rules = [], []
+                finished.append(self._fail(row, f"the model's output is not finite at position {position}"))
+                continue
             result.steps.append(live.current_steps)
             result.rules.append(live.current_rules)
             live.current_steps, live.current_rules = [], []

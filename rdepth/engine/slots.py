@@ -34,6 +34,7 @@ class SlotCache:
         self.layout = layout
         self.batch = cache.batch_size
         self.capacity = cache.capacity
+        # (the context's slot_index is unused on the one-query-per-row path: the rows stand in for it)
         self._numbers = {group: torch.arange(1, n + 1, device=cache.position.device).view(1, n, 1, 1)
                          for group, n in enumerate(cache.steps)}
 
@@ -46,16 +47,21 @@ class SlotCache:
         return total
 
     def context(self, rows: torch.Tensor, positions: torch.Tensor, span: int, all_rows: bool,
-                steps: torch.Tensor | None = None, same_step: int | None = None) -> AttentionContext:
+                steps: torch.Tensor | None = None, same_step: int | None = None,
+                same_position: bool = False) -> AttentionContext:
         """The attention context of one batched call over ``rows`` ``[A]`` (slot indices) at
         ``positions`` ``[A]``, reading the first ``span`` positions; in a loop, ``steps`` ``[A]`` (1-based;
         ``same_step`` when every row is at that one). ``all_rows``: ``rows`` is every slot in order (the
-        keys are then read as views, without a gather)."""
-        store = CallStore(self, rows, positions, span, all_rows, steps, same_step)
-        key_positions = torch.arange(span, device=rows.device)
-        mask = (key_positions[None, :] <= positions[:, None]).view(-1, 1, 1, span)  # (A, 1, 1, span)
-        return AttentionContext(store, 0, rows, positions, torch.zeros_like(rows), 1, rows.shape[0], mask,
-                                one_per_row=True)
+        keys are then read as views, without a gather); ``same_position``: besides, every row is at position
+        ``span - 1`` (no mask; one write along the positions)."""
+        same_position = span if all_rows and same_position else None
+        store = CallStore(self, rows, positions, span, all_rows, steps, same_step, same_position)
+        if same_position is not None:  # every slot at the last position read: no mask, as the lock-step decoder
+            mask = None
+        else:
+            key_positions = torch.arange(span, device=rows.device)
+            mask = (key_positions[None, :] <= positions[:, None]).view(-1, 1, 1, span)  # (A, 1, 1, span)
+        return AttentionContext(store, 0, rows, positions, rows, 1, rows.shape[0], mask, one_per_row=True)
 
     def settle(self, group: int, rows: torch.Tensor, positions: torch.Tensor, computed: torch.Tensor) -> None:
         """Rows ``rows`` ``[E]`` left ``group``'s loop at ``positions`` after ``computed`` ``[E]`` steps: their
@@ -78,9 +84,11 @@ class CallStore:
     """The store of one batched call (see :meth:`SlotCache.context`): writes each row's keys/values at its
     position (and step's slot) and returns what each row attends to, ``[A, nh, span, hs]``."""
 
-    def __init__(self, slots: SlotCache, rows, positions, span, all_rows, steps, same_step):
+    def __init__(self, slots: SlotCache, rows, positions, span, all_rows, steps, same_step, same_position=None):
         self.slots, self.rows, self.positions, self.span = slots, rows, positions, span
         self.all_rows, self.same_step = all_rows, same_step
+        # every slot writes at one position: one index_copy_ along the positions (the lock-step decoder's write)
+        self.position = positions[:1] if same_position is not None else None
         self.flat_index = None
         if steps is not None and slots.layout == "exact" and same_step is None:
             self.flat_index = (steps - 1) * slots.batch + rows  # row of the [K * B, ...] view
@@ -106,6 +114,9 @@ class CallStore:
     def _write_read(self, tensor: torch.Tensor, index: torch.Tensor, new: torch.Tensor,
                     gather: bool = False) -> torch.Tensor:
         """Write ``new`` ``[A, nh, hs]`` at ``tensor[index[a], :, positions[a]]``; read ``[A, nh, span, hs]``."""
+        if self.position is not None and not gather:
+            tensor.index_copy_(2, self.position, new.to(tensor.dtype).unsqueeze(2))
+            return tensor.narrow(2, 0, self.span)
         tensor[index, :, self.positions] = new.to(tensor.dtype)
         window = tensor.narrow(2, 0, self.span)
         if self.all_rows and not gather:

@@ -290,23 +290,42 @@ class KLPolicy(_DecodedPolicy):
         """The log-probabilities the rule compares ``[A, V]``."""
         return self._log_probs(new)
 
+    def after_steps(self, steps, values, rows, prev, new):
+        """Rows at different steps in one call when the head is read at every step (``every`` 1): the first
+        reading (step 1) compares with the prior or exits never, as :meth:`_exits` at step 1."""
+        if self.options["every"] != 1 or len(values) == 1:
+            return super().after_steps(steps, values, rows, prev, new)
+        if not 1 <= values[0] <= values[-1] <= self.k_max:
+            raise RdepthError(f"exit policy {self.name}: steps {values[0]}..{values[-1]} outside 1..k_max={self.k_max}")
+        log_probs = self._distribution(new)  # (A, V)
+        kl = self._kl(log_probs, rows)
+        exits = kl < self.tau
+        if self.options["prior"] != "uniform":
+            exits = exits & (steps != 1)
+        self.prev_log_probs[rows] = log_probs
+        return exits | (steps == self.k_max), new, steps
+
+    def _kl(self, log_probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``[A]``: the divergence between each row's reading and its previous one (the prior's at first)."""
+        if self.prev_log_probs is None:
+            vocab = log_probs.shape[-1]
+            uniform = self.options["prior"] == "uniform"
+            self.prev_log_probs = log_probs.new_full((self.n_rows, vocab), -math.log(vocab) if uniform else 0.0)
+        prev_log_probs = self.prev_log_probs[rows]
+        if self.options["direction"] == "new_old":
+            return (log_probs.exp() * (log_probs - prev_log_probs)).sum(-1)
+        return (prev_log_probs.exp() * (prev_log_probs - log_probs)).sum(-1)
+
     def _exits(self, step, rows, prev, new):
         if not self._reads(step):
             return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         log_probs = self._distribution(new)  # (A, V)
-        uniform = self.options["prior"] == "uniform"
-        if self.prev_log_probs is None:
-            vocab = log_probs.shape[-1]
-            self.prev_log_probs = log_probs.new_full((self.n_rows, vocab), -math.log(vocab) if uniform else 0.0)
-        if self._first_reading(step) and not uniform:
+        if self._first_reading(step) and self.options["prior"] != "uniform":
+            if self.prev_log_probs is None:
+                self._kl(log_probs, rows)  # allocates the memory
             exits = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         else:
-            prev_log_probs = self.prev_log_probs[rows]
-            if self.options["direction"] == "new_old":
-                kl = (log_probs.exp() * (log_probs - prev_log_probs)).sum(-1)
-            else:
-                kl = (prev_log_probs.exp() * (prev_log_probs - log_probs)).sum(-1)
-            exits = kl < self.tau
+            exits = self._kl(log_probs, rows) < self.tau
         self.prev_log_probs[rows] = log_probs
         return exits
 
