@@ -65,6 +65,8 @@ def parse_args(argv):
                         help="also time the engine with the shared key/value layout (its quality change on the "
                              "timed problems, paired against the exact layout)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the GPU issue's call: bench/gpu/device_call.sh "
+                        "step depth_batching)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -86,7 +88,7 @@ def revision() -> str:
 
 
 # ---------------------------------------------------------------------- quality and selection
-def quality(model, heldout, settings: dict, seed: int) -> dict:
+def quality(model, heldout, settings: dict, seed: int, device="cpu") -> dict:
     """Per setting: solved [W] bool and executed loop steps per position (over every position)."""
     from rdepth.tasks.evaluate import heldout_accuracy
     from exit_workload import window_solved
@@ -95,7 +97,8 @@ def quality(model, heldout, settings: dict, seed: int) -> dict:
     answers, others = int(heldout.answer_mask[:, 1:].sum()), int((~heldout.answer_mask[:, 1:]).sum())
     for label, setting in settings.items():
         result = heldout_accuracy(model, heldout, loop_counts=setting.get("loop_counts"),
-                                  controller_factory=setting.get("factory"), batch_size=64, seed=seed, per_token=True)
+                                  controller_factory=setting.get("factory"), batch_size=64, seed=seed, per_token=True,
+                                  device=device)
         if "loop_counts" in setting:
             steps = float(sum(setting["loop_counts"]))
         else:
@@ -203,7 +206,7 @@ def lockstep_call(model, windows, ids, width, budget, seed):
     batches = [(windows[first:first + width], ids[first:first + width]) for first in range(0, len(windows), width)]
     decoders = [Decoder(model, len(part), noise=StateNoise(seed, [int(i) for i in part_ids]), **budget)
                 for part, part_ids in batches]
-    tensors = [torch.from_numpy(part) for part, _ in batches]
+    tensors = [torch.from_numpy(part).to(next(model.parameters()).device) for part, _ in batches]
     record = {}
 
     def call():
@@ -254,6 +257,10 @@ def timing(model, heldout, labels, rows_b, choice, settings, args) -> dict:
             for name in names:
                 start = time.perf_counter()
                 calls[name]()
+                if args.device.startswith("cuda"):
+                    import torch
+
+                    torch.cuda.synchronize()
                 samples[name].append(time.perf_counter() - start)
         positions = windows.size
         rows = {}
@@ -313,11 +320,11 @@ def engine_vs_teacher_forced(heldout, ids, predicted, settings, label, model, se
     from rdepth.model.noise import StateNoise
 
     setting = settings[label]
-    x = torch.from_numpy(heldout.tokens[ids, :-1].astype("int64"))
+    x = torch.from_numpy(heldout.tokens[ids, :-1].astype("int64")).to(next(model.parameters()).device)
     with torch.no_grad():
         out = teacher_forced(model, x, loop_counts=setting.get("loop_counts"),
                              controller_factory=setting.get("factory"), noise=StateNoise(seed, [int(i) for i in ids]))
-    forced = out.logits.argmax(dim=-1).numpy()
+    forced = out.logits.argmax(dim=-1).cpu().numpy()
     mask = heldout.answer_mask[ids, 1:].astype(bool)
     engine = np.array([predicted[k] for k in range(len(ids))])
     return {"answers": int(mask.sum()), "differ": int((engine[mask] != forced[mask]).sum())}
@@ -333,7 +340,8 @@ def main(argv=None) -> int:
     from exit_workload import mixed_heldout
 
     torch.set_num_threads(args.threads)
-    model = load_model(args.run, torch.device("cpu"))[0].eval()
+    device = torch.device(args.device)
+    model = load_model(args.run, device)[0].eval()
     if model.n_groups != 1:
         raise SystemExit("depth_batching: a model with one looped group (the task models)")
     difficulties = [int(d) for d in args.difficulties.split(",") if d.strip()]
@@ -344,10 +352,10 @@ def main(argv=None) -> int:
         for tau in GRID[name]:
             settings[f"{name} {tau:g}"] = {"factory": controller_factory(name, tau, args.full_loops,
                                                                           lambda: model.readout, options)}
-    cpu = _cpu_name()
+    cpu = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     print(f"depth_batching: {cpu}, torch {torch.__version__}, {args.threads} thread(s), revision {revision()}; "
           f"{len(labels)} problems, difficulties {difficulties}", flush=True)
-    qualities = quality(model, heldout, settings, args.seed)
+    qualities = quality(model, heldout, settings, args.seed, device)
     rows_a, rows_b = np.arange(0, len(labels), 2), np.arange(1, len(labels), 2)
     choice = select(qualities, labels, rows_a, args)
     judged = judge(qualities, labels, rows_b, choice, args)

@@ -7,7 +7,7 @@
 #   bash bench/gpu/device_call.sh REVISION STEP [STEP ...]      (CALL_BUDGET_S: the whole call, default 450)
 #
 # Steps: tests, train, train_fused, noise, train_autotune, fp8, trained_exits, spread, spread_spans,
-# decode_autotune, huginn (see step_* below).
+# decode_autotune, huginn, depth_batching (see step_* below).
 # The machine has no network: the package runs from the checkout (PYTHONPATH), torchao comes from a
 # carried wheel (fp8), the trained task model from carried runs/gpu-task (trained_exits).
 set -u -o pipefail
@@ -78,6 +78,14 @@ step_decode_autotune() {  # batch-1 decode, the default mode then max-autotune o
             --decode-compile-mode max-autotune-no-cudagraphs
 }
 
+step_depth_batching() {  # continuous depth batching on the card (issue 51, call 3): the main job's loop-only model
+                        # (carried runs/gpu-task-loop: bench/gpu/prepare_carry.sh), selection on half A, widths 32-256
+    mkdir -p "$OUT/depth_batching"
+    python3 bench/depth_batching.py --run runs/gpu-task-loop/train --data runs/gpu-task-loop/data --device cuda \
+        --problems "${DB_PROBLEMS:-128}" --widths "${DB_WIDTHS:-32,64,128,256}" --rounds 3 --splits 200 \
+        --json "$OUT/depth_batching/depth_batching.json"
+}
+
 step_huginn() {  # Huginn-0125's published config at its real size (random weights): import-hf and the GPU
                 # recipe's commands (docs/ecosystem.md), each timed with the card's peak memory
     PYTHONPATH=. python3 bench/gpu/huginn_scale.py run --carry runs/huginn-carry --work /tmp/huginn \
@@ -91,7 +99,7 @@ fi
 
 declare -A LIMIT=([tests]=90 [train]=150 [train_fused]=150 [train_autotune]=240 [fp8]=150 [trained_exits]=100
                   [spread]=120 [spread_spans]=120 [decode_autotune]=240 [noise]=60
-                  [huginn]=330)
+                  [huginn]=330 [depth_batching]=300)
 for name in "$@"; do  # every name checked before anything runs
     if ! declare -F "step_$name" >/dev/null; then
         echo "== unknown step $name (choose from ${!LIMIT[*]})"; exit 2

@@ -9,6 +9,7 @@
 #   runs/huginn-carry/                   held-out text + tokenizer.json for the huginn step           ~0.8 MB
 #   data/medium.zip                      the medium corpus bundle with the GPT-2 tokenizer      ~26 MB
 #                                        (the r = 12 reproduction, docs/reproduce.md; its own call)
+#   runs/gpu-task-loop/{train,data}      the main job's loop-only model (depth_batching: the engine)  ~3 MB
 #
 #   bash bench/gpu/prepare_carry.sh [STEPS]     STEPS: the task model's training steps (default 2600, the
 #                                               demo's own; fewer is faster and less accurate)
@@ -64,4 +65,21 @@ if [[ ! -f runs/gpu-task/train/checkpoints/latest ]]; then
     rm -rf runs/gpu-task && mv runs/gpu-task.partial runs/gpu-task
     rm -rf "$work"
 fi
-echo "== carry ready ($((SECONDS - t0)) s): $(du -sh shared/wheels shared/data/wiki-gpt2 runs/huginn-carry runs/gpu-task data/medium.zip | awk '{print $2" "$1}' | paste -sd' ')"
+if [[ ! -f runs/gpu-task-loop/train/checkpoints/latest ]]; then
+    echo "== the main job's loop-only model (task_loop, difficulties 1-8): rdepth demo, looped run only ($((SECONDS - t0)) s)"
+    work=$(mktemp -d /tmp/gpu-task-loop.XXXXXX)
+    python3 -m rdepth demo --out "$work" --baselines none --no-analyze --no-sweep --train-difficulties 1,8 --seed 0
+    rm -rf runs/gpu-task-loop.partial && mkdir -p runs/gpu-task-loop.partial/train/checkpoints runs/gpu-task-loop.partial/data
+    for f in config.json summary.json environment.json; do
+        [[ -f "$work/train/$f" ]] && cp "$work/train/$f" runs/gpu-task-loop.partial/train/
+    done
+    [[ -e "$work/train/tokenizer" ]] && cp -r "$work/train/tokenizer" runs/gpu-task-loop.partial/train/
+    latest=$(head -n 1 "$work/train/checkpoints/latest")
+    cp -r "$work/train/checkpoints/$latest" "$work/train/checkpoints/latest" runs/gpu-task-loop.partial/train/checkpoints/
+    for f in "$work"/data/*; do
+        case $(basename "$f") in train*) ;; *) cp -r "$f" runs/gpu-task-loop.partial/data/ ;; esac
+    done
+    rm -rf runs/gpu-task-loop && mv runs/gpu-task-loop.partial runs/gpu-task-loop
+    rm -rf "$work"
+fi
+echo "== carry ready ($((SECONDS - t0)) s): $(du -sh shared/wheels shared/data/wiki-gpt2 runs/huginn-carry runs/gpu-task runs/gpu-task-loop data/medium.zip | awk '{print $2" "$1}' | paste -sd' ')"
