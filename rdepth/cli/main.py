@@ -28,6 +28,7 @@ SUBCOMMANDS = [
     "consolidate",
     "eval",
     "generate",
+    "serve",
     "analyze",
     "sweep",
     "calibrate",

@@ -92,11 +92,15 @@ class Engine:
         kv_layout: ``"exact"`` (default) or ``"shared"`` (:mod:`rdepth.engine.slots`).
         warm_start: each group's loop starts from the state the row handed on at its previous position.
         clock: the time source of the latency figures.
+        listener: ``listener(request_id, token, steps, rules)`` called for every new token as it is chosen
+            (``steps``/``rules``: the loop steps and stop reason per group of the position that chose it;
+            streaming servers); it must not call the engine.
     """
 
     def __init__(self, model: RecurrentLM, batch_size: int, *, loop_counts: Sequence[int] | str | int | None = None,
                  controller_factory: Callable[[], LoopController] | None = None, capacity: int | None = None,
-                 kv_layout: str = "exact", warm_start: bool = False, clock: Callable[[], float] = time.perf_counter):
+                 kv_layout: str = "exact", warm_start: bool = False, clock: Callable[[], float] = time.perf_counter,
+                 listener: Callable[[int, int, list[int], list[str]], None] | None = None):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise RdepthError(f"engine: batch_size must be an integer >= 1, got {batch_size!r}")
         if kv_layout not in KV_LAYOUTS:
@@ -128,6 +132,8 @@ class Engine:
         self.kv_layout = kv_layout
         self.warm_start = bool(warm_start)
         self.clock = clock
+        self.listener = listener
+        self._cancelled: set[int] = set()
         self.stages = model.stages
         d, batch, device = config.d_model, batch_size, self.device
         with torch.no_grad():
@@ -167,6 +173,11 @@ class Engine:
     def pending(self) -> bool:
         """Whether a request is queued or in flight."""
         return bool(self.queue) or bool((self.stage != FREE).any())
+
+    def cancel(self, request_id: int) -> None:
+        """End request ``request_id`` (queued or in flight) at its next token, ``finish_reason`` "cancelled"
+        (a client gone, or a stop string matched outside the engine); unknown or finished ids are ignored."""
+        self._cancelled.add(int(request_id))
 
     def in_flight(self) -> int:
         return int((self.stage != FREE).sum())
@@ -339,8 +350,13 @@ class Engine:
             token = greedy[index] if live.generator is None else int(choose_tokens(
                 logits[index:index + 1], request.temperature, request.top_k, live.generator, request.top_p))
             result.tokens.append(token)
+            if self.listener is not None:
+                self.listener(live.id, token, result.steps[-1], result.rules[-1])
             reason = None
-            if token in request.stop:
+            if live.id in self._cancelled:
+                self._cancelled.discard(live.id)
+                reason = "cancelled"
+            elif token in request.stop:
                 reason = "stop"
             elif len(result.tokens) >= request.max_tokens:
                 reason = "length"

@@ -22,6 +22,26 @@ def check_force_profile(command: str, config) -> None:
         raise RdepthError(f"{command}: --force-profile applies to --exit-profile; give one or drop it")
 
 
+def policy_options(command: str, exit_policy: str | None, text: str | None, checkpoint: str) -> dict:
+    """``--exit-options KEY=VALUE,...`` as a dict, each value an int, a float or text; the learned rule's gate
+    is the run's (``checkpoint``)."""
+    options = {"gate": checkpoint} if exit_policy == "learned" else {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise RdepthError(f"{command}: --exit-options wants KEY=VALUE,..., got {item!r}")
+        for kind in (int, float):
+            try:
+                value = kind(value)
+                break
+            except ValueError:
+                continue
+        options[key.strip()] = value.strip() if isinstance(value, str) else value
+    return options
+
+
 def autocast_dtype(name: str):
     """The torch dtype of an autocast name (:data:`AUTOCAST_NAMES`; ``none`` -> None)."""
     import torch
@@ -143,21 +163,7 @@ class GenerateConfig:
 
     def policy_options(self) -> dict:
         """``--exit-options`` as a dict, each value an int, a float or text; the learned rule's gate is the run's."""
-        options = {"gate": self.checkpoint} if self.exit == "learned" else {}
-        for item in (self.exit_options or "").split(","):
-            if not item.strip():
-                continue
-            key, sep, value = item.partition("=")
-            if not sep or not key.strip() or not value.strip():
-                raise RdepthError(f"generate: --exit-options wants KEY=VALUE,..., got {item!r}")
-            for kind in (int, float):
-                try:
-                    value = kind(value)
-                    break
-                except ValueError:
-                    continue
-            options[key.strip()] = value.strip() if isinstance(value, str) else value
-        return options
+        return policy_options("generate", self.exit, self.exit_options, self.checkpoint)
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):

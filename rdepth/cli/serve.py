@@ -1,0 +1,35 @@
+"""``rdepth serve``: an OpenAI-compatible server whose every token reports the depth it used."""
+
+from __future__ import annotations
+
+import argparse
+
+from rdepth.cli.options import add_dataclass_flags, build
+
+
+def register(subparsers) -> None:
+    from rdepth.serve.config import ServeConfig
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a checkpoint over an OpenAI-compatible HTTP API",
+        description="Serve a checkpoint through the continuous depth batching engine: POST /v1/completions "
+        "(streaming too), GET /v1/models, /health, /metrics. Every choice reports each token's loop steps per "
+        "group and why each loop stopped. Needs the serve extra (pip install 'rdepth[serve]').",
+    )
+    add_dataclass_flags(parser, ServeConfig, title="serve")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rdepth.errors import RdepthError
+    from rdepth.serve.config import ServeConfig
+
+    config = build(ServeConfig, {}, args)
+    try:
+        from rdepth.serve.server import serve
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] in ("fastapi", "starlette", "uvicorn"):
+            raise RdepthError("rdepth serve needs its extra: pip install 'rdepth[serve]'") from None
+        raise
+    return serve(config)

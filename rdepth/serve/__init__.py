@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP server on the continuous depth batching engine (``rdepth serve``)."""

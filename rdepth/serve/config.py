@@ -1,0 +1,53 @@
+"""Settings of ``rdepth serve`` (torch-free, so ``rdepth --help`` stays fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rdepth.config import MAX_LOOPS
+from rdepth.errors import RdepthError
+from rdepth.fields import check_fields, option
+from rdepth.run.config import DEVICE_HELP, check_device_name, policy_options
+from rdepth.threads import THREADS_HELP
+
+
+@dataclass
+class ServeConfig:
+    """One ``rdepth serve``: a checkpoint behind the OpenAI-compatible API, through the engine."""
+
+    checkpoint: str = option("", "checkpoint folder, or a run folder (its latest checkpoint)", required=True)
+    name: str | None = option(None, "the model name clients pass as 'model'", default_text="the run folder's name")
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on", bounds="[1, 65535]")
+    batch_size: int = option(16, "requests decoded together (the engine's slots)", bounds="[1, 4096]")
+    loops: str | None = option(None, "a fixed budget: loop counts N or N,N,... per group",
+                               default_text="the model's eval loop counts")
+    exit: str | None = option(None, "per-token exits by this exit policy at --tau, in every group, instead of --loops",
+                              default_text="none", metavar="POLICY")
+    tau: float | None = option(None, "with --exit: the policy's threshold", default_text="the policy's own",
+                               bounds="(0, inf)")
+    k_max: tuple[int, ...] | None = option(None, "with --exit: loop-step cap N or N,N,... per group",
+                                           default_text="twice the model's eval loops", bounds=f"[1, {MAX_LOOPS}]")
+    exit_options: str | None = option(None, "with --exit: the policy's options as KEY=VALUE,...",
+                                      default_text="the policy's own", metavar="KEY=VALUE,...")
+    kv_layout: str = option("exact", "the engine's key/value layout: exact or shared", choices=("exact", "shared"))
+    max_tokens: int = option(256, "the most new tokens a request may ask for", bounds="[1, 1000000]")
+    max_n: int = option(16, "the most choices (n) a request may ask for", bounds="[1, 1024]")
+    seed: int = option(0, "seed of the initial loop-state noise (request choice i draws StateNoise(seed, [i]))",
+                       bounds=f"[0, {2**62})")
+    device: str = option("auto", DEVICE_HELP)
+    threads: int = option(0, THREADS_HELP, bounds="[0, inf)")
+
+    def __post_init__(self) -> None:
+        if self.k_max is not None:
+            self.k_max = tuple(self.k_max)
+        check_fields(self, "serve")
+        if self.exit is None and (self.tau is not None or self.k_max is not None or self.exit_options is not None):
+            raise RdepthError("serve: --tau, --k-max and --exit-options set the policy of --exit; give --exit too")
+        if self.exit is not None and self.loops:
+            raise RdepthError("serve: --exit replaces --loops; give one")
+        check_device_name("serve", self.device)
+
+    def policy_options(self) -> dict:
+        """``--exit-options`` as a dict (the learned rule's gate is the run's), as ``rdepth generate`` reads it."""
+        return policy_options("serve", self.exit, self.exit_options, self.checkpoint)

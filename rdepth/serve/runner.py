@@ -1,0 +1,129 @@
+"""The engine behind a server: one thread owns the :class:`~rdepth.engine.Engine` and ticks it while
+requests are in flight; clients on other threads (the server's event loop) submit requests and get their
+tokens as they come (:class:`Submission`: a queue of events per request).
+
+Every request in flight shares the engine's batch; each one's tokens equal its batch-1 decode under the
+same policy, threshold, noise and seed (the engine's guarantee, tests/test_engine.py)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from rdepth.engine import Engine, Finished, Request
+
+
+@dataclass
+class TokenEvent:
+    """One new token of a request: its id, the loop steps per group of the position that chose it, and why
+    each group's loop stopped (``"rule"`` or ``"budget"``)."""
+
+    token: int
+    steps: list[int]
+    rules: list[str]
+
+
+@dataclass
+class Submission:
+    """A submitted request: ``events`` yields :class:`TokenEvent` s, then the :class:`Finished` result."""
+
+    request: Request
+    events: "queue.Queue[TokenEvent | Finished]" = field(default_factory=queue.Queue)
+    request_id: int | None = None
+
+
+class EngineRunner:
+    """Owns ``engine`` on a background thread (started by :meth:`start`, ended by :meth:`stop`)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        engine.listener = self._on_token
+        self._inbox: "queue.Queue[Submission]" = queue.Queue()
+        self._cancels: "queue.Queue[int]" = queue.Queue()
+        self._by_id: dict[int, Submission] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.started_s = time.time()
+        self.metrics = {"requests": 0, "requests_failed": 0, "tokens_generated": 0}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ clients (any thread)
+    def submit(self, request: Request) -> Submission:
+        submission = Submission(request)
+        self._inbox.put(submission)
+        self._wake.set()
+        return submission
+
+    def cancel(self, submission: Submission) -> None:
+        if submission.request_id is not None:
+            self._cancels.put(submission.request_id)
+            self._wake.set()
+
+    def queue_length(self) -> int:
+        return self._inbox.qsize() + len(self.engine.queue)
+
+    def snapshot(self) -> dict:
+        """The counters, the queue length and the slots in use (for /metrics)."""
+        with self._lock:
+            metrics = dict(self.metrics)
+        stats = self.engine.stats  # ints the engine's thread updates (each read is atomic)
+        metrics.update(queue=self.queue_length(), in_flight=self.engine.in_flight(), batch=self.engine.batch,
+                       uptime_s=time.time() - self.started_s, ticks=stats.ticks, positions=stats.positions,
+                       occupied_slot_ticks=stats.occupied, loop_steps=list(stats.loop_steps))
+        return metrics
+
+    # ------------------------------------------------------------------ the engine's thread
+    def start(self) -> "EngineRunner":
+        self._thread = threading.Thread(target=self._loop, name="rdepth-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._take_inbox()
+            if not engine.pending():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            for done in engine.step():
+                self._finish(done)
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                submission = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            submission.request_id = self.engine.add_request(submission.request)
+            self._by_id[submission.request_id] = submission
+        while True:
+            try:
+                self.engine.cancel(self._cancels.get_nowait())
+            except queue.Empty:
+                break
+
+    def _on_token(self, request_id: int, token: int, steps: list[int], rules: list[str]) -> None:
+        submission = self._by_id.get(request_id)
+        with self._lock:
+            self.metrics["tokens_generated"] += 1
+        if submission is not None:
+            submission.events.put(TokenEvent(token, list(steps), list(rules)))
+
+    def _finish(self, done: Finished) -> None:
+        submission = self._by_id.pop(done.request_id, None)
+        with self._lock:
+            self.metrics["requests"] += 1
+            if done.error is not None:
+                self.metrics["requests_failed"] += 1
+        if submission is not None:
+            submission.events.put(done)

@@ -1,0 +1,71 @@
+"""``rdepth serve``: a checkpoint, its tokenizer and the engine behind the HTTP API (:mod:`rdepth.serve.api`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from rdepth.engine import Engine
+from rdepth.errors import RdepthError
+from rdepth.serve.api import ServedModel, build_app
+from rdepth.serve.config import ServeConfig
+from rdepth.serve.runner import EngineRunner
+
+log = logging.getLogger(__name__)
+
+
+def served_model(config: ServeConfig) -> ServedModel:
+    """Load the checkpoint, build the engine under the budget or exit rule, start its thread."""
+    import torch
+
+    from rdepth.exits.config import resolve_k_max
+    from rdepth.exits.controller import controller_factory
+    from rdepth.run.checkpoint import load_model
+    from rdepth.run.device import resolve_device
+    from rdepth.run.heldout import run_tokenizer
+
+    options = config.policy_options() if config.exit else {}
+    if config.exit:  # a bad name, tau or option fails here, before the checkpoint is loaded
+        controller_factory(config.exit, config.tau, config.k_max or (1,), options=options)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = resolve_device(config.device)
+    model, model_config = load_model(config.checkpoint, device)
+    tokenizer = run_tokenizer(config.checkpoint)
+    if config.exit:
+        k_max = resolve_k_max("serve", config.k_max, model.n_groups, model_config.default_eval_loops)
+        factory = controller_factory(config.exit, config.tau, k_max, lambda: model.readout, options)
+        engine = Engine(model, config.batch_size, controller_factory=factory, kv_layout=config.kv_layout)
+        policy = {"exit": config.exit, "tau": config.tau, "k_max": list(k_max),
+                  **{k: str(v) for k, v in options.items()}}
+    else:
+        engine = Engine(model, config.batch_size, loop_counts=config.loops, kv_layout=config.kv_layout)
+        policy = {"loops": list(engine.k_max)}
+    name = config.name or _default_name(config.checkpoint)
+    return ServedModel(name, tokenizer, EngineRunner(engine).start(), model_config.block_size, policy,
+                       config.max_tokens, config.max_n, config.seed)
+
+
+def _default_name(checkpoint: str) -> str:
+    """The run folder's name, with its parent's where the folder is a run's ``train`` or a ``step_*`` checkpoint
+    (``runs/demo/train`` -> ``demo/train``)."""
+    path = Path(checkpoint).resolve()
+    if path.name == "train" or path.name.startswith("step_") or path.name == "checkpoints":
+        return f"{path.parent.name}/{path.name}"
+    return path.name
+
+
+def serve(config: ServeConfig) -> int:
+    """Serve until interrupted."""
+    try:
+        import uvicorn
+    except ModuleNotFoundError:
+        raise RdepthError("rdepth serve needs its extra: pip install 'rdepth[serve]'") from None
+    served = served_model(config)
+    log.info("serving %s (%s) on http://%s:%d with %d slots", served.name, served.policy, config.host, config.port,
+             config.batch_size)
+    try:
+        uvicorn.run(build_app(served), host=config.host, port=config.port, log_level="info")
+    finally:
+        served.runner.stop()
+    return 0
