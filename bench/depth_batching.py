@@ -65,6 +65,10 @@ def parse_args(argv):
                         help="also time the engine with the shared key/value layout (its quality change on the "
                              "timed problems, paired against the exact layout)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reuse-quality", action="store_true",
+                        help="read step 1's per-problem results from --json's .quality.npz (written by an earlier run "
+                             "with the same --run, --data, --problems, --difficulties, grid and seed) instead of "
+                             "computing them: a timing-only rerun")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the GPU issue's call: bench/gpu/device_call.sh "
                         "step depth_batching)")
     parser.add_argument("--seed", type=int, default=0)
@@ -355,7 +359,17 @@ def main(argv=None) -> int:
     cpu = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     print(f"depth_batching: {cpu}, torch {torch.__version__}, {args.threads} thread(s), revision {revision()}; "
           f"{len(labels)} problems, difficulties {difficulties}", flush=True)
-    qualities = quality(model, heldout, settings, args.seed, device)
+    cache = Path(args.json).with_suffix(".quality.npz") if args.json else None
+    if args.reuse_quality:
+        if cache is None or not cache.is_file():
+            raise SystemExit(f"depth_batching: --reuse-quality needs {cache or '--json'} from an earlier run")
+        saved = np.load(cache)
+        qualities = {label: {"steps": float(saved[f"steps|{label}"]), "solved": saved[f"solved|{label}"]}
+                     for label in settings}
+    else:
+        qualities = quality(model, heldout, settings, args.seed, device)
+        if cache is not None:
+            np.savez(cache, **{f"{key}|{label}": q[key] for label, q in qualities.items() for key in ("steps", "solved")})
     rows_a, rows_b = np.arange(0, len(labels), 2), np.arange(1, len(labels), 2)
     choice = select(qualities, labels, rows_a, args)
     judged = judge(qualities, labels, rows_b, choice, args)

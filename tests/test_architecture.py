@@ -21,9 +21,11 @@ ALLOWED = {
     "threads": set(),  # the thread plan: os and torch only
     "config": BASE,
     "model": BASE | {"config"},
+    # continuous depth batching: the model's pieces driven with every row at its own position and step
+    "engine": BASE | {"config", "model"},
     "data": BASE,
     "report": BASE,
-    "run": BASE | {"config", "model", "data"},
+    "run": BASE | {"config", "model", "data", "engine"},
     "train": BASE | {"config", "model", "data", "run"},
     "tasks": BASE | {"config", "model", "data", "run", "report"},
     # the exit rules; a profile evaluated on a reasoning task reads its held-out sets and accuracy
@@ -36,7 +38,9 @@ ALLOWED = {
     "surrogate": BASE | {"config", "model", "data", "run", "report", "geometry"},
     # exported Hugging Face models bundle the model and the exit rules; lm-eval's local chase task
     # draws problems with a task data folder's own parameters
-    "interop": BASE | {"config", "model", "data", "run", "exits", "tasks"},
+    "interop": BASE | {"config", "model", "data", "run", "exits", "tasks", "engine"},
+    # rdepth serve: the HTTP API on the engine, a run's model and tokenizer, the exit rules by name
+    "serve": BASE | {"config", "model", "run", "exits", "engine"},
     # the main job (rdepth/demo/; the rules inside it: DEMO_ROOM)
     "demo": BASE | {"config", "model", "data", "run", "train", "exits", "sweep", "geometry", "report", "tasks"},
     # rdepth reproduce: trains and runs the analyses like the demo, then judges the paper's claims

@@ -89,12 +89,18 @@ def test_loglikelihood_rolling_and_generate_until(run):
     (total,) = lm.loglikelihood_rolling(instances("loglikelihood_rolling", [(long,)]), disable_tqdm=True)
     assert torch.isfinite(torch.tensor(total)) and total < 0
 
-    prompt = "The old castle"
-    (text,) = lm.generate_until(instances("generate_until", [(prompt, {"until": ["."], "max_gen_toks": 12})]),
-                                disable_tqdm=True)
-    ids = tokenizer.encode(prompt)
-    tokens = generate(model, torch.tensor([ids]), 12, temperature=0, loop_counts=(2, 2), noise=StateNoise(0, [0]))
-    assert text == tokenizer.decode(tokens[0, len(ids):].tolist()).split(".")[0]
+    # three requests through the engine's slots (batch size 2): each equals its decode alone
+    prompts = ["The old castle", "A river", "In the morning the market"]
+    lm.batch_size = 2
+    texts = lm.generate_until(instances("generate_until", [(p, {"until": ["."], "max_gen_toks": 6 + 3 * i})
+                                                           for i, p in enumerate(prompts)]), disable_tqdm=True)
+    for i, (prompt, text) in enumerate(zip(prompts, texts)):
+        ids = tokenizer.encode(prompt)
+        tokens = generate(model, torch.tensor([ids]), 6 + 3 * i, temperature=0, loop_counts=(2, 2),
+                          noise=StateNoise(0, [0]))
+        new = tokens[0, len(ids):].tolist()
+        new = new[: new.index(tokenizer.eot_id)] if tokenizer.eot_id in new else new
+        assert text == tokenizer.decode(new).split(".")[0]
 
 
 def test_local_task_per_loop_budget(run, task_folder, tmp_path, monkeypatch, capsys):

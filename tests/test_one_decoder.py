@@ -1,4 +1,6 @@
-"""Every path that decodes token by token drives the one decoder (rdepth.model.decoder.Decoder).
+"""Every path that decodes token by token drives the one decoder (rdepth.model.decoder.Decoder), or, for many
+requests at once, the engine (rdepth.engine, tests/test_engine.py: equal to the decoder request by request),
+over the same cache class.
 
 A token-by-token loop is a loop whose body feeds the model through a key/value cache: a call with a
 ``cache=`` keyword, a new cache (``new_cache``), or a decoder's position step (``_advance``). Only the
@@ -67,7 +69,8 @@ def test_one_cache_class_and_no_cache_in_the_model_forward():
     assert "KVStore" not in classes and classes["KVCache"][0] == "model/kv.py"
     adapters = {name: lines for name, (module, lines) in classes.items()
                 if name not in ("KVCache", "RdepthCache")}  # RdepthCache: transformers' handle on a Decoder
-    assert set(adapters) == {"ChunkKV", "RowsKV", "GivenKV"} and max(adapters.values()) < 60
+    # SlotCache: the engine's reads and writes of a KVCache made by the model (rows at their own steps)
+    assert set(adapters) == {"ChunkKV", "RowsKV", "GivenKV", "SlotCache"} and max(adapters.values()) < 60
     parameters = inspect.signature(RecurrentLM.forward).parameters
     assert "cache" not in parameters and "warm_start" not in parameters
 

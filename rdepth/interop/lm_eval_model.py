@@ -34,7 +34,6 @@ from tqdm import tqdm
 
 from rdepth.config import parse_loop_counts
 from rdepth.errors import RdepthError
-from rdepth.model.generation import generate
 from rdepth.model.noise import StateNoise
 from rdepth.run.checkpoint import load_model
 from rdepth.run.device import resolve_device
@@ -157,26 +156,39 @@ class RdepthLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        outputs = []
-        for request in tqdm(requests, disable=disable_tqdm, desc="rdepth generate"):
+        """Greedy continuations, ``batch_size`` requests at a time through the continuous depth batching
+        engine (each row at its own position and loop step; every request's tokens equal its decode alone,
+        with the initial loop states of sequence 0), cut at the end-of-text token and the first stop string."""
+        from rdepth.engine import Engine, Request
+
+        engine = Engine(self.model, self.batch_size, loop_counts=self.loop_counts)
+        settings = []
+        for index, request in enumerate(requests):
             context, gen_kwargs = request.args
             until = gen_kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = min(int(gen_kwargs.get("max_gen_toks", 64)), self.max_length - 1)
             # the context cut from the left to leave room for the new tokens, as the harness's own models do
             ids = self.tok_encode(context)[-(self.max_length - max_new):] or [self.eot_token_id]
-            prompt = torch.tensor([ids], device=self._device)
-            tokens = generate(self.model, prompt, max_new, temperature=0, loop_counts=self.loop_counts,
-                              noise=StateNoise(self.seed, [0]))
-            new = tokens[0, len(ids):].tolist()
-            if self.eot_token_id in new:
-                new = new[: new.index(self.eot_token_id)]
-            text = self.tok_decode(new)
-            for stop in until:
-                if stop and stop in text:
-                    text = text[: text.index(stop)]
-            outputs.append(text)
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            engine.add_request(Request(ids, max_tokens=max_new, stop=[self.eot_token_id], noise_seed=self.seed,
+                                       sequence_id=0, tag=index))
+            settings.append((context, gen_kwargs, until))
+        texts: dict[int, str] = {}
+        with tqdm(total=len(settings), disable=disable_tqdm, desc="rdepth generate") as bar:
+            for done in engine.run():
+                if done.error is not None:
+                    raise RdepthError(f"lm-eval generate_until: request {done.request.tag}: {done.error}")
+                new = done.tokens[:-1] if done.finish_reason == "stop" else done.tokens
+                text = self.tok_decode(new)
+                for stop in settings[done.request.tag][2]:
+                    if stop and stop in text:
+                        text = text[: text.index(stop)]
+                texts[done.request.tag] = text
+                bar.update(1)
+        outputs = []
+        for index, (context, gen_kwargs, _) in enumerate(settings):
+            outputs.append(texts[index])
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), texts[index])
         return outputs
 
 

@@ -1,0 +1,58 @@
+"""Markdown tables of bench/depth_batching.py results, one JSON per seed:
+
+    python scripts/depth_batching_table.py runs/cdb/bench/s0.json runs/cdb/bench/s1.json runs/cdb/bench/s2.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(paths: list[str]) -> int:
+    reports = [json.load(open(path)) for path in paths]
+    print("| seed | F (cheapest fixed on A) | rule chosen on A (timed) | steps/position | accuracy on B: rule, F | "
+          "paired diff on B (pts, SE) | meets bar on B | share of 200 splits |")
+    print("|---|---|---|---|---|---|---|---|")
+    for seed, report in enumerate(reports):
+        choice, quality = report["choice"], report["quality"]
+        fixed = choice["fixed"]
+        for name, label in choice["timed"].items():
+            if label is None:
+                print(f"| {seed} | {fixed} | {name}: none meets the bar on A | | | | | |")
+                continue
+            judged = report["judged_b"].get(f"{name} plain")
+            share = report["split_shares"].get(f"{name} plain")
+            print(f"| {seed} | {fixed} | {label} | {quality[label]['steps']:.2f} | "
+                  f"{100 * quality[label]['solved_b']:.1f}, {100 * quality[fixed]['solved_b']:.1f} | "
+                  f"{100 * judged['paired_diff']:+.2f} ({100 * judged['paired_se']:.2f}) | "
+                  f"{'yes' if judged['meets'] else 'no'} | {100 * share:.0f}% |")
+    print()
+    widths = list(reports[0]["timing"])
+    names = sorted({name for report in reports for width in report["timing"].values() for name in width["rows"]},
+                   key=lambda n: (not n.startswith("engine |"), n))
+    print("| B | row | " + " | ".join(f"seed {s}: tokens/s (x engine F), paid steps, share of bound"
+                                   for s in range(len(reports))) + " |")
+    print("|---|---|" + "---|" * len(reports))
+    for width in widths:
+        for name in names:
+            kind, label = name.split(" | ")
+            cells = []
+            for report in reports:
+                rows = report["timing"][width]["rows"]
+                hit = next((r for n, r in rows.items() if n.split(" | ")[0] == kind and
+                            (label.startswith("fixed") == n.split(" | ")[1].startswith("fixed")) and
+                            n.split(" | ")[1].split()[0] == label.split()[0]), None)
+                if hit is None:
+                    cells.append("-")
+                    continue
+                extra = f", solved {100 * hit['solved']:.1f}%" if "shared" in kind and "solved" in hit else ""
+                cells.append(f"{hit['tokens_per_s']:.0f} (x{hit['vs_engine_fixed']:.2f}), "
+                             f"{hit['paid_steps_per_position']:.2f}, {100 * hit['share_of_bound']:.0f}%{extra}")
+            shown = f"{kind} | {'F' if label.startswith('fixed') else label.split()[0]}"
+            print(f"| {width[2:]} | {shown} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
