@@ -29,28 +29,28 @@ def main(paths: list[str]) -> int:
                   f"{'yes' if judged['meets'] else 'no'} | {100 * share:.0f}% |")
     print()
     widths = list(reports[0]["timing"])
-    names = sorted({name for report in reports for width in report["timing"].values() for name in width["rows"]},
-                   key=lambda n: (not n.startswith("engine |"), n))
+    def family(name: str) -> tuple[str, str]:
+        kind, label = name.split(" | ")
+        return kind, "F" if label.startswith("fixed") else label.split()[0]
+
+    families = sorted({family(name) for report in reports for width in report["timing"].values()
+                       for name in width["rows"]}, key=lambda f: (f[0] != "engine", f[0], f[1] != "F", f[1]))
     print("| B | row | " + " | ".join(f"seed {s}: tokens/s (x engine F), paid steps, share of bound"
                                    for s in range(len(reports))) + " |")
     print("|---|---|" + "---|" * len(reports))
     for width in widths:
-        for name in names:
-            kind, label = name.split(" | ")
+        for kind, rule in families:
             cells = []
             for report in reports:
                 rows = report["timing"][width]["rows"]
-                hit = next((r for n, r in rows.items() if n.split(" | ")[0] == kind and
-                            (label.startswith("fixed") == n.split(" | ")[1].startswith("fixed")) and
-                            n.split(" | ")[1].split()[0] == label.split()[0]), None)
+                hit = next((r for n, r in rows.items() if family(n) == (kind, rule)), None)
                 if hit is None:
                     cells.append("-")
                     continue
-                extra = f", solved {100 * hit['solved']:.1f}%" if "shared" in kind and "solved" in hit else ""
+                extra = f", solved {100 * hit['solved']:.1f}%" if "solved" in hit else ""
                 cells.append(f"{hit['tokens_per_s']:.0f} (x{hit['vs_engine_fixed']:.2f}), "
                              f"{hit['paid_steps_per_position']:.2f}, {100 * hit['share_of_bound']:.0f}%{extra}")
-            shown = f"{kind} | {'F' if label.startswith('fixed') else label.split()[0]}"
-            print(f"| {width[2:]} | {shown} | " + " | ".join(cells) + " |")
+            print(f"| {width[2:]} | {kind}, {rule} | " + " | ".join(cells) + " |")
     return 0
 
 
