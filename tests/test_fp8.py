@@ -255,8 +255,9 @@ def test_the_suite_section_trains_both_runs_on_the_same_tokens(monkeypatch, tmp_
 
     monkeypatch.setattr(fp8_module, "check_fp8_device", lambda device: None)
     monkeypatch.setattr(step_module, "check_fp8_device", lambda device: None)
+    # one sequence a step: float8 matmuls on a CPU run through torchao's reference path (slow: 298 s at 2)
     args = parse_args(["--smoke", "--out", str(tmp_path), "--sections", "fp8", "--device", "cpu",
-                       "--fp8-data", str(wiki_small), "--train-set", "fp8=true"])
+                       "--fp8-data", str(wiki_small), "--train-set", "fp8=true", "--train-batch", "1"])
     result = fp8_section(args, torch.device("cpu"), time.perf_counter() + 120, {"device_name": "cpu"})
     assert result["status"] == "ok" and result["steps"] == 3 and result["train_set"] == {}
     bf16, fp8 = result["bf16"], result["fp8"]
