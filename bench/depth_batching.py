@@ -33,7 +33,6 @@ import argparse
 import math
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,14 +80,6 @@ def parse_args(argv):
     if unknown:
         parser.error(f"--policies: no grid for {', '.join(unknown)} (choose from {', '.join(GRID)})")
     return args
-
-
-def revision() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 # ---------------------------------------------------------------------- quality and selection
@@ -341,6 +332,7 @@ def main(argv=None) -> int:
 
     from rdepth.exits.controller import controller_factory
     from rdepth.run.checkpoint import load_model
+    from exit_wall import revision
     from exit_workload import mixed_heldout
 
     torch.set_num_threads(args.threads)
@@ -357,7 +349,8 @@ def main(argv=None) -> int:
             settings[f"{name} {tau:g}"] = {"factory": controller_factory(name, tau, args.full_loops,
                                                                           lambda: model.readout, options)}
     cpu = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    print(f"depth_batching: {cpu}, torch {torch.__version__}, {args.threads} thread(s), revision {revision()}; "
+    code = revision()  # once, at the start: the code that runs (a commit made while it runs is not it)
+    print(f"depth_batching: {cpu}, torch {torch.__version__}, {args.threads} thread(s), revision {code}; "
           f"{len(labels)} problems, difficulties {difficulties}", flush=True)
     cache = Path(args.json).with_suffix(".quality.npz") if args.json else None
     if args.reuse_quality:
@@ -382,7 +375,7 @@ def main(argv=None) -> int:
     print(f"cheapest fixed budget on A: {choice['fixed']}; chosen on A: {choice['chosen']}; judged on B: "
           f"{ {k: (v['setting'], v['meets'], round(100 * v['paired_diff'], 2), round(100 * v['paired_se'], 2)) if v else None for k, v in judged.items()} }; "
           f"share of {args.splits} splits meeting the bar on B: {shares}; timed: {choice['timed']}", flush=True)
-    report = {"device": cpu, "torch": torch.__version__, "threads": args.threads, "revision": revision(),
+    report = {"device": cpu, "torch": torch.__version__, "threads": args.threads, "revision": code,
               "args": vars(args), "problems": int(len(labels)),
               "quality": {label: {"steps": q["steps"], "solved": float(q["solved"].mean()),
                                   "solved_a": float(q["solved"][rows_a].mean()),

@@ -128,7 +128,8 @@ def in_process(args, prompts, budget) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from depth_batching import _cpu_name, revision
+    from depth_batching import _cpu_name
+    from exit_wall import revision
     from exit_workload import mixed_heldout
 
     from rdepth.exits.controller import controller_factory
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
                                       lambda model: {"controller_factory": controller_factory(
                                           args.exit, args.tau, args.k_max, lambda: model.readout)}),
     }
-    print(f"serve_load: {_cpu_name()}, revision {revision()}; {len(prompts)} requests, {args.clients} clients, "
+    code = revision()
+    print(f"serve_load: {_cpu_name()}, revision {code}; {len(prompts)} requests, {args.clients} clients, "
           f"{args.batch_size} slots", flush=True)
     servers = {label: start_server(args, flags) for label, (flags, _) in settings.items()}
     engines = {label: in_process(args, prompts, budget) for label, (_, budget) in settings.items()}
@@ -161,7 +163,7 @@ def main(argv=None) -> int:
         for process, _ in servers.values():
             process.terminate()
             process.wait(timeout=30)
-    report = {"cpu": _cpu_name(), "revision": revision(), "args": vars(args), "settings": {}}
+    report = {"cpu": _cpu_name(), "revision": code, "args": vars(args), "settings": {}}
     base = None
     for label, samples in rows.items():
         server = sorted(samples["server"], key=lambda r: r["tokens_per_s"])[len(samples["server"]) // 2]

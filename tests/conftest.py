@@ -43,6 +43,20 @@ def wiki_small(tmp_path_factory):
 
 
 
+@pytest.fixture(scope="session")
+def tiny_text_run(wiki_small, tmp_path_factory):
+    """A run of 8 training steps on :func:`wiki_small` (3 layers, groups 1|2, width 32): a checkpoint and a
+    tokenizer for the generation and serving commands' tests."""
+    from rdepth.cli.main import main
+
+    out = tmp_path_factory.mktemp("gen") / "run"
+    assert main(["train", "--data", str(wiki_small), "--out", str(out), "--max-steps", "8", "--batch-size", "4",
+                 "--eval-every", "8", "--eval-batches", "1", "--checkpoint-every", "8", "--warmup-steps", "2",
+                 "--n-layer", "3", "--n-head", "2", "--d-model", "32", "--block-size", "32", "--groups", "1|2",
+                 "--mean-loops", "2", "--threads", "1", "--lr", "3e-3"]) == 0
+    return out
+
+
 @pytest.fixture(autouse=True)
 def one_thread(monkeypatch):
     """Every test runs torch on one thread: tiny tensors gain nothing from thread hand-offs, and

@@ -26,13 +26,8 @@ PROMPTS = ["The city", "In 1900 the", "A river flows"]
 
 
 @pytest.fixture(scope="module")
-def run(wiki_small, tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve") / "run"
-    assert main(["train", "--data", str(wiki_small), "--out", str(out), "--max-steps", "8", "--batch-size", "4",
-                 "--eval-every", "8", "--eval-batches", "1", "--checkpoint-every", "8", "--warmup-steps", "2",
-                 "--n-layer", "3", "--n-head", "2", "--d-model", "32", "--block-size", "32", "--groups", "1|2",
-                 "--mean-loops", "2", "--threads", "1", "--lr", "3e-3"]) == 0
-    return out
+def run(tiny_text_run):
+    return tiny_text_run
 
 
 @pytest.fixture(scope="module")

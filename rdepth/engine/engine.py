@@ -298,18 +298,13 @@ class Engine:
             self.projected.copy_(self.model.group_input(group, self.x))
         else:
             self.projected[rows_t] = self.model.group_input(group, self.x[rows_t])
-        if self.warm_start and (positions > 0).all():
-            start = self.warm[group][rows_t]
-        elif group in self.initial:
+        if group in self.initial:
             start = self.initial[group][rows_t, torch.from_numpy(positions).to(self.device)]
-            if self.warm_start:  # rows past position 0 start warm
-                later = torch.from_numpy(positions > 0).to(self.device)
-                start = torch.where(later[:, None], self.warm[group][rows_t], start)
-        else:
+        else:  # init_state_scale 0: the loop starts from zeros
             start = torch.zeros(rows.size, self.x.shape[1], dtype=self.dtype, device=self.device)
-            if self.warm_start:
-                later = torch.from_numpy(positions > 0).to(self.device)
-                start = torch.where(later[:, None], self.warm[group][rows_t], start)
+        if self.warm_start:  # rows past position 0 start from what they handed on at the previous one
+            later = torch.from_numpy(positions > 0).to(self.device)
+            start = torch.where(later[:, None], self.warm[group][rows_t], start)
         if every:
             self.state.copy_(start)
         else:

@@ -177,8 +177,7 @@ class ExitPolicy:
         rule, else one per distinct step."""
         if len(values) == 1:
             return self.after_step(values[0], rows, prev, new)
-        if not 1 <= values[0] <= values[-1] <= self.k_max:
-            raise RdepthError(f"exit policy {self.name}: steps {values[0]}..{values[-1]} outside 1..k_max={self.k_max}")
+        self._check_steps(values)
         if self.step_free:
             exits = self._exits(values[0], rows, prev, new)
             done = exits | (steps == self.k_max)
@@ -194,6 +193,11 @@ class ExitPolicy:
             for out, got in zip((done, handoff, used), part):
                 out[where] = got.to(out.dtype)
         return done, handoff, used
+
+    def _check_steps(self, values: list[int]) -> None:
+        """A one-line error unless the distinct steps ``values`` (ascending) lie in 1..k_max."""
+        if not 1 <= values[0] <= values[-1] <= self.k_max:
+            raise RdepthError(f"exit policy {self.name}: steps {values[0]}..{values[-1]} outside 1..k_max={self.k_max}")
 
     def _steps(self, step: int, rows: torch.Tensor) -> torch.Tensor:
         """``[A]`` long, every entry ``step``: made once per (step, A) and reused (read only)."""

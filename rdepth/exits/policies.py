@@ -295,8 +295,7 @@ class KLPolicy(_DecodedPolicy):
         reading (step 1) compares with the prior or exits never, as :meth:`_exits` at step 1."""
         if self.options["every"] != 1 or len(values) == 1:
             return super().after_steps(steps, values, rows, prev, new)
-        if not 1 <= values[0] <= values[-1] <= self.k_max:
-            raise RdepthError(f"exit policy {self.name}: steps {values[0]}..{values[-1]} outside 1..k_max={self.k_max}")
+        self._check_steps(values)
         log_probs = self._distribution(new)  # (A, V)
         kl = self._kl(log_probs, rows)
         exits = kl < self.tau

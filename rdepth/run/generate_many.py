@@ -83,9 +83,10 @@ def generate_many(config: GenerateConfig, controllers: Callable | None = None,
         for done in engine.run():
             results[done.request.tag] = done
             bar.update(1)
+    stats = engine.stats.as_dict(engine.batch)
     log.info("engine: %d requests, %d ticks, occupancy %.0f%%, mean loop steps per position %s; KV %d bytes/position",
-             len(keys), engine.stats.ticks, 100 * engine.stats.as_dict(engine.batch)["occupancy"],
-             [round(s, 2) for s in engine.stats.as_dict(engine.batch)["mean_loop_steps"]], engine.kv_bytes_per_token())
+             len(keys), stats["ticks"], 100 * stats["occupancy"], [round(s, 2) for s in stats["mean_loop_steps"]],
+             engine.kv_bytes_per_token())
     out = []
     for number, sample in keys:
         done = results[(number, sample)]

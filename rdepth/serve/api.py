@@ -190,11 +190,17 @@ async def _next_event(submission: Submission):
     return await asyncio.get_running_loop().run_in_executor(None, submission.events.get)
 
 
+def _submit(served: ServedModel, requests: list[Request], settings: dict) -> tuple[list[Submission], list[Choice]]:
+    """Every request into the engine's queue, each with the choice its tokens build."""
+    submissions = [served.runner.submit(request) for request in requests]
+    choices = [Choice(served, i, r.prompt, settings["stops"], settings["echo"]) for i, r in enumerate(requests)]
+    return submissions, choices
+
+
 async def complete(served: ServedModel, requests: list[Request], settings: dict) -> dict:
     """Every choice to its end, concurrently in the engine's batch; the response body."""
     runner = served.runner
-    submissions = [runner.submit(request) for request in requests]
-    choices = [Choice(served, i, r.prompt, settings["stops"], settings["echo"]) for i, r in enumerate(requests)]
+    submissions, choices = _submit(served, requests, settings)
 
     async def drain(submission: Submission, choice: Choice) -> None:
         while True:
@@ -221,8 +227,7 @@ async def stream(served: ServedModel, requests: list[Request], settings: dict):
     depth), a last chunk per choice with its finish reason, then ``[DONE]``."""
     runner = served.runner
     ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    submissions = [runner.submit(request) for request in requests]
-    choices = [Choice(served, i, r.prompt, settings["stops"], settings["echo"]) for i, r in enumerate(requests)]
+    submissions, choices = _submit(served, requests, settings)
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int) -> None:

@@ -1,0 +1,64 @@
+"""bench/depth_batching.py's judges on constructed per-problem results: the cheapest fixed budget within the
+tolerance, a rule's setting that meets the bar pooled and per difficulty, and cases where each must say no
+(a pooled tie hiding a difficulty that drops, a setting worse on every split)."""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+import numpy as np
+
+from bench.depth_batching import judge, meets, paired, select, split_shares
+
+ARGS = Namespace(tolerance=0.01, per_difficulty=0.02, full_loops=3, policies="step_norm_rel", splits=50, seed=0)
+LABELS = np.repeat([1, 2], 200)  # 200 problems of each difficulty
+
+
+def solved(rate_d1: float, rate_d2: float) -> np.ndarray:
+    """Per problem: the first rate x 200 of each difficulty solved."""
+    out = np.zeros(400, dtype=bool)
+    out[: int(rate_d1 * 200)] = True
+    out[200: 200 + int(rate_d2 * 200)] = True
+    return out
+
+
+def qualities(rules: dict) -> dict:
+    base = {"fixed 1": (1.0, solved(0.5, 0.2)), "fixed 2": (2.0, solved(0.95, 0.9)), "fixed 3": (3.0, solved(0.95, 0.9))}
+    base.update(rules)
+    return {label: {"steps": steps, "solved": right} for label, (steps, right) in base.items()}
+
+
+def test_the_cheapest_setting_meeting_the_bar_and_a_pooled_tie_that_hides_a_difficulty():
+    # 0.5: pooled equal to F (d=1 +5 points, d=2 -5 points): fails per difficulty; 0.3 meets; 0.1 too costly
+    q = qualities({"step_norm_rel 0.5": (1.2, solved(1.0, 0.85)), "step_norm_rel 0.3": (1.5, solved(0.95, 0.9)),
+                   "step_norm_rel 0.1": (1.9, solved(0.95, 0.9))})
+    rows = np.arange(400)
+    assert paired(q["step_norm_rel 0.5"]["solved"], q["fixed 2"]["solved"])[0] == 0.0
+    assert not meets({k: v["solved"] for k, v in q.items()}, "step_norm_rel 0.5", "fixed 2", rows, LABELS, ARGS)
+    choice = select(q, LABELS, rows, ARGS)
+    assert choice["fixed"] == "fixed 2"
+    assert choice["chosen"]["step_norm_rel plain"] == "step_norm_rel 0.3"
+    judged = judge(q, LABELS, rows, choice, ARGS)["step_norm_rel plain"]
+    assert judged["meets"] and judged["paired_diff"] == 0.0 and judged["diff_by_difficulty"] == {1: 0.0, 2: 0.0}
+    # over random halves the pooled tie is sometimes chosen on A (its per-difficulty drop splits unevenly)
+    # and then fails on B; without it every split's choice holds
+    assert split_shares(q, LABELS, ARGS)["step_norm_rel plain"] < 1.0
+    del q["step_norm_rel 0.5"]
+    assert split_shares(q, LABELS, ARGS)["step_norm_rel plain"] == 1.0
+
+
+def test_a_setting_worse_everywhere_is_never_chosen_and_a_one_sided_margin_is_stricter():
+    q = qualities({"step_norm_rel 0.5": (1.2, solved(0.90, 0.85))})  # 5 points under F in both difficulties
+    choice = select(q, LABELS, np.arange(400), ARGS)
+    assert choice["chosen"]["step_norm_rel plain"] is None and choice["chosen"]["step_norm_rel safe"] is None
+    assert judge(q, LABELS, np.arange(400), choice, ARGS)["step_norm_rel plain"] is None
+    assert split_shares(q, LABELS, ARGS)["step_norm_rel plain"] == 0.0
+    # 0.75 points under F pooled: meets a 1-point tolerance, not with one paired standard error of margin
+    close = solved(0.95, 0.9)
+    close[[0, 1, 2]] = False
+    sets = {"fixed 2": solved(0.95, 0.9), "rule": close}
+    rows = np.arange(400)
+    diff, error = paired(sets["rule"], sets["fixed 2"])
+    assert -0.01 < diff < 0 and diff - error < -0.01
+    assert meets(sets, "rule", "fixed 2", rows, LABELS, ARGS)
+    assert not meets(sets, "rule", "fixed 2", rows, LABELS, ARGS, margin=1.0)
