@@ -83,3 +83,38 @@ def test_a_missing_file_and_a_missing_heading_are_found(tmp_path):
                    "```\n[fenced](nowhere.md)\n```\n# Top\n")
     assert broken_links(doc) == ["doc.md: sub/none.png: no such file",
                                  "doc.md: sub/page.md#three-words: no such heading"]
+
+
+
+def length_problems(repo: Path) -> list[str]:
+    """The README over 120 lines, the results index over 200, a results page over 500; issue numbers on
+    the README; its two set-up commands more than 15 lines apart."""
+    pages = [repo / "README.md", repo / "docs" / "results.md", *sorted((repo / "docs" / "results").glob("*.md"))]
+    limits = {"README.md": 120, "docs/results.md": 200}
+    problems = []
+    for path in pages:
+        name, n = path.relative_to(repo).as_posix(), len(path.read_text().splitlines())
+        if n > limits.get(name, 500):
+            problems.append(f"{name}: {n} lines")
+    readme = (repo / "README.md").read_text()
+    if re.search(r"\bissues? \d", readme, re.IGNORECASE):
+        problems.append("README.md names an issue")
+    setup = [i for i, line in enumerate(readme.splitlines()) if line.startswith("python3 -m pip install torch")]
+    if len(setup) != 2 or setup[1] - setup[0] > 15:
+        problems.append(f"README.md: the set-up commands at lines {setup}")
+    return problems
+
+
+def test_the_readme_and_the_results_pages_stay_short():
+    """A newcomer reads the README in five minutes and the results index on one page."""
+    assert length_problems(REPO) == []
+
+
+def test_the_length_check_finds_a_long_page_an_issue_number_and_scattered_set_up(tmp_path):
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results.md").write_text("x\n" * 201)
+    (tmp_path / "docs" / "results" / "a.md").write_text("x\n" * 500)
+    (tmp_path / "README.md").write_text("python3 -m pip install torch\n" + "Fixed in issue 12.\n" * 15
+                                        + "python3 -m pip install torch\n")
+    assert length_problems(tmp_path) == ["docs/results.md: 201 lines", "README.md names an issue",
+                                         "README.md: the set-up commands at lines [0, 16]"]
