@@ -184,3 +184,25 @@ def test_serve_flags_are_checked_before_anything_loads(capsys):
         assert main(["serve", "--checkpoint", "nowhere", *flags]) != 0
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
+
+
+def test_a_cancel_made_before_the_engine_took_the_request_is_not_dropped(run):
+    """cancel() right after submit(), before the engine's thread gave the request an id: the runner resolves
+    it on its thread (the request ends "cancelled"), and one for a submission it has not taken yet waits."""
+    from rdepth.engine import Engine, Request
+    from rdepth.serve.runner import EngineRunner
+
+    model, _ = load_model(run)
+    runner = EngineRunner(Engine(model.eval(), 1))  # not started: its thread's work done by hand below
+    first = runner.submit(Request([1, 2, 3], max_tokens=50))
+    runner.cancel(first)
+    assert first.request_id is None
+    runner._take_inbox()
+    assert first.request_id is not None and first.request_id in runner.engine._cancelled
+    never = type(first)(Request([1], max_tokens=2))  # cancelled, never submitted: kept, not lost, not sent
+    runner.cancel(never)
+    runner._take_inbox()
+    assert runner._unresolved == [never]
+    with torch.no_grad():
+        results = list(runner.engine.run())
+    assert [r.finish_reason for r in results] == ["cancelled"] and len(results[0].tokens) == 1

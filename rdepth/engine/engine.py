@@ -10,8 +10,10 @@ holds ``batch_size`` slots; each :meth:`Engine.step` (a *tick*) walks the model'
 * a recurrence group: rows arriving at it take the group's input half and their initial state (their own
   request's noise at their own position, or the state they handed on at the previous position with warm
   start) and begin their loop; then *one loop step* for every row in the group, each attending to its own
-  cache row at its own step's slot; the exit rule decides per row; rows that stop settle their keys (the
-  latest-KV rule), hand their state on and move to the next stage, in the same tick;
+  cache row at its own step's slot (its key written through to the later slots: the latest-KV rule with
+  nothing to settle at an exit); the exit rule decides per row; rows that stop hand their state on and move
+  to the next stage, in the same tick. At a fixed budget with every row of the group at one step, the
+  tick runs the group's remaining steps at once (the rows would move in lock-step anyway);
 * after the last stage: the readout for the rows that got there, the next token (the prompt's next, or
   one chosen greedy or sampled with the request's own generator), finished requests retired and their
   slots refilled from the queue.
@@ -225,11 +227,8 @@ class Engine:
             return self._all_rows, True
         return torch.from_numpy(rows).to(self.device), False
 
-    def _context(self, rows_t, rows, every, steps=None, same=None):
-        positions = self.position[rows]
-        last = int(positions.max())
-        return self.slots.context(rows_t, torch.from_numpy(positions).to(self.device), last + 1, every, steps, same,
-                                  every and int(positions.min()) == last)
+    def _context(self, rows_t, rows, every, steps=None):
+        return self.slots.context(rows_t, rows, self.position[rows], every, steps)
 
     def _single(self, layers: tuple[int, ...], rows: np.ndarray) -> None:
         rows_t, every = self._rows(rows)
@@ -248,34 +247,38 @@ class Engine:
         rows_t, every = self._rows(rows)
         steps = (self.step_count if every else self.step_count[rows]) + 1
         low, high = int(steps.min()), int(steps.max())
-        values = [low] if low == high else np.unique(steps).tolist()
-        steps_t = None if low == high and self.fixed else torch.from_numpy(steps).to(self.device)
-        ctx = self._context(rows_t, rows, every, steps_t, low if low == high else None)
         prev = self.state if every else self.state[rows_t]
         projected = self.projected if every else self.projected[rows_t]
-        new = model.loop_step(group, prev, projected, ctx)
-        if self.fixed:  # known on the host: no call, no read of the device
-            handoff, stopping = new, steps >= self.k_max[group]
+        if self.fixed and low == high:  # a fixed budget, every row at one step: its loop to the end at once
+            k_max = self.k_max[group]
+            new = prev
+            for step in range(low, k_max + 1):
+                new = model.loop_step(group, new, projected, self._context(rows_t, rows, every, np.full_like(steps, step)))
+            steps = np.full_like(steps, k_max)
+            handoff, stopping = new, np.ones(rows.size, dtype=bool)
+            self.stats.loop_steps[group] += int(rows.size) * (k_max - low + 1)
         else:
-            done, handoff, _ = self.controller.after_steps(group, steps_t, values, rows_t, prev, new)
-            stopping = done.cpu().numpy()  # the tick's one host read for this group
+            new = model.loop_step(group, prev, projected, self._context(rows_t, rows, every, steps))
+            self.stats.loop_steps[group] += int(rows.size)
+            if self.fixed:  # known on the host: no call, no read of the device
+                handoff, stopping = new, steps >= self.k_max[group]
+            else:
+                values = [low] if low == high else np.unique(steps).tolist()
+                done, handoff, _ = self.controller.after_steps(group, torch.from_numpy(steps).to(self.device), values,
+                                                               rows_t, prev, new)
+                stopping = done.cpu().numpy()  # the tick's one host read for this group
         if every:
             self.state.copy_(new)
         else:
             self.state[rows_t] = new
         self.step_count[rows] = steps
-        self.stats.loop_steps[group] += int(rows.size)
         if not stopping.any():
             return
+        # (the keys of a row leaving early are settled already: the cache is written through, engine/slots.py)
         leaving = rows[stopping]
         all_leave = bool(stopping.all())
         leaving_t = rows_t if all_leave else torch.from_numpy(leaving).to(self.device)
         computed = steps[stopping]
-        early = computed < self.k_max[group]
-        if early.any():
-            self.slots.settle(group, leaving_t[torch.from_numpy(early).to(self.device)],
-                              torch.from_numpy(self.position[leaving][early]).to(self.device),
-                              torch.from_numpy(computed[early]).to(self.device))
         handed = handoff if all_leave else handoff[torch.from_numpy(stopping).to(self.device)]
         if all_leave and every:
             self.x.copy_(model.hand_on(handed))

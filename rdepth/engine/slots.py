@@ -9,8 +9,10 @@ sees for one such call (``update``, as every store of :mod:`rdepth.model.kv`).
 
 Two layouts (:data:`KV_LAYOUTS`):
 
-* ``exact`` (the default): K slots per looped layer and the latest-KV rule when a token leaves its loop
-  early (:meth:`SlotCache.settle`), so every token computes what the batch-1 decoder computes.
+* ``exact`` (the default): K slots per looped layer, written *through*: a token's key at loop step k goes
+  into slots k..K, so when it leaves its loop at step c the slots after c already hold step c's key (the
+  one decoder's latest-KV rule, :meth:`~rdepth.model.kv.KVCache.settle`, with nothing to do at the exit),
+  and every token computes what the batch-1 decoder computes.
 * ``shared``: one slot per looped layer, every step overwriting it, so a later token at step k reads an
   earlier token's *final* key instead of its step-k key. The memory per token no longer grows with the
   loop budget (K times less for looped layers); the outputs change (the model was trained on the exact
@@ -19,6 +21,7 @@ Two layouts (:data:`KV_LAYOUTS`):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from rdepth.model.kv import AttentionContext, KVCache
@@ -35,8 +38,9 @@ class SlotCache:
         self.batch = cache.batch_size
         self.capacity = cache.capacity
         # (the context's slot_index is unused on the one-query-per-row path: the rows stand in for it)
-        self._numbers = {group: torch.arange(1, n + 1, device=cache.position.device).view(1, n, 1, 1)
-                         for group, n in enumerate(cache.steps)}
+        # Row p: which key positions a query at position p reads (causal), shaped (S, 1, 1, S) for SDPA
+        where = torch.arange(self.capacity, device=cache.position.device)
+        self._masks = (where[None, :] <= where[:, None]).view(self.capacity, 1, 1, self.capacity)
 
     def bytes_per_token(self) -> int:
         """Bytes of keys and values one position of one slot takes (every layer, every kept step)."""
@@ -46,79 +50,90 @@ class SlotCache:
                 total += tensor.element_size() * tensor.numel() // (self.batch * self.capacity)
         return total
 
-    def context(self, rows: torch.Tensor, positions: torch.Tensor, span: int, all_rows: bool,
-                steps: torch.Tensor | None = None, same_step: int | None = None,
-                same_position: bool = False) -> AttentionContext:
-        """The attention context of one batched call over ``rows`` ``[A]`` (slot indices) at
-        ``positions`` ``[A]``, reading the first ``span`` positions; in a loop, ``steps`` ``[A]`` (1-based;
-        ``same_step`` when every row is at that one). ``all_rows``: ``rows`` is every slot in order (the
-        keys are then read as views, without a gather); ``same_position``: besides, every row is at position
-        ``span - 1`` (no mask; one write along the positions)."""
-        same_position = span if all_rows and same_position else None
-        store = CallStore(self, rows, positions, span, all_rows, steps, same_step, same_position)
-        if same_position is not None:  # every slot at the last position read: no mask, as the lock-step decoder
+    def context(self, rows: torch.Tensor, host_rows: np.ndarray, positions: np.ndarray, all_rows: bool,
+                steps: np.ndarray | None = None) -> AttentionContext:
+        """The attention context of one batched call over the slots ``rows`` (on the device; ``host_rows`` the
+        same on the host) at ``positions`` ``[A]`` (host), in a loop at ``steps`` ``[A]`` (host, 1-based).
+        ``all_rows``: ``rows`` is every slot in order (keys then read as views, without a gather). When
+        besides every row is at one position, the call needs no mask and writes along the positions once
+        (the lock-step decoder's fast path)."""
+        span = int(positions.max()) + 1
+        device = rows.device
+        same_position = all_rows and int(positions.min()) == span - 1
+        positions_t = torch.from_numpy(positions).to(device)
+        store = CallStore(self, rows, host_rows, positions, positions_t, span, all_rows, steps, same_position)
+        if same_position:  # every slot at the last position read: no mask, as the lock-step decoder
             mask = None
         else:
-            key_positions = torch.arange(span, device=rows.device)
-            mask = (key_positions[None, :] <= positions[:, None]).view(-1, 1, 1, span)  # (A, 1, 1, span)
-        return AttentionContext(store, 0, rows, positions, rows, 1, rows.shape[0], mask, one_per_row=True)
-
-    def settle(self, group: int, rows: torch.Tensor, positions: torch.Tensor, computed: torch.Tensor) -> None:
-        """Rows ``rows`` ``[E]`` left ``group``'s loop at ``positions`` after ``computed`` ``[E]`` steps: their
-        slots of the later steps take the key/value of step ``computed`` (the latest-KV rule; exact layout)."""
-        if self.layout != "exact":
-            return
-        numbers = self._numbers[group]  # (1, K, 1, 1)
-        keep = numbers <= computed.view(-1, 1, 1, 1)  # (E, K, 1, 1)
-        last = (computed - 1).view(-1, 1, 1, 1)
-        for layer, tensors in self.cache.looped.items():
-            if self.cache.group_of[layer] != group:
-                continue
-            for tensor in tensors:  # (K, B, nh, S, hs)
-                column = tensor[:, rows, :, positions]  # (E, K, nh, hs): the advanced indices go first
-                latest = column.gather(1, last.expand(-1, 1, *column.shape[2:]))  # (E, 1, nh, hs)
-                tensor[:, rows, :, positions] = torch.where(keep, column, latest)
+            mask = self._masks.index_select(0, positions_t).narrow(-1, 0, span)  # (A, 1, 1, span)
+        return AttentionContext(store, 0, rows, positions_t, rows, 1, rows.shape[0], mask, one_per_row=True)
 
 
 class CallStore:
     """The store of one batched call (see :meth:`SlotCache.context`): writes each row's keys/values at its
-    position (and step's slot) and returns what each row attends to, ``[A, nh, span, hs]``."""
+    position (through its step's slot and the later ones) and returns what each row attends to,
+    ``[A, nh, span, hs]``."""
 
-    def __init__(self, slots: SlotCache, rows, positions, span, all_rows, steps, same_step, same_position=None):
-        self.slots, self.rows, self.positions, self.span = slots, rows, positions, span
-        self.all_rows, self.same_step = all_rows, same_step
-        # every slot writes at one position: one index_copy_ along the positions (the lock-step decoder's write)
-        self.position = positions[:1] if same_position is not None else None
-        self.flat_index = None
-        if steps is not None and slots.layout == "exact" and same_step is None:
-            self.flat_index = (steps - 1) * slots.batch + rows  # row of the [K * B, ...] view
+    def __init__(self, slots: SlotCache, rows, host_rows, positions, positions_t, span, all_rows, steps,
+                 same_position):
+        self.slots, self.rows, self.positions, self.span = slots, rows, positions_t, span
+        self.all_rows, self.same_position = all_rows, same_position
+        self.host = (host_rows, positions, steps)
+        self.first = int(positions[0])
+        self.same_step = None if steps is None or int(steps.min()) != int(steps.max()) else int(steps[0])
+        self._through: torch.Tensor | None = None  # the write-through indices, made at the first looped layer
+        self._flat_read: torch.Tensor | None = None
 
     def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self.slots.cache
         keys, values = keys.squeeze(2), values.squeeze(2)  # (A, nh, hs)
         if layer in cache.single:
-            tensors = cache.single[layer]
-            return tuple(self._write_read(tensor, self.rows, new) for tensor, new in zip(tensors, (keys, values)))
-        out = []
-        for tensor, new in zip(cache.looped[layer], (keys, values)):  # (K, B, nh, S, hs)
-            if self.slots.layout == "shared":
-                out.append(self._write_read(tensor[0], self.rows, new))
-            elif self.flat_index is None:
-                out.append(self._write_read(tensor[self.same_step - 1], self.rows, new))
-            else:
-                flat = tensor.view(-1, *tensor.shape[2:])  # (K * B, nh, S, hs)
-                out.append(self._write_read(flat, self.flat_index, new, gather=True))
-        return tuple(out)
+            return tuple(self._write_read(tensor, new) for tensor, new in zip(cache.single[layer], (keys, values)))
+        if self.slots.layout == "shared":
+            return tuple(self._write_read(tensor[0], new) for tensor, new in zip(cache.looped[layer], (keys, values)))
+        return tuple(self._looped(tensor, new) for tensor, new in zip(cache.looped[layer], (keys, values)))
 
-    def _write_read(self, tensor: torch.Tensor, index: torch.Tensor, new: torch.Tensor,
-                    gather: bool = False) -> torch.Tensor:
-        """Write ``new`` ``[A, nh, hs]`` at ``tensor[index[a], :, positions[a]]``; read ``[A, nh, span, hs]``."""
-        if self.position is not None and not gather:
-            tensor.index_copy_(2, self.position, new.to(tensor.dtype).unsqueeze(2))
+    def _write_read(self, tensor: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Single-pass layer (or one shared slot) ``tensor`` ``[B, nh, S, hs]``: write ``new`` ``[A, nh, hs]``
+        at each row's position; read ``[A, nh, span, hs]``."""
+        if self.same_position:
+            tensor[:, :, self.first] = new.to(tensor.dtype)
             return tensor.narrow(2, 0, self.span)
-        tensor[index, :, self.positions] = new.to(tensor.dtype)
+        tensor[self.rows, :, self.positions] = new.to(tensor.dtype)
         window = tensor.narrow(2, 0, self.span)
-        if self.all_rows and not gather:
-            return window
-        return window.index_select(0, index)
+        return window if self.all_rows else window.index_select(0, self.rows)
+
+    def _looped(self, tensor: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Looped layer ``tensor`` ``[K, B, nh, S, hs]``: write ``new`` at each row's position into its
+        step's slot and every later one (write-through); read each row's step slot ``[A, nh, span, hs]``."""
+        new = new.to(tensor.dtype)
+        step = self.same_step
+        if self.same_position and step is not None:  # every slot at one position and step: two views
+            tensor[step - 1:, :, :, self.first] = new
+            return tensor[step - 1].narrow(2, 0, self.span)
+        flat = tensor.view(-1, *tensor.shape[2:])  # (K * B, nh, S, hs)
+        if self._through is None:
+            self._through = self._through_indices(tensor.shape[0])
+        index, positions, source = self._through
+        flat[index, :, positions] = new.index_select(0, source)
+        if step is not None:
+            window = tensor[step - 1].narrow(2, 0, self.span)
+            return window if self.all_rows else window.index_select(0, self.rows)
+        if self._flat_read is None:
+            host_rows, _, steps = self.host
+            batch = self.slots.batch
+            self._flat_read = torch.from_numpy((steps - 1) * batch + host_rows).to(self.rows.device)
+        return flat.narrow(2, 0, self.span).index_select(0, self._flat_read)
+
+    def _through_indices(self, kept: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where the write-through goes, made on the host once per call: for row a at step s_a, slots
+        s_a..K at its position (flat rows ``(k - 1) * B + slot``), and which new row each write takes."""
+        host_rows, positions, steps = self.host
+        counts = kept - steps + 1
+        source = np.repeat(np.arange(steps.shape[0]), counts)
+        offset = np.arange(source.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+        slot = steps[source] + offset  # 1-based, s_a..K
+        packed = np.stack([(slot - 1) * self.slots.batch + host_rows[source], positions[source], source])
+        index, positions_t, source_t = torch.from_numpy(packed).to(self.rows.device).unbind(0)
+        return index, positions_t, source_t

@@ -41,7 +41,8 @@ class EngineRunner:
         self.engine = engine
         engine.listener = self._on_token
         self._inbox: "queue.Queue[Submission]" = queue.Queue()
-        self._cancels: "queue.Queue[int]" = queue.Queue()
+        self._cancels: "queue.Queue[Submission]" = queue.Queue()
+        self._unresolved: list[Submission] = []  # cancelled before the engine's thread gave them an id
         self._by_id: dict[int, Submission] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -58,9 +59,10 @@ class EngineRunner:
         return submission
 
     def cancel(self, submission: Submission) -> None:
-        if submission.request_id is not None:
-            self._cancels.put(submission.request_id)
-            self._wake.set()
+        """End ``submission`` at its next token (queued, in flight, or not yet taken by the engine's thread;
+        the engine's thread resolves it, so a cancel made just after the submit is never dropped)."""
+        self._cancels.put(submission)
+        self._wake.set()
 
     def queue_length(self) -> int:
         return self._inbox.qsize() + len(self.engine.queue)
@@ -106,11 +108,17 @@ class EngineRunner:
                 break
             submission.request_id = self.engine.add_request(submission.request)
             self._by_id[submission.request_id] = submission
+        cancels, self._unresolved = self._unresolved, []
         while True:
             try:
-                self.engine.cancel(self._cancels.get_nowait())
+                cancels.append(self._cancels.get_nowait())
             except queue.Empty:
                 break
+        for submission in cancels:  # one submitted after the inbox was read waits for the next round
+            if submission.request_id is None:
+                self._unresolved.append(submission)
+            else:
+                self.engine.cancel(submission.request_id)
 
     def _on_token(self, request_id: int, token: int, steps: list[int], rules: list[str]) -> None:
         submission = self._by_id.get(request_id)
