@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-GRID = {"step_norm_rel": (0.1, 0.2, 0.3, 0.4, 0.5), "kl": (0.01, 0.03, 0.05, 0.1),
+GRID = {"step_norm_rel": (0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5), "kl": (0.005, 0.01, 0.02, 0.03, 0.05, 0.1),
         "step_norm": (0.5, 1, 2, 4), "confidence": (0.01, 0.03, 0.1), "learned": (0.01, 0.03, 0.1)}
 
 

@@ -187,19 +187,25 @@ class Engine:
     def run(self) -> Iterator[Finished]:
         """Tick until every queued request has finished, yielding each as it finishes."""
         while self.pending():
-            with torch.no_grad():
-                finished = self._tick()
-            yield from finished
+            yield from self.step()
 
     def kv_bytes_per_token(self) -> int:
         """Key/value bytes one position of one request takes (every layer, every kept loop step)."""
         return self.slots.bytes_per_token()
 
     # ------------------------------------------------------------------ a tick
-    @torch.no_grad()
     def step(self) -> list[Finished]:
-        """One tick (see the module); returns the requests that finished in it."""
-        return self._tick()
+        """One tick (see the module); returns the requests that finished in it.
+
+        The tick runs in inference mode (no autograd bookkeeping on any kernel: about a fifth of a small
+        model's tick on the CPU); what it hands back (kept logits) is copied out of it, so a client may
+        use it anywhere."""
+        with torch.inference_mode():
+            finished = self._tick()
+        for result in finished:
+            if result.logits is not None:
+                result.logits = result.logits.clone()  # outside inference mode: an ordinary tensor
+        return finished
 
     def _tick(self) -> list[Finished]:
         finished = self._admit() if self.queue else []
