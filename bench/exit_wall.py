@@ -197,7 +197,7 @@ def task_quality(model, args, settings):
 
 def text_quality(model, args, settings):
     """Perplexity (lower is better) and loop steps per token of every setting on held-out windows."""
-    from rdepth.exits.evaluate import evaluate_with_exits
+    from rdepth.exitrun.evaluate import evaluate_with_exits
     from rdepth.run.heldout import held_out_windows
     from rdepth.run.opened import open_run
 
