@@ -73,11 +73,21 @@ def parse_args(argv):
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     try:
-        args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
-        args.taus = [float(t) for t in args.tau.split(",") if t.strip()]
-        args.quantiles = [float(q) for q in args.quantile.split(",") if q.strip()]
+        args.batches = _numbers(args.batches, int)
+        args.taus = _numbers(args.tau, float)
+        args.quantiles = _numbers(args.quantile, float)
     except ValueError:
         parser.error("--batches takes integers and --tau numbers, comma-separated")
+    _check_args(parser, args)
+    return args
+
+
+def _numbers(text: str, kind) -> list:
+    """The comma-separated numbers of ``text`` (empty items skipped)."""
+    return [kind(item) for item in text.split(",") if item.strip()]
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.batches or min(args.batches) < 1 or not args.taus:
         parser.error("--batches needs sizes >= 1 and --tau at least one value")
     if args.prompt < 1 or args.tokens < 1 or args.repeats < 1 or args.warmup < 0 or args.check_every < 1:
@@ -88,7 +98,6 @@ def parse_args(argv):
         parser.error("--quantile values must be in (0, 1]")
     if args.task_difficulty is not None and not args.data:
         parser.error("--task-difficulty needs --data (a prepared task)")
-    return args
 
 
 def summary(times: list[float]) -> dict:
@@ -142,27 +151,219 @@ class Setting:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def rounded_budget(mean_steps, k_max) -> tuple[int, ...]:
+    """A fixed budget per group equal to realised mean steps, rounded, within 1..k_max."""
+    return tuple(min(max(round(mean), 1), cap) for mean, cap in zip(mean_steps, k_max))
+
+
+class Bench:
+    """One run's model and settings: the rows (prompts and their greedy stream, or a task's held-out
+    problems), the decoders at a fixed budget or with exits, and each setting's quality."""
+
+    def __init__(self, args, model, config, device, k_max):
+        self.args, self.model, self.config, self.device, self.k_max = args, model, config, device, k_max
+        self.length = args.prompt + args.tokens + 1
+        self.answers = {}  # batch -> answer mask of the decoded targets [B, N] (task mode)
+
+    def prompts(self, batch: int):
+        import torch
+
+        args = self.args
+        if args.data:
+            from rdepth.run.heldout import held_out_tokens, held_out_windows
+
+            tokens, _ = held_out_tokens(args.data, args.checkpoint, self.config)
+            windows = held_out_windows(tokens, args.prompt, batch)[:, : args.prompt]
+            if windows.shape[0] < batch:
+                raise SystemExit(f"{args.data} holds only {windows.shape[0]} prompts of {args.prompt} tokens")
+            return windows.to(self.device)
+        generator = torch.Generator().manual_seed(args.seed + batch)
+        return torch.randint(0, self.config.vocab_size, (batch, args.prompt), generator=generator).to(self.device)
+
+    def task_stream(self, batch: int):
+        """Held-out problems of --task-difficulty, [B, prompt + tokens + 1], their answer mask kept."""
+        import numpy as np
+        import torch
+
+        from rdepth.tasks.data import load_heldout
+
+        args, length = self.args, self.length
+        heldout = load_heldout(args.data, args.task_difficulty)
+        if heldout.tokens.shape[0] < batch or heldout.tokens.shape[1] < length:
+            raise SystemExit(f"{args.data}: difficulty {args.task_difficulty} holds {heldout.tokens.shape[0]} windows "
+                             f"of {heldout.tokens.shape[1]} tokens; {batch} of {length} needed")
+        self.answers[batch] = torch.from_numpy(np.asarray(heldout.answer_mask[:batch, args.prompt + 1:length],
+                                                          dtype=bool))
+        return torch.from_numpy(np.asarray(heldout.tokens[:batch, :length], dtype=np.int64)).to(self.device)
+
+    def decoder(self, batch: int, noise, **options):
+        from rdepth.model.decoder import Decoder
+
+        return Decoder(self.model, batch, noise=noise, capacity=self.length, **options)
+
+    def fixed(self, batch: int, noise, counts):
+        return self.decoder(batch, noise, loop_counts=counts)
+
+    def exits(self, batch: int, noise, tau: float, quantile: float | None = None):
+        from rdepth.exits.batch_quantile import BatchQuantile
+        from rdepth.exits.controller import controller_factory
+        from rdepth.model.executors.eager import Executor
+
+        exit_rule = controller_factory(self.args.policy, tau, list(self.k_max), lambda: self.model.readout)
+        controllers = exit_rule if quantile is None else (lambda: BatchQuantile(exit_rule(), quantile))
+        return self.decoder(batch, noise, controller_factory=controllers).use(Executor(self.args.check_every))
+
+    def setting(self, name: str, decoder, stream, graphs: bool | None = None) -> Setting:
+        return Setting(name, decoder, stream, self.args.prompt, self.args.graphs if graphs is None else graphs)
+
+    def stream_of(self, batch: int, noise):
+        """The prompts and the full budget's greedy continuation, [B, prompt + tokens + 1] (task mode: the
+        held-out problems' own tokens)."""
+        if self.args.task_difficulty is not None:
+            return self.task_stream(batch)
+        return self.fixed(batch, noise, self.k_max).generate(self.prompts(batch), self.args.tokens + 1)
+
+    def measured(self, chosen, steps, reference, targets=None) -> dict:
+        """Agreement with the full budget, the mean loop steps per group, and the mean over tokens of
+        the most steps any row computed (the steps a batch's loop runs; steps ``[G, B, N]``); task mode:
+        the answer accuracy against ``targets`` (the stream's next tokens)."""
+        row = {"agreement": agreement(chosen, reference), "mean_steps": steps.float().mean(dim=(1, 2)).tolist(),
+               "slowest_row_steps": steps.max(dim=1).values.float().mean(dim=1).tolist()}
+        if targets is not None:
+            mask = self.answers[chosen.shape[0]].to(chosen.device)
+            row["answer_accuracy"] = float((chosen == targets)[mask].float().mean())
+            row["answer_tokens"] = int(mask.sum())
+        return row
+
+    def full_reference(self, batch: int, noise, stream):
+        """The full budget's argmax at every decoded position (task mode; else the greedy stream is it)."""
+        if self.args.task_difficulty is None:
+            return stream[:, self.args.prompt + 1:]
+        return recorded(self.setting("reference", self.fixed(batch, noise, self.k_max), stream, False))[0]
+
+    def choose_tau(self) -> tuple[float, list[dict]]:
+        """The threshold, chosen on the first batch size's prompts: the fewest mean steps among those with
+        at least --agreement (else the best agreement); and every trial."""
+        from rdepth.model.noise import StateNoise
+
+        first = self.args.batches[0]
+        noise = StateNoise(self.args.seed, range(first))
+        stream = self.stream_of(first, noise)
+        reference = self.full_reference(first, noise, stream)
+        trials = []
+        for tau in self.args.taus:
+            chosen, steps = recorded(self.setting("trial", self.exits(first, noise, tau), stream, False))
+            trials.append({"tau": tau, "agreement": agreement(chosen, reference),
+                           "mean_steps": steps.float().mean(dim=(1, 2)).tolist()})
+        good = [trial for trial in trials if trial["agreement"] >= self.args.agreement] or \
+            [max(trials, key=lambda trial: trial["agreement"])]
+        return min(good, key=lambda trial: sum(trial["mean_steps"]))["tau"], trials
+
+    def batch_row(self, batch: int, tau: float) -> dict:
+        """Every setting of one batch size: its quality, then its timing (interleaved rounds), and the
+        ratios to (a), (d) and (e)."""
+        from rdepth.model.noise import StateNoise
+
+        noise = StateNoise(self.args.seed, range(batch))
+        stream = self.stream_of(batch, noise)
+        reference = self.full_reference(batch, noise, stream)
+        targets = stream[:, self.args.prompt + 1:] if self.args.task_difficulty is not None else None
+        rows = Rows(self, reference, targets)
+        settings = {
+            "a_full": self.setting("a_full", self.fixed(batch, noise, self.k_max), stream),
+            "b_predicated": self.setting("b_predicated", self.exits(batch, noise, tau), stream),
+        }
+        for q in self.args.quantiles:
+            settings[f"f_quantile_{q:g}"] = self.setting(f"f_quantile_{q:g}", self.exits(batch, noise, tau, q), stream)
+        for name, setting in settings.items():
+            rows.measure(name, setting)
+        for q in self.args.quantiles:  # each quantile exit's own matched fixed budget
+            counts = rounded_budget(rows.quality[f"f_quantile_{q:g}"]["mean_steps"], self.k_max)
+            name = f"g_matched_{q:g}"
+            settings[name] = self.setting(name, self.fixed(batch, noise, counts), stream)
+            rows.measure(name, settings[name])["budget"] = list(counts)
+        matched = rounded_budget(rows.quality["b_predicated"]["mean_steps"], self.k_max)
+        settings["d_matched"] = self.setting("d_matched", self.fixed(batch, noise, matched), stream)
+        rows.measure("d_matched", settings["d_matched"])
+        same = self.same_quality(batch, noise, stream, rows, settings)
+        times = self.timed(settings, stream.shape[1] - 1 - self.args.prompt)
+        return batch_row(batch, matched, same, times, rows.quality)
+
+    def same_quality(self, batch: int, noise, stream, rows: Rows, settings: dict) -> tuple[int, ...]:
+        """Untimed: the smallest uniform budget min(n, k_max) as good as the exits (the full budget when none
+        is), added to ``settings`` as (e); returns it."""
+        for n in range(1, max(self.k_max) + 1):
+            same = tuple(min(n, cap) for cap in self.k_max)
+            trial = self.setting("e_same_quality", self.fixed(batch, noise, same), stream)
+            chosen, steps = recorded(trial)
+            if rows.measured(chosen, steps)["agreement"] >= rows.quality["b_predicated"]["agreement"] or \
+                    same == tuple(self.k_max):
+                settings["e_same_quality"] = trial
+                rows.quality["e_same_quality"] = rows.measured(chosen, steps)
+                return same
+        return same
+
+    def timed(self, settings: dict, decoded: int) -> dict[str, list[float]]:
+        """--warmup untimed then --repeats timed rounds of every setting, interleaved: ms per decoded token."""
+        times: dict[str, list[float]] = {name: [] for name in settings}
+        for round_number in range(self.args.warmup + self.args.repeats):
+            for name, setting in settings.items():  # interleaved: drift hits every setting alike
+                setting.prefill()
+                elapsed = timed_ms(setting.decode, self.device)
+                if round_number >= self.args.warmup:
+                    times[name].append(elapsed / decoded)
+        return times
+
+
+class Rows:
+    """The quality of each setting of one batch, measured on its recorded argmax and steps."""
+
+    def __init__(self, bench: Bench, reference, targets):
+        self.bench, self.reference, self.targets = bench, reference, targets
+        self.quality: dict[str, dict] = {}
+
+    def measured(self, chosen, steps) -> dict:
+        return self.bench.measured(chosen, steps, self.reference, self.targets)
+
+    def measure(self, name: str, setting: Setting) -> dict:
+        self.quality[name] = self.measured(*recorded(setting))
+        return self.quality[name]
+
+
+def agreement(chosen, reference) -> float:
+    return float((chosen == reference).float().mean())
+
+
+def recorded(setting: Setting):
+    """The setting prefilled, then decoded with its argmax [B, N] and steps [G, B, N] recorded."""
+    setting.prefill()
+    return setting.decode(record=True)
+
+
+def batch_row(batch: int, matched, same, times: dict[str, list[float]], quality: dict[str, dict]) -> dict:
+    """One batch's row: each setting's timing summary, tokens/s, quality and ratios to (a), (d) and (e)."""
+    row = {"batch": batch, "matched_budget": list(matched), "same_quality_budget": list(same), "settings": {}}
+    for name in times:
+        stats = summary(times[name])
+        stats["tokens_per_s"] = batch * 1000 / stats["ms_per_token"]
+        row["settings"][name] = {**stats, **quality[name]}
+    full, match, same_quality = (row["settings"][name]["ms_per_token"]
+                                 for name in ("a_full", "d_matched", "e_same_quality"))
+    for stats in row["settings"].values():
+        stats["speedup_vs_full"] = full / stats["ms_per_token"]
+        stats["speedup_vs_matched"] = match / stats["ms_per_token"]
+        stats["speedup_vs_same_quality"] = same_quality / stats["ms_per_token"]
+    return row
+
+
+def load(args, device):
+    """The model (a checkpoint's, else the preset's with seeded random weights) in --dtype, eval mode, and
+    its config."""
     import torch
 
-    from rdepth.config import get_preset, parse_loop_counts
-    from rdepth.io import environment_info
+    from rdepth.config import get_preset
     from rdepth.model import RecurrentLM
-    from rdepth.model.noise import StateNoise
-    from rdepth.exits.batch_quantile import BatchQuantile
-    from rdepth.exits.controller import controller_factory
-    from rdepth.model.decoder import Decoder
-    from rdepth.model.executors.eager import Executor
-    from rdepth.run.device import device_name, resolve_device
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    dtype = getattr(torch, args.dtype)
-    if args.graphs and device.type != "cuda":
-        print("--graphs needs a CUDA device", file=sys.stderr)
-        return 2
     if args.checkpoint:
         from rdepth.run.checkpoint import load_model
 
@@ -171,165 +372,46 @@ def main(argv: list[str] | None = None) -> int:
         config = get_preset(args.preset)
         torch.manual_seed(args.seed)
         model = RecurrentLM(config).to(device)
-    model = model.to(dtype).eval()
+    return model.to(getattr(torch, args.dtype)).eval(), config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from rdepth.config import parse_loop_counts
+    from rdepth.run.device import resolve_device
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    if args.graphs and device.type != "cuda":
+        print("--graphs needs a CUDA device", file=sys.stderr)
+        return 2
+    model, config = load(args, device)
     if not model.n_groups:
         print("the model has no recurrence group: nothing exits", file=sys.stderr)
         return 2
     k_max = parse_loop_counts(args.k_max, model.n_groups)
-    length = args.prompt + args.tokens + 1
-    if length > config.block_size:
+    if args.prompt + args.tokens + 1 > config.block_size:
         print(f"--prompt + --tokens + 1 must fit the block size {config.block_size}", file=sys.stderr)
         return 2
-
-    def prompts(batch: int) -> torch.Tensor:
-        if args.data:
-            from rdepth.run.heldout import held_out_tokens, held_out_windows
-
-            tokens, _ = held_out_tokens(args.data, args.checkpoint, config)
-            windows = held_out_windows(tokens, args.prompt, batch)[:, : args.prompt]
-            if windows.shape[0] < batch:
-                raise SystemExit(f"{args.data} holds only {windows.shape[0]} prompts of {args.prompt} tokens")
-            return windows.to(device)
-        generator = torch.Generator().manual_seed(args.seed + batch)
-        return torch.randint(0, config.vocab_size, (batch, args.prompt), generator=generator).to(device)
-
-    answers = {}  # batch -> answer mask of the decoded targets [B, N] (task mode)
-
-    def task_stream(batch: int) -> torch.Tensor:
-        """Held-out problems of --task-difficulty, [B, prompt + tokens + 1], their answer mask kept."""
-        import numpy as np
-
-        from rdepth.tasks.data import load_heldout
-
-        heldout = load_heldout(args.data, args.task_difficulty)
-        if heldout.tokens.shape[0] < batch or heldout.tokens.shape[1] < length:
-            raise SystemExit(f"{args.data}: difficulty {args.task_difficulty} holds {heldout.tokens.shape[0]} windows "
-                             f"of {heldout.tokens.shape[1]} tokens; {batch} of {length} needed")
-        answers[batch] = torch.from_numpy(np.asarray(heldout.answer_mask[:batch, args.prompt + 1:length], dtype=bool))
-        return torch.from_numpy(np.asarray(heldout.tokens[:batch, :length], dtype=np.int64)).to(device)
-
-    def factory(tau: float):
-        return controller_factory(args.policy, tau, list(k_max), lambda: model.readout)
-
-    def decoder(batch: int, noise, **options):
-        return Decoder(model, batch, noise=noise, capacity=length, **options)
-
-    def exits(batch: int, noise, tau: float, quantile: float | None = None):
-        exit_rule = factory(tau)
-        controllers = exit_rule if quantile is None else (lambda: BatchQuantile(exit_rule(), quantile))
-        return decoder(batch, noise, controller_factory=controllers).use(Executor(args.check_every))
-
-    def stream_of(batch: int, noise) -> torch.Tensor:
-        """The prompts and the full budget's greedy continuation, [B, prompt + tokens + 1] (task mode: the
-        held-out problems' own tokens)."""
-        if args.task_difficulty is not None:
-            return task_stream(batch)
-        return decoder(batch, noise, loop_counts=k_max).generate(prompts(batch), args.tokens + 1)
-
-    def agreement(chosen: torch.Tensor, reference: torch.Tensor) -> float:
-        return float((chosen == reference).float().mean())
-
-    def measured(chosen: torch.Tensor, steps: torch.Tensor, reference: torch.Tensor, targets=None) -> dict:
-        """Agreement with the full budget, the mean loop steps per group, and the mean over tokens of
-        the most steps any row computed (the steps a batch's loop runs; steps ``[G, B, N]``); task mode:
-        the answer accuracy against ``targets`` (the stream's next tokens)."""
-        row = {"agreement": agreement(chosen, reference), "mean_steps": steps.float().mean(dim=(1, 2)).tolist(),
-               "slowest_row_steps": steps.max(dim=1).values.float().mean(dim=1).tolist()}
-        if targets is not None:
-            mask = answers[chosen.shape[0]].to(chosen.device)
-            row["answer_accuracy"] = float((chosen == targets)[mask].float().mean())
-            row["answer_tokens"] = int(mask.sum())
-        return row
-
-    def full_reference(batch: int, noise, stream: torch.Tensor) -> torch.Tensor:
-        """The full budget's argmax at every decoded position (task mode; else the greedy stream is it)."""
-        if args.task_difficulty is None:
-            return stream[:, args.prompt + 1:]
-        full = Setting("reference", decoder(batch, noise, loop_counts=k_max), stream, args.prompt, False)
-        full.prefill()
-        return full.decode(record=True)[0]
-
-    # Choose the threshold on the first batch size's prompts.
-    tau_trials = []
-    first = args.batches[0]
-    noise = StateNoise(args.seed, range(first))
-    stream = stream_of(first, noise)
-    reference = full_reference(first, noise, stream)
-    for tau in args.taus:
-        trial = Setting("trial", exits(first, noise, tau), stream, args.prompt, False)
-        trial.prefill()
-        chosen, steps = trial.decode(record=True)
-        tau_trials.append({"tau": tau, "agreement": agreement(chosen, reference),
-                           "mean_steps": steps.float().mean(dim=(1, 2)).tolist()})
-    good = [trial for trial in tau_trials if trial["agreement"] >= args.agreement] or \
-        [max(tau_trials, key=lambda trial: trial["agreement"])]
-    tau = min(good, key=lambda trial: sum(trial["mean_steps"]))["tau"]
-
+    bench = Bench(args, model, config, device, k_max)
+    tau, tau_trials = bench.choose_tau()
     results = []
     for batch in args.batches:
-        noise = StateNoise(args.seed, range(batch))
-        stream = stream_of(batch, noise)
-        reference = full_reference(batch, noise, stream)
-        targets = stream[:, args.prompt + 1:] if args.task_difficulty is not None else None
-        settings = {
-            "a_full": Setting("a_full", decoder(batch, noise, loop_counts=k_max), stream, args.prompt, args.graphs),
-            "b_predicated": Setting("b_predicated", exits(batch, noise, tau), stream, args.prompt, args.graphs),
-        }
-        for q in args.quantiles:
-            settings[f"f_quantile_{q:g}"] = Setting(f"f_quantile_{q:g}", exits(batch, noise, tau, q), stream,
-                                                    args.prompt, args.graphs)
-        quality = {}
-        for name, setting in settings.items():
-            setting.prefill()
-            quality[name] = measured(*setting.decode(record=True), reference, targets)
-        for q in args.quantiles:  # each quantile exit's own matched fixed budget
-            counts = tuple(min(max(round(mean), 1), cap) for mean, cap in
-                           zip(quality[f"f_quantile_{q:g}"]["mean_steps"], k_max))
-            name = f"g_matched_{q:g}"
-            settings[name] = Setting(name, decoder(batch, noise, loop_counts=counts), stream, args.prompt, args.graphs)
-            settings[name].prefill()
-            chosen, steps = settings[name].decode(record=True)
-            quality[name] = measured(chosen, steps, reference, targets)
-            quality[name]["budget"] = list(counts)
-        matched = tuple(min(max(round(mean), 1), cap) for mean, cap in
-                        zip(quality["b_predicated"]["mean_steps"], k_max))
-        settings["d_matched"] = Setting("d_matched", decoder(batch, noise, loop_counts=matched), stream, args.prompt,
-                                        args.graphs)
-        settings["d_matched"].prefill()
-        chosen, steps = settings["d_matched"].decode(record=True)
-        quality["d_matched"] = measured(chosen, steps, reference, targets)
-        for n in range(1, max(k_max) + 1):  # untimed: the smallest uniform budget as good as the exits
-            same = tuple(min(n, cap) for cap in k_max)
-            trial = Setting("e_same_quality", decoder(batch, noise, loop_counts=same), stream, args.prompt,
-                            args.graphs)
-            trial.prefill()
-            chosen, steps = trial.decode(record=True)
-            if measured(chosen, steps, reference, targets)["agreement"] >= quality["b_predicated"]["agreement"] or \
-                    same == tuple(k_max):
-                settings["e_same_quality"] = trial
-                quality["e_same_quality"] = measured(chosen, steps, reference, targets)
-                break
-        times: dict[str, list[float]] = {name: [] for name in settings}
-        decoded = stream.shape[1] - 1 - args.prompt
-        for round_number in range(args.warmup + args.repeats):
-            for name, setting in settings.items():  # interleaved: drift hits every setting alike
-                setting.prefill()
-                elapsed = timed_ms(setting.decode, device)
-                if round_number >= args.warmup:
-                    times[name].append(elapsed / decoded)
-        row = {"batch": batch, "matched_budget": list(matched), "same_quality_budget": list(same), "settings": {}}
-        for name in settings:
-            stats = summary(times[name])
-            stats["tokens_per_s"] = batch * 1000 / stats["ms_per_token"]
-            row["settings"][name] = {**stats, **quality[name]}
-        full, match, same_quality = (row["settings"][name]["ms_per_token"]
-                                     for name in ("a_full", "d_matched", "e_same_quality"))
-        for stats in row["settings"].values():
-            stats["speedup_vs_full"] = full / stats["ms_per_token"]
-            stats["speedup_vs_matched"] = match / stats["ms_per_token"]
-            stats["speedup_vs_same_quality"] = same_quality / stats["ms_per_token"]
-        results.append(row)
-        print_batch(row)
+        results.append(bench.batch_row(batch, tau))
+        print_batch(results[-1])
+    write_report(args, device, k_max, tau, tau_trials, results)
+    return 0
+
+
+def write_report(args, device, k_max, tau: float, tau_trials: list[dict], results: list[dict]) -> None:
+    """Print the device and the chosen threshold; write everything to --json."""
+    import torch
+
+    from rdepth.io import environment_info
+    from rdepth.run.device import device_name
 
     info = environment_info()
     report = {"environment": {**info, "device": device_name(device)},
@@ -350,7 +432,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
         Path(args.json).write_text(json_text(report, indent=2) + "\n")
-    return 0
 
 
 def print_batch(row: dict) -> None:

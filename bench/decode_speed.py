@@ -157,104 +157,150 @@ def _descendants(event):
         yield from _descendants(child)
 
 
+class Run:
+    """One run's model, plain model, prompt and teacher-forced tokens, and how a setting is built and timed."""
+
+    def __init__(self, args, device, config, loops, skip: set[str]):
+        import torch
+
+        from rdepth.config import get_preset
+        from rdepth.model import RecurrentLM
+        from rdepth.model.noise import StateNoise
+
+        dtype = getattr(torch, args.dtype)
+        self.args, self.device, self.loops = args, device, loops
+        torch.manual_seed(0)
+        self.model = RecurrentLM(config).to(device=device, dtype=dtype).eval()
+        self.noise = StateNoise(0, range(args.batch))
+        ids = torch.randint(0, config.vocab_size, (args.batch, args.prompt + args.tokens),
+                            generator=torch.Generator().manual_seed(1)).to(device)
+        self.prompt = ids[:, : args.prompt]
+        self.steps = [ids[:, t : t + 1] for t in range(args.prompt, ids.shape[1])]
+        self.graphs = device.type == "cuda"
+        self.plain = RecurrentLM(get_preset(args.preset, groups="")).to(device=device, dtype=dtype).eval() \
+            if "d" not in skip else None
+
+    def static_rounds(self, decoder, graph: bool) -> dict:
+        from rdepth.model.executors.compiled import Compiled
+        from rdepth.model.executors.graphs import Captured
+
+        decoder.prefill(self.prompt)
+        if graph:
+            Captured.record(decoder)  # compiles first, when compiled
+        elif isinstance(decoder.executor, Compiled):
+            decoder.step(self.steps[0])  # compiles, untimed
+        return summary(time_rounds(lambda: decoder.prefill(self.prompt),
+                                   lambda: [decoder.step(t) for t in self.steps], self.args, self.device))
+
+    def static(self, budget=None, factory=None, on=None, compiled=False):
+        from rdepth.model.decoder import Decoder
+        from rdepth.model.executors.compiled import Compiled
+
+        budget = self.loops if budget is None else budget
+        options = {"controller_factory": factory} if factory else {"loop_counts": budget}
+        decoder = Decoder(self.model if on is None else on, self.args.batch, noise=self.noise, **options)
+        return decoder.use(Compiled(check_every=decoder.executor.check_every)) if compiled else decoder
+
+    def settings(self, results: dict, skip: set[str], suffix: str, compiled: bool) -> None:
+        """(b)-(f) on one path (eager pieces, or Inductor-compiled with ``suffix`` _inductor) into ``results``."""
+        graphs = self.graphs
+        if "b" not in skip:
+            results["b_static_eager" + suffix] = self.static_rounds(self.static(compiled=compiled), graph=False)
+        if graphs and "c" not in skip:
+            results["c_static_graph" + suffix] = self.static_rounds(self.static(compiled=compiled), graph=True)
+        if self.plain is not None:
+            results["d_plain_static" + suffix] = self.static_rounds(self.static((), on=self.plain, compiled=compiled),
+                                                                    graph=graphs)
+            results["d_plain_static" + suffix]["path"] = "graph" if graphs else "eager"
+        if "e" not in skip and "f" not in skip and self.loops:
+            self.exit_check(results, suffix, compiled)
+
+    def exit_check(self, results: dict, suffix: str, compiled: bool) -> None:
+        """(e) and (f), and the exit check's time per loop step against a loop step's."""
+        from rdepth.exits.controller import controller_factory
+
+        loops, graphs = self.loops, self.graphs
+        never = lambda: controller_factory("step_norm", 1e-30, list(loops))()  # noqa: E731
+        results["e_exit_check" + suffix] = self.static_rounds(self.static(factory=never, compiled=compiled),
+                                                              graph=graphs)
+        results["f_budget_1" + suffix] = self.static_rounds(self.static((1,) * len(loops), compiled=compiled),
+                                                            graph=graphs)
+        fixed = results.get(("c_static_graph" if graphs else "b_static_eager") + suffix, {}).get("ms_per_token")
+        if fixed is not None:
+            step_ms = (fixed - results["f_budget_1" + suffix]["ms_per_token"]) / max(sum(loops) - len(loops), 1)
+            check_ms = (results["e_exit_check" + suffix]["ms_per_token"] - fixed) / sum(loops)
+            results["exit_check_per_step" + suffix] = {
+                "loop_step_ms": step_ms, "check_ms": check_ms,
+                "check_over_step": check_ms / step_ms if step_ms > 0 else None}
+
+    def profile(self) -> dict:
+        """Syncs and launches of one token of (b), and of (b) compiled with --compile."""
+        import torch
+
+        decoder = self.static()
+        decoder.prefill(self.prompt)
+        with torch.no_grad():
+            counts = {"b_static_eager": count_per_token(lambda: decoder.step(self.steps[0]), self.device)}
+        if self.args.compile:
+            decoder = self.static(compiled=True)
+            decoder.prefill(self.prompt)
+            decoder.step(self.steps[0])  # compiles
+            decoder.prefill(self.prompt)
+            counts["b_static_eager_inductor"] = count_per_token(lambda: decoder.step(self.steps[0]), self.device)
+        return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
     from rdepth.config import get_preset, parse_loop_counts
-    from rdepth.exits.controller import controller_factory
     from rdepth.io import environment_info
-    from rdepth.model import RecurrentLM
-    from rdepth.model.noise import StateNoise
-    from rdepth.model.decoder import Decoder
-    from rdepth.model.executors.compiled import Compiled
-    from rdepth.model.executors.graphs import Captured
     from rdepth.run.device import device_name, resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    dtype = getattr(torch, args.dtype)
     skip = {part.strip() for part in args.skip.split(",") if part.strip()}
     config = get_preset(args.preset)
     loops = parse_loop_counts(args.loops, config.n_groups) if args.loops else config.default_eval_loops
     if args.prompt + args.tokens > config.block_size:
         print(f"--prompt + --tokens must fit the block size {config.block_size}", file=sys.stderr)
         return 2
-    torch.manual_seed(0)
-    model = RecurrentLM(config).to(device=device, dtype=dtype).eval()
-    batch = args.batch
-    noise = StateNoise(0, range(batch))
-    ids = torch.randint(0, config.vocab_size, (batch, args.prompt + args.tokens),
-                        generator=torch.Generator().manual_seed(1)).to(device)
-    prompt, steps = ids[:, : args.prompt], [ids[:, t : t + 1] for t in range(args.prompt, ids.shape[1])]
+    run = Run(args, device, config, loops, skip)
     results: dict = {}
-
-    def static_rounds(decoder: Decoder, graph: bool) -> dict:
-        decoder.prefill(prompt)
-        if graph:
-            Captured.record(decoder)  # compiles first, when compiled
-        elif isinstance(decoder.executor, Compiled):
-            decoder.step(steps[0])  # compiles, untimed
-        return summary(time_rounds(lambda: decoder.prefill(prompt), lambda: [decoder.step(t) for t in steps],
-                                   args, device))
-
-    def static(budget=loops, factory=None, on=model, compiled=False):
-        options = {"controller_factory": factory} if factory else {"loop_counts": budget}
-        decoder = Decoder(on, batch, noise=noise, **options)
-        return decoder.use(Compiled(check_every=decoder.executor.check_every)) if compiled else decoder
-
-    graphs = device.type == "cuda"
-    plain = RecurrentLM(get_preset(args.preset, groups="")).to(device=device, dtype=dtype).eval() \
-        if "d" not in skip else None
     for suffix, compiled in [("", False)] + ([("_inductor", True)] if args.compile else []):
-        if "b" not in skip:
-            results["b_static_eager" + suffix] = static_rounds(static(compiled=compiled), graph=False)
-        if graphs and "c" not in skip:
-            results["c_static_graph" + suffix] = static_rounds(static(compiled=compiled), graph=True)
-        if plain is not None:
-            results["d_plain_static" + suffix] = static_rounds(static((), on=plain, compiled=compiled), graph=graphs)
-            results["d_plain_static" + suffix]["path"] = "graph" if graphs else "eager"
-        if "e" not in skip and "f" not in skip and loops:
-            never = lambda: controller_factory("step_norm", 1e-30, list(loops))()  # noqa: E731
-            results["e_exit_check" + suffix] = static_rounds(static(factory=never, compiled=compiled), graph=graphs)
-            results["f_budget_1" + suffix] = static_rounds(static((1,) * len(loops), compiled=compiled),
-                                                           graph=graphs)
-            fixed = results.get(("c_static_graph" if graphs else "b_static_eager") + suffix, {}).get("ms_per_token")
-            if fixed is not None:
-                step_ms = (fixed - results["f_budget_1" + suffix]["ms_per_token"]) / max(sum(loops) - len(loops), 1)
-                check_ms = (results["e_exit_check" + suffix]["ms_per_token"] - fixed) / sum(loops)
-                results["exit_check_per_step" + suffix] = {
-                    "loop_step_ms": step_ms, "check_ms": check_ms,
-                    "check_over_step": check_ms / step_ms if step_ms > 0 else None}
-    del plain
-    reference = results.get("b_static_eager", {}).get("ms_per_token")
-    for key, value in results.items():
-        if "ms_per_token" in value and reference:
-            value["ratio_vs_b"] = value["ms_per_token"] / reference
-
+        run.settings(results, skip, suffix, compiled)
+    run.plain = None
+    add_ratios(results)
     if args.profile:
-        decoder = static()
-        decoder.prefill(prompt)
-        with torch.no_grad():
-            results["profile_per_token"] = {"b_static_eager": count_per_token(lambda: decoder.step(steps[0]), device)}
-        if args.compile:
-            decoder = static(compiled=True)
-            decoder.prefill(prompt)
-            decoder.step(steps[0])  # compiles
-            decoder.prefill(prompt)
-            results["profile_per_token"]["b_static_eager_inductor"] = count_per_token(
-                lambda: decoder.step(steps[0]), device)
+        results["profile_per_token"] = run.profile()
 
     info = environment_info()
     report = {"environment": {**info, "device": device_name(device)},
-              "settings": {"preset": args.preset, "loops": list(loops), "batch": batch, "prompt": args.prompt,
+              "settings": {"preset": args.preset, "loops": list(loops), "batch": args.batch, "prompt": args.prompt,
                            "tokens": args.tokens, "warmup": args.warmup, "repeats": args.repeats,
                            "dtype": args.dtype, "threads": torch.get_num_threads(), "compile": args.compile},
               "results": results}
-    env = report["environment"]
+    print_report(report, args, loops)
+    if args.json:
+        from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
+        Path(args.json).write_text(json_text(report, indent=2) + "\n")
+    return 0
+
+
+def add_ratios(results: dict) -> None:
+    """Every timed setting's ratio to (b) of the same run."""
+    reference = results.get("b_static_eager", {}).get("ms_per_token")
+    for value in results.values():
+        if "ms_per_token" in value and reference:
+            value["ratio_vs_b"] = value["ms_per_token"] / reference
+
+
+def print_report(report: dict, args, loops) -> None:
+    env, results = report["environment"], report["results"]
     print(f"device: {env['device']}  torch {env['torch']}  git {env.get('git', '?')}  dtype {args.dtype}")
-    print(f"preset {args.preset}, loops {list(loops)}, batch {batch}, prompt {args.prompt}, "
+    print(f"preset {args.preset}, loops {list(loops)}, batch {args.batch}, prompt {args.prompt}, "
           f"{args.tokens} tokens x {args.repeats} rounds (median [IQR] ms/token)")
     for key, value in results.items():
         if "ms_per_token" in value:
@@ -270,10 +316,6 @@ def main(argv: list[str] | None = None) -> int:
               f"step of {check['loop_step_ms']:.4f} ms ({'-' if share is None else f'{100 * share:.1f}%'})")
     for key, counts in results.get("profile_per_token", {}).items():
         print(f"  per token, {key}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "note"))
-    if args.json:
-        from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
-        Path(args.json).write_text(json_text(report, indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -230,72 +230,103 @@ def timing(model, heldout, labels, rows_b, choice, settings, args) -> dict:
         count = min(max(4 * width, args.min_requests), len(order))
         ids = np.array(order[:count])
         windows = windows_all[ids]
-        calls, records = {}, {}
-        for label in timed_labels:
-            budget = ({"loop_counts": settings[label]["loop_counts"]} if "loop_counts" in settings[label]
-                      else {"controller_factory": settings[label]["factory"]})
-            calls[f"engine | {label}"], records[f"engine | {label}"] = engine_call(model, windows, ids, width, budget,
-                                                                                  args.seed)
-            calls[f"lockstep | {label}"], records[f"lockstep | {label}"] = lockstep_call(model, windows, ids, width,
-                                                                                        budget, args.seed)
-            if "factory" in settings[label] and args.shared:
-                name = f"engine shared-KV | {label}"
-                calls[name], records[name] = engine_call(model, windows, ids, width, budget, args.seed, "shared")
-        samples = {label: [] for label in calls}
-        for call in calls.values():
-            for _ in range(args.warmup):
-                call()
-        shuffle = random.Random(args.seed + width)
-        for _ in range(args.rounds):
-            names = list(calls)
-            shuffle.shuffle(names)
-            for name in names:
-                start = time.perf_counter()
-                calls[name]()
-                if args.device.startswith("cuda"):
-                    import torch
-
-                    torch.cuda.synchronize()
-                samples[name].append(time.perf_counter() - start)
+        calls, records = width_calls(model, windows, ids, width, timed_labels, settings, args)
+        samples = timed_rounds(calls, args, width)
         positions = windows.size
-        rows = {}
-        for name, seconds in samples.items():
-            latency = np.array(records[name]["latency"])
-            rows[name] = {"tokens_per_s": positions / statistics.median(seconds),
-                          "range_tokens_per_s": [positions / max(seconds), positions / min(seconds)],
-                          "latency_p50_s": float(np.percentile(latency, 50)),
-                          "latency_p99_s": float(np.percentile(latency, 99)),
-                          "steps_per_position": records[name]["steps"],
-                          "paid_steps_per_position": records[name]["paid"]}
-        base = rows[f"engine | {choice['fixed']}"]
-        fixed_steps = settings[choice["fixed"]]["loop_counts"][0]
-        for name, row in rows.items():
-            row["vs_engine_fixed"] = row["tokens_per_s"] / base["tokens_per_s"]
-            row["bound"] = fixed_steps / row["paid_steps_per_position"]
-            row["share_of_bound"] = row["vs_engine_fixed"] / row["bound"]
-        mismatches, solved = {}, {}
-        for name, record in records.items():
-            if name.startswith("engine"):
-                mismatches[name] = engine_vs_teacher_forced(heldout, ids, record["predicted"],
-                                                            settings, name.split(" | ")[1], model, args.seed)
-                solved[name] = engine_solved(heldout, ids, record["predicted"])
-                rows[name]["solved"] = float(solved[name].mean())
-        for name in solved:  # the shared layout's quality change, paired on the same problems
-            if name.startswith("engine shared-KV"):
-                exact = f"engine | {name.split(' | ')[1]}"
-                diff, error = paired(solved[name], solved[exact])
-                rows[name]["vs_exact_layout"] = {"paired_diff": diff, "paired_se": error}
+        rows = throughput_rows(samples, records, positions, settings, choice["fixed"])
+        mismatches = engine_quality(rows, records, heldout, ids, settings, model, args.seed)
         out[f"B={width}"] = {"requests": count, "positions": int(positions), "rows": rows,
                              "engine_answers_vs_teacher_forced": mismatches}
         print(f"B = {width}: {count} requests, {positions} positions; tokens/s median [range], vs engine at "
               f"{choice['fixed']}, latency p50/p99 s, paid steps/position, share of bound", flush=True)
-        for name, row in rows.items():
-            low, high = row["range_tokens_per_s"]
-            print(f"  {name:<34}{row['tokens_per_s']:9.0f} [{low:.0f}-{high:.0f}]  x{row['vs_engine_fixed']:.3f}  "
-                  f"{row['latency_p50_s']:.3f}/{row['latency_p99_s']:.3f}  {row['paid_steps_per_position']:5.2f}  "
-                  f"{100 * row['share_of_bound']:5.1f}%"
-                  + (f"  solved {100 * row['solved']:.1f}%" if "solved" in row else ""), flush=True)
+        print_rows(rows)
     return out
+
+
+def width_calls(model, windows, ids, width: int, timed_labels: list[str], settings: dict, args) -> tuple[dict, dict]:
+    """Per timed setting, the engine's and the lock-step batches' call at ``width`` slots (and the engine with
+    the shared key/value layout for a rule, with --shared), and the record each call fills."""
+    calls, records = {}, {}
+    for label in timed_labels:
+        budget = ({"loop_counts": settings[label]["loop_counts"]} if "loop_counts" in settings[label]
+                  else {"controller_factory": settings[label]["factory"]})
+        calls[f"engine | {label}"], records[f"engine | {label}"] = engine_call(model, windows, ids, width, budget,
+                                                                              args.seed)
+        calls[f"lockstep | {label}"], records[f"lockstep | {label}"] = lockstep_call(model, windows, ids, width,
+                                                                                    budget, args.seed)
+        if "factory" in settings[label] and args.shared:
+            name = f"engine shared-KV | {label}"
+            calls[name], records[name] = engine_call(model, windows, ids, width, budget, args.seed, "shared")
+    return calls, records
+
+
+def timed_rounds(calls: dict, args, width: int) -> dict[str, list[float]]:
+    """--warmup untimed calls of each, then --rounds rounds in a shuffled order: seconds per call."""
+    samples = {label: [] for label in calls}
+    for call in calls.values():
+        for _ in range(args.warmup):
+            call()
+    shuffle = random.Random(args.seed + width)
+    for _ in range(args.rounds):
+        names = list(calls)
+        shuffle.shuffle(names)
+        for name in names:
+            start = time.perf_counter()
+            calls[name]()
+            if args.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.synchronize()
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def throughput_rows(samples: dict, records: dict, positions: int, settings: dict, fixed: str) -> dict:
+    """Tokens/s (median and range), latency percentiles, steps and paid steps per position, and the ratio to
+    the engine at the ``fixed`` budget against the bound the paid steps allow."""
+    rows = {}
+    for name, seconds in samples.items():
+        latency = np.array(records[name]["latency"])
+        rows[name] = {"tokens_per_s": positions / statistics.median(seconds),
+                      "range_tokens_per_s": [positions / max(seconds), positions / min(seconds)],
+                      "latency_p50_s": float(np.percentile(latency, 50)),
+                      "latency_p99_s": float(np.percentile(latency, 99)),
+                      "steps_per_position": records[name]["steps"],
+                      "paid_steps_per_position": records[name]["paid"]}
+    base = rows[f"engine | {fixed}"]
+    fixed_steps = settings[fixed]["loop_counts"][0]
+    for name, row in rows.items():
+        row["vs_engine_fixed"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["bound"] = fixed_steps / row["paid_steps_per_position"]
+        row["share_of_bound"] = row["vs_engine_fixed"] / row["bound"]
+    return rows
+
+
+def engine_quality(rows: dict, records: dict, heldout, ids, settings: dict, model, seed: int) -> dict:
+    """Each engine row's answers against the teacher-forced ones (returned) and its solved share (into
+    ``rows``); the shared layout's quality change, paired on the same problems."""
+    mismatches, solved = {}, {}
+    for name, record in records.items():
+        if name.startswith("engine"):
+            mismatches[name] = engine_vs_teacher_forced(heldout, ids, record["predicted"],
+                                                        settings, name.split(" | ")[1], model, seed)
+            solved[name] = engine_solved(heldout, ids, record["predicted"])
+            rows[name]["solved"] = float(solved[name].mean())
+    for name in solved:  # the shared layout's quality change, paired on the same problems
+        if name.startswith("engine shared-KV"):
+            exact = f"engine | {name.split(' | ')[1]}"
+            diff, error = paired(solved[name], solved[exact])
+            rows[name]["vs_exact_layout"] = {"paired_diff": diff, "paired_se": error}
+    return mismatches
+
+
+def print_rows(rows: dict) -> None:
+    for name, row in rows.items():
+        low, high = row["range_tokens_per_s"]
+        print(f"  {name:<34}{row['tokens_per_s']:9.0f} [{low:.0f}-{high:.0f}]  x{row['vs_engine_fixed']:.3f}  "
+              f"{row['latency_p50_s']:.3f}/{row['latency_p99_s']:.3f}  {row['paid_steps_per_position']:5.2f}  "
+              f"{100 * row['share_of_bound']:5.1f}%"
+              + (f"  solved {100 * row['solved']:.1f}%" if "solved" in row else ""), flush=True)
 
 
 def engine_solved(heldout, ids, predicted) -> np.ndarray:
@@ -330,7 +361,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from rdepth.exits.controller import controller_factory
     from rdepth.run.checkpoint import load_model
     from exit_wall import revision
     from exit_workload import mixed_heldout
@@ -342,47 +372,23 @@ def main(argv=None) -> int:
         raise SystemExit("depth_batching: a model with one looped group (the task models)")
     difficulties = [int(d) for d in args.difficulties.split(",") if d.strip()]
     heldout, labels = mixed_heldout(args.data, difficulties, args.problems, 0)
-    settings = {f"fixed {k}": {"loop_counts": (k,)} for k in range(1, args.full_loops + 1)}
-    for name in [p for p in args.policies.split(",") if p]:
-        options = {"gate": args.run} if name == "learned" else {}
-        for tau in GRID[name]:
-            settings[f"{name} {tau:g}"] = {"factory": controller_factory(name, tau, args.full_loops,
-                                                                          lambda: model.readout, options)}
+    settings = settings_for(model, args)
     cpu = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     code = revision()  # once, at the start: the code that runs (a commit made while it runs is not it)
     print(f"depth_batching: {cpu}, torch {torch.__version__}, {args.threads} thread(s), revision {code}; "
           f"{len(labels)} problems, difficulties {difficulties}", flush=True)
-    cache = Path(args.json).with_suffix(".quality.npz") if args.json else None
-    if args.reuse_quality:
-        if cache is None or not cache.is_file():
-            raise SystemExit(f"depth_batching: --reuse-quality needs {cache or '--json'} from an earlier run")
-        saved = np.load(cache)
-        qualities = {label: {"steps": float(saved[f"steps|{label}"]), "solved": saved[f"solved|{label}"]}
-                     for label in settings}
-    else:
-        qualities = quality(model, heldout, settings, args.seed, device)
-        if cache is not None:
-            np.savez(cache, **{f"{key}|{label}": q[key] for label, q in qualities.items() for key in ("steps", "solved")})
+    qualities = measured_quality(model, heldout, settings, args, device)
     rows_a, rows_b = np.arange(0, len(labels), 2), np.arange(1, len(labels), 2)
     choice = select(qualities, labels, rows_a, args)
     judged = judge(qualities, labels, rows_b, choice, args)
     shares = split_shares(qualities, labels, args)
-    # Timed per rule: the plain choice when it meets the bar in >= 90% of the splits, else the safe one.
-    choice["timed"] = {}
-    for name in [p for p in args.policies.split(",") if p]:
-        plain, safe = choice["chosen"][f"{name} plain"], choice["chosen"][f"{name} safe"]
-        choice["timed"][name] = plain if shares.get(f"{name} plain", 0) >= 0.9 else safe
+    choice["timed"] = timed_choice(choice, shares, args)
     print(f"cheapest fixed budget on A: {choice['fixed']}; chosen on A: {choice['chosen']}; judged on B: "
           f"{ {k: (v['setting'], v['meets'], round(100 * v['paired_diff'], 2), round(100 * v['paired_se'], 2)) if v else None for k, v in judged.items()} }; "
           f"share of {args.splits} splits meeting the bar on B: {shares}; timed: {choice['timed']}", flush=True)
     report = {"device": cpu, "torch": torch.__version__, "threads": args.threads, "revision": code,
               "args": vars(args), "problems": int(len(labels)),
-              "quality": {label: {"steps": q["steps"], "solved": float(q["solved"].mean()),
-                                  "solved_a": float(q["solved"][rows_a].mean()),
-                                  "solved_b": float(q["solved"][rows_b].mean()),
-                                  "by_difficulty_b": {int(d): float(q["solved"][rows_b[labels[rows_b] == d]].mean())
-                                                      for d in difficulties}}
-                          for label, q in qualities.items()},
+              "quality": quality_rows(qualities, labels, rows_a, rows_b, difficulties),
               "choice": choice, "judged_b": judged, "split_shares": shares}
     report["timing"] = timing(model, heldout, labels, rows_b, choice, settings, args)
     if args.json:
@@ -391,6 +397,54 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(report, indent=1, default=float))
         print(f"wrote {args.json}")
     return 0
+
+
+def settings_for(model, args) -> dict:
+    """Every fixed budget 1..--full-loops and every rule's grid (the learned rule reads the run's gate)."""
+    from rdepth.exits.controller import controller_factory
+
+    settings = {f"fixed {k}": {"loop_counts": (k,)} for k in range(1, args.full_loops + 1)}
+    for name in [p for p in args.policies.split(",") if p]:
+        options = {"gate": args.run} if name == "learned" else {}
+        for tau in GRID[name]:
+            settings[f"{name} {tau:g}"] = {"factory": controller_factory(name, tau, args.full_loops,
+                                                                          lambda: model.readout, options)}
+    return settings
+
+
+def measured_quality(model, heldout, settings: dict, args, device) -> dict:
+    """Each setting's steps and solved problems: measured (and saved beside --json), or with --reuse-quality
+    read from an earlier run's file."""
+    cache = Path(args.json).with_suffix(".quality.npz") if args.json else None
+    if args.reuse_quality:
+        if cache is None or not cache.is_file():
+            raise SystemExit(f"depth_batching: --reuse-quality needs {cache or '--json'} from an earlier run")
+        saved = np.load(cache)
+        return {label: {"steps": float(saved[f"steps|{label}"]), "solved": saved[f"solved|{label}"]}
+                for label in settings}
+    qualities = quality(model, heldout, settings, args.seed, device)
+    if cache is not None:
+        np.savez(cache, **{f"{key}|{label}": q[key] for label, q in qualities.items() for key in ("steps", "solved")})
+    return qualities
+
+
+def timed_choice(choice: dict, shares: dict, args) -> dict:
+    """Timed per rule: the plain choice when it meets the bar in >= 90% of the splits, else the safe one."""
+    timed = {}
+    for name in [p for p in args.policies.split(",") if p]:
+        plain, safe = choice["chosen"][f"{name} plain"], choice["chosen"][f"{name} safe"]
+        timed[name] = plain if shares.get(f"{name} plain", 0) >= 0.9 else safe
+    return timed
+
+
+def quality_rows(qualities: dict, labels, rows_a, rows_b, difficulties: list[int]) -> dict:
+    """Per setting: steps, and the solved share overall, on each half, and per difficulty on half B."""
+    return {label: {"steps": q["steps"], "solved": float(q["solved"].mean()),
+                    "solved_a": float(q["solved"][rows_a].mean()),
+                    "solved_b": float(q["solved"][rows_b].mean()),
+                    "by_difficulty_b": {int(d): float(q["solved"][rows_b[labels[rows_b] == d]].mean())
+                                        for d in difficulties}}
+            for label, q in qualities.items()}
 
 
 def _cpu_name() -> str:

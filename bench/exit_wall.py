@@ -197,7 +197,7 @@ def task_quality(model, args, settings):
 
 def text_quality(model, args, settings):
     """Perplexity (lower is better) and loop steps per token of every setting on held-out windows."""
-    from rdepth.exits.evaluate import evaluate_with_exits
+    from rdepth.exitrun.evaluate import evaluate_with_exits
     from rdepth.run.heldout import held_out_windows
     from rdepth.run.opened import open_run
 
@@ -216,37 +216,16 @@ def text_quality(model, args, settings):
 def compare_mode(args, text: bool) -> dict:
     import torch
 
-    from rdepth.model.decoder import Decoder
-    from rdepth.model.noise import StateNoise
     from rdepth.run.checkpoint import load_model
 
     model = load_model(args.run, torch.device("cpu"))[0].eval()
     settings = settings_for(model, args)
     quality, windows, info, key = (text_quality if text else task_quality)(model, args, settings)
     full_label = f"fixed {','.join(map(str, full_budget(model, args)))}"
-    full = quality[full_label][key]
-    if key == "accuracy" and len(info.get("difficulties", [])) > 1:
-        # honest selection: chosen on half A of the problems (even windows), judged on half B (odd)
-        key_select = "accuracy_a"
-        bar = quality[full_label][key_select] - args.tolerance
-        meets = {label for label, q in quality.items() if q[key_select] >= bar - 1e-12 and label not in ("oracle", "router")}
-        info["judged_bar_b"] = quality[full_label]["accuracy_b"] - args.tolerance
-    elif key == "accuracy":
-        bar = full - args.tolerance
-        meets = {label for label, q in quality.items() if q[key] >= bar - 1e-12}
-    else:
-        bar = full * (1 + args.tolerance)
-        meets = {label for label, q in quality.items() if q[key] <= bar}
+    bar, meets = quality_bar(quality, info, key, full_label, args.tolerance)
     cheapest_fixed = min((label for label in meets if label.startswith("fixed")),
                          key=lambda label: quality[label]["steps"])
-    chosen, half = {}, {}
-    full_steps = quality[full_label]["steps"]
-    for name in [p for p in args.policies.split(",") if p]:
-        labels = [label for label in quality if label.split()[0] == name]
-        ok = [label for label in labels if label in meets]
-        if ok:
-            chosen[name] = min(ok, key=lambda label: quality[label]["steps"])
-        half[name] = min(labels, key=lambda label: abs(quality[label]["steps"] - full_steps / 2))
+    chosen, half = choose_settings(args, quality, meets, quality[full_label]["steps"])
     references = [label for label in ("oracle", "router") if label in settings]
     timed = sorted({full_label, cheapest_fixed, *chosen.values(), *half.values(), *references},
                    key=lambda label: (not label.startswith("fixed"), label))
@@ -256,17 +235,77 @@ def compare_mode(args, text: bool) -> dict:
     windows = torch.from_numpy(windows[:count])
     if text:
         windows = windows[:, : args.tokens]  # decode the first --tokens positions of each window
+    report = {**info, "metric": key, "timed_windows": timed_windows, "full_budget": full_label, "quality_bar": bar, "quality": quality,
+              "cheapest_fixed": cheapest_fixed, "chosen": chosen, "half_steps": half, "timing": {}}
+    timing = Timing(model, settings, windows, timed_windows, args)
+    for batch in [1, *_batches(args)]:
+        rows = timing.batch_rows(batch, timed, cheapest_fixed, full_label)
+        report["timing"][f"batch {batch}"] = rows
+        print(f"batch {batch}: ms/token (median, range), executed steps/token, vs {cheapest_fixed}, vs full",
+              flush=True)
+        share = loop_share(rows, quality, cheapest_fixed, full_label)
+        if share is not None:
+            report.setdefault("loop_share", {})[f"batch {batch}"] = share
+        print_rows(rows, quality, info, key)
+    report["counts"] = op_counts(model, settings, timed, windows[:1], args.seed)
+    return report
 
-    def decode_call(label: str, batch: int):
-        setting, stats = settings[label], {"steps": 0, "tokens": 0}
-        rows = windows[:timed_windows] if batch == 1 else windows[:batch]
+
+def quality_bar(quality: dict, info: dict, key: str, full_label: str, tolerance: float) -> tuple[float, set[str]]:
+    """The quality bar and the settings that meet it: accuracy at least the full budget's less the
+    tolerance (a mixed workload: chosen on half A, the bar on half B recorded in ``info``), or perplexity at
+    most the full budget's times 1 + tolerance."""
+    full = quality[full_label][key]
+    if key == "accuracy" and len(info.get("difficulties", [])) > 1:
+        # honest selection: chosen on half A of the problems (even windows), judged on half B (odd)
+        key_select = "accuracy_a"
+        bar = quality[full_label][key_select] - tolerance
+        meets = {label for label, q in quality.items() if q[key_select] >= bar - 1e-12 and label not in ("oracle", "router")}
+        info["judged_bar_b"] = quality[full_label]["accuracy_b"] - tolerance
+    elif key == "accuracy":
+        bar = full - tolerance
+        meets = {label for label, q in quality.items() if q[key] >= bar - 1e-12}
+    else:
+        bar = full * (1 + tolerance)
+        meets = {label for label, q in quality.items() if q[key] <= bar}
+    return bar, meets
+
+
+def choose_settings(args, quality: dict, meets: set[str], full_steps: float) -> tuple[dict, dict]:
+    """Per policy: its cheapest setting that meets the bar (if any), and its setting nearest half the full
+    budget's steps."""
+    chosen, half = {}, {}
+    for name in [p for p in args.policies.split(",") if p]:
+        labels = [label for label in quality if label.split()[0] == name]
+        ok = [label for label in labels if label in meets]
+        if ok:
+            chosen[name] = min(ok, key=lambda label: quality[label]["steps"])
+        half[name] = min(labels, key=lambda label: abs(quality[label]["steps"] - full_steps / 2))
+    return chosen, half
+
+
+class Timing:
+    """The timed decoding of one run's settings: batch 1 over the timed windows, or one batch."""
+
+    def __init__(self, model, settings: dict, windows, timed_windows: int, args):
+        self.model, self.settings, self.windows = model, settings, windows
+        self.timed_windows, self.args = timed_windows, args
+
+    def decode_call(self, label: str, batch: int):
+        """The call that decodes the rows of ``batch`` token by token, its step tally, and the tokens decoded."""
+        from rdepth.model.decoder import Decoder
+        from rdepth.model.noise import StateNoise
+
+        setting, stats = self.settings[label], {"steps": 0, "tokens": 0}
+        rows = self.windows[:self.timed_windows] if batch == 1 else self.windows[:batch]
 
         def budget(first):  # a per-window reference decodes each window at its own fixed budget
             if "per_window" in setting:
                 return {"loop_counts": int(setting["per_window"][first])}
             return {"loop_counts": setting.get("loop_counts"), "controller_factory": setting.get("factory")}
 
-        decoders = [Decoder(model, batch, noise=StateNoise(args.seed, range(first, first + batch)), **budget(first))
+        decoders = [Decoder(self.model, batch, noise=StateNoise(self.args.seed, range(first, first + batch)),
+                            **budget(first))
                     for first in range(0, rows.shape[0], batch)]
 
         def call():
@@ -279,15 +318,15 @@ def compare_mode(args, text: bool) -> dict:
                     stats["tokens"] += batch
         return call, stats, rows.numel()
 
-    report = {**info, "metric": key, "timed_windows": timed_windows, "full_budget": full_label, "quality_bar": bar, "quality": quality,
-              "cheapest_fixed": cheapest_fixed, "chosen": chosen, "half_steps": half, "timing": {}}
-    for batch in [1, *_batches(args)]:
+    def batch_rows(self, batch: int, timed: list[str], cheapest_fixed: str, full_label: str) -> dict:
+        """ms/token (median and range over interleaved rounds), executed steps per token and the ratios to the
+        cheapest fixed budget and the full budget, per timed setting."""
         calls, stats, work = {}, {}, {}
         for label in timed:
-            if batch > 1 and "per_window" in settings[label]:
+            if batch > 1 and "per_window" in self.settings[label]:
                 continue  # per-window budgets are batch-1 references (a lock-step batch runs one budget)
-            calls[label], stats[label], work[label] = decode_call(label, batch)
-        samples = interleaved(calls, args.rounds, args.warmup, args.seed)
+            calls[label], stats[label], work[label] = self.decode_call(label, batch)
+        samples = interleaved(calls, self.args.rounds, self.args.warmup, self.args.seed)
         rows = {}
         for label in calls:
             median = statistics.median(samples[label])
@@ -299,32 +338,45 @@ def compare_mode(args, text: bool) -> dict:
         for label, row in rows.items():
             row["speedup_vs_cheapest_fixed"] = base / row["ms_per_token"]
             row["latency_vs_full"] = row["ms_per_token"] / top
-        report["timing"][f"batch {batch}"] = rows
-        print(f"batch {batch}: ms/token (median, range), executed steps/token, vs {cheapest_fixed}, vs full",
-              flush=True)
-        steps_low, steps_full = quality[cheapest_fixed]["steps"], quality[full_label]["steps"]
-        if steps_full > steps_low:  # the two fixed budgets give a loop step's time and the rest's
-            per_step = (top - base) / (steps_full - steps_low)
-            outside = base - steps_low * per_step
-            report.setdefault("loop_share", {})[f"batch {batch}"] = {
-                "ms_per_loop_step": per_step, "ms_outside_loop": outside,
-                "share_at_full": steps_full * per_step / top, "share_at_cheapest_fixed": steps_low * per_step / base}
-            print(f"  a loop step {per_step:.3f} ms/token, the rest {outside:.3f}: the loop is "
-                  f"{100 * steps_full * per_step / top:.0f}% of a token at the full budget, "
-                  f"{100 * steps_low * per_step / base:.0f}% at {cheapest_fixed}", flush=True)
-        for label, row in rows.items():
-            low, high = row["range_ms_per_token"]
-            shown = (f"{100 * quality[label][key]:.1f}%" if key == "accuracy" else f"ppl {quality[label][key]:.2f}")
-            if "accuracy_b" in quality[label] and "judged_bar_b" in info:
-                shown += f"; A {100 * quality[label]['accuracy_a']:.1f}%, B {100 * quality[label]['accuracy_b']:.1f}%"
-            print(f"  {label:<26}{row['ms_per_token']:8.3f} [{low:.3f}-{high:.3f}] "
-                  f"{row['executed_steps_per_token']:5.2f}  x{row['speedup_vs_cheapest_fixed']:.3f}  "
-                  f"{row['latency_vs_full']:.3f} of full ({shown})", flush=True)
-    problem = windows[:1]
-    report["counts"] = {}
+        return rows
+
+
+def loop_share(rows: dict, quality: dict, cheapest_fixed: str, full_label: str) -> dict | None:
+    """A loop step's time and the rest's, from the two fixed budgets (None when they run the same steps);
+    printed."""
+    base, top = rows[cheapest_fixed]["ms_per_token"], rows[full_label]["ms_per_token"]
+    steps_low, steps_full = quality[cheapest_fixed]["steps"], quality[full_label]["steps"]
+    if steps_full <= steps_low:
+        return None
+    per_step = (top - base) / (steps_full - steps_low)
+    outside = base - steps_low * per_step
+    print(f"  a loop step {per_step:.3f} ms/token, the rest {outside:.3f}: the loop is "
+          f"{100 * steps_full * per_step / top:.0f}% of a token at the full budget, "
+          f"{100 * steps_low * per_step / base:.0f}% at {cheapest_fixed}", flush=True)
+    return {"ms_per_loop_step": per_step, "ms_outside_loop": outside,
+            "share_at_full": steps_full * per_step / top, "share_at_cheapest_fixed": steps_low * per_step / base}
+
+
+def print_rows(rows: dict, quality: dict, info: dict, key: str) -> None:
+    for label, row in rows.items():
+        low, high = row["range_ms_per_token"]
+        shown = (f"{100 * quality[label][key]:.1f}%" if key == "accuracy" else f"ppl {quality[label][key]:.2f}")
+        if "accuracy_b" in quality[label] and "judged_bar_b" in info:
+            shown += f"; A {100 * quality[label]['accuracy_a']:.1f}%, B {100 * quality[label]['accuracy_b']:.1f}%"
+        print(f"  {label:<26}{row['ms_per_token']:8.3f} [{low:.3f}-{high:.3f}] "
+              f"{row['executed_steps_per_token']:5.2f}  x{row['speedup_vs_cheapest_fixed']:.3f}  "
+              f"{row['latency_vs_full']:.3f} of full ({shown})", flush=True)
+
+
+def op_counts(model, settings: dict, timed: list[str], problem, seed: int) -> dict:
+    """Ops and host reads per token of one problem, per timed setting (not the per-window references)."""
+    from rdepth.model.decoder import Decoder
+    from rdepth.model.noise import StateNoise
+
+    counts = {}
     for label in [label for label in timed if "per_window" not in settings[label]]:
         decoder = Decoder(model, 1, loop_counts=settings[label].get("loop_counts"),
-                          controller_factory=settings[label].get("factory"), noise=StateNoise(args.seed, [0]))
+                          controller_factory=settings[label].get("factory"), noise=StateNoise(seed, [0]))
 
         def run_tokens(decoder=decoder):
             decoder.reset()
@@ -332,10 +384,10 @@ def compare_mode(args, text: bool) -> dict:
                 decoder.step(problem[:, t:t + 1])
 
         run_tokens()
-        report["counts"][label] = counts_per_token(run_tokens, problem.shape[1])
-        print(f"  {label:<26} ops/token {report['counts'][label]['ops_per_token']:7.1f}  host reads/token "
-              f"{report['counts'][label]['host_reads_per_token']:5.2f}", flush=True)
-    return report
+        counts[label] = counts_per_token(run_tokens, problem.shape[1])
+        print(f"  {label:<26} ops/token {counts[label]['ops_per_token']:7.1f}  host reads/token "
+              f"{counts[label]['host_reads_per_token']:5.2f}", flush=True)
+    return counts
 
 
 def _batches(args) -> list[int]:

@@ -1183,50 +1183,81 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rdepth fault campaign in {work} (python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
           f"{args.timeout:.0f} s per case)", flush=True)
     campaign.setup()
-    matches = [text for text in args.match.split(",") if text]
-    cases = [case for name in chosen for case in groups[name]()
-             if not matches or any(text in case.name for text in matches)]
+    cases = _chosen_cases(groups, chosen, args.match)
     for case in cases:
-        tmp = campaign.fresh("case")
-        campaign.note = ""
-        campaign.last = None
-        begin = time.monotonic()
-        try:
-            case.result = case.run(campaign, tmp)
-        except Exception as exc:  # the campaign's own failure: report, do not count as the CLI's
-            case.result, case.note = "error", f"{type(exc).__name__}: {exc}"
-        case.seconds = time.monotonic() - begin
-        case.note = case.note or campaign.note or ""
-        last = getattr(campaign, "last", None)
-        if case.result == "clean":
-            refused = last is not None and last.code not in (0, None)
-            if refused and (last.code != 2 or len(last.error_lines) != 1):
-                case.result = "untidy"
-                case.note = f"exit {last.code}, {len(last.error_lines)} lines: {' | '.join(last.error_lines)[:160]}"
-            case.kind = "refused" if refused else "accepted"
-        if case.result not in ("clean", "skip") and not case.note and last is not None:
-            lines = last.error_lines
-            case.note = (lines[-1][:160] if lines else f"exit {last.code}")
-        print(f"  {case.result:>9}  {case.category:<10} {case.name}  ({case.seconds:.1f} s)"
-              + (f"  [{case.note}]" if case.note else ""), flush=True)
+        _run_case(campaign, case)
+    totals = _print_totals(cases, chosen, started)
+    if args.json:
+        _write_results(Path(args.json), totals, cases)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(totals[name] == 0 for name in CLASSES[1:]) else 1
+
+
+def _chosen_cases(groups: dict, chosen: list[str], match: str) -> list[Case]:
+    """The cases of the ``chosen`` groups, in order; with ``match`` (comma-separated texts), only those whose
+    name contains one of them."""
+    matches = [text for text in match.split(",") if text]
+    return [case for name in chosen for case in groups[name]()
+            if not matches or any(text in case.name for text in matches)]
+
+
+def _run_case(campaign: Campaign, case: Case) -> None:
+    """Run one case in a fresh folder, classify it (a clean refusal must be exit 2 with one line) and
+    print its line."""
+    tmp = campaign.fresh("case")
+    campaign.note = ""
+    campaign.last = None
+    begin = time.monotonic()
+    try:
+        case.result = case.run(campaign, tmp)
+    except Exception as exc:  # the campaign's own failure: report, do not count as the CLI's
+        case.result, case.note = "error", f"{type(exc).__name__}: {exc}"
+    case.seconds = time.monotonic() - begin
+    case.note = case.note or campaign.note or ""
+    last = getattr(campaign, "last", None)
+    if case.result == "clean":
+        _classify_clean(case, last)
+    if case.result not in ("clean", "skip") and not case.note and last is not None:
+        lines = last.error_lines
+        case.note = (lines[-1][:160] if lines else f"exit {last.code}")
+    print(f"  {case.result:>9}  {case.category:<10} {case.name}  ({case.seconds:.1f} s)"
+          + (f"  [{case.note}]" if case.note else ""), flush=True)
+
+
+def _classify_clean(case: Case, last) -> None:
+    """A clean case's kind: refused (the last command failed; untidy unless exit 2 with one error line)
+    or accepted."""
+    refused = last is not None and last.code not in (0, None)
+    if refused and (last.code != 2 or len(last.error_lines) != 1):
+        case.result = "untidy"
+        case.note = f"exit {last.code}, {len(last.error_lines)} lines: {' | '.join(last.error_lines)[:160]}"
+    case.kind = "refused" if refused else "accepted"
+
+
+def _print_totals(cases: list[Case], chosen: list[str], started: float) -> dict[str, int]:
+    """Print the campaign's totals and one line per category; return the totals."""
     totals = {name: sum(case.result == name for case in cases) for name in (*CLASSES, "skip", "error")}
     totals.update({kind: sum(case.kind == kind for case in cases if case.result == "clean")
                    for kind in ("refused", "accepted")})
     print(f"\n{len(cases)} cases in {time.monotonic() - started:.0f} s: " +
           ", ".join(f"{totals[name]} {name}" for name in (*CLASSES, "skip", "error") if totals[name] or name in CLASSES))
     for category in chosen:
-        mine = [case for case in cases if case.category == category]
-        bad = [case for case in mine if case.result not in ("clean", "skip")]
-        kinds = ", ".join(f"{sum(c.kind == k for c in mine if c.result == 'clean')} {k}" for k in ("refused", "accepted"))
-        print(f"  {category:<10} {len(mine) - len(bad)}/{len(mine)} clean ({kinds})" +
-              (": " + "; ".join(f"{c.name} -> {c.result}" for c in bad) if bad else ""))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"totals": totals, "cases": [
-            {"category": c.category, "name": c.name, "result": c.result, "kind": c.kind, "note": c.note,
-             "seconds": round(c.seconds, 1)} for c in cases]}, indent=2) + "\n")
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0 if all(totals[name] == 0 for name in CLASSES[1:]) else 1
+        _print_category(category, [case for case in cases if case.category == category])
+    return totals
+
+
+def _print_category(category: str, mine: list[Case]) -> None:
+    bad = [case for case in mine if case.result not in ("clean", "skip")]
+    kinds = ", ".join(f"{sum(c.kind == k for c in mine if c.result == 'clean')} {k}" for k in ("refused", "accepted"))
+    print(f"  {category:<10} {len(mine) - len(bad)}/{len(mine)} clean ({kinds})" +
+          (": " + "; ".join(f"{c.name} -> {c.result}" for c in bad) if bad else ""))
+
+
+def _write_results(path: Path, totals: dict[str, int], cases: list[Case]) -> None:
+    path.write_text(json.dumps({"totals": totals, "cases": [
+        {"category": c.category, "name": c.name, "result": c.result, "kind": c.kind, "note": c.note,
+         "seconds": round(c.seconds, 1)} for c in cases]}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
                                [--compile] [--repeats 5] [--threads 1] [--json OUT]
 
 Each scheme builds a fresh noise object for ``--batch`` consecutive training rows and draws every
-group's ``[batch, length, width]`` state (``RecurrentLM.init_state``'s call), as ``Trainer._micro_batches``
+group's ``[batch, length, width]`` state (``RecurrentLM.init_state``'s call), as ``TrainStep._micro_batches``
 does once per micro-batch. Prints per scheme: the median wall time over ``--repeats`` (after a warm-up;
 the schemes timed in turn; CUDA synchronised around each), the aten ops the host dispatches (top-level,
 from ``torch.profiler``), the host branches on tensor data (``nn.init.trunc_normal_``'s rejection loop

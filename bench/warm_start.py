@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rdepth.exits.controller import PolicyController
-    from rdepth.exits.evaluate import evaluate_with_exits
+    from rdepth.exitrun.evaluate import evaluate_with_exits
     from rdepth.model.noise import StateNoise
     from rdepth.exits.registry import make_policy
     from rdepth.model.control import FixedController

@@ -78,21 +78,31 @@ def _fmt(values: list[float | None], digits: int = 2) -> str:
 
 
 def tables(records: list[dict]) -> str:
-    lines = []
     states = sorted({r["loop_state"] for r in records}, key=lambda s: s != "sandwich")
-    groups = list(records[0]["groups"])
-    lines.append("| loop state | seeds | ce 1 loop | ce 4 loops | ce 12 loops | ce(1) - ce(4) | ce(4) - ce(12) |")
-    lines.append("|---|---|---|---|---|---|---|")
+    lines = (_ce_table(records, states) + [""] + _group_table(records, states) + [""]
+             + _dlr_table(records, states) + [""] + _trend_lines(records))
+    return "\n".join(lines) + "\n"
+
+
+def _ce_table(records: list[dict], states: list[str]) -> list[str]:
+    """Cross-entropy at 1, 4 and 12 loops per loop state, and the gains between them."""
+    lines = ["| loop state | seeds | ce 1 loop | ce 4 loops | ce 12 loops | ce(1) - ce(4) | ce(4) - ce(12) |",
+             "|---|---|---|---|---|---|---|"]
     for state in states:
         rows = [r for r in records if r["loop_state"] == state]
         ce = {k: [r["ce"][str(k)] for r in rows] for k in LOOPS}
         lines.append(f"| {state} | {len(rows)} | {_fmt(ce[1], 3)} | {_fmt(ce[4], 3)} | {_fmt(ce[12], 3)} | "
                      f"{_fmt([a - b for a, b in zip(ce[1], ce[4])], 3)} | "
                      f"{_fmt([a - b for a, b in zip(ce[4], ce[12])], 3)} |")
-    lines.append("")
-    lines.append("| loop state | group | settled cosine | plateau (last/first over 10 steps) | plateau? | "
-                 "Jacobian spectral radius | leading eigenvalue angle (deg) |")
-    lines.append("|---|---|---|---|---|---|---|")
+    return lines
+
+
+def _group_table(records: list[dict], states: list[str]) -> list[str]:
+    """Per loop state and group: settled cosine, plateau, the Jacobian's spectral radius and leading angle."""
+    groups = list(records[0]["groups"])
+    lines = ["| loop state | group | settled cosine | plateau (last/first over 10 steps) | plateau? | "
+             "Jacobian spectral radius | leading eigenvalue angle (deg) |",
+             "|---|---|---|---|---|---|---|"]
     for state in states:
         rows = [r for r in records if r["loop_state"] == state]
         for group in groups:
@@ -102,9 +112,13 @@ def tables(records: list[dict]) -> str:
                          f"{_fmt([v['plateau_ratio'] for v in values], 3)} | {plateaus} | "
                          f"{_fmt([v['spectral_radius'] for v in values])} | "
                          f"{_fmt([v['leading_angle_deg'] for v in values], 0)} |")
-    lines.append("")
-    lines.append("| loop state | boundary | DLR Eq. 2 at K = 12 | hand-off drift over refinement steps at K = 12 |")
-    lines.append("|---|---|---|---|")
+    return lines
+
+
+def _dlr_table(records: list[dict], states: list[str]) -> list[str]:
+    """Per loop state and boundary: DLR (Eq. 2) and the hand-off drift at K = 12."""
+    lines = ["| loop state | boundary | DLR Eq. 2 at K = 12 | hand-off drift over refinement steps at K = 12 |",
+             "|---|---|---|---|"]
     for state in states:
         rows = [r for r in records if r["loop_state"] == state and r["dlr_at_12"]]
         if not rows:
@@ -112,17 +126,21 @@ def tables(records: list[dict]) -> str:
         for boundary in rows[0]["dlr_at_12"]:
             lines.append(f"| {state} | {boundary} | {_fmt([r['dlr_at_12'][boundary]['literal'] for r in rows], 1)} | "
                          f"{_fmt([r['dlr_at_12'][boundary]['output_refine'] for r in rows], 1)} |")
-    lines.append("")
-    lines.append("Settled cosine over the checkpoint series (group mean, per seed):")
-    lines.append("")
+    return lines
+
+
+def _trend_lines(records: list[dict]) -> list[str]:
+    """The settled cosine over each run's checkpoint series (the mean over its groups)."""
+    lines = ["Settled cosine over the checkpoint series (group mean, per seed):", ""]
     for record in records:
-        series = ", ".join(f"step {p['step']}: " + _fmt([statistics.mean(v for v in p["settled_cosine"].values()
-                                                                          if v is not None)]
-                                                         if any(v is not None for v in p["settled_cosine"].values())
-                                                         else [None])
-                           for p in record["trend"])
+        series = ", ".join(f"step {p['step']}: " + _fmt([_group_mean(p["settled_cosine"])]) for p in record["trend"])
         lines.append(f"- {Path(record['run']).name}: {series}")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _group_mean(values: dict) -> float | None:
+    present = [v for v in values.values() if v is not None]
+    return statistics.mean(present) if present else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,9 +98,40 @@ def lr_at(step: int, args) -> float:
     return low + 0.5 * (1 + math.cos(math.pi * progress)) * (args.lr - low)
 
 
-def train(args, task, groups: str) -> tuple[RecurrentLM, dict]:
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng([args.seed, 0])
+class Curriculum:
+    """The largest training difficulty: --train-max throughout; or from --train-min + 1, raised by one when
+    the running answer-token accuracy on its problems reaches --curriculum, or linearly over
+    --curriculum-steps."""
+
+    def __init__(self, args):
+        self.low, self.high = args.train_min, args.train_max
+        self.threshold, self.steps = args.curriculum, args.curriculum_steps
+        self.scheduled = self.steps > 0
+        self.current = min(self.low + 1, self.high) if (self.threshold > 0 or self.scheduled) else self.high
+        self.running = 0.0
+
+    def difficulties(self, step: int) -> list[int]:
+        """The difficulties a batch of ``step`` draws from."""
+        low, high = self.low, self.high
+        if self.scheduled:
+            self.current = min(high, low + 1 + (high - low - 1) * step // self.steps) if high > low else high
+        return list(range(low, self.current + 1))
+
+    def observe(self, step: int, logits, targets, ids, difficulties: list[int]) -> None:
+        """Follow the answer-token accuracy on the problems of the current top difficulty; raise it at the
+        threshold (the accuracy-driven curriculum only)."""
+        if not (self.threshold > 0 and not self.scheduled and self.current < self.high):
+            return
+        top = np.isin(ids, [i for i, d in enumerate(difficulties) if d == self.current])
+        if top.any():  # answer-token accuracy on the problems of the current top difficulty
+            right = logits.detach().argmax(-1).numpy()[top] == targets.numpy()[top]
+            self.running = 0.9 * self.running + 0.1 * float(right.mean())
+        if self.running >= self.threshold:
+            self.current, self.running = self.current + 1, 0.0
+            print(f"  step {step}: curriculum -> difficulties {self.low}..{self.current}", flush=True)
+
+
+def _model_and_optimizer(args, task, groups: str):
     config = ModelConfig(n_layer=args.n_layer, n_head=args.heads, d_model=args.d_model,
                          block_size=args.block, vocab_size=TaskVocab.vocab_size, groups=groups,
                          mean_loops=args.mean_loops, backprop_depth=args.backprop_depth,
@@ -110,44 +141,54 @@ def train(args, task, groups: str) -> tuple[RecurrentLM, dict]:
     rest = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": rest, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-    low, high = args.train_min, args.train_max
-    scheduled = args.curriculum_steps > 0
-    current = min(low + 1, high) if (args.curriculum > 0 or scheduled) else high
-    running, started, step, tokens_seen = 0.0, time.perf_counter(), 0, 0
+    return model, optimizer
+
+
+def _stopped(args, step: int, started: float) -> bool:
+    """--time-limit passed or --stop-step reached (the schedule still spans --steps)."""
+    return bool((args.time_limit and time.perf_counter() - started > args.time_limit) or
+                (args.stop_step and step >= args.stop_step))
+
+
+def _optimizer_step(model, optimizer, x, targets, lr: float):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    output = model(x, targets)
+    optimizer.zero_grad(set_to_none=True)
+    output.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return output
+
+
+def _log(groups: str, step: int, output, targets, curriculum: Curriculum, tokens_seen: int, started: float) -> None:
+    elapsed = time.perf_counter() - started
+    answers = targets >= 0
+    token_accuracy = (output.logits.detach().argmax(-1)[answers] == targets[answers]).float().mean()
+    print(f"  [{groups or 'no loop'}] step {step} loss {output.loss.item():.3f} answer tokens "
+          f"{100 * token_accuracy:.0f}% max difficulty {curriculum.current} "
+          f"running {curriculum.running:.2f} {tokens_seen / elapsed:.0f} tok/s {elapsed:.0f} s", flush=True)
+
+
+def train(args, task, groups: str) -> tuple[RecurrentLM, dict]:
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng([args.seed, 0])
+    model, optimizer = _model_and_optimizer(args, task, groups)
+    curriculum = Curriculum(args)
+    started, step, tokens_seen = time.perf_counter(), 0, 0
     model.train()
     for step in range(args.steps):
-        if (args.time_limit and time.perf_counter() - started > args.time_limit) or \
-                (args.stop_step and step >= args.stop_step):
+        if _stopped(args, step, started):
             break
-        if scheduled:
-            current = min(high, low + 1 + (high - low - 1) * step // args.curriculum_steps) if high > low else high
-        x, targets, ids, difficulties = batch_of(task, rng, list(range(low, current + 1)), args.batch, args.block + 1)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        output = model(x, targets)
-        optimizer.zero_grad(set_to_none=True)
-        output.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        x, targets, ids, difficulties = batch_of(task, rng, curriculum.difficulties(step), args.batch, args.block + 1)
+        output = _optimizer_step(model, optimizer, x, targets, lr_at(step, args))
         tokens_seen += x.numel()
-        if args.curriculum > 0 and not scheduled and current < high:
-            top = np.isin(ids, [i for i, d in enumerate(difficulties) if d == current])
-            if top.any():  # answer-token accuracy on the problems of the current top difficulty
-                right = output.logits.detach().argmax(-1).numpy()[top] == targets.numpy()[top]
-                running = 0.9 * running + 0.1 * float(right.mean())
-            if running >= args.curriculum:
-                current, running = current + 1, 0.0
-                print(f"  step {step}: curriculum -> difficulties {low}..{current}", flush=True)
+        curriculum.observe(step, output.logits, targets, ids, difficulties)
         if step % args.log_every == 0:
-            elapsed = time.perf_counter() - started
-            answers = targets >= 0
-            token_accuracy = (output.logits.detach().argmax(-1)[answers] == targets[answers]).float().mean()
-            print(f"  [{groups or 'no loop'}] step {step} loss {output.loss.item():.3f} answer tokens "
-                  f"{100 * token_accuracy:.0f}% max difficulty {current} "
-                  f"running {running:.2f} {tokens_seen / elapsed:.0f} tok/s {elapsed:.0f} s", flush=True)
+            _log(groups, step, output, targets, curriculum, tokens_seen, started)
     seconds = time.perf_counter() - started
     return model, {"steps": step + 1, "seconds": round(seconds, 1), "tokens": tokens_seen,
-                   "final_max_difficulty": current, "parameters": model.num_parameters()}
+                   "final_max_difficulty": curriculum.current, "parameters": model.num_parameters()}
 
 
 @torch.no_grad()

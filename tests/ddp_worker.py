@@ -21,7 +21,7 @@ def main(data: str, out: str, dump_prefix: str) -> None:
     trainer = Trainer(model_config, train_config)
     rank = trainer.dist.rank
     trainer.run()
-    save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()}, f"{dump_prefix}{rank}.safetensors")
+    save_file({k: v.contiguous() for k, v in trainer.stepper.model.state_dict().items()}, f"{dump_prefix}{rank}.safetensors")
 
 
 if __name__ == "__main__":

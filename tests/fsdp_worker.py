@@ -21,14 +21,14 @@ def main(spec: dict) -> None:
     model_config = ModelConfig(n_layer=3, n_head=2, d_model=32, block_size=32, vocab_size=512, groups="1",
                                mean_loops=3.0, backprop_depth=2, tokenizer="bpe:512")
     trainer = Trainer(model_config, TrainConfig(**spec["train"]), resume=spec.get("resume", False))
-    step_fn, kill_at = trainer.train_step, spec.get("kill_at")
+    step_fn, kill_at = trainer.stepper.train_step, spec.get("kill_at")
 
     def train_step(step):
         if step == kill_at and trainer.dist.rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         return step_fn(step)
 
-    trainer.train_step = train_step
+    trainer.stepper.train_step = train_step
     trainer.run()
 
 

@@ -156,7 +156,7 @@ def test_generate_takes_a_profile_and_refuses_mixing_it_with_loops(tmp_path, cap
 
 
 def test_export_takes_a_profile_as_per_group_thresholds(tmp_path):
-    from rdepth.exits.profile import make_profile
+    from rdepth.exitrun.profile import make_profile
     from rdepth.interop.config import ExportConfig
 
     path = tmp_path / "profile.json"

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from rdepth.calibrate.gate import fit_head
 from rdepth.cli.main import main
+from rdepth.exitrun.gate_file import GATE_FILE, load_gate, save_gate
 from rdepth.exits.gate import random_gate
-from rdepth.exits.gate_file import GATE_FILE, load_gate, save_gate
 from rdepth.run.checkpoint import resolve_checkpoint, run_identity
 
 

@@ -19,7 +19,7 @@ from rdepth.config import get_preset
 from rdepth.data.tokenizers import train_bpe
 from rdepth.errors import RdepthError
 from rdepth.sweep.config import SweepConfig
-from rdepth.exits.evaluate import evaluate_with_exits
+from rdepth.exitrun.evaluate import evaluate_with_exits
 from rdepth.sweep.plots import save_sweep_figures
 from rdepth.sweep.report import write_report_section
 from rdepth.sweep.summary import load_sweep, matched_quality, summarize
@@ -141,7 +141,7 @@ def test_sweep_config_and_cli_import_without_torch():
 def test_an_exit_profile_is_one_more_point_equal_to_its_policy(tiny_model, windows, tmp_path):
     """A profile with one shared value measures what the policy at that value measures; per-group
     values are saved with the point and named in the summary."""
-    from rdepth.exits.profile import make_profile
+    from rdepth.exitrun.profile import make_profile
     from rdepth.io import write_json
 
     shared = tmp_path / "shared.json"

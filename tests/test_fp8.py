@@ -306,9 +306,9 @@ def test_a_run_resumed_with_fp8_records_it_and_its_checkpoints_keep_the_bf16_key
 
     from rdepth.cli.main import main
     from rdepth.run.checkpoint import list_checkpoints
-    from rdepth.train import trainer as trainer_module
+    from rdepth.train import step as step_module
 
-    monkeypatch.setattr(trainer_module, "check_fp8_device", lambda device: None)
+    monkeypatch.setattr(step_module, "check_fp8_device", lambda device: None)
     run = tmp_path / "run"
     assert main(train_argv(wiki_small, run, "--max-steps", "3")) == 0
     assert main(["train", "--out", str(run), "--resume", "--max-steps", "6", "--fp8", "--threads", "1"]) == 0

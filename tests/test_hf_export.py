@@ -458,8 +458,8 @@ def test_the_learned_exit_gate_travels_with_the_export(tmp_path, monkeypatch, ca
     """``rdepth export --exit-policy learned`` writes the run's trained gate beside the weights; the exported
     model's exits, logits and greedy tokens are rdepth's under the same gate (issue 38 item 3); a run
     without a gate is a one-line error and writes nothing."""
+    from rdepth.exitrun.gate_file import load_gate, save_gate
     from rdepth.exits.gate import random_gate
-    from rdepth.exits.gate_file import load_gate, save_gate
 
     run, model = tiny_run(tmp_path / "run")
     err = one_line_error(capsys, cli(monkeypatch, "export", "--checkpoint", run, "--out", tmp_path / "none",

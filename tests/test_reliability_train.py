@@ -167,9 +167,9 @@ def test_bad_optimizer_flags_rejected_up_front(wiki_small, tmp_path, capsys, fla
 
 
 def test_divergence_stops_and_keeps_last_finite_checkpoint(wiki_small, tmp_path, capsys, monkeypatch):
-    from rdepth.train.trainer import Trainer
+    from rdepth.train.step import TrainStep
 
-    original = Trainer.train_step
+    original = TrainStep.train_step
 
     def poisoned(self, step):
         if step == 4:  # the 5th step's weights turn to NaN, as after a blown-up update
@@ -177,7 +177,7 @@ def test_divergence_stops_and_keeps_last_finite_checkpoint(wiki_small, tmp_path,
                 next(self.model.parameters()).fill_(float("nan"))
         return original(self, step)
 
-    monkeypatch.setattr(Trainer, "train_step", poisoned)
+    monkeypatch.setattr(TrainStep, "train_step", poisoned)
     run = tmp_path / "run"
     assert main(train_argv(wiki_small, run, "--max-steps", "9", "--log-every", "100")) == 2
     line = error_line(capsys)

@@ -127,7 +127,7 @@ def test_sweep_cli_on_task_data(task_data, tmp_path, capsys):
                  "--backprop-depth", "2", "--max-steps", "2", "--batch-size", "4", "--eval-batches", "1"]) == 0
     capsys.readouterr()
     out = tmp_path / "sweep"
-    from rdepth.exits.profile import make_profile
+    from rdepth.exitrun.profile import make_profile
 
     profile = tmp_path / "profile.json"
     from rdepth.run.checkpoint import resolve_checkpoint, run_identity

@@ -9,7 +9,7 @@ under the decode sections), random token ids.
 Sections, in order, each timed after warm-up, synchronised, repeated, kept as median and IQR:
 
   ceiling  a large bf16 matrix product and a device-to-device copy (CUDA only): the card's real peaks
-  train    the trainer's own ``Trainer.train_step`` (bf16 autocast and per-layer compile on CUDA, AdamW,
+  train    the trainer's own ``TrainStep.train_step`` (bf16 autocast and per-layer compile on CUDA, AdamW,
            clipping, truncated backprop) on the ``paper`` preset with the loop counts drawn as in
            training, then on a plain GPT of the same width and the mean unrolled depth: tokens/s,
            model FLOPs (:func:`train_flops_per_row`), MFU, per-layer-application throughput ratio

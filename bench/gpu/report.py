@@ -15,123 +15,174 @@ def _target(key, text, measured, unit, met, gap, note="") -> dict:
             "gap": finite(gap), "note": note}
 
 
-def evaluate_targets(report: dict) -> list[dict]:
-    """Issue 12's targets, each met (True/False) or not judged (None, with the reason) and its gap
-    (positive: room to spare; negative: missed by this much, in the target's unit)."""
-    sections = report["sections"]
-    device = report["environment"].get("device", "")
-    on_target_card = any(name in device for name in TARGET_DEVICES)
-    smoke = report["settings"]["smoke"]
-    absolute_note = "" if on_target_card else "absolute target set for an H100/H200; not judged on this device"
-    if smoke:
-        absolute_note = "smoke run (tiny preset); not judged"
+class _Judge:
+    """What every target's verdict reads: the report's sections, and whether an absolute target (set for
+    an H100/H200) can be judged here (not on another card, not in a smoke run)."""
 
-    def ok(section):
-        return sections.get(section, {}).get("status") == "ok"
+    def __init__(self, report: dict):
+        self.sections = report["sections"]
+        device = report["environment"].get("device", "")
+        on_target_card = any(name in device for name in TARGET_DEVICES)
+        smoke = report["settings"]["smoke"]
+        self.absolute_judged = on_target_card and not smoke
+        self.absolute_note = "" if on_target_card else "absolute target set for an H100/H200; not judged on this device"
+        if smoke:
+            self.absolute_note = "smoke run (tiny preset); not judged"
 
-    def judge_at_least(value, bound, absolute):
-        if value is None or (absolute and (smoke or not on_target_card)):
-            return None, None if value is None else value - bound
-        return value >= bound, value - bound
+    def ok(self, section: str) -> dict:
+        """The section when it ran to the end, else an empty dict."""
+        return self.sections.get(section, {}) if self.sections.get(section, {}).get("status") == "ok" else {}
 
-    def judge_at_most(value, bound, absolute):
-        if value is None or (absolute and (smoke or not on_target_card)):
-            return None, None if value is None else bound - value
-        return value <= bound, bound - value
 
-    targets = []
-    train = sections.get("train", {}) if sections.get("train", {}).get("status") in ("ok", "partial") else {}
-    mfu = train.get("looped", {}).get("mfu")
-    met, gap = judge_at_least(None if mfu is None else 100 * mfu, 50.0, True)
-    note = absolute_note or (f"{100 * train['looped']['mfu_vs_measured_ceiling']:.1f}% of the measured "
-                             "matmul ceiling" if train.get("looped", {}).get("mfu_vs_measured_ceiling") else "")
+def _at_least(value, bound, judged=True):
+    """(met, gap) of ``value >= bound``; met is None when nothing was measured or it is not ``judged``."""
+    if value is None or not judged:
+        return None, None if value is None else value - bound
+    return value >= bound, value - bound
+
+
+def _at_most(value, bound, judged=True):
+    """(met, gap) of ``value <= bound``; met is None when nothing was measured or it is not ``judged``."""
+    if value is None or not judged:
+        return None, None if value is None else bound - value
+    return value <= bound, bound - value
+
+
+def _percent(fraction):
+    return None if fraction is None else 100 * fraction
+
+
+def _train_targets(judge: _Judge) -> list[dict]:
+    section = judge.sections.get("train", {})
+    train = section if section.get("status") in ("ok", "partial") else {}
+    mfu = _percent(train.get("looped", {}).get("mfu"))
+    met, gap = _at_least(mfu, 50.0, judge.absolute_judged)
+    ceiling = train.get("looped", {}).get("mfu_vs_measured_ceiling")
+    note = judge.absolute_note or (f"{100 * ceiling:.1f}% of the measured matmul ceiling" if ceiling else "")
     if train and mfu is None:
         note = "no bf16 peak for this device" if train.get("peak_tflops") is None else "looped model not measured"
-    targets.append(_target("train_mfu", "paper training (truncated backprop 8): MFU >= 50%", None if mfu is None
-                           else 100 * mfu, "% of bf16 peak", met, gap, note))
+    targets = [_target("train_mfu", "paper training (truncated backprop 8): MFU >= 50%", mfu, "% of bf16 peak",
+                       met, gap, note)]
     layer_ratio = train.get("layer_application_throughput_ratio")
-    met, gap = judge_at_least(layer_ratio, 0.95, False)
+    met, gap = _at_least(layer_ratio, 0.95)
+    flops = train.get("flop_throughput_ratio")
     targets.append(_target("train_layer_ratio", "per-layer-application throughput >= 0.95x a plain GPT "
                            "(same width, mean unrolled depth)", layer_ratio, "x plain", met, gap,
-                           f"FLOP/s ratio {train['flop_throughput_ratio']:.3f}" if train.get("flop_throughput_ratio")
-                           else ""))
-    decode = sections.get("decode", {}) if ok("decode") else {}
+                           f"FLOP/s ratio {flops:.3f}" if flops else ""))
+    return targets
+
+
+def _decode_targets(judge: _Judge) -> list[dict]:
+    decode = judge.ok("decode")
+    targets = []
     for key, text, name, bound in (
             ("decode_looped_ms", "paper decode, batch 1, 12 loops/group: <= 2.5 ms/token", "looped", 2.5),
             ("decode_plain_ms", "plain 12-layer decode, batch 1: <= 0.8 ms/token", "plain", 0.8)):
         value = decode.get(f"best_{name}_ms")
-        met, gap = judge_at_most(value, bound, True)
+        met, gap = _at_most(value, bound, judge.absolute_judged)
         path = decode.get(f"best_{name}_path", "")
         targets.append(_target(key, text, value, "ms/token", met, gap,
-                               "; ".join(part for part in (path and f"static path, {path}", absolute_note) if part)))
-    exits = sections.get("exits", {}) if ok("exits") else {}
-    checks = exits.get("check_cost", {})
-    # Judged on the path that decodes the full budget faster (Inductor-compiled pieces or not).
-    compiled_full = exits.get("full_inductor", {}).get("ms_per_token")
-    suffix = "_inductor" if compiled_full is not None and compiled_full < exits["full"]["ms_per_token"] else ""
-    every = exits.get("best_check_every")
+                               "; ".join(part for part in (path and f"static path, {path}", judge.absolute_note)
+                                         if part)))
+    return targets
+
+
+def _check_cost_target(exits: dict, every, suffix: str) -> dict:
+    """The per-step exit check's share of a loop step with a host check ``every`` steps, on the path of
+    ``suffix`` (the faster one)."""
     chosen = f"check_every_{every}" if every else None
-    share = checks.get(chosen + suffix, {}).get("share_of_loop_step") if chosen else None
-    met, gap = judge_at_most(None if share is None else 100 * share, 3.0, False)
+    checks = exits.get("check_cost", {})
+    share = _percent(checks.get(chosen + suffix, {}).get("share_of_loop_step") if chosen else None)
+    met, gap = _at_most(share, 3.0)
     bare = checks.get("no_host_check" + suffix, {}).get("share_of_loop_step")
     other = checks.get(chosen + ("" if suffix else "_inductor"), {}).get("share_of_loop_step") if chosen else None
     note = ""
     if chosen and bare is not None:
-        note = (f"{'Inductor-compiled' if suffix else 'eager'} pieces, with a host check every {every} steps; the "
-                f"rule alone, no host check: {100 * bare:.1f}%")
+        note = (f"{'Inductor-compiled' if suffix else 'eager'} pieces, with a host check every "
+                f"{every} steps; the rule alone, no host check: {100 * bare:.1f}%")
         if other is not None:
             note += f"; {'eager' if suffix else 'Inductor-compiled'} pieces: {100 * other:.1f}%"
-    targets.append(_target("exit_check_cost", "per-step exit check < 3% of a loop step (batch 1)",
-                           None if share is None else 100 * share, "% of a loop step", met, gap, note))
-    run = exits.get("policy_runs", {}).get(chosen, {}) if chosen else {}
+    return _target("exit_check_cost", "per-step exit check < 3% of a loop step (batch 1)", share,
+                   "% of a loop step", met, gap, note)
+
+
+def _latency_target(exits: dict, every) -> dict:
+    """The policy at about half the steps (a host check ``every`` steps) against the full budget's
+    batch-1 latency."""
+    run = exits.get("policy_runs", {}).get(f"check_every_{every}", {}) if every else {}
     full_ms = exits.get("full", {}).get("ms_per_token")
     bound = run.get("bound_ms")
-    met, gap = judge_at_most(run.get("ms_per_token"), bound, False) if bound is not None else (None, None)
-    targets.append(_target(
+    met, gap = _at_most(run.get("ms_per_token"), bound) if bound is not None else (None, None)
+    note = (f"steps {run['steps_ratio']:.2f} of the budget; bound {bound / full_ms:.3f}x of the full budget"
+            if run and full_ms else "")
+    if exits and not exits["calibration"]["on_target"]:
+        note += "; calibration missed the target steps"
+    return _target(
         "exit_latency", "policy at ~half the steps: batch-1 latency falls >= in proportion to steps saved, less 3%",
         ratio(run.get("ms_per_token"), full_ms), "x full-budget latency", met,
         None if gap is None or not full_ms else gap / full_ms,
-        (f"steps {run['steps_ratio']:.2f} of the budget; bound {bound / full_ms:.3f}x of the full budget"
-         if run and full_ms else "")
-        + ("; calibration missed the target steps" if exits and not exits["calibration"]["on_target"] else "")
-        + _conditional_note(exits.get("policy_conditional", {}), full_ms)))
-    batched = sections.get("batched", {}) if ok("batched") else {}
-    row = batched.get("by_batch", {}).get("32", {})
+        note + _conditional_note(exits.get("policy_conditional", {}), full_ms))
+
+
+def _exit_targets(judge: _Judge) -> list[dict]:
+    exits = judge.ok("exits")
+    # Judged on the path that decodes the full budget faster (Inductor-compiled pieces or not).
+    compiled_full = exits.get("full_inductor", {}).get("ms_per_token")
+    suffix = "_inductor" if compiled_full is not None and compiled_full < exits["full"]["ms_per_token"] else ""
+    every = exits.get("best_check_every")
+    return [_check_cost_target(exits, every, suffix), _latency_target(exits, every)]
+
+
+def _batched_targets(judge: _Judge) -> list[dict]:
+    by_batch = judge.ok("batched").get("by_batch", {})
+    row = by_batch.get("32", {})
     speedup = row.get("exits_over_full")
-    met, gap = judge_at_least(speedup, 1.4, False)
-    targets.append(_target("batched_exits_32", "batch 32 with exits: >= 1.4x the full budget's tokens/s "
-                           "(matched quality)", speedup, "x full budget", met, gap,
-                           (f"{row['exits']['variant'].split('_')[1]} exits; agreement with the full budget "
-                            f"{row['exits']['agreement']:.2f}; quality not measurable on random weights"
-                            if row.get("exits") else "batch 32 not measured")))
-    rows = [r for r in batched.get("by_batch", {}).values() if r.get("exits_over_fixed") is not None]
-    worst = min((r["exits_over_fixed"] for r in rows), default=None)
-    met, gap = judge_at_least(worst, 1.0, False)
+    met, gap = _at_least(speedup, 1.4)
+    targets = [_target("batched_exits_32", "batch 32 with exits: >= 1.4x the full budget's tokens/s "
+                       "(matched quality)", speedup, "x full budget", met, gap,
+                       (f"{row['exits']['variant'].split('_')[1]} exits; agreement with the full budget "
+                        f"{row['exits']['agreement']:.2f}; quality not measurable on random weights"
+                        if row.get("exits") else "batch 32 not measured"))]
+    measured = {key: r["exits_over_fixed"] for key, r in by_batch.items() if r.get("exits_over_fixed") is not None}
+    worst = min(measured.values(), default=None)
+    met, gap = _at_least(worst, 1.0)
     targets.append(_target("batched_vs_fixed", "exits never slower than a fixed budget of the same mean steps "
                            "(every batch measured)", worst, "x fixed (worst batch)", met, gap,
-                           "batches " + ", ".join(k for k, r in batched.get("by_batch", {}).items()
-                                                 if r.get("exits_over_fixed") is not None)))
-    elapsed = report.get("elapsed_s")
-    met, gap = judge_at_most(elapsed, 360.0, True)
-    targets.append(_target("suite_runtime", "the whole suite in under 6 minutes on one GPU", elapsed, "s", met, gap,
-                           absolute_note))
-    if "fp8" in sections:  # issue 28's float8 targets, where the section was run (--sections fp8)
-        fp8 = sections["fp8"] if ok("fp8") else {}
-        mfu = fp8.get("fp8", {}).get("mfu")
-        met, gap = judge_at_least(None if mfu is None else 100 * mfu, 50.0, True)
-        bf16_mfu = fp8.get("bf16", {}).get("mfu")
-        targets.append(_target("train_fp8_mfu", "paper training with fp8: MFU >= 50% of the bf16 peak",
-                               None if mfu is None else 100 * mfu, "% of bf16 peak", met, gap,
-                               absolute_note or (f"bf16 in the same section: {100 * bf16_mfu:.1f}%; fp8/bf16 tokens/s "
-                                                 f"{fp8['fp8_over_bf16_tokens_per_s']:.3f}" if bf16_mfu else
-                                                 sections["fp8"].get("status", ""))))
-        worst = fp8.get("max_abs_relative_gap")
-        met, gap = judge_at_most(None if worst is None else 100 * worst, 100 * fp8.get("loss_tolerance", 0.01), False)
-        targets.append(_target("train_fp8_loss", "fp8 loss within 1% of bf16's at every step (same tokens and init)",
-                               None if worst is None else 100 * worst, "% worst step", met, gap,
-                               f"{fp8['steps']} steps; final gap {100 * fp8['final_relative_gap']:+.2f}%; {fp8['data']}"
-                               if fp8 else sections["fp8"].get("status", "")))
+                           "batches " + ", ".join(measured)))
     return targets
+
+
+def _fp8_targets(judge: _Judge) -> list[dict]:
+    """Issue 28's float8 targets, where the section was run (--sections fp8)."""
+    if "fp8" not in judge.sections:
+        return []
+    fp8, status = judge.ok("fp8"), judge.sections["fp8"].get("status", "")
+    mfu = _percent(fp8.get("fp8", {}).get("mfu"))
+    met, gap = _at_least(mfu, 50.0, judge.absolute_judged)
+    bf16_mfu = fp8.get("bf16", {}).get("mfu")
+    targets = [_target("train_fp8_mfu", "paper training with fp8: MFU >= 50% of the bf16 peak", mfu,
+                       "% of bf16 peak", met, gap,
+                       judge.absolute_note or (f"bf16 in the same section: {100 * bf16_mfu:.1f}%; fp8/bf16 tokens/s "
+                                               f"{fp8['fp8_over_bf16_tokens_per_s']:.3f}" if bf16_mfu else status))]
+    worst = _percent(fp8.get("max_abs_relative_gap"))
+    met, gap = _at_most(worst, 100 * fp8.get("loss_tolerance", 0.01))
+    targets.append(_target("train_fp8_loss", "fp8 loss within 1% of bf16's at every step (same tokens and init)",
+                           worst, "% worst step", met, gap,
+                           f"{fp8['steps']} steps; final gap {100 * fp8['final_relative_gap']:+.2f}%; {fp8['data']}"
+                           if fp8 else status))
+    return targets
+
+
+def evaluate_targets(report: dict) -> list[dict]:
+    """Issue 12's targets, each met (True/False) or not judged (None, with the reason) and its gap
+    (positive: room to spare; negative: missed by this much, in the target's unit)."""
+    judge = _Judge(report)
+    elapsed = report.get("elapsed_s")
+    met, gap = _at_most(elapsed, 360.0, judge.absolute_judged)
+    runtime = _target("suite_runtime", "the whole suite in under 6 minutes on one GPU", elapsed, "s", met, gap,
+                      judge.absolute_note)
+    return (_train_targets(judge) + _decode_targets(judge) + _exit_targets(judge) + _batched_targets(judge)
+            + [runtime] + _fp8_targets(judge))
 
 
 def _fmt(value, unit="") -> str:

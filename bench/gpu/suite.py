@@ -26,6 +26,21 @@ RUNNERS = {"ceiling": ceiling_section, "train": train_section, "decode": decode_
 
 
 def parse_args(argv):
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _fill_defaults(args)
+    _check_sizes(parser, args)
+    from bench.gpu.train import train_overrides
+
+    try:
+        args.train_set = train_overrides(args.train_set)
+    except ValueError as exc:
+        parser.error(str(exc))
+    _check_exit_rule(parser, args)
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python3 -m bench.gpu_suite", description=SUITE_DOC,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for gpu_suite.json and gpu_suite.md")
@@ -76,7 +91,11 @@ def parse_args(argv):
                         help="exit-step histogram JSON of the spread section (default bench/exit_histogram.json)")
     parser.add_argument("--revision", default=None,
                         help="code revision to record (default: git rev-parse here; give it where .git is absent)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """The settings left out: the full suite's, or the smoke run's with --smoke."""
     smoke = args.smoke
     defaults = dict(preset="tiny" if smoke else "paper", budget_s=60.0 if smoke else 330.0,
                     train_batch=2 if smoke else 32, train_steps=2 if smoke else 12, train_warmup=1 if smoke else 3,
@@ -87,6 +106,10 @@ def parse_args(argv):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+
+
+def _check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The sections known; the comma lists parsed into integers; every size and count >= 1."""
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:
@@ -103,12 +126,10 @@ def parse_args(argv):
         sizes.append(args.span_buckets)
     if min(sizes) < 1 or args.train_warmup < 0 or args.warmup < 0:
         parser.error("sizes, counts and repeats must be >= 1 (warm-ups >= 0)")
-    from bench.gpu.train import train_overrides
 
-    try:
-        args.train_set = train_overrides(args.train_set)
-    except ValueError as exc:
-        parser.error(str(exc))
+
+def _check_exit_rule(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A fraction in (0, 1) and a rule with a threshold to calibrate."""
     if not 0 < args.exit_fraction < 1:
         parser.error("--exit-fraction must be in (0, 1)")
     from rdepth.errors import RdepthError
@@ -120,7 +141,6 @@ def parse_args(argv):
         parser.error(f"--policy: {exc}")
     if not rule.uses_tau:  # the calibration varies tau
         parser.error(f"--policy: {args.policy} takes no tau; choose a rule with a threshold")
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

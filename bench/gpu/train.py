@@ -1,4 +1,4 @@
-"""Section ``train``: the trainer's own ``Trainer.train_step`` on the preset (loop counts drawn as in
+"""Section ``train``: the trainer's own ``TrainStep.train_step`` on the preset (loop counts drawn as in
 training), then on a plain GPT of the same width and the mean unrolled depth: tokens/s, model FLOPs
 (:func:`train_flops_per_row`), MFU against the card's datasheet peak, and the per-layer-application
 throughput ratio."""

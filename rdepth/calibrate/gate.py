@@ -35,8 +35,8 @@ from tqdm import tqdm
 from rdepth.calibrate.gate_config import GateConfig
 from rdepth.calibrate.run import read_through_rest, record_iterates
 from rdepth.errors import RdepthError
+from rdepth.exitrun.gate_file import save_gate
 from rdepth.exits.gate import ExitGate, gate_features, stable_from
-from rdepth.exits.gate_file import save_gate
 from rdepth.io import exclusive
 from rdepth.model import RecurrentLM
 from rdepth.run.checkpoint import resolve_checkpoint

@@ -57,8 +57,8 @@ import torch
 from rdepth.errors import RdepthError
 from rdepth.calibrate.config import CalibrateConfig
 from rdepth.exits.controller import PolicyController, controller_factory
-from rdepth.exits.evaluate import evaluate_with_exits
-from rdepth.exits.profile import make_profile, profile_controller_factory
+from rdepth.exitrun.evaluate import evaluate_with_exits
+from rdepth.exitrun.profile import make_profile, profile_controller_factory
 from rdepth.exits.recorded import drive_recorded
 from rdepth.io import environment_info, exclusive, write_json
 from rdepth.model import RecurrentLM

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = build(EvalConfig, {}, args)
     if config.exit_profile is not None:
-        from rdepth.exits.profile_eval import evaluate_profile_checkpoint, format_profile_eval
+        from rdepth.exitrun.profile_eval import evaluate_profile_checkpoint, format_profile_eval
 
         for line in format_profile_eval(evaluate_profile_checkpoint(config)):
             print(line)

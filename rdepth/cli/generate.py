@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     config = build(GenerateConfig, {}, args)
 
     def profile_controllers(model):
-        from rdepth.exits.profile import load_profile, profile_controller_factory
+        from rdepth.exitrun.profile import load_profile, profile_controller_factory
 
         profile = load_profile(config.exit_profile, model.n_groups, config.checkpoint, config.force_profile)
         return profile_controller_factory(profile, lambda: model.readout)

@@ -5,17 +5,19 @@ Layout (each file one purpose; dependencies point down the list):
 * ``base``: the exit-policy protocol; ``policies``: the rules; ``registry``:
   policies by name; ``decode``: how decoded rules read a state (the head, or
   the rest of the model); ``gate``: the learned exit gate (a head per group on
-  the loop state, saved beside a checkpoint) that the ``learned`` rule reads;
+  the loop state) that the ``learned`` rule reads;
   ``controller``: policies as a model loop controller;
-  ``recorded``: policies replayed on recorded iterates (:func:`replay`).
-* ``evaluate``: teacher-forced held-out evaluation with exits (through the run
-  layer's one evaluation loop); ``profile``: a policy with one threshold per group,
-  saved beside a run, and ``profile_eval`` (``rdepth eval --exit-profile``);
+  ``recorded``: policies replayed on recorded iterates (:func:`replay`);
   ``config`` (torch-free): the step caps (``k_max``) and decode modes every
   command shares.
-* The workflows built on these rules live beside this package:
-  :mod:`rdepth.sweep` (``rdepth sweep``) and :mod:`rdepth.calibrate`
-  (``rdepth calibrate``).
+* The rules import only the model and the config: what is saved beside a run
+  and how a run is evaluated under them (the gate's file, exit profiles,
+  held-out evaluation with exits) live in :mod:`rdepth.exitrun`, and the
+  workflows in :mod:`rdepth.sweep` (``rdepth sweep``) and
+  :mod:`rdepth.calibrate` (``rdepth calibrate``). One late binding runs up:
+  the ``learned`` rule given a run folder reads its gate through
+  :mod:`rdepth.exitrun.gate_file`, imported when asked for (the exported
+  model's bundled rules run without it).
 
 The public names below load on first use, so that importing
 ``rdepth.exits.config`` (for ``rdepth --help``) does not import torch.

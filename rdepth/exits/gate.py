@@ -8,7 +8,7 @@ of the relative update ``||x^(s) - x^(s-1)|| / ||x^(s-1)||``; the head is a line
 policy (:mod:`rdepth.exits.policies`) stops a token when ``1 - p < tau``.
 
 The gate is trained on a frozen model from its own recorded iterates (:mod:`rdepth.calibrate.gate`,
-``rdepth gate``) and saved beside the checkpoint by :mod:`rdepth.exits.gate_file` (the file and its ties
+``rdepth gate``) and saved beside the checkpoint by :mod:`rdepth.exitrun.gate_file` (the file and its ties
 to the model). This module is the gate itself, with no file or run-folder code, so the exported model's
 bundled code carries it.
 """

@@ -488,11 +488,11 @@ class LearnedPolicy(ExitPolicy):
 
 
 def _gate_of_run(folder: str | os.PathLike) -> ExitGate:
-    """The gate saved beside ``folder``'s checkpoint (:func:`rdepth.exits.gate_file.load_gate`), imported when
+    """The gate saved beside ``folder``'s checkpoint (:func:`rdepth.exitrun.gate_file.load_gate`), imported when
     asked for: the exported model's bundled code carries the rules without rdepth's run-folder code, so there
     a gate comes as an :class:`ExitGate` (a folder is a one-line error)."""
     try:
-        gate_file = importlib.import_module("rdepth.exits.gate_file")
+        gate_file = importlib.import_module("rdepth.exitrun.gate_file")
     except ImportError:
         raise RdepthError("exit policy learned: a gate file needs rdepth installed; pass an ExitGate") from None
     return gate_file.load_gate(folder)

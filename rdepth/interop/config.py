@@ -44,7 +44,7 @@ class ExportConfig:
         With ``checkpoint``, a profile must have been calibrated on its weights (unless --force-profile),
         as for every command that takes a profile; with ``n_groups``, it must have one value per group."""
         if self.exit_profile is not None:
-            from rdepth.exits.profile import load_profile
+            from rdepth.exitrun.profile import load_profile
 
             profile = load_profile(self.exit_profile, n_groups, checkpoint, self.force_profile)
             if profile["parameter"] != "tau":

@@ -44,7 +44,7 @@ def _exported_gate(spec: dict | None, checkpoint):
     gate, a gate for other weights), else None."""
     if not spec or spec.get("name") != "learned":
         return None
-    from rdepth.exits.gate_file import load_gate
+    from rdepth.exitrun.gate_file import load_gate
 
     return load_gate(checkpoint)
 

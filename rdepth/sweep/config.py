@@ -139,7 +139,7 @@ class SweepConfig:
     def _check_bounded_and_trained(self) -> None:
         """A one-line error before any work: a tau above a rule's bound (confidence, learned: 1); a trained
         rule (learned) on a checkpoint without a gate trained for it."""
-        from rdepth.exits.gate_file import load_gate
+        from rdepth.exitrun.gate_file import load_gate
         from rdepth.exits.registry import get_policy_class
 
         for name in self.policies:

@@ -1,7 +1,7 @@
 """Sweep points measured: quality and loop steps on held-out windows, then latency, interleaved.
 
 :class:`SweepMeasurer` evaluates a policy setting (through
-:func:`rdepth.exits.evaluate.evaluate_with_exits`, so through the run layer's
+:func:`rdepth.exitrun.evaluate.evaluate_with_exits`, so through the run layer's
 one evaluation loop and its per-window noise) or a fixed budget (measured once
 and reused: several points often share the fixed budget at their mean steps),
 and registers what to time. :meth:`SweepMeasurer.time_all` then times every
@@ -30,7 +30,7 @@ from rdepth.exits.base import Decode
 from rdepth.sweep.config import MeasureSettings
 from rdepth.exits.controller import PolicyController
 from rdepth.exits.decode import make_decode
-from rdepth.exits.evaluate import evaluate_with_exits
+from rdepth.exitrun.evaluate import evaluate_with_exits
 from rdepth.sweep.stats import spread
 from rdepth.sweep.timing import Call, forward_call, generate_call, time_interleaved
 from rdepth.model import RecurrentLM
@@ -51,7 +51,7 @@ def decode_factory(model: RecurrentLM, settings: MeasureSettings, seq_len: int) 
 class SweepMeasurer:
     """Measures settings of one model on fixed held-out ``windows`` ``[S, T + 1]``.
 
-    Every result is a dict: the :class:`~rdepth.exits.evaluate.ExitEvaluation`
+    Every result is a dict: the :class:`~rdepth.exitrun.evaluate.ExitEvaluation`
     fields and ``steps`` (mean loop steps per token summed over groups). With
     timing, after :meth:`time_all`: ``timing_path`` ("packed"),
     ``timing_batch_size`` and, per latency key (:data:`PACKED_KEYS`, and

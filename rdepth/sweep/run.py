@@ -38,7 +38,7 @@ from rdepth.errors import RdepthError
 from rdepth.sweep.config import SweepConfig
 from rdepth.exits.controller import controller_factory
 from rdepth.sweep.measure import SweepMeasurer, decode_factory
-from rdepth.exits.profile import load_profile, profile_controller_factory
+from rdepth.exitrun.profile import load_profile, profile_controller_factory
 from rdepth.exits.registry import get_policy_class
 from rdepth.sweep.report import render_sweep
 from rdepth.sweep.summary import summarize, summary_of, sweep_csv

@@ -41,7 +41,7 @@ from rdepth.sweep.depth import DEPTH_CSV, depth_csv, depth_summary, depth_vs_hop
 from rdepth.sweep.halves import half_scores, honest_selection, target_problems
 from rdepth.exits.controller import controller_factory
 from rdepth.sweep.measure import decode_factory
-from rdepth.exits.profile import load_profile, profile_controller_factory
+from rdepth.exitrun.profile import load_profile, profile_controller_factory
 from rdepth.exits.registry import get_policy_class
 from rdepth.sweep.stats import spread
 from rdepth.sweep.timing import forward_call, time_interleaved

@@ -4,9 +4,10 @@
 placed on the device (FSDP shards with ``--parallel fsdp``, bf16 autocast on CUDA, float8 matmuls with
 ``config.fp8``), the compiled regions, a :class:`~rdepth.data.loader.BatchSampler`, and the draws of a
 step (each micro-batch's loop counts and initial-state noise, functions of ``(seed, step)``).
-:class:`rdepth.train.trainer.Trainer` is a ``TrainStep`` with a run: data, run folder, validation,
-checkpoints, resume. Benchmarks and tests build a complete ``TrainStep`` on any tokens with
-:meth:`TrainStep.on_tokens`, through the same constructor, placement and compilation as a run.
+:class:`rdepth.train.trainer.Trainer` holds a ``TrainStep`` and adds the run around it: data, run folder,
+validation, checkpoints, resume. Benchmarks and tests build a complete ``TrainStep`` on any tokens with
+:meth:`TrainStep.on_tokens`, through the same set-up (:func:`start_run`), constructor, placement and
+compilation as a run.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from rdepth.model import RecurrentLM, sample_loop_counts, step_generator
 from rdepth.model.noise import CounterNoise, StateNoise
 from rdepth.run.device import resolve_device
 from rdepth.train.config import TrainConfig
-from rdepth.train.distributed import DistInfo
+from rdepth.train.distributed import DistInfo, init_distributed
 from rdepth.train.fp8 import check_fp8_device, convert_to_fp8, require_torchao
-from rdepth.train.fsdp import full_norm
+from rdepth.train.fsdp import check_launch, full_norm
 from rdepth.train.optim import lr_at, make_optimizer
 
 # TrainConfig.state_noise -> the noise of ``count`` consecutive training rows from global row ``first``:
@@ -45,9 +46,10 @@ class TrainStep:
 
     Args:
         model_config: the model's config (a run's: the data's vocabulary and block size).
-        config: the training settings.
-        device: where the model trains.
-        dist: this process's place in the process group (default: one process).
+        config: the training settings (a trainer may end the schedule sooner by setting a new one).
+        device: where the model trains, and
+        dist: this process's place in the process group (default: one process), both from
+            :func:`start_run`, which has checked the batch split.
     """
 
     def __init__(self, model_config: ModelConfig, config: TrainConfig, device: torch.device,
@@ -57,7 +59,6 @@ class TrainStep:
         self.device = device
         self.dist = dist or DistInfo()
         self.fsdp = config.parallel == "fsdp"  # sharded model (rdepth.train.fsdp), DCP checkpoints
-        check_batch_split(config, self.dist)
         self.fp8_plan = None  # what runs in float8 (rdepth.train.fp8.FP8Plan), set in place_model
         self.ddp = None  # the DistributedDataParallel wrapper, when the trainer runs several processes
         self.sampler: BatchSampler | None = None
@@ -72,13 +73,8 @@ class TrainStep:
         drawn once from ``config.seed``: the same model, placement, compilation and draws as a run, in
         one process, with no data or run folder (``config.data`` and ``config.out`` are not read). For
         speed measurements and tests: the same windows at every step for every setting of one seed."""
-        device = resolve_device(config.device)
-        if config.fp8:
-            check_fp8_device(device)
-            require_torchao()
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        step = cls(model_config, config, device)
+        device, dist = start_run(config)
+        step = cls(model_config, config, device, dist)
         if tokens is None:
             count = windows * config.batch_size * (model_config.block_size + 1)
             ids = np.random.default_rng(config.seed).integers(0, model_config.vocab_size, size=count)
@@ -195,6 +191,28 @@ class TrainStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total, used_counts
+
+
+def start_run(config: TrainConfig, distributed: bool = False) -> tuple[torch.device, DistInfo]:
+    """Where a run trains and its place in the process group, checked before any data is read (one call
+    per run: :meth:`TrainStep.on_tokens`, the trainer). With ``config.fp8``, no float8 card or no torchao
+    stops at once; ``config.threads`` sets torch's thread count. With ``distributed`` (the trainer), the
+    process group from torchrun's environment (FSDP runs under torchrun only), each rank on its own
+    card; without, one process. Last, the batch must split over accumulation and ranks."""
+    device = resolve_device(config.device)
+    if config.fp8:
+        check_fp8_device(device)
+        require_torchao()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    dist = DistInfo()
+    if distributed:
+        check_launch(config.parallel)
+        dist = init_distributed(device.type)
+        if dist.enabled and device.type == "cuda":
+            device = torch.device("cuda", dist.local_rank)
+    check_batch_split(config, dist)
+    return device, dist
 
 
 def check_batch_split(config: TrainConfig, dist: DistInfo) -> None:

@@ -6,10 +6,10 @@ checkpoint continues exactly, and every data-parallel rank draws the same loop
 counts. On the CPU, N steps straight and N/2 + resume + N/2 give identical
 losses and weights.
 
-Beside the loop, in modules of their own: the step machinery the trainer is built on (``step``:
-:class:`~rdepth.train.step.TrainStep`, also usable alone), the optimizer and its schedule (``optim``), what a
-resume must share with its run (``resume``), the run folder's checks and files (``rundir``), the
-memory check (``memory``), the time limit's schedule fits (``timefit``), sharding and its
+Beside the loop, in modules of their own: the step machinery the trainer holds and the run's set-up
+(``step``: :class:`~rdepth.train.step.TrainStep`, also usable alone, and ``start_run``), the optimizer and
+its schedule (``optim``), what a resume must share with its run (``resume``), the run folder's checks and
+files (``rundir``), the memory check (``memory``), the time limit's schedule fits (``timefit``), sharding and its
 checkpoints (``fsdp``, ``dcp``) and the process group (``distributed``).
 """
 
@@ -31,20 +31,17 @@ from rdepth.data.shards import TokenShards
 from rdepth.errors import RdepthError
 from rdepth.io import append_jsonl, exclusive, write_json
 from rdepth.run import checkpoint as ckpt
-from rdepth.run.device import resolve_device
 from rdepth.run.evaluate import evaluate
 from rdepth.run.heldout import held_out_problem_windows, held_out_windows
 from rdepth.train.config import TrainConfig
-from rdepth.train.fp8 import check_fp8_device, require_torchao
 from rdepth.train.memory import check_fits
 from rdepth.train.optim import check_optimizer_state, lr_at
 from rdepth.train.rundir import check_run_folder, write_run_files
 from rdepth.train.resume import (check_resume_config, check_same_data, config_mismatch, data_model_config,
                                  data_record)
 from rdepth.train.timefit import ScheduleTimer, fitted_max_steps, refit
-from rdepth.train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown_distributed
-from rdepth.train.fsdp import check_launch
-from rdepth.train.step import TrainStep, check_batch_split
+from rdepth.train.distributed import all_reduce_mean, shutdown_distributed
+from rdepth.train.step import TrainStep, start_run
 
 log = logging.getLogger(__name__)
 
@@ -59,34 +56,24 @@ class TrainResult:
     wall_seconds: float
 
 
-class Trainer(TrainStep):
-    """One training run in ``config.out``: the step machinery (:class:`~rdepth.train.step.TrainStep`) on
-    the run's data, with its folder, validation, checkpoints and resume. The main rank holds the
-    folder's write lock from here until :meth:`run` returns (or this constructor fails): a second
-    trainer on the same folder stops at once with a one-line error."""
+class Trainer:
+    """One training run in ``config.out``: the step machinery (:attr:`stepper`, a
+    :class:`~rdepth.train.step.TrainStep`) on the run's data, with its folder, validation, checkpoints and
+    resume. The main rank holds the folder's write lock from here until :meth:`run` returns (or this
+    constructor fails): a second trainer on the same folder stops at once with a one-line error."""
 
     def __init__(self, model_config: ModelConfig, config: TrainConfig, resume: bool = False,
                  preset: str | None = None):
-        self.config = config  # a time limit may end its schedule sooner (_fit_schedule)
         self.requested_config = config  # config.json keeps the settings asked for
         self.preset = preset
-        self.device = resolve_device(config.device)
-        if config.fp8:  # before any data is read: no float8 card or no torchao stops the run at once
-            check_fp8_device(self.device)
-            require_torchao()
-        if config.threads:
-            torch.set_num_threads(config.threads)
         self.start_step = 0
         self.tokens_seen = 0
         self.resumed_from: Path | None = None  # never rotated away during this run
         self.resumes: list[dict] = []
         self.schedule_fits: list[dict] = []  # the time limit's changes to the schedule (_fit_schedule)
         self._lock = contextlib.ExitStack()
-        check_launch(config.parallel)  # FSDP runs under torchrun only
-        self.dist: DistInfo = init_distributed(self.device.type)
-        if self.dist.enabled and self.device.type == "cuda":
-            self.device = torch.device("cuda", self.dist.local_rank)
-        check_batch_split(config, self.dist)  # before the lock and the data
+        # before the lock and the data: the device, float8, threads, the process group, the batch split
+        self.device, self.dist = start_run(config, distributed=True)
         self.run_dir = Path(config.out)
         if self.dist.is_main:
             self._lock.enter_context(exclusive(self.run_dir, "train"))
@@ -96,8 +83,18 @@ class Trainer(TrainStep):
             self._lock.close()
             raise
 
+    @property
+    def config(self) -> TrainConfig:
+        """The settings in force, the step's own: a time limit or a resume may end the schedule sooner
+        (:meth:`_fit_schedule`, :meth:`_resume`), and the step's learning rate follows."""
+        return self.stepper.config
+
+    @config.setter
+    def config(self, config: TrainConfig) -> None:
+        self.stepper.config = config
+
     def _build(self, model_config: ModelConfig, resume: bool) -> None:
-        config = self.config
+        config = self.requested_config
         # Hashes and id range once per run: corrupt shards never train silently.
         self.shards = TokenShards.open(config.data, verify=True)
         self.shards.check_token_ids()
@@ -106,13 +103,13 @@ class Trainer(TrainStep):
         micro_rows = config.batch_size // (config.grad_accum * self.dist.world_size)
         check_fits(self.model_config, micro_rows, self.device, "a training micro-step")
         check_fits(self.model_config, config.eval_batch_size, self.device, "a validation batch")
-        TrainStep.__init__(self, self.model_config, config, self.device, self.dist)  # the model, seeded
+        self.stepper = TrainStep(self.model_config, config, self.device, self.dist)  # the model, seeded
         self._setup_run_dir(resume)
-        self.place_model(self.resumed_from)
+        self.stepper.place_model(self.resumed_from)
         # Data with loss masks (a task's answers) trains and validates on the masked targets only.
         # Task data (a problem index) also starts every window at a problem, with an optional curriculum.
         starts, levels = self.shards.problem_index("train") or (None, None)
-        self.sampler = BatchSampler(self.shards.train, config.batch_size, self.model_config.block_size, config.seed,
+        self.stepper.sampler = BatchSampler(self.shards.train, config.batch_size, self.model_config.block_size, config.seed,
                                     mask=self.shards.loss_mask("train"), starts=starts, levels=levels,
                                     curriculum_steps=config.curriculum_steps)
         val_len = min(self.model_config.block_size, len(self.shards.val) - 1)
@@ -129,12 +126,12 @@ class Trainer(TrainStep):
             self.val_masks = held_out_windows(val_mask, val_len, val_count).bool()
         else:
             self.val_masks = held_out_problem_windows(val_mask, val_index[0], val_len, val_count).bool()
-        if self.dist.enabled and not self.fsdp:
+        if self.dist.enabled and not self.stepper.fsdp:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.ddp = DistributedDataParallel(self.model, device_ids=ids)
-        self.compile_layers()
+            self.stepper.ddp = DistributedDataParallel(self.stepper.model, device_ids=ids)
+        self.stepper.compile_layers()
         self._write_run_files()
 
     # ---------------------------------------------------------------- set-up
@@ -174,7 +171,7 @@ class Trainer(TrainStep):
                 tokenizer_fingerprint(run_tokenizer(checkpoint)) != self.shards.tokenizer_fingerprint:
             raise RdepthError(f"--init-from {source}: its tokenizer ({saved.tokenizer!r}, {saved.vocab_size} tokens) "
                               f"is not the one the data in {self.config.data} was prepared with")
-        ckpt.load_weights(checkpoint, self.model)
+        ckpt.load_weights(checkpoint, self.stepper.model)
         log.info("starting from the weights of %s", checkpoint)
 
     def _resume(self, saved_run: dict) -> None:
@@ -183,7 +180,7 @@ class Trainer(TrainStep):
         mismatch = config_mismatch(saved, self.model_config)
         if mismatch:
             raise RdepthError(f"model config does not match checkpoint {checkpoint}: {'; '.join(mismatch[:4])}")
-        if self.fsdp:  # the weights and optimizer state load once sharded (place_model)
+        if self.stepper.fsdp:  # the weights and optimizer state load once sharded (place_model)
             from rdepth.train.dcp import read_state
 
             trainer_state, state = None, read_state(checkpoint)
@@ -207,10 +204,10 @@ class Trainer(TrainStep):
             log.warning("%s records no training config: resuming with the flags given", self.run_dir)
         check_same_data(saved_run.get("data"), self._data_record(), self.run_dir, self.config.data)
         if trainer_state is not None:
-            ckpt.load_weights(checkpoint, self.model)
+            ckpt.load_weights(checkpoint, self.stepper.model)
             try:
-                self.optimizer.load_state_dict(trainer_state["optimizer"])
-                check_optimizer_state(self.optimizer)
+                self.stepper.optimizer.load_state_dict(trainer_state["optimizer"])
+                check_optimizer_state(self.stepper.optimizer)
             except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
                 raise RdepthError(f"optimizer state in {checkpoint} does not match the model ({exc})") from None
         self.start_step = step
@@ -222,12 +219,11 @@ class Trainer(TrainStep):
                 f"checkpoint is at step {self.start_step}; nothing to do up to step {self.config.end_step}"
             )
 
-    # ------------------------------------------------------------------ step
     # ------------------------------------------------------------------- run
     def check_finite(self, done: int) -> None:
         """Stop (one-line error, no checkpoint written) if any step so far had a non-finite
         loss or gradient norm; the last checkpoint saved is the last finite one."""
-        if bool(self.nonfinite):
+        if bool(self.stepper.nonfinite):
             finite = ckpt.list_checkpoints(self.run_dir)
             kept = f"the last finite checkpoint is {finite[-1]}" if finite else "no checkpoint was written"
             raise RdepthError(
@@ -255,7 +251,7 @@ class Trainer(TrainStep):
             step = self.start_step
             while step < self.config.end_step:
                 config = self.config  # a time limit may end the schedule sooner (_fit_schedule)
-                loss, counts = self.train_step(step)
+                loss, counts = self.stepper.train_step(step)
                 self.tokens_seen += tokens_per_step
                 window_tokens += tokens_per_step
                 done = step + 1
@@ -271,9 +267,9 @@ class Trainer(TrainStep):
                     if self.dist.is_main:
                         append_jsonl(metrics_path, {
                             "step": done, "loss": loss_value, "lr": lr_at(step, config),
-                            "grad_norm": float(self.last_grad_norm),
+                            "grad_norm": float(self.stepper.last_grad_norm),
                             "tokens": self.tokens_seen, "tokens_per_s": rate, "loop_counts": counts,
-                            **({} if self.sampler.levels is None else {"max_difficulty": self.sampler.level(step)}),
+                            **self._difficulty(step),
                         })
                     window_start, window_tokens = time.perf_counter(), 0
                 if done % config.eval_every == 0 or done == config.end_step:
@@ -301,11 +297,16 @@ class Trainer(TrainStep):
                 "step": result.step, "max_steps": config.max_steps, "final_val": final_val,
                 "tokens_per_second": result.tokens_per_second, "tokens": self.tokens_seen,
                 "wall_seconds": wall, "unigram_baseline": baseline,
-                "parameters": self.model.num_parameters(), "device": str(self.device),
+                "parameters": self.stepper.model.num_parameters(), "device": str(self.device),
                 **({"schedule_fits": self.schedule_fits} if self.schedule_fits else {}),
             })
         shutdown_distributed()
         return result
+
+    def _difficulty(self, step: int) -> dict:
+        """The curriculum's highest difficulty at ``step`` for the metrics line (task data with levels)."""
+        sampler = self.stepper.sampler
+        return {} if sampler.levels is None else {"max_difficulty": sampler.level(step)}
 
     def _synchronized_now(self) -> float:
         """The clock once the device has finished the work queued so far."""
@@ -343,11 +344,11 @@ class Trainer(TrainStep):
             append_jsonl(self.run_dir / "metrics.jsonl", {"step": done, "schedule_fit": record})
 
     def _validate(self, done: int) -> dict | None:
-        if not self.dist.is_main and not self.fsdp:  # a sharded model evaluates on every rank together
+        if not self.dist.is_main and not self.stepper.fsdp:  # a sharded model evaluates on every rank together
             return None
         result = evaluate(
-            self.model, self.val_windows, batch_size=self.config.eval_batch_size, device=self.device,
-            seed=self.config.seed, autocast_dtype=self.autocast_dtype, masks=self.val_masks,
+            self.stepper.model, self.val_windows, batch_size=self.config.eval_batch_size, device=self.device,
+            seed=self.config.seed, autocast_dtype=self.stepper.autocast_dtype, masks=self.val_masks,
         )
         if not self.dist.is_main:
             return None
@@ -357,7 +358,8 @@ class Trainer(TrainStep):
         return result
 
     def _checkpoint(self, done: int, val: dict | None) -> None:
-        if not self.dist.is_main and not self.fsdp:  # every rank writes its shards of a sharded model
+        model, optimizer = self.stepper.model, self.stepper.optimizer
+        if not self.dist.is_main and not self.stepper.fsdp:  # every rank writes its shards of a sharded model
             return
         config = self.config
         milestone = done % config.milestone_interval == 0 or done == config.max_steps
@@ -366,16 +368,16 @@ class Trainer(TrainStep):
                  "scheduler": {"kind": "warmup_cosine", "step": done, "lr": lr_at(done - 1, config)},
                  "val": val, "milestone": milestone,
                  **({"schedule_fits": self.schedule_fits} if self.schedule_fits else {})}
-        if self.fsdp:
+        if self.stepper.fsdp:
             from rdepth.train import dcp
 
-            path = dcp.save(self.run_dir, done, self.model, self.optimizer, self.model_config,
+            path = dcp.save(self.run_dir, done, model, optimizer, self.model_config,
                             {**state, "world_size": self.dist.world_size}, self.dist.is_main)
             if path is None:
                 return
         else:
-            trainer_state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
-            path = ckpt.save_checkpoint(self.run_dir, done, self.model, self.model_config, trainer_state, state)
+            trainer_state = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+            path = ckpt.save_checkpoint(self.run_dir, done, model, self.model_config, trainer_state, state)
         log.debug("checkpoint %s", path)
         protect = (path,) if self.resumed_from is None else (path, self.resumed_from)
         removed = ckpt.rotate_checkpoints(self.run_dir, config.keep_last, config.milestone_interval, protect)

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rdepth.exits.evaluate import evaluate_with_exits
-from rdepth.exits.profile import load_profile, profile_controller_factory
+from rdepth.exitrun.evaluate import evaluate_with_exits
+from rdepth.exitrun.profile import load_profile, profile_controller_factory
 from rdepth.io import write_json
 from rdepth.run.config import EvalConfig
 from rdepth.run.opened import open_run
