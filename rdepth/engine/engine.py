@@ -79,6 +79,21 @@ class _Live:
         self.current_rules: list[str] = []
 
 
+def _make_controller(model: RecurrentLM, loop_counts, controller_factory) -> tuple[LoopController, bool]:
+    """The engine's one loop controller and whether it is a fixed budget; refuses one that cannot serve rows
+    at different steps."""
+    if controller_factory is not None:
+        controller, fixed = controller_factory(), False
+    else:
+        counts = model.config.default_eval_loops if loop_counts is None else loop_counts
+        controller, fixed = FixedController(parse_loop_counts(counts, model.n_groups) if model.n_groups else ()), True
+    for method in ("begin_rows", "after_steps"):
+        if not hasattr(controller, method):
+            raise RdepthError(f"engine: the loop controller {type(controller).__name__} has no {method}() "
+                              "(rows that loop at different steps need it)")
+    return controller, fixed
+
+
 class Engine:
     """Continuous depth batching over ``batch_size`` slots (see the module).
 
@@ -116,19 +131,8 @@ class Engine:
         self.capacity = capacity or config.block_size
         if not 1 <= self.capacity <= config.block_size:
             raise RdepthError(f"engine: capacity must be 1..{config.block_size} (the block size), got {self.capacity}")
-        n_groups = model.n_groups
-        if controller_factory is not None:
-            self.controller = controller_factory()
-            self.fixed = False
-        else:
-            counts = config.default_eval_loops if loop_counts is None else loop_counts
-            self.controller = FixedController(parse_loop_counts(counts, n_groups) if n_groups else ())
-            self.fixed = True
-        for method in ("begin_rows", "after_steps"):
-            if not hasattr(self.controller, method):
-                raise RdepthError(f"engine: the loop controller {type(self.controller).__name__} has no {method}() "
-                                  "(rows that loop at different steps need it)")
-        self.k_max = [int(self.controller.max_steps(group)) for group in range(n_groups)]
+        self.controller, self.fixed = _make_controller(model, loop_counts, controller_factory)
+        self.k_max = [int(self.controller.max_steps(group)) for group in range(model.n_groups)]
         if any(k < 1 for k in self.k_max):
             raise RdepthError(f"engine: every group needs at least one loop step, got {self.k_max}")
         self.kv_layout = kv_layout
@@ -137,30 +141,36 @@ class Engine:
         self.listener = listener
         self._cancelled: set[int] = set()
         self.stages = model.stages
-        d, batch, device = config.d_model, batch_size, self.device
         with torch.no_grad():
-            kept = self.k_max if kv_layout == "exact" else [1] * n_groups
-            self.slots = SlotCache(model.new_cache(batch, self.capacity, kept, self.dtype, device), kv_layout)
-            self.x = torch.zeros(batch, d, dtype=self.dtype, device=device)  # activations between stages
-            self.state = torch.zeros_like(self.x)  # each row's newest iterate in its group
-            self.projected = torch.zeros_like(self.x)  # the group's input half W_e e
-            # Per slot and group: the initial states of every position (its request's noise) and, warm, the
-            # state handed on at the previous position.
-            self.initial = {group: torch.zeros(batch, self.capacity, d, dtype=self.dtype, device=device)
-                            for group in range(n_groups)} if config.init_state_scale != 0 else {}
-            self.warm = {group: torch.zeros_like(self.x) for group in range(n_groups)} if self.warm_start else {}
-            for group in range(n_groups):  # the rule's per-row memory for every slot, once
-                self.controller.begin(group, torch.zeros_like(self.x))
-            if model.rotary is not None:
-                model.rotary.table(device)
-        self.stage = np.full(batch, FREE, dtype=np.int64)  # host: the stage each slot's token is at
-        self.step_count = np.zeros(batch, dtype=np.int64)  # loop steps done in the current group
-        self.position = np.zeros(batch, dtype=np.int64)  # where the slot's token in flight writes
-        self.live: list[_Live | None] = [None] * batch
+            self._allocate()
+        self.stage = np.full(batch_size, FREE, dtype=np.int64)  # host: the stage each slot's token is at
+        self.step_count = np.zeros(batch_size, dtype=np.int64)  # loop steps done in the current group
+        self.position = np.zeros(batch_size, dtype=np.int64)  # where the slot's token in flight writes
+        self.live: list[_Live | None] = [None] * batch_size
         self.queue: deque[tuple[int, Request, float, int]] = deque()
         self.next_id = 0
-        self.stats = EngineStats(loop_steps=[0] * n_groups)
-        self._all_rows = torch.arange(batch, device=device)
+        self.stats = EngineStats(loop_steps=[0] * model.n_groups)
+        self._all_rows = torch.arange(batch_size, device=self.device)
+
+    def _allocate(self) -> None:
+        """The slots' device buffers: the cache, the activations and states, the initial states, the rule's
+        per-row memory."""
+        model, config, n_groups = self.model, self.model.config, self.model.n_groups
+        d, batch, device = config.d_model, self.batch, self.device
+        kept = self.k_max if self.kv_layout == "exact" else [1] * n_groups
+        self.slots = SlotCache(model.new_cache(batch, self.capacity, kept, self.dtype, device), self.kv_layout)
+        self.x = torch.zeros(batch, d, dtype=self.dtype, device=device)  # activations between stages
+        self.state = torch.zeros_like(self.x)  # each row's newest iterate in its group
+        self.projected = torch.zeros_like(self.x)  # the group's input half W_e e
+        # Per slot and group: the initial states of every position (its request's noise) and, warm, the
+        # state handed on at the previous position.
+        self.initial = {group: torch.zeros(batch, self.capacity, d, dtype=self.dtype, device=device)
+                        for group in range(n_groups)} if config.init_state_scale != 0 else {}
+        self.warm = {group: torch.zeros_like(self.x) for group in range(n_groups)} if self.warm_start else {}
+        for group in range(n_groups):  # the rule's per-row memory for every slot, once
+            self.controller.begin(group, torch.zeros_like(self.x))
+        if model.rotary is not None:
+            model.rotary.table(device)
 
     # ------------------------------------------------------------------ clients
     def add_request(self, request: Request) -> int:
