@@ -11,8 +11,8 @@ shares, ``--problems`` of each):
 2. **Selection on half A, judged on half B** (even / odd problems): the cheapest fixed budget F within
    ``--tolerance`` of the full budget on A; per rule the cheapest setting that meets the bar on A pooled
    (paired difference from F at least ``-tolerance``) and per difficulty (no difficulty more than
-   ``--per-difficulty`` under F's), ``plain``; ``safe`` asks the pooled difference less one paired standard
-   error to meet it. Each is judged on B (the same bars), and over ``--splits`` random A/B splits: the
+   ``--per-difficulty`` under F's), ``plain``; ``safe`` (``safer``) asks each difference less one (two)
+   paired standard errors to meet it. Each is judged on B (the same bars), and over ``--splits`` random A/B splits: the
    share of splits whose choice meets the bar on its B.
 3. **Wall time** at each width B of ``--widths``: ``max(4B, --min-requests)`` problems of half B (mixed
    difficulties, arrival order shuffled), each a request of its whole window (the positions fed one at a
@@ -111,21 +111,28 @@ def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
 
 
 def meets(solved: dict, label: str, fixed: str, rows: np.ndarray, labels: np.ndarray, args, margin: float = 0.0):
-    """Whether ``label`` meets the bar against ``fixed`` on ``rows``: pooled paired difference (less
-    ``margin`` standard errors) >= -tolerance, and every difficulty's accuracy within ``--per-difficulty``."""
+    """Whether ``label`` meets the bar against ``fixed`` on ``rows``: the pooled paired difference less
+    ``margin`` standard errors >= -tolerance, and each difficulty's paired difference less ``margin`` of its
+    standard errors >= -``--per-difficulty``."""
     diff, error = paired(solved[label][rows], solved[fixed][rows])
     if diff - margin * error < -args.tolerance - 1e-12:
         return False
     for difficulty in np.unique(labels[rows]):
         part = rows[labels[rows] == difficulty]
-        if solved[label][part].mean() < solved[fixed][part].mean() - args.per_difficulty - 1e-12:
+        diff, error = paired(solved[label][part], solved[fixed][part])
+        if diff - margin * error < -args.per_difficulty - 1e-12:
             return False
     return True
 
 
+# How strictly a rule's setting is chosen on half A: standard errors of margin on the paired differences
+MODES = (("plain", 0.0), ("safe", 1.0), ("safer", 2.0))
+
+
 def select(qualities: dict, labels: np.ndarray, rows_a: np.ndarray, args) -> dict:
     """On ``rows_a``: the cheapest fixed budget F within tolerance of the full budget, and per rule its
-    cheapest setting meeting the bar against F (``plain``, and ``safe`` with one standard error)."""
+    cheapest setting meeting the bar against F in each of :data:`MODES` (``plain``; ``safe`` and ``safer``
+    with one and two standard errors of margin)."""
     solved = {label: q["solved"] for label, q in qualities.items()}
     full = f"fixed {args.full_loops}"
     bar = solved[full][rows_a].mean() - args.tolerance
@@ -134,7 +141,7 @@ def select(qualities: dict, labels: np.ndarray, rows_a: np.ndarray, args) -> dic
     chosen = {}
     for name in [p for p in args.policies.split(",") if p]:
         labels_of = sorted((label for label in solved if label.split()[0] == name), key=lambda label: qualities[label]["steps"])
-        for mode, margin in (("plain", 0.0), ("safe", 1.0)):
+        for mode, margin in MODES:
             ok = [label for label in labels_of if meets(solved, label, fixed, rows_a, labels, args, margin)]
             chosen[f"{name} {mode}"] = ok[0] if ok else None
     return {"fixed": fixed, "chosen": chosen}
@@ -429,11 +436,14 @@ def measured_quality(model, heldout, settings: dict, args, device) -> dict:
 
 
 def timed_choice(choice: dict, shares: dict, args) -> dict:
-    """Timed per rule: the plain choice when it meets the bar in >= 90% of the splits, else the safe one."""
-    timed = {}
+    """Timed per rule: the choice of the least strict of :data:`MODES` that meets the bar on B in >= 90% of
+    the splits, else the strictest's; ``choice["timed_mode"]`` says which."""
+    timed, modes = {}, {}
     for name in [p for p in args.policies.split(",") if p]:
-        plain, safe = choice["chosen"][f"{name} plain"], choice["chosen"][f"{name} safe"]
-        timed[name] = plain if shares.get(f"{name} plain", 0) >= 0.9 else safe
+        held = [mode for mode, _ in MODES if shares.get(f"{name} {mode}", 0) >= 0.9]
+        modes[name] = held[0] if held else MODES[-1][0]
+        timed[name] = choice["chosen"][f"{name} {modes[name]}"]
+    choice["timed_mode"] = modes
     return timed
 
 

@@ -21,9 +21,10 @@ def main(paths: list[str]) -> int:
             if label is None:
                 print(f"| {seed} | {fixed} | {name}: none meets the bar on A | | | | | |")
                 continue
-            judged = report["judged_b"].get(f"{name} plain")
-            share = report["split_shares"].get(f"{name} plain")
-            print(f"| {seed} | {fixed} | {label} | {quality[label]['steps']:.2f} | "
+            mode = report["choice"].get("timed_mode", {}).get(name, "plain")
+            judged = report["judged_b"].get(f"{name} {mode}")
+            share = report["split_shares"].get(f"{name} {mode}")
+            print(f"| {seed} | {fixed} | {label} ({mode}) | {quality[label]['steps']:.2f} | "
                   f"{100 * quality[label]['solved_b']:.1f}, {100 * quality[fixed]['solved_b']:.1f} | "
                   f"{100 * judged['paired_diff']:+.2f} ({100 * judged['paired_se']:.2f}) | "
                   f"{'yes' if judged['meets'] else 'no'} | {100 * share:.0f}% |")

@@ -62,3 +62,26 @@ def test_a_setting_worse_everywhere_is_never_chosen_and_a_one_sided_margin_is_st
     assert -0.01 < diff < 0 and diff - error < -0.01
     assert meets(sets, "rule", "fixed 2", rows, LABELS, ARGS)
     assert not meets(sets, "rule", "fixed 2", rows, LABELS, ARGS, margin=1.0)
+
+
+def test_the_safe_mode_holds_each_difficulty_to_its_own_standard_error():
+    """1.5 points under F at difficulty 2 only: inside the 2-point per-difficulty bar as a point estimate
+    (plain says yes), not once its paired standard error is taken off (safe says no)."""
+    close = solved(0.95, 0.9)
+    close[[200, 201, 202]] = False  # 3 of 200 problems of difficulty 2 lost
+    sets = {"fixed 2": solved(0.95, 0.9), "rule": close}
+    rows = np.arange(400)
+    args = Namespace(**{**vars(ARGS), "tolerance": 0.02})  # pooled 0.75 points under: inside either way
+    assert meets(sets, "rule", "fixed 2", rows, LABELS, args, 0.0)
+    assert not meets(sets, "rule", "fixed 2", rows, LABELS, args, 1.0)
+
+
+def test_the_timed_mode_is_the_least_strict_that_holds_on_nine_splits_in_ten():
+    from bench.depth_batching import timed_choice
+
+    choice = {"chosen": {"kl plain": "kl 0.1", "kl safe": "kl 0.05", "kl safer": "kl 0.03"}}
+    args = Namespace(policies="kl")
+    assert timed_choice(choice, {"kl plain": 0.95, "kl safe": 0.99}, args) == {"kl": "kl 0.1"}
+    assert timed_choice(choice, {"kl plain": 0.85, "kl safe": 0.92, "kl safer": 0.99}, args) == {"kl": "kl 0.05"}
+    assert choice["timed_mode"] == {"kl": "safe"}
+    assert timed_choice(choice, {"kl plain": 0.5, "kl safe": 0.6, "kl safer": 0.8}, args) == {"kl": "kl 0.03"}
