@@ -11,8 +11,8 @@ shares, ``--problems`` of each):
 2. **Selection on half A, judged on half B** (even / odd problems): the cheapest fixed budget F within
    ``--tolerance`` of the full budget on A; per rule the cheapest setting that meets the bar on A pooled
    (paired difference from F at least ``-tolerance``) and per difficulty (no difficulty more than
-   ``--per-difficulty`` under F's), ``plain``; ``safe`` (``safer``) asks each difference less one (two)
-   paired standard errors to meet it. Each is judged on B (the same bars), and over ``--splits`` random A/B splits: the
+   ``--per-difficulty`` under F's), ``plain``; ``safe`` (``safer``) asks the pooled difference less one
+   (two) paired standard errors to meet it. Each is judged on B (the same bars), and over ``--splits`` random A/B splits: the
    share of splits whose choice meets the bar on its B.
 3. **Wall time** at each width B of ``--widths``: ``max(4B, --min-requests)`` problems of half B (mixed
    difficulties, arrival order shuffled), each a request of its whole window (the positions fed one at a
@@ -111,16 +111,16 @@ def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
 
 
 def meets(solved: dict, label: str, fixed: str, rows: np.ndarray, labels: np.ndarray, args, margin: float = 0.0):
-    """Whether ``label`` meets the bar against ``fixed`` on ``rows``: the pooled paired difference less
-    ``margin`` standard errors >= -tolerance, and each difficulty's paired difference less ``margin`` of its
-    standard errors >= -``--per-difficulty``."""
+    """Whether ``label`` meets the bar against ``fixed`` on ``rows``: pooled paired difference (less
+    ``margin`` standard errors) >= -tolerance, and every difficulty's accuracy within ``--per-difficulty``.
+    (A margin on each difficulty's own standard error was tried: with 128 problems a difficulty in a half,
+    that error is 1.5-2.5 points against the 2-point bar, and no setting is left to choose.)"""
     diff, error = paired(solved[label][rows], solved[fixed][rows])
     if diff - margin * error < -args.tolerance - 1e-12:
         return False
     for difficulty in np.unique(labels[rows]):
         part = rows[labels[rows] == difficulty]
-        diff, error = paired(solved[label][part], solved[fixed][part])
-        if diff - margin * error < -args.per_difficulty - 1e-12:
+        if solved[label][part].mean() < solved[fixed][part].mean() - args.per_difficulty - 1e-12:
             return False
     return True
 
@@ -174,6 +174,10 @@ def split_shares(qualities, labels, args) -> dict:
         choice = select(qualities, labels, rows_a, args)
         for key, judged in judge(qualities, labels, rows_b, choice, args).items():
             hits.setdefault(key, []).append(bool(judged and judged["meets"]))
+        # the judge's own noise: how often the full budget itself meets the bar against F on B
+        hits.setdefault("full budget (reference)", []).append(
+            meets({label: q["solved"] for label, q in qualities.items()}, f"fixed {args.full_loops}", choice["fixed"],
+                  rows_b, labels, args))
     return {key: float(np.mean(values)) for key, values in hits.items()}
 
 
