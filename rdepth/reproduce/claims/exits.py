@@ -1,0 +1,173 @@
+"""Claim 4: the acceleration exit keeps perplexity flat at lower latency than KL, step-norm falls off a cliff
+(Fig. 4); judged along the rules' quality-versus-cost fronts (:mod:`rdepth.reproduce.fronts`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rdepth.reproduce.claims.paper_grid import MIN_STEPS_SAVED, paper_grid, paper_grid_why, policy_rows
+from rdepth.reproduce.claims.verdict import NOT, PARTLY, REPRODUCED, new_claim, untested
+
+# Claim 4 along fronts: the rules compared, each swept on a grid spanning its own range (SCALE_FREE_GRID in
+# rdepth/reproduce/config.py): acceleration and step-norm in their scale-free forms (Eq. 6's bounded
+# acceleration; the step over the state's norm), KL in nats.
+FRONT_RULES = {"acceleration": "acceleration_rel", "kl": "kl", "step_norm": "step_norm_rel"}
+# ... a front point counts as matched by another front's point that keeps its quality within this perplexity
+# rise (one sweep seed: about the change between neighbouring thresholds of a flat rule) ...
+FRONT_QUALITY_SLACK = 0.002
+# ... and costs at most this share more executed steps (the ms/token axis uses the sweep's timing noise).
+FRONT_STEPS_SLACK = 0.01
+
+
+def _front_points(rows: list[dict], full: tuple[float, float] | None, cost: str) -> list[tuple[float, float]]:
+    """A rule's (cost, quality) points, quality = -(perplexity rise), with the full budget's point (every rule
+    computes the full budget as its threshold goes to 0); [] when some point lacks the cost."""
+    if any(row.get(cost) is None for row in rows):
+        return []
+    return [(float(row[cost]), -row["ppl_rise"]) for row in rows] + ([full] if full else [])
+
+
+def _front_axes(summary: dict[str, Any], reference: dict[str, Any]) -> dict[str, tuple[str, tuple[float, float], float]]:
+    """The cost axes the fronts are compared on, each as (row key, the full budget's point, cost slack):
+    executed loop steps always, decode ms/token when the sweep timed the full budget."""
+    full_steps = float(summary.get("full_steps") or sum(reference.get("mean_steps") or reference.get("budget") or [0]))
+    latency = summary.get("latency_key")
+    axes = {"steps": ("steps", (full_steps, 0.0), FRONT_STEPS_SLACK)}
+    if latency and reference.get(latency) is not None:
+        key = latency.replace("ms_per_token_", "")
+        row_key = {"b1": "ms_per_token_b1", "generate": "ms_per_token_generate"}.get(key)
+        if row_key:
+            axes["ms/token"] = (row_key, (float(reference[latency]), 0.0), summary.get("noise_threshold", 0.1))
+    return axes
+
+
+def _compare_fronts(policies: dict[str, list[dict]], judged: str, other: str,
+                    axes: dict[str, tuple[str, tuple[float, float], float]]) -> dict[str, Any]:
+    """``judged``'s front against ``other``'s: per axis where both have points, the comparison
+    (:func:`rdepth.reproduce.fronts.dominates`); whether it dominates on every such axis, and whether
+    ``other``'s front dominates it on any."""
+    from rdepth.reproduce.fronts import dominates
+
+    per_axis = {}
+    for axis, (cost, full, slack) in axes.items():
+        mine, theirs = (_front_points(policies[name], full, cost) for name in (judged, other))
+        if not mine or not theirs:
+            continue
+        per_axis[axis] = dominates(mine, theirs, slack, FRONT_QUALITY_SLACK)
+    return {"axes": per_axis,
+            "dominates": bool(per_axis) and all(c["dominates"] for c in per_axis.values()),
+            "dominated": any(dominates(_front_points(policies[other], axes[axis][1], axes[axis][0]),
+                                       _front_points(policies[judged], axes[axis][1], axes[axis][0]),
+                                       axes[axis][2], FRONT_QUALITY_SLACK)["dominates"]
+                             for axis in per_axis)}
+
+
+def exit_fronts(sweep: dict[str, Any], policies: dict[str, list[dict]]) -> dict[str, Any]:
+    """Claim 4 along fronts: per cost axis (executed loop steps; decode ms/token when timed), whether the
+    acceleration rule's front dominates KL's and step-norm's (:func:`rdepth.reproduce.fronts.dominates`), and
+    per rule its stability (the largest perplexity change between neighbouring thresholds)."""
+    from rdepth.reproduce.fronts import neighbour_spread
+
+    axes = _front_axes(sweep["summary"], sweep["reference"])
+    judged = FRONT_RULES["acceleration"]
+    comparisons = {other: _compare_fronts(policies, judged, other, axes)
+                   for other in (FRONT_RULES["kl"], FRONT_RULES["step_norm"])}
+    stability = {name: neighbour_spread([row["ppl_rise"] for row in rows]) for name, rows in policies.items() if rows}
+    return {"rule": judged, "axes": list(axes), "comparisons": comparisons, "stability": stability,
+            "taus": {name: [row["tau"] for row in rows] for name, rows in policies.items() if rows}}
+
+
+def _fronts_why(fronts: dict[str, Any]) -> list[str]:
+    why = []
+    judged = fronts["rule"]
+    for other, comparison in fronts["comparisons"].items():
+        for axis, result in comparison["axes"].items():
+            if result["dominates"]:
+                text = "dominates"
+            elif result["covers"]:
+                text = "matches it but is better nowhere"
+            else:
+                text = (f"leaves {len(result['unmatched'])} of {other}'s {len(result['other_front'])} front "
+                        "points unmatched")
+            why.append(f"{judged} against {other}, quality vs {axis}: {text}.")
+        if comparison["dominated"]:
+            why.append(f"{other}'s front dominates {judged}'s.")
+    why.append("Stability (largest perplexity change between neighbouring thresholds, one sweep seed): "
+               f"{_stability_text(fronts)}.")
+    return why
+
+
+def _stability_text(fronts: dict[str, Any]) -> str:
+    """Per rule, the largest perplexity change between neighbouring thresholds, in percent."""
+    return ", ".join(f"{name} {100 * value:.2f}%" for name, value in fronts["stability"].items() if value is not None)
+
+
+def _fronts_verdict(beaten: list[str], fronts: dict[str, Any]) -> str:
+    """Claim 4's verdict: reproduced when acceleration's front dominates every other rule's, partly when some."""
+    return REPRODUCED if len(beaten) == len(fronts["comparisons"]) else (PARTLY if beaten else NOT)
+
+
+def _fronts_value(fronts: dict[str, Any]) -> str:
+    """Per other rule and cost axis, whether acceleration's front dominates."""
+    return "; ".join(f"{FRONT_RULES['acceleration']} vs {other}: " + ", ".join(
+        f"{axis} {'dominates' if r['dominates'] else 'does not dominate'}" for axis, r in c["axes"].items())
+        for other, c in fronts["comparisons"].items())
+
+
+def _exits_judged_on(sweep: dict[str, Any], seeds: dict[str, Any] | None, fronts: dict[str, Any]) -> dict[str, Any]:
+    """What claim 4 rests on: the full budget and the exit sweep, its autocast, seeds and the fronts' stability."""
+    config = sweep.get("config") or {}
+    return {"budget": "full budget and exit sweep", "loops": sweep["reference"].get("budget"),
+            "precision": f"autocast {config.get('autocast', 'none')}",
+            "seeds": {**(seeds or {}), "sweep": config.get("seed")},
+            "tokens": None, "checkpoint": None,
+            "spread": f"perplexity between neighbouring thresholds (one seed): {_stability_text(fronts)}"}
+
+
+def claim_exits(sweep: dict[str, Any], seeds: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Claim 4: acceleration keeps perplexity flat at lower latency than KL; step-norm falls off a cliff above
+    tau = 1e-3 (Fig. 4). Judged along the rules' quality-versus-cost fronts on scale-free threshold grids
+    (:func:`exit_fronts`); the paper's absolute grid (checks (a)-(c)) is reported as one row, not judged."""
+    summary = sweep["summary"]
+    tolerance = summary["tolerance"]
+    rules = FRONT_RULES
+    result = new_claim("exits", "The acceleration exit keeps perplexity flat at lower latency than KL, while step-norm "
+                             "loses quality beyond tau = 1e-3 and sharply at 1e-2.",
+                    {"figure": "Fig. 4", "value": "acceleration ~580 -> 360 ms/token from tau 1e-5 to 1e-2 at flat "
+                                                  "PPL; KL flat but slower; step-norm degrades beyond 1e-3"},
+                    criteria=f"per rule, the front of (cost, quality) points over a threshold grid that spans the "
+                             f"rule's own range (scale-free: {rules['acceleration']}, {rules['kl']}, "
+                             f"{rules['step_norm']}), with the full budget's point; quality = -perplexity rise, cost = "
+                             "executed loop steps and, when timed, decode ms/token. Acceleration is better than a "
+                             "rule when its front dominates that rule's on every measured cost (each of the other "
+                             f"front's points matched at <= cost x (1 + {FRONT_STEPS_SLACK:g} steps, or the timing "
+                             f"noise) and >= quality - {100 * FRONT_QUALITY_SLACK:g}%, and better somewhere). "
+                             "Reproduced when it dominates both KL and step-norm, partly when one, not otherwise. "
+                             "Stability: the largest perplexity change between neighbouring thresholds, reported. "
+                             "The paper's absolute grid (1e-5..1e-2) is one reported row: (a) acceleration within "
+                             f"{100 * tolerance:g}% at every tau while saving >= {100 * MIN_STEPS_SAVED:g}% of the "
+                             "steps; (b) faster than KL at matched quality; (c) a step-norm cliff at the largest tau")
+    policies = {name: policy_rows(sweep, name) for name in ("acceleration", "kl", "step_norm",
+                                                             "acceleration_rel", "step_norm_rel")}
+    needed = [name for name in rules.values() if not policies[name]]
+    if needed:
+        return untested(result, f"the sweep has no {', '.join(needed)} points (a sweep on the paper's grid alone, "
+                                 "from an older rdepth: rerun `rdepth reproduce two-scale` into a fresh --out)")
+    reference = sweep["reference"]
+    fronts = exit_fronts(sweep, policies)
+    beaten = [other for other, c in fronts["comparisons"].items() if c["dominates"]]
+    why = [f"{rules['acceleration']}'s front dominates " + (", ".join(beaten) if beaten else "neither rule") + "."]
+    why += _fronts_why(fronts)
+    paper = paper_grid(sweep, policies, tolerance)
+    if paper:
+        why += ["Paper's absolute grid (reported, not judged; its verdict by the old checks: "
+                f"{paper['verdict']}): " + " ".join(paper_grid_why(paper["checks"], tolerance))]
+    result["judged_on"] = _exits_judged_on(sweep, seeds, fronts)
+    result.update(verdict=_fronts_verdict(beaten, fronts), why=why,
+                  ours={"value": _fronts_value(fronts), "fronts": fronts, "paper_grid": paper,
+                        "checks": paper.get("checks"), "policies": policies,
+                        "full_ppl": reference["ppl"], "tolerance": tolerance,
+                        "timing_path": summary.get("timing_path"),
+                        "device": sweep.get("environment", {}).get("device")})
+    return result
