@@ -67,7 +67,7 @@ def test_beating_one_null_is_partly_and_a_gap_inside_the_spread_is_no_gap():
     # gap 0.1 with seeds spread over 0.3: not beyond the spread
     assert compare([0.1, 0.25, 0.4], [0.35, 0.35, 0.35], "lower") == {
         "trained_mean": pytest.approx(0.25), "null_mean": pytest.approx(0.35), "gap": pytest.approx(0.1),
-        "spread": pytest.approx(0.3), "beats": False}
+        "spread": pytest.approx(0.3), "min_effect": 0.0, "beats": False}
     assert compare([0.1, 0.11, 0.12], [0.35, 0.35, 0.35], "lower")["beats"] is True
     assert compare([0.1, 0.11, 0.12], [0.35, 0.35, 0.35], "higher")["beats"] is False  # wrong direction
 

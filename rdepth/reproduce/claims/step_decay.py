@@ -5,26 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from rdepth.geometry.summary import DECAYED_FRACTION
+from rdepth.geometry.summary import decayed_step as decay_step
 from rdepth.reproduce.claims.verdict import (NOT, PARTLY, REPRODUCED, count_verdict, final_groups, judged_on,
                                             new_claim, untested)
 
-# Claim 1: a step has shrunk to this fraction of the first refinement step ||Delta^(1)|| ...
-DECAY_FRACTION = 0.1
+# Claim 1: a step has shrunk to this fraction of the first refinement step ||Delta^(1)|| (decay_step:
+# rdepth.geometry.summary.decayed_step, which also starts the settled-cosine window) ...
+DECAY_FRACTION = DECAYED_FRACTION
 # ... by this loop step (the paper: "within 5-10 steps").
 DECAY_BY_STEP = 10
 # Claim 1's trend ("faster norm decay in later checkpoints"): the step size left at step DECAY_BY_STEP,
 # ||Δ(k)|| / ||Δ(1)||, must be at most this share of the first checkpoint's at the last one.
 DECAY_TREND_FACTOR = 0.9
-
-
-def decay_step(sizes: list[float]) -> int | None:
-    """First loop step k >= 2 whose mean step size is at most DECAY_FRACTION x ||Delta^(1)|| (None: never).
-
-    Step 0 is the jump from the random initial state, so the decay is measured from step 1.
-    """
-    if len(sizes) < 3 or not sizes[1] > 0:
-        return None
-    return next((k for k in range(2, len(sizes)) if sizes[k] <= DECAY_FRACTION * sizes[1]), None)
 
 
 def decay_left(sizes: list[float]) -> float | None:
