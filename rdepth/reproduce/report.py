@@ -36,6 +36,9 @@ CLAIM_FIGURES = {
     "dlr": ("fig2b_dlr_budget", "fig2_dlr"),
     "exits": ("figure4", "pareto"),
 }
+# The paper's four claims are numbered 1-4 as docs/reproduce.md numbers them; "P" is the step-norm plateau
+# the paper states in §4 (a remark the exit rules rest on), judged beside them.
+CLAIM_NUMBERS = {"step_decay": "1", "plateau": "P", "cosine": "2", "dlr": "3", "exits": "4"}
 # What comes back from a GPU run: (file under OUT, name in the export folder). At most 8 files.
 EXPORT_FILES = (
     ("claims.json", "claims.json"),
@@ -66,8 +69,9 @@ def write_claims(out: str | Path, claims: list[dict[str, Any]], context: dict[st
 
 
 def table_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per claim: the claim, the paper's figure and numbers, ours, the verdict and why."""
-    return [{"#": index, "claim": claim["claim"], "paper": f"{claim['paper']['figure']}: {claim['paper']['value']}",
+    """One row per claim: its number (:data:`CLAIM_NUMBERS`), the claim, the paper's figure and numbers, ours,
+    the verdict and why."""
+    return [{"#": CLAIM_NUMBERS.get(claim["id"], index), "claim": claim["claim"], "paper": f"{claim['paper']['figure']}: {claim['paper']['value']}",
              "ours": claim["ours"].get("value", ""), "judged on": judged_text(claim), "verdict": claim["verdict"],
              "why": " ".join(claim["why"])}
             for index, claim in enumerate(doc["claims"], 1)]

@@ -153,10 +153,19 @@ def _fronts_verdict(cheaper: list[str], fronts: dict[str, Any]) -> str:
 
 
 def _fronts_value(fronts: dict[str, Any]) -> str:
-    """Per other rule and cost axis, whether acceleration is cheaper at matched quality; its stability."""
-    return "; ".join(f"{FRONT_RULES['acceleration']} vs {other} at matched quality: " + ", ".join(
-        f"{axis} {'cheaper' if r['matched']['cheaper'] else 'not cheaper'}" for axis, r in c["axes"].items())
-        for other, c in fronts["comparisons"].items()) + "; " + (
+    """Per other rule and cost axis, whether acceleration is cheaper at matched quality over the shared
+    perplexity range (the range the verdict rests on); its stability."""
+    def axis_text(axis: str, result: dict[str, Any]) -> str:
+        matched = result["matched"]
+        if matched["shared"] is None:
+            return f"{axis} no shared quality range"
+        low, high = matched["shared"]
+        return (f"{axis} {'cheaper' if matched['cheaper'] else 'not cheaper'} over perplexity rise "
+                f"{100 * -high:+.2f}% to {100 * -low:+.2f}% (saves up to {100 * matched['saving']:.0f}%)")
+
+    return "; ".join(f"{FRONT_RULES['acceleration']} vs {other} at matched quality: "
+                     + ", ".join(axis_text(axis, r) for axis, r in c["axes"].items())
+                     for other, c in fronts["comparisons"].items()) + "; " + (
         "stable" if fronts["stable"] else "not stable" if fronts["stable"] is False else "stability not tested")
 
 
