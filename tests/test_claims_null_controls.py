@@ -113,9 +113,16 @@ def test_a_summary_without_the_handoff_ratio_names_it():
     del summary["checkpoints"][0]["budgets"]["long"][HANDOFF_CONTROL]
     with pytest.raises(RdepthError, match=f"lacks '{HANDOFF_CONTROL}'"):
         C.claim_dlr(summary)
+    del summary["checkpoints"][0]["budgets"]["long"]["groups"][0]["headline"]["settled_cosine_window"]["reason"]
+    with pytest.raises(RdepthError, match="lacks 'settled_cosine_window.reason'.*group 4"):
+        C.claim_cosine(summary)
     del summary["checkpoints"][0]["budgets"]["long"]["groups"][0]["headline"]["settled_cosine_window"]
     with pytest.raises(RdepthError, match="lacks 'settled_cosine_window'.*group 4"):
         C.claim_cosine(summary)
+    summary = summary_of([loops(0.6, groups=2)], 12, drift=0.0)  # a format-5 control: no per-token reading
+    del summary["checkpoints"][0]["budgets"]["long"][HANDOFF_CONTROL]["4->5-6"]["over_control"]
+    with pytest.raises(RdepthError, match=f"lacks '{HANDOFF_CONTROL}.over_control'.*rerun `rdepth analyze`"):
+        C.claim_dlr(summary)
 
 
 def test_the_cli_answers_a_stale_summary_in_one_line_with_exit_2(monkeypatch, capsys):

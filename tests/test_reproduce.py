@@ -20,7 +20,7 @@ from rdepth.reproduce.plan import (SAFETY_SECONDS, SPEED_MARGIN, Probe, Workload
 
 def _group(name: str, sizes: list[float], settled: float | None) -> dict:
     cosines = [0.1] * (len(sizes) - 1)
-    window = {"usable": 10, "window": [6, 10], "plateau": True, "range": 0.0} if settled is not None else \
+    window = {"usable": 10, "window": [6, 10], "plateau": True, "range": 0.0, "reason": None} if settled is not None else \
         {"usable": 3, "window": None, "plateau": False, "range": None, "reason": "too few"}
     return {"name": name, "steps": len(sizes), "step_size": {"mean": sizes, "std": [0.0] * len(sizes)},
             "cosine": {"mean": cosines, "std": [0.0] * len(cosines)},

@@ -94,6 +94,9 @@ def _require_settled_windows(final: dict[str, Any], groups: list[dict[str, Any]]
         if "settled_cosine_window" not in (g.get("headline") or {}):
             raise missing_field("settled_cosine_window", f"checkpoint {final['label']}, group {g['name']}",
                                 "where the settled cosine is read, leaving out the step from the random start")
+        if "reason" not in g["headline"]["settled_cosine_window"]:
+            raise missing_field("settled_cosine_window.reason", f"checkpoint {final['label']}, group {g['name']}",
+                                "the settled window after the step-size decay, with its trend test")
 
 
 def _cosine_rows(groups: list[dict[str, Any]], low: float, high: float) -> list[dict[str, Any]]:

@@ -104,6 +104,9 @@ def _handoff_rows(summary: dict[str, Any], entry: dict[str, Any], budget: str) -
             raise missing_field(HANDOFF, f"{where}, boundary {name}",
                                 "the hand-off states' distance over the earlier group's extent, claim 3's measure")
         stats, control = definitions[HANDOFF], saved[HANDOFF_CONTROL].get(name) or {}
+        if "over_control" not in control:
+            raise missing_field(f"{HANDOFF_CONTROL}.over_control", f"{where}, boundary {name}",
+                                "the hand-off ratio over its per-token zero-drift control")
         rows.append({"boundary": name, "handoff_median": stats.get("median"), "handoff_p10": stats.get("p10"),
                      "handoff_p90": stats.get("p90"), "control_median": control.get("median"),
                      "over_control_median": (control.get("over_control") or {}).get("median"),
