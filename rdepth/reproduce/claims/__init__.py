@@ -1,4 +1,4 @@
-"""The two-scale paper's five claims, judged from the saved summaries (pure functions, torch-free).
+"""The two-scale paper's four claims and its §4 plateau, judged from the saved summaries (pure functions, torch-free).
 
 Inputs are what the analyses saved: the geometry summary (``geometry/summary.json``,
 :mod:`rdepth.geometry.summary`) and the sweep result (``sweep.json``,
