@@ -205,7 +205,8 @@ def test_shifting_every_state_changes_no_verdict():
     near, far = summary_of(groups), summary_of(groups, shift=1e5)
     for claim in (C.claim_step_decay, C.claim_cosine, C.claim_plateau, C.claim_dlr):
         assert claim(far)["verdict"] == claim(near)["verdict"]
-    for a, b in zip(near["checkpoints"][0]["budgets"]["long"]["groups"], far["checkpoints"][0]["budgets"]["long"]["groups"]):
+    groups = (summary["checkpoints"][0]["budgets"]["long"]["groups"] for summary in (near, far))
+    for a, b in zip(*groups):
         assert a["headline"]["noise_floor_step"] == b["headline"]["noise_floor_step"] is not None
         assert a["headline"]["settled_cosine_window"]["window"] == b["headline"]["settled_cosine_window"]["window"]
     assert C.claim_cosine(far)["verdict"] == C.REPRODUCED

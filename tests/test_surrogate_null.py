@@ -155,7 +155,8 @@ def test_a_gap_under_the_minimum_effect_is_no_finding():
     assert compare([0.5] * 3, [0.5001] * 3, "lower")["beats"] is True  # spread alone: a "finding"
     assert compare([0.5] * 3, [0.5001] * 3, "lower", 0.05)["beats"] is False
     trained = seeds(jitter=0.0, **TRAINED)
-    close = {name: value + (1e-4 if STATISTICS_DIRECTION[name] == "lower" else -1e-4) for name, value in TRAINED.items()}
+    close = {name: value + (1e-4 if STATISTICS_DIRECTION[name] == "lower" else -1e-4)
+             for name, value in TRAINED.items()}
     rows = judge(trained, {"random_init": seeds(jitter=0.0, **close), "shuffled_depth": seeds(jitter=0.0, **close)},
                  own(trained))
     assert all(row["verdict"] == NOT for row in rows), [(r["finding"], r["why"]) for r in rows]

@@ -263,7 +263,8 @@ class GeometryObserver:
                                 torch.full_like(extent, float("nan")))
             per_definition.setdefault(HANDOFF, []).append(ratio.cpu())
             parts = self._handoff_parts.setdefault((previous.group, current.group), {})
-            for name, value in (("extent", extent), ("last_prev", previous.last_size), ("last_next", current.last_size)):
+            named = (("extent", extent), ("last_prev", previous.last_size), ("last_next", current.last_size))
+            for name, value in named:
                 parts.setdefault(name, []).append(value.cpu())
         self._previous, self._previous_last = current, current.prev_state
         current.prev_delta = None

@@ -71,7 +71,8 @@ def write_claims(out: str | Path, claims: list[dict[str, Any]], context: dict[st
 def table_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per claim: its number (:data:`CLAIM_NUMBERS`), the claim, the paper's figure and numbers, ours,
     the verdict and why."""
-    return [{"#": CLAIM_NUMBERS.get(claim["id"], index), "claim": claim["claim"], "paper": f"{claim['paper']['figure']}: {claim['paper']['value']}",
+    return [{"#": CLAIM_NUMBERS.get(claim["id"], index), "claim": claim["claim"],
+             "paper": f"{claim['paper']['figure']}: {claim['paper']['value']}",
              "ours": claim["ours"].get("value", ""), "judged on": judged_text(claim), "verdict": claim["verdict"],
              "why": " ".join(claim["why"])}
             for index, claim in enumerate(doc["claims"], 1)]

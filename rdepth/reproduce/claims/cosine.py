@@ -172,22 +172,24 @@ def claim_cosine(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -
     per_group = _cosine_rows(groups, low, high)
     series = _cosine_series(summary, budget)
     result = new_claim("cosine", "Consecutive loop steps settle at cosines of about 0.5-0.65: a slow spiral, "
-                              "complementary rather than collinear pushes.",
-                    {"figure": "Fig. 3b, Fig. 5", "value": f"settled cos(Δ(k), Δ(k-1)) ≈ {PAPER_COSINE[0]}-"
-                                                           f"{PAPER_COSINE[1]} in later checkpoints"},
-                    criteria=f"per group, the settled cosine: the mean of the last 5 cosines j after the step-size "
-                             "decay (the first step at 1/10 of ||Δ(1)||; cos(Δ(0), Δ(1)), from the random start, never "
-                             "counts) whose steps are above the noise floor (1e-3 of ||Δ(1)||), when 5 such cosines "
-                             f"exist, stay within 0.2 of each other and trend by at most {SETTLED_SLOPE:g} a step "
-                             "(least squares); 'no plateau' when the cosines were measured but never settle (a "
-                             "negative result), 'not measured' when the floor comes first; final checkpoint, "
-                             f"'{budget}' budget, bounds compared within {TOLERANCE:g}. Reproduced when every group "
-                             f"is within {low:.2f}-{high:.2f}; not reproduced when some group is collinear (>= "
-                             f"{COLLINEAR:g}, the opposite of 'increasingly orthogonal'); partly when some but not "
-                             f"every group is inside, or when none is but every group settles within {NEAR_BAND:g} of "
-                             f"the band and moves toward it by >= {TREND_MIN_MOVE:g} from the first to the last "
-                             "checkpoint in every group; not reproduced otherwise (a group with no plateau counts "
-                             "against the claim); not tested when no group could be measured")
+                                 "complementary rather than collinear pushes.",
+                       {"figure": "Fig. 3b, Fig. 5", "value": f"settled cos(Δ(k), Δ(k-1)) ≈ {PAPER_COSINE[0]}-"
+                                                              f"{PAPER_COSINE[1]} in later checkpoints"},
+                       criteria=f"per group, the settled cosine: the mean of the last 5 cosines j after the step-size "
+                                "decay (the first step at 1/10 of ||Δ(1)||; cos(Δ(0), Δ(1)), from the random start, "
+                                "never "
+                                "counts) whose steps are above the noise floor (1e-3 of ||Δ(1)||), when 5 such cosines "
+                                f"exist, stay within 0.2 of each other and trend by at most {SETTLED_SLOPE:g} a step "
+                                "(least squares); 'no plateau' when the cosines were measured but never settle (a "
+                                "negative result), 'not measured' when the floor comes first; final checkpoint, "
+                                f"'{budget}' budget, bounds compared within {TOLERANCE:g}. Reproduced when every group "
+                                f"is within {low:.2f}-{high:.2f}; not reproduced when some group is collinear (>= "
+                                f"{COLLINEAR:g}, the opposite of 'increasingly orthogonal'); partly when some but not "
+                                f"every group is inside, or when none is but every group settles within {NEAR_BAND:g} "
+                                "of "
+                                f"the band and moves toward it by >= {TREND_MIN_MOVE:g} from the first to the last "
+                                "checkpoint in every group; not reproduced otherwise (a group with no plateau counts "
+                                "against the claim); not tested when no group could be measured")
     if all(g["status"] == "not measured" for g in per_group):
         counts = ", ".join(f"group {g['group']}: {g['cosines_used']} cosines above the floor" for g in per_group)
         return untested(result, f"no group has 5 cosines after the step-size decay above the noise floor ({counts})")

@@ -249,21 +249,26 @@ def claim_dlr(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> d
     Eq. 2 as written reported beside it at its K."""
     final, budget, _ = final_groups(summary)
     result = new_claim("dlr", "Drift across group hand-offs is much larger than a loop step: DLR >> 1.",
-                    {"figure": "Fig. 2", "value": "DLR >> 1 at the boundaries 4 -> 5-6 and 5-6 -> 7, every checkpoint"},
-                    criteria="median over tokens of the hand-off ratio ||x_{g+1}^(K) - x_g^(K)|| / max_{1<=k<=K} "
-                             "||x_g^(k) - x_g^(1)|| (the distance between the states the two groups hand on, over "
-                             "group g's extent after its first computed iterate: no x^(0), no mean over K), final "
-                             f"checkpoint, '{budget}' budget; reproduced when every boundary is >= {DLR_MUCH:g} (a project "
-                             "choice for '>>': the paper's Fig. 2 reads '> 1', per step), "
-                             "partly when every boundary is > 1, not otherwise; a boundary counts only when the "
-                             f"median token's ratio is also >= {CONTROL_MARGIN:g} x its own zero-drift control (the "
-                             "distance each group's last step says it has left to settle, in a loop with the group's "
-                             "contraction and rotation, over the same extent); a boundary whose control cannot be "
-                             "fitted is not tested (at most partly when some are, not tested when all are). The "
-                             "per-step reading (hand-off drift over the mean refinement step) is reported beside it. "
-                             "Eq. 2 as written is reported beside it at "
-                             f"its K ({PAPER_LOOPS} loops on the loop-budget curve), not judged: it grows with K and "
-                             "reads the random start")
+                       {"figure": "Fig. 2",
+                        "value": "DLR >> 1 at the boundaries 4 -> 5-6 and 5-6 -> 7, every checkpoint"},
+                       criteria="median over tokens of the hand-off ratio ||x_{g+1}^(K) - x_g^(K)|| / max_{1<=k<=K} "
+                                "||x_g^(k) - x_g^(1)|| (the distance between the states the two groups hand on, over "
+                                "group g's extent after its first computed iterate: no x^(0), no mean over K), final "
+                                f"checkpoint, '{budget}' budget; reproduced when every boundary is >= {DLR_MUCH:g} (a "
+                                "project "
+                                "choice for '>>': the paper's Fig. 2 reads '> 1', per step), "
+                                "partly when every boundary is > 1, not otherwise; a boundary counts only when the "
+                                f"median token's ratio is also >= {CONTROL_MARGIN:g} x its own zero-drift control (the "
+                                "distance each group's last step says it has left to settle, in a loop with the "
+                                "group's "
+                                "contraction and rotation, over the same extent); a boundary whose control cannot be "
+                                "fitted is not tested (at most partly when some are, not tested when all are). The "
+                                "per-step reading (hand-off drift over the mean refinement step) is reported beside "
+                                "it. "
+                                "Eq. 2 as written is reported beside it at "
+                                f"its K ({PAPER_LOOPS} loops on the loop-budget curve), not judged: it grows with K "
+                                "and "
+                                "reads the random start")
     if not (final["budgets"][budget].get("dlr") or {}):
         return untested(result, "one looped group: there is no boundary between groups to measure drift across")
     rows = _handoff_rows(summary, final, budget)
@@ -279,9 +284,11 @@ def claim_dlr(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> d
     why += (_per_step_why(rows) + _dlr_curve_why(summary.get("dlr_curve"), rows) + _weak_boundaries_why(rows)
             + _handoff_series_why(series))
     result.update(verdict=verdict, why=why,
-                  ours={"value": f"hand-off ratio (median, '{budget}') {text}; Eq. 2 at {eq2_budget}: {eq2_text or 'n/a'}",
+                  ours={"value": f"hand-off ratio (median, '{budget}') {text}; "
+                                 f"Eq. 2 at {eq2_budget}: {eq2_text or 'n/a'}",
                         "boundaries": rows, "series": series, "budget": budget, "checkpoint": final["label"],
-                        "eq2_budget": eq2_budget, "eq2_series": _dlr_series(summary), "curve": summary.get("dlr_curve")})
+                        "eq2_budget": eq2_budget, "eq2_series": _dlr_series(summary),
+                        "curve": summary.get("dlr_curve")})
     spread = _handoff_spread(rows)
     result["judged_on"] = judged_on(summary, budget, final["budgets"][budget].get("loop_counts"),
                                     f"hand-off ratio over tokens: {spread}" if spread else None, seeds, final["label"])

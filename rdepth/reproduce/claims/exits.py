@@ -187,31 +187,33 @@ def claim_exits(sweep: dict[str, Any], seeds: dict[str, Any] | None = None) -> d
     tolerance = summary["tolerance"]
     rules = FRONT_RULES
     result = new_claim("exits", "The acceleration exit keeps perplexity flat at lower latency than KL, while step-norm "
-                             "loses quality beyond tau = 1e-3 and sharply at 1e-2.",
-                    {"figure": "Fig. 4", "value": "acceleration ~580 -> 360 ms/token from tau 1e-5 to 1e-2 at flat "
-                                                  "PPL; KL flat but slower; step-norm degrades beyond 1e-3"},
-                    criteria=f"per rule, the front of (cost, quality) points over a threshold grid that spans the "
-                             f"rule's own range (scale-free: {rules['acceleration']}, {rules['kl']}, "
-                             f"{rules['step_norm']}), with the full budget's point; quality = -perplexity rise, cost = "
-                             "executed loop steps and, when timed, decode ms/token. Acceleration is cheaper than a "
-                             "rule at matched quality when, over the perplexity range both fronts reach (points "
-                             "outside it decide nothing), its cost interpolated at every quality level there is <= "
-                             f"the rule's x (1 + {FRONT_STEPS_SLACK:g} steps, or the timing noise) and >= "
-                             f"{100 * FRONT_MIN_SAVING:g}% (or the timing noise) lower somewhere, on every measured "
-                             "cost. Stable when, from every threshold within the sweep's "
-                             f"{100 * tolerance:g}% tolerance, the next threshold raises perplexity by at most "
-                             f"{100 * tolerance:g}%. Reproduced when it is cheaper than both KL and step-norm and "
-                             "stable; partly when cheaper than one, or than both but not stable (or stability not "
-                             "tested); not reproduced when cheaper than neither. Whole-front dominance is reported. "
-                             "The paper's absolute grid (1e-5..1e-2) is one reported row: (a) acceleration within "
-                             f"{100 * tolerance:g}% at every tau while saving >= {100 * MIN_STEPS_SAVED:g}% of the "
-                             "steps; (b) faster than KL at matched quality; (c) a step-norm cliff at the largest tau")
+                                "loses quality beyond tau = 1e-3 and sharply at 1e-2.",
+                       {"figure": "Fig. 4", "value": "acceleration ~580 -> 360 ms/token from tau 1e-5 to 1e-2 at flat "
+                                                     "PPL; KL flat but slower; step-norm degrades beyond 1e-3"},
+                       criteria=f"per rule, the front of (cost, quality) points over a threshold grid that spans the "
+                                f"rule's own range (scale-free: {rules['acceleration']}, {rules['kl']}, "
+                                f"{rules['step_norm']}), with the full budget's point; quality = -perplexity rise, "
+                                "cost = "
+                                "executed loop steps and, when timed, decode ms/token. Acceleration is cheaper than a "
+                                "rule at matched quality when, over the perplexity range both fronts reach (points "
+                                "outside it decide nothing), its cost interpolated at every quality level there is <= "
+                                f"the rule's x (1 + {FRONT_STEPS_SLACK:g} steps, or the timing noise) and >= "
+                                f"{100 * FRONT_MIN_SAVING:g}% (or the timing noise) lower somewhere, on every measured "
+                                "cost. Stable when, from every threshold within the sweep's "
+                                f"{100 * tolerance:g}% tolerance, the next threshold raises perplexity by at most "
+                                f"{100 * tolerance:g}%. Reproduced when it is cheaper than both KL and step-norm and "
+                                "stable; partly when cheaper than one, or than both but not stable (or stability not "
+                                "tested); not reproduced when cheaper than neither. Whole-front dominance is reported. "
+                                "The paper's absolute grid (1e-5..1e-2) is one reported row: (a) acceleration within "
+                                f"{100 * tolerance:g}% at every tau while saving >= {100 * MIN_STEPS_SAVED:g}% of the "
+                                "steps; (b) faster than KL at matched quality; (c) a step-norm cliff at the largest "
+                                "tau")
     policies = {name: policy_rows(sweep, name) for name in ("acceleration", "kl", "step_norm",
                                                              "acceleration_rel", "step_norm_rel")}
     needed = [name for name in rules.values() if not policies[name]]
     if needed:
         return untested(result, f"the sweep has no {', '.join(needed)} points (a sweep on the paper's grid alone, "
-                                 "from an older rdepth: rerun `rdepth reproduce two-scale` into a fresh --out)")
+                                "from an older rdepth: rerun `rdepth reproduce two-scale` into a fresh --out)")
     reference = sweep["reference"]
     fronts = exit_fronts(sweep, policies)
     cheaper = [other for other, c in fronts["comparisons"].items() if c["cheaper"]]

@@ -14,13 +14,14 @@ def claim_plateau(summary: dict[str, Any], seeds: dict[str, Any] | None = None) 
     definitions = summary.get("headline_definitions") or {}
     window, decay = definitions.get("plateau_window", 10), definitions.get("plateau_max_decay", 2.0)
     result = new_claim("plateau", "Step norms plateau at a small nonzero value (the loop keeps turning instead of "
-                               "stopping), which fools a step-norm exit.",
-                    {"figure": "§4, Fig. 3a", "value": "step norms level off at a small nonzero value"},
-                    criteria=f"per group, over the last {window} steps of the '{budget}' budget at the final "
-                             f"checkpoint, the mean step size shrinks by less than {decay:g}x and the last step is "
-                             f"above the noise floor ({definitions.get('noise_floor', 1e-3):g} x the first refinement "
-                             "step ||Δ(1)||, the loop's own scale); reproduced "
-                             "when every group plateaus, partly when some do")
+                                  "stopping), which fools a step-norm exit.",
+                       {"figure": "§4, Fig. 3a", "value": "step norms level off at a small nonzero value"},
+                       criteria=f"per group, over the last {window} steps of the '{budget}' budget at the final "
+                                f"checkpoint, the mean step size shrinks by less than {decay:g}x and the last step is "
+                                f"above the noise floor ({definitions.get('noise_floor', 1e-3):g} x the first "
+                                "refinement "
+                                "step ||Δ(1)||, the loop's own scale); reproduced "
+                                "when every group plateaus, partly when some do")
     per_group = [{"group": g["name"], **((g.get("headline") or {}).get("plateau") or {})} for g in groups]
     measured = [g for g in per_group if "holds" in g]
     if not measured:

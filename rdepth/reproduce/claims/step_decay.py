@@ -136,16 +136,16 @@ def claim_step_decay(summary: dict[str, Any], seeds: dict[str, Any] | None = Non
     per_group = _decay_rows(groups)
     series = _decay_series(summary, budget)
     result = new_claim("step_decay", "Loop-step sizes ||Δ(k)|| decay quickly, within 5-10 loop steps, and faster in "
-                                  "later checkpoints.",
-                    {"figure": "Fig. 3a, §3 (iii)", "value": "decay within 5-10 steps, every group and checkpoint; "
-                                                              "faster norm decay in later checkpoints"},
-                    criteria=f"level: per group, the first step k >= 2 with mean ||Δ(k)|| <= {DECAY_FRACTION:g} x "
-                             f"||Δ(1)|| (step 0 is the jump from the random start), final checkpoint, '{budget}' "
-                             f"budget; met when every group gets there by step {DECAY_BY_STEP}, partly when some do "
-                             f"or all do later. Trend: per group, ||Δ({DECAY_BY_STEP})|| / ||Δ(1)|| at the last "
-                             f"checkpoint at most {DECAY_TREND_FACTOR:g} x the first checkpoint's. Reproduced when "
-                             "the level is met and the trend holds (or cannot be tested: one checkpoint), partly "
-                             "when one of them holds")
+                                     "later checkpoints.",
+                       {"figure": "Fig. 3a, §3 (iii)", "value": "decay within 5-10 steps, every group and checkpoint; "
+                                                                 "faster norm decay in later checkpoints"},
+                       criteria=f"level: per group, the first step k >= 2 with mean ||Δ(k)|| <= {DECAY_FRACTION:g} x "
+                                f"||Δ(1)|| (step 0 is the jump from the random start), final checkpoint, '{budget}' "
+                                f"budget; met when every group gets there by step {DECAY_BY_STEP}, partly when some do "
+                                f"or all do later. Trend: per group, ||Δ({DECAY_BY_STEP})|| / ||Δ(1)|| at the last "
+                                f"checkpoint at most {DECAY_TREND_FACTOR:g} x the first checkpoint's. Reproduced when "
+                                "the level is met and the trend holds (or cannot be tested: one checkpoint), partly "
+                                "when one of them holds")
     if not per_group:
         return untested(result, "the model has no looped group")
     held = _decay_held(per_group)

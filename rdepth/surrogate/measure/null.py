@@ -170,7 +170,8 @@ def judge(trained: list[dict], nulls: dict[str, list[dict]], own: list[list[dict
             continue
         against = {name: compare(values["trained"], values[name], direction, min_effect) for name in nulls}
         row.update(against=against, verdict=_verdict(against, held, len(own)),
-                   why="; ".join(f"{name}: trained {c['trained_mean']:.3g} vs {c['null_mean']:.3g}, gap {c['gap']:+.3g} "
+                   why="; ".join(f"{name}: trained {c['trained_mean']:.3g} vs {c['null_mean']:.3g}, "
+                                 f"gap {c['gap']:+.3g} "
                                  f"{'beats' if c['beats'] else 'does not beat'} spread {c['spread']:.3g} and minimum "
                                  f"effect {min_effect:g}" for name, c in against.items())
                    + f"; own checks hold at {held} of {len(own)} seeds")
