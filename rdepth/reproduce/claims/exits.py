@@ -30,10 +30,12 @@ FRONT_MIN_SAVING = 0.05
 
 def _front_points(rows: list[dict], full: tuple[float, float] | None, cost: str) -> list[tuple[float, float]]:
     """A rule's (cost, quality) points, quality = -(perplexity rise), with the full budget's point (every rule
-    computes the full budget as its threshold goes to 0); [] when some point lacks the cost."""
+    computes the full budget as its threshold goes to 0); [] when some point lacks the cost. Quality is capped
+    at the full budget's (0): a threshold that reads a lower perplexity than computing every step is the noise
+    of one held-out set, and a rule credited with it would have a quality range no other rule shares."""
     if any(row.get(cost) is None for row in rows):
         return []
-    return [(float(row[cost]), -row["ppl_rise"]) for row in rows] + ([full] if full else [])
+    return [(float(row[cost]), min(-row["ppl_rise"], 0.0)) for row in rows] + ([full] if full else [])
 
 
 def _front_axes(summary: dict[str, Any], reference: dict[str, Any]) -> dict[str, tuple[str, tuple[float, float], float]]:
@@ -103,13 +105,22 @@ def _matched_text(other: str, result: dict[str, Any]) -> str:
     matched = result["matched"]
     if matched["shared"] is None:
         return "no shared quality range"
-    low, high = matched["shared"]
-    where = f"over the shared perplexity rise {100 * -high:+.2f}% to {100 * -low:+.2f}%"
+    where = f"over the shared {_shared_text(matched)}"
     if matched["cheaper"]:
-        return f"cheaper than {other} {where} (saves up to {100 * matched['saving']:.1f}%)"
+        return f"cheaper than {other} {where} ({_saving_text(matched['saving'])})"
     if matched["costlier"]:
         return f"costlier than {other} {where}"
-    return f"not cheaper than {other} {where} (largest saving {100 * matched['saving']:.1f}%)"
+    return f"not cheaper than {other} {where} ({_saving_text(matched['saving'])})"
+
+
+def _shared_text(matched: dict[str, Any]) -> str:
+    """The shared quality range as perplexity rises over the full budget (quality is -rise, capped at 0)."""
+    low, high = matched["shared"]
+    return f"perplexity rise {100 * (0.0 - high):.2f}% to {100 * (0.0 - low):.2f}%"
+
+
+def _saving_text(saving: float) -> str:
+    return f"saves up to {100 * saving:.1f}%" if saving >= 0 else f"at least {100 * -saving:.1f}% dearer everywhere"
 
 
 def _fronts_why(fronts: dict[str, Any]) -> list[str]:
@@ -159,9 +170,8 @@ def _fronts_value(fronts: dict[str, Any]) -> str:
         matched = result["matched"]
         if matched["shared"] is None:
             return f"{axis} no shared quality range"
-        low, high = matched["shared"]
-        return (f"{axis} {'cheaper' if matched['cheaper'] else 'not cheaper'} over perplexity rise "
-                f"{100 * -high:+.2f}% to {100 * -low:+.2f}% (saves up to {100 * matched['saving']:.0f}%)")
+        return (f"{axis} {'cheaper' if matched['cheaper'] else 'not cheaper'} over {_shared_text(matched)} "
+                f"({_saving_text(matched['saving'])})")
 
     return "; ".join(f"{FRONT_RULES['acceleration']} vs {other} at matched quality: "
                      + ", ".join(axis_text(axis, r) for axis, r in c["axes"].items())
