@@ -128,7 +128,7 @@ def test_analyze_saves_its_headline_numbers(analyzed):
     summary = load_summary(analyzed)
     assert summary["format_version"] == FORMAT_VERSION and summary["scale_budget"] == "long"
     assert summary["headline_definitions"] == {"settled_steps": 5, "settled_range": 0.2, "settled_slope": 0.01,
-                                               "decayed_fraction": 0.1, "noise_floor": 1e-3,
+                                               "decayed_fraction": 0.1, "noise_floor": 1e-6,
                                                "noise_floor_of": "the first refinement step",
                                                "plateau_window": 10, "plateau_max_decay": 2.0}
     assert summary["settings"]["precision"] == "float64"

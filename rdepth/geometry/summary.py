@@ -13,9 +13,10 @@ Everything a report page, a figure, the CLI or a benchmark shows is computed
 here, once, when the analysis runs, and saved; readers never recompute. The
 headline numbers of a group at one budget (``group["headline"]``):
 
-* ``noise_floor_step``: first update index k >= 1 whose mean step size is under ``NOISE_FLOOR``
-  (1e-3) of the first refinement step ||Delta^(1)|| (the loop's own scale: shifting or rescaling every
-  state changes nothing), None if never;
+* ``noise_floor_step``: first update index k >= 1 whose mean step size is under the noise floor
+  (``NOISE_FLOORS`` by the analysis precision, ``NOISE_FLOOR`` when unknown) times the first refinement
+  step ||Delta^(1)|| (the loop's own scale: shifting or rescaling every state changes nothing), None if
+  never;
 * ``decayed_step``: first k >= 2 with mean ||Delta^(k)|| <= ``DECAYED_FRACTION`` x ||Delta^(1)||
   (:func:`decayed_step`), None if never;
 * ``settled_cosine``: mean of the last ``SETTLED_STEPS`` consecutive-step cosines j, after the step-size
@@ -134,6 +135,11 @@ DECAYED_FRACTION = 0.1
 # by default (``precision``), where rounding is ~1e-16 of the state, so a step 1,000x smaller than the
 # loop's first refinement is where the loop, not the arithmetic, has stopped saying anything.
 NOISE_FLOOR = 1e-3
+# ... by the precision the analysis ran the model in. In float64 a difference of two states carries rounding
+# of ~1e-16 of the state: a step of 1e-6 of ||Delta^(1)|| keeps its direction to ~1e-5 while the loop's first
+# refinement moves at least 1e-4 of the state, so below it the loop, not the arithmetic, has gone quiet (a floor
+# of 1e-3 there threw away cosines that were plainly measured, and a measured "no" read as "not tested").
+NOISE_FLOORS = {"float64": 1e-6, "float32": NOISE_FLOOR}
 # The plateau test: over the last PLATEAU_WINDOW steps of the long budget the mean step size
 # shrinks by less than PLATEAU_MAX_DECAY (last / first of the window >= 1 / PLATEAU_MAX_DECAY) and
 # stays above the noise floor (NOISE_FLOOR x ||Delta^(1)||): the paper's "norms plateau at a small nonzero
@@ -148,14 +154,14 @@ CONTROL_MARGIN = 2.0
 # ------------------------------------------------------------------ headline numbers
 
 
-def noise_floor_step(step_means: list[float]) -> int | None:
-    """First update index k >= 1 whose mean step size is under NOISE_FLOOR x the first refinement step
+def noise_floor_step(step_means: list[float], floor: float = NOISE_FLOOR) -> int | None:
+    """First update index k >= 1 whose mean step size is under ``floor`` x the first refinement step
     ||Delta^(1)|| (1 when that step is zero; None: never, or a loop of one step)."""
     if len(step_means) < 2:
         return None
     if not step_means[1] > 0:
         return 1
-    return next((k for k in range(2, len(step_means)) if step_means[k] < NOISE_FLOOR * step_means[1]), None)
+    return next((k for k in range(2, len(step_means)) if step_means[k] < floor * step_means[1]), None)
 
 
 def decayed_step(step_means: list[float]) -> int | None:
@@ -219,12 +225,12 @@ def settled_spread(cosine_stds: list[float], cosine_means: list[float], floor: i
     return float(np.mean(cosine_stds[first:last + 1]))
 
 
-def plateau(sizes: list[float]) -> dict[str, Any] | None:
+def plateau(sizes: list[float], floor: float = NOISE_FLOOR) -> dict[str, Any] | None:
     """Do the mean step sizes level off at a nonzero value? None when the loop is shorter than the window.
 
     ``ratio`` = sizes[-1] / sizes[-1 - PLATEAU_WINDOW] (1: flat; 1e-3: still contracting);
     ``last_over_step1`` = sizes[-1] / sizes[1]; ``holds`` when ratio >= 1 / PLATEAU_MAX_DECAY and the last
-    step is at least NOISE_FLOOR x the first refinement step.
+    step is at least ``floor`` x the first refinement step.
     """
     if len(sizes) <= PLATEAU_WINDOW or len(sizes) < 2:
         return None
@@ -232,7 +238,7 @@ def plateau(sizes: list[float]) -> dict[str, Any] | None:
     ratio = last / first if first > 0 else None
     over_step1 = last / sizes[1] if sizes[1] > 0 else None
     holds = (ratio is not None and ratio >= 1.0 / PLATEAU_MAX_DECAY and over_step1 is not None
-             and over_step1 >= NOISE_FLOOR)
+             and over_step1 >= floor)
     return {"ratio": ratio, "last_over_step1": over_step1, "window": PLATEAU_WINDOW, "holds": bool(holds)}
 
 
@@ -243,10 +249,10 @@ def step_ratio(sizes: list[float], k: int, base: int) -> float | None:
     return sizes[k] / sizes[base]
 
 
-def group_headline(group: dict[str, Any]) -> dict[str, Any]:
-    """The headline numbers of one group's saved curves (see the module docstring)."""
+def group_headline(group: dict[str, Any], noise_floor: float = NOISE_FLOOR) -> dict[str, Any]:
+    """The headline numbers of one group's saved curves (see the module docstring), at this noise floor."""
     sizes = group["step_size"]["mean"]
-    floor = noise_floor_step(sizes)
+    floor = noise_floor_step(sizes, noise_floor)
     decayed = decayed_step(sizes)
     ranks = group.get("effective_rank") or []
     return {
@@ -260,7 +266,7 @@ def group_headline(group: dict[str, Any]) -> dict[str, Any]:
         "settled_cosine": settled_cosine(group["cosine"]["mean"], floor, decayed),
         "settled_cosine_std": settled_spread(group["cosine"]["std"], group["cosine"]["mean"], floor, decayed),
         "settled_cosine_window": settled_window(group["cosine"]["mean"], floor, decayed),
-        "plateau": plateau(sizes),
+        "plateau": plateau(sizes, noise_floor),
         "last_effective_rank": ranks[-1] if ranks else None,
     }
 
@@ -331,8 +337,10 @@ def _distance_left_factor(contraction: float, rotation: float) -> float:
     return contraction / gap if gap > 0 else math.inf
 
 
-def summarize_budget(result: StreamResult, group_names: list[str], loss: float | None) -> dict[str, Any]:
-    """The JSON summary of one budget: per-group curves, convergence, headline numbers and DLR statistics."""
+def summarize_budget(result: StreamResult, group_names: list[str], loss: float | None,
+                     noise_floor: float = NOISE_FLOOR) -> dict[str, Any]:
+    """The JSON summary of one budget: per-group curves, convergence, headline numbers (at ``noise_floor``:
+    :data:`NOISE_FLOORS` by the analysis precision) and DLR statistics."""
     groups = []
     for name, arrays in zip(group_names, result.groups):
         entry: dict[str, Any] = {"name": name, "steps": int(arrays["steps"])}
@@ -345,7 +353,7 @@ def summarize_budget(result: StreamResult, group_names: list[str], loss: float |
             **_stats(convergence.astype(np.float64)),
             "never_fraction": float((convergence >= entry["steps"]).mean()),
         }
-        entry["headline"] = group_headline(entry)
+        entry["headline"] = group_headline(entry, noise_floor)
         groups.append(entry)
     dlr, controls = {}, {}
     for boundary, definitions in result.boundaries.items():
@@ -357,7 +365,7 @@ def summarize_budget(result: StreamResult, group_names: list[str], loss: float |
 
 
 def save_budget(out: str | Path, label: str, budget: str, result: StreamResult, group_names: list[str],
-                loop_counts: list[int], loss: float | None) -> dict[str, Any]:
+                loop_counts: list[int], loss: float | None, noise_floor: float = NOISE_FLOOR) -> dict[str, Any]:
     """Save one budget's per-token arrays as ``OUT/geometry/<label>/<budget>.npz`` and return its
     summary entry (loop counts, :func:`summarize_budget`, the NPZ's path relative to OUT)."""
     from rdepth.geometry.arrays import budget_arrays, save_npz
@@ -365,7 +373,7 @@ def save_budget(out: str | Path, label: str, budget: str, result: StreamResult, 
     out = Path(out)
     path = out / GEOMETRY_DIR / label / f"{budget}.npz"
     save_npz(path, budget_arrays(result, group_names))
-    return {"loop_counts": list(loop_counts), **summarize_budget(result, group_names, loss),
+    return {"loop_counts": list(loop_counts), **summarize_budget(result, group_names, loss, noise_floor),
             "arrays": path.relative_to(out).as_posix()}
 
 
@@ -387,7 +395,8 @@ def new_summary(settings: dict[str, Any], groups: list[str], sequences: int, seq
                       "denominators": {DLR_DENOMINATOR_LABEL[d]: t for d, t in DLR_DENOMINATOR_TEXT.items()}},
         "headline_definitions": {"settled_steps": SETTLED_STEPS, "settled_range": SETTLED_RANGE,
                                  "settled_slope": SETTLED_SLOPE, "decayed_fraction": DECAYED_FRACTION,
-                                 "noise_floor": NOISE_FLOOR, "noise_floor_of": "the first refinement step",
+                                 "noise_floor": NOISE_FLOORS.get(settings.get("precision"), NOISE_FLOOR),
+                                 "noise_floor_of": "the first refinement step",
                                  "plateau_window": PLATEAU_WINDOW, "plateau_max_decay": PLATEAU_MAX_DECAY},
         "groups": list(groups), "sequences": int(sequences), "seq_len": int(seq_len),
         "budgets": dict(budgets or {}), "checkpoints": [],
