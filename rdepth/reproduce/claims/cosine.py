@@ -168,6 +168,7 @@ def claim_cosine(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -
     there over training ("increasingly orthogonal", judged as a trend over the checkpoint series)."""
     final, budget, groups = final_groups(summary)
     low, high = PAPER_COSINE[0] - COSINE_SLACK, PAPER_COSINE[1] + COSINE_SLACK
+    floor = (summary.get("headline_definitions") or {}).get("noise_floor", 1e-3)
     _require_settled_windows(final, groups)
     per_group = _cosine_rows(groups, low, high)
     series = _cosine_series(summary, budget)
@@ -177,9 +178,8 @@ def claim_cosine(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -
                                                               f"{PAPER_COSINE[1]} in later checkpoints"},
                        criteria=f"per group, the settled cosine: the mean of the last 5 cosines j after the step-size "
                                 "decay (the first step at 1/10 of ||Δ(1)||; cos(Δ(0), Δ(1)), from the random start, "
-                                "never "
-                                "counts) whose steps are above the noise floor (1e-3 of ||Δ(1)||), when 5 such cosines "
-                                f"exist, stay within 0.2 of each other and trend by at most {SETTLED_SLOPE:g} a step "
+                                f"never counts) whose steps are above the noise floor ({floor:g} of ||Δ(1)||), when 5 "
+                                f"such cosines exist, stay within 0.2 of each other and trend by at most {SETTLED_SLOPE:g} a step "
                                 "(least squares); 'no plateau' when the cosines were measured but never settle (a "
                                 "negative result), 'not measured' when the floor comes first; final checkpoint, "
                                 f"'{budget}' budget, bounds compared within {TOLERANCE:g}. Reproduced when every group "
