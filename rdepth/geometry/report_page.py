@@ -179,9 +179,9 @@ def at_a_glance(summary: dict[str, Any]) -> str:
     if settled:
         text += (f" Settled cosine of consecutive steps per group: {'; '.join(settled)} (mean of the last "
                  f"{summary['headline_definitions']['settled_steps']} cosines of the {budget} budget after the "
-                 "step-size "
-                 f"decay whose steps are above {summary['headline_definitions']['noise_floor']:g} of the first "
-                 "refinement step, when they neither spread nor trend, measured in "
+                 "step-size decay whose steps are above "
+                 f"{summary['headline_definitions']['noise_floor']:g} of the first refinement step, when they "
+                 "neither spread nor trend, measured in "
                  f"{(summary.get('settings') or {}).get('precision', 'float32')}).")
     return text
 

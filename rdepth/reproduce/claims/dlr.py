@@ -255,20 +255,15 @@ def claim_dlr(summary: dict[str, Any], seeds: dict[str, Any] | None = None) -> d
                                 "||x_g^(k) - x_g^(1)|| (the distance between the states the two groups hand on, over "
                                 "group g's extent after its first computed iterate: no x^(0), no mean over K), final "
                                 f"checkpoint, '{budget}' budget; reproduced when every boundary is >= {DLR_MUCH:g} (a "
-                                "project "
-                                "choice for '>>': the paper's Fig. 2 reads '> 1', per step), "
+                                "project choice for '>>': the paper's Fig. 2 reads '> 1', per step), "
                                 "partly when every boundary is > 1, not otherwise; a boundary counts only when the "
                                 f"median token's ratio is also >= {CONTROL_MARGIN:g} x its own zero-drift control (the "
                                 "distance each group's last step says it has left to settle, in a loop with the "
-                                "group's "
-                                "contraction and rotation, over the same extent); a boundary whose control cannot be "
-                                "fitted is not tested (at most partly when some are, not tested when all are). The "
+                                "group's contraction and rotation, over the same extent); a boundary whose control "
+                                "cannot be fitted is not tested (at most partly when some are, not tested when all are). The "
                                 "per-step reading (hand-off drift over the mean refinement step) is reported beside "
-                                "it. "
-                                "Eq. 2 as written is reported beside it at "
-                                f"its K ({PAPER_LOOPS} loops on the loop-budget curve), not judged: it grows with K "
-                                "and "
-                                "reads the random start")
+                                f"it. Eq. 2 as written is reported beside it at its K ({PAPER_LOOPS} loops on the "
+                                "loop-budget curve), not judged: it grows with K and reads the random start")
     if not (final["budgets"][budget].get("dlr") or {}):
         return untested(result, "one looped group: there is no boundary between groups to measure drift across")
     rows = _handoff_rows(summary, final, budget)

@@ -203,8 +203,8 @@ def claim_exits(sweep: dict[str, Any], seeds: dict[str, Any] | None = None) -> d
                        criteria=f"per rule, the front of (cost, quality) points over a threshold grid that spans the "
                                 f"rule's own range (scale-free: {rules['acceleration']}, {rules['kl']}, "
                                 f"{rules['step_norm']}), with the full budget's point; quality = -perplexity rise, "
-                                "cost = "
-                                "executed loop steps and, when timed, decode ms/token. Acceleration is cheaper than a "
+                                "cost = executed loop steps and, when timed, decode ms/token. Acceleration is "
+                                "cheaper than a "
                                 "rule at matched quality when, over the perplexity range both fronts reach (points "
                                 "outside it decide nothing), its cost interpolated at every quality level there is <= "
                                 f"the rule's x (1 + {FRONT_STEPS_SLACK:g} steps, or the timing noise) and >= "
@@ -216,8 +216,8 @@ def claim_exits(sweep: dict[str, Any], seeds: dict[str, Any] | None = None) -> d
                                 "tested); not reproduced when cheaper than neither. Whole-front dominance is reported. "
                                 "The paper's absolute grid (1e-5..1e-2) is one reported row: (a) acceleration within "
                                 f"{100 * tolerance:g}% at every tau while saving >= {100 * MIN_STEPS_SAVED:g}% of the "
-                                "steps; (b) faster than KL at matched quality; (c) a step-norm cliff at the largest "
-                                "tau")
+                                "steps; (b) faster than KL at matched quality; (c) a step-norm cliff at the "
+                                "largest tau")
     policies = {name: policy_rows(sweep, name) for name in ("acceleration", "kl", "step_norm",
                                                              "acceleration_rel", "step_norm_rel")}
     needed = [name for name in rules.values() if not policies[name]]

@@ -19,9 +19,8 @@ def claim_plateau(summary: dict[str, Any], seeds: dict[str, Any] | None = None) 
                        criteria=f"per group, over the last {window} steps of the '{budget}' budget at the final "
                                 f"checkpoint, the mean step size shrinks by less than {decay:g}x and the last step is "
                                 f"above the noise floor ({definitions.get('noise_floor', 1e-3):g} x the first "
-                                "refinement "
-                                "step ||Δ(1)||, the loop's own scale); reproduced "
-                                "when every group plateaus, partly when some do")
+                                "refinement step ||Δ(1)||, the loop's own scale); reproduced when every group "
+                                "plateaus, partly when some do")
     per_group = [{"group": g["name"], **((g.get("headline") or {}).get("plateau") or {})} for g in groups]
     measured = [g for g in per_group if "holds" in g]
     if not measured:
