@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 CLAIMS_FILE = "claims.json"
 # 2: a fifth claim (the step-norm plateau), each claim's "judged_on" (budget, precision, seeds, spread).
 # 3: claim 4 judged along fronts ("fronts"; the paper's absolute grid in "paper_grid", issue 40 item 4).
-CLAIMS_FORMAT = 3
+# 4: claim 4 decided at matched quality ("cheaper", per axis "matched", "stable", "jump"); claim 3's per-token
+# control ("over_control_median", "share_clear", "per_step_median"); claim 2's window "reason", "slope" (issue 54).
+CLAIMS_FORMAT = 4
 PAPER = "Two-Scale Latent Dynamics for Recurrent-Depth Transformers (Pappone, Crisostomi, Rodolà)"
 # Per claim: the figures that show it, best first (stems under report/figures); the first that exists is used.
 CLAIM_FIGURES = {
