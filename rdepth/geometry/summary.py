@@ -321,7 +321,7 @@ def handoff_control(previous: dict[str, Any], following: dict[str, Any], parts: 
         left = factors[0] * parts["last_prev"] + factors[1] * parts["last_next"]
         extent = parts["extent"]
         control = np.where(extent > 0, left / np.where(extent > 0, extent, 1.0), np.nan)
-        over = handoff / control
+        over = handoff / np.maximum(control, np.finfo(np.float64).tiny)  # a control of 0: clear by any margin
     defined = np.isfinite(handoff) & ~np.isnan(control)
     clear = (handoff[defined] >= CONTROL_MARGIN * control[defined])
     return {"median": _stats(control)["median"], "loops": loops, "margin": CONTROL_MARGIN,
