@@ -98,7 +98,7 @@ def test_the_stream_measures_the_handoff_ratio_exactly():
 def test_dynamics_are_read_back_from_the_curves():
     summary = summary_of([loops(0.6)], 30, drift=0.0)
     group = summary["checkpoints"][0]["budgets"]["long"]["groups"][0]
-    floor = noise_floor_step(group["relative_step_size"]["mean"])
+    floor = noise_floor_step(group["step_size"]["mean"])
     dynamics = dynamics_from_curves(group["step_size"]["mean"], group["cosine"]["mean"], floor)
     assert dynamics.contraction == pytest.approx(0.6, rel=1e-6) and dynamics.rotation == pytest.approx(SPIRAL)
 
@@ -113,9 +113,16 @@ def test_a_summary_without_the_handoff_ratio_names_it():
     del summary["checkpoints"][0]["budgets"]["long"][HANDOFF_CONTROL]
     with pytest.raises(RdepthError, match=f"lacks '{HANDOFF_CONTROL}'"):
         C.claim_dlr(summary)
+    del summary["checkpoints"][0]["budgets"]["long"]["groups"][0]["headline"]["settled_cosine_window"]["reason"]
+    with pytest.raises(RdepthError, match="lacks 'settled_cosine_window.reason'.*group 4"):
+        C.claim_cosine(summary)
     del summary["checkpoints"][0]["budgets"]["long"]["groups"][0]["headline"]["settled_cosine_window"]
     with pytest.raises(RdepthError, match="lacks 'settled_cosine_window'.*group 4"):
         C.claim_cosine(summary)
+    summary = summary_of([loops(0.6, groups=2)], 12, drift=0.0)  # a format-5 control: no per-token reading
+    del summary["checkpoints"][0]["budgets"]["long"][HANDOFF_CONTROL]["4->5-6"]["over_control"]
+    with pytest.raises(RdepthError, match=f"lacks '{HANDOFF_CONTROL}.over_control'.*rerun `rdepth analyze`"):
+        C.claim_dlr(summary)
 
 
 def test_the_cli_answers_a_stale_summary_in_one_line_with_exit_2(monkeypatch, capsys):
@@ -147,28 +154,39 @@ def test_a_spiral_in_the_band_is_reproduced():
     assert all(g["settled_cosine"] == pytest.approx(0.58) for g in claim["ours"]["groups"])
 
 
-def test_a_loop_at_the_floor_by_step_five_has_no_plateau():
-    """Relative steps shrink 5x per step and fall under 1e-3 at k = 5: cosines 1..3 are above the floor, fewer
-    than the five a settled cosine needs, so there is no plateau (before, cos(Δ0, Δ1) and these three were
-    averaged into a 'settled' cosine)."""
+def test_a_loop_at_the_floor_soon_after_its_decay_is_not_measured():
+    """Steps shrink 5x per step: a tenth of ||Δ(1)|| at k = 3 (the decay), under 1e-3 of it at k = 6 (the floor):
+    cosines 3 and 4 are after the decay and above the floor, fewer than the five a settled cosine needs, so
+    nothing can be read (before, cos(Δ0, Δ1) and the transient were averaged into a 'settled' cosine)."""
     summary = summary_of([loops(0.2)], 30, drift=0.0)
     group = summary["checkpoints"][0]["budgets"]["long"]["groups"][0]
-    assert noise_floor_step(group["relative_step_size"]["mean"]) == 5
+    assert noise_floor_step(group["step_size"]["mean"]) == 6 and group["headline"]["decayed_step"] == 3
     assert group["headline"]["settled_cosine"] is None
-    assert group["headline"]["settled_cosine_window"]["usable"] == 3
+    assert group["headline"]["settled_cosine_window"]["usable"] == 2
+    assert group["headline"]["settled_cosine_window"]["reason"] == "too few"
     claim = C.claim_cosine(summary)
-    assert claim["verdict"] == C.UNTESTED and "no plateau" in claim["why"][0]
+    assert claim["verdict"] == C.UNTESTED and "no group has 5 cosines" in claim["why"][0]
 
 
 def test_the_settled_window_on_known_curves():
     # the step from the random start (cosine 0) is never read; cosine j counts while update j+1 is above the floor
     curve = [-0.9, 0.1, 0.5, 0.55, 0.6, 0.5, 0.55, 0.6, 7.0, 7.0]
-    assert settled_window(curve, None) == {"usable": 9, "window": [5, 9], "plateau": False, "range": pytest.approx(6.5)}
-    assert settled_window(curve, 9) == {"usable": 7, "window": [3, 7], "plateau": True,
-                                        "range": pytest.approx(0.1)}
-    assert settled_window(curve, 6) == {"usable": 4, "window": None, "plateau": False, "range": None}
+    assert settled_window(curve, None) == {"usable": 9, "window": [5, 9], "plateau": False, "range": pytest.approx(6.5),
+                                           "slope": pytest.approx(1.945), "reason": "range"}
+    assert settled_window(curve, 9) == {"usable": 7, "window": [3, 7], "plateau": True, "range": pytest.approx(0.1),
+                                        "slope": pytest.approx(0.005), "reason": None}
+    assert settled_window(curve, 6) == {"usable": 4, "window": None, "plateau": False, "range": None, "slope": None,
+                                        "reason": "too few"}
+    assert settled_window(curve, 9, decayed=4)["reason"] == "too few"  # cosines 4..7 after the decay: four
+    assert settled_window(curve, 9, decayed=None)["reason"] == "no decay"
     wandering = [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.7]  # five usable cosines, spread 0.8: not settled
     assert settled_window(wandering, None)["plateau"] is False
+    falling = [0.0] + [0.9 - 0.04 * j for j in range(1, 12)]  # within 0.2 over five cosines, never settles
+    window = settled_window(falling, None)
+    assert window["range"] < 0.2 and window["slope"] == pytest.approx(-0.04) and window["reason"] == "trend"
+    # 0.8 - 0.6 = 0.20000000000000007 in floating point: a range of 0.2 is within the bar
+    edge = [0.0, 0.6, 0.8, 0.7, 0.8, 0.6]
+    assert settled_window(edge, None)["range"] > 0.2 and settled_window(edge, None)["plateau"] is True
 
 
 # ------------------------------------------------------------------ claim 1: decay, and faster over training

@@ -127,7 +127,9 @@ def test_analyze_writes_numbers_figures_and_report(tiny_run, analyzed):
 def test_analyze_saves_its_headline_numbers(analyzed):
     summary = load_summary(analyzed)
     assert summary["format_version"] == FORMAT_VERSION and summary["scale_budget"] == "long"
-    assert summary["headline_definitions"] == {"settled_steps": 5, "settled_range": 0.2, "noise_floor": 1e-3,
+    assert summary["headline_definitions"] == {"settled_steps": 5, "settled_range": 0.2, "settled_slope": 0.01,
+                                               "decayed_fraction": 0.1, "noise_floor": 1e-6,
+                                               "noise_floor_of": "the first refinement step",
                                                "plateau_window": 10, "plateau_max_decay": 2.0}
     assert summary["settings"]["precision"] == "float64"
     for entry in summary["checkpoints"]:
@@ -143,16 +145,16 @@ def test_analyze_saves_its_headline_numbers(analyzed):
 
 
 HEADLINE_KEYS = {"first_step_size", "second_step_size", "decay_5_over_0", "decay_10_over_0", "decay_10_over_1",
-                 "noise_floor_step", "settled_cosine", "settled_cosine_std", "settled_cosine_window", "plateau",
+                 "noise_floor_step", "decayed_step", "settled_cosine", "settled_cosine_std", "settled_cosine_window", "plateau",
                  "last_effective_rank"}
 
 
 def test_headline_numbers_of_a_constructed_group():
-    """Step sizes 2 x 0.5^k (relative steps 0.5^k, under the 1e-3 floor from k = 10), cosines that settle at
-    0.6 from j = 4 after a swing from the random start, and a last effective rank of 3: every headline number
-    is known by hand."""
+    """Step sizes 2 x 0.5^k (||Δ(1)|| = 1: a tenth of it at k = 5, under the 1e-3 floor from k = 11), cosines
+    that settle at 0.6 after a swing from the random start, and a last effective rank of 3: every headline
+    number is known by hand."""
     sizes = [2.0 * 0.5 ** k for k in range(14)]
-    cosines = [-0.9, 0.95, 0.8, 0.7, 0.58, 0.62, 0.6, 0.6, 0.6, -1.0, -1.0, -1.0, -1.0]
+    cosines = [-0.9, 0.95, 0.8, 0.7, 0.58, 0.62, 0.6, 0.6, 0.6, 0.6, -1.0, -1.0, -1.0]
     group = {"step_size": {"mean": sizes}, "relative_step_size": {"mean": [0.5 ** k for k in range(14)]},
              "cosine": {"mean": cosines, "std": [0.1 * j for j in range(13)]}, "effective_rank": [9.0, 5.0, 3.0]}
     headline = group_headline(group)
@@ -160,13 +162,15 @@ def test_headline_numbers_of_a_constructed_group():
     assert headline["first_step_size"] == 2.0 and headline["second_step_size"] == 1.0
     assert headline["decay_5_over_0"] == pytest.approx(1 / 32) and headline["decay_10_over_0"] == pytest.approx(1 / 1024)
     assert headline["decay_10_over_1"] == pytest.approx(1 / 512)
-    assert headline["noise_floor_step"] == 10  # 0.5^10 = 9.8e-4 < 1e-3 <= 0.5^9
-    # cosine j counts while update j+1 is above the floor: j = 1..8; the last five are j = 4..8
-    assert headline["settled_cosine_window"] == {"usable": 8, "window": [4, 8], "plateau": True,
-                                                 "range": pytest.approx(0.04)}
-    assert headline["settled_cosine"] == pytest.approx(0.6)
-    assert headline["settled_cosine_std"] == pytest.approx(0.6)  # stds 0.4..0.8, mean 0.6
-    assert headline["plateau"] == {"ratio": pytest.approx(0.5 ** 10), "last_relative": pytest.approx(0.5 ** 13),
+    assert headline["noise_floor_step"] == 11  # 0.5^10 = 9.8e-4 < 1e-3 <= 0.5^9 of ||Δ(1)||
+    assert headline["decayed_step"] == 5  # 0.5^4 = 0.0625 <= 0.1 < 0.5^3
+    # cosine j counts from the decay while update j+1 is above the floor: j = 5..9, the last five
+    assert headline["settled_cosine_window"] == {"usable": 5, "window": [5, 9], "plateau": True,
+                                                 "range": pytest.approx(0.02), "slope": pytest.approx(-0.004),
+                                                 "reason": None}
+    assert headline["settled_cosine"] == pytest.approx(0.604)
+    assert headline["settled_cosine_std"] == pytest.approx(0.7)  # stds 0.5..0.9, mean 0.7
+    assert headline["plateau"] == {"ratio": pytest.approx(0.5 ** 10), "last_over_step1": pytest.approx(2 * 0.5 ** 13),
                                    "window": 10, "holds": False}
     assert headline["last_effective_rank"] == 3.0
     flat = dict(group, step_size={"mean": [2.0] + [0.3] * 13}, relative_step_size={"mean": [1.0] + [0.01] * 13})

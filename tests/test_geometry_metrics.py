@@ -222,11 +222,12 @@ def test_plateau_and_settled_spread_headlines():
 
     flat = [1.0] + [0.1] * 20  # levels off at a nonzero size
     contracting = [0.5 ** k for k in range(21)]  # halves every step: 1,024x over the window
-    assert plateau(flat, [0.01] * 21) == {"ratio": 1.0, "last_relative": 0.01, "window": 10, "holds": True}
-    shrinking = plateau(contracting, [0.01] * 21)
+    assert plateau(flat) == {"ratio": 1.0, "last_over_step1": 1.0, "window": 10, "holds": True}
+    shrinking = plateau(contracting)
     assert shrinking["ratio"] == pytest.approx(2.0 ** -10) and not shrinking["holds"]
-    assert not plateau(flat, [NOISE_FLOOR / 2] * 21)["holds"]  # level, but at the noise floor
-    assert plateau(flat[:10], [0.01] * 10) is None  # shorter than the window
+    at_floor = [1.0, 1.0] + [NOISE_FLOOR / 2] * 19  # level, but under 1e-3 of the first refinement step
+    assert plateau(at_floor)["ratio"] == 1.0 and not plateau(at_floor)["holds"]
+    assert plateau(flat[:10]) is None  # shorter than the window
     # over the settled window, cosines 2..6 (cosine 0 is the jump from the random start)
     assert settled_spread([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7], [0.5] * 7, None) == pytest.approx(0.5)
     assert settled_spread([0.1, 0.2, 0.3, 0.4], [0.5] * 4, 3) is None  # one usable cosine: no plateau

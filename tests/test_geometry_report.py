@@ -46,12 +46,13 @@ def test_group_headline_known_ratios():
     assert headline["decay_5_over_0"] == pytest.approx(1 / 32)
     assert headline["decay_10_over_0"] == pytest.approx(1 / 1024)
     assert headline["decay_10_over_1"] == pytest.approx(1 / 512)
-    # relative sizes 0.5^k / 10 fall under the 1e-3 floor at k = 7 (0.00078): cosines 1-5 count (cosine j
-    # compares updates j and j+1 <= 6; cosine 0 is the jump from the random start), all 0.3
-    assert headline["noise_floor_step"] == 7
+    # sizes 0.5^k over ||Δ(1)|| = 0.5 fall to a tenth at k = 5 (the decay, 0.0625) and under the 1e-3 floor at
+    # k = 11 (0.00098): cosines 5-9 count (after the decay; cosine j compares updates j and j+1 <= 10), all 0.3
+    assert headline["noise_floor_step"] == 11 and headline["decayed_step"] == 5
     assert headline["settled_cosine"] == pytest.approx(0.3)
     assert headline["settled_cosine_std"] == 0.0
-    assert headline["settled_cosine_window"] == {"usable": 5, "window": [1, 5], "plateau": True, "range": 0.0}
+    assert headline["settled_cosine_window"] == {"usable": 5, "window": [5, 9], "plateau": True, "range": 0.0,
+                                                 "slope": 0.0, "reason": None}
     assert headline["plateau"]["ratio"] == pytest.approx(2.0 ** -10) and not headline["plateau"]["holds"]
     assert headline["first_step_size"] == 1.0 and headline["second_step_size"] == 0.5
     assert headline["last_effective_rank"] == 3.0
@@ -62,11 +63,13 @@ def test_group_headline_known_ratios():
 
 
 def test_settled_cosine_ignores_steps_at_the_noise_floor():
-    relative = [1e-2] * 8 + [1e-7] * 4  # update 8 on is rounding noise
-    assert noise_floor_step(relative) == 8
+    sizes = [1e-2] * 8 + [1e-7] * 4  # update 8 on is under 1e-3 of the first refinement step
+    assert noise_floor_step(sizes) == 8
+    shifted = [size * 1e6 for size in sizes]  # the floor is the loop's own scale: rescaling moves nothing
+    assert noise_floor_step(shifted) == 8 and noise_floor_step([1.0, 0.0, 0.0]) == 1
     # usable cosines j = 1..6 (update j+1 above the floor; j = 0 is the jump from the random start):
     # the last five, 2..6; the cosines after the floor (9.0) never count
-    cosines = [-1.0, 0.5, 0.4, 0.5, 0.6, 0.5, 0.6, 9.0, 9.0, 9.0, 9.0]
+    cosines = [-1.0, 0.5, 0.6, 0.5, 0.4, 0.5, 0.6, 9.0, 9.0, 9.0, 9.0]
     assert settled_cosine(cosines, 8) == pytest.approx(0.52)  # (0.4 + 0.5 + 0.6 + 0.5 + 0.6) / 5
     assert settled_cosine([0.5], 1) is None
 
@@ -75,7 +78,7 @@ def test_report_rows_read_the_saved_headline():
     (row,) = loop_scale_rows(_summary())
     assert row["|Δ5|/|Δ0|"] == pytest.approx(1 / 32) and row["settled cos"] == pytest.approx(0.3)
     assert row["cosines above floor"] == 5  # what the settled cosine rests on
-    assert row["eff. rank (last Δ)"] == 3.0 and row["never conv. %"] == "25.0" and row["noise floor at k"] == 7
+    assert row["eff. rank (last Δ)"] == 3.0 and row["never conv. %"] == "25.0" and row["noise floor at k"] == 11
     summary = _summary()  # the page shows what was saved, never a recomputation from the curves
     summary["checkpoints"][0]["budgets"]["long"]["groups"][0]["headline"].update(
         settled_cosine=-0.25, decay_10_over_1=0.125)

@@ -20,8 +20,8 @@ from rdepth.reproduce.plan import (SAFETY_SECONDS, SPEED_MARGIN, Probe, Workload
 
 def _group(name: str, sizes: list[float], settled: float | None) -> dict:
     cosines = [0.1] * (len(sizes) - 1)
-    window = {"usable": 10, "window": [6, 10], "plateau": True, "range": 0.0} if settled is not None else \
-        {"usable": 3, "window": None, "plateau": False, "range": None}
+    window = {"usable": 10, "window": [6, 10], "plateau": True, "range": 0.0, "reason": None} if settled is not None else \
+        {"usable": 3, "window": None, "plateau": False, "range": None, "reason": "too few"}
     return {"name": name, "steps": len(sizes), "step_size": {"mean": sizes, "std": [0.0] * len(sizes)},
             "cosine": {"mean": cosines, "std": [0.0] * len(cosines)},
             "headline": {"settled_cosine": settled, "settled_cosine_window": window}}
@@ -30,12 +30,14 @@ def _group(name: str, sizes: list[float], settled: float | None) -> dict:
 def _geometry(groups: list[dict], dlr: dict[str, tuple[float, float, float]] | None = None,
               control: float = 0.01) -> dict:
     """``dlr``: boundary -> (Eq. 2 median at the training budget, first_refine median, hand-off ratio median
-    at the long budget); every boundary's zero-drift control reads ``control``."""
+    at the long budget); every boundary's zero-drift control reads ``control`` at every token."""
     budgets = {
         "long": {"groups": groups, "loop_counts": [30] * len(groups),
                  "dlr": {name: {"handoff": {"median": handoff, "p10": handoff / 2, "p90": 2 * handoff}}
                          for name, (_, _, handoff) in (dlr or {}).items()},
-                 "handoff_control": {name: {"median": control} for name in (dlr or {})}},
+                 "handoff_control": {name: {"median": control, "over_control": {"median": handoff / control},
+                                            "share_clear": float(handoff >= 2 * control)}
+                                     for name, (_, _, handoff) in (dlr or {}).items()}},
         "train": {"groups": groups, "dlr": {name: {"literal": {"median": literal}, "first_refine": {"median": refine}}
                                             for name, (literal, refine, _) in (dlr or {}).items()}},
     }
@@ -77,7 +79,7 @@ def test_geometry_claims_partly():
     assert cosine["verdict"] == C.PARTLY and "oscillating" in " ".join(cosine["why"])
     dlr = C.claim_dlr(summary)
     assert dlr["verdict"] == C.PARTLY  # Eq. 2 clears 10 at both boundaries; the hand-off ratio does not
-    assert "3.00 (zero-drift control 0.01)" in dlr["ours"]["value"]
+    assert "3.00 (zero-drift control 0.01, ratio over control 3e+02 at the median token" in dlr["ours"]["value"]
 
 
 def test_geometry_claims_not_reproduced():
@@ -85,9 +87,9 @@ def test_geometry_claims_not_reproduced():
     assert C.claim_step_decay(summary)["verdict"] == C.NOT
     assert C.claim_cosine(summary)["verdict"] == C.NOT
     assert C.claim_dlr(summary)["verdict"] == C.NOT
-    # positive but outside the band: turning, not reversing, so partly
+    # positive but outside the band by more than NEAR_BAND, no group inside: not reproduced (0.89 once read partly)
     summary = _geometry([_group("4", NEVER, 0.85), _group("5-6", NEVER, 0.3)])
-    assert C.claim_cosine(summary)["verdict"] == C.PARTLY
+    assert C.claim_cosine(summary)["verdict"] == C.NOT
     # collinear (>= 0.9): the opposite of "increasingly orthogonal", even beside a group inside the band
     summary = _geometry([_group("4", NEVER, 1.0), _group("5-6", NEVER, 0.55)])
     assert C.claim_cosine(summary)["verdict"] == C.NOT
@@ -160,9 +162,12 @@ def test_cosine_trend_over_checkpoints():
     claim = C.claim_cosine(away)
     assert not claim["ours"]["trend"]["holds"] and claim["verdict"] == C.NOT
     toward = _series([{"4": -0.9, "7": -0.8}, {"4": -0.6, "7": -0.5}, {"4": -0.3, "7": -0.2}])
-    claim = C.claim_cosine(toward)  # negative everywhere (level: not), but rising toward the band: partly
-    assert claim["ours"]["trend"]["holds"] and claim["verdict"] == C.PARTLY
+    claim = C.claim_cosine(toward)  # rising toward the band, but far from it: not reproduced
+    assert claim["ours"]["trend"]["holds"] and claim["verdict"] == C.NOT
     assert "moves toward the band in every group" in " ".join(claim["why"])
+    near = _series([{"4": 0.1, "7": 0.2}, {"4": 0.3, "7": 0.3}, {"4": 0.36, "7": 0.38}])
+    claim = C.claim_cosine(near)  # none inside, every group within NEAR_BAND and moving toward it: partly
+    assert claim["ours"]["trend"]["holds"] and claim["verdict"] == C.PARTLY
     drift = _series([{"4": 0.6, "7": 0.6}, {"4": 0.6, "7": 0.6}])
     drift["checkpoints"][0]["budgets"]["long"]["groups"][1]["headline"]["settled_cosine"] = 0.7  # inside the slack
     assert C.claim_cosine(drift)["verdict"] == C.REPRODUCED
@@ -174,9 +179,8 @@ def test_plateau_claim():
 
     def group(name, sizes):
         entry = _group(name, sizes, 0.5)
-        relative = [s / 10 for s in sizes]
         entry["step_size"]["std"] = [0.01] * len(sizes)
-        entry["headline"]["plateau"] = __import__("rdepth.geometry.summary", fromlist=["plateau"]).plateau(sizes, relative)
+        entry["headline"]["plateau"] = __import__("rdepth.geometry.summary", fromlist=["plateau"]).plateau(sizes)
         return entry
 
     summary = _geometry([group("4", flat), group("7", flat)])
@@ -308,15 +312,18 @@ def test_the_same_front_as_kl_is_not_reproduced():
     assert never["ours"]["fronts"]["comparisons"]["kl"]["dominated"]  # KL saves steps at the same quality
 
 
-def test_crossing_fronts_are_partly():
+def test_crossing_fronts_are_judged_where_both_reach():
     """Acceleration dominates step-norm but crosses KL: KL is cheaper at its loose thresholds for a 0.5% loss
-    acceleration never takes."""
+    acceleration never takes. Outside the shared quality range nothing is decided: over 0 to +0.2% perplexity
+    acceleration is cheaper than KL, so the claim holds (whole-front dominance, reported, says neither)."""
     kl = ([100.0, 100.05, 100.1, 100.5, 100.6], [23.0, 22.0, 21.0, 8.0, 7.0])
     claim = C.claim_exits(_fronts((FLAT5, SAVING), kl, (STEEP5, SAVING)))
-    assert claim["verdict"] == C.PARTLY
+    assert claim["verdict"] == C.REPRODUCED
     comparisons = claim["ours"]["fronts"]["comparisons"]
     assert comparisons["step_norm_rel"]["dominates"] and not comparisons["kl"]["dominates"]
     assert not comparisons["kl"]["dominated"]  # crossing: neither way
+    assert comparisons["kl"]["cheaper"] and comparisons["kl"]["axes"]["steps"]["matched"]["shared"] == \
+        [pytest.approx(-0.002), 0.0]
 
 
 def test_slower_steps_lose_the_latency_front():
@@ -481,7 +488,9 @@ def test_toy_run_end_to_end(wiki_small, tmp_path, capsys):
     doc = json.loads((out / "claims.json").read_text())
     assert [claim["id"] for claim in doc["claims"]] == ["step_decay", "plateau", "cosine", "dlr", "exits"]
     for claim in doc["claims"]:
-        assert claim["verdict"] in C.VERDICTS and claim["verdict"] != C.UNTESTED
+        # the toy's loops reach the noise floor a few steps after their decay: too few cosines to read a
+        # settled one (claim 2 then says so); every other claim is measured
+        assert claim["verdict"] in C.VERDICTS and (claim["verdict"] != C.UNTESTED or claim["id"] == "cosine")
         assert claim["ours"]["value"] and claim["paper"]["figure"] and claim["figure"]
         assert (out / "report" / claim["figure"]).is_file()
         assert claim["judged_on"]["seeds"]["training"] == 0 and claim["judged_on"]["precision"]

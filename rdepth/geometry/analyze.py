@@ -30,8 +30,8 @@ from rdepth.errors import RdepthError
 from rdepth.geometry.config import AnalyzeConfig
 from rdepth.geometry.slowest import slowest_tokens
 from rdepth.geometry.stream import GeometryObserver, StreamResult
-from rdepth.geometry.summary import (GEOMETRY_DIR, checkpoint_entry, new_summary, save_budget, write_slowest,
-                                     write_summary)
+from rdepth.geometry.summary import (GEOMETRY_DIR, NOISE_FLOORS, checkpoint_entry, new_summary, save_budget,
+                                     write_slowest, write_summary)
 from rdepth.model import RecurrentLM
 from rdepth.run.checkpoint import checkpoint_step, find_checkpoints, load_model
 from rdepth.run.device import resolve_device
@@ -191,7 +191,8 @@ def analyze(config: AnalyzeConfig) -> dict[str, Any]:
         saved: dict[str, Any] = {}
         for budget, counts in budgets.items():
             result, loss = run_budget(model, windows, counts, config, device, masks)
-            saved[budget] = save_budget(out, checkpoint.name, budget, result, group_names, list(counts), loss)
+            saved[budget] = save_budget(out, checkpoint.name, budget, result, group_names, list(counts), loss,
+                                        NOISE_FLOORS[config.precision])
             if budget == "long":
                 last_long = result
         entry = checkpoint_entry(checkpoint.name, checkpoint_step(checkpoint), str(checkpoint), saved)

@@ -178,8 +178,10 @@ def at_a_glance(summary: dict[str, Any]) -> str:
         text += f" Within a loop, the step-size decay |Δ10|/|Δ1| per group is {'; '.join(decays)}."
     if settled:
         text += (f" Settled cosine of consecutive steps per group: {'; '.join(settled)} (mean of the last "
-                 f"{summary['headline_definitions']['settled_steps']} cosines of the {budget} budget whose steps are "
-                 f"above {summary['headline_definitions']['noise_floor']:g} of the state, measured in "
+                 f"{summary['headline_definitions']['settled_steps']} cosines of the {budget} budget after the "
+                 "step-size decay whose steps are above "
+                 f"{summary['headline_definitions']['noise_floor']:g} of the first refinement step, when they "
+                 "neither spread nor trend, measured in "
                  f"{(summary.get('settings') or {}).get('precision', 'float32')}).")
     return text
 
@@ -264,9 +266,12 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
         "rdepth eval). Step k's update is "
         f"Δ(k) = x(k+1) - x(k); x(0) is the random initial state. Bands are 1 sigma over tokens. "
         f"{definitions} "
-        f"Settled cosine: mean of the last {constants['settled_steps']} cosines whose steps are above the noise "
-        f"floor (mean relative step size {constants['noise_floor']:g}; 'noise floor at k' is the first update "
-        "under it, blank if never). "
+        f"Settled cosine: mean of the last {constants['settled_steps']} cosines after the step-size decay (a "
+        "tenth of the first refinement step) whose steps are above the noise floor (mean step size "
+        f"{constants['noise_floor']:g} x the first refinement step ||Δ(1)||; 'noise floor at k' is the first update "
+        "under it, blank if never), when they stay within "
+        f"{constants.get('settled_range', 0.2):g} of each other and trend by at most "
+        f"{constants.get('settled_slope', 0.01):g} a step. "
         "Effective rank: exp of the entropy of the normalised singular values of the N x d matrix of "
         "updates at one step; once steps shrink to rounding level it measures noise (near d). "
         "All numbers are in geometry/summary.json and geometry/<checkpoint>/<budget>.npz.")

@@ -93,6 +93,7 @@ class _BatchGroup:
     first_state: torch.Tensor | None = None  # [N, d] float64, each row's first computed iterate x^(1)
     extent: torch.Tensor | None = None  # [N] float64, max_k ||x^(k) - x^(1)|| so far
     drift: list[torch.Tensor] = field(default_factory=list)  # ||x^(k) - x_prev^(K)|| per step k
+    last_size: torch.Tensor | None = None  # [N] float64, each row's last step ||Delta^(K-1)||, set at its close
     steps: int = 0
 
 
@@ -105,6 +106,9 @@ class StreamResult:
     ``boundaries["g->g+1"][definition]`` is the per-token DLR [N] for every definition of
     :data:`rdepth.geometry.metrics.DLR_DEFINITIONS` (NaN where a "_refine" denominator is undefined),
     and under ``"handoff"`` the per-token :func:`rdepth.geometry.metrics.handoff_ratio`.
+    ``handoff_parts["g->g+1"]`` holds what the hand-off ratio's per-token zero-drift control needs
+    (:func:`rdepth.geometry.summary.handoff_control`), each [N]: ``extent`` (group g's extent after x^(1),
+    the ratio's denominator), ``last_prev`` and ``last_next`` (each group's last step ||Delta^(K-1)||).
     ``kept_states[g]`` is [K+1, T, d] for the kept sequence (absent if none kept).
     """
 
@@ -112,6 +116,7 @@ class StreamResult:
     boundaries: dict[str, dict[str, np.ndarray]]
     kept_states: list[np.ndarray]
     tokens: int
+    handoff_parts: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 class GeometryObserver:
@@ -132,6 +137,7 @@ class GeometryObserver:
         self.rank = rank
         self._groups: dict[int, _GroupAccumulator] = {}
         self._boundaries: dict[tuple[int, int], dict[str, list[torch.Tensor]]] = {}
+        self._handoff_parts: dict[tuple[int, int], dict[str, list[torch.Tensor]]] = {}
         self._kept: dict[int, list[torch.Tensor]] = {}
         self._current: _BatchGroup | None = None
         self._previous: _BatchGroup | None = None  # last finished group of this batch
@@ -240,6 +246,8 @@ class GeometryObserver:
         current.convergence[never] = current.computed[never]
         acc.convergence.append(current.convergence.cpu())
         acc.final_relative.append(current.final_relative.cpu())
+        current.last_size = (current.prev_delta.norm(dim=-1) if current.prev_delta is not None
+                             else torch.zeros_like(current.final_relative))
         previous = self._previous
         if previous is not None and current.drift:
             loops = {name: self._mean_step(previous, start) for name, start in DLR_DENOMINATORS.items()}
@@ -254,6 +262,10 @@ class GeometryObserver:
             ratio = torch.where(extent > 0, handoff / torch.where(extent > 0, extent, torch.ones_like(extent)),
                                 torch.full_like(extent, float("nan")))
             per_definition.setdefault(HANDOFF, []).append(ratio.cpu())
+            parts = self._handoff_parts.setdefault((previous.group, current.group), {})
+            named = (("extent", extent), ("last_prev", previous.last_size), ("last_next", current.last_size))
+            for name, value in named:
+                parts.setdefault(name, []).append(value.cpu())
         self._previous, self._previous_last = current, current.prev_state
         current.prev_delta = None
         current.drift = []
@@ -305,5 +317,8 @@ class GeometryObserver:
             f"{a}->{b}": {name: torch.cat(parts).numpy() for name, parts in definitions.items()}
             for (a, b), definitions in sorted(self._boundaries.items())
         }
+        parts = {f"{a}->{b}": {name: torch.cat(values).numpy() for name, values in named.items()}
+                 for (a, b), named in sorted(self._handoff_parts.items())}
         kept = [torch.stack(self._kept[g]).numpy() for g in sorted(self._kept)]
-        return StreamResult(groups=groups, boundaries=boundaries, kept_states=kept, tokens=self._tokens)
+        return StreamResult(groups=groups, boundaries=boundaries, kept_states=kept, tokens=self._tokens,
+                            handoff_parts=parts)

@@ -13,13 +13,18 @@ Everything a report page, a figure, the CLI or a benchmark shows is computed
 here, once, when the analysis runs, and saved; readers never recompute. The
 headline numbers of a group at one budget (``group["headline"]``):
 
-* ``noise_floor_step``: first update index whose mean relative step size is
-  under ``NOISE_FLOOR`` (1e-3 of the state), None if never;
-* ``settled_cosine``: mean of the last ``SETTLED_STEPS`` consecutive-step
-  cosines j >= 1 (cos(Delta^(0), Delta^(1)), from the random start, left out) whose steps are
-  still above the noise floor, None ("no plateau") when fewer than ``SETTLED_STEPS`` qualify or
-  they spread over more than ``SETTLED_RANGE``; ``settled_cosine_window``: how many qualify and
-  which it averages; ``settled_cosine_std``: the
+* ``noise_floor_step``: first update index k >= 1 whose mean step size is under the noise floor
+  (``NOISE_FLOORS`` by the analysis precision, ``NOISE_FLOOR`` when unknown) times the first refinement
+  step ||Delta^(1)|| (the loop's own scale: shifting or rescaling every state changes nothing), None if
+  never;
+* ``decayed_step``: first k >= 2 with mean ||Delta^(k)|| <= ``DECAYED_FRACTION`` x ||Delta^(1)||
+  (:func:`decayed_step`), None if never;
+* ``settled_cosine``: mean of the last ``SETTLED_STEPS`` consecutive-step cosines j, after the step-size
+  decay (j >= ``decayed_step``; cos(Delta^(0), Delta^(1)), from the random start, never counts), whose steps
+  are still above the noise floor; None ("no plateau") when fewer than ``SETTLED_STEPS`` qualify, they
+  spread over more than ``SETTLED_RANGE`` or trend by more than ``SETTLED_SLOPE`` a step, or the steps
+  never decay; ``settled_cosine_window``: how many qualify, which it averages, their range and slope and,
+  when there is no plateau, why; ``settled_cosine_std``: the
   mean over the same steps of the cosine's standard deviation over tokens (its spread);
 * ``plateau``: whether step sizes level off at a nonzero value over the last
   ``PLATEAU_WINDOW`` steps (:func:`plateau`);
@@ -47,6 +52,7 @@ on, and ``"handoff_control"``: its reading on synthetic loops with the same dyna
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +76,11 @@ SLOWEST_FILE = "slowest_tokens.json"
 # 5: the hand-off ratio per boundary ("handoff", metrics.handoff_ratio) with its zero-drift control
 # ("handoff_control"); the settled cosine leaves out cos(Delta^(0), Delta^(1)), needs SETTLED_STEPS cosines
 # above the floor that stay within SETTLED_RANGE ("settled_cosine_window"), else it is None (no plateau).
-FORMAT_VERSION = 5
+# 6: the noise floor relative to the first refinement step ||Delta^(1)|| (not to ||x||); the settled window
+# after the step-size decay ("decayed_step") and without a trend (SETTLED_SLOPE), with its "reason";
+# the plateau's last step over ||Delta^(1)|| ("last_over_step1"); the hand-off control per token
+# ("handoff_control": median, share of tokens clear of it, dynamics).
+FORMAT_VERSION = 6
 HANDOFF_CONTROL = "handoff_control"
 
 DLR_NUMERATOR_TEXT = {
@@ -107,83 +117,129 @@ DLR_LABELS[HANDOFF] = "x(K) hand-off ÷ group extent after x(1)"
 DEFAULT_DLR_REFINE = f"{DEFAULT_DLR}_refine"
 
 SETTLED_STEPS = 5
-# The settled cosine is a plateau: its SETTLED_STEPS cosines stay within this range of each other.
+# The settled cosine is a plateau: its SETTLED_STEPS cosines stay within this range of each other ...
 SETTLED_RANGE = 0.2
-# Steps whose mean relative size ||Delta|| / ||x|| is under this are left out of the settled
-# cosine. In float32 the rounding noise of a difference of two states is ~1e-7 of the state per
-# coordinate, and a step of 1e-5 relative is already a few percent noise in its direction: a
-# slowly contracting group then read -0.22 (float32) against -0.09 (float64). 1e-3 keeps the
-# cosine to steps at least ~1,000x above float32 noise; ``rdepth analyze`` also runs in float64
-# by default (``precision``), so the floor, not rounding, decides which steps count.
+# ... and do not trend: the least-squares slope over the window is at most this per loop step in size (a
+# cosine moving 0.01 a step moves 0.04 over the five-cosine window, about a quarter of the paper's band
+# 0.5-0.65; a cosine falling 0.04 a step stays within SETTLED_RANGE over five steps yet never settles).
+SETTLED_SLOPE = 0.01
+# Comparisons of saved floats against these bounds allow this much (0.65 - 0.45 is 0.2000000000000001).
+TOLERANCE = 1e-9
+# The settled window lies after the step-size decay: from the first step k >= 2 whose mean step size is at
+# most this share of the first refinement step ||Delta^(1)|| (claim 1's "decay", Fig. 3a).
+DECAYED_FRACTION = 0.1
+# Steps whose mean size is under this share of the first refinement step ||Delta^(1)|| are at the noise
+# floor and left out of the settled cosine. The floor is relative to the loop's own scale, not to ||x||:
+# shifting every state by one vector (the same geometry) must not move it. In float32 the rounding noise
+# of a difference of two states is ~1e-7 of the state per coordinate; ``rdepth analyze`` runs in float64
+# by default (``precision``), where rounding is ~1e-16 of the state, so a step 1,000x smaller than the
+# loop's first refinement is where the loop, not the arithmetic, has stopped saying anything.
 NOISE_FLOOR = 1e-3
+# ... by the precision the analysis ran the model in. In float64 a difference of two states carries rounding
+# of ~1e-16 of the state: a step of 1e-6 of ||Delta^(1)|| keeps its direction to ~1e-5 while the loop's first
+# refinement moves at least 1e-4 of the state, so below it the loop, not the arithmetic, has gone quiet (a floor
+# of 1e-3 there threw away cosines that were plainly measured, and a measured "no" read as "not tested").
+NOISE_FLOORS = {"float64": 1e-6, "float32": NOISE_FLOOR}
 # The plateau test: over the last PLATEAU_WINDOW steps of the long budget the mean step size
 # shrinks by less than PLATEAU_MAX_DECAY (last / first of the window >= 1 / PLATEAU_MAX_DECAY) and
-# stays above the noise floor in relative size: the paper's "norms plateau at a small nonzero
+# stays above the noise floor (NOISE_FLOOR x ||Delta^(1)||): the paper's "norms plateau at a small nonzero
 # value due to rotation". A loop contracting 2x per step shrinks ~1,000x over the window.
 PLATEAU_WINDOW = 10
 PLATEAU_MAX_DECAY = 2.0
+# Claim 3's control: a hand-off ratio counts as drift only where it is at least this many times what the same
+# loops would read with no drift (:func:`handoff_control`).
+CONTROL_MARGIN = 2.0
 
 
 # ------------------------------------------------------------------ headline numbers
 
 
-def noise_floor_step(relative_step_means: list[float]) -> int | None:
-    """First update index whose mean relative step size is under NOISE_FLOOR (None: never)."""
-    below = [k for k, value in enumerate(relative_step_means) if value < NOISE_FLOOR]
-    return below[0] if below else None
+def noise_floor_step(step_means: list[float], floor: float = NOISE_FLOOR) -> int | None:
+    """First update index k >= 1 whose mean step size is under ``floor`` x the first refinement step
+    ||Delta^(1)|| (1 when that step is zero; None: never, or a loop of one step)."""
+    if len(step_means) < 2:
+        return None
+    if not step_means[1] > 0:
+        return 1
+    return next((k for k in range(2, len(step_means)) if step_means[k] < floor * step_means[1]), None)
 
 
-def settled_window(cosine_means: list[float], floor: int | None) -> dict[str, Any]:
-    """Where the settled cosine is read: the last SETTLED_STEPS cosines j >= 1 whose two steps are above the
-    noise floor.
+def decayed_step(step_means: list[float]) -> int | None:
+    """First loop step k >= 2 whose mean step size is at most DECAYED_FRACTION x ||Delta^(1)|| (None: never).
+    Step 0 is the jump from the random initial state, so the decay is measured from step 1."""
+    if len(step_means) < 3 or not step_means[1] > 0:
+        return None
+    return next((k for k in range(2, len(step_means)) if step_means[k] <= DECAYED_FRACTION * step_means[1]), None)
+
+
+def _slope(values: list[float]) -> float:
+    """Least-squares slope of ``values`` against their index (per step)."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    return sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / sum((x - mean_x) ** 2 for x in range(n))
+
+
+def settled_window(cosine_means: list[float], floor: int | None, decayed: int | None = 1) -> dict[str, Any]:
+    """Where the settled cosine is read: the last SETTLED_STEPS cosines j >= max(1, ``decayed``) whose two steps
+    are above the noise floor.
 
     Cosine j compares updates j and j+1; j = 0 (cos(Delta^(0), Delta^(1))) is left out, since Delta^(0) is the
-    jump from the random initial state. Cosine j counts while update j+1 is above the floor (``floor``:
-    :func:`noise_floor_step`). Returns ``usable`` (how many cosines qualify), ``window`` ([first, last] cosine
-    index averaged, or None) and ``plateau``: True when at least SETTLED_STEPS cosines qualify and they stay
-    within SETTLED_RANGE of each other over the window; else the settled cosine is "no plateau" (None).
+    jump from the random initial state, and so are the cosines before the step-size decay (``decayed``:
+    :func:`decayed_step`; None when the steps never decay, then nothing has settled). Cosine j counts while
+    update j+1 is above the floor (``floor``: :func:`noise_floor_step`). Returns ``usable`` (how many cosines
+    qualify), ``window`` ([first, last] cosine index averaged, or None), ``range`` and ``slope`` (per step)
+    over the window, ``plateau`` (True when at least SETTLED_STEPS cosines qualify, stay within SETTLED_RANGE
+    of each other and trend by at most SETTLED_SLOPE a step) and ``reason`` when there is no plateau:
+    "no decay", "too few" (the floor comes first: nothing to measure), "range" or "trend".
     """
     end = len(cosine_means) if floor is None else min(max(floor - 1, 0), len(cosine_means))
-    usable = list(range(1, end))
-    if len(usable) < SETTLED_STEPS:
-        return {"usable": len(usable), "window": None, "plateau": False, "range": None}
+    usable = list(range(max(1, decayed or 1), end))
+    if decayed is None or len(usable) < SETTLED_STEPS:
+        return {"usable": len(usable), "window": None, "plateau": False, "range": None, "slope": None,
+                "reason": "no decay" if decayed is None else "too few"}
     window = usable[-SETTLED_STEPS:]
     values = [cosine_means[j] for j in window]
-    spread = max(values) - min(values)
-    return {"usable": len(usable), "window": [window[0], window[-1]], "plateau": spread <= SETTLED_RANGE,
-            "range": spread}
+    spread, slope = max(values) - min(values), _slope(values)
+    reason = ("range" if spread > SETTLED_RANGE + TOLERANCE else
+              "trend" if abs(slope) > SETTLED_SLOPE + TOLERANCE else None)
+    return {"usable": len(usable), "window": [window[0], window[-1]], "plateau": reason is None, "range": spread,
+            "slope": slope, "reason": reason}
 
 
-def settled_cosine(cosine_means: list[float], floor: int | None) -> float | None:
+def settled_cosine(cosine_means: list[float], floor: int | None, decayed: int | None = 1) -> float | None:
     """Mean of the cosines over :func:`settled_window`'s window; None ("no plateau") when it has none."""
-    where = settled_window(cosine_means, floor)
+    where = settled_window(cosine_means, floor, decayed)
     if not where["plateau"]:
         return None
     first, last = where["window"]
     return float(np.mean(cosine_means[first:last + 1]))
 
 
-def settled_spread(cosine_stds: list[float], cosine_means: list[float], floor: int | None) -> float | None:
+def settled_spread(cosine_stds: list[float], cosine_means: list[float], floor: int | None,
+                   decayed: int | None = 1) -> float | None:
     """The mean token-level standard deviation of the cosines :func:`settled_cosine` averages."""
-    where = settled_window(cosine_means, floor)
+    where = settled_window(cosine_means, floor, decayed)
     if not where["plateau"]:
         return None
     first, last = where["window"]
     return float(np.mean(cosine_stds[first:last + 1]))
 
 
-def plateau(sizes: list[float], relative: list[float]) -> dict[str, Any] | None:
+def plateau(sizes: list[float], floor: float = NOISE_FLOOR) -> dict[str, Any] | None:
     """Do the mean step sizes level off at a nonzero value? None when the loop is shorter than the window.
 
     ``ratio`` = sizes[-1] / sizes[-1 - PLATEAU_WINDOW] (1: flat; 1e-3: still contracting);
-    ``holds`` when ratio >= 1 / PLATEAU_MAX_DECAY and the last relative step is >= NOISE_FLOOR.
+    ``last_over_step1`` = sizes[-1] / sizes[1]; ``holds`` when ratio >= 1 / PLATEAU_MAX_DECAY and the last
+    step is at least ``floor`` x the first refinement step.
     """
-    if len(sizes) <= PLATEAU_WINDOW or len(relative) != len(sizes):
+    if len(sizes) <= PLATEAU_WINDOW or len(sizes) < 2:
         return None
     first, last = sizes[-1 - PLATEAU_WINDOW], sizes[-1]
     ratio = last / first if first > 0 else None
-    holds = ratio is not None and ratio >= 1.0 / PLATEAU_MAX_DECAY and relative[-1] >= NOISE_FLOOR
-    return {"ratio": ratio, "last_relative": relative[-1], "window": PLATEAU_WINDOW, "holds": bool(holds)}
+    over_step1 = last / sizes[1] if sizes[1] > 0 else None
+    holds = (ratio is not None and ratio >= 1.0 / PLATEAU_MAX_DECAY and over_step1 is not None
+             and over_step1 >= floor)
+    return {"ratio": ratio, "last_over_step1": over_step1, "window": PLATEAU_WINDOW, "holds": bool(holds)}
 
 
 def step_ratio(sizes: list[float], k: int, base: int) -> float | None:
@@ -193,10 +249,11 @@ def step_ratio(sizes: list[float], k: int, base: int) -> float | None:
     return sizes[k] / sizes[base]
 
 
-def group_headline(group: dict[str, Any]) -> dict[str, Any]:
-    """The headline numbers of one group's saved curves (see the module docstring)."""
+def group_headline(group: dict[str, Any], noise_floor: float = NOISE_FLOOR) -> dict[str, Any]:
+    """The headline numbers of one group's saved curves (see the module docstring), at this noise floor."""
     sizes = group["step_size"]["mean"]
-    floor = noise_floor_step(group["relative_step_size"]["mean"])
+    floor = noise_floor_step(sizes, noise_floor)
+    decayed = decayed_step(sizes)
     ranks = group.get("effective_rank") or []
     return {
         "first_step_size": sizes[0] if sizes else None,
@@ -205,10 +262,11 @@ def group_headline(group: dict[str, Any]) -> dict[str, Any]:
         "decay_10_over_0": step_ratio(sizes, 10, 0),
         "decay_10_over_1": step_ratio(sizes, 10, 1),
         "noise_floor_step": floor,
-        "settled_cosine": settled_cosine(group["cosine"]["mean"], floor),
-        "settled_cosine_std": settled_spread(group["cosine"]["std"], group["cosine"]["mean"], floor),
-        "settled_cosine_window": settled_window(group["cosine"]["mean"], floor),
-        "plateau": plateau(sizes, group["relative_step_size"]["mean"]),
+        "decayed_step": decayed,
+        "settled_cosine": settled_cosine(group["cosine"]["mean"], floor, decayed),
+        "settled_cosine_std": settled_spread(group["cosine"]["std"], group["cosine"]["mean"], floor, decayed),
+        "settled_cosine_window": settled_window(group["cosine"]["mean"], floor, decayed),
+        "plateau": plateau(sizes, noise_floor),
         "last_effective_rank": ranks[-1] if ranks else None,
     }
 
@@ -234,24 +292,55 @@ def _stats(values: np.ndarray) -> dict[str, float | None]:
     }
 
 
-def handoff_control(previous: dict[str, Any], following: dict[str, Any]) -> dict[str, Any]:
-    """The zero-drift control of the hand-off ratio at a boundary: the median ratio of two synthetic linear
-    loops (:mod:`rdepth.geometry.synthetic`) with these two groups' contraction and rotation (read off their
-    saved mean curves, refinement steps only) and step counts, settling at the same point. ``median`` is
-    None when a group has too few refinement steps above the noise floor to read its dynamics."""
-    from rdepth.geometry.synthetic import dynamics_from_curves, zero_drift_control
+def handoff_control(previous: dict[str, Any], following: dict[str, Any], parts: dict[str, np.ndarray] | None,
+                    handoff: np.ndarray | None) -> dict[str, Any]:
+    """The zero-drift control of the hand-off ratio at a boundary, per token.
+
+    With no drift both groups settle at one point p, so the hand-off states are at most the two groups'
+    distances left to p apart. In a linear loop x^(k+1) - p = r R(theta) (x^(k) - p) (contraction and rotation
+    read off each group's saved mean curves, refinement steps above the noise floor:
+    :func:`rdepth.geometry.synthetic.dynamics_from_curves`) that distance is r ||Delta^(K-1)|| / |r e^(i theta) - 1|,
+    read from each token's own last step. Per token: control = (distance left in group g + in group g+1) /
+    group g's extent after x^(1) (the ratio's denominator), so a token whose earlier loop barely moves gets a
+    large control. ``parts``: the observer's per-token ``extent``, ``last_prev``, ``last_next``; ``handoff``: the
+    per-token hand-off ratio. Returns ``median`` (the control's median over tokens), ``over_control``
+    (the ratio over its control: median, p10, p90), ``share_clear`` (the tokens whose ratio is at least
+    CONTROL_MARGIN x their control), ``dynamics`` and ``factors``; ``median`` None ("not tested") when a group
+    has too few refinement steps above the noise floor to read its dynamics.
+    """
+    from rdepth.geometry.synthetic import dynamics_from_curves
 
     dynamics = [dynamics_from_curves(g["step_size"]["mean"], g["cosine"]["mean"], g["headline"]["noise_floor_step"])
                 for g in (previous, following)]
     loops = [previous["steps"], following["steps"]]
-    if any(d is None for d in dynamics):
-        return {"median": None, "loops": loops, "dynamics": None}
-    return {"median": zero_drift_control(dynamics[0], dynamics[1], loops), "loops": loops,
+    if any(d is None for d in dynamics) or not parts or handoff is None:
+        return {"median": None, "loops": loops, "dynamics": None, "over_control": None, "share_clear": None,
+                "margin": CONTROL_MARGIN}
+    factors = [_distance_left_factor(d.contraction, d.rotation) for d in dynamics]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        left = factors[0] * parts["last_prev"] + factors[1] * parts["last_next"]
+        extent = parts["extent"]
+        control = np.where(extent > 0, left / np.where(extent > 0, extent, 1.0), np.nan)
+        over = handoff / np.maximum(control, np.finfo(np.float64).tiny)  # a control of 0: clear by any margin
+    defined = np.isfinite(handoff) & ~np.isnan(control)
+    clear = (handoff[defined] >= CONTROL_MARGIN * control[defined])
+    return {"median": _stats(control)["median"], "loops": loops, "margin": CONTROL_MARGIN,
+            "over_control": {key: _stats(over[defined])[key] for key in ("median", "p10", "p90")},
+            "share_clear": float(clear.mean()) if clear.size else None, "factors": factors,
             "dynamics": [{"contraction": d.contraction, "rotation": d.rotation, "noise": d.noise} for d in dynamics]}
 
 
-def summarize_budget(result: StreamResult, group_names: list[str], loss: float | None) -> dict[str, Any]:
-    """The JSON summary of one budget: per-group curves, convergence, headline numbers and DLR statistics."""
+def _distance_left_factor(contraction: float, rotation: float) -> float:
+    """||x^(K) - p|| / ||Delta^(K-1)|| in the linear loop of this contraction and rotation (inf when it neither
+    contracts nor turns: such a loop never settles, so it cannot tell drift from what is left)."""
+    gap = abs(complex(contraction * math.cos(rotation), contraction * math.sin(rotation)) - 1)
+    return contraction / gap if gap > 0 else math.inf
+
+
+def summarize_budget(result: StreamResult, group_names: list[str], loss: float | None,
+                     noise_floor: float = NOISE_FLOOR) -> dict[str, Any]:
+    """The JSON summary of one budget: per-group curves, convergence, headline numbers (at ``noise_floor``:
+    :data:`NOISE_FLOORS` by the analysis precision) and DLR statistics."""
     groups = []
     for name, arrays in zip(group_names, result.groups):
         entry: dict[str, Any] = {"name": name, "steps": int(arrays["steps"])}
@@ -264,18 +353,19 @@ def summarize_budget(result: StreamResult, group_names: list[str], loss: float |
             **_stats(convergence.astype(np.float64)),
             "never_fraction": float((convergence >= entry["steps"]).mean()),
         }
-        entry["headline"] = group_headline(entry)
+        entry["headline"] = group_headline(entry, noise_floor)
         groups.append(entry)
     dlr, controls = {}, {}
     for boundary, definitions in result.boundaries.items():
         a, b = (int(part) for part in boundary.split("->"))
         dlr[f"{group_names[a]}->{group_names[b]}"] = {name: _stats(v) for name, v in definitions.items()}
-        controls[f"{group_names[a]}->{group_names[b]}"] = handoff_control(groups[a], groups[b])
+        controls[f"{group_names[a]}->{group_names[b]}"] = handoff_control(
+            groups[a], groups[b], result.handoff_parts.get(boundary), definitions.get(HANDOFF))
     return {"loss": loss, "tokens": result.tokens, "groups": groups, "dlr": dlr, HANDOFF_CONTROL: controls}
 
 
 def save_budget(out: str | Path, label: str, budget: str, result: StreamResult, group_names: list[str],
-                loop_counts: list[int], loss: float | None) -> dict[str, Any]:
+                loop_counts: list[int], loss: float | None, noise_floor: float = NOISE_FLOOR) -> dict[str, Any]:
     """Save one budget's per-token arrays as ``OUT/geometry/<label>/<budget>.npz`` and return its
     summary entry (loop counts, :func:`summarize_budget`, the NPZ's path relative to OUT)."""
     from rdepth.geometry.arrays import budget_arrays, save_npz
@@ -283,7 +373,7 @@ def save_budget(out: str | Path, label: str, budget: str, result: StreamResult, 
     out = Path(out)
     path = out / GEOMETRY_DIR / label / f"{budget}.npz"
     save_npz(path, budget_arrays(result, group_names))
-    return {"loop_counts": list(loop_counts), **summarize_budget(result, group_names, loss),
+    return {"loop_counts": list(loop_counts), **summarize_budget(result, group_names, loss, noise_floor),
             "arrays": path.relative_to(out).as_posix()}
 
 
@@ -304,7 +394,9 @@ def new_summary(settings: dict[str, Any], groups: list[str], sequences: int, seq
         "dlr_terms": {"numerators": {DLR_NUMERATOR_LABEL[n]: t for n, t in DLR_NUMERATOR_TEXT.items()},
                       "denominators": {DLR_DENOMINATOR_LABEL[d]: t for d, t in DLR_DENOMINATOR_TEXT.items()}},
         "headline_definitions": {"settled_steps": SETTLED_STEPS, "settled_range": SETTLED_RANGE,
-                                 "noise_floor": NOISE_FLOOR,
+                                 "settled_slope": SETTLED_SLOPE, "decayed_fraction": DECAYED_FRACTION,
+                                 "noise_floor": NOISE_FLOORS.get(settings.get("precision"), NOISE_FLOOR),
+                                 "noise_floor_of": "the first refinement step",
                                  "plateau_window": PLATEAU_WINDOW, "plateau_max_decay": PLATEAU_MAX_DECAY},
         "groups": list(groups), "sequences": int(sequences), "seq_len": int(seq_len),
         "budgets": dict(budgets or {}), "checkpoints": [],

@@ -61,3 +61,50 @@ def neighbour_spread(qualities: Sequence[float]) -> float | None:
     if len(qualities) < 2:
         return None
     return max(abs(b - a) for a, b in zip(qualities, qualities[1:]))
+
+
+def cost_at(front_points: Sequence[Point], quality: float) -> float | None:
+    """The cost a front needs to keep ``quality``: linear between its neighbouring points (a front is sorted by
+    cost, its quality rising with it); None outside the front's quality range."""
+    points = front(front_points)
+    if not points or not points[0][1] <= quality <= points[-1][1]:
+        return None
+    for (c0, q0), (c1, q1) in zip(points, points[1:]):
+        if q0 <= quality <= q1:
+            return c0 if q1 == q0 else c0 + (quality - q0) / (q1 - q0) * (c1 - c0)
+    return points[0][0]
+
+
+def at_matched_quality(a: Sequence[Point], b: Sequence[Point], cost_slack: float = 0.0,
+                       min_saving: float = 0.0) -> dict[str, Any]:
+    """Front ``a`` against front ``b`` at equal quality, over the quality range both reach.
+
+    ``shared``: [low, high], the overlap of the two fronts' quality ranges (None when they do not overlap);
+    points outside it decide nothing. ``levels``: per quality level in it (every point of either front there),
+    (quality, a's cost, b's cost) with costs interpolated along each front (:func:`cost_at`). ``cheaper``: a
+    costs at most b's cost x (1 + cost_slack) at every level and at least ``min_saving`` less somewhere;
+    ``costlier``: the same with a and b swapped; ``saving``: the largest share of b's cost that a saves.
+    """
+    front_a, front_b = front(a), front(b)
+    if not front_a or not front_b:
+        return {"shared": None, "levels": [], "cheaper": False, "costlier": False, "saving": None}
+    low, high = max(front_a[0][1], front_b[0][1]), min(front_a[-1][1], front_b[-1][1])
+    if low > high:
+        return {"shared": None, "levels": [], "cheaper": False, "costlier": False, "saving": None}
+    qualities = sorted({q for _, q in front_a + front_b if low <= q <= high})
+    levels = [(q, cost_at(front_a, q), cost_at(front_b, q)) for q in qualities]
+    savings = [1.0 - ca / cb if cb > 0 else 0.0 for _, ca, cb in levels]
+    extra = [1.0 - cb / ca if ca > 0 else 0.0 for _, ca, cb in levels]
+    return {"shared": [low, high], "levels": levels, "saving": max(savings),
+            "cheaper": all(ca <= cb * (1.0 + cost_slack) for _, ca, cb in levels) and max(savings) >= min_saving,
+            "costlier": all(cb <= ca * (1.0 + cost_slack) for _, ca, cb in levels) and max(extra) >= min_saving}
+
+
+def largest_jump_from_flat(rises: Sequence[float], flat: float) -> float | None:
+    """Stability on a threshold grid: the largest perplexity rise from one threshold to the next, over the
+    thresholds whose own rise is at most ``flat`` (``rises`` in threshold order: a setting one would keep);
+    0.0 when no such step exists beyond the last flat one, None with fewer than two thresholds."""
+    if len(rises) < 2:
+        return None
+    jumps = [b - a for a, b in zip(rises, rises[1:]) if a <= flat]
+    return max(jumps, default=0.0)

@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 CLAIMS_FILE = "claims.json"
 # 2: a fifth claim (the step-norm plateau), each claim's "judged_on" (budget, precision, seeds, spread).
 # 3: claim 4 judged along fronts ("fronts"; the paper's absolute grid in "paper_grid", issue 40 item 4).
-CLAIMS_FORMAT = 3
+# 4: claim 4 decided at matched quality ("cheaper", per axis "matched", "stable", "jump"); claim 3's per-token
+# control ("over_control_median", "share_clear", "per_step_median"); claim 2's window "reason", "slope" (issue 54).
+CLAIMS_FORMAT = 4
 PAPER = "Two-Scale Latent Dynamics for Recurrent-Depth Transformers (Pappone, Crisostomi, Rodolà)"
 # Per claim: the figures that show it, best first (stems under report/figures); the first that exists is used.
 CLAIM_FIGURES = {
@@ -36,6 +38,9 @@ CLAIM_FIGURES = {
     "dlr": ("fig2b_dlr_budget", "fig2_dlr"),
     "exits": ("figure4", "pareto"),
 }
+# The paper's four claims are numbered 1-4 as docs/reproduce.md numbers them; "P" is the step-norm plateau
+# the paper states in §4 (a remark the exit rules rest on), judged beside them.
+CLAIM_NUMBERS = {"step_decay": "1", "plateau": "P", "cosine": "2", "dlr": "3", "exits": "4"}
 # What comes back from a GPU run: (file under OUT, name in the export folder). At most 8 files.
 EXPORT_FILES = (
     ("claims.json", "claims.json"),
@@ -66,8 +71,10 @@ def write_claims(out: str | Path, claims: list[dict[str, Any]], context: dict[st
 
 
 def table_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per claim: the claim, the paper's figure and numbers, ours, the verdict and why."""
-    return [{"#": index, "claim": claim["claim"], "paper": f"{claim['paper']['figure']}: {claim['paper']['value']}",
+    """One row per claim: its number (:data:`CLAIM_NUMBERS`), the claim, the paper's figure and numbers, ours,
+    the verdict and why."""
+    return [{"#": CLAIM_NUMBERS.get(claim["id"], index), "claim": claim["claim"],
+             "paper": f"{claim['paper']['figure']}: {claim['paper']['value']}",
              "ours": claim["ours"].get("value", ""), "judged on": judged_text(claim), "verdict": claim["verdict"],
              "why": " ".join(claim["why"])}
             for index, claim in enumerate(doc["claims"], 1)]

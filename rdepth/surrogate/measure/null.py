@@ -11,8 +11,17 @@ is reduced to one number per model (:data:`STATISTICS`), measured over >= :data:
 
 and the verdict (:func:`judge`) is "reproduced" only where the trained model's mean is beyond every
 null's mean, in the claim's direction, by more than the spread over seeds (the larger of the two
-ranges, max - min), and the finding's own checks hold on every trained seed. "not reproduced" when
-no null is beaten: the null shows the same thing, so it says nothing about training.
+ranges, max - min) and by at least the finding's minimum effect (:data:`STATISTICS`), and the finding's
+own checks hold on every trained seed. "not reproduced" when the random-init null is not beaten: an
+untrained network shows the same thing, so it says nothing about training. "partly" when the random-init
+null is beaten but not the shuffled-depth one (learned, but not tied to the layers' order) or the own
+checks fail at some seed. "not tested" with fewer than :data:`MIN_SEEDS` seeds, or when the own checks are
+missing for the finding or given for another number of seeds than measured.
+
+What the spread is: the "trained" values are one trained network measured on several seeded halves of the
+held-out images (and perturbation draws), not several trainings; a null's are several fresh initialisations
+or layer orders. So the spread bounds the measurement's noise over data, and says nothing about how much a
+second training would differ.
 
 Pure functions on the saved dynamics dicts (JSON-ready); torch-free.
 """
@@ -27,6 +36,8 @@ from rdepth.errors import RdepthError
 REPRODUCED, PARTLY, NOT, UNTESTED = "reproduced", "partly", "not reproduced", "not tested"
 MIN_SEEDS = 3
 NULLS = ("random_init", "shuffled_depth")
+SPREAD_IS = ("trained: one trained network measured on seeded halves of the held-out images (not several "
+             "trainings); nulls: one fresh initialisation or layer order per seed")
 
 
 def _basins(d: dict) -> float:
@@ -54,16 +65,23 @@ def _low_rank(d: dict) -> float:
     return ranks[-1] / max(ranks)
 
 
-# finding (as basins.findings names it) -> (statistic, what it reads, "lower" or "higher" supports the claim)
-STATISTICS: dict[str, tuple[Callable[[dict], float], str, str]] = {
-    "class-dependent angular basins": (_basins, "within/between class angle at the last depth", "lower"),
+# finding (as basins.findings names it) -> (statistic, what it reads, "lower" or "higher" supports the claim,
+# the minimum effect: the gap to a null, in the statistic's units, below which no spread makes it a finding).
+# The ratios (basins, self-correction, low rank) live in [0, 1]-ish: 0.05 is five points of that range. A
+# [CLS] turn of 5 degrees more than the patches' is a turn one can see on the angle plot. A coherence
+# change of 0.02 in cosine is about a degree of angle toward the patch mean at cosines near 0.5.
+STATISTICS: dict[str, tuple[Callable[[dict], float], str, str, float]] = {
+    "class-dependent angular basins": (_basins, "within/between class angle at the last depth", "lower", 0.05),
     "self-correction under small perturbations": (_self_correction, "mean angle(last)/angle(perturbed) over the "
-                                                                    "perturbed depths", "lower"),
-    "[CLS] turns sharply late": (_cls_late, "largest late [CLS] turn minus the patches' (deg)", "higher"),
+                                                                    "perturbed depths", "lower", 0.05),
+    "[CLS] turns sharply late": (_cls_late, "largest late [CLS] turn minus the patches' (deg)", "higher", 5.0),
     "patch tokens cohere late toward their mean": (_coherence, "cos(patch, patch mean): last minus mid depth",
-                                                   "higher"),
-    "low-rank updates late in depth": (_low_rank, "last layer's update effective rank / the largest", "lower"),
+                                                   "higher", 0.02),
+    "low-rank updates late in depth": (_low_rank, "last layer's update effective rank / the largest", "lower",
+                                       0.05),
 }
+# The null whose beating makes a finding about training at all (an untrained network of the same shape).
+TRAINING_NULL = "random_init"
 
 
 def _mean(values: list[float]) -> float:
@@ -74,16 +92,17 @@ def _range(values: list[float]) -> float:
     return max(values) - min(values)
 
 
-def compare(trained: list[float], null: list[float], direction: str) -> dict[str, Any]:
+def compare(trained: list[float], null: list[float], direction: str, min_effect: float = 0.0) -> dict[str, Any]:
     """The trained model's statistic against one null's, over seeds. ``gap``: how far the trained mean is
     beyond the null's in the claim's direction (``direction``: "lower" or "higher" supports the claim);
-    ``spread``: the larger range (max - min) over seeds; ``beats``: gap > spread."""
+    ``spread``: the larger range (max - min) over seeds; ``beats``: gap > spread and gap >= ``min_effect``."""
     if direction not in ("lower", "higher"):
         raise ValueError(f"direction must be 'lower' or 'higher', got {direction!r}")
     gap = _mean(null) - _mean(trained) if direction == "lower" else _mean(trained) - _mean(null)
     spread = max(_range(trained), _range(null))
     return {"trained_mean": _mean(trained), "null_mean": _mean(null), "gap": gap, "spread": spread,
-            "beats": bool(math.isfinite(gap) and gap > spread)}
+            "min_effect": min_effect,
+            "beats": bool(math.isfinite(gap) and gap > spread and gap >= min_effect)}
 
 
 def _statistic(finding: str, dynamics: dict, name: str, seed: int) -> float:
@@ -96,41 +115,65 @@ def _statistic(finding: str, dynamics: dict, name: str, seed: int) -> float:
             from None
 
 
+def _own_held(finding: str, own: list[list[dict]]) -> int | None:
+    """The trained seeds whose own checks for ``finding`` all hold; None when some seed lacks them."""
+    held = 0
+    for rows in own:
+        mine = [row for row in rows if row["finding"] == finding]
+        if not mine:
+            return None
+        held += all(row["verdict"] == "reproduced" for row in mine)
+    return held
+
+
+def _verdict(against: dict[str, dict[str, Any]], held: int, seeds: int) -> str:
+    """Beating the random-init null makes it a finding about training; beating every null, with the own checks
+    at every seed, reproduces it."""
+    if not against.get(TRAINING_NULL, {"beats": True})["beats"] or not any(c["beats"] for c in against.values()):
+        return NOT
+    return REPRODUCED if all(c["beats"] for c in against.values()) and held == seeds else PARTLY
+
+
 def judge(trained: list[dict], nulls: dict[str, list[dict]], own: list[list[dict]]) -> list[dict[str, Any]]:
     """Every finding of :data:`STATISTICS` judged against the nulls.
 
     ``trained``: the trained model's dynamics, one dict per seed; ``nulls``: null name -> its dynamics per seed;
     ``own``: per trained seed, :func:`rdepth.surrogate.measure.basins.findings` rows (the finding's own checks).
     A row per finding: ``statistic`` (what is compared), ``direction``, ``values`` (per model, per seed),
-    ``against`` (per null: :func:`compare`), ``own_checks`` (the trained seeds whose own checks all hold) and
-    ``verdict``: reproduced when every null is beaten and the own checks hold at every seed; partly when some
-    null is beaten; not reproduced when none is; not tested with fewer than MIN_SEEDS seeds anywhere.
+    ``against`` (per null: :func:`compare` with the finding's minimum effect), ``own_checks`` (the trained seeds
+    whose own checks all hold) and ``verdict``: reproduced when every null is beaten and the own checks hold at
+    every seed; not reproduced when the random-init null (or, without it, every null) is not beaten; partly
+    otherwise; not tested with fewer than MIN_SEEDS seeds anywhere, or own checks missing for the finding or
+    given for another number of seeds than the trained model was measured on. ``spread_is``: what the spread
+    measures (see the module docstring).
     """
     seeds = {"trained": len(trained), **{name: len(runs) for name, runs in nulls.items()}}
     rows = []
-    for finding, (_, text, direction) in STATISTICS.items():
+    for finding, (_, text, direction, min_effect) in STATISTICS.items():
         values = {"trained": [_statistic(finding, d, "trained", s) for s, d in enumerate(trained)]}
         for name, runs in nulls.items():
             values[name] = [_statistic(finding, d, name, s) for s, d in enumerate(runs)]
-        held = sum(all(row["verdict"] == "reproduced" for row in rows_ if row["finding"] == finding) for rows_ in own)
-        row = {"finding": finding, "statistic": text, "direction": direction, "values": values,
-               "own_checks": f"{held} of {len(own)} seeds", "seeds": seeds}
+        held = _own_held(finding, own) if len(own) == len(trained) else None
+        row = {"finding": finding, "statistic": text, "direction": direction, "min_effect": min_effect,
+               "values": values, "seeds": seeds, "spread_is": SPREAD_IS,
+               "own_checks": "missing" if held is None else f"{held} of {len(own)} seeds"}
         if not nulls or min(seeds.values()) < MIN_SEEDS:
             row.update(against={}, verdict=UNTESTED,
                        why=f"needs >= {MIN_SEEDS} seeds of the trained model and of each null ({seeds})")
             rows.append(row)
             continue
-        against = {name: compare(values["trained"], values[name], direction) for name in nulls}
-        beaten = [name for name, c in against.items() if c["beats"]]
-        if not beaten:
-            verdict = NOT
-        elif len(beaten) == len(against) and held == len(own) and own:
-            verdict = REPRODUCED
-        else:
-            verdict = PARTLY
-        row.update(against=against, verdict=verdict,
-                   why="; ".join(f"{name}: trained {c['trained_mean']:.3g} vs {c['null_mean']:.3g}, gap {c['gap']:+.3g} "
-                                 f"{'>' if c['beats'] else '<='} spread {c['spread']:.3g}" for name, c in against.items())
+        if held is None:
+            row.update(against={}, verdict=UNTESTED,
+                       why=f"the finding's own checks are missing (given for {len(own)} seeds, "
+                           f"{len(trained)} measured, or without this finding)")
+            rows.append(row)
+            continue
+        against = {name: compare(values["trained"], values[name], direction, min_effect) for name in nulls}
+        row.update(against=against, verdict=_verdict(against, held, len(own)),
+                   why="; ".join(f"{name}: trained {c['trained_mean']:.3g} vs {c['null_mean']:.3g}, "
+                                 f"gap {c['gap']:+.3g} "
+                                 f"{'beats' if c['beats'] else 'does not beat'} spread {c['spread']:.3g} and minimum "
+                                 f"effect {min_effect:g}" for name, c in against.items())
                    + f"; own checks hold at {held} of {len(own)} seeds")
         rows.append(row)
     return rows

@@ -59,7 +59,9 @@ def write_vision_report(out: str | Path) -> Path:
                        caption=f"the teacher against a random-init ViT of its shape and its own layers in a shuffled "
                                f"order, {null['seeds']} seeds of {null['images_per_seed']} held-out images each: "
                                "reproduced only where the teacher is beyond every null by more than the spread over "
-                               "seeds (and the finding's own checks hold at every seed)")
+                               "seeds and by the finding's minimum effect (and its own checks hold at every seed); "
+                               "not reproduced where the random-init null is not beaten. The teacher's spread is one "
+                               "trained network on several halves of the images, not several trainings")
     findings.figure(save_report_figure(plots.plot_basins(dynamics), out, "basins"),
                     "class basins: [CLS] angle to its class's mean direction (within) and between class directions")
     findings.figure(save_report_figure(plots.plot_perturbation(dynamics), out, "perturbation"),
