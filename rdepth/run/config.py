@@ -189,6 +189,10 @@ class GenerateConfig:
             raise RdepthError("generate: --exit replaces --loops and --draft-loops; give one")
         if self.exit_profile is not None and (self.loops or self.draft_loops is not None):
             raise RdepthError("generate: --exit-profile replaces --loops and --draft-loops; give one")
+        self._check_decoding()
+
+    def _check_decoding(self) -> None:
+        """Speculative drafts, the engine (--prompts-file) and its key/value layout: what each combines with."""
         if self.draft_loops is not None and self.warm_start:
             raise RdepthError("generate: --warm-start with --draft-loops is not supported (the verifier would need "
                               "the drafts' handed-on states)")
