@@ -46,6 +46,9 @@ import sys
 import time
 from pathlib import Path
 
+if __name__ == "__main__" and not __package__:  # run as a file: this checkout's root for bench.gpu's executors
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,7 +134,7 @@ class Setting:
 
     def prefill(self) -> None:
         self.decoder.prefill(self.stream[:, : self.prompt_length])
-        from rdepth.model.executors.graphs import Captured
+        from bench.gpu.executors.graphs import Captured
 
         if self.graphs and not isinstance(self.decoder.executor, Captured):
             Captured.record(self.decoder)
@@ -205,7 +208,7 @@ class Bench:
         return self.decoder(batch, noise, loop_counts=counts)
 
     def exits(self, batch: int, noise, tau: float, quantile: float | None = None):
-        from rdepth.exits.batch_quantile import BatchQuantile
+        from bench.gpu.batch_quantile import BatchQuantile
         from rdepth.exits.controller import controller_factory
         from rdepth.model.executors.eager import Executor
 

@@ -35,6 +35,9 @@ import sys
 import time
 from pathlib import Path
 
+if __name__ == "__main__" and not __package__:  # run as a file: this checkout's root for bench.gpu's executors
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -181,8 +184,8 @@ class Run:
             if "d" not in skip else None
 
     def static_rounds(self, decoder, graph: bool) -> dict:
-        from rdepth.model.executors.compiled import Compiled
-        from rdepth.model.executors.graphs import Captured
+        from bench.gpu.executors.compiled import Compiled
+        from bench.gpu.executors.graphs import Captured
 
         decoder.prefill(self.prompt)
         if graph:
@@ -194,7 +197,7 @@ class Run:
 
     def static(self, budget=None, factory=None, on=None, compiled=False):
         from rdepth.model.decoder import Decoder
-        from rdepth.model.executors.compiled import Compiled
+        from bench.gpu.executors.compiled import Compiled
 
         budget = self.loops if budget is None else budget
         options = {"controller_factory": factory} if factory else {"loop_counts": budget}

@@ -24,22 +24,23 @@ from test_decoder import (  # noqa: E402
 
 def packing_always(decoder: Decoder) -> None:
     """Make ``decoder`` take the packing path everywhere (its contexts lose the flag)."""
-    for context in decoder.contexts.values():
+    for context in decoder.executor.contexts.values():
         context.one_per_row = False
 
 
 def boolean_masks(decoder: Decoder) -> None:
     """Make ``decoder`` hand attention a boolean mask (``key <= position``, SDPA converts it at every
     call), refreshed per token beside its own additive one, as the decoder did before."""
-    boolean = torch.zeros(decoder.mask.shape, dtype=torch.bool, device=decoder.device)
-    refresh = decoder._refresh_mask
+    executor = decoder.executor
+    boolean = torch.zeros(executor.mask.shape, dtype=torch.bool, device=decoder.device)
+    refresh = executor._refresh_mask
 
     def refresh_both() -> None:
         refresh()
-        boolean.copy_(decoder.mask == 0)
+        boolean.copy_(executor.mask == 0)
 
-    decoder._refresh_mask = refresh_both
-    for context in decoder.contexts.values():
+    executor._refresh_mask = refresh_both
+    for context in executor.contexts.values():
         context.mask = boolean
 
 
@@ -85,7 +86,7 @@ MODES = pytest.mark.parametrize("mode", ["fixed", "exits"])
 @MODES
 def test_static_decoding_is_bit_identical_with_and_without_the_fast_path(dtype, block, mode):
     fast, slow, fast_out, slow_out = decode_pair(dtype, block, mode, packing_always)
-    assert all(context.one_per_row for context in fast.contexts.values())
+    assert all(context.one_per_row for context in fast.executor.contexts.values())
     assert_bit_identical(fast, slow, fast_out, slow_out, mode)
 
 
@@ -94,7 +95,7 @@ def test_static_decoding_is_bit_identical_with_and_without_the_fast_path(dtype, 
 @MODES
 def test_static_decoding_is_bit_identical_with_the_additive_and_the_boolean_mask(dtype, block, mode):
     additive, boolean, additive_out, boolean_out = decode_pair(dtype, block, mode, boolean_masks)
-    assert additive.mask.dtype == dtype and boolean.contexts[0].mask.dtype == torch.bool
+    assert additive.executor.mask.dtype == dtype and boolean.executor.contexts[0].mask.dtype == torch.bool
     assert_bit_identical(additive, boolean, additive_out, boolean_out, mode)
 
 
@@ -123,9 +124,10 @@ def test_the_mask_is_made_once_per_token_and_sdpa_converts_nothing():
         if change is None:
             expected = torch.full((decoder.capacity,), float("-inf"), dtype=torch.float64)
             expected[:5] = 0
-            assert decoder.mask.dtype == torch.float64
-            assert torch.equal(decoder.mask, expected.expand(batch, 1, 1, -1))
-            assert all(context.mask is decoder.mask for context in decoder.contexts.values())
+            executor = decoder.executor
+            assert executor.mask.dtype == torch.float64
+            assert torch.equal(executor.mask, expected.expand(batch, 1, 1, -1))
+            assert all(context.mask is executor.mask for context in executor.contexts.values())
     additive, boolean = wheres
     # outside attention: the mask once, and the loop routine's two (hand-off, used index) at each group's
     # last step (a fixed budget: no row stops before it)

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from rdepth.errors import RdepthError
-from rdepth.exits.batch_quantile import BatchQuantile
 from rdepth.model.decoder import Decoder
 from rdepth.model.executors.eager import Executor
 from rdepth.model.noise import StateNoise
+
+from bench.gpu.batch_quantile import BatchQuantile
 
 from conftest import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))

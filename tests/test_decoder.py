@@ -18,9 +18,11 @@ from rdepth.model import FixedController, RecurrentLM
 from rdepth.model.generation import generate, teacher_forced
 from rdepth.model.noise import StateNoise
 from rdepth.model.decoder import Decoder
-from rdepth.model.executors.compiled import Compiled
 from rdepth.model.executors.eager import Executor
-from rdepth.model.executors.graphs import Captured
+
+from bench.gpu.executors.compiled import Compiled
+from bench.gpu.executors.graphs import Captured
+from bench.gpu.executors.masked import Masked
 
 BLOCKS = pytest.mark.parametrize("block", ["sandwich", "gpt2"])
 BATCHES = pytest.mark.parametrize("batch", [1, 3])
@@ -48,7 +50,7 @@ def make(model: RecurrentLM, batch: int, *, check_every="default", prefix_reads:
     decoder = Decoder(model, batch, **options)
     if check_every != "default" or not prefix_reads:
         every = decoder.executor.check_every if check_every == "default" else check_every
-        decoder.use(Executor(every, prefix_reads))
+        decoder.use(Executor(every) if prefix_reads else Masked(every))
     if span_buckets is not None:
         decoder.use(Captured(decoder.executor, span_buckets))
     return decoder

@@ -124,6 +124,33 @@ def test_every_decoder_option_is_used_by_the_product():
 
 
 
+def bench_imports(path: Path) -> list[str]:
+    """The bench/ modules ``path`` imports, at module level or inside functions (``import_module`` too)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == \
+                "import_module" and node.args and isinstance(node.args[0], ast.Constant):
+            names.append(str(node.args[0].value))
+    return [name for name in names if name == "bench" or name.startswith("bench.")]
+
+
+def test_the_package_never_imports_the_benchmarks_executors(tmp_path):
+    """The masked, compiled and captured executors and the batch-quantile exit live in bench/gpu/ (the
+    product never applies them): no module of the package imports bench/, lazily either (an installed
+    rdepth has no bench/). The scan sees a lazy import where one is planted."""
+    found = [f"{path.relative_to(PACKAGE)}: {name}" for path in sorted(PACKAGE.rglob("*.py"))
+             for name in bench_imports(path)]
+    assert found == []
+    planted = tmp_path / "planted.py"
+    planted.write_text("def decode(decoder):\n    from bench.gpu.executors.graphs import Captured\n"
+                       "    return Captured.record(decoder)\n")
+    assert bench_imports(planted) == ["bench.gpu.executors.graphs"]
+
+
 def test_one_default_temperature_greedy_in_both_generate_functions():
     """model.generation.generate defaulted to temperature 1.0 (sampling), Decoder.generate to 0.0 (greedy);
     both are greedy by default now (issue 39 item 4): the default equals temperature=0 bit for bit."""

@@ -13,9 +13,10 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from rdepth.model.noise import StateNoise
 from rdepth.model.decoder import Decoder
-from rdepth.model.executors.compiled import Compiled
 from rdepth.model.executors.eager import Executor
-from rdepth.model.executors.graphs import Captured
+
+from bench.gpu.executors.compiled import Compiled
+from bench.gpu.executors.graphs import Captured
 
 from conftest import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))

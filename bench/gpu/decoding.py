@@ -69,20 +69,20 @@ def kernels_per_token(decoder, prompt, steps, device, replay: bool = False) -> d
 
 def is_compiled(decoder) -> bool:
     """Whether ``decoder``'s pieces run through Inductor (its executor, or the one under its graphs)."""
-    from rdepth.model.executors.compiled import Compiled
+    from bench.gpu.executors.compiled import Compiled
 
     return isinstance(getattr(decoder.executor, "inner", decoder.executor), Compiled)
 
 
 def is_captured(decoder) -> bool:
-    from rdepth.model.executors.graphs import Captured
+    from bench.gpu.executors.graphs import Captured
 
     return isinstance(decoder.executor, Captured) and bool(decoder.executor.graphs)
 
 
 def capture(decoder) -> None:
     """Record ``decoder``'s main budget as CUDA graphs, per read span where it reads spans (``--span-buckets``)."""
-    from rdepth.model.executors.graphs import Captured
+    from bench.gpu.executors.graphs import Captured
 
     executor, span_buckets = decoder.executor, None
     if isinstance(executor, Captured):  # eager span reads (make_decoder): now graphs of the same spans
@@ -143,11 +143,12 @@ def make_decoder(model, batch, budget, args, noise, *, loop_counts=None, factory
     batch-quantile exit around it). Its executor: Inductor-compiled pieces (``compile``, in
     ``--decode-compile-mode``), else eager reading the written span in ``--span-buckets`` sizes (the spans
     :func:`capture` records graphs of), else eager."""
-    from rdepth.exits.batch_quantile import BatchQuantile
+    from bench.gpu.batch_quantile import BatchQuantile
+    from bench.gpu.executors.compiled import Compiled
+    from bench.gpu.executors.graphs import Captured
+    from bench.gpu.executors.masked import Masked
     from rdepth.model.decoder import Decoder
-    from rdepth.model.executors.compiled import Compiled
     from rdepth.model.executors.eager import Executor
-    from rdepth.model.executors.graphs import Captured
 
     if factory is not None and quantile is not None:
         factory = (lambda rule: lambda: BatchQuantile(rule(), quantile))(factory)
@@ -157,7 +158,7 @@ def make_decoder(model, batch, budget, args, noise, *, loop_counts=None, factory
         return decoder.use(Compiled(args.decode_compile_mode, check_every))
     decoder.use(Executor(check_every))
     if args.span_buckets is not None:
-        decoder.use(Captured(Executor(check_every, prefix_reads=False), args.span_buckets))
+        decoder.use(Captured(Masked(check_every), args.span_buckets))
     return decoder
 
 

@@ -12,8 +12,9 @@ by the model), exact against teacher-forced evaluation (cached = teacher-forced 
   of a chunk of ``check_every`` steps, a stopped row keeps its hand-off, and the host reads one flag per
   chunk (none with ``check_every=None``, the default on CUDA). A budget below the cache's steps settles
   the keys it did not compute (the latest-KV rule, :meth:`KVCache.settle`).
-* **Executors** (:mod:`rdepth.model.executors`, applied with :meth:`Decoder.use`) decide how the pieces
-  run: eager reading the written prefix of the cache (the default), Inductor-compiled, or CUDA graphs.
+* **An executor** (:mod:`rdepth.model.executors`, applied with :meth:`Decoder.use`) decides how the
+  pieces run: eager reading the written prefix of the cache, the product's; the GPU benchmarks apply
+  their own (masked whole-cache reads, Inductor-compiled pieces, CUDA graphs: ``bench/gpu/executors/``).
 * **Several tokens at once** (:meth:`Decoder.extend`, ``T > 1`` at a fixed budget) run in lock-step
   under a causal mask, as the teacher-forced forward does; with exits or warm start one by one.
 * **Rollback** sets the cache length back; **warm start** starts each group's loop at position p from
@@ -111,8 +112,6 @@ class Decoder:
         self.prompt_computed = self.prompt_used = None  # [G, B, T]: steps and hand-off of the last extend
         # How the pieces run (rdepth.model.executors): eager; a host check per step on the CPU, none on CUDA.
         self.executor = Executor(check_every=None if self.device.type == "cuda" else 1)
-        self._span: int | None = -1  # positions the attention reads now (None: the whole cache; -1: none yet)
-        self._span_contexts: dict[int | None, dict[int, AttentionContext]] = {}
         with torch.no_grad():
             self.cache = model.new_cache(batch_size, self.capacity, self.steps, self.dtype, self.device)
             self._allocate()
@@ -122,15 +121,11 @@ class Decoder:
         self.plan = self._plan_for(self.budget)
 
     def use(self, executor: Executor) -> "Decoder":
-        """Run the pieces through ``executor`` from now on (:mod:`rdepth.model.executors`): the attention
-        contexts and plans are made again where its reads or host checks differ. Returns the decoder."""
-        changed = (executor.check_every, executor.prefix_reads) != (self.executor.check_every,
-                                                                    self.executor.prefix_reads)
+        """Run the pieces through ``executor`` from now on (:mod:`rdepth.model.executors`): the plans are
+        made again where its host checks differ. Returns the decoder."""
+        changed = executor.check_every != self.executor.check_every
         self.executor = executor
         if changed:
-            self._span_contexts.clear()
-            self._span = -1  # none yet
-            self.read_span(None)
             self._plans.clear()
             self.plan = self._plan_for(self.budget)
         executor.attach(self)
@@ -151,13 +146,7 @@ class Decoder:
         self._handed = torch.zeros_like(self._x)  # the state each stopped row hands on
         self._active = torch.zeros(batch, dtype=torch.bool, device=device)
         self.rows = torch.arange(batch, device=device)
-        self._key_positions = torch.arange(self.capacity, device=device)
-        # The additive attention mask [B, 1, 1, S] (0: read, -inf: not yet written), refilled per token
-        # when the whole cache is read (graphs, compiled pieces).
-        self.mask = torch.zeros(batch, 1, 1, self.capacity, dtype=self.dtype, device=device)
-        self._mask_open = torch.zeros((), dtype=self.dtype, device=device)
-        self._mask_shut = torch.full((), float("-inf"), dtype=self.dtype, device=device)
-        self.read_span(None)
+        self.contexts = self.attention_contexts()  # per loop step (0: single-pass layers)
         # Each group's initial states for every position, [B, S, d] (the teacher-forced path's draws).
         self._initial: dict[int, torch.Tensor] = {}
         if n_groups and model.config.init_state_scale != 0:
@@ -168,22 +157,13 @@ class Decoder:
         self._warm = {group: torch.zeros(batch, self.capacity, d, dtype=self.dtype, device=device)
                       for group in range(n_groups)} if self.warm_start else {}
 
-    def read_span(self, span: int | None) -> None:
-        """Attention reads the cache's first ``span`` positions (None: all; eager: the written prefix),
-        under the mask's same span when the executor reads under the mask."""
-        if span == self._span:
-            return
-        self._span = span
-        self.cache.limit = span
-        if span not in self._span_contexts:
-            mask = None if self.executor.prefix_reads else (
-                self.mask if span is None else self.mask.narrow(3, 0, span))
-            self._span_contexts[span] = {
-                step: AttentionContext(self.cache, step, self.rows, self.cache.position.expand(self.batch_size),
+    def attention_contexts(self, mask: torch.Tensor | None = None) -> dict[int, AttentionContext]:
+        """Per loop step (0: single-pass layers), a token's attention over the cache: one query per row at
+        the current position, reading what :attr:`KVCache.limit` leaves (``mask``: an additive mask
+        ``[B, 1, 1, S]`` over those S positions, for an executor that reads more than is written)."""
+        return {step: AttentionContext(self.cache, step, self.rows, self.cache.position.expand(self.batch_size),
                                        torch.zeros_like(self.rows), 1, self.batch_size, mask, one_per_row=True)
-                for step in range(max(self.steps, default=0) + 1)
-            }
-        self.contexts = self._span_contexts[span]
+                for step in range(max(self.steps, default=0) + 1)}
 
     # ------------------------------------------------------------- the plans
     def _plan_for(self, budget: Budget) -> Plan:
@@ -232,14 +212,7 @@ class Decoder:
     def _begin_token(self) -> None:
         x = self.model.embed(self.tokens, positions=self.cache.position)  # (B, 1, d), the position on the device
         self._x.copy_(x.view(self.batch_size, -1))
-        if not self.executor.prefix_reads:
-            self._refresh_mask()
-
-    def _refresh_mask(self) -> None:
-        """``mask`` for the current position, in place: 0 at the keys written so far and this token's,
-        -inf after (what SDPA would make of the boolean mask ``key <= position``, at every call)."""
-        readable = (self._key_positions <= self.cache.position).view(1, 1, 1, -1)  # (1, 1, 1, S)
-        torch.where(readable.expand(self.mask.shape), self._mask_open, self._mask_shut, out=self.mask)
+        self.executor.begin_token(self)
 
     def _begin_group(self, plan: Plan, group: int) -> None:
         """The group's input half and each row's initial state (warm: the state handed on at the previous
@@ -351,8 +324,6 @@ class Decoder:
             raise RdepthError(f"decoder: the cache is full ({self.capacity} positions)")
         plan = self._plan_for(budget or self.budget)
         self.tokens.copy_(tokens)
-        if self.executor.prefix_reads:
-            self.cache.limit = self.length + 1
         self.executor.run_token(self, plan)
         self.length += 1
 

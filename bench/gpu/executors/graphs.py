@@ -2,7 +2,8 @@
 
 A fixed budget is one graph per group's loop and the pieces between; with exits, one graph per chunk
 of ``check_every`` steps plus the pieces between groups (the host checks stay between replays). Graphs
-need fixed shapes: attention reads the whole cache under the mask or, with ``span_buckets=n``, one set
+need fixed shapes: attention reads the whole cache under the mask (the pieces of a
+:class:`~bench.gpu.executors.masked.Masked` executor, or a compiled one) or, with ``span_buckets=n``, one set
 of graphs per read span (the first n, 2n, 4n ... positions, up to the capacity), each token replaying
 the smallest span that holds what is written; a span shorter than the one recorded at (reached by a
 rollback) runs eagerly. Tokens at another budget (:meth:`Decoder.extend`'s) run through the executor
@@ -13,24 +14,26 @@ from __future__ import annotations
 
 import torch
 
+from bench.gpu.executors.masked import Masked
 from rdepth.errors import RdepthError
 from rdepth.model.executors.eager import Executor
 
 
 class Captured(Executor):
-    """Replays the graphs recorded by :meth:`record`; other tokens run through ``inner``. ``replay``
+    """Replays the graphs recorded by :meth:`record`; other tokens run through ``inner`` (an eager
+    executor that reads the written prefix becomes a :class:`Masked` one of the same checks). ``replay``
     False: the main budget's tokens run the pieces the graphs were recorded from, each op launched
     (e.g. to count what a graph holds)."""
 
     def __init__(self, inner: Executor, span_buckets: int | None = None):
-        super().__init__(inner.check_every, prefix_reads=False)
+        super().__init__(inner.check_every)
         if span_buckets is not None and (isinstance(span_buckets, bool) or not isinstance(span_buckets, int)
                                          or span_buckets < 1):
             raise RdepthError(f"decoder: span_buckets must be an int >= 1, got {span_buckets!r}")
         if span_buckets is not None and getattr(inner, "mode", None) is not None:
             raise RdepthError("decoder: span_buckets reads fixed spans under the mask; not with compile "
                               "(pieces compiled for the whole cache)")
-        self.inner = inner
+        self.inner = inner if isinstance(inner, Masked) else Masked(inner.check_every)
         self.span_buckets = span_buckets
         self.graphs: dict[int | None, list] = {}  # per read span: a graph per plan piece (None at checks)
         self.replay = True
@@ -43,21 +46,19 @@ class Captured(Executor):
         now on :meth:`Decoder.step` replays them. Returns the executor (``decoder.executor``)."""
         inner = decoder.executor
         if decoder.device.type != "cuda":
-            raise RdepthError(f"decoder.capture needs a CUDA device; this decoder is on {decoder.device}")
+            raise RdepthError(f"Captured.record needs a CUDA device; this decoder is on {decoder.device}")
         if isinstance(inner, Captured):
-            raise RdepthError("decoder.capture: this decoder is captured already")
+            raise RdepthError("Captured.record: this decoder is captured already")
         if getattr(inner, "mode", None) is not None and warmup < 1:
-            raise RdepthError("decoder.capture: a compiled decoder needs warmup >= 1 (it compiles there)")
+            raise RdepthError("Captured.record: a compiled decoder needs warmup >= 1 (it compiles there)")
         if decoder.length >= decoder.capacity:
             raise RdepthError(f"decoder: the cache is full ({decoder.capacity} positions)")
-        if inner.prefix_reads:  # graphs need fixed shapes: read the whole cache under the mask
-            inner = Executor(inner.check_every, prefix_reads=False)
-            decoder.use(inner)
-        captured = cls(inner, span_buckets)
+        captured = cls(inner, span_buckets)  # graphs need fixed shapes: the whole cache read under the mask
+        decoder.use(captured.inner)
         pool = torch.cuda.graph_pool_handle()
         for span in captured.spans(decoder):
             if span is None or span > decoder.length:  # spans that hold the next position (warm-up writes there)
-                decoder.read_span(span)
+                captured.inner.read_span(span)
                 captured.graphs[span] = captured._record(decoder, warmup, pool)
         decoder.use(captured)
         return captured
@@ -97,6 +98,12 @@ class Captured(Executor):
         scope = getattr(self.inner, "scope", None)
         return scope() if scope is not None else torch.no_grad()
 
+    def attach(self, decoder) -> None:
+        self.inner.attach(decoder)
+
+    def begin_token(self, decoder) -> None:
+        self.inner.begin_token(decoder)
+
     def run_layers(self, decoder, layers, x):
         return self.inner.run_layers(decoder, layers, x)
 
@@ -107,8 +114,8 @@ class Captured(Executor):
         return self.inner.exit_step(decoder, loop, step, state)
 
     def run_token(self, decoder, plan) -> None:
-        decoder.read_span(self.span_for(decoder, decoder.length + 1))
-        graphs = self.graphs.get(decoder._span) if (self.replay and plan is decoder.plan) else None
+        self.inner.read_span(self.span_for(decoder, decoder.length + 1))
+        graphs = self.graphs.get(self.inner.span) if (self.replay and plan is decoder.plan) else None
         if graphs is None:
             self.inner.run_token(decoder, plan)
         else:

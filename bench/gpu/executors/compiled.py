@@ -2,9 +2,9 @@
 
 One compiled call per loop step: a step's key/value slots are handed in as tensors (:class:`GivenKV`),
 so every step of a group runs the same compiled function, and the whole cache is read under the mask
-(fixed shapes). ``mode``: Inductor's, ``default`` or ``max-autotune-no-cudagraphs`` (matmul templates
+(fixed shapes: :class:`~bench.gpu.executors.masked.Masked`). ``mode``: Inductor's, ``default`` or ``max-autotune-no-cudagraphs`` (matmul templates
 benchmarked while compiling; minutes of compiling, fewer kernels per layer on a GPU); none that
-captures graphs of its own (:class:`~rdepth.model.executors.graphs.Captured` does that).
+captures graphs of its own (:class:`~bench.gpu.executors.graphs.Captured` does that).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Sequence
 
 import torch
 
+from bench.gpu.executors.masked import Masked
 from rdepth.config import COMPILE_MODES
 from rdepth.errors import RdepthError
-from rdepth.model.executors.eager import Executor
 from rdepth.model.kv import AttentionContext, GivenKV
 from rdepth.model.loop import LoopRows
 from rdepth.model.recurrent import StageKind
@@ -25,21 +25,21 @@ from rdepth.model.recurrent import StageKind
 RECOMPILE_LIMIT = 64
 
 
-class Compiled(Executor):
+class Compiled(Masked):
     """The decoder's pieces through ``torch.compile(fullgraph=True)`` (see the module); one per decoder."""
 
     def __init__(self, mode: str = "default", check_every: int | None = None):
-        super().__init__(check_every, prefix_reads=False)
+        super().__init__(check_every)
         if mode not in COMPILE_MODES:
             raise RdepthError(f"decoder: compile_mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
         self.mode = mode
-        self.decoder = None
 
     def attach(self, decoder) -> None:
-        """Compile the pieces of ``decoder`` and collect, per (layers, step), the slots they are handed."""
-        if self.decoder is not None and self.decoder is not decoder:
-            raise RdepthError("decoder: a Compiled executor serves one decoder")
-        self.decoder = decoder
+        """Compile the pieces of ``decoder`` and collect, per (layers, step), the slots they are handed
+        (once: attached again, nothing changes)."""
+        if self.decoder is decoder:
+            return
+        super().attach(decoder)
         self.kv: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, ...]] = {}
         for stage in decoder.model.stages:
             steps = [0] if stage.kind is StageKind.SINGLE else range(1, decoder.steps[stage.group] + 1)
@@ -70,7 +70,7 @@ class Compiled(Executor):
 
     def run_token(self, decoder, plan) -> None:
         with self.scope():
-            decoder.run_pieces(plan)
+            super().run_token(decoder, plan)
 
     def scope(self):
         """Dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT` around compiled calls."""
@@ -81,7 +81,7 @@ class Compiled(Executor):
         decoder = self.decoder
         position = decoder.cache.position
         return AttentionContext(GivenKV(layers, kv, position), 0, decoder.rows, position.expand(decoder.batch_size),
-                                decoder.contexts[0].slot_index, 1, decoder.batch_size, decoder.mask,
+                                self.contexts[0].slot_index, 1, decoder.batch_size, self.mask,
                                 one_per_row=True)
 
     def _layers_given(self, layers: tuple[int, ...], x: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
