@@ -40,7 +40,7 @@ def window_solved(heldout, answer_right: np.ndarray) -> np.ndarray:
     """bool [W]: every answer of each window right (``answer_right`` row-major over ``answer_mask[:, 1:]``)."""
     per_window = heldout.answer_mask[:, 1:].astype(bool).sum(axis=1)
     bounds = np.concatenate([[0], np.cumsum(per_window)])
-    return np.array([bool(answer_right[a:b].all()) and b > a for a, b in zip(bounds[:-1], bounds[1:])])
+    return np.array([bool(answer_right[a:b].all()) and b > a for a, b in zip(bounds[:-1], bounds[1:], strict=False)])
 
 
 def oracle_budgets(solved: dict[int, np.ndarray], full: int) -> np.ndarray:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rdepth.errors import RdepthError
 
@@ -60,7 +61,7 @@ class Interval:
     text: str
 
     @classmethod
-    def parse(cls, text: str) -> "Interval":
+    def parse(cls, text: str) -> Interval:
         try:  # integers kept exact: 2**63 - 1 as a float would admit 2**63
             low, high = (int(part) if part.strip().lstrip("-").isdigit() else float(part)
                          for part in text.strip()[1:-1].split(","))

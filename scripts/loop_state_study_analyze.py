@@ -53,7 +53,7 @@ def analyse(run: Path, data: str, sequences: int, windows: int) -> dict:
                                  if name in ("literal", "output_refine")}
                       for boundary, definitions in curve.get("boundaries", {}).items()} if index is not None else None,
     }
-    for group, spectrum in zip(groups, spectra):
+    for group, spectrum in zip(groups, spectra, strict=False):
         headline = group["headline"]
         plateau = headline.get("plateau") or {}
         record["groups"][group["name"]] = {
@@ -92,8 +92,8 @@ def _ce_table(records: list[dict], states: list[str]) -> list[str]:
         rows = [r for r in records if r["loop_state"] == state]
         ce = {k: [r["ce"][str(k)] for r in rows] for k in LOOPS}
         lines.append(f"| {state} | {len(rows)} | {_fmt(ce[1], 3)} | {_fmt(ce[4], 3)} | {_fmt(ce[12], 3)} | "
-                     f"{_fmt([a - b for a, b in zip(ce[1], ce[4])], 3)} | "
-                     f"{_fmt([a - b for a, b in zip(ce[4], ce[12])], 3)} |")
+                     f"{_fmt([a - b for a, b in zip(ce[1], ce[4], strict=False)], 3)} | "
+                     f"{_fmt([a - b for a, b in zip(ce[4], ce[12], strict=False)], 3)} |")
     return lines
 
 

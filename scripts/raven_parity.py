@@ -251,7 +251,7 @@ def exits_reference(args) -> None:
 
 def exits_compare(args) -> None:
     case, reference = torch.load(args.cases), torch.load(args.reference_out)
-    for mine, theirs in zip(case["runs"], reference):
+    for mine, theirs in zip(case["runs"], reference, strict=False):
         same_steps, same_tokens = mine["steps"] == theirs["steps"], mine["tokens"] == theirs["tokens"]
         n = min(len(mine["logits"]), len(theirs["logits"]))
         difference = (mine["logits"][:n] - theirs["logits"][:n]).abs().max().item()
@@ -322,7 +322,7 @@ def padded(args) -> None:
 
 
 def compare(args) -> None:
-    for case, reference in zip(torch.load(args.cases), torch.load(args.logits)):
+    for case, reference in zip(torch.load(args.cases), torch.load(args.logits), strict=False):
         difference = (case["rdepth"].double() - reference.double()).abs().max().item()
         print(f"rdepth {str(case['dtype'])[6:]:8s} vs reference {str(reference.dtype)[6:]:8s} "
               f"{case['steps']:2d} recurrences: max |diff| {difference:.3e}")
@@ -336,7 +336,7 @@ def golden(args) -> None:
     from safetensors.torch import save_file
 
     out = Path(args.out)
-    runs = list(zip(torch.load(args.cases), torch.load(args.released), torch.load(args.widened)))
+    runs = list(zip(torch.load(args.cases), torch.load(args.released), torch.load(args.widened), strict=False))
     tensors = {"state": runs[0][0]["state"].contiguous()}
     for case, released, widened in runs:
         name = f"logits_{str(case['dtype'])[6:]}_steps{case['steps']}"

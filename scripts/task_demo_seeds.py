@@ -36,7 +36,7 @@ def main(folders: list[str]) -> int:
     print()
     print("\n".join(table))
     print()
-    for seed, demo in zip(seeds, demos):
+    for seed, demo in zip(seeds, demos, strict=False):
         print(best_policy_line(seed, demo))
     return 0
 

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 
 from rdepth.config import ModelConfig
+from rdepth.data.task_vocab import TaskVocab
 from rdepth.model import RecurrentLM
 from rdepth.tasks import answer_accuracy, get_task, pack_windows, task_spec
-from rdepth.data.task_vocab import TaskVocab
 
 
 def parse_args() -> argparse.Namespace:

@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from rdepth.config import get_preset
-    from rdepth.reproduce.plan import SIZES
     from rdepth.data.shards import TokenShards
+    from rdepth.reproduce.plan import SIZES
     from rdepth.train.config import TrainConfig
     from rdepth.train.trainer import train
 

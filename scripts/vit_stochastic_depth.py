@@ -30,18 +30,25 @@ from rdepth.errors import RdepthError
 from rdepth.io import atomic_path, environment_info, write_json, write_text
 from rdepth.report import Report
 from rdepth.report.figures import save_report_figure
-from rdepth.surrogate.pages import plots
 from rdepth.surrogate.bank import build_bank
 from rdepth.surrogate.config import FitConfig
-from rdepth.surrogate.measure.fidelity import evaluate_vision, surrogate_fn, truncated_fn
 from rdepth.surrogate.fit import fit_surrogate
-from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
-from rdepth.surrogate.phases import block_structure, dp_phases, equal_phases
-from rdepth.surrogate.pages.text import markdown_table
-from rdepth.surrogate.measure.similarity import SIMILARITIES, similarity_matrices
+from rdepth.surrogate.measure.fidelity import evaluate_vision, surrogate_fn, truncated_fn
 from rdepth.surrogate.measure.retention import pixel_floor, probe_retention
+from rdepth.surrogate.measure.similarity import SIMILARITIES, similarity_matrices
+from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
+from rdepth.surrogate.pages import plots
+from rdepth.surrogate.pages.text import markdown_table
+from rdepth.surrogate.phases import block_structure, dp_phases, equal_phases
+from rdepth.surrogate.teachers.vit import (
+    N_CLASSES,
+    VISION_TEACHERS,
+    accuracy,
+    image_batches,
+    load_fashion_mnist,
+    train_vit,
+)
 from rdepth.surrogate.vision import cls_feature, features_of
-from rdepth.surrogate.teachers.vit import (N_CLASSES, VISION_TEACHERS, accuracy, image_batches, load_fashion_mnist, train_vit)
 
 log = logging.getLogger("vit_stochastic_depth")
 
@@ -118,9 +125,8 @@ def study_one(config, data: dict, args: argparse.Namespace, out: Path) -> dict:
     retention = probe_retention(features, data["probe"][1], data["test_small"][1], N_CLASSES, data["floor"])
     for name in ("raptor", "equal_split", "truncated"):
         results[name].update(retention[name])
-    with atomic_path(out / f"similarity_{tag}.npz") as tmp:
-        with open(tmp, "wb") as handle:
-            np.savez(handle, **matrices)
+    with atomic_path(out / f"similarity_{tag}.npz") as tmp, open(tmp, "wb") as handle:
+        np.savez(handle, **matrices)
     return {"tag": tag, "vit": config.to_dict(), "train": train_log, "test_acc": test_acc,
             "structure": structure, "phases": list(phases), "equal": list(equal), "fits": fits, "models": results}
 

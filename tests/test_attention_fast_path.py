@@ -11,15 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model
 
+from rdepth.model.decoder import Decoder
 from rdepth.model.kv import AttentionContext, RowsKV
 from rdepth.model.noise import StateNoise
-from rdepth.model.decoder import Decoder
 
-from conftest import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
-from test_decoder import (  # noqa: E402
-    controller_factory, decode_all, make, tokens, varied_setting)
+from test_decoder import controller_factory, decode_all, make, tokens, varied_setting  # noqa: E402
 
 
 def packing_always(decoder: Decoder) -> None:
@@ -64,15 +63,15 @@ def decode_pair(dtype, block, mode, change):
 
 def assert_bit_identical(first, second, first_out, second_out, mode) -> None:
     """Logits, steps computed, iterates handed on, and every key/value slot of the cache."""
-    for a, b in zip(first_out, second_out):
+    for a, b in zip(first_out, second_out, strict=False):
         assert a.dtype == b.dtype and torch.equal(a, b)
     if mode != "fixed":
         assert first_out[1].min() < first_out[1].max(), "the exits should vary"
     for layer in first.cache.looped:
-        for a, b in zip(first.cache.looped[layer], second.cache.looped[layer]):
+        for a, b in zip(first.cache.looped[layer], second.cache.looped[layer], strict=False):
             assert torch.equal(a, b)
     for layer in first.cache.single:
-        for a, b in zip(first.cache.single[layer], second.cache.single[layer]):
+        for a, b in zip(first.cache.single[layer], second.cache.single[layer], strict=False):
             assert torch.equal(a, b)
 
 
@@ -172,4 +171,4 @@ def test_packed_path_layer_call_is_bit_identical_with_the_flag(block):
         assert context.one_per_row and not earlier.one_per_row
         outputs.append((model.layers[0](x, dataclasses.replace(context, one_per_row=flag)), store.cache.slots(0, 1)))
     (fast, fast_kv), (slow, slow_kv) = outputs
-    assert torch.equal(fast, slow) and all(torch.equal(a, b) for a, b in zip(fast_kv, slow_kv))
+    assert torch.equal(fast, slow) and all(torch.equal(a, b) for a, b in zip(fast_kv, slow_kv, strict=False))

@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model
 
+from bench.gpu.batch_quantile import BatchQuantile
 from rdepth.errors import RdepthError
 from rdepth.model.decoder import Decoder
 from rdepth.model.executors.eager import Executor
 from rdepth.model.noise import StateNoise
 
-from bench.gpu.batch_quantile import BatchQuantile
-
-from conftest import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
 from test_decoder import K_MAX, PROMPT, decode_all, tokens  # noqa: E402
 
@@ -65,7 +64,7 @@ def test_quantile_stop_equals_per_row_exits_cut_at_the_known_step(q, check_every
     batch = 8
     idx = tokens(batch)
     noise = StateNoise(4, range(batch))
-    cut = [torch.clamp(exits, max=quantile_stop(exits, q, k)) for exits, k in zip(EXITS, K_MAX)]
+    cut = [torch.clamp(exits, max=quantile_stop(exits, q, k)) for exits, k in zip(EXITS, K_MAX, strict=False)]
     quantile = Decoder(model, batch, controller_factory=lambda: BatchQuantile(ScriptedExits(EXITS), q), noise=noise)
     logits, computed, used = decode_all(quantile.use(Executor(check_every)), idx)
     reference = decode_all(Decoder(model, batch, controller_factory=lambda: ScriptedExits(cut), noise=noise)
@@ -77,7 +76,7 @@ def test_quantile_stop_equals_per_row_exits_cut_at_the_known_step(q, check_every
         assert torch.equal(used[group], expected)  # stragglers hand on their newest state
     assert torch.equal(computed, reference[1]) and torch.equal(used, reference[2])
     assert torch.equal(logits, reference[0])
-    assert any((c < e).any() for c, e in zip(cut, EXITS))  # the quantile did cut someone
+    assert any((c < e).any() for c, e in zip(cut, EXITS, strict=False))  # the quantile did cut someone
 
 
 def test_quantile_one_is_the_per_row_exit():
@@ -89,7 +88,7 @@ def test_quantile_one_is_the_per_row_exit():
                          .use(Executor(check_every=2)), idx)
     full = decode_all(Decoder(model, batch, controller_factory=lambda: BatchQuantile(ScriptedExits(EXITS), 1.0),
                               noise=noise).use(Executor(check_every=2)), idx)
-    for a, b in zip(per_row, full):
+    for a, b in zip(per_row, full, strict=False):
         assert torch.equal(a, b)
     assert torch.equal(per_row[1][:, :, PROMPT:].amax(dim=1), torch.tensor([[6] * 7, [5] * 7]))
 

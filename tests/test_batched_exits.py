@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from rdepth.exits.registry import POLICIES
 from rdepth.model.noise import StateNoise
 
-from conftest import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
-from test_decoder import (  # noqa: E402
-    PROMPT, controller_factory, decode_all, make, tokens, varied_setting)
+from test_decoder import PROMPT, controller_factory, decode_all, make, tokens, varied_setting  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from rdepth.cli.main import main
-from rdepth.exits.controller import controller_factory
-from rdepth.config import ModelConfig
 from rdepth.calibrate.run import better_on_calibration, choose, read_through_rest, record_iterates, refine
+from rdepth.cli.main import main
+from rdepth.config import ModelConfig
+from rdepth.exits.controller import controller_factory
 from rdepth.model import RecurrentLM
 from rdepth.model.noise import StateNoise
 
@@ -43,7 +43,7 @@ def test_refine_corrects_an_estimate_that_misses_on_the_real_run():
              rows((1, 8.0, 0.0), (2, 5.0, 0.002))]
 
     def real(values):
-        chosen = [next(r for r in rows_ if r["value"] == v) for rows_, v in zip(table, values)]
+        chosen = [next(r for r in rows_ if r["value"] == v) for rows_, v in zip(table, values, strict=False)]
         both = all(v != 1 for v in values)
         return {"loss": sum(r["loss"] for r in chosen) + (0.003 if both else 0.0),
                 "steps": sum(r["steps"] for r in chosen)}

@@ -206,7 +206,7 @@ def test_shifting_every_state_changes_no_verdict():
     for claim in (C.claim_step_decay, C.claim_cosine, C.claim_plateau, C.claim_dlr):
         assert claim(far)["verdict"] == claim(near)["verdict"]
     groups = (summary["checkpoints"][0]["budgets"]["long"]["groups"] for summary in (near, far))
-    for a, b in zip(*groups):
+    for a, b in zip(*groups, strict=False):
         assert a["headline"]["noise_floor_step"] == b["headline"]["noise_floor_step"] is not None
         assert a["headline"]["settled_cosine_window"]["window"] == b["headline"]["settled_cosine_window"]["window"]
     assert C.claim_cosine(far)["verdict"] == C.REPRODUCED
@@ -223,7 +223,7 @@ def sweep(rules: dict[str, list[tuple[float, float]]], full_steps: float = 24.0)
     reference = {"budget": [8, 8, 8], "ppl": full, "mean_steps": [full_steps / 3] * 3}
     result_points = []
     for policy, rows in rules.items():
-        for tau, (rise, steps) in zip(SCALE_FREE_GRID[policy], rows):
+        for tau, (rise, steps) in zip(SCALE_FREE_GRID[policy], rows, strict=False):
             result_points.append({"policy": policy, "parameter": "tau", "value": tau, "ppl": full * (1 + rise),
                                   "steps": steps, "mean_steps": [steps / 3] * 3,
                                   "baseline": {"budget": [6, 6, 6], "ppl": full, "mean_steps": [6.0] * 3}})

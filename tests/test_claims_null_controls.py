@@ -12,8 +12,13 @@ from rdepth.cli.main import main
 from rdepth.errors import RdepthError
 from rdepth.geometry.metrics import drift_to_loop_ratio, handoff_ratio
 from rdepth.geometry.stream import GeometryObserver
-from rdepth.geometry.summary import (HANDOFF_CONTROL, checkpoint_entry, noise_floor_step, settled_window,
-                                     summarize_budget)
+from rdepth.geometry.summary import (
+    HANDOFF_CONTROL,
+    checkpoint_entry,
+    noise_floor_step,
+    settled_window,
+    summarize_budget,
+)
 from rdepth.geometry.synthetic import LoopDynamics, dynamics_from_curves, observe, trajectories
 from rdepth.reproduce import claims as C
 

@@ -157,7 +157,7 @@ def test_task_sweep_measures_depth_from_its_own_evaluations(small_chase_data):
             row = next(r for r in depth["settings"] if r["label"] == point["label"])
             assert 1 <= row["mean_steps"] <= 3
     one = run_task_sweep(model, heldouts[1:], config, hops=hops[1:], tolerance=1.0)  # one difficulty: the entry's mean
-    for point, row in zip(one["difficulties"][0]["points"], one["depth"]["settings"]):
+    for point, row in zip(one["difficulties"][0]["points"], one["depth"]["settings"], strict=False):
         assert row["mean_steps"] == pytest.approx(point["mean_steps_answer"])
     best = one["summary"]["difficulties"][0]["best"]  # on one difficulty, the depth headline's best is the sweep's
     assert best is not None and one["summary"]["depth"]["best"]["label"] == best["label"]

@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from exit_workload import (mixed_heldout, oracle_budgets, router_budgets,  # noqa: E402
-                           steps_by_difficulty, window_solved)
+from exit_workload import mixed_heldout, oracle_budgets, router_budgets, steps_by_difficulty, window_solved  # noqa: E402
 
 
 def test_the_oracle_takes_each_problems_smallest_solving_budget_and_the_full_one_when_none_does():

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rdepth.config import get_preset
-from rdepth.exits.controller import controller_factory
 from rdepth.exits import make_policy, replay
+from rdepth.exits.controller import controller_factory
 from rdepth.model import RecurrentLM
 from rdepth.model.decoder import Decoder
 

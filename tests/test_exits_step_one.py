@@ -10,8 +10,8 @@ import torch
 from conftest import tiny_model
 
 from rdepth.errors import RdepthError
-from rdepth.exits.controller import controller_factory
 from rdepth.exits import make_policy, replay
+from rdepth.exits.controller import controller_factory
 from rdepth.exits.gate import ExitGate, gate_features, random_gate, stable_from
 from rdepth.model.decoder import Decoder
 from rdepth.model.noise import StateNoise

@@ -9,11 +9,11 @@ import torch
 
 from rdepth.config import get_preset
 from rdepth.errors import RdepthError
+from rdepth.model import RecurrentLM
 from rdepth.sweep.report import write_report_section
 from rdepth.sweep.stats import compare, format_ratio, quartiles, spread
 from rdepth.sweep.summary import matched_quality, packed_over_dense, summarize
 from rdepth.sweep.timing import generate_call, time_interleaved
-from rdepth.model import RecurrentLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

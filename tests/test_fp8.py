@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_config
 from torch import nn
 
-from conftest import tiny_config
 from rdepth.errors import RdepthError
 from rdepth.model import RecurrentLM
 from rdepth.model.noise import StateNoise
@@ -191,7 +191,7 @@ def test_training_steps_in_float8_follow_the_float32_run(monkeypatch):
     losses, trainer = steps_of(True, 6, monkeypatch)
     assert isinstance(trainer.fp8_plan, FP8Plan) and len(trainer.fp8_plan.layers) == 20
     assert isinstance(trainer.model.layers[2].mlp.fc, Float8Linear)
-    gaps = [abs(a - b) / b for a, b in zip(losses, reference)]
+    gaps = [abs(a - b) / b for a, b in zip(losses, reference, strict=False)]
     assert max(gaps) < 0.02, gaps
     assert losses != reference
     # The parameters are still float32 nn.Parameters: the optimizer stepped them.
@@ -217,7 +217,7 @@ def test_one_compiled_loop_step_in_float8_equals_the_uncompiled_one():
             loss.backward()
             results.append((loss.detach(), [p.grad.clone() for p in m.parameters() if p.grad is not None]))
         assert torch.equal(results[0][0], results[1][0])
-        assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+        assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=False))
 
 
 def _float8_card() -> bool:
@@ -236,7 +236,7 @@ def test_float8_on_the_card_follows_bf16():
                              fp8=fp8, max_steps=100, warmup_steps=2, lr=1e-2)
         trainer = TrainStep.on_tokens(tiny_config(vocab_size=64, d_model=64, n_head=4), config)
         runs[fp8] = [float(trainer.train_step(step)[0]) for step in range(8)]
-    gaps = [abs(a - b) / b for a, b in zip(runs[True], runs[False])]
+    gaps = [abs(a - b) / b for a, b in zip(runs[True], runs[False], strict=False)]
     assert max(gaps) < 0.02, (runs, gaps)
     assert runs[True] != runs[False]
 
@@ -263,7 +263,7 @@ def test_the_suite_section_trains_both_runs_on_the_same_tokens(monkeypatch, tmp_
     bf16, fp8 = result["bf16"], result["fp8"]
     assert len(bf16["loss"]) == len(fp8["loss"]) == 3 and bf16["loop_counts"] == fp8["loop_counts"]
     assert bf16["loss"] != fp8["loss"] and fp8["plan"]["adapters"] == ["adapters.0", "adapters.1", "adapters.2"]
-    assert result["relative_gap"] == [(b - a) / a for a, b in zip(bf16["loss"], fp8["loss"])]
+    assert result["relative_gap"] == [(b - a) / a for a, b in zip(bf16["loss"], fp8["loss"], strict=False)]
     assert result["max_abs_relative_gap"] < 0.02 and bf16["mfu"] is None and fp8["tokens_per_s"] > 0
     assert "wiki512" in result["data"] and "bpe:512" in result["data"]
     report = {"environment": {"device": "cpu"}, "settings": {"smoke": True, "preset": "tiny", "budget_s": 60.0},

@@ -5,16 +5,13 @@ split the rows unevenly, with ignored targets; under bf16 autocast it stays with
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+import torch.nn.functional as F
+from conftest import tiny_model
 
 from rdepth.model.fused_loss import linear_cross_entropy, readout_loss
-import torch.nn.functional as F
-
 from rdepth.model.recurrent import lm_loss
-
-from conftest import tiny_model
 
 
 def case(dtype=torch.float64):
@@ -45,7 +42,7 @@ def test_fused_equals_unfused_in_float64(chunk_rows):
     fused = readout_loss(model, x, targets, chunk_rows)
     assert fused.dtype == torch.float64
     torch.testing.assert_close(fused, expected, rtol=0, atol=1e-13)
-    for got, want in zip(gradients(model, x, fused), gradients(model, x, unfused(model, x, targets))):
+    for got, want in zip(gradients(model, x, fused), gradients(model, x, unfused(model, x, targets)), strict=False):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
 
 
@@ -53,7 +50,7 @@ def test_fused_equals_lm_loss_in_float32():
     model, x, targets = case(torch.float32)
     fused, current = readout_loss(model, x, targets, 5), lm_loss(model.readout(x), targets)
     torch.testing.assert_close(fused, current, rtol=1e-6, atol=1e-6)
-    for got, want in zip(gradients(model, x, fused), gradients(model, x, lm_loss(model.readout(x), targets))):
+    for got, want in zip(gradients(model, x, fused), gradients(model, x, lm_loss(model.readout(x), targets)), strict=False):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -80,7 +77,7 @@ def test_the_incoming_gradient_scales_the_kept_gradients():
     model, x, targets = case()
     fused = 0.25 * readout_loss(model, x, targets, 4)
     expected = 0.25 * unfused(model, x, targets)
-    for got, want in zip(gradients(model, x, fused), gradients(model, x, expected)):
+    for got, want in zip(gradients(model, x, fused), gradients(model, x, expected), strict=False):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
 
 
@@ -110,7 +107,7 @@ def test_the_model_forward_with_the_fused_head_equals_the_logits_head():
     assert fused_out.logits is None and logits_out.logits is not None
     assert fused_out.loss.dtype == torch.float64
     torch.testing.assert_close(fused_out.loss.float(), logits_out.loss, rtol=1e-6, atol=1e-6)
-    for got, want in zip(fused_grads, logits_grads):
+    for got, want in zip(fused_grads, logits_grads, strict=False):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="loss_head must be one of"):
         model(idx, targets, (1, 1), loss_head="fast")
@@ -124,7 +121,7 @@ def test_the_compiled_chunk_arithmetic_equals_the_eager_one():
     eager = readout_loss(model, x, targets, 8)
     compiled = readout_loss(model, x, targets, 8, compiled=True)
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
-    for got, want in zip(gradients(model, x, compiled), gradients(model, x, eager)):
+    for got, want in zip(gradients(model, x, compiled), gradients(model, x, eager), strict=False):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

@@ -38,7 +38,7 @@ def test_planted_linear_map_gives_its_eigenvalues():
     jacobian = own_state_jacobian(step, torch.cat([other, torch.randn(1, 6, dtype=torch.float64)]))
     torch.testing.assert_close(jacobian, matrix)
     values = leading_eigenvalues(jacobian, 6)
-    for got, want in zip(values.tolist(), expected):
+    for got, want in zip(values.tolist(), expected, strict=False):
         assert abs(got - want) < 1e-10
     rows = eigen_rows(values)
     assert rows[0]["modulus"] == pytest.approx(0.8) and rows[0]["angle_deg"] == pytest.approx(-70.0)
@@ -114,9 +114,10 @@ def test_a_chunked_jacobian_equals_the_whole_and_the_chunk_fits_its_budget():
     per_pass = 9 * 1 * (8 * 16 + 3 * config.hidden_width + 2 * 2 * 9) * 8
     assert jacobian_chunk(model, 0, 9, budget=5 * per_pass) == 5
     assert jacobian_chunk(model, 0, 9, budget=1) == 1
-    from rdepth.interop.hf_raven import HUGINN_0125, raven_model_config
-    from rdepth.config import ModelConfig
     from pathlib import Path
+
+    from rdepth.config import ModelConfig
+    from rdepth.interop.hf_raven import HUGINN_0125, raven_model_config
 
     huginn = ModelConfig.from_dict({**raven_model_config(Path("h"), HUGINN_0125), "tokenizer": "bpe:65536"})
     with torch.device("meta"):

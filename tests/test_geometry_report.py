@@ -6,8 +6,16 @@ import numpy as np
 import pytest
 
 from rdepth.geometry.report_page import at_a_glance, dlr_note, drift_scale_rows, geometry_section, loop_scale_rows
-from rdepth.geometry.summary import (DLR_LABELS, NOISE_FLOOR, SETTLED_STEPS, group_headline, noise_floor_step,
-                                     scale_budget, settled_cosine, step_ratio)
+from rdepth.geometry.summary import (
+    DLR_LABELS,
+    NOISE_FLOOR,
+    SETTLED_STEPS,
+    group_headline,
+    noise_floor_step,
+    scale_budget,
+    settled_cosine,
+    step_ratio,
+)
 
 
 def _group(steps: int = 12) -> dict:

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import torch
 
-WORDS = ("the a river city old new small large north south king queen museum library station garden bridge "
-         "tower market school village forest mountain lake island road castle hill town wall").split()
+WORDS = ["the", "a", "river", "city", "old", "new", "small", "large", "north", "south", "king", "queen", "museum", "library", "station", "garden", "bridge", "tower", "market", "school", "village", "forest", "mountain", "lake", "island", "road", "castle", "hill", "town", "wall"]
 
 
 def sentences(count: int, seed: int = 1) -> list[str]:

@@ -13,11 +13,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from test_hf_helpers import cli, one_line_error, sentences, tiny_run, tiny_tokenizer  # noqa: E402
 
 from rdepth.model.generation import generate
 from rdepth.model.noise import StateNoise
-
-from test_hf_helpers import cli, one_line_error, sentences, tiny_run, tiny_tokenizer  # noqa: E402
 
 TASK = "rdepth_heldout_endings"
 
@@ -65,7 +64,7 @@ def test_loglikelihood_is_the_models_own(run):
     for batch_size in (1, 8):
         lm = RdepthLM(str(folder), loops="2:3", batch_size=batch_size)
         scores[batch_size] = lm.loglikelihood(instances("loglikelihood", pairs), disable_tqdm=True)
-    for (context, continuation), (score, greedy), (score_1, greedy_1) in zip(pairs, scores[8], scores[1]):
+    for (context, continuation), (score, greedy), (score_1, greedy_1) in zip(pairs, scores[8], scores[1], strict=False):
         context_ids = tokenizer.encode(context) if context else [tokenizer.eot_id]
         ids = context_ids + tokenizer.encode(context + continuation)[len(tokenizer.encode(context)) if context else 0:]
         expected, expected_greedy = hand_scores(model, ids, len(context_ids), (2, 3))
@@ -94,7 +93,7 @@ def test_loglikelihood_rolling_and_generate_until(run):
     lm.batch_size = 2
     texts = lm.generate_until(instances("generate_until", [(p, {"until": ["."], "max_gen_toks": 6 + 3 * i})
                                                            for i, p in enumerate(prompts)]), disable_tqdm=True)
-    for i, (prompt, text) in enumerate(zip(prompts, texts)):
+    for i, (prompt, text) in enumerate(zip(prompts, texts, strict=False)):
         ids = tokenizer.encode(prompt)
         tokens = generate(model, torch.tensor([ids]), 6 + 3 * i, temperature=0, loop_counts=(2, 2),
                           noise=StateNoise(0, [0]))
@@ -195,8 +194,8 @@ def test_exported_folder_scores_the_same_through_the_hf_model(run, task_folder, 
                              "loop_counts=3:2,dtype=float32", batch_size=4, device="cpu", **common)
     for metric in ("acc,none", "acc_norm,none"):
         assert ours["results"][TASK][metric] == theirs["results"][TASK][metric]
-    for a, b in zip(ours["samples"][TASK], theirs["samples"][TASK]):
-        for (score_a, _), (score_b, _) in zip(a["filtered_resps"], b["filtered_resps"]):
+    for a, b in zip(ours["samples"][TASK], theirs["samples"][TASK], strict=False):
+        for (score_a, _), (score_b, _) in zip(a["filtered_resps"], b["filtered_resps"], strict=False):
             assert score_a == pytest.approx(score_b, abs=1e-4)
 
 
@@ -319,7 +318,7 @@ def test_batched_generation_through_lm_evals_own_hf_model_equals_each_prompt_alo
     samples = sorted(result["samples"][GEN_TASK], key=lambda sample: sample["doc_id"])
     assert len(samples) == len(contexts)
     tokenizer = tiny_tokenizer()
-    for sample, context in zip(samples, contexts):
+    for sample, context in zip(samples, contexts, strict=False):
         ids = torch.tensor([tokenizer.encode(context)])
         with torch.no_grad():
             tokens = generate(model, ids, 6, loop_counts=(3, 2), noise=StateNoise(0, [0]))[0, ids.shape[1]:]

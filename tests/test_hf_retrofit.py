@@ -6,12 +6,11 @@ import json
 
 import pytest
 import torch
+from test_hf_helpers import cli, one_line_error, tiny_run, tiny_tokenizer  # noqa: E402
 
 from rdepth.errors import RdepthError
 from rdepth.model.generation import generate
 from rdepth.model.noise import StateNoise
-
-from test_hf_helpers import cli, one_line_error, tiny_run, tiny_tokenizer  # noqa: E402
 
 TEXT = "The small village by the lake has an old market and a tower"
 

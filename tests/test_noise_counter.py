@@ -11,9 +11,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rdepth.model.noise import (_MUL1, _MUL2, _SPREAD, CounterNoise, _bits_tensor, _element_keys, _group_lanes,
-                                _sequence_lanes, counter_bits_reference, counter_draw,
-                                counter_truncated_normal)
+from rdepth.model.noise import (
+    _MUL1,
+    _MUL2,
+    _SPREAD,
+    CounterNoise,
+    _bits_tensor,
+    _element_keys,
+    _group_lanes,
+    _sequence_lanes,
+    counter_bits_reference,
+    counter_draw,
+    counter_truncated_normal,
+)
 
 STD = 0.5
 

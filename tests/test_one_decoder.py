@@ -79,7 +79,8 @@ def test_every_decoding_entry_point_runs_the_decoder(monkeypatch):
     """generate, speculative decoding and greedy fills construct a Decoder (counted), and none of them
     calls the model's forward with a cache."""
     from rdepth.config import get_preset
-    from rdepth.model import RecurrentLM, decoder as decoder_module, generation, speculative
+    from rdepth.model import RecurrentLM, generation, speculative
+    from rdepth.model import decoder as decoder_module
     from rdepth.model.noise import StateNoise
 
     made = []
@@ -157,6 +158,7 @@ def test_one_default_temperature_greedy_in_both_generate_functions():
     import inspect
 
     from conftest import tiny_model
+
     from rdepth.model.decoder import Decoder
     from rdepth.model.generation import generate
     from rdepth.model.noise import StateNoise

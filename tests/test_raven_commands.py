@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_hf_helpers import cli, one_line_error, sentences  # noqa: E402
 
 from rdepth.model.noise import StateNoise
-
-from test_hf_helpers import cli, one_line_error, sentences  # noqa: E402
 
 VOCAB = 320
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reliability_helpers import error_line, train_argv  # noqa: E402
 
 from rdepth.cli.main import main
 from rdepth.data.shards import ShardWriter, TokenShards
 from rdepth.errors import RdepthError
 from rdepth.io import dataclass_from_dict, write_json
 from rdepth.run.checkpoint import list_checkpoints
-from reliability_helpers import error_line, train_argv  # noqa: E402
 
 
 @pytest.fixture(scope="module")

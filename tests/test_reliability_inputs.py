@@ -10,11 +10,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from reliability_helpers import error_line, train_argv  # noqa: E402
 
 from rdepth.cli.main import main
 from rdepth.config import ModelConfig
 from rdepth.errors import RdepthError
-from reliability_helpers import error_line, train_argv  # noqa: E402
 
 
 @pytest.fixture(scope="module")

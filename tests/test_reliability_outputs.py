@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reliability_helpers import error_line, train_argv  # noqa: E402
 
 from rdepth.cli.main import main
 from rdepth.errors import RdepthError
-from rdepth.io import (JOURNAL_NAME, STAGING_NAME, atomic_path, exclusive, staged_output, write_json)
-from reliability_helpers import error_line, train_argv  # noqa: E402
+from rdepth.io import JOURNAL_NAME, STAGING_NAME, atomic_path, exclusive, staged_output, write_json
 
 CALIBRATE = ["--max-quality-loss", "0.5", "--windows", "4", "--validation-windows", "4", "--threads", "1"]
 
@@ -357,10 +357,9 @@ def test_checkpoint_files_have_ordinary_modes(runs):
 
 
 def test_atomic_path_leaves_nothing_on_error(tmp_path):
-    with pytest.raises(ValueError):
-        with atomic_path(tmp_path / "x.json") as tmp:
-            tmp.write_text("half")
-            raise ValueError
+    with pytest.raises(ValueError), atomic_path(tmp_path / "x.json") as tmp:
+        tmp.write_text("half")
+        raise ValueError
     assert list(tmp_path.iterdir()) == []
 
 

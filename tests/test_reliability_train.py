@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from reliability_helpers import error_line, train_argv  # noqa: E402
 from safetensors.torch import load_file
 
+from rdepth import io
 from rdepth.cli.main import main
 from rdepth.errors import RdepthError
-from rdepth import io
 from rdepth.io import read_jsonl
 from rdepth.run import checkpoint as ckpt
 from rdepth.run.checkpoint import list_checkpoints
-from reliability_helpers import error_line, train_argv  # noqa: E402
 
 LOCK_NAME = ".rdepth.lock"
 
@@ -92,9 +92,8 @@ def test_two_trains_started_together_one_wins(wiki_small, tmp_path):
 def test_exclusive_helper(tmp_path):
     afile = tmp_path / "file"
     afile.write_text("x")
-    with pytest.raises(RdepthError, match="not a folder"):
-        with io.exclusive(afile, "analyze"):
-            pass
+    with pytest.raises(RdepthError, match="not a folder"), io.exclusive(afile, "analyze"):
+        pass
     fresh = tmp_path / "fresh"
     with io.exclusive(fresh, "analyze") as folder:
         assert (folder / LOCK_NAME).is_file()

@@ -24,10 +24,10 @@ def _recorded(monkeypatch) -> list[int]:
 
 
 def test_analyze_and_sweep_set_threads_first(monkeypatch, tmp_path):
-    from rdepth.sweep.config import SweepConfig
-    from rdepth.sweep.run import sweep_checkpoint
     from rdepth.geometry.analyze import analyze
     from rdepth.geometry.config import AnalyzeConfig
+    from rdepth.sweep.config import SweepConfig
+    from rdepth.sweep.run import sweep_checkpoint
 
     calls = _recorded(monkeypatch)
     missing = str(tmp_path / "no-run")
@@ -44,8 +44,8 @@ def test_analyze_and_sweep_set_threads_first(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_threads_must_be_a_count(bad, tmp_path):
-    from rdepth.sweep.config import SweepConfig
     from rdepth.geometry.config import AnalyzeConfig
+    from rdepth.sweep.config import SweepConfig
 
     with pytest.raises(RdepthError, match="threads"):
         AnalyzeConfig(checkpoints=["x"], data="x", out="x", threads=bad)

@@ -10,10 +10,20 @@ import pytest
 
 from rdepth.cli.main import main
 from rdepth.errors import RdepthError
-from rdepth.sweep.summary import summarize
 from rdepth.reproduce import claims as C
 from rdepth.reproduce.config import ReproduceConfig
-from rdepth.reproduce.plan import (SAFETY_SECONDS, SPEED_MARGIN, Probe, Workload, expected_train_flops, plan_run, probe_from_steps, size_config, train_flops)
+from rdepth.reproduce.plan import (
+    SAFETY_SECONDS,
+    SPEED_MARGIN,
+    Probe,
+    Workload,
+    expected_train_flops,
+    plan_run,
+    probe_from_steps,
+    size_config,
+    train_flops,
+)
+from rdepth.sweep.summary import summarize
 
 # ------------------------------------------------------------------ constructed geometry summaries
 
@@ -210,7 +220,7 @@ def _sweep(ppl: dict[str, list[float]], ms: dict[str, float], steps: dict[str, l
     for policy, values in ppl.items():
         taus = SCALE_FREE_GRID.get(policy, PAPER_TAUS)
         counts = (steps or {}).get(policy) or [18.0] * len(values)
-        for tau, value, total in zip(taus, values, counts):
+        for tau, value, total in zip(taus, values, counts, strict=False):
             per_group = [total / 3] * 3
             baseline = {"budget": [6, 6, 6], "ppl": 100.5, "mean_steps": [6.0] * 3, **_timed(2.5)}
             points.append({"policy": policy, "parameter": "tau", "value": tau, "ppl": value, "mean_steps": per_group,
@@ -235,7 +245,7 @@ def _fronts(accel: tuple[list, list], kl: tuple[list, list], step: tuple[list, l
     ppl = {name: values for name, (values, _) in rules.items()}
     steps = {name: counts for name, (_, counts) in rules.items()}
     ppl.update(acceleration=paper[0], step_norm=paper[2])
-    ms = dict(zip(rules, per_step_ms), acceleration=1.0, step_norm=1.0)
+    ms = dict(zip(rules, per_step_ms, strict=False), acceleration=1.0, step_norm=1.0)
     return _sweep(ppl, ms, steps)  # KL's own grid holds the paper's four taus: its rows serve both
 
 

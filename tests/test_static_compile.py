@@ -9,16 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-from rdepth.model.noise import StateNoise
-from rdepth.model.decoder import Decoder
-from rdepth.model.executors.eager import Executor
 
 from bench.gpu.executors.compiled import Compiled
 from bench.gpu.executors.graphs import Captured
+from rdepth.model.decoder import Decoder
+from rdepth.model.executors.eager import Executor
+from rdepth.model.noise import StateNoise
 
-from conftest import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
 from test_decoder import controller_factory, step_through, tokens, varied_setting  # noqa: E402
 

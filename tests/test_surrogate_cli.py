@@ -16,8 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-WORDS = ("the a river city old new small large north south king queen museum library station "
-         "garden bridge tower market school village forest mountain lake island road").split()
+WORDS = ["the", "a", "river", "city", "old", "new", "small", "large", "north", "south", "king", "queen", "museum", "library", "station", "garden", "bridge", "tower", "market", "school", "village", "forest", "mountain", "lake", "island", "road"]
 
 @pytest.fixture
 def tiny_teacher(tmp_path):

@@ -9,8 +9,7 @@ import pytest
 
 from rdepth.cli.options import add_dataclass_flags, build
 from rdepth.errors import RdepthError
-from rdepth.surrogate.config import (INIT_CHOICES, PHASE_METHOD_NAMES, SIMILARITY_NAMES, FitConfig,
-                                     SurrogateRunConfig)
+from rdepth.surrogate.config import INIT_CHOICES, PHASE_METHOD_NAMES, SIMILARITY_NAMES, FitConfig, SurrogateRunConfig
 
 
 def _parse(*argv: str) -> SurrogateRunConfig:

@@ -50,7 +50,7 @@ def compare(model, teacher):
         mine = teacher.layer_states(ids, mask)
         mine[-1] = teacher.readout(mine[-1])  # transformers applies GPT-2's ln_f to the last entry
     assert len(reference) == len(mine) == teacher.n_layers + 1
-    for depth, (a, b) in enumerate(zip(reference, mine)):
+    for depth, (a, b) in enumerate(zip(reference, mine, strict=False)):
         assert torch.allclose(a[mask], b[mask], atol=1e-5, rtol=0), f"depth {depth}"
 
 
@@ -114,7 +114,7 @@ def test_minilm_states_match_packaged_model():
                                     output_hidden_states=True).hidden_states
         mine = teacher.layer_states(batch.ids, batch.mask)
     assert len(mine) == 7
-    for a, b in zip(reference, mine):
+    for a, b in zip(reference, mine, strict=False):
         assert torch.allclose(a[batch.mask], b[batch.mask], atol=1e-5, rtol=0)
     sentence_transformers = pytest.importorskip("sentence_transformers")
     packaged = sentence_transformers.SentenceTransformer(str(directory), device="cpu")
@@ -125,9 +125,9 @@ def test_minilm_states_match_packaged_model():
 
 def test_minilm_l3_onnx_matches_reference_evaluator():
     pytest.importorskip("onnx")
+    from rdepth.surrogate.teachers.onnx_loader import minilm_l3_onnx_path
     from rdepth.surrogate.teachers.registry import load_teacher, resolve_teacher
     from rdepth.surrogate.teachers.text import TextTokenizer
-    from rdepth.surrogate.teachers.onnx_loader import minilm_l3_onnx_path
 
     try:
         path = minilm_l3_onnx_path()

@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from rdepth.surrogate.measure.dynamics import angular_convergence, effective_rank, mean_direction_coherence, update_effective_rank
+from rdepth.surrogate.measure.dynamics import (
+    angular_convergence,
+    effective_rank,
+    mean_direction_coherence,
+    update_effective_rank,
+)
 from rdepth.surrogate.measure.fidelity import fidelity, probe_accuracy, ridge_probe, spearman, text_retention
 from rdepth.surrogate.measure.similarity import cka, linear_cka, pooled_cosine, token_cosine
 

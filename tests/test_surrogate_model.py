@@ -12,11 +12,11 @@ from torch import nn
 
 from rdepth.errors import RdepthError
 from rdepth.surrogate.bank import build_bank
-from rdepth.surrogate.measure.fidelity import collect_states, fidelity, surrogate_fn, truncated_fn
 from rdepth.surrogate.fit import FitConfig, fit_surrogate, force_probability, stage_force, stage_loss, state_loss
+from rdepth.surrogate.measure.fidelity import collect_states, fidelity, surrogate_fn, truncated_fn
+from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig, load_surrogate
 from rdepth.surrogate.teachers.hf_loader import Gpt2Embedding
 from rdepth.surrogate.teachers.layers import LayerSpec, Teacher, TransformerLayer
-from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig, load_surrogate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,7 +46,7 @@ def test_k_equals_l_reproduces_teacher_exactly(norm_position, causal):
     surrogate = RaptorSurrogate(teacher, SurrogateConfig((1, 1, 1, 1))).eval()
     ids, mask, _ = batches(1)[0]
     with torch.no_grad():
-        for a, b in zip(teacher.layer_states(ids, mask), surrogate.layer_states(ids, mask)):
+        for a, b in zip(teacher.layer_states(ids, mask), surrogate.layer_states(ids, mask), strict=False):
             assert torch.equal(a, b)
         assert torch.equal(teacher(ids, mask), surrogate(ids, mask))
 

@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from rdepth.errors import RdepthError
-from rdepth.surrogate.phases import (all_segmentations, block_structure, brute_force_phases, dp_phases,
-                                     equal_phases, max_cut_phases, segmentation_score)
+from rdepth.surrogate.phases import (
+    all_segmentations,
+    block_structure,
+    brute_force_phases,
+    dp_phases,
+    equal_phases,
+    max_cut_phases,
+    segmentation_score,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

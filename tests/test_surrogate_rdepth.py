@@ -31,8 +31,8 @@ def _run(tmp_path, wiki_small, groups: str):
 
 
 def test_teacher_states_are_the_model_states(tmp_path, wiki_small):
-    from rdepth.surrogate.teachers.registry import load_teacher, text_tokenizer
     from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
+    from rdepth.surrogate.teachers.registry import load_teacher, text_tokenizer
 
     run, model = _run(tmp_path, wiki_small, "")
     teacher = load_teacher(str(run))
@@ -49,7 +49,7 @@ def test_teacher_states_are_the_model_states(tmp_path, wiki_small):
         assert torch.equal(logits, model(batch.ids).logits)
         # k = L surrogate initialised from the teacher is the teacher; a random block is a sandwich block.
         exact = RaptorSurrogate(teacher, SurrogateConfig((1, 1, 1)))
-        for ours, theirs in zip(exact.layer_states(batch.ids, batch.mask), states):
+        for ours, theirs in zip(exact.layer_states(batch.ids, batch.mask), states, strict=False):
             assert torch.equal(ours, theirs)
         fresh = RaptorSurrogate(teacher, SurrogateConfig((2, 1), init="random"))
         assert type(fresh.blocks[0]) is type(teacher.layers[0])

@@ -165,8 +165,8 @@ def test_tiny_vision_run_end_to_end_and_teacher_reuse(small_fmnist, tmp_path, ca
     assert config["teacher"]["trained_here"] is True
     # the same settings in the same folder reuse the saved teacher; a teacher folder given by path is loaded
     from rdepth.surrogate.config import SurrogateRunConfig, VisionConfig
-    from rdepth.surrogate.vision import vision_teacher
     from rdepth.surrogate.teachers.vit import load_fashion_mnist
+    from rdepth.surrogate.vision import vision_teacher
 
     data = (load_fashion_mnist("train", small_fmnist), load_fashion_mnist("test", small_fmnist))
     vision = VisionConfig(vit_epochs=1, data_dir=str(small_fmnist))

@@ -47,7 +47,7 @@ def test_sampler_draws_problem_starts_up_to_the_step_level(task_data):
     shards = TokenShards.open(task_data)
     starts, levels = shards.problem_index("train")
     sampler = BatchSampler(shards.train, 64, 20, seed=3, starts=starts, levels=levels, curriculum_steps=100)
-    by_start = dict(zip(starts.tolist(), levels.tolist()))
+    by_start = dict(zip(starts.tolist(), levels.tolist(), strict=False))
     for step, top in ((0, 2), (60, 3), (200, 4)):
         offsets = sampler.offsets(step)
         assert all(int(o) in by_start for o in offsets)
@@ -90,13 +90,14 @@ def test_train_with_a_curriculum_logs_the_level(task_data, tmp_path, capsys):
 
 
 def test_task_sweep_counts_answer_and_other_steps_on_one_path(task_data, tmp_path, capsys):
+    import torch
+
+    from rdepth.config import ModelConfig
+    from rdepth.model import RecurrentLM
     from rdepth.sweep.config import SweepConfig
     from rdepth.sweep.task import pareto_front, run_task_sweep
     from rdepth.tasks.data import load_heldout
-    from rdepth.config import ModelConfig
-    from rdepth.model import RecurrentLM
     from rdepth.tasks.evaluate import heldout_accuracy
-    import torch
 
     torch.manual_seed(0)
     model = RecurrentLM(ModelConfig(n_layer=2, n_head=2, d_model=16, block_size=20, vocab_size=42, groups="1",

@@ -10,14 +10,26 @@ import pytest
 import torch
 
 from rdepth.data.shards import TokenShards
+from rdepth.data.task_vocab import EOT_ID, SYMBOL_IDS, TOKENS
 from rdepth.errors import RdepthError
-from rdepth.tasks import (TASKS, TaskDataConfig, TaskVocab, answer_accuracy, answer_masks, get_task,
-                          load_heldout, load_task_vocab, pack_windows, parse_mixture, prepare_task_data,
-                          problem_correct, render_stream)
+from rdepth.tasks import (
+    TASKS,
+    TaskDataConfig,
+    TaskVocab,
+    answer_accuracy,
+    answer_masks,
+    get_task,
+    load_heldout,
+    load_task_vocab,
+    pack_windows,
+    parse_mixture,
+    prepare_task_data,
+    problem_correct,
+    render_stream,
+)
 from rdepth.tasks.assign import AssignTask
 from rdepth.tasks.chase import ChaseTask
 from rdepth.tasks.modsum import ModSumTask
-from rdepth.data.task_vocab import EOT_ID, SYMBOL_IDS, TOKENS
 
 VOCAB = TaskVocab("task:test")
 
@@ -84,14 +96,14 @@ def main_query_depth(task, problem) -> int:
     queries = [names[p - 1] for p in problem.answer_positions]
     if isinstance(task, ChaseTask):
         if task.ordered:
-            arrows = dict(zip("abcdefghijklmnopqrstuvwxyz", names[:statement_end]))
+            arrows = dict(zip("abcdefghijklmnopqrstuvwxyz", names[:statement_end], strict=False))
         else:
-            arrows = dict(zip(names[0:statement_end:2], names[1:statement_end:2]))
+            arrows = dict(zip(names[0:statement_end:2], names[1:statement_end:2], strict=False))
 
         def hops(symbol):
             return 0 if arrows[symbol] == symbol else 1 + hops(arrows[symbol])
     else:
-        sources = dict(zip(names[0:statement_end:3], names[2:statement_end:3]))
+        sources = dict(zip(names[0:statement_end:3], names[2:statement_end:3], strict=False))
         def hops(symbol):
             return 0 if symbol.isdigit() else 1 + hops(sources[symbol])
     return max(hops(q) for q in queries)
@@ -125,7 +137,7 @@ def test_chase_min_distractor_hops_makes_every_chain_as_long_as_the_main_one():
     for difficulty in (1, 3, 5, 7):
         for _ in range(10):
             problem = task.sample(rng, difficulty)
-            successor = dict(zip(SYMBOL_IDS[:16], problem.tokens[:16]))
+            successor = dict(zip(SYMBOL_IDS[:16], problem.tokens[:16], strict=False))
             sources = set(successor.values())
             starts = [s for s in successor if s not in sources]  # chain heads (no arrow in)
             lengths = []
@@ -177,7 +189,7 @@ def test_stream_is_deterministic_by_seed_and_aligned():
     ends = np.flatnonzero(tokens == EOT_ID)
     starts = np.concatenate([[0], ends[:-1] + 1])
     kinds = set()
-    for start, end in zip(starts, ends):
+    for start, end in zip(starts, ends, strict=False):
         doc = tokens[start:end]
         task = get_task("modsum" if doc[0] == ids("+")[0] else "chase")
         kinds.add(task.name)
@@ -268,7 +280,7 @@ def test_prepare_task_data_opens_as_shards(tmp_path):
         assert tokens.size == mask.size and manifest["masks"][split]["answers"] == mask.sum()
         ends = np.flatnonzero(tokens == EOT_ID)
         assert ends[-1] == tokens.size - 1 and not mask[ends].any()
-        for start, end in zip(np.concatenate([[0], ends[:-1] + 1]), ends):
+        for start, end in zip(np.concatenate([[0], ends[:-1] + 1]), ends, strict=False):
             doc = tokens[start:end]
             task = get_task("assign" if TOKENS[doc[1]] == "=" else "chase")
             assert tuple(doc[mask[start:end]]) == task.solve(doc)

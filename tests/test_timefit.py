@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from reliability_helpers import error_line, train_argv
 from safetensors.torch import load_file
 
 from rdepth.cli.main import main
@@ -17,7 +18,6 @@ from rdepth.run.checkpoint import list_checkpoints
 from rdepth.train import timefit
 from rdepth.train.config import TrainConfig
 from rdepth.train.optim import lr_at
-from reliability_helpers import error_line, train_argv
 
 STEPS = ("--max-steps", "20", "--eval-every", "10", "--checkpoint-every", "10", "--seed", "3")
 

@@ -219,8 +219,8 @@ def test_a_train_step_on_random_tokens_needs_no_folders_and_steps_as_its_seed_sa
         step_losses = [float(trainer.train_step(step)[0]) for step in range(2)]
         runs.append((step_losses, [param.detach().clone() for param in trainer.model.parameters()]))
     assert all(torch.isfinite(torch.tensor(runs[0][0]))) and runs[0][0] == runs[1][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
-    assert any(not torch.equal(a, b) for a, b in zip(start, runs[0][1]))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=False))
+    assert any(not torch.equal(a, b) for a, b in zip(start, runs[0][1], strict=False))
     x, y = trainer.sampler.batch(0)
     assert x.shape == (4, 16) and int(x.max()) < 64 and torch.equal(x[:, 1:], y[:, :-1])
     assert not (tmp_path / "no-run").exists() and not (tmp_path / "no-data").exists()
@@ -249,7 +249,7 @@ def test_training_with_the_fused_loss_head_follows_the_logits_head(tmp_path):
         runs.append((losses, [p.detach().clone() for p in trainer.model.parameters()]))
     (logit_losses, logit_weights), (fused_losses, fused_weights) = runs
     assert fused_losses == pytest.approx(logit_losses, rel=1e-5)
-    for got, want in zip(fused_weights, logit_weights):
+    for got, want in zip(fused_weights, logit_weights, strict=False):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -297,7 +297,7 @@ def test_a_trainer_on_given_tokens_draws_its_windows_from_them():
     trainer = TrainStep.on_tokens(model_config, config, tokens)
     expected = BatchSampler(tokens, 2, 8, 5)
     for step in (0, 3):
-        assert all(torch.equal(a, b) for a, b in zip(trainer.sampler.batch(step), expected.batch(step)))
+        assert all(torch.equal(a, b) for a, b in zip(trainer.sampler.batch(step), expected.batch(step), strict=False))
     assert torch.isfinite(trainer.train_step(0)[0])
     with pytest.raises(RdepthError, match="token id 64 is not below the model's vocabulary size 64"):
         TrainStep.on_tokens(model_config, config, np.append(tokens, 64).astype(np.uint16))

@@ -8,9 +8,21 @@ from __future__ import annotations
 import time
 
 from bench.gpu.common import error_text, free_memory, ratio
-from bench.gpu.decoding import (NO_GROUPS, agreement, batch_sizes, calibrate_tau, decode_inputs, full_budget_row,
-                                looped_decode_model, make_decoder, observe, policy_factory, rounds_args, static_timing,
-                                with_rate)
+from bench.gpu.decoding import (
+    NO_GROUPS,
+    agreement,
+    batch_sizes,
+    calibrate_tau,
+    decode_inputs,
+    full_budget_row,
+    looped_decode_model,
+    make_decoder,
+    observe,
+    policy_factory,
+    rounds_args,
+    static_timing,
+    with_rate,
+)
 
 
 def batched_section(args, device, deadline, context) -> dict:

@@ -8,8 +8,15 @@ import time
 import traceback
 
 from bench.gpu.common import CUDA_ONLY, error_text, free_memory
-from bench.gpu.decoding import (KERNEL_COUNT_TOKENS, decode_inputs, decode_model, kernels_per_token, make_decoder,
-                                rounds_args, static_timing)
+from bench.gpu.decoding import (
+    KERNEL_COUNT_TOKENS,
+    decode_inputs,
+    decode_model,
+    kernels_per_token,
+    make_decoder,
+    rounds_args,
+    static_timing,
+)
 
 
 def decode_section(args, device, deadline, context) -> dict:

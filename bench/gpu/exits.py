@@ -9,8 +9,18 @@ from __future__ import annotations
 import time
 
 from bench.gpu.common import error_text, free_memory, ratio
-from bench.gpu.decoding import (NO_GROUPS, agreement, calibrate_tau, decode_inputs, looped_decode_model, make_decoder,
-                                observe, policy_factory, rounds_args, static_timing)
+from bench.gpu.decoding import (
+    NO_GROUPS,
+    agreement,
+    calibrate_tau,
+    decode_inputs,
+    looped_decode_model,
+    make_decoder,
+    observe,
+    policy_factory,
+    rounds_args,
+    static_timing,
+)
 
 
 def exits_section(args, device, deadline, context) -> dict:

@@ -68,7 +68,7 @@ def fp8_section(args, device, deadline, context) -> dict:
         finally:
             free_memory(device)
     bf16, fp8 = runs["bf16"], runs["fp8"]
-    gaps = [(b - a) / a for a, b in zip(bf16["loss"], fp8["loss"])]
+    gaps = [(b - a) / a for a, b in zip(bf16["loss"], fp8["loss"], strict=False)]
     peak = peak_tflops(context["device_name"]) if device.type == "cuda" else None
     for entry in runs.values():
         entry["mfu"] = ratio(entry["achieved_tflops"], peak)  # against the bf16 peak, float8 or not

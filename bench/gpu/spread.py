@@ -9,8 +9,20 @@ from __future__ import annotations
 import time
 
 from bench.gpu.common import error_text, free_memory, ratio
-from bench.gpu.decoding import (NO_GROUPS, agreement, batch_sizes, decode_inputs, full_budget_row, kernels_per_token,
-                                looped_decode_model, make_decoder, observe, rounds_args, static_timing, with_rate)
+from bench.gpu.decoding import (
+    NO_GROUPS,
+    agreement,
+    batch_sizes,
+    decode_inputs,
+    full_budget_row,
+    kernels_per_token,
+    looped_decode_model,
+    make_decoder,
+    observe,
+    rounds_args,
+    static_timing,
+    with_rate,
+)
 
 QUANTILES = (0.9, 0.75)  # the batch-quantile exits of the spread section
 

@@ -50,7 +50,7 @@ def train_flops_per_row(config, counts, seq_len: int | None = None) -> dict:
     forward = singles * layer_fwd + head_fwd
     backward = 2 * (singles * layer_fwd + head_fwd)
     applications = singles
-    for spec, count in zip(config.group_specs, counts):
+    for spec, count in zip(config.group_specs, counts, strict=False):
         step_fwd = len(spec.layers) * layer_fwd + adapter_fwd
         forward += count * step_fwd
         backward += 2 * min(count, config.backprop_depth) * step_fwd
@@ -188,7 +188,7 @@ def _timed_steps(trainer, model_config, batch, args, device, deadline) -> dict:
         "flops_per_step": step_flops, "layer_applications_per_token": applications,
         "tokens_per_s": tokens * len(step_ms) / total_s,
         "achieved_tflops": sum(step_flops) / total_s / 1e12,
-        "achieved_tflops_per_step": stats([f / (t / 1000) / 1e12 for f, t in zip(step_flops, step_ms)]),
+        "achieved_tflops_per_step": stats([f / (t / 1000) / 1e12 for f, t in zip(step_flops, step_ms, strict=False)]),
         "layer_applications_per_s": sum(a * tokens for a in applications) / total_s,
         "loss_finite": loss_finite, "compiled": trainer.config.compile,
         "parameters": trainer.model.num_parameters(),

@@ -67,7 +67,7 @@ def quiet(names: tuple[str, ...], enabled: bool = True):
     try:
         yield
     finally:
-        for logger, level in zip(loggers, levels):
+        for logger, level in zip(loggers, levels, strict=False):
             logger.setLevel(level)
 
 

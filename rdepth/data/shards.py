@@ -19,10 +19,10 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -83,7 +83,7 @@ class ShardWriter:
         check_output_folder(self.out)
         self.directory: Path | None = None
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         # One writer per prepared folder: the lock lives beside it (the folder itself is replaced
         # by a rename); holding it, the debris of killed prepares can be removed safely.
         self._lock = exclusive(self.out, "prepare", beside=True)
@@ -280,7 +280,7 @@ class TokenShards:
         self.val = val
 
     @classmethod
-    def open(cls, directory: str | os.PathLike, verify: bool | tuple[str, ...] = False) -> "TokenShards":
+    def open(cls, directory: str | os.PathLike, verify: bool | tuple[str, ...] = False) -> TokenShards:
         """Open and check a prepared folder; ``verify`` also re-hashes each shard (True) or the
         named splits (``("val",)``: what evaluation reads, a small share of the data).
 

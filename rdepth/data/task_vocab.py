@@ -25,8 +25,8 @@ from __future__ import annotations
 import json
 import os
 import string
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from rdepth.errors import RdepthError
 from rdepth.io import write_json

@@ -22,8 +22,9 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Protocol
 
 from rdepth.data.fetch import GPT2_FILES, gpt2_bpe_files, verify_gpt2_files
 from rdepth.errors import RdepthError

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -302,7 +302,7 @@ class Engine:
             self.x[leaving_t] = model.hand_on(handed)
         if self.warm_start:
             self.warm[group][leaving_t] = handed
-        for row, count in zip(leaving.tolist(), computed.tolist()):
+        for row, count in zip(leaving.tolist(), computed.tolist(), strict=True):
             live = self.live[row]
             live.current_steps.append(count)
             live.current_rules.append("budget" if self.fixed or count == self.k_max[group] else "rule")

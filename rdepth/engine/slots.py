@@ -89,10 +89,12 @@ class CallStore:
         cache = self.slots.cache
         keys, values = keys.squeeze(2), values.squeeze(2)  # (A, nh, hs)
         if layer in cache.single:
-            return tuple(self._write_read(tensor, new) for tensor, new in zip(cache.single[layer], (keys, values)))
+            return tuple(self._write_read(tensor, new)
+                         for tensor, new in zip(cache.single[layer], (keys, values), strict=True))
         if self.slots.layout == "shared":
-            return tuple(self._write_read(tensor[0], new) for tensor, new in zip(cache.looped[layer], (keys, values)))
-        return tuple(self._looped(tensor, new) for tensor, new in zip(cache.looped[layer], (keys, values)))
+            return tuple(self._write_read(tensor[0], new)
+                         for tensor, new in zip(cache.looped[layer], (keys, values), strict=True))
+        return tuple(self._looped(tensor, new) for tensor, new in zip(cache.looped[layer], (keys, values), strict=True))
 
     def _write_read(self, tensor: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Single-pass layer (or one shared slot) ``tensor`` ``[B, nh, S, hs]``: write ``new`` ``[A, nh, hs]``

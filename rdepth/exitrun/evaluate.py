@@ -10,16 +10,16 @@ the index of the state handed on.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
 
 import torch
 
 from rdepth.errors import RdepthError
 from rdepth.model import RecurrentLM
 from rdepth.model.control import LoopController
-from rdepth.run.evaluate import eval_outputs
 from rdepth.model.generation import teacher_forced
+from rdepth.run.evaluate import eval_outputs
 
 
 @dataclass

@@ -11,8 +11,9 @@ it is loaded for and read by people.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError

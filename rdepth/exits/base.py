@@ -32,7 +32,8 @@ state *before* the step on which the second hit fires (``used = step - 1``).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -190,7 +191,7 @@ class ExitPolicy:
         for value in values:
             where = (steps == value).nonzero().squeeze(1)
             part = self.after_step(value, rows[where], prev[where], new[where])
-            for out, got in zip((done, handoff, used), part):
+            for out, got in zip((done, handoff, used), part, strict=True):
                 out[where] = got.to(out.dtype)
         return done, handoff, used
 

@@ -8,7 +8,8 @@ object (its own ``tau``, ``k_max`` and per-token memory).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Union
 
 import torch
 

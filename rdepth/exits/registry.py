@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rdepth.errors import RdepthError
 import rdepth.exits.policies  # noqa: F401  (registers the built-in rules)
+from rdepth.errors import RdepthError
 from rdepth.exits.base import POLICIES, Decode, ExitPolicy
 
 

@@ -30,8 +30,15 @@ from rdepth.errors import RdepthError
 from rdepth.geometry.config import AnalyzeConfig
 from rdepth.geometry.slowest import slowest_tokens
 from rdepth.geometry.stream import GeometryObserver, StreamResult
-from rdepth.geometry.summary import (GEOMETRY_DIR, NOISE_FLOORS, checkpoint_entry, new_summary, save_budget,
-                                     write_slowest, write_summary)
+from rdepth.geometry.summary import (
+    GEOMETRY_DIR,
+    NOISE_FLOORS,
+    checkpoint_entry,
+    new_summary,
+    save_budget,
+    write_slowest,
+    write_summary,
+)
 from rdepth.model import RecurrentLM
 from rdepth.run.checkpoint import checkpoint_step, find_checkpoints, load_model
 from rdepth.run.device import resolve_device
@@ -207,7 +214,7 @@ def analyze(config: AnalyzeConfig) -> dict[str, Any]:
         del model
     summary["budgets"] = {name: budget["loop_counts"] for name, budget in summary["checkpoints"][-1]["budgets"].items()}
     if last_long is not None:
-        convergence = {name: group["convergence_step"] for name, group in zip(group_names, last_long.groups)}
+        convergence = {name: group["convergence_step"] for name, group in zip(group_names, last_long.groups, strict=False)}
         rows = slowest_tokens(convergence, last_long.groups[-1]["final_relative_step_size"], windows, tokenizer,
                               config.top_tokens)
         write_slowest(out, summary["checkpoints"][-1]["label"], "long", config.threshold, rows)
@@ -217,14 +224,13 @@ def analyze(config: AnalyzeConfig) -> dict[str, Any]:
 
 def run_analysis(config: AnalyzeConfig) -> Path:
     """Measure, draw and report: the whole of ``rdepth analyze``. Returns ``OUT/index.html``."""
-    from rdepth.geometry.plots import draw_all
-    from rdepth.geometry.report_page import write_report
-    from rdepth.report.html import check_page_folder
-
     from dataclasses import replace
 
+    from rdepth.geometry.plots import draw_all
+    from rdepth.geometry.report_page import write_report
     from rdepth.geometry.summary import write_summary
     from rdepth.io import REPORT_SEED, final_path, staged_output
+    from rdepth.report.html import check_page_folder
 
     check_page_folder(config.out)  # before any work: someone's index.html is never replaced
     # Written whole into a staging folder, then swapped in: a kill leaves the old analysis or the new one.

@@ -47,7 +47,7 @@ def pca_projection(kept_states: list[np.ndarray]) -> dict[str, np.ndarray]:
 def budget_arrays(result: StreamResult, group_names: list[str]) -> dict[str, np.ndarray]:
     """The NPZ contents of one budget (keys above) from the observer's result."""
     arrays: dict[str, np.ndarray] = {}
-    for name, group in zip(group_names, result.groups):
+    for name, group in zip(group_names, result.groups, strict=False):
         arrays[f"convergence_step/{name}"] = group["convergence_step"]
         arrays[f"final_relative_step_size/{name}"] = group["final_relative_step_size"].astype(np.float32)
     for boundary, definitions in result.boundaries.items():
@@ -61,9 +61,8 @@ def budget_arrays(result: StreamResult, group_names: list[str]) -> dict[str, np.
 
 def save_npz(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
     """Write ``arrays`` compressed, atomically."""
-    with atomic_path(path) as tmp:
-        with open(tmp, "wb") as handle:
-            np.savez_compressed(handle, **arrays)
+    with atomic_path(path) as tmp, open(tmp, "wb") as handle:
+        np.savez_compressed(handle, **arrays)
 
 
 def load_arrays(path: str | Path, prefix: str = "") -> dict[str, np.ndarray]:

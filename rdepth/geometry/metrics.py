@@ -12,8 +12,8 @@ observer (``rdepth.geometry.stream``) is tested against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -10,12 +10,14 @@ imported lazily with the Agg backend.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from rdepth.report.figures import plain_log_ticks, pyplot as _pyplot, save_report_figure
+from rdepth.report.figures import plain_log_ticks, save_report_figure
+from rdepth.report.figures import pyplot as _pyplot
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +158,7 @@ def _cosine_panel(axis, entries, budget, group, colours) -> None:
 
 
 def _curves(axis, entries, budget, group, metric, colours, offset: int = 0) -> None:
-    for entry, colour in zip(entries, colours):
+    for entry, colour in zip(entries, colours, strict=False):
         values = entry["budgets"][budget]["groups"][group][metric]
         mean, std = np.asarray(values["mean"]), np.asarray(values["std"])
         k = np.arange(len(mean)) + offset
@@ -208,7 +210,7 @@ def figure_effective_rank(summary: dict[str, Any], budget: str = "long"):
     figure, axes, entries, names, colours = _group_panels(summary, rows=1, height=3.2)
     for group, name in enumerate(names):
         axis = axes[0, group]
-        for entry, colour in zip(entries, colours):
+        for entry, colour in zip(entries, colours, strict=False):
             ranks = entry["budgets"][budget]["groups"][group].get("effective_rank", [])
             axis.plot(np.arange(len(ranks)), ranks, color=colour, label=_label(entry))
         axis.set_title(f"group {name}")
@@ -257,7 +259,7 @@ def figure_jacobian(summary: dict[str, Any]):
     spectra = summary["checkpoints"][-1]["jacobian"]
     figure, axes, _, names, _ = _group_panels(summary, rows=1, height=3.6, width=3.6)
     circle = np.linspace(0, 2 * np.pi, 200)
-    for axis, name, group in zip(axes[0], names, spectra["groups"]):
+    for axis, name, group in zip(axes[0], names, spectra["groups"], strict=False):
         axis.plot(np.cos(circle), np.sin(circle), color="grey", linewidth=0.6)
         for position, rows in enumerate(group["eigenvalues"]):
             axis.scatter([r["real"] for r in rows], [r["imag"] for r in rows], s=14, color=f"C{position}",

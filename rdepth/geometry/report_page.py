@@ -60,7 +60,7 @@ def jacobian_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
         spectra = entry.get("jacobian")
         if not spectra:
             continue
-        for name, group in zip(summary["groups"], spectra["groups"]):
+        for name, group in zip(summary["groups"], spectra["groups"], strict=False):
             radius, angle = group["spectral_radius"], group["leading_angle_deg"]
             rows.append({"checkpoint": entry["label"], "group": name, "positions": len(spectra["positions"]),
                          "|λ1| median": radius["median"], "|λ1| min-max": f"{radius['min']:.3g}-{radius['max']:.3g}",
@@ -280,9 +280,8 @@ def geometry_section(out: str | Path, summary: dict[str, Any], figures: list[tup
 
 def write_report(out: str | Path, summary: dict[str, Any], figures: list[tuple[str, str]]) -> Path:
     """Add (or replace) the geometry section in OUT's report page; returns index.html's path."""
-    from rdepth.report import add_section
-
     from rdepth.io import final_path
+    from rdepth.report import add_section
 
     folder = final_path(Path(out).resolve())  # OUT itself, also while written in its staging folder
     name = folder.parent.name if folder.name == "report" else folder.name  # the run, for OUT/report pages

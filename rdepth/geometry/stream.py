@@ -28,8 +28,15 @@ import numpy as np
 import torch
 
 from rdepth.errors import RdepthError
-from rdepth.geometry.metrics import (DLR_DENOMINATORS, DLR_DEFINITIONS, EPS, HANDOFF, cosine, dlr_next_index,
-                                     effective_rank_from_gram)
+from rdepth.geometry.metrics import (
+    DLR_DEFINITIONS,
+    DLR_DENOMINATORS,
+    EPS,
+    HANDOFF,
+    cosine,
+    dlr_next_index,
+    effective_rank_from_gram,
+)
 
 # Per-step statistics; "cosine" and "acceleration" compare step j with j+1.
 STEP_METRICS = ("step_size", "relative_step_size", "cosine", "acceleration")

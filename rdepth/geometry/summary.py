@@ -342,7 +342,7 @@ def summarize_budget(result: StreamResult, group_names: list[str], loss: float |
     """The JSON summary of one budget: per-group curves, convergence, headline numbers (at ``noise_floor``:
     :data:`NOISE_FLOORS` by the analysis precision) and DLR statistics."""
     groups = []
-    for name, arrays in zip(group_names, result.groups):
+    for name, arrays in zip(group_names, result.groups, strict=False):
         entry: dict[str, Any] = {"name": name, "steps": int(arrays["steps"])}
         for metric in STEP_METRICS:
             entry[metric] = {"mean": arrays[f"{metric}_mean"].tolist(), "std": arrays[f"{metric}_std"].tolist()}

@@ -53,7 +53,7 @@ def trajectories(groups: list[LoopDynamics], steps: int | list[int], drift: floa
     generator = torch.Generator().manual_seed(seed)
     point = state_scale * torch.randn(tokens, width, generator=generator, dtype=torch.float64)
     out = []
-    for index, (group, count) in enumerate(zip(groups, counts)):
+    for index, (group, count) in enumerate(zip(groups, counts, strict=False)):
         if index:
             direction = torch.randn(tokens, width, generator=generator, dtype=torch.float64)
             point = point + drift * direction / direction.norm(dim=-1, keepdim=True)
@@ -83,7 +83,7 @@ def dynamics_from_curves(step_sizes: list[float], cosines: list[float], floor: i
     sizes = step_sizes[1:end]
     if len(sizes) < 3 or not all(size > 0 for size in sizes):
         return None
-    ratios = sorted(b / a for a, b in zip(sizes, sizes[1:]))
+    ratios = sorted(b / a for a, b in zip(sizes, sizes[1:], strict=False))
     contraction = min(ratios[len(ratios) // 2], 1.0)
     turns = sorted(cosines[1:max(end - 1, 2)]) or [1.0]
     rotation = math.acos(max(-1.0, min(1.0, turns[len(turns) // 2])))

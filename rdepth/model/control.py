@@ -8,7 +8,8 @@ trivial one (a set number of steps per group).
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 

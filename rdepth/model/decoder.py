@@ -23,8 +23,8 @@ by the model), exact against teacher-forced evaluation (cached = teacher-forced 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -120,7 +120,7 @@ class Decoder:
         self._plans: dict[Budget, Plan] = {}
         self.plan = self._plan_for(self.budget)
 
-    def use(self, executor: Executor) -> "Decoder":
+    def use(self, executor: Executor) -> Decoder:
         """Run the pieces through ``executor`` from now on (:mod:`rdepth.model.executors`): the plans are
         made again where its host checks differ. Returns the decoder."""
         changed = executor.check_every != self.executor.check_every
@@ -170,7 +170,7 @@ class Decoder:
         if budget not in self._plans:
             controller = FixedController(budget.counts) if budget.fixed else budget.controller_factory()
             steps = tuple(controller.max_steps(group) for group in range(self.model.n_groups))
-            for group, (n, cap) in enumerate(zip(steps, self.steps)):
+            for group, (n, cap) in enumerate(zip(steps, self.steps, strict=True)):
                 if not 1 <= n <= cap:
                     raise RdepthError(f"decoder: group {group} would run {n} loop steps; the cache keeps {cap}")
             plan = Plan(budget, controller, steps)
@@ -416,6 +416,6 @@ def _kept_steps(model: RecurrentLM, budget: Budget, keep_steps) -> tuple[int, ..
     if keep_steps is None:
         return steps
     keep = parse_loop_counts(keep_steps, model.n_groups) if model.n_groups else ()
-    if any(k < n for k, n in zip(keep, steps)):
+    if any(k < n for k, n in zip(keep, steps, strict=True)):
         raise RdepthError(f"decoder: keep_steps {keep} is below the budget's steps {steps}")
     return tuple(keep)

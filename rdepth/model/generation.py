@@ -3,7 +3,7 @@ the teacher-forced pass every evaluation scores with (warm start runs through th
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -23,8 +23,8 @@ et al.'s "latest" lookup).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
@@ -47,7 +47,7 @@ class AttentionContext:
     instead of packing and unpacking them (the same values, fewer kernels).
     """
 
-    store: "KVCache | ChunkKV | RowsKV | GivenKV"
+    store: KVCache | ChunkKV | RowsKV | GivenKV
     step: int
     batch_index: torch.Tensor
     position: torch.Tensor
@@ -59,8 +59,8 @@ class AttentionContext:
 
     @classmethod
     def build(
-        cls, store: "KVCache | ChunkKV | RowsKV | GivenKV", step: int, batch_index: torch.Tensor, position: torch.Tensor
-    ) -> "AttentionContext":
+        cls, store: KVCache | ChunkKV | RowsKV | GivenKV, step: int, batch_index: torch.Tensor, position: torch.Tensor
+    ) -> AttentionContext:
         n_batch = store.batch_size
         device = batch_index.device
         # Slot of each row inside its batch row: rank among rows of the same batch

@@ -12,7 +12,7 @@ an online run makes.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -23,7 +23,7 @@ sync (training's opt-in ``TrainConfig.state_noise = "counter"``).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ class StateNoise:
         self._cache: dict[tuple[int, int], torch.Tensor] = {}
 
     @classmethod
-    def consecutive(cls, seed: int, first: int, count: int) -> "StateNoise":
+    def consecutive(cls, seed: int, first: int, count: int) -> StateNoise:
         """Rows ``first .. first + count - 1`` (a batch of consecutive windows)."""
         return cls(seed, range(first, first + count))
 
@@ -251,7 +251,7 @@ class CounterNoise:
             raise ValueError(f"CounterNoise: seed must be in [0, 2**63), got {seed}")
         if isinstance(sequence_ids, range) and sequence_ids.step == 1:
             self._first, self._count, self._given = sequence_ids.start, len(sequence_ids), None
-            if self._count and not (0 <= self._first and self._first + self._count <= 2**63):
+            if self._count and not (self._first >= 0 and self._first + self._count <= 2**63):
                 raise ValueError(f"CounterNoise: sequence ids must be in [0, 2**63), got {sequence_ids}")
         else:
             ids = torch.as_tensor(sequence_ids, dtype=torch.int64).reshape(-1)
@@ -263,7 +263,7 @@ class CounterNoise:
         self._elements: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}
 
     @classmethod
-    def consecutive(cls, seed: int, first: int, count: int, compile: bool = False) -> "CounterNoise":
+    def consecutive(cls, seed: int, first: int, count: int, compile: bool = False) -> CounterNoise:
         """Rows ``first .. first + count - 1`` (a batch of consecutive windows or training rows)."""
         return cls(seed, range(first, first + count), compile=compile)
 

@@ -32,8 +32,8 @@ budget, a verification one lock-step pass over the drafts at the verifying budge
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -70,7 +70,7 @@ def _decoder(model: RecurrentLM, noise: StateNoise, counts, factory, draft_count
         if factory_ is not None:
             controller = factory_()
             budgets.append(tuple(controller.max_steps(group) for group in range(model.n_groups)))
-    k_max = tuple(max(steps) for steps in zip(*budgets)) if model.n_groups else None
+    k_max = tuple(max(steps) for steps in zip(*budgets, strict=True)) if model.n_groups else None
     return Decoder(model, 1, loop_counts=counts, controller_factory=factory, noise=noise, keep_steps=k_max)
 
 

@@ -75,44 +75,44 @@ class Section:
         if self.title is None:
             self.title = self.name.replace("_", " ").capitalize()
 
-    def table(self, rows: list[dict[str, Any]], caption: str | None = None) -> "Section":
+    def table(self, rows: list[dict[str, Any]], caption: str | None = None) -> Section:
         """A table with one row per dict; columns are the union of keys in first-seen order."""
         self.blocks.append({"kind": "table", "rows": [dict(row) for row in rows], "caption": caption})
         return self
 
-    def figure(self, path: str | os.PathLike, caption: str = "") -> "Section":
+    def figure(self, path: str | os.PathLike, caption: str = "") -> Section:
         """An image at ``path`` relative to the run directory."""
         self.blocks.append({"kind": "figure", "path": Path(path).as_posix(), "caption": caption})
         return self
 
-    def note(self, text: str) -> "Section":
+    def note(self, text: str) -> Section:
         """A paragraph of plain text (escaped; blank lines separate paragraphs; ``$...$`` is a formula)."""
         self.blocks.append({"kind": "note", "text": text})
         return self
 
-    def headline(self, text: str) -> "Section":
+    def headline(self, text: str) -> Section:
         """One prominent paragraph: the result a reader should see first."""
         self.blocks.append({"kind": "headline", "text": text})
         return self
 
-    def facts(self, pairs: list[tuple[str, Any]], caption: str | None = None) -> "Section":
+    def facts(self, pairs: list[tuple[str, Any]], caption: str | None = None) -> Section:
         """Label/value pairs shown as a compact two-column table (values through :func:`format_value`)."""
         self.blocks.append({"kind": "facts", "pairs": [[str(k), v] for k, v in pairs], "caption": caption})
         return self
 
-    def bullets(self, items: list[str], caption: str | None = None) -> "Section":
+    def bullets(self, items: list[str], caption: str | None = None) -> Section:
         """A bulleted list of sentences."""
         self.blocks.append({"kind": "bullets", "items": list(items), "caption": caption})
         return self
 
-    def figures(self, figures: list[tuple[str | os.PathLike, str]], aside: bool = False) -> "Section":
+    def figures(self, figures: list[tuple[str | os.PathLike, str]], aside: bool = False) -> Section:
         """Figures side by side (each ``(path, caption)``, paths relative to the run directory);
         ``aside``: stacked in a column at the right that the blocks after it flow around."""
         self.blocks.append({"kind": "figures", "aside": aside,
                             "figures": [{"path": Path(p).as_posix(), "caption": c} for p, c in figures]})
         return self
 
-    def links(self, links: list[tuple[str, str]], caption: str | None = None) -> "Section":
+    def links(self, links: list[tuple[str, str]], caption: str | None = None) -> Section:
         """Links ``(href, label)``; hrefs relative to the page (e.g. ``../demo.json``) or absolute."""
         self.blocks.append({"kind": "links", "links": [[h, t] for h, t in links], "caption": caption})
         return self
@@ -121,7 +121,7 @@ class Section:
         return {"name": self.name, "title": self.title, "order": self.order, "blocks": self.blocks}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Section":
+    def from_dict(cls, data: dict[str, Any]) -> Section:
         return cls(
             name=data["name"], title=data.get("title"), order=float(data.get("order", 50.0)),
             blocks=list(data.get("blocks", [])),

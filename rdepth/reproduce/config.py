@@ -134,7 +134,7 @@ class ReproduceConfig:
     def budget_seconds(self) -> float:
         return 60.0 * float(self.minutes)
 
-    def for_device(self, kind: str) -> "ReproduceConfig":
+    def for_device(self, kind: str) -> ReproduceConfig:
         """A copy with every None field set to its default for device kind ``kind`` ("cuda" or "cpu")."""
         if kind not in DEVICE_DEFAULTS:
             raise RdepthError(f"reproduce: no defaults for device kind {kind!r}")

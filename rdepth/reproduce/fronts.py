@@ -14,7 +14,8 @@ thresholds.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 Point = tuple[float, float]  # (cost, quality): lower cost and higher quality are better
 
@@ -60,7 +61,7 @@ def neighbour_spread(qualities: Sequence[float]) -> float | None:
     with fewer than two. A rule whose quality jumps between neighbours is one whose threshold is hard to set."""
     if len(qualities) < 2:
         return None
-    return max(abs(b - a) for a, b in zip(qualities, qualities[1:]))
+    return max(abs(b - a) for a, b in zip(qualities, qualities[1:], strict=False))
 
 
 def cost_at(front_points: Sequence[Point], quality: float) -> float | None:
@@ -69,7 +70,7 @@ def cost_at(front_points: Sequence[Point], quality: float) -> float | None:
     points = front(front_points)
     if not points or not points[0][1] <= quality <= points[-1][1]:
         return None
-    for (c0, q0), (c1, q1) in zip(points, points[1:]):
+    for (c0, q0), (c1, q1) in zip(points, points[1:], strict=False):
         if q0 <= quality <= q1:
             return c0 if q1 == q0 else c0 + (quality - q0) / (q1 - q0) * (c1 - c0)
     return points[0][0]
@@ -106,5 +107,5 @@ def largest_jump_from_flat(rises: Sequence[float], flat: float) -> float | None:
     0.0 when no such step exists beyond the last flat one, None with fewer than two thresholds."""
     if len(rises) < 2:
         return None
-    jumps = [b - a for a, b in zip(rises, rises[1:]) if a <= flat]
+    jumps = [b - a for a, b in zip(rises, rises[1:], strict=False) if a <= flat]
     return max(jumps, default=0.0)

@@ -19,8 +19,9 @@ the measured stage times.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from rdepth.config import ModelConfig, get_preset
 from rdepth.errors import RdepthError
@@ -156,7 +157,7 @@ def expected_train_flops(config: ModelConfig) -> float:
 def layer_calls(config: ModelConfig, counts: Sequence[int]) -> int:
     """Layer applications of one forward with ``counts`` loop steps per group."""
     looped = sum(len(spec.layers) for spec in config.group_specs)
-    return config.n_layer - looped + sum(c * len(spec.layers) for c, spec in zip(counts, config.group_specs))
+    return config.n_layer - looped + sum(c * len(spec.layers) for c, spec in zip(counts, config.group_specs, strict=False))
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -336,7 +337,7 @@ class Plan:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
         from rdepth.io import dataclass_from_dict
 
         return dataclass_from_dict(cls, data, "reproduce plan")

@@ -37,8 +37,17 @@ from typing import Any
 from rdepth.errors import RdepthError
 from rdepth.io import StageTimer, exclusive, read_json_if_present, read_jsonl, write_json
 from rdepth.reproduce.config import ReproduceConfig
-from rdepth.reproduce.plan import (SAFETY_SECONDS, SIZES, VAL_BATCH_SIZE, VAL_BATCHES, Plan, Probe, Workload, plan_run,
-                                   probe_from_steps)
+from rdepth.reproduce.plan import (
+    SAFETY_SECONDS,
+    SIZES,
+    VAL_BATCH_SIZE,
+    VAL_BATCHES,
+    Plan,
+    Probe,
+    Workload,
+    plan_run,
+    probe_from_steps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -281,10 +290,10 @@ def _epochs(tokens: int, data: Path) -> float | None:
 
 def _judged(config: ReproduceConfig, run: Path, sweep_path: Path, saved: dict[str, Any], quality: dict[str, Any],
             device: str, data: Path) -> dict[str, Any]:
-    from rdepth.sweep.summary import load_sweep
     from rdepth.geometry.summary import load_summary
     from rdepth.reproduce.claims import judge_all
     from rdepth.reproduce.report import write_claims, write_claims_page, write_standalone
+    from rdepth.sweep.summary import load_sweep
 
     out = Path(config.out)
     report_dir = out / "report"

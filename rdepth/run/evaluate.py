@@ -10,14 +10,14 @@ do not depend on the batch size or on which command computed them.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from tqdm import tqdm
 
 from rdepth.model import ModelOutput, RecurrentLM
-from rdepth.model.noise import StateNoise
 from rdepth.model.generation import teacher_forced
+from rdepth.model.noise import StateNoise
 
 # forward(x [B, T], y [B, T], noise) -> ModelOutput
 Forward = Callable[[torch.Tensor, torch.Tensor, StateNoise], ModelOutput]

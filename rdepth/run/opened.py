@@ -18,8 +18,13 @@ from rdepth.config import ModelConfig
 from rdepth.model import RecurrentLM
 from rdepth.run.checkpoint import load_model, resolve_checkpoint
 from rdepth.run.device import resolve_device
-from rdepth.run.heldout import (check_vocabulary, held_out_problem_windows, held_out_tokens, held_out_windows,
-                                unigram_log_probs_for)
+from rdepth.run.heldout import (
+    check_vocabulary,
+    held_out_problem_windows,
+    held_out_tokens,
+    held_out_windows,
+    unigram_log_probs_for,
+)
 
 
 @dataclass

@@ -213,7 +213,7 @@ async def complete(served: ServedModel, requests: list[Request], settings: dict)
             if choice.finish_reason is not None and not stopped:
                 runner.cancel(submission)
 
-    await asyncio.gather(*(drain(s, c) for s, c in zip(submissions, choices)))
+    await asyncio.gather(*(drain(s, c) for s, c in zip(submissions, choices, strict=False)))
     prompt_tokens = sum(len(p) for p in settings["prompts"])
     completion = sum(len(c.tokens) for c in choices)
     return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
@@ -272,7 +272,7 @@ async def stream(served: ServedModel, requests: list[Request], settings: dict):
     finally:
         for task in tasks:
             task.cancel()
-        for submission, choice in zip(submissions, choices):
+        for submission, choice in zip(submissions, choices, strict=False):
             if choice.finish_reason is None:
                 runner.cancel(submission)
 
@@ -310,7 +310,8 @@ def build_app(served: ServedModel):
     ``/metrics``)."""
     # (no ``from __future__ import annotations`` in this module: FastAPI reads the endpoints' annotations, and
     # HttpRequest is local to this function)
-    from fastapi import FastAPI, Request as HttpRequest
+    from fastapi import FastAPI
+    from fastapi import Request as HttpRequest
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
     app = FastAPI(title="rdepth", description="An OpenAI-compatible server whose every token reports its depth")

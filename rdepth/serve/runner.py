@@ -30,7 +30,7 @@ class Submission:
     """A submitted request: ``events`` yields :class:`TokenEvent` s, then the :class:`Finished` result."""
 
     request: Request
-    events: "queue.Queue[TokenEvent | Finished]" = field(default_factory=queue.Queue)
+    events: queue.Queue[TokenEvent | Finished] = field(default_factory=queue.Queue)
     request_id: int | None = None
 
 
@@ -40,8 +40,8 @@ class EngineRunner:
     def __init__(self, engine: Engine):
         self.engine = engine
         engine.listener = self._on_token
-        self._inbox: "queue.Queue[Submission]" = queue.Queue()
-        self._cancels: "queue.Queue[Submission]" = queue.Queue()
+        self._inbox: queue.Queue[Submission] = queue.Queue()
+        self._cancels: queue.Queue[Submission] = queue.Queue()
         self._unresolved: list[Submission] = []  # cancelled before the engine's thread gave them an id
         self._by_id: dict[int, Submission] = {}
         self._wake = threading.Event()
@@ -78,7 +78,7 @@ class EngineRunner:
         return metrics
 
     # ------------------------------------------------------------------ the engine's thread
-    def start(self) -> "EngineRunner":
+    def start(self) -> EngineRunner:
         self._thread = threading.Thread(target=self._loop, name="rdepth-engine", daemon=True)
         self._thread.start()
         return self

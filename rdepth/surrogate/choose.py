@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from rdepth.surrogate.bank import StateBank
-from rdepth.surrogate.phases import PHASE_METHODS, block_structure, equal_phases, segmentation_score
 from rdepth.surrogate.measure.similarity import similarity_matrices
+from rdepth.surrogate.phases import PHASE_METHODS, block_structure, equal_phases, segmentation_score
 
 
 def phase_table(similarity: torch.Tensor, k: int) -> dict:

@@ -93,7 +93,7 @@ def state_loss(predicted: list[torch.Tensor], target: list[torch.Tensor], mask: 
         weights[:, 0] *= first_token_weight
     weights = weights / weights.sum()
     total = predicted[0].new_zeros(())
-    for depth, (pred, true) in enumerate(zip(predicted, target)):
+    for depth, (pred, true) in enumerate(zip(predicted, target, strict=False)):
         error = (pred - true).square().mean(-1)  # (B, T)
         total = total + (error * weights).sum() / scale[depth]
     return total / len(predicted)
@@ -153,7 +153,7 @@ def fit_surrogate(surrogate: RaptorSurrogate, bank: StateBank, config: FitConfig
     scale = bank.depth_scale().clamp_min(1e-12)
     started = time.perf_counter()
     summary = {"tag": tag, "lengths": list(surrogate.config.lengths), "forcing": config.forcing}
-    for p, (start, length) in enumerate(zip(surrogate.phase_start, surrogate.config.lengths)):
+    for p, (start, length) in enumerate(zip(surrogate.phase_start, surrogate.config.lengths, strict=False)):
         params = [*surrogate.blocks[p].parameters(), surrogate.iteration]
         summary[f"block{p}_loss"] = _run_stage(surrogate, bank, params, config.steps_block, start, start + length,
                                                scale, config, f"{tag}/block{p}", generator, metrics_path)

@@ -24,7 +24,6 @@ from rdepth.surrogate.config import INIT_CHOICES
 from rdepth.surrogate.teachers.layers import LayerSpec, Teacher
 
 
-
 @dataclass(frozen=True)
 class SurrogateConfig:
     """Phase lengths (sum = teacher depth), block initialisation and the layer spec."""
@@ -59,7 +58,7 @@ class RaptorSurrogate(nn.Module):
         self.teacher = teacher  # frozen: embedding and readout are borrowed from it
         starts = [sum(config.lengths[:p]) for p in range(config.k)]
         blocks = []
-        for start, length in zip(starts, config.lengths):
+        for start, length in zip(starts, config.lengths, strict=False):
             if config.init == "random":
                 blocks.append(teacher.new_layer())
             else:
@@ -75,7 +74,7 @@ class RaptorSurrogate(nn.Module):
     def n_layers(self) -> int:
         return self.config.depth
 
-    def train(self, mode: bool = True) -> "RaptorSurrogate":
+    def train(self, mode: bool = True) -> RaptorSurrogate:
         """Train the blocks; the borrowed teacher (embedding, readout) always stays in eval mode."""
         super().train(mode)
         self.teacher.eval()

@@ -17,7 +17,7 @@ cuts: split the phase whose best cut removes the most weight, until k phases rem
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -44,7 +44,7 @@ def phase_starts(lengths: tuple[int, ...]) -> list[int]:
 def segmentation_score(similarity: torch.Tensor, lengths: tuple[int, ...]) -> float:
     """The average-association objective J of a segmentation (see module docstring)."""
     score = 0.0
-    for start, length in zip(phase_starts(lengths), lengths):
+    for start, length in zip(phase_starts(lengths), lengths, strict=False):
         score += float(similarity[start:start + length, start:start + length].sum()) / length
     return score
 

@@ -17,13 +17,13 @@ import torch
 from rdepth.errors import RdepthError
 from rdepth.io import atomic_path, environment_info, write_json
 from rdepth.surrogate.bank import build_bank
-from rdepth.surrogate.measure.dynamics import dynamics_summary
+from rdepth.surrogate.choose import analyse_similarity, choose_phases, phase_table  # noqa: F401 (API)
 from rdepth.surrogate.config import SurrogateRunConfig
-from rdepth.surrogate.measure.fidelity import evaluate_text, surrogate_fn, truncated_fn
 from rdepth.surrogate.fit import fit_surrogate
+from rdepth.surrogate.measure.dynamics import dynamics_summary
+from rdepth.surrogate.measure.fidelity import evaluate_text, surrogate_fn, truncated_fn
 from rdepth.surrogate.measure.geometry import write_phase_geometry
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
-from rdepth.surrogate.choose import analyse_similarity, choose_phases, phase_table  # noqa: F401 (API)
 from rdepth.surrogate.phases import equal_phases
 from rdepth.surrogate.teachers.registry import is_vision_teacher, load_teacher, resolve_teacher, text_tokenizer
 from rdepth.surrogate.teachers.text import text_batches
@@ -72,9 +72,8 @@ def run_surrogate(config: SurrogateRunConfig) -> Path:
 
     chosen, matrices, record = choose_phases(fit_bank, eval_bank, config.k, config.similarity, config.phase_method)
     for name, stem in (("fit", "similarity"), ("eval", "similarity_eval")):  # phases come from the fit set's
-        with atomic_path(out / f"{stem}.npz") as tmp:
-            with open(tmp, "wb") as handle:
-                np.savez(handle, **matrices[name])
+        with atomic_path(out / f"{stem}.npz") as tmp, open(tmp, "wb") as handle:
+            np.savez(handle, **matrices[name])
     write_json(out / "phases.json", record)
     equal = equal_phases(teacher.n_layers, config.k)
     held_out = tuple(record["by_similarity_eval"][config.similarity][config.phase_method]["lengths"])

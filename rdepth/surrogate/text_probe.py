@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -32,13 +32,13 @@ from rdepth.errors import RdepthError
 from rdepth.surrogate.bank import StateBank
 from rdepth.surrogate.choose import choose_phases
 from rdepth.surrogate.config import SurrogateRunConfig
-from rdepth.surrogate.measure.fidelity import probe_accuracy, ridge_probe
 from rdepth.surrogate.fit import fit_surrogate
-from rdepth.surrogate.teachers.layers import Teacher
-from rdepth.surrogate.teachers.minilm import mean_pool
+from rdepth.surrogate.measure.fidelity import probe_accuracy, ridge_probe
+from rdepth.surrogate.measure.retention import probe_retention
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
 from rdepth.surrogate.phases import equal_phases
-from rdepth.surrogate.measure.retention import probe_retention
+from rdepth.surrogate.teachers.layers import Teacher
+from rdepth.surrogate.teachers.minilm import mean_pool
 
 log = logging.getLogger(__name__)
 

@@ -21,19 +21,29 @@ import torch
 
 from rdepth.errors import RdepthError
 from rdepth.io import atomic_path, environment_info, write_json
-from rdepth.surrogate.measure.basins import class_basins, findings, perturbation_recovery
 from rdepth.surrogate.bank import build_bank
 from rdepth.surrogate.choose import choose_phases
 from rdepth.surrogate.config import SurrogateRunConfig
+from rdepth.surrogate.fit import fit_surrogate
+from rdepth.surrogate.measure.basins import class_basins, findings, perturbation_recovery
 from rdepth.surrogate.measure.dynamics import dynamics_summary
 from rdepth.surrogate.measure.fidelity import collect_states, fidelity, surrogate_fn, truncated_fn
-from rdepth.surrogate.fit import fit_surrogate
-from rdepth.surrogate.teachers.layers import Teacher
+from rdepth.surrogate.measure.retention import pixel_floor, probe_retention
 from rdepth.surrogate.model import RaptorSurrogate, SurrogateConfig
 from rdepth.surrogate.phases import equal_phases
-from rdepth.surrogate.measure.retention import pixel_floor, probe_retention
-from rdepth.surrogate.teachers.vit import (N_CLASSES, ViTClassifier, accuracy, image_batches, is_vit_folder, load_fashion_mnist,
-                                  load_vit, save_vit, train_vit, vision_teacher_config)
+from rdepth.surrogate.teachers.layers import Teacher
+from rdepth.surrogate.teachers.vit import (
+    N_CLASSES,
+    ViTClassifier,
+    accuracy,
+    image_batches,
+    is_vit_folder,
+    load_fashion_mnist,
+    load_vit,
+    save_vit,
+    train_vit,
+    vision_teacher_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -231,9 +241,8 @@ def run_vision_surrogate(config: SurrogateRunConfig) -> Path:
                                          vision.perturbation, measure)
     dynamics["perturbation_relative_norm"] = vision.perturbation
     for name, stem in (("fit", "similarity"), ("eval", "similarity_eval")):
-        with atomic_path(out / f"{stem}.npz") as tmp:
-            with open(tmp, "wb") as handle:
-                np.savez(handle, **matrices[name])
+        with atomic_path(out / f"{stem}.npz") as tmp, open(tmp, "wb") as handle:
+            np.savez(handle, **matrices[name])
     results["seconds"] = round(time.perf_counter() - started, 1)
     write_json(out / "phases.json", phase_records)
     write_json(out / "dynamics.json", dynamics)

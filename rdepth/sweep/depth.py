@@ -22,7 +22,8 @@ from __future__ import annotations
 import csv
 import io
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -144,7 +145,7 @@ def depth_csv(depth: dict) -> str:
     writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for row in depth["settings"] + [depth["oracle"]]:
-        for hop, mean, tokens in zip(row["hops"], row["mean_steps_by_hops"], row["tokens_by_hops"]):
+        for hop, mean, tokens in zip(row["hops"], row["mean_steps_by_hops"], row["tokens_by_hops"], strict=False):
             writer.writerow({"label": row["label"], "policy": row.get("policy", ""),
                              "parameter": row.get("parameter", ""), "value": row.get("value", ""), "hops": hop,
                              "tokens": tokens, "mean_steps": f"{mean:.6g}",

@@ -10,7 +10,8 @@ other, in both directions. Pure functions of per-answer-token arrays the sweep a
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

@@ -20,22 +20,22 @@ separate reference. Generation is always packed (it needs the cache).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tqdm import tqdm
 
 from rdepth.errors import RdepthError
+from rdepth.exitrun.evaluate import evaluate_with_exits
 from rdepth.exits.base import Decode
-from rdepth.sweep.config import MeasureSettings
 from rdepth.exits.controller import PolicyController
 from rdepth.exits.decode import make_decode
-from rdepth.exitrun.evaluate import evaluate_with_exits
-from rdepth.sweep.stats import spread
-from rdepth.sweep.timing import Call, forward_call, generate_call, time_interleaved
 from rdepth.model import RecurrentLM
 from rdepth.model.control import FixedController
 from rdepth.run.config import autocast_dtype
+from rdepth.sweep.config import MeasureSettings
+from rdepth.sweep.stats import spread
+from rdepth.sweep.timing import Call, forward_call, generate_call, time_interleaved
 
 # Saved latency keys and the path each is timed on (also in the summary's ``latency_definitions``).
 PACKED_KEYS = ("ms_per_token_b1", "ms_per_token_batched", "ms_per_token_generate")

@@ -12,8 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rdepth.report.figures import plain_log_ticks, save_figure
+from rdepth.report.figures import pyplot as _pyplot
 from rdepth.sweep.summary import summary_of
-from rdepth.report.figures import plain_log_ticks, pyplot as _pyplot, save_figure
 
 
 def _by_policy(result: dict, parameter: str | None = "tau") -> dict[str, list[dict]]:
@@ -65,7 +66,7 @@ def figure4(result: dict) -> Any:
         ("ce", "cross-entropy (nats)"),
     ]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, (key, label) in zip(axes, panels):
+    for ax, (key, label) in zip(axes, panels, strict=False):
         for name, points in _by_policy(result).items():
             xs = [p["value"] for p in points]
             ax.plot(xs, [p[key] for p in points], marker="o", label=name)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from rdepth.report.html import Section, add_section, format_percent, format_value
 from rdepth.sweep.plots import group_names, save_sweep_figures
 from rdepth.sweep.stats import format_ratio
 from rdepth.sweep.summary import TIMING_LABELS, setting_value, summary_of
-from rdepth.report.html import Section, add_section, format_percent, format_value
 
 SECTION_NAME = "early_exit"
 

@@ -35,18 +35,18 @@ import torch
 from tqdm import tqdm
 
 from rdepth.errors import RdepthError
-from rdepth.sweep.config import SweepConfig
-from rdepth.exits.controller import controller_factory
-from rdepth.sweep.measure import SweepMeasurer, decode_factory
 from rdepth.exitrun.profile import load_profile, profile_controller_factory
+from rdepth.exits.controller import controller_factory
 from rdepth.exits.registry import get_policy_class
-from rdepth.sweep.report import render_sweep
-from rdepth.sweep.summary import summarize, summary_of, sweep_csv
 from rdepth.io import environment_info, write_json, write_text
 from rdepth.model import RecurrentLM
 from rdepth.run.device import device_name
 from rdepth.run.heldout import check_vocabulary
 from rdepth.run.opened import open_run
+from rdepth.sweep.config import SweepConfig
+from rdepth.sweep.measure import SweepMeasurer, decode_factory
+from rdepth.sweep.report import render_sweep
+from rdepth.sweep.summary import summarize, summary_of, sweep_csv
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def run_sweep(
         point = measurer.policy(
             factory, {"policy": name, "parameter": get_policy_class(name).sweep_parameter, "value": value},
         )
-        budget = [max(1, min(cap, round(mean))) for mean, cap in zip(point["mean_steps"], k_max)]
+        budget = [max(1, min(cap, round(mean))) for mean, cap in zip(point["mean_steps"], k_max, strict=False)]
         point["baseline"] = measurer.fixed(budget)
         points.append(point)
         log.info(
@@ -100,7 +100,7 @@ def run_sweep(
              "values": list(profile["values"]), "profile_policy": profile["policy"],
              "profile": str(config.exit_profile)},
         )
-        budget = [max(1, min(cap, round(mean))) for mean, cap in zip(point["mean_steps"], k_max)]
+        budget = [max(1, min(cap, round(mean))) for mean, cap in zip(point["mean_steps"], k_max, strict=False)]
         point["baseline"] = measurer.fixed(budget)
         points.append(point)
         log.info("profile %s %s: steps %s ppl %.4f", profile["policy"], profile["values"],

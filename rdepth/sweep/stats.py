@@ -21,7 +21,7 @@ ref q3 / cand q1]`` is the ratio the two IQRs allow at the extremes.
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
 from rdepth.errors import RdepthError
 

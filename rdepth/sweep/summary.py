@@ -64,8 +64,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from rdepth.errors import RdepthError
 from rdepth.sweep.stats import NOISE_THRESHOLD, compare, format_ratio, rel_iqr

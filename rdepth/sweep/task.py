@@ -28,28 +28,29 @@ keeps the Pareto front of accuracy against steps.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from rdepth.errors import RdepthError
-from rdepth.sweep.config import MeasureSettings, SweepConfig
-from rdepth.sweep.depth import DEPTH_CSV, depth_csv, depth_summary, depth_vs_hops, oracle_steps
-from rdepth.sweep.halves import half_scores, honest_selection, target_problems
-from rdepth.exits.controller import controller_factory
-from rdepth.sweep.measure import decode_factory
 from rdepth.exitrun.profile import load_profile, profile_controller_factory
+from rdepth.exits.controller import controller_factory
 from rdepth.exits.registry import get_policy_class
-from rdepth.sweep.stats import spread
-from rdepth.sweep.timing import forward_call, time_interleaved
 from rdepth.io import environment_info, write_json
 from rdepth.model import RecurrentLM
 from rdepth.model.control import FixedController
 from rdepth.run.device import device_name
 from rdepth.run.opened import open_run
+from rdepth.sweep.config import MeasureSettings, SweepConfig
+from rdepth.sweep.depth import DEPTH_CSV, depth_csv, depth_summary, depth_vs_hops, oracle_steps
+from rdepth.sweep.halves import half_scores, honest_selection, target_problems
+from rdepth.sweep.measure import decode_factory
+from rdepth.sweep.stats import spread
+from rdepth.sweep.timing import forward_call, time_interleaved
 from rdepth.tasks.data import HeldOut, load_heldout, task_manifest
 from rdepth.tasks.evaluate import heldout_accuracy
 from rdepth.tasks.hops import heldout_hops, manifest_tasks
@@ -211,7 +212,7 @@ def _depth(blocks: list[dict], heldouts: Sequence[HeldOut], hops: Sequence[np.nd
            steps_of: dict[str, list[np.ndarray]], oracle: list[np.ndarray]) -> dict:
     """Depth against hops (:func:`rdepth.sweep.depth.depth_vs_hops`) on every held-out set's answer tokens
     pooled: per policy setting (described by the first set's points) and for the oracle."""
-    difficulty = np.concatenate([np.full(len(h), heldout.difficulty) for h, heldout in zip(hops, heldouts)])
+    difficulty = np.concatenate([np.full(len(h), heldout.difficulty) for h, heldout in zip(hops, heldouts, strict=False)])
     keys = ("label", "policy", "parameter", "value")
     described = [{k: p[k] for k in keys if k in p} for p in blocks[0]["points"]]
     return depth_vs_hops(np.concatenate(hops), difficulty,
@@ -263,7 +264,7 @@ def format_task_sweep(result: dict) -> list[str]:
     """Text lines: per difficulty, every setting's accuracy and steps, then the summary."""
     lines = []
     timed = any("ms_per_token" in e for b in result["difficulties"] for e in b["fixed"])
-    for block, summary in zip(result["difficulties"], result["summary"]["difficulties"]):
+    for block, summary in zip(result["difficulties"], result["summary"]["difficulties"], strict=False):
         lines.append(f"difficulty {block['difficulty']} ({block['problems']} problems): accuracy %, mean loop steps "
                      "per token (all / answer tokens / other tokens)" + (", ms/token" if timed else ""))
         for entry in block["fixed"] + block["points"]:
@@ -317,7 +318,7 @@ def format_depth(depth: dict) -> list[str]:
              "rho of executed loop steps against hops, then mean steps at each hop count",
              f"  {'setting':<28}{'rho':>7}" + "".join(f"{'h=' + str(h):>7}" for h in hops)]
     for row in depth["settings"] + [oracle]:
-        at = dict(zip(row["hops"], row["mean_steps_by_hops"]))
+        at = dict(zip(row["hops"], row["mean_steps_by_hops"], strict=False))
         rho = row["spearman"]
         lines.append(f"  {row['label']:<28}" + (f"{rho:7.2f}" if rho == rho else f"{'n/a':>7}")
                      + "".join(f"{at[h]:7.2f}" if h in at else f"{'':>7}" for h in hops))

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from rdepth.report import Section, add_section
+from rdepth.report.figures import pyplot, save_report_figure
 from rdepth.sweep.depth import DEPTH_FIGURE
 from rdepth.sweep.summary import decode_summary
-from rdepth.report.figures import pyplot, save_report_figure
 
 SECTION = "task_exits"
 
@@ -19,7 +19,7 @@ def accuracy_vs_steps(result: dict) -> Any:
     plt = pyplot()
     blocks = result["difficulties"]
     figure, axes = plt.subplots(len(blocks), 2, figsize=(10, 3.6 * len(blocks)), squeeze=False)
-    for row, block in zip(axes, blocks):
+    for row, block in zip(axes, blocks, strict=False):
         left, right = row
         fixed = block["fixed"]
         left.plot([e["steps"] for e in fixed], [100 * e["accuracy"] for e in fixed], "-o", color="0.4",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 

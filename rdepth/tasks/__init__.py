@@ -16,13 +16,12 @@ per difficulty, including difficulties above the training range.
 - :mod:`~rdepth.tasks.accuracy`: ``answer_accuracy``, ``problem_correct``
 """
 
+from rdepth.data.task_vocab import TaskVocab, load_task_vocab
 from rdepth.tasks.accuracy import answer_accuracy, problem_correct
 from rdepth.tasks.base import Problem, Task
-from rdepth.tasks.data import (HeldOut, TaskDataConfig, answer_masks, load_heldout, prepare_task_data,
-                               task_manifest)
+from rdepth.tasks.data import HeldOut, TaskDataConfig, answer_masks, load_heldout, prepare_task_data, task_manifest
 from rdepth.tasks.registry import TASKS, get_task, parse_mixture, task_spec
 from rdepth.tasks.stream import Windows, pack_windows, render_stream, sample_problems
-from rdepth.data.task_vocab import TaskVocab, load_task_vocab
 
 __all__ = [
     "HeldOut", "Problem", "TASKS", "Task", "TaskDataConfig", "TaskVocab", "Windows", "answer_accuracy",

@@ -16,13 +16,13 @@ its digit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from rdepth.tasks.base import Problem, Task, check_int, malformed
 from rdepth.data.task_vocab import DIGIT_IDS, EQUALS_ID, QUERY_ID, SYMBOL_IDS, digit_value, is_symbol
+from rdepth.tasks.base import Problem, Task, check_int, malformed
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class AssignTask(Task):
         for chain in chains:
             digit = DIGIT_IDS[int(rng.integers(0, len(DIGIT_IDS)))]
             source[chain[0]] = digit
-            for previous, name in zip(chain[:-1], chain[1:]):
+            for previous, name in zip(chain[:-1], chain[1:], strict=False):
                 source[name] = previous
             value.update({name: digit for name in chain})
 

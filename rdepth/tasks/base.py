@@ -16,8 +16,9 @@ each answer needs: the per-token difficulty that adaptive depth should track.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import ClassVar
 
 import numpy as np
 

@@ -34,14 +34,14 @@ at most as many).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
+from rdepth.data.task_vocab import QUERY_ID, SYMBOL_IDS, is_symbol
 from rdepth.errors import RdepthError
 from rdepth.tasks.base import Problem, Task, check_int, malformed
-from rdepth.data.task_vocab import QUERY_ID, SYMBOL_IDS, is_symbol
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class ChaseTask(Task):
             chains.append(rest[:size])
             rest = rest[size:]
         for chain in chains:
-            for source, target in zip(chain[:-1], chain[1:]):
+            for source, target in zip(chain[:-1], chain[1:], strict=False):
                 successor[source] = target
             successor[chain[-1]] = chain[-1]
         ends = {symbol: chain[-1] for chain in chains for symbol in chain}
@@ -126,7 +126,7 @@ class ChaseTask(Task):
             values = tokens[: tokens.index(QUERY_ID)] if QUERY_ID in tokens else tokens
             if len(values) != self.nodes or not all(SYMBOL_IDS[0] <= t < SYMBOL_IDS[0] + self.nodes for t in values):
                 raise malformed(self.name, f"expected {self.nodes} values among the first {self.nodes} letters")
-            successor = dict(zip(SYMBOL_IDS[: self.nodes], values))
+            successor = dict(zip(SYMBOL_IDS[: self.nodes], values, strict=False))
             index = self.nodes
         while not self.ordered and index < len(tokens) and tokens[index] != QUERY_ID:
             pair = tokens[index:index + 2]

@@ -35,22 +35,22 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
 from rdepth.data.prepare import UNIGRAM_FILE, unigram_baseline, unigram_log_probs
 from rdepth.data.shards import ShardWriter, TokenShards, check_output_folder
+from rdepth.data.task_vocab import TaskVocab
 from rdepth.errors import RdepthError
 from rdepth.fields import check_fields, option
 from rdepth.io import environment_info, read_json_object
 from rdepth.tasks.base import Problem, check_int
 from rdepth.tasks.registry import get_task, parse_mixture, task_spec
 from rdepth.tasks.stream import check_difficulties, pack_windows, sample_problems
-from rdepth.data.task_vocab import TaskVocab
 
 log = logging.getLogger(__name__)
 
@@ -267,12 +267,12 @@ class HeldOut:
     answer_mask: np.ndarray
     problem_ids: np.ndarray
 
-    def windows(self, start: int = 0, stop: int | None = None) -> "HeldOut":
+    def windows(self, start: int = 0, stop: int | None = None) -> HeldOut:
         """The windows ``start:stop`` (problem ids unchanged)."""
         part = slice(start, stop)
         return HeldOut(self.difficulty, self.tokens[part], self.answer_mask[part], self.problem_ids[part])
 
-    def first_problems(self, count: int | None) -> "HeldOut":
+    def first_problems(self, count: int | None) -> HeldOut:
         """The first windows holding about ``count`` problems (all of them for None; at least one window)."""
         if count is None:
             return self

@@ -12,19 +12,20 @@ against loops, at the training difficulties and above them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from rdepth.model import RecurrentLM
-from rdepth.model.recurrent import lm_loss
 from rdepth.model.control import LoopController
+from rdepth.model.generation import teacher_forced
+from rdepth.model.recurrent import lm_loss
 from rdepth.run.evaluate import eval_outputs
 from rdepth.tasks.accuracy import problem_correct
 from rdepth.tasks.data import HeldOut, load_heldout, task_manifest
-from rdepth.model.generation import teacher_forced
 
 
 class _Tally:
@@ -178,7 +179,7 @@ def heldout_accuracy_budgets(
                     logits = logits_at[resolved[index][last]]
                     tallies[index].add(logits, lm_loss(logits, batch["targets"]), n_scored)
     results = []
-    for counts, tally in zip(resolved, tallies):
+    for counts, tally in zip(resolved, tallies, strict=False):
         result = tally.result(heldout)
         result["loop_counts"] = list(counts)
         results.append(result)

@@ -11,13 +11,13 @@ n, the number of terms (n - 1 additions, each depending on the last).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from rdepth.tasks.base import Problem, Task, check_int, malformed
 from rdepth.data.task_vocab import DIGIT_IDS, EQUALS_ID, PLUS_ID, digit_value
+from rdepth.tasks.base import Problem, Task, check_int, malformed
 
 
 @dataclass(frozen=True)

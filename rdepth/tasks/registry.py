@@ -7,12 +7,12 @@ one (parameters validated by the class). A mixture is written with ``+``
 
 from __future__ import annotations
 
+from rdepth.data.task_vocab import SPEC_PREFIX
 from rdepth.errors import RdepthError
 from rdepth.tasks.assign import AssignTask
 from rdepth.tasks.base import Task
 from rdepth.tasks.chase import ChaseTask
 from rdepth.tasks.modsum import ModSumTask
-from rdepth.data.task_vocab import SPEC_PREFIX
 
 TASKS: dict[str, type[Task]] = {
     ChaseTask.name: ChaseTask,

@@ -13,15 +13,15 @@ token, i.e. the target a model reading ``tokens[:i]`` should emit.
 from __future__ import annotations
 
 import math
-
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence, Union
+from typing import Union
 
 import numpy as np
 
+from rdepth.data.task_vocab import EOT_ID
 from rdepth.errors import RdepthError
 from rdepth.tasks.base import Problem, Task
-from rdepth.data.task_vocab import EOT_ID
 
 # One task, or (task, weight) pairs sampled in proportion to their weights.
 TaskMix = Union[Task, Sequence[tuple[Task, float]]]

@@ -148,7 +148,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         from rdepth.io import dataclass_from_dict
 
         return dataclass_from_dict(cls, data, "train config")

@@ -20,9 +20,10 @@ import logging
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -110,10 +111,9 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load the sharded weights and AdamW state of ``checkpoint`` into the sharded ``model`` and
     ``optimizer`` (a collective), re-cut for this world size when it was saved at another."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    import torch.distributed as dist
 
     saved = read_state(checkpoint).get("world_size")
     if isinstance(saved, int) and saved != dist.get_world_size() and dist.get_rank() == 0:

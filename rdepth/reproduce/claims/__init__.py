@@ -15,19 +15,48 @@ paper's absolute grid in :mod:`.paper_grid`); :mod:`.verdict` holds what they sh
 runs them all.
 """
 
-from rdepth.reproduce.claims.cosine import (COLLINEAR, COSINE_SLACK, PAPER_COSINE, TREND_MIN_MOVE, claim_cosine,
-                                            cosine_status, cosine_trend)
-from rdepth.reproduce.claims.dlr import (CONTROL_MARGIN, DLR_MUCH, HANDOFF, HANDOFF_CONTROL, NOISE_FREE_DLR,
-                                         PAPER_LOOPS, claim_dlr, dlr_at)
-from rdepth.reproduce.claims.exits import (FRONT_QUALITY_SLACK, FRONT_RULES, FRONT_STEPS_SLACK, claim_exits,
-                                           exit_fronts)
+from rdepth.reproduce.claims.cosine import (
+                                            COLLINEAR,
+                                            COSINE_SLACK,
+                                            PAPER_COSINE,
+                                            TREND_MIN_MOVE,
+                                            claim_cosine,
+                                            cosine_status,
+                                            cosine_trend,
+)
+from rdepth.reproduce.claims.dlr import (
+                                            CONTROL_MARGIN,
+                                            DLR_MUCH,
+                                            HANDOFF,
+                                            HANDOFF_CONTROL,
+                                            NOISE_FREE_DLR,
+                                            PAPER_LOOPS,
+                                            claim_dlr,
+                                            dlr_at,
+)
+from rdepth.reproduce.claims.exits import FRONT_QUALITY_SLACK, FRONT_RULES, FRONT_STEPS_SLACK, claim_exits, exit_fronts
 from rdepth.reproduce.claims.judge import judge_all, unlearned_reason
 from rdepth.reproduce.claims.paper_grid import CLIFF_LOSS, CLIFF_SAFE_TAU, MIN_STEPS_SAVED
 from rdepth.reproduce.claims.plateau import claim_plateau
-from rdepth.reproduce.claims.step_decay import (DECAY_BY_STEP, DECAY_FRACTION, DECAY_TREND_FACTOR, claim_step_decay,
-                                                decay_left, decay_step, decay_trend)
-from rdepth.reproduce.claims.verdict import (NOT, PARTLY, REPRODUCED, UNTESTED, VERDICTS, judged_on, judged_text,
-                                             missing_field)
+from rdepth.reproduce.claims.step_decay import (
+                                            DECAY_BY_STEP,
+                                            DECAY_FRACTION,
+                                            DECAY_TREND_FACTOR,
+                                            claim_step_decay,
+                                            decay_left,
+                                            decay_step,
+                                            decay_trend,
+)
+from rdepth.reproduce.claims.verdict import (
+                                            NOT,
+                                            PARTLY,
+                                            REPRODUCED,
+                                            UNTESTED,
+                                            VERDICTS,
+                                            judged_on,
+                                            judged_text,
+                                            missing_field,
+)
 
 __all__ = [
     "CLIFF_LOSS", "CLIFF_SAFE_TAU", "COLLINEAR", "CONTROL_MARGIN", "COSINE_SLACK", "DECAY_BY_STEP", "DECAY_FRACTION",

@@ -8,8 +8,16 @@ from typing import Any
 
 from rdepth.geometry.summary import SETTLED_SLOPE, TOLERANCE
 from rdepth.reproduce.claims.step_decay import DECAY_BY_STEP
-from rdepth.reproduce.claims.verdict import (NOT, PARTLY, REPRODUCED, final_groups, judged_on, missing_field,
-                                            new_claim, untested)
+from rdepth.reproduce.claims.verdict import (
+    NOT,
+    PARTLY,
+    REPRODUCED,
+    final_groups,
+    judged_on,
+    missing_field,
+    new_claim,
+    untested,
+)
 
 # Claim 2: the paper's band of settled consecutive-step cosines, and the slack allowed around it.
 PAPER_COSINE = (0.5, 0.65)

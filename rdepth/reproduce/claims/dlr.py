@@ -7,8 +7,17 @@ from __future__ import annotations
 from typing import Any
 
 from rdepth.geometry.summary import CONTROL_MARGIN
-from rdepth.reproduce.claims.verdict import (NOT, PARTLY, REPRODUCED, UNTESTED, final_groups, judged_on,
-                                            missing_field, new_claim, untested)
+from rdepth.reproduce.claims.verdict import (
+    NOT,
+    PARTLY,
+    REPRODUCED,
+    UNTESTED,
+    final_groups,
+    judged_on,
+    missing_field,
+    new_claim,
+    untested,
+)
 
 # Claim 3: "DLR >> 1" read as at least an order of magnitude. A project choice, not the paper's: the paper
 # writes "DLR >> 1" (§3.1) and Fig. 2's caption "values > 1 indicate larger-scale drift"; and the hand-off ratio

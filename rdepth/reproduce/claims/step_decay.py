@@ -7,8 +7,16 @@ from typing import Any
 
 from rdepth.geometry.summary import DECAYED_FRACTION
 from rdepth.geometry.summary import decayed_step as decay_step
-from rdepth.reproduce.claims.verdict import (NOT, PARTLY, REPRODUCED, count_verdict, final_groups, judged_on,
-                                            new_claim, untested)
+from rdepth.reproduce.claims.verdict import (
+    NOT,
+    PARTLY,
+    REPRODUCED,
+    count_verdict,
+    final_groups,
+    judged_on,
+    new_claim,
+    untested,
+)
 
 # Claim 1: a step has shrunk to this fraction of the first refinement step ||Delta^(1)|| (decay_step:
 # rdepth.geometry.summary.decayed_step, which also starts the settled-cosine window) ...

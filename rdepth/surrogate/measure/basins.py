@@ -15,7 +15,7 @@ All functions take plain tensors and return JSON-ready dicts of floats and lists
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

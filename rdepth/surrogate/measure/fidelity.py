@@ -13,14 +13,14 @@ Metrics are plain functions of tensors returning floats / lists, saved as JSON b
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from rdepth.surrogate.bank import BankBatch, StateBank
+from rdepth.surrogate.model import RaptorSurrogate
 from rdepth.surrogate.teachers.layers import Teacher
 from rdepth.surrogate.teachers.minilm import sentence_embedding
-from rdepth.surrogate.model import RaptorSurrogate
 
 StatesFn = Callable[[BankBatch], list[torch.Tensor]]
 
@@ -105,7 +105,7 @@ def text_retention(embeddings: torch.Tensor, reference: torch.Tensor, top: int =
     sims_nn, ref_nn = sims.masked_fill(eye, -2.0), ref_sims.masked_fill(eye, -2.0)
     top = min(top, n - 1)
     mine, theirs = sims_nn.topk(top, dim=1).indices, ref_nn.topk(top, dim=1).indices
-    overlap = [len(set(a.tolist()) & set(b.tolist())) / top for a, b in zip(mine, theirs)]
+    overlap = [len(set(a.tolist()) & set(b.tolist())) / top for a, b in zip(mine, theirs, strict=False)]
     return {
         "embedding_cosine": float((embeddings * reference).sum(-1).mean()),
         "pairwise_spearman": spearman(sims[upper[0], upper[1]], ref_sims[upper[0], upper[1]]),

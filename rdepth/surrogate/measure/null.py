@@ -29,7 +29,8 @@ Pure functions on the saved dynamics dicts (JSON-ready); torch-free.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rdepth.errors import RdepthError
 

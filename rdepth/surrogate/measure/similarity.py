@@ -7,7 +7,7 @@ The measures are chosen by name from :data:`SIMILARITIES`.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -168,7 +168,7 @@ def plot_perturbation(dynamics: dict[str, dict]):
     """Angle between perturbed and clean [CLS] from the perturbed depth to the last, per depth perturbed."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
-    for ax, name in zip(axes, ("teacher", "raptor")):
+    for ax, name in zip(axes, ("teacher", "raptor"), strict=False):
         for entry in dynamics[name]["perturbation"]:
             depths = np.arange(entry["depth"], entry["depth"] + len(entry["angle"]))
             ax.plot(depths, entry["angle"], marker="o", ms=3, label=f"perturbed at {entry['depth']}")

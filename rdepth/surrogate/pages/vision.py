@@ -13,7 +13,9 @@ import numpy as np
 from rdepth.io import read_jsonl
 from rdepth.report.figures import save_report_figure
 from rdepth.surrogate.pages import plots
-from rdepth.surrogate.pages.text import PROBE_KINDS as KINDS, _load, probe_rows
+from rdepth.surrogate.pages.text import PROBE_KINDS as KINDS
+from rdepth.surrogate.pages.text import _load, probe_rows
+
 
 def write_vision_report(out: str | Path) -> Path:
     """Draw the figures and write the run's ``index.html``."""

@@ -9,8 +9,8 @@ Architectures are chosen by ``config["model_type"]`` from :data:`ARCHITECTURES`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn

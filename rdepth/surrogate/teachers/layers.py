@@ -18,8 +18,8 @@ block initialised from a teacher layer computes exactly what that layer computes
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

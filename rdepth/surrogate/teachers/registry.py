@@ -9,9 +9,9 @@ checkpoint directory (:mod:`.hf_loader`). :func:`is_vision_teacher` tells the tw
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from rdepth.errors import RdepthError
 from rdepth.run.checkpoint import is_rdepth_run

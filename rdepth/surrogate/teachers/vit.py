@@ -201,7 +201,7 @@ def is_vit_folder(path: str | Path) -> bool:
     return (Path(path) / VIT_CONFIG_FILE).is_file()
 
 
-def save_vit(model: "ViTClassifier", config: ViTConfig, directory: str | Path, info: dict) -> None:
+def save_vit(model: ViTClassifier, config: ViTConfig, directory: str | Path, info: dict) -> None:
     """Write the teacher folder: weights (safetensors) then its config and training record."""
     from safetensors.torch import save_file
 
@@ -215,7 +215,7 @@ def save_vit(model: "ViTClassifier", config: ViTConfig, directory: str | Path, i
     write_json(directory / VIT_CONFIG_FILE, {"vit": config.to_dict(), **info})
 
 
-def load_vit(directory: str | Path) -> tuple["ViTClassifier", dict]:
+def load_vit(directory: str | Path) -> tuple[ViTClassifier, dict]:
     """A frozen ViT from a teacher folder, and the saved record (``vit`` config, accuracy, ...)."""
     from safetensors.torch import load_file
 
