@@ -91,6 +91,8 @@ class RdepthConfig(_BaseConfig):
     mlp_hidden: int | None = None
     qk_bias: bool = False
     handoff_norm: bool = False
+    tie_head: bool = True
+    exit_gate: bool = False
     # the exported model's own
     loop_counts: list[int] | None = None
     state_seed: int = 0

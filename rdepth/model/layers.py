@@ -1,8 +1,9 @@
-"""Transformer layers: causal attention, MLP, and the two block types of :data:`BLOCKS`.
+"""Transformer layers: causal attention, MLP, and the block types of :data:`BLOCKS`.
 
 ``sandwich`` (Geiping et al.'s, rdepth's own): RMSNorm before each sub-layer and
 after each residual sum, no biases, SiLU MLP. ``gpt2``: GPT-2's pre-LayerNorm
 block with biases and a GELU-tanh MLP, so that GPT-2 checkpoints import exactly.
+``peri`` (Ouro's): RMSNorm before each sub-layer and on its output, before the residual sum.
 
 Every layer accepts activations in one of two layouts:
 
@@ -228,6 +229,20 @@ class GPT2Block(nn.Module):
         return x
 
 
+class PeriBlock(SandwichBlock):
+    """Ouro's (LoopLM) block: RMSNorm before each sub-layer and on its output, before the residual sum
+    (the same four norms as the sandwich block, in other places)::
+
+        x = x + norm_2(attn(norm_1(x)))
+        x = x + norm_4(mlp(norm_3(x)))
+    """
+
+    def forward(self, x: torch.Tensor, attn: AttentionContext | None = None) -> torch.Tensor:
+        x = x + self.norm_2(self.attn(self.norm_1(x), attn))
+        x = x + self.norm_4(self.mlp(self.norm_3(x)))
+        return x
+
+
 # ModelConfig.block -> the layer class RecurrentLM builds
-BLOCKS: dict[str, type[nn.Module]] = {"sandwich": SandwichBlock, "gpt2": GPT2Block}
+BLOCKS: dict[str, type[nn.Module]] = {"sandwich": SandwichBlock, "gpt2": GPT2Block, "peri": PeriBlock}
 assert set(BLOCKS) == set(BLOCK_TYPES)
