@@ -269,6 +269,8 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         k_max = int(k_max) if isinstance(k_max, (int, float)) else tuple(int(k) for k in k_max)
         if name == "learned" and isinstance(options.get("gate"), str):
             options["gate"] = self.exit_gate(options["gate"])
+        if name == "ouro" and options.get("gate") in (None, "model"):  # Ouro's gate is in the model
+            options["gate"] = self.model
         return controller_factory(name, options.pop("tau", None), k_max, lambda: self.model.readout, options)()
 
     def exit_gate(self, file: str) -> ExitGate:

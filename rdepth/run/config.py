@@ -25,7 +25,9 @@ def check_force_profile(command: str, config) -> None:
 def policy_options(command: str, exit_policy: str | None, text: str | None, checkpoint: str) -> dict:
     """``--exit-options KEY=VALUE,...`` as a dict, each value an int, a float or text; the learned rule's gate
     is the run's (``checkpoint``)."""
-    options = {"gate": checkpoint} if exit_policy == "learned" else {}
+    from rdepth.exits.config import CHECKPOINT_GATE_RULES
+
+    options = {"gate": checkpoint} if exit_policy in CHECKPOINT_GATE_RULES else {}
     for item in (text or "").split(","):
         if not item.strip():
             continue
