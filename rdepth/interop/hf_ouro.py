@@ -292,12 +292,12 @@ def ouro_weight_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
 
 
 def write_ouro_folder(folder: str | Path, seed: int = 0, tokenizer_json: str | None = None, shards: int = 1,
-                      gate_scale: float = 1.0, **overrides) -> Path:
+                      gate_scale: float = 1.0, dtype: torch.dtype = torch.float32, **overrides) -> Path:
     """A random Ouro-layout folder: ``config.json`` (:func:`ouro_config_json` with ``overrides``) and its
     weights, every tensor drawn from a generator seeded with ``seed`` in the order of
     :func:`ouro_weight_shapes` (matrices ~ N(0, 1/fan-in), norm gains 1 + N(0, 0.2^2), the gate's weight
-    times ``gate_scale`` and its bias N(0, 1): all of them matter), in ``shards`` files with an index when
-    more than one; a ``tokenizer.json`` when given."""
+    times ``gate_scale`` and its bias N(0, 1): all of them matter), stored as ``dtype`` (the hub's are
+    bfloat16), in ``shards`` files with an index when more than one; a ``tokenizer.json`` when given."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -308,12 +308,12 @@ def write_ouro_folder(folder: str | Path, seed: int = 0, tokenizer_json: str | N
     for name, shape in ouro_weight_shapes(hf).items():
         noise = torch.randn(shape, generator=generator, dtype=torch.float64)
         if name.endswith("early_exit_gate.bias"):
-            weights[name] = noise
+            tensor = noise
         elif len(shape) == 1:
-            weights[name] = 1.0 + 0.2 * noise
+            tensor = 1.0 + 0.2 * noise
         else:
-            weights[name] = noise / shape[-1] ** 0.5 * (gate_scale if "early_exit_gate" in name else 1.0)
-    weights = {name: tensor.float().contiguous() for name, tensor in weights.items()}
+            tensor = noise / shape[-1] ** 0.5 * (gate_scale if "early_exit_gate" in name else 1.0)
+        weights[name] = tensor.float().to(dtype).contiguous()  # through float32: float32 files as before
     if shards <= 1:
         save_file(weights, str(folder / "model.safetensors"))
     else:
@@ -324,7 +324,7 @@ def write_ouro_folder(folder: str | Path, seed: int = 0, tokenizer_json: str | N
             file = f"model-{number:05d}-of-{shards:05d}.safetensors"
             save_file({name: weights[name] for name in part}, str(folder / file))
             weight_map.update({name: file for name in part})
-        total = sum(tensor.numel() * 4 for tensor in weights.values())
+        total = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
         (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                     indent=2) + "\n")
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
