@@ -201,6 +201,9 @@ def test_export_gives_the_runs_logits_and_its_gate(ouro, tmp_path, monkeypatch):
         cached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True)
         uncached = hf.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
         gated = hf(ids, exit_policy={"name": "ouro", "tau": 0.5, "k_max": 4}).logits
+        out = hf(ids, output_hidden_states=True)
+    # the last hidden state is what the head reads: the last step's state, already normed
+    assert torch.equal(F.linear(out.hidden_states[-1], ouro.model.head_weight)[..., :VOCAB], real(out.logits))
     assert torch.equal(cached, uncached)
     from rdepth.exits.controller import controller_factory
 
