@@ -123,7 +123,9 @@ def _pairs_order(n_head: int, head_dim: int) -> torch.Tensor:
 
 
 def ouro_state_dict(folder: Path, weights: dict[str, torch.Tensor], model: RecurrentLM) -> dict[str, torch.Tensor]:
-    """rdepth names and layouts for Ouro's ``weights``, every tensor used once and checked against ``model``."""
+    """rdepth names and layouts for Ouro's ``weights``, every tensor used once and checked against ``model``.
+    Each tensor leaves ``weights`` as it is taken (emptied on success: the folder's copy is not held beside
+    the float32 one, which matters at 1.4B parameters)."""
     config = model.config
     expected = model.state_dict()
     mapped: dict[str, torch.Tensor] = {}
@@ -133,7 +135,7 @@ def ouro_state_dict(folder: Path, weights: dict[str, torch.Tensor], model: Recur
         if name not in weights:
             raise RdepthError(f"{folder}: Ouro weight {name!r} is missing")
         used.add(name)
-        return weights[name].float()
+        return weights.pop(name).float()
 
     def shaped(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         tensor = take(name)
@@ -149,6 +151,7 @@ def ouro_state_dict(folder: Path, weights: dict[str, torch.Tensor], model: Recur
 
     d, hidden = config.d_model, config.hidden_width
     order = _pairs_order(config.n_head, config.head_dim)
+    embedding = weights.get(PREFIX + "embed_tokens.weight") if config.tie_head else None  # the tie check reads it
     mapped["wte.weight"] = padded(PREFIX + "embed_tokens.weight")
     for index in range(config.n_layer):
         source = f"{PREFIX}layers.{index}."
@@ -162,12 +165,12 @@ def ouro_state_dict(folder: Path, weights: dict[str, torch.Tensor], model: Recur
     mapped["exit_gate.weight"] = shaped(PREFIX + "early_exit_gate.weight", (1, d))
     mapped["exit_gate.bias"] = shaped(PREFIX + "early_exit_gate.bias", (1,))
     if config.tie_head:
-        if "lm_head.weight" in weights and not torch.equal(take("lm_head.weight"), weights[PREFIX + "embed_tokens.weight"].float()):
+        if "lm_head.weight" in weights and not torch.equal(take("lm_head.weight"), embedding.float()):
             raise RdepthError(f"cannot import {folder} ({MODEL_TYPE}): tie_word_embeddings is true but its lm_head "
                               "differs from embed_tokens")
     else:
         mapped["head.weight"] = padded("lm_head.weight")
-    unexpected = sorted(set(weights) - used)
+    unexpected = sorted(weights)  # what was not taken
     if unexpected:
         raise RdepthError(f"{folder}: unexpected Ouro weights {unexpected[:3]}")
     if set(mapped) != set(expected):  # the config and the layout above disagree: a bug, named
