@@ -39,6 +39,7 @@ def load(args) -> None:
     start = time.perf_counter()
     model = ouro_model(args.folder)
     loaded = time.perf_counter()
+    peak_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     save_checkpoint(Path(args.out), 0, model, model.config)
     saved = time.perf_counter()
     ids = torch.arange(8)[None] * 997 % model.config.vocab_size
@@ -46,6 +47,7 @@ def load(args) -> None:
         finite = all(bool(torch.isfinite(model(ids, loop_counts=k).logits).all()) for k in (1, 4))
     print(json.dumps({"parameters": model.num_parameters(), "load_s": round(loaded - start, 1),
                       "save_s": round(saved - loaded, 1), "logits_finite": finite,
+                      "peak_rss_after_load_gib": round(peak_loaded, 2),
                       "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
 
 
