@@ -143,7 +143,7 @@ def _golden_folder(tmp_path, meta, name):
     return folder
 
 
-# float32: the reference's logits reach 2.5 here and differ by up to 2.2e-6 (a few float32 ulps: other
+# float32: the reference's logits reach 2.5 here and differ by up to 2.2e-6 (about 9 float32 ulps: other
 # summation orders, e.g. the permuted rotary channels); float64: the reference with its norm widened.
 TOLERANCE = {torch.float32: 3e-6, torch.float64: 1e-12}
 
