@@ -36,6 +36,9 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # Where a token's position enters (rdepth.model.layers): a learned embedding added to the token's, or
 # rotary positions on each head's queries and keys (Huginn-0125 / raven: pairs of adjacent channels).
 POSITION_TYPES = ("learned", "rotary")
+# Which channels of a head rotary positions turn together: adjacent pairs (2i, 2i+1) (Huginn-0125 / raven)
+# or the two halves' channels (i, i + hs/2) (rotate-half: Llama's, Ouro's).
+ROPE_PAIRS = ("adjacent", "half")
 # The MLP of a block: the block type's own (SiLU for sandwich, GELU-tanh for gpt2), or a gated SiLU
 # (SwiGLU: silu(gate) * up from one fused input matrix, gate rows first; Huginn-0125 / raven).
 MLP_TYPES = ("plain", "swiglu")
@@ -162,6 +165,9 @@ class ModelConfig:
         "learned", "positional encoding: 'learned' (an embedding per position, added to the token's) or "
         "'rotary' (each head's queries and keys rotated by the absolute position; no position weights)")
     rope_base: float = option(10000.0, "rotary positions: the base of the rotation frequencies")
+    rope_pairs: str = option(
+        "adjacent", "rotary positions: the channels turned together, 'adjacent' (2i, 2i+1; Huginn-0125) or "
+        "'half' (i, i + head_dim/2, rotate-half; Llama, Ouro)")
     mlp: str = option(
         "plain", "MLP: 'plain' (the block type's activation: SiLU for sandwich, GELU-tanh for gpt2) or "
         "'swiglu' (silu(gate) * up, one fused input matrix with the gate rows first)")
@@ -231,6 +237,8 @@ class ModelConfig:
         if self.positions not in POSITION_TYPES:
             raise RdepthError(
                 f"model config: positions must be one of {', '.join(POSITION_TYPES)}, got {self.positions!r}")
+        if self.rope_pairs not in ROPE_PAIRS:
+            raise RdepthError(f"model config: rope_pairs must be one of {', '.join(ROPE_PAIRS)}, got {self.rope_pairs!r}")
         if self.mlp not in MLP_TYPES:
             raise RdepthError(f"model config: mlp must be one of {', '.join(MLP_TYPES)}, got {self.mlp!r}")
         for name in ("qk_bias", "handoff_norm", "tie_head", "exit_gate"):

@@ -17,7 +17,7 @@ from rdepth.model.decoder import Decoder
 from rdepth.model.noise import StateNoise
 
 OURO = dict(n_layer=2, n_head=4, d_model=32, block_size=32, vocab_size=96, groups="0-1", block="peri",
-            loop_state="looplm", positions="rotary", mlp="swiglu", mlp_hidden=48, tie_head=False, exit_gate=True,
+            loop_state="looplm", positions="rotary", rope_pairs="half", mlp="swiglu", mlp_hidden=48, tie_head=False, exit_gate=True,
             init_state_scale=0.0, mean_loops=4.0, eval_loops=(4,), tokenizer="bpe:96")
 
 
@@ -92,6 +92,24 @@ def test_cached_equals_teacher_forced_with_the_gate(batch):
     torch.testing.assert_close(logits, forced.logits[:, 2:], rtol=0, atol=1e-10)
 
 
+def test_rotate_half_is_the_llama_formula_and_not_the_adjacent_one():
+    """``rope_pairs="half"``: ``x * cos + rotate_half(x) * sin`` with the angle of pair i on channels i and
+    i + hs/2 (Llama's and Ouro's formula written out); the adjacent layout turns other channels."""
+    from rdepth.model.layers import Rotary
+
+    head, positions = 8, 5
+    x = torch.randn(positions, head, dtype=torch.float64)
+    inverse = 1.0 / (10000.0 ** (torch.arange(0, head, 2, dtype=torch.float32) / head))
+    angles = torch.outer(torch.arange(positions, dtype=torch.float32), inverse)
+    cos, sin = torch.cat([angles, angles], -1).cos().double(), torch.cat([angles, angles], -1).sin().double()
+    rotated_half = torch.cat([-x[:, head // 2:], x[:, :head // 2]], -1)
+    expected = x * cos + rotated_half * sin
+    half, adjacent = Rotary(head, 10000.0, positions, "half"), Rotary(head, 10000.0, positions)
+    turn = half.table(torch.device("cpu"))
+    torch.testing.assert_close(half.rotate(x, turn), expected, rtol=0, atol=1e-15)
+    assert (adjacent.rotate(x, turn) - expected).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("change, named", [
     (dict(groups="0"), "one recurrence group ending at the last layer"),
     (dict(n_layer=3, groups="0|1-2"), "one recurrence group"),
@@ -100,6 +118,7 @@ def test_cached_equals_teacher_forced_with_the_gate(batch):
     (dict(tie_head="no"), "tie_head must be true or false"),
     (dict(exit_gate=1), "exit_gate must be true or false"),
     (dict(block="ouro"), "block must be one of"),
+    (dict(rope_pairs="interleaved"), "rope_pairs must be one of"),
 ])
 def test_bad_looplm_settings_are_refused_in_one_line(change, named):
     with pytest.raises(RdepthError, match=named):

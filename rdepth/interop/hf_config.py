@@ -87,6 +87,7 @@ class RdepthConfig(_BaseConfig):
     loop_state: str = "sandwich"
     positions: str = "learned"
     rope_base: float = 10000.0
+    rope_pairs: str = "adjacent"
     mlp: str = "plain"
     mlp_hidden: int | None = None
     qk_bias: bool = False

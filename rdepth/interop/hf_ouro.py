@@ -6,15 +6,15 @@ that is one recurrence group over every layer with four options (``ModelConfig``
 (RMSNorm before each sub-layer and on its output, before the residual sum), ``loop_state="looplm"``
 (no adapter, the loop starts from the embedding, each step ends with ``norm_f``, the head reads the
 state as it is), ``tie_head`` false (its own ``lm_head``) and ``exit_gate`` (its ``early_exit_gate``, a
-``Linear(d, 1)`` read after every step, the ``ouro`` exit rule's signal), besides rotary positions, a
+``Linear(d, 1)`` read after every step, the ``ouro`` exit rule's signal), besides rotary positions over
+the two halves of each head (``rope_pairs="half"``: channel ``i`` with ``i + hs/2``, rotate-half), a
 gated SiLU MLP (``mlp="swiglu"``) and the unscaled token embedding.
 
 =========================================  ============================  ==============================
 Ouro (``model.`` prefix)                    rdepth                        note
 =========================================  ============================  ==============================
 ``embed_tokens``                            ``wte``                       padded to 64 rows
-``layers.i.self_attn.q_proj/k_proj/v_proj`` ``layers.i.attn.qkv``         rows: queries, keys, values;
-                                                                          q and k rows permuted per head
+``layers.i.self_attn.q_proj/k_proj/v_proj`` ``layers.i.attn.qkv``         rows: queries, keys, values
 ``layers.i.self_attn.o_proj``               ``layers.i.attn.proj``
 ``layers.i.mlp.gate_proj`` / ``up_proj``    ``layers.i.mlp.fc``           rows: gate, then up
 ``layers.i.mlp.down_proj``                  ``layers.i.mlp.proj``
@@ -24,12 +24,6 @@ Ouro (``model.`` prefix)                    rdepth                        note
 ``early_exit_gate`` (weight, bias)          ``exit_gate``                 ``[1, d]`` and ``[1]``
 ``lm_head`` (top level)                     ``head``                      padded to 64 rows
 =========================================  ============================  ==============================
-
-Rotary positions: Ouro rotates channel ``i`` of a head with channel ``i + hs/2`` (rotate-half), rdepth
-adjacent pairs ``(2i, 2i+1)``, both by ``p * base^(-2i/hs)``. The import moves query and key row
-``i`` of each head to ``2i`` and row ``i + hs/2`` to ``2i + 1``: a query-key product is a sum over a
-head's channels, the same permutation on both leaves it unchanged, so the logits are Ouro's (summed in
-another order); rdepth's cached keys are the permuted ones.
 
 Loop counts: ``total_ut_steps`` becomes the eval count (``eval_loops``) and ``mean_loops``. Settings
 rdepth does not compute (grouped-query attention, a sliding window, scaled rotary positions, another
@@ -101,7 +95,7 @@ def ouro_model_config(folder: Path, hf: dict) -> dict:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise RdepthError(f"{folder}: Ouro config.json has total_ut_steps {steps!r}; rdepth needs an integer >= 1")
     return dict(
-        block="peri", loop_state="looplm", positions="rotary", mlp="swiglu", tie_head=_tied(hf),
+        block="peri", loop_state="looplm", positions="rotary", rope_pairs="half", mlp="swiglu", tie_head=_tied(hf),
         exit_gate=True, n_layer=layers, groups=f"0-{layers - 1}", n_head=heads, d_model=width,
         block_size=positions, vocab_size=need("vocab_size"), mlp_hidden=need("intermediate_size"),
         rope_base=float(hf.get("rope_theta", DEFAULTS["rope_theta"])),
@@ -112,14 +106,6 @@ def ouro_model_config(folder: Path, hf: dict) -> dict:
 
 def _tied(hf: dict) -> bool:
     return bool(hf.get("tie_word_embeddings", DEFAULTS["tie_word_embeddings"]))
-
-
-def _pairs_order(n_head: int, head_dim: int) -> torch.Tensor:
-    """Row order that turns Ouro's rotate-half query/key rows into rdepth's adjacent pairs: rdepth row
-    ``2i`` of a head is Ouro's row ``i``, row ``2i + 1`` Ouro's ``i + hs/2``."""
-    half = head_dim // 2
-    within = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)  # (hs,)
-    return (torch.arange(n_head)[:, None] * head_dim + within[None, :]).reshape(-1)
 
 
 def ouro_state_dict(folder: Path, weights: dict[str, torch.Tensor], model: RecurrentLM) -> dict[str, torch.Tensor]:
@@ -150,13 +136,12 @@ def ouro_state_dict(folder: Path, weights: dict[str, torch.Tensor], model: Recur
         return rows
 
     d, hidden = config.d_model, config.hidden_width
-    order = _pairs_order(config.n_head, config.head_dim)
     embedding = weights.get(PREFIX + "embed_tokens.weight") if config.tie_head else None  # the tie check reads it
     mapped["wte.weight"] = padded(PREFIX + "embed_tokens.weight")
     for index in range(config.n_layer):
         source = f"{PREFIX}layers.{index}."
         q, k, v = (shaped(f"{source}self_attn.{name}_proj.weight", (d, d)) for name in "qkv")
-        mapped[f"layers.{index}.attn.qkv.weight"] = torch.cat([q[order], k[order], v])
+        mapped[f"layers.{index}.attn.qkv.weight"] = torch.cat([q, k, v])
         gate = shaped(source + "mlp.gate_proj.weight", (hidden, d))
         mapped[f"layers.{index}.mlp.fc.weight"] = torch.cat([gate, shaped(source + "mlp.up_proj.weight", (hidden, d))])
         for ouro_name, name in LAYER_NAMES.items():

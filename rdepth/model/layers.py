@@ -52,15 +52,16 @@ class RMSNorm(nn.Module):
 
 class Rotary:
     """Rotary positions over pairs of adjacent channels ``(2i, 2i+1)`` of each head (Huginn-0125's
-    layout; Llama's pairs ``(i, i + hs/2)`` instead): the pair at position p turns by ``p * base^(-2i/hs)``.
+    layout), or with ``pairs="half"`` over ``(i, i + hs/2)`` (rotate-half: Llama's, Ouro's): the pair
+    ``i`` at position p turns by ``p * base^(-2i/hs)``.
 
     The angle table is computed once per device in float32, as the reference computes its buffer (the
     same ops, so the same values), and is no parameter or buffer: casting the model does not round it.
     Half-precision queries and keys are rotated in float32 and rounded back; float32 and float64 in their
     own dtype."""
 
-    def __init__(self, head_dim: int, base: float, length: int):
-        self.head_dim, self.base, self.length = head_dim, float(base), length
+    def __init__(self, head_dim: int, base: float, length: int, pairs: str = "adjacent"):
+        self.head_dim, self.base, self.length, self.pairs = head_dim, float(base), length, pairs
         self._tables: dict[torch.device, torch.Tensor] = {}
 
     def table(self, device: torch.device) -> torch.Tensor:
@@ -75,9 +76,12 @@ class Rotary:
     def rotate(self, x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., hs]`` rotated by ``turn`` ``[..., hs/2, 2]`` (rows of :meth:`table`, broadcast)."""
         wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        pairs = wide.unflatten(-1, (-1, 2))  # (..., hs/2, 2)
         turn = turn.to(wide.dtype)
         cos, sin = turn[..., 0], turn[..., 1]
+        if self.pairs == "half":  # channel i with i + hs/2
+            real, imag = wide.chunk(2, dim=-1)
+            return torch.cat([real * cos - imag * sin, imag * cos + real * sin], dim=-1).to(x.dtype)
+        pairs = wide.unflatten(-1, (-1, 2))  # (..., hs/2, 2)
         real, imag = pairs[..., 0], pairs[..., 1]
         rotated = torch.stack([real * cos - imag * sin, imag * cos + real * sin], dim=-1)
         return rotated.flatten(-2).to(x.dtype)

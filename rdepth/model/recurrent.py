@@ -119,7 +119,7 @@ class RecurrentLM(nn.Module):
         self.wte = nn.Embedding(config.padded_vocab_size, d)
         # Learned positions: an embedding per position; rotary ones: one angle table the layers share.
         self.wpe = nn.Embedding(config.block_size, d) if config.positions == "learned" else None
-        self.rotary = (Rotary(config.head_dim, config.rope_base, config.block_size)
+        self.rotary = (Rotary(config.head_dim, config.rope_base, config.block_size, config.rope_pairs)
                        if config.positions == "rotary" else None)
         block = BLOCKS[config.block]
         self.layers = nn.ModuleList(block(config, i, self.rotary) for i in range(config.n_layer))
