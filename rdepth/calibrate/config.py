@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError
-from rdepth.exits.config import CHECKPOINT_GATE_RULES, checked_k_max, resolve_k_max
+from rdepth.exits.config import checked_k_max, resolve_k_max
 from rdepth.fields import check_fields, option
-from rdepth.run.config import DEVICE_HELP, check_device_name
+from rdepth.run.config import CHECKPOINT_GATE_RULES, DEVICE_HELP, check_device_name
 from rdepth.threads import THREADS_HELP
 
 

@@ -10,9 +10,6 @@ from rdepth.errors import RdepthError
 
 # How decoded rules (kl, entropy_diff, argmax_stable) read a group's state; see rdepth.exits.decode.
 DECODE_MODES = ("head", "rest")
-# Rules whose gate is the run's own, given as the checkpoint (option ``gate``): the learned gate saved beside
-# it (rdepth gate), and Ouro's exit gate inside the model (an imported Ouro).
-CHECKPOINT_GATE_RULES = ("learned", "ouro")
 
 
 def checked_k_max(command: str, k_max) -> tuple[int, ...] | None:

@@ -11,10 +11,10 @@ import math
 from dataclasses import dataclass, fields
 
 from rdepth.errors import RdepthError
-from rdepth.exits.config import CHECKPOINT_GATE_RULES, DECODE_MODES, checked_k_max, resolve_k_max
+from rdepth.exits.config import DECODE_MODES, checked_k_max, resolve_k_max
 from rdepth.fields import check_fields, option
-from rdepth.run.config import (DEVICE_HELP, PROFILE_FORCE_HELP, check_autocast_name, check_device_name,
-                               check_force_profile)
+from rdepth.run.config import (CHECKPOINT_GATE_RULES, DEVICE_HELP, PROFILE_FORCE_HELP, check_autocast_name,
+                               check_device_name, check_force_profile)
 from rdepth.sweep.stats import NOISE_THRESHOLD
 from rdepth.threads import THREADS_HELP
 
