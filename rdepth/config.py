@@ -23,17 +23,22 @@ MAX_LOOPS = 1024
 MAX_BLOCK_SIZE = 65536
 MAX_LAYERS = 1024  # far beyond any trained model; a layer count of 1e6 would build for minutes first
 # Layer types RecurrentLM builds (rdepth.model.layers.BLOCKS): Geiping et al.'s sandwich block,
-# and GPT-2's pre-LayerNorm block, which imported GPT-2 models keep.
-BLOCK_TYPES = ("sandwich", "gpt2")
+# GPT-2's pre-LayerNorm block, which imported GPT-2 models keep, and the "peri" block of Ouro (LoopLM):
+# RMSNorm before each sub-layer and on its output, before the residual sum.
+BLOCK_TYPES = ("sandwich", "gpt2", "peri")
 # What a recurrence group's loop carries (RecurrentLM.loop_step): Geiping et al.'s state, replaced by
-# the group's output each step, or a residual stream that each step adds the group's output to.
-LOOP_STATES = ("sandwich", "residual")
+# the group's output each step, or a residual stream that each step adds the group's output to, or
+# Ouro's (LoopLM): no adapter, the loop starts from its input and each step's output passes the final norm.
+LOOP_STATES = ("sandwich", "residual", "looplm")
 # Inductor modes rdepth compiles with (training layers and decoding pieces): none that captures CUDA
 # graphs of its own (loop counts vary in training; the Decoder captures its graphs itself).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # Where a token's position enters (rdepth.model.layers): a learned embedding added to the token's, or
 # rotary positions on each head's queries and keys (Huginn-0125 / raven: pairs of adjacent channels).
 POSITION_TYPES = ("learned", "rotary")
+# Which channels of a head rotary positions turn together: adjacent pairs (2i, 2i+1) (Huginn-0125 / raven)
+# or the two halves' channels (i, i + hs/2) (rotate-half: Llama's, Ouro's).
+ROPE_PAIRS = ("adjacent", "half")
 # The MLP of a block: the block type's own (SiLU for sandwich, GELU-tanh for gpt2), or a gated SiLU
 # (SwiGLU: silu(gate) * up from one fused input matrix, gate rows first; Huginn-0125 / raven).
 MLP_TYPES = ("plain", "swiglu")
@@ -146,18 +151,23 @@ class ModelConfig:
     norm_eps: float = option(1e-6, "norm epsilon (RMSNorm; LayerNorm for gpt2 blocks)")
     block: str = option(
         "sandwich", "layer type: 'sandwich' (Geiping et al.: RMSNorm before each sub-layer and after each "
-        "residual sum, no biases, SiLU MLP, token embedding times sqrt(d)) or 'gpt2' (pre-LayerNorm with "
-        "biases, GELU-tanh MLP: imported GPT-2 models)")
+        "residual sum, no biases, SiLU MLP, token embedding times sqrt(d)), 'gpt2' (pre-LayerNorm with "
+        "biases, GELU-tanh MLP: imported GPT-2 models) or 'peri' (Ouro: RMSNorm before each sub-layer and on "
+        "its output before the residual sum, no biases, the token embedding unscaled)")
     tokenizer: str = option("gpt2", "tokenizer spec (taken from the prepared data)", cli=False)
     loop_state: str = option(
         "sandwich", "what a loop carries: 'sandwich' (Geiping et al.: s <- layers(adapter(s, e)), the "
-        "state replaced each step) or 'residual' (a residual stream: s <- s + layers(adapter(rmsnorm(s), e)), "
-        "pre-norm, no new parameters)")
+        "state replaced each step), 'residual' (a residual stream: s <- s + layers(adapter(rmsnorm(s), e)), "
+        "pre-norm, no new parameters) or 'looplm' (Ouro: s_0 = e, s <- norm_f(layers(s)), no adapter; one "
+        "group ending at the last layer, a zero initial state, the head reads the state as it is)")
 
     positions: str = option(
         "learned", "positional encoding: 'learned' (an embedding per position, added to the token's) or "
         "'rotary' (each head's queries and keys rotated by the absolute position; no position weights)")
     rope_base: float = option(10000.0, "rotary positions: the base of the rotation frequencies")
+    rope_pairs: str = option(
+        "adjacent", "rotary positions: the channels turned together, 'adjacent' (2i, 2i+1; Huginn-0125) or "
+        "'half' (i, i + head_dim/2, rotate-half; Llama, Ouro)")
     mlp: str = option(
         "plain", "MLP: 'plain' (the block type's activation: SiLU for sandwich, GELU-tanh for gpt2) or "
         "'swiglu' (silu(gate) * up, one fused input matrix with the gate rows first)")
@@ -167,6 +177,11 @@ class ModelConfig:
     handoff_norm: bool = option(
         False, "apply the final norm (norm_f, the readout's own) to the state each recurrence group hands "
         "on, before the next stage (Huginn-0125 / raven)")
+    tie_head: bool = option(
+        True, "the output head is the token embedding (tied); false: a head matrix of its own (Ouro)")
+    exit_gate: bool = option(
+        False, "a learned exit gate on the loop state, sigmoid(w . s + b) per step (Ouro's early_exit_gate; read "
+        "by the 'ouro' exit rule)")
 
     def __post_init__(self) -> None:
         self._check_sizes()
@@ -222,14 +237,33 @@ class ModelConfig:
         if self.positions not in POSITION_TYPES:
             raise RdepthError(
                 f"model config: positions must be one of {', '.join(POSITION_TYPES)}, got {self.positions!r}")
+        if self.rope_pairs not in ROPE_PAIRS:
+            raise RdepthError(f"model config: rope_pairs must be one of {', '.join(ROPE_PAIRS)}, got {self.rope_pairs!r}")
         if self.mlp not in MLP_TYPES:
             raise RdepthError(f"model config: mlp must be one of {', '.join(MLP_TYPES)}, got {self.mlp!r}")
-        for name in ("qk_bias", "handoff_norm"):
+        for name in ("qk_bias", "handoff_norm", "tie_head", "exit_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise RdepthError(f"model config: {name} must be true or false, got {getattr(self, name)!r}")
         if self.loop_state not in LOOP_STATES:
             raise RdepthError(
                 f"model config: loop_state must be one of {', '.join(LOOP_STATES)}, got {self.loop_state!r}")
+        if self.loop_state == "looplm":
+            self._check_looplm()
+
+    def _check_looplm(self) -> None:
+        """``loop_state="looplm"`` (Ouro): the loop's first step reads its input in place of a zero state,
+        and the head reads the last step's (normed) state, so one group ending at the last layer, a zero
+        initial state and no second final norm on the hand-off."""
+        specs = parse_groups(self.groups, self.n_layer)
+        if len(specs) != 1 or specs[0].end != self.n_layer - 1:
+            raise RdepthError(f"model config: loop_state 'looplm' needs one recurrence group ending at the last "
+                              f"layer {self.n_layer - 1}, got groups {self.groups!r}")
+        if self.init_state_scale != 0:
+            raise RdepthError("model config: loop_state 'looplm' starts each loop from its input: init_state_scale "
+                              f"must be 0, got {self.init_state_scale!r}")
+        if self.handoff_norm:
+            raise RdepthError("model config: loop_state 'looplm' already ends each step with the final norm: "
+                              "handoff_norm must be false")
 
     def _resolve_eval_loops(self) -> None:
         """``eval_loops`` parsed into one count per group (refused when the model has no groups)."""
@@ -288,8 +322,10 @@ class ModelConfig:
         the embeddings): what :func:`check_fits_memory` sizes before anything is allocated."""
         d = self.d_model
         positions = self.block_size if self.positions == "learned" else 0
-        return int(self.n_layer * (4 * d + 3 * self.hidden_width) * d + self.n_groups * 2 * d * d
-                   + (self.padded_vocab_size + positions) * d)
+        adapters = 0 if self.loop_state == "looplm" else self.n_groups * 2 * d * d
+        head = 0 if self.tie_head else self.padded_vocab_size * d
+        return int(self.n_layer * (4 * d + 3 * self.hidden_width) * d + adapters
+                   + (self.padded_vocab_size + positions) * d + head)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

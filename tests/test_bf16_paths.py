@@ -13,6 +13,7 @@ from rdepth.config import get_preset
 from rdepth.sweep.config import SweepConfig
 from rdepth.exits.controller import controller_factory
 from rdepth.exits.gate import random_gate
+from rdepth.exits.policies import random_ouro_gate
 from rdepth.exits.registry import POLICIES, get_policy_class, sweepable_policies
 from rdepth.sweep.run import run_sweep
 from rdepth.model import RecurrentLM
@@ -144,6 +145,8 @@ def _settings(name: str) -> list[tuple[str, float | None, bool]]:
 
 def _options(name: str, model) -> dict:
     """The learned rule's gate (random weights: the rule's mechanics under bf16, not its quality)."""
+    if name == "ouro":  # Ouro's rule with a random gate
+        return {"gate": random_ouro_gate(model.config.d_model)}
     return {"gate": random_gate(model.n_groups, model.config.d_model)} if name == "learned" else {}
 
 

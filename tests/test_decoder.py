@@ -13,6 +13,7 @@ from conftest import tiny_model
 from rdepth.errors import RdepthError
 from rdepth.exits.controller import controller_factory as exit_controllers
 from rdepth.exits.gate import random_gate
+from rdepth.exits.policies import random_ouro_gate
 from rdepth.exits.registry import POLICIES
 from rdepth.model import FixedController, RecurrentLM
 from rdepth.model.generation import generate, teacher_forced
@@ -122,6 +123,8 @@ def controller_factory(model: RecurrentLM, name: str, value: float | None):
     if name == "learned":  # a gate with random weights: the rule's mechanics, not its quality
         gate = random_gate(model.n_groups, model.config.d_model)
         return exit_controllers(name, value, list(K_MAX), None, {"gate": gate})
+    if name == "ouro":  # Ouro's rule with a random gate: its mechanics on any model
+        return exit_controllers(name, value, list(K_MAX), None, {"gate": random_ouro_gate(model.config.d_model)})
     return exit_controllers(name, value, list(K_MAX), lambda: model.readout)
 
 

@@ -14,6 +14,7 @@ from rdepth.engine import Engine, Request
 from rdepth.errors import RdepthError
 from rdepth.exits.controller import controller_factory as exit_controllers
 from rdepth.exits.gate import random_gate
+from rdepth.exits.policies import random_ouro_gate
 from rdepth.exits.registry import POLICIES
 from rdepth.model.decoder import Decoder
 from rdepth.model.noise import StateNoise
@@ -23,7 +24,7 @@ K_MAX = (6, 5)
 # A threshold per rule under which the tiny model's tokens stop at several different steps (checked below).
 SETTINGS = {"step_norm": 1.0, "step_norm_rel": 0.3, "acceleration": 1.0, "acceleration_rel": 0.3,
             "acceleration_state": 0.3, "cosine": 0.01, "latent_diff": 0.3, "kl": 0.01, "minp_kl": 0.01,
-            "entropy_diff": 0.01, "argmax_stable": 1, "confidence": 0.9, "learned": 0.5, "fixed": None}
+            "entropy_diff": 0.01, "argmax_stable": 1, "confidence": 0.9, "learned": 0.5, "ouro": 0.5, "fixed": None}
 
 
 def factory(model, name: str, options: dict | None = None):
@@ -36,6 +37,8 @@ def factory(model, name: str, options: dict | None = None):
     if name == "learned":
         gate = random_gate(model.n_groups, model.config.d_model, seed=3)
         return exit_controllers(name, value, list(K_MAX), None, {"gate": gate})
+    if name == "ouro":
+        return exit_controllers(name, value, list(K_MAX), None, {"gate": random_ouro_gate(model.config.d_model, 3)})
     return exit_controllers(name, value, list(K_MAX), lambda: model.readout, options)
 
 

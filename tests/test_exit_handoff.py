@@ -16,6 +16,7 @@ from rdepth.config import ModelConfig
 from rdepth.exits.controller import controller_factory
 from rdepth.exits.base import POLICIES
 from rdepth.exits.gate import random_gate
+from rdepth.exits.policies import random_ouro_gate
 from rdepth.model import RecurrentLM
 from rdepth.model.noise import StateNoise
 from rdepth.model.decoder import Decoder
@@ -65,6 +66,8 @@ def run_with_policy(net, idx, name, tau):
     options = {"tau": tau} if cls.uses_tau else {}
     if name == "learned":  # a gate with random weights: which state is handed on, not the gate's quality
         options["gate"] = random_gate(net.n_groups, net.config.d_model)
+    if name == "ouro":
+        options["gate"] = random_ouro_gate(net.config.d_model)
     controller = controller_factory(name, None, K_MAX, lambda: net.readout, options)()
     try:
         out = net(idx, controller=controller, noise=StateNoise.consecutive(7, 0, idx.shape[0]),

@@ -11,6 +11,7 @@ from rdepth.errors import RdepthError
 from rdepth.exits.controller import controller_factory
 from rdepth.exits import POLICIES, PolicyController, drive_recorded, make_policy, replay
 from rdepth.exits.gate import random_gate
+from rdepth.exits.policies import random_ouro_gate
 
 D = 16  # embedding dimension of the constructed trajectories
 
@@ -261,6 +262,8 @@ def test_latent_rules_never_decode():
             continue
         tau = 0.5 if cls.uses_tau else None
         options = {"gate": random_gate(1, states.shape[-1])} if name == "learned" else {}
+        if name == "ouro":
+            options = {"gate": random_ouro_gate(states.shape[-1])}
         controller = PolicyController([make_policy(name, tau=tau, k_max=7, **options)], decode=forbidden)
         drive_recorded(controller, 0, states)
 

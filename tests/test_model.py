@@ -60,7 +60,7 @@ def test_config_validation_names_field():
         get_preset("huge")
     with pytest.raises(RdepthError, match="unknown field"):
         ModelConfig.from_dict({"n_layers": 3})
-    with pytest.raises(RdepthError, match="block must be one of sandwich, gpt2, got 'llama'"):
+    with pytest.raises(RdepthError, match="block must be one of sandwich, gpt2, peri, got 'llama'"):
         ModelConfig(block="llama")
 
 

@@ -7,7 +7,7 @@
 #   bash bench/gpu/device_call.sh REVISION STEP [STEP ...]      (CALL_BUDGET_S: the whole call, default 450)
 #
 # Steps: tests, train, train_fused, noise, train_autotune, fp8, trained_exits, spread, spread_spans,
-# decode_autotune, huginn, depth_batching (see step_* below).
+# decode_autotune, huginn, ouro, depth_batching (see step_* below).
 # The machine has no network: the package runs from the checkout (PYTHONPATH), torchao comes from a
 # carried wheel (fp8), the trained task model from carried runs/gpu-task (trained_exits).
 set -u -o pipefail
@@ -92,6 +92,12 @@ step_huginn() {  # Huginn-0125's published config at its real size (random weigh
         --out "$OUT/huginn" --budget-s "$1"
 }
 
+step_ouro() {  # Ouro-1.4B's published config at its real size (random weights, carried runs/ouro-carry: text and
+              # a 49,152-token tokenizer): import-hf, sweep with the gate, generate, the engine (issue 53)
+    PYTHONPATH=. python3 bench/gpu/ouro_scale.py run --carry runs/ouro-carry --work /tmp/ouro \
+        --out "$OUT/ouro" --budget-s "$1"
+}
+
 if ((ONE)); then  # --one REVISION STEP SECONDS
     "step_$1" "$2"
     exit $?
@@ -99,7 +105,7 @@ fi
 
 declare -A LIMIT=([tests]=90 [train]=150 [train_fused]=150 [train_autotune]=240 [fp8]=150 [trained_exits]=100
                   [spread]=120 [spread_spans]=120 [decode_autotune]=240 [noise]=60
-                  [huginn]=330 [depth_batching]=300)
+                  [huginn]=330 [ouro]=330 [depth_batching]=300)
 for name in "$@"; do  # every name checked before anything runs
     if ! declare -F "step_$name" >/dev/null; then
         echo "== unknown step $name (choose from ${!LIMIT[*]})"; exit 2

@@ -8,7 +8,7 @@ from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError
 from rdepth.exits.config import checked_k_max, resolve_k_max
 from rdepth.fields import check_fields, option
-from rdepth.run.config import DEVICE_HELP, check_device_name
+from rdepth.run.config import CHECKPOINT_GATE_RULES, DEVICE_HELP, check_device_name
 from rdepth.threads import THREADS_HELP
 
 
@@ -85,7 +85,7 @@ class CalibrateConfig:
         return tuple(v for v in CALIBRATE_TAUS if cls.tau_max is None or v <= cls.tau_max)
 
     def policy_options(self) -> dict:
-        if self.policy == "learned":  # the gate trained for this checkpoint (rdepth gate), checked against it
+        if self.policy in CHECKPOINT_GATE_RULES:  # the checkpoint's own gate (rdepth gate's, or Ouro's in the model)
             return {"gate": self.checkpoint}
         return {"direction": self.kl_direction, "prior": self.kl_prior} if self.policy == "kl" else {}
 

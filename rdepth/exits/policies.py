@@ -53,6 +53,15 @@ Learned rule (O(d) per token-step; a head trained for one model, :mod:`rdepth.ex
   option is a run or checkpoint folder holding ``exit_gate.safetensors`` (loaded and checked against
   that model) or an :class:`~rdepth.exits.gate.ExitGate`.
 
+Ouro's rule (O(d) per token-step; the model's own gate, trained with it: ``ModelConfig.exit_gate``):
+
+* ``ouro``: after step ``s`` the gate gives ``lambda_s = sigmoid(w . x^(s) + b)``, the probability of
+  exiting at ``s`` given the token got there; the exit distribution is ``p_s = lambda_s * prod_{j<s}
+  (1 - lambda_j)`` and a token stops at the first step whose cumulative ``sum_{j<=s} p_j`` reaches
+  ``1 - tau`` (the reference's ``exit_threshold`` q = 1 - tau), else at ``k_max``, as the reference's
+  ``OuroForCausalLM.forward(exit_threshold=q)`` chooses. ``tau`` in (0, 1]; option ``gate``: the model, a
+  run or checkpoint folder of an imported Ouro, or a ``(weight [1, d], bias [1])`` pair.
+
 ``kl`` and ``entropy_diff`` take ``every=k``: the head is read at every k-th step only and the rule
 compares consecutive readings (KL off the hot path; ``bench/exit_wall.py`` reports its agreement
 with the exact rule).
@@ -496,3 +505,96 @@ def _gate_of_run(folder: str | os.PathLike) -> ExitGate:
     except ImportError:
         raise RdepthError("exit policy learned: a gate file needs rdepth installed; pass an ExitGate") from None
     return gate_file.load_gate(folder)
+
+
+@register_policy
+class OuroPolicy(ExitPolicy):
+    """Ouro's learned exit (ByteDance's LoopLM): the gate's per-step exit probabilities ``lambda_s =
+    sigmoid(w . x^(s) + b)`` accumulated into the exit distribution ``p_s = lambda_s * R_{s-1}``,
+    ``R_s = R_{s-1} (1 - lambda_s)``, ``R_0 = 1``; a token stops at the first step where ``sum p`` reaches
+    ``q = 1 - tau``. The arithmetic is the reference's, in its order (``p = lambda * R``, then ``R * (1 -
+    lambda)``, the sum added step by step as its ``cumsum``), in float32 (float64 for float64 states), so
+    equal gate scores give equal stops. Its last step's ``p`` (the rest of the mass) decides nothing: a
+    token at ``k_max`` stops anyway. Per row, no host read."""
+
+    step_free = True
+    name = "ouro"
+    tau_max = 1.0
+    trained = True
+    option_defaults = {"gate": None}
+
+    def _validate_options(self) -> None:
+        self.weight, self.bias = _ouro_gate(self.options["gate"])
+        self.threshold = 1.0 - self.tau  # the reference's exit_threshold, compared as it compares it
+
+    def describe(self):
+        described = super().describe()
+        gate = self.options["gate"]
+        described["gate"] = str(gate) if isinstance(gate, (str, os.PathLike)) else "in memory"
+        return described
+
+    def _reset(self, state):
+        if state.shape[-1] != self.weight.shape[-1]:
+            raise RdepthError(f"exit policy {self.name}: the gate reads {self.weight.shape[-1]} dimensions, the loop "
+                              f"state has {state.shape[-1]}")
+        dtype = compute_dtype(state)
+        self.remaining = torch.ones(state.shape[0], dtype=dtype, device=state.device)
+        self.cdf = torch.zeros(state.shape[0], dtype=dtype, device=state.device)
+        self._gate = (self.weight.to(state.device, dtype), self.bias.to(state.device, dtype))
+
+    def _reset_rows(self, rows, state):
+        self.remaining[rows] = 1.0
+        self.cdf[rows] = 0.0
+
+    def _exits(self, step, rows, prev, new):
+        weight, bias = self._gate
+        lam = torch.sigmoid(F.linear(new.to(weight.dtype), weight, bias).squeeze(-1))  # (A,)
+        remaining = self.remaining[rows]
+        cdf = self.cdf[rows] + lam * remaining
+        self.remaining[rows] = remaining * (1.0 - lam)
+        self.cdf[rows] = cdf
+        return cdf >= self.threshold
+
+
+def _ouro_gate(gate) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight [1, d], bias [1])`` of Ouro's gate from a model with ``exit_gate``, a ``Linear(d, 1)``, a pair,
+    or a run / checkpoint folder (its ``model.safetensors``'s ``exit_gate`` tensors, read alone)."""
+    if gate is None:
+        raise RdepthError("exit policy ouro: needs the model's exit gate (option gate: an imported Ouro run or "
+                          "checkpoint folder, or the model)")
+    if isinstance(gate, (str, os.PathLike)):
+        return _ouro_gate_of_run(gate)
+    gate = getattr(gate, "exit_gate", gate) if not isinstance(gate, tuple) else gate
+    if gate is None:
+        raise RdepthError("exit policy ouro: the model has no exit gate (ModelConfig.exit_gate is false)")
+    weight, bias = (gate.weight, gate.bias) if isinstance(gate, torch.nn.Linear) else gate
+    weight, bias = torch.as_tensor(weight).detach(), torch.as_tensor(bias).detach()
+    if weight.dim() != 2 or weight.shape[0] != 1 or tuple(bias.shape) != (1,):
+        raise RdepthError(f"exit policy ouro: the gate must be weight [1, d] and bias [1], got "
+                          f"{tuple(weight.shape)} and {tuple(bias.shape)}")
+    return weight, bias
+
+
+def _ouro_gate_of_run(folder: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        checkpoint = importlib.import_module("rdepth.run.checkpoint")
+    except ImportError:
+        raise RdepthError("exit policy ouro: a run folder needs rdepth installed; pass the model") from None
+    path = checkpoint.resolve_checkpoint(folder) / "model.safetensors"
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if "exit_gate.weight" not in handle.keys():
+                raise RdepthError(f"exit policy ouro: {path.parent} has no exit gate (import an Ouro folder, whose "
+                                  "model has one)")
+            return _ouro_gate((handle.get_tensor("exit_gate.weight"), handle.get_tensor("exit_gate.bias")))
+    except (SafetensorError, OSError) as exc:
+        raise RdepthError(f"exit policy ouro: cannot read {path} ({exc})") from None
+
+
+def random_ouro_gate(width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gate for the ``ouro`` rule with random weights (``[1, width]`` ~ N(0, 1/width), bias N(0, 1)): the
+    rule's mechanics on any model (tests), not its quality."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, width, generator=generator) / math.sqrt(width), torch.randn(1, generator=generator))

@@ -87,10 +87,13 @@ class RdepthConfig(_BaseConfig):
     loop_state: str = "sandwich"
     positions: str = "learned"
     rope_base: float = 10000.0
+    rope_pairs: str = "adjacent"
     mlp: str = "plain"
     mlp_hidden: int | None = None
     qk_bias: bool = False
     handoff_norm: bool = False
+    tie_head: bool = True
+    exit_gate: bool = False
     # the exported model's own
     loop_counts: list[int] | None = None
     state_seed: int = 0

@@ -5,7 +5,8 @@ folders written by ``rdepth export`` (the round trip is exact) and GPT-2 folders
 (:mod:`rdepth.interop.hf_gpt2`: a plain model of ``block="gpt2"`` layers, logits equal
 to ``transformers``' own GPT-2) and Huginn-0125 / raven folders (:mod:`rdepth.interop.hf_raven`: the
 sandwich model with rotary positions, a gated MLP, a query/key bias and the final norm on the
-hand-off). Architectures :class:`~rdepth.model.RecurrentLM`
+hand-off) and Ouro / LoopLM folders (:mod:`rdepth.interop.hf_ouro`: every layer looped, peri-norm
+blocks, the final norm after each step, an untied head and the exit gate). Architectures :class:`~rdepth.model.RecurrentLM`
 cannot compute are refused with the mismatch named in :data:`MISMATCHES`, never
 approximated.
 """
@@ -24,6 +25,7 @@ from rdepth.data.tokenizers import BPE_FILE, META_FILE, load_tokenizer
 from rdepth.errors import RdepthError
 from rdepth.interop.config import ImportConfig
 from rdepth.interop.hf_gpt2 import import_gpt2
+from rdepth.interop.hf_ouro import MODEL_TYPE as OURO, import_ouro
 from rdepth.interop.hf_raven import MODEL_TYPE as RAVEN, import_raven
 from rdepth.interop.hf_tokenizer import PAD_TEXT
 from rdepth.interop.output import check_new_folder, staged_folder
@@ -106,6 +108,7 @@ IMPORTERS: dict[str, Callable[[Path, dict], tuple[RecurrentLM, dict]]] = {
     "rdepth": import_rdepth_export,
     "gpt2": import_gpt2,
     RAVEN: import_raven,
+    OURO: import_ouro,
 }
 
 

@@ -198,6 +198,9 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         old = self.model.wte
         if new_num_tokens is None:
             return old
+        if self.model.head is not None:  # tie_head false (an imported Ouro): the head would keep its rows
+            raise ValueError("resize_token_embeddings: this model's head is a matrix of its own (tie_head false); "
+                             "resizing the embedding alone would leave the logits' width as it is")
         if pad_to_multiple_of:
             new_num_tokens = -(-int(new_num_tokens) // int(pad_to_multiple_of)) * int(pad_to_multiple_of)
         old_tokens = self.model.config.vocab_size
@@ -269,6 +272,8 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         k_max = int(k_max) if isinstance(k_max, (int, float)) else tuple(int(k) for k in k_max)
         if name == "learned" and isinstance(options.get("gate"), str):
             options["gate"] = self.exit_gate(options["gate"])
+        if name == "ouro" and options.get("gate") in (None, "model"):  # Ouro's gate is in the model
+            options["gate"] = self.model
         return controller_factory(name, options.pop("tau", None), k_max, lambda: self.model.readout, options)()
 
     def exit_gate(self, file: str) -> ExitGate:
@@ -395,7 +400,7 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         finally:
             for hook in hooks:
                 hook.remove()
-        hidden.append(model.norm_f(hidden[-1]))
+        hidden.append(model.final_hidden(hidden[-1]))  # what the head reads
         return output.logits, tuple(hidden), tuple(torch.stack(loops[g]) for g in sorted(loops))
 
     def _cached_logits(self, input_ids: torch.Tensor, offsets: torch.Tensor | None, cache: RdepthCache | None,

@@ -161,8 +161,7 @@ class RdepthLM(TemplateLM):
         with the initial loop states of sequence 0), cut at the end-of-text token and the first stop string."""
         from rdepth.engine import Engine, Request
 
-        engine = Engine(self.model, self.batch_size, loop_counts=self.loop_counts)
-        settings = []
+        settings, made = [], []
         for index, request in enumerate(requests):
             context, gen_kwargs = request.args
             until = gen_kwargs.get("until") or []
@@ -170,9 +169,14 @@ class RdepthLM(TemplateLM):
             max_new = min(int(gen_kwargs.get("max_gen_toks", 64)), self.max_length - 1)
             # the context cut from the left to leave room for the new tokens, as the harness's own models do
             ids = self.tok_encode(context)[-(self.max_length - max_new):] or [self.eot_token_id]
-            engine.add_request(Request(ids, max_tokens=max_new, stop=[self.eot_token_id], noise_seed=self.seed,
-                                       sequence_id=0, tag=index))
+            made.append(Request(ids, max_tokens=max_new, stop=[self.eot_token_id], noise_seed=self.seed,
+                                sequence_id=0, tag=index))
             settings.append((context, gen_kwargs, until))
+        # each slot holds the longest request, not the whole context (Ouro's is 65,536 positions)
+        capacity = min(self.max_length, max((len(r.prompt) + r.max_tokens for r in made), default=1))
+        engine = Engine(self.model, self.batch_size, loop_counts=self.loop_counts, capacity=capacity)
+        for request in made:
+            engine.add_request(request)
         texts: dict[int, str] = {}
         with tqdm(total=len(settings), disable=disable_tqdm, desc="rdepth generate") as bar:
             for done in engine.run():

@@ -65,6 +65,11 @@ def model_card(*, checkpoint: Path, out: str, model_config, loops, state_seed: i
     groups = config.groups or "none (a plain transformer)"
     positions = ("the positions are learned" if config.positions == "learned"
                  else "rotary positions, kept to the block size the model was trained with")
+    start = ("- The loop starts from the token embedding and each step ends with the final norm (`loop_state: "
+             "looplm`, Ouro's LoopLM): no random state." if config.loop_state == "looplm" else
+             f"""- The initial loop state is random but deterministic: keyed by (`state_seed`, sequence id, group) and
+  the token's position; `state_seed` (default {state_seed}) and `sequence_ids` are per-call arguments.
+  `init_state_scale: 0` in config.json gives a zero state instead.""")
     body = f"""
 # rdepth recurrent-depth model
 
@@ -79,9 +84,7 @@ Exported by `rdepth export` from `{checkpoint}`.
   through the last {config.backprop_depth} steps).
 - Default loop counts of this export: `{loops}` (per group); pass `loop_counts=N`, `[N, N, ...]` or
   `"N:N:..."` to `forward`/`generate`, or set `loop_counts` in config.json.
-- The initial loop state is random but deterministic: keyed by (`state_seed`, sequence id, group) and
-  the token's position; `state_seed` (default {state_seed}) and `sequence_ids` are per-call arguments.
-  `init_state_scale: 0` in config.json gives a zero state instead.
+{start}
 - Per-token early exit: `exit_policy` (default {json.dumps(exit_policy)}), in config.json or per call,
   e.g. `model.generate(ids, exit_policy={{"name": "acceleration", "tau": 1e-3, "k_max": 12}})`.
 

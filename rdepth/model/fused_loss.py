@@ -51,8 +51,8 @@ def readout_loss(model, x: torch.Tensor, targets: torch.Tensor, chunk_rows: int 
                  compiled: bool = False) -> torch.Tensor:
     """``lm_loss(model.readout(x), targets)`` without the logits: the final norm, then the tied head over
     the real vocabulary fused with the cross-entropy. ``x`` ``[B, T, d]``, ``targets`` ``[B, T]``."""
-    hidden = model.norm_f(x).reshape(-1, x.shape[-1])
-    weight = model.wte.weight[: model.config.vocab_size]
+    hidden = model.final_hidden(x).reshape(-1, x.shape[-1])
+    weight = model.head_weight[: model.config.vocab_size]
     return linear_cross_entropy(hidden, weight, targets.reshape(-1), chunk_rows, compiled)
 
 

@@ -1,8 +1,9 @@
-"""Transformer layers: causal attention, MLP, and the two block types of :data:`BLOCKS`.
+"""Transformer layers: causal attention, MLP, and the block types of :data:`BLOCKS`.
 
 ``sandwich`` (Geiping et al.'s, rdepth's own): RMSNorm before each sub-layer and
 after each residual sum, no biases, SiLU MLP. ``gpt2``: GPT-2's pre-LayerNorm
 block with biases and a GELU-tanh MLP, so that GPT-2 checkpoints import exactly.
+``peri`` (Ouro's): RMSNorm before each sub-layer and on its output, before the residual sum.
 
 Every layer accepts activations in one of two layouts:
 
@@ -51,15 +52,16 @@ class RMSNorm(nn.Module):
 
 class Rotary:
     """Rotary positions over pairs of adjacent channels ``(2i, 2i+1)`` of each head (Huginn-0125's
-    layout; Llama's pairs ``(i, i + hs/2)`` instead): the pair at position p turns by ``p * base^(-2i/hs)``.
+    layout), or with ``pairs="half"`` over ``(i, i + hs/2)`` (rotate-half: Llama's, Ouro's): the pair
+    ``i`` at position p turns by ``p * base^(-2i/hs)``.
 
     The angle table is computed once per device in float32, as the reference computes its buffer (the
     same ops, so the same values), and is no parameter or buffer: casting the model does not round it.
     Half-precision queries and keys are rotated in float32 and rounded back; float32 and float64 in their
     own dtype."""
 
-    def __init__(self, head_dim: int, base: float, length: int):
-        self.head_dim, self.base, self.length = head_dim, float(base), length
+    def __init__(self, head_dim: int, base: float, length: int, pairs: str = "adjacent"):
+        self.head_dim, self.base, self.length, self.pairs = head_dim, float(base), length, pairs
         self._tables: dict[torch.device, torch.Tensor] = {}
 
     def table(self, device: torch.device) -> torch.Tensor:
@@ -74,9 +76,12 @@ class Rotary:
     def rotate(self, x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., hs]`` rotated by ``turn`` ``[..., hs/2, 2]`` (rows of :meth:`table`, broadcast)."""
         wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        pairs = wide.unflatten(-1, (-1, 2))  # (..., hs/2, 2)
         turn = turn.to(wide.dtype)
         cos, sin = turn[..., 0], turn[..., 1]
+        if self.pairs == "half":  # channel i with i + hs/2
+            real, imag = wide.chunk(2, dim=-1)
+            return torch.cat([real * cos - imag * sin, imag * cos + real * sin], dim=-1).to(x.dtype)
+        pairs = wide.unflatten(-1, (-1, 2))  # (..., hs/2, 2)
         real, imag = pairs[..., 0], pairs[..., 1]
         rotated = torch.stack([real * cos - imag * sin, imag * cos + real * sin], dim=-1)
         return rotated.flatten(-2).to(x.dtype)
@@ -228,6 +233,20 @@ class GPT2Block(nn.Module):
         return x
 
 
+class PeriBlock(SandwichBlock):
+    """Ouro's (LoopLM) block: RMSNorm before each sub-layer and on its output, before the residual sum
+    (the same four norms as the sandwich block, in other places)::
+
+        x = x + norm_2(attn(norm_1(x)))
+        x = x + norm_4(mlp(norm_3(x)))
+    """
+
+    def forward(self, x: torch.Tensor, attn: AttentionContext | None = None) -> torch.Tensor:
+        x = x + self.norm_2(self.attn(self.norm_1(x), attn))
+        x = x + self.norm_4(self.mlp(self.norm_3(x)))
+        return x
+
+
 # ModelConfig.block -> the layer class RecurrentLM builds
-BLOCKS: dict[str, type[nn.Module]] = {"sandwich": SandwichBlock, "gpt2": GPT2Block}
+BLOCKS: dict[str, type[nn.Module]] = {"sandwich": SandwichBlock, "gpt2": GPT2Block, "peri": PeriBlock}
 assert set(BLOCKS) == set(BLOCK_TYPES)

@@ -11,7 +11,14 @@ carries a residual stream instead, pre-norm on the state::
 
     s_k = s_{k-1} + layers_g(adapter_g(concat(rmsnorm(s_{k-1}), e)))
 
-(the same parameters; the norm has no weight). The pieces are public so that training,
+(the same parameters; the norm has no weight). With ``loop_state="looplm"`` (Ouro) a group has no
+adapter and the loop starts from its input, each step ending with the final norm::
+
+    s_0 = e,  s_k = norm_f(layers_g(s_{k-1}))
+
+and the head reads ``s_K`` as it is. Every driver starts a loop from a zero state there
+(``init_state_scale`` 0); the first step reads the input ``e`` in its place (:meth:`loop_step`).
+The pieces are public so that training,
 loop geometry, early exit, generation and surrogate fitting all drive the
 same code: :meth:`embed`, :meth:`run_layers`, :meth:`init_state`,
 :meth:`group_input`, :meth:`loop_step`, :meth:`readout`. :meth:`forward` composes them in two
@@ -112,11 +119,16 @@ class RecurrentLM(nn.Module):
         self.wte = nn.Embedding(config.padded_vocab_size, d)
         # Learned positions: an embedding per position; rotary ones: one angle table the layers share.
         self.wpe = nn.Embedding(config.block_size, d) if config.positions == "learned" else None
-        self.rotary = (Rotary(config.head_dim, config.rope_base, config.block_size)
+        self.rotary = (Rotary(config.head_dim, config.rope_base, config.block_size, config.rope_pairs)
                        if config.positions == "rotary" else None)
         block = BLOCKS[config.block]
         self.layers = nn.ModuleList(block(config, i, self.rotary) for i in range(config.n_layer))
-        self.adapters = nn.ModuleList(nn.Linear(2 * d, d, bias=False) for _ in config.group_specs)
+        self.looplm = config.loop_state == "looplm"
+        self.adapters = nn.ModuleList(nn.Linear(2 * d, d, bias=False)
+                                      for _ in (() if self.looplm else config.group_specs))
+        # An untied head (tie_head false: Ouro's lm_head), padded as the embedding; Ouro's exit gate.
+        self.head = None if config.tie_head else nn.Linear(d, config.padded_vocab_size, bias=False)
+        self.exit_gate = nn.Linear(d, 1) if config.exit_gate else None
         # How an adapter's halves are multiplied (:func:`adapter_matmul`): the one point every loop step's
         # adapter matmuls pass through, so that a training option can swap it (float8: rdepth.train.fp8).
         self.adapter_matmul: AdapterMatmul = adapter_matmul
@@ -260,6 +272,8 @@ class RecurrentLM(nn.Module):
         ``W = [W_s | W_e]``; ``e`` does not change while the group loops, so its half is computed once
         per group and every loop step adds it (:meth:`loop_step`). The same parameters as ever:
         checkpoints load unchanged."""
+        if self.looplm:  # no adapter: the input itself, read by the first step (loop_step)
+            return inputs
         width = self.config.d_model
         return self.adapter_matmul(self.adapters[group], inputs, slice(width, None))
 
@@ -274,6 +288,8 @@ class RecurrentLM(nn.Module):
         ``layers_g(W_s state + projected)`` (``loop_state`` "sandwich"), or
         ``state + layers_g(W_s rmsnorm(state) + projected)`` ("residual"). Every driver (training,
         the Decoder, exits, geometry, the export) steps a loop through here."""
+        if self.looplm:
+            return self._looplm_step(group, state, projected, attn)
         width = self.config.d_model
         residual = self.config.loop_state == "residual"
         carried = F.rms_norm(state, (width,), eps=self.config.norm_eps) if residual else state
@@ -281,15 +297,36 @@ class RecurrentLM(nn.Module):
         update = self.run_layers(self.group_layers[group], x, attn)
         return state + update if residual else update
 
+    def _looplm_step(self, group: int, state: torch.Tensor, inputs: torch.Tensor,
+                     attn: AttentionContext | None) -> torch.Tensor:
+        """Ouro's step ``norm_f(layers_g(s))``; a row whose state is exactly zero (the drivers' start, as
+        ``init_state_scale`` is 0) reads its input ``e`` instead: ``s_0 = e``. A later state is never the
+        zero vector, as it leaves the final norm (zero only if the layers' output were exactly zero or the
+        norm's weight all zero), so the choice is the step number's, per row, with no host read."""
+        started = state.ne(0).any(dim=-1, keepdim=True)
+        x = torch.where(started, state, inputs.to(state.dtype))
+        return self.norm_f(self.run_layers(self.group_layers[group], x, attn))
+
     def hand_on(self, state: torch.Tensor) -> torch.Tensor:
         """What the next stage receives from a group whose loop ended at ``state`` ``[..., d]``: the state
         itself, or with ``handoff_norm`` the final norm of it (Huginn-0125: its ``ln_f``, used twice).
         Every path from a group's loop to the next stage passes through here."""
         return self.norm_f(state) if self.config.handoff_norm else state
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The head ``[padded vocab, d]``: the token embedding (tied), or the head of its own (``tie_head``
+        false)."""
+        return self.wte.weight if self.head is None else self.head.weight
+
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """What the head reads: the final norm of ``x``, or ``x`` itself where the loop's last step ended
+        with that norm (``loop_state="looplm"``)."""
+        return x if self.looplm else self.norm_f(x)
+
     def readout(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and the tied head; logits over the real vocabulary."""
-        logits = F.linear(self.norm_f(x), self.wte.weight)
+        """Final norm and the head; logits over the real vocabulary."""
+        logits = F.linear(self.final_hidden(x), self.head_weight)
         return logits[..., : self.config.vocab_size]
 
     # ---------------------------------------------------------------- forward

@@ -14,6 +14,9 @@ PROFILE_FORCE_HELP = ("apply --exit-profile even when it was calibrated on other
                       "SHA-256 differs) or records none")
 DEVICE_HELP = "auto (CUDA when present), cpu or cuda[:N]"
 AUTOCAST_NAMES = ("none", "bf16", "fp16")
+# Exit rules whose gate is the run's own, given as the checkpoint (option ``gate``): the learned gate saved
+# beside it (rdepth gate), and Ouro's exit gate inside the model (an imported Ouro).
+CHECKPOINT_GATE_RULES = ("learned", "ouro")
 
 
 def check_force_profile(command: str, config) -> None:
@@ -25,7 +28,7 @@ def check_force_profile(command: str, config) -> None:
 def policy_options(command: str, exit_policy: str | None, text: str | None, checkpoint: str) -> dict:
     """``--exit-options KEY=VALUE,...`` as a dict, each value an int, a float or text; the learned rule's gate
     is the run's (``checkpoint``)."""
-    options = {"gate": checkpoint} if exit_policy == "learned" else {}
+    options = {"gate": checkpoint} if exit_policy in CHECKPOINT_GATE_RULES else {}
     for item in (text or "").split(","):
         if not item.strip():
             continue

@@ -64,12 +64,19 @@ def generate_many(config: GenerateConfig, controllers: Callable | None = None,
     tokenizer = run_tokenizer(config.checkpoint)
     budget = {"controller_factory": controllers(model)} if controllers is not None else (
         {"loop_counts": config.loops} if config.loops else {})
-    engine = Engine(model, config.batch_size, kv_layout=config.kv_layout, warm_start=config.warm_start, **budget)
-    keys = []
+    encoded = []
     for number, text in enumerate(prompts):
         ids = tokenizer.encode(text)
         if not ids:
             raise RdepthError(f"generate: prompt {number + 1} of {config.prompts_file} is empty after tokenisation")
+        encoded.append(ids)
+    # each slot holds the longest prompt and its continuation, not the whole context (Ouro's is 65,536
+    # positions: a slot of it would hold 96 layer-steps of keys for every one)
+    capacity = min(model_config.block_size, max(map(len, encoded)) + max(config.max_new_tokens, 1))
+    engine = Engine(model, config.batch_size, kv_layout=config.kv_layout, warm_start=config.warm_start,
+                    capacity=capacity, **budget)
+    keys = []
+    for number, ids in enumerate(encoded):
         for sample in range(config.samples):
             index = len(keys)
             engine.add_request(Request(ids, max_tokens=config.max_new_tokens, temperature=config.temperature,

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 from rdepth.errors import RdepthError
 from rdepth.exits.config import DECODE_MODES, checked_k_max, resolve_k_max
 from rdepth.fields import check_fields, option
-from rdepth.run.config import (DEVICE_HELP, PROFILE_FORCE_HELP, check_autocast_name, check_device_name,
-                               check_force_profile)
+from rdepth.run.config import (CHECKPOINT_GATE_RULES, DEVICE_HELP, PROFILE_FORCE_HELP, check_autocast_name,
+                               check_device_name, check_force_profile)
 from rdepth.sweep.stats import NOISE_THRESHOLD
 from rdepth.threads import THREADS_HELP
 
@@ -150,7 +150,11 @@ class SweepConfig:
                                   f"--grid {name}=...")
             if cls.tau_max is not None and cls.sweep_parameter == "tau" and max(values) > cls.tau_max:
                 raise RdepthError(f"sweep: {name} takes tau in (0, {cls.tau_max:g}]; the grid holds {max(values):g}")
-            if cls.trained and self.checkpoint:
+            if name == "ouro" and self.checkpoint:  # Ouro's gate is inside the model: read it now
+                from rdepth.exits.registry import make_policy
+
+                make_policy(name, tau=min(values), k_max=1, **self.policy_options(name))
+            elif cls.trained and self.checkpoint:
                 load_gate(self.checkpoint)
 
     @property
@@ -160,7 +164,7 @@ class SweepConfig:
 
     def policy_options(self, policy: str) -> dict:
         """Options every point of ``policy`` is built with (besides its swept parameter)."""
-        if policy == "learned":  # the gate trained for this checkpoint (rdepth gate), checked against it
+        if policy in CHECKPOINT_GATE_RULES:  # the checkpoint's own gate (rdepth gate's, or Ouro's in the model)
             return {"gate": self.checkpoint}
         return {"direction": self.kl_direction, "prior": self.kl_prior} if policy == "kl" else {}
 
