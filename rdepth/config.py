@@ -10,6 +10,7 @@ Geiping et al.'s layout (2 prelude layers, one 4-layer core, 2 coda layers) is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -187,7 +188,7 @@ class ModelConfig:
         self._check_sizes()
         self._check_ranges()
         self._check_choices()
-        self.group_specs  # validates the group string
+        _ = self.group_specs  # validates the group string
         self._resolve_eval_loops()
 
     def _check_sizes(self) -> None:
@@ -334,12 +335,12 @@ class ModelConfig:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         from rdepth.io import dataclass_from_dict
 
         return dataclass_from_dict(cls, data, "model config")
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return ModelConfig.from_dict({**self.to_dict(), **changes})
 
 
@@ -390,10 +391,8 @@ def machine_memory_bytes() -> int | None:
     import os
 
     limits = []
-    try:
+    with contextlib.suppress(ValueError, OSError, AttributeError):
         limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        pass
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
             with open(path) as handle:

@@ -374,10 +374,8 @@ def exclusive(folder: str | os.PathLike, command: str, *, beside: bool = False) 
         except OSError:
             pass
         if created and not beside:
-            try:
+            with contextlib.suppress(OSError):
                 folder.rmdir()  # created by this call and left empty
-            except OSError:
-                pass
         handle.close()  # releases the lock
 
 
@@ -397,7 +395,7 @@ def _acquire(path: Path, folder: Path, command: str):
     """Open and flock ``path``; retry if the file was replaced between open and lock."""
     for _ in range(20):
         try:
-            handle = open(path, "a+")
+            handle = open(path, "a+")  # noqa: SIM115 (held open: the lock lives as long as the handle)
         except OSError as exc:
             raise RdepthError(f"cannot write the lock file {path}: {exc.strerror or exc}") from None
         try:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def main(paths: list[str]) -> int:
-    reports = [json.load(open(path)) for path in paths]
+    reports = [json.loads(Path(path).read_text()) for path in paths]
     print("| seed | F (cheapest fixed on A) | rule chosen on A (timed) | steps/position | accuracy on B: rule, F | "
           "paired diff on B (pts, SE) | meets bar on B | share of 200 splits |")
     print("|---|---|---|---|---|---|---|---|")

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                              batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup, weight_decay=0.1, eval_every=10**6, checkpoint_every=10**6,
                              log_every=20, seed=args.seed, threads=1, eval_batches=1)
         train(model, config)
-        losses = [(r["step"], r["loss"]) for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r]
+        losses = [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
         print(f"{data}: unigram entropy {entropy:.3f} nats; loss " +
               ", ".join(f"{step}: {loss:.2f}" for step, loss in losses))
     return 0

@@ -10,16 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from rdepth.config import get_preset
-from rdepth.sweep.config import SweepConfig
 from rdepth.exits.controller import controller_factory
 from rdepth.exits.gate import random_gate
 from rdepth.exits.policies import random_ouro_gate
 from rdepth.exits.registry import POLICIES, get_policy_class, sweepable_policies
-from rdepth.sweep.run import run_sweep
 from rdepth.model import RecurrentLM
 from rdepth.model.generation import generate
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import lm_loss
+from rdepth.sweep.config import SweepConfig
+from rdepth.sweep.run import run_sweep
 
 K_MAX = (4, 4)
 
@@ -168,8 +168,8 @@ def test_every_policy_runs_under_bf16_on_the_packed_path_and_matches_fp32(model,
         if not exact:
             continue
         # same exits, same state handed on (its index), logits close, same winners
-        assert all(torch.equal(a, b) for a, b in zip(wide.computed, low.computed)), label
-        assert all(torch.equal(a, b) for a, b in zip(wide.used, low.used)), label
+        assert all(torch.equal(a, b) for a, b in zip(wide.computed, low.computed, strict=False)), label
+        assert all(torch.equal(a, b) for a, b in zip(wide.used, low.used, strict=False)), label
         a, b = wide.logits, low.logits.float()
         assert (a - b).abs().max() <= 0.05 * a.abs().max(), label
         top = a.topk(2, dim=-1).values
@@ -231,7 +231,7 @@ def test_decoded_rules_read_through_the_rest_of_the_model_under_bf16(model):
                          k_max=(3,), batch_size=2, max_batches=1, timing=False, fixed_ladder=False, decode="rest")
     wide = run_sweep(model, windows, config)
     low = run_sweep(model, windows, dataclasses.replace(config, autocast="bf16"))
-    for a, b in zip(wide["points"], low["points"]):
+    for a, b in zip(wide["points"], low["points"], strict=False):
         assert b["ppl"] == pytest.approx(a["ppl"], rel=0.05)
         if a["policy"] != "argmax_stable":  # KL and entropy change below 1e30 at step 2 whatever the precision
             assert a["mean_steps"] == b["mean_steps"] == [2.0, 2.0]

@@ -55,7 +55,7 @@ def save_dcp(run: Path, step: int, weights: dict, latest: bool = True) -> Path:
 def hold_lock_as_training(run: Path):
     """The lock ``rdepth train`` holds on its run folder (flock on another open file: held against this
     process too), with its holder record."""
-    handle = open(lock_path(run), "a+")
+    handle = open(lock_path(run), "a+")  # noqa: SIM115 (returned to the caller, who holds the lock)
     fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     handle.write(json.dumps({"command": "train", "pid": 4242}) + "\n")
     handle.flush()

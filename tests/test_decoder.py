@@ -10,20 +10,19 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from bench.gpu.executors.compiled import Compiled
+from bench.gpu.executors.graphs import Captured
+from bench.gpu.executors.masked import Masked
 from rdepth.errors import RdepthError
 from rdepth.exits.controller import controller_factory as exit_controllers
 from rdepth.exits.gate import random_gate
 from rdepth.exits.policies import random_ouro_gate
 from rdepth.exits.registry import POLICIES
 from rdepth.model import FixedController, RecurrentLM
-from rdepth.model.generation import generate, teacher_forced
-from rdepth.model.noise import StateNoise
 from rdepth.model.decoder import Decoder
 from rdepth.model.executors.eager import Executor
-
-from bench.gpu.executors.compiled import Compiled
-from bench.gpu.executors.graphs import Captured
-from bench.gpu.executors.masked import Masked
+from rdepth.model.generation import generate, teacher_forced
+from rdepth.model.noise import StateNoise
 
 BLOCKS = pytest.mark.parametrize("block", ["sandwich", "gpt2"])
 BATCHES = pytest.mark.parametrize("batch", [1, 3])
@@ -197,7 +196,7 @@ def test_check_every_changes_nothing_but_time(name):
     results = [decode_all(make(model, 3, controller_factory=factory, noise=noise,
                                         check_every=every), idx) for every in (None, 1, 2, 4)]
     for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=False))
 
 
 @pytest.mark.parametrize("mode", ["fixed", "exits"])
@@ -439,7 +438,7 @@ def test_a_captured_decoder_run_unreplayed_equals_its_replay():
     torch.testing.assert_close(direct, replayed, rtol=0, atol=1e-10)
     assert torch.equal(direct_steps, replayed_steps)
     for layer, pair in replayed_kv.items():
-        for a, b in zip(pair, direct_kv[layer]):
+        for a, b in zip(pair, direct_kv[layer], strict=False):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
 
 
@@ -523,7 +522,7 @@ def dense_warm_start(model: RecurrentLM, idx: torch.Tensor, counts, noise) -> to
         starts = {group: torch.stack([first[group][:, 0], *handed[group]], 1) for group in range(model.n_groups)}
         last = {}
         original = model.init_state
-        model.init_state = lambda group, inputs, noise=None, start=0: starts[group]
+        model.init_state = lambda group, inputs, noise=None, start=0, starts=starts: starts[group]
         try:
             logits.append(model(idx[:, :t + 1], loop_counts=counts, observer=observe).logits[:, -1])
         finally:

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from rdepth.config import ModelConfig
-from rdepth.exits.controller import controller_factory
 from rdepth.exits.base import POLICIES
+from rdepth.exits.controller import controller_factory
 from rdepth.exits.gate import random_gate
 from rdepth.exits.policies import random_ouro_gate
 from rdepth.model import RecurrentLM
-from rdepth.model.noise import StateNoise
 from rdepth.model.decoder import Decoder
+from rdepth.model.noise import StateNoise
 
 K_MAX = 6
 TAUS = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rdepth.errors import RdepthError
-from rdepth.exits.controller import controller_factory
 from rdepth.exits import POLICIES, PolicyController, drive_recorded, make_policy, replay
+from rdepth.exits.controller import controller_factory
 from rdepth.exits.gate import random_gate
 from rdepth.exits.policies import random_ouro_gate
 

@@ -11,16 +11,22 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_hf_helpers import cli, one_line_error, tiny_tokenizer  # noqa: E402
 
 from rdepth.config import ModelConfig
 from rdepth.exits.recorded import replay
 from rdepth.exits.registry import make_policy
-from rdepth.interop.hf_ouro import (OURO_1_4B, OURO_2_6B, ouro_config_json, ouro_model, ouro_model_config,
-                                    ouro_weight_shapes, write_ouro_folder)
+from rdepth.interop.hf_ouro import (
+    OURO_1_4B,
+    OURO_2_6B,
+    ouro_config_json,
+    ouro_model,
+    ouro_model_config,
+    ouro_weight_shapes,
+    write_ouro_folder,
+)
 from rdepth.model import RecurrentLM
 from rdepth.model.decoder import Decoder
-
-from test_hf_helpers import cli, one_line_error, tiny_tokenizer  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden" / "ouro_tiny"
 

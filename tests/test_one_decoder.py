@@ -32,7 +32,7 @@ def token_loops() -> list[tuple[str, str | None, int]]:
         tree = ast.parse(path.read_text())
         relative = path.relative_to(PACKAGE).as_posix()
 
-        def visit(node, function):
+        def visit(node, function, relative=relative):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 function = node.name
             if isinstance(node, (ast.For, ast.While)):

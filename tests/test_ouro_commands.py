@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from test_hf_helpers import cli, real, sentences  # noqa: E402
 
 VOCAB = 320
@@ -173,7 +172,7 @@ def test_analyze_measures_the_four_step_loop(ouro, tmp_path, monkeypatch):
         iterates = []
         with torch.no_grad():
             model(held_out[:, :-1], loop_counts=[loops],
-                  observer=lambda group, step, state, active: iterates.append(state.clone()))
+                  observer=lambda group, step, state, active, iterates=iterates: iterates.append(state.clone()))
         states = torch.stack(iterates).flatten(1, 2)
         expected = metrics.summarize(metrics.step_sizes(states[1:]))["mean"].numpy()  # from s_1: s_0 is the zero start
         measured = budgets[budget]["groups"][0]["step_size"]["mean"]

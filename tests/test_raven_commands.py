@@ -129,7 +129,7 @@ def test_analyze_measures_the_core_loop(raven, tmp_path, monkeypatch):
         iterates = []
         with torch.no_grad():
             model(held_out[:, :-1], loop_counts=[loops], noise=StateNoise(0, [0, 1, 2, 3]),
-                  observer=lambda group, step, state, active: iterates.append(state.clone()))
+                  observer=lambda group, step, state, active, iterates=iterates: iterates.append(state.clone()))
         states = torch.stack(iterates).flatten(1, 2)  # [K + 1, S * T, d]
         expected = metrics.summarize(metrics.step_sizes(states))["mean"].numpy()
         measured = budgets[budget]["groups"][0]["step_size"]["mean"]

@@ -300,10 +300,10 @@ def test_staged_output_killed_before_commit_keeps_the_old_result(tmp_path):
         (staging / "figures").mkdir()
         (staging / "figures" / "a.png").write_bytes(b"old")
     old = _snapshot(out)
-    with pytest.raises(KeyboardInterrupt):  # a Ctrl-C or SIGTERM half way through the re-run
-        with exclusive(out, "sweep"), staged_output(out) as staging:
-            write_json(staging / "sweep.json", {"v": 2})
-            raise KeyboardInterrupt
+    # a Ctrl-C or SIGTERM half way through the re-run
+    with pytest.raises(KeyboardInterrupt), exclusive(out, "sweep"), staged_output(out) as staging:
+        write_json(staging / "sweep.json", {"v": 2})
+        raise KeyboardInterrupt
     assert _snapshot(out) == old
     # A SIGKILL leaves the staging folder and temporary files: the next command in the folder removes them.
     (out / STAGING_NAME).mkdir()

@@ -289,9 +289,8 @@ def test_second_prepare_of_one_folder_is_refused(tmp_path):
 
     holder = hold_lock_beside(tmp_path / "data")
     try:
-        with pytest.raises(RdepthError, match="in use by rdepth prepare"):
-            with ShardWriter(tmp_path / "data", 100, 99):
-                pass
+        with pytest.raises(RdepthError, match="in use by rdepth prepare"), ShardWriter(tmp_path / "data", 100, 99):
+            pass
     finally:
         holder.kill()
         holder.wait(timeout=30)

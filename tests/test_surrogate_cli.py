@@ -154,7 +154,7 @@ def test_tiny_wordnet_probe_end_to_end(tiny_teacher, tmp_path, capsys):
         assert teacher["teacher_probe_normalised"] == pytest.approx(1.0)
     else:  # undefined (NaN), which the results file writes as null (standard JSON)
         assert teacher["teacher_probe_normalised"] is None
-    for k, entry in probe["by_k"].items():
+    for _k, entry in probe["by_k"].items():
         for kind in ("raptor", "equal_split", "truncated"):
             metrics = entry["models"][kind]
             assert 0.0 <= metrics["own_probe_accuracy"] <= 1.0

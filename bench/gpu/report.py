@@ -188,10 +188,7 @@ def evaluate_targets(report: dict) -> list[dict]:
 def _fmt(value, unit="") -> str:
     if value is None:
         return "-"
-    if isinstance(value, float):
-        text = f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
-    else:
-        text = str(value)
+    text = (f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}") if isinstance(value, float) else str(value)
     return f"{text} {unit}".strip()
 
 

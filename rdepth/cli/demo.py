@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         return _print_task(config, result)
     budgets, base = result["loop_budgets"], result["unigram_baseline"]
     print()
-    print("== rdepth demo: done in %.0f s" % result["wall_seconds"])
+    print("== rdepth demo: done in {:.0f} s".format(result["wall_seconds"]))
     at_eval = next((row for row in budgets if row["loops"] == (result["final_val"] or {}).get("loop_counts")),
                    budgets[-1])
     if base:
@@ -92,7 +92,7 @@ def _print_task(config, result: dict) -> int:
 
     overview = result["overview"]
     print()
-    print("== rdepth demo (task): done in %.0f s" % result["wall_seconds"])
+    print("== rdepth demo (task): done in {:.0f} s".format(result["wall_seconds"]))
     print(headline_text(overview))
     print("exact match (%) per held-out difficulty: the looped model at each test loop budget, then the baselines "
           "(trained on the same data and steps):")

@@ -145,7 +145,7 @@ def _read_text(path: Path) -> str:
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
     """One document per non-blank line; a bad line raises RdepthError naming file:line."""
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, encoding="utf-8")  # noqa: SIM115 (closed by the generator's own with below)
     except OSError as exc:
         raise RdepthError(f"cannot read {path}: {exc.strerror}") from None
     with handle:
@@ -179,7 +179,7 @@ def _paragraphs(text: str) -> Iterator[str]:
     if len(parts) < 2:
         parts = [line for line in text.splitlines() if line.strip()]
     if len(parts) < 2:  # one long line: pieces of about CHUNK_CHARS characters, cut at spaces
-        parts = [piece for piece in re.findall(r"\S.{0,%d}(?:\s|$)" % (CHUNK_CHARS - 1), text, flags=re.S)
+        parts = [piece for piece in re.findall(rf"\S.{{0,{CHUNK_CHARS - 1}}}(?:\s|$)", text, flags=re.S)
                  if piece.strip()]
     yield from parts
 

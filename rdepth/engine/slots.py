@@ -62,10 +62,8 @@ class SlotCache:
         same_position = all_rows and int(positions.min()) == span - 1
         positions_t = torch.from_numpy(positions).to(device)
         store = CallStore(self, rows, host_rows, positions, positions_t, span, all_rows, steps, same_position)
-        if same_position:  # every slot at the last position read: no mask, as the lock-step decoder
-            mask = None
-        else:
-            mask = self._masks.index_select(0, positions_t).narrow(-1, 0, span)  # (A, 1, 1, span)
+        # every slot at the last position read: no mask, as the lock-step decoder; else (A, 1, 1, span)
+        mask = None if same_position else self._masks.index_select(0, positions_t).narrow(-1, 0, span)
         return AttentionContext(store, 0, rows, positions_t, rows, 1, rows.shape[0], mask, one_per_row=True)
 
 

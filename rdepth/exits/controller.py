@@ -9,7 +9,7 @@ object (its own ``tau``, ``k_max`` and per-token memory).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -17,7 +17,7 @@ from rdepth.errors import RdepthError
 from rdepth.exits.base import Decode, ExitPolicy
 from rdepth.exits.registry import get_policy_class, make_policy
 
-PolicySource = Union[Sequence[ExitPolicy], Callable[[int], ExitPolicy]]
+PolicySource = Sequence[ExitPolicy] | Callable[[int], ExitPolicy]
 
 
 class PolicyController:

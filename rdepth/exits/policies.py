@@ -69,8 +69,8 @@ with the exact rule).
 
 from __future__ import annotations
 
-import math
 import importlib
+import math
 import os
 
 import torch
@@ -585,7 +585,7 @@ def _ouro_gate_of_run(folder: str | os.PathLike) -> tuple[torch.Tensor, torch.Te
     path = checkpoint.resolve_checkpoint(folder) / "model.safetensors"
     try:
         with safe_open(str(path), framework="pt") as handle:
-            if "exit_gate.weight" not in handle.keys():
+            if "exit_gate.weight" not in handle.keys():  # noqa: SIM118 (a safetensors handle is no mapping)
                 raise RdepthError(f"exit policy ouro: {path.parent} has no exit gate (import an Ouro folder, whose "
                                   "model has one)")
             return _ouro_gate((handle.get_tensor("exit_gate.weight"), handle.get_tensor("exit_gate.bias")))

@@ -152,7 +152,7 @@ def _spectra(model, finals, inputs, positions: list[int], count: int) -> list[di
             prefix = slice(0, position + 1)
             projected = inputs[group][window:window + 1, prefix]
 
-            def step(states: torch.Tensor, projected=projected) -> torch.Tensor:
+            def step(states: torch.Tensor, projected=projected, group=group) -> torch.Tensor:
                 return model.loop_step(group, states.unsqueeze(0), projected)[0]
 
             with torch.enable_grad(), warnings.catch_warnings():

@@ -156,9 +156,9 @@ def gpt2_state_dict(folder: Path, weights: dict[str, torch.Tensor], model: Recur
 
 def gpt2_tokenizer_files(folder: Path, vocab_size: int) -> tuple[str, dict[str, str | None]]:
     """(tokenizer spec, files to write into the run's tokenizer folder) for a GPT-2 folder."""
-    if vocab_size == 50257 and (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-        if _is_gpt2_bpe(folder):
-            return "gpt2", {META_FILE: None}
+    if (vocab_size == 50257 and (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()
+            and _is_gpt2_bpe(folder)):
+        return "gpt2", {META_FILE: None}
     path = folder / "tokenizer.json"
     if path.is_file():
         return f"bpe:{vocab_size}", {META_FILE: None, BPE_FILE: path.read_text()}

@@ -105,7 +105,7 @@ class RdepthLM(TemplateLM):
         logits = self.model(batch.to(self._device), loop_counts=self.loop_counts, noise=noise).logits
         logprobs = F.log_softmax(logits.float(), dim=-1)
         results = []
-        for row, ((context, targets), tokens) in enumerate(zip(rows, inputs)):
+        for row, ((_context, targets), tokens) in enumerate(zip(rows, inputs, strict=False)):
             end = len(tokens)
             span = logprobs[row, end - len(targets) : end]  # (len(targets), vocab)
             wanted = torch.tensor(targets, device=span.device)
@@ -135,7 +135,7 @@ class RdepthLM(TemplateLM):
         results: list[tuple[float, bool] | None] = [None] * len(rows)
         for start in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm, desc="rdepth loglikelihood"):
             chunk = order[start : start + self.batch_size]
-            for index, result in zip(chunk, self._score([rows[i] for i in chunk])):
+            for index, result in zip(chunk, self._score([rows[i] for i in chunk]), strict=False):
                 results[index] = result
                 self.cache_hook.add_partial("loglikelihood", requests[index][0], result)
         return results

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +54,7 @@ from rdepth.model.schedule import sample_loop_counts
 Observer = Callable[[int, int, torch.Tensor, "torch.Tensor | None"], None]
 # Where initial loop states come from: keyed noise (per sequence, or the counter-based hash), one
 # generator for the whole batch, or (None) the global RNG.
-Noise = Union[StateNoise, CounterNoise, torch.Generator, None]
+Noise = StateNoise | CounterNoise | torch.Generator | None
 
 
 class StageKind(enum.Enum):

@@ -4,9 +4,9 @@ engine (:class:`rdepth.engine.Engine`), each row at its own position and loop st
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm

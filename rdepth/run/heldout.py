@@ -10,6 +10,7 @@ prepared corpus keeps its sources in order, so the first windows are one source'
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -165,10 +166,8 @@ def unigram_log_probs_for(data: str | Path, checkpoint: str | Path) -> np.ndarra
     for folder in (path, *path.parents[:3]):
         config = folder / "config.json"
         if config.is_file() and (folder / "tokenizer").is_dir():
-            try:
+            with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
                 candidates.append(Path(json.loads(config.read_text())["train"]["data"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                pass
             break
     for folder in candidates:
         file = folder / UNIGRAM_FILE

@@ -68,7 +68,7 @@ def null_dynamics(model: ViTClassifier, vit_config: dict, images: torch.Tensor, 
         layers = list(backbone.layers)
         states = ordered_states(backbone, layers, x)
         mask = torch.ones(states.shape[1:3], dtype=torch.bool)
-        runs["trained"].append(measure(lambda s, d: layers[d](s), states, mask, y, seed))
+        runs["trained"].append(measure(lambda s, d, layers=layers: layers[d](s), states, mask, y, seed))
         fresh = random_init_like(vit_config, seed).backbone
         fresh_layers = list(fresh.layers)
         runs["random_init"].append(measure(lambda s, d, f=fresh_layers: f[d](s), ordered_states(fresh, fresh_layers, x),

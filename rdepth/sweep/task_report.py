@@ -57,7 +57,7 @@ def steps_per_hop(result: dict) -> Any:
         axis.plot(row["hops"], row["mean_steps_by_hops"], "-o", markersize=4,
                   label=f"{label} (rho {rho:.2f})" if rho is not None and rho == rho else f"{label} (rho n/a)", **style)
 
-    for policy, chosen in shown.items():
+    for _policy, chosen in shown.items():
         line(by_label[chosen["label"]], chosen["label"], alpha=0.85)
     line(depth["oracle"], "per-token oracle", color="black", linewidth=2)
     hops = sorted({h for row in depth["settings"] + [depth["oracle"]] for h in row["hops"]})

@@ -161,11 +161,11 @@ def heldout_accuracy_budgets(
         logits_at: dict[int, torch.Tensor] = {}
         batch: dict[str, torch.Tensor] = {}
 
-        def observe(group, step, state, active):
+        def observe(group, step, state, active, steps=steps, logits_at=logits_at, longest=longest, batch=batch):
             if group == last and step in steps:
                 logits_at[step] = model.readout(model.run_after(group, state, longest, batch["noise"]))
 
-        def forward(x, y, noise):
+        def forward(x, y, noise, logits_at=logits_at, batch=batch, longest=longest, observe=observe):
             logits_at.clear()
             batch.update(targets=y, noise=noise)
             return model(x, y, longest, noise=noise, observer=observe if last >= 0 else None)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 
@@ -24,7 +23,7 @@ from rdepth.errors import RdepthError
 from rdepth.tasks.base import Problem, Task
 
 # One task, or (task, weight) pairs sampled in proportion to their weights.
-TaskMix = Union[Task, Sequence[tuple[Task, float]]]
+TaskMix = Task | Sequence[tuple[Task, float]]
 
 
 def as_mixture(tasks: TaskMix) -> tuple[list[Task], np.ndarray]:

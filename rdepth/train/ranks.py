@@ -65,7 +65,7 @@ def _rank_main(model_dict: dict, train_dict: dict, rank: int, world_size: int, p
     handle = None
     if log_path is not None:  # a rank other than 0: its lines go to a file, no progress bar
         os.environ["TQDM_DISABLE"] = "1"
-        handle = open(log_path, "a")
+        handle = open(log_path, "a")  # noqa: SIM115 (the rank's stdout for the rest of the process)
         sys.stdout = sys.stderr = handle
     logging.basicConfig(level=log_level, stream=handle or sys.stderr, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")

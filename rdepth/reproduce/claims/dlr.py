@@ -67,7 +67,7 @@ def _dlr_rows(boundaries: dict, refine: str) -> list[dict[str, Any]]:
     """One row per boundary: Eq. 2's median and p10/p90, the refinement-only and the start-free medians."""
     rows = []
     for name, definitions in boundaries.items():
-        def median(definition: str) -> float | None:
+        def median(definition: str, definitions=definitions) -> float | None:
             return (definitions.get(definition) or {}).get("median")
 
         literal = definitions.get("literal") or {}

@@ -75,7 +75,7 @@ def probe_rows(results: dict, floor_key: str = "pixel_probe_accuracy",
     """
     teacher = results["teacher"]
     floor = results["floor"][floor_key]
-    rows = [{"k": "-", "model": "teacher (L = %d)" % results["n_layers"], "phases": "",
+    rows = [{"k": "-", "model": f"teacher (L = {results['n_layers']})", "phases": "",
              "teacher probe acc": teacher["teacher_probe_accuracy"], "teacher probe % of teacher": 100.0,
              "teacher probe normalised": 1.0, "own probe acc": teacher["own_probe_accuracy"],
              "own probe % of teacher": 100.0, "own probe normalised": 1.0, "final cosine": 1.0},
