@@ -1,4 +1,4 @@
-"""The lab code under radon's bar: no function, method or class in bench/ or scripts/ ranks D or worse
+"""The code under radon's bar: no function, method or class in rdepth/, bench/ or scripts/ ranks D or worse
 (cyclomatic complexity above 20), as ``radon cc -n D bench scripts`` would list it (closures count in the
 function that holds them only through their call, as radon's own default). radon is pinned in pyproject's
 ``test`` extra."""
@@ -12,7 +12,9 @@ import pytest
 complexity = pytest.importorskip("radon.complexity", reason="pip install -e '.[test]' (radon)")
 
 ROOT = Path(__file__).resolve().parents[1]
-PLACES = ("bench", "scripts")
+PLACES = ("rdepth", "bench", "scripts")
+# The one exception: the CLI's flag generator (one branch per field type the config dataclasses use)
+ALLOWED = {"rdepth/cli/options.py add_dataclass_flags"}
 WORST_ALLOWED = "C"  # radon's ranks: A 1-5, B 6-10, C 11-20, D 21-30, E 31-40, F 41+
 
 
@@ -22,12 +24,12 @@ def over_the_bar(source: str, where: str) -> list[str]:
             for block in complexity.cc_visit(source) if complexity.cc_rank(block.complexity) > WORST_ALLOWED]
 
 
-def test_bench_and_scripts_rank_c_or_better():
+def test_the_package_bench_and_scripts_rank_c_or_better():
     found = []
     for place in PLACES:
         for path in sorted((ROOT / place).rglob("*.py")):
             found += over_the_bar(path.read_text(), path.relative_to(ROOT).as_posix())
-    assert found == []
+    assert [f for f in found if f"{f.split(':')[0]} {f.split()[1]}" not in ALLOWED] == []
 
 
 def test_the_bar_catches_a_function_of_21_paths_and_passes_one_of_20():
