@@ -13,6 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from rdepth.cli.main import main
+from rdepth.errors import RdepthError
 from rdepth.exits.controller import controller_factory
 from rdepth.model.generation import generate
 from rdepth.model.noise import StateNoise
@@ -206,3 +207,21 @@ def test_a_cancel_made_before_the_engine_took_the_request_is_not_dropped(run):
     with torch.no_grad():
         results = list(runner.engine.run())
     assert [r.finish_reason for r in results] == ["cancelled"] and len(results[0].tokens) == 1
+
+
+def test_context_sizes_the_slots_and_is_checked_against_the_block_size(run):
+    """--context: the engine's capacity per slot (a long-context model served with shorter slots); a prompt
+    longer than it is a 400 naming it; a context above the block size is one line before anything serves."""
+    served = served_model(ServeConfig(checkpoint=str(run), batch_size=1, device="cpu", context=8, name="tiny"))
+    try:
+        assert served.runner.engine.capacity == 8 and served.context == 8
+        client = TestClient(build_app(served))
+        status, body = post(client, prompt=[1] * 9, max_tokens=1)
+        assert status == 400 and "exceeds the model's context of 8" in body["error"]["message"]
+        status, body = post(client, prompt=[1] * 4, max_tokens=2)
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    finally:
+        served.runner.stop()
+    block = load_model(run)[1].block_size
+    with pytest.raises(RdepthError, match=f"--context {block + 1} exceeds the model's block size {block}"):
+        served_model(ServeConfig(checkpoint=str(run), device="cpu", context=block + 1))

@@ -32,6 +32,9 @@ class ServeConfig:
                                       default_text="the policy's own", metavar="KEY=VALUE,...")
     kv_layout: str = option("exact", "the engine's key/value layout: exact or shared", choices=("exact", "shared"))
     max_tokens: int = option(256, "the most new tokens a request may ask for", bounds="[1, 1000000]")
+    context: int | None = option(None, "positions each slot holds (prompt and new tokens): the engine's capacity; "
+                                 "below the block size for models with a long context (an Ouro's 65,536)",
+                                 default_text="the model's block size", bounds="[1, 16777216]")
     max_n: int = option(16, "the most choices (n) a request may ask for", bounds="[1, 1024]")
     seed: int = option(0, "seed of the initial loop-state noise (request choice i draws StateNoise(seed, [i]))",
                        bounds=f"[0, {2**62})")

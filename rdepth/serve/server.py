@@ -32,17 +32,22 @@ def served_model(config: ServeConfig) -> ServedModel:
     device = resolve_device(config.device)
     model, model_config = load_model(config.checkpoint, device)
     tokenizer = run_tokenizer(config.checkpoint)
+    context = config.context or model_config.block_size
+    if context > model_config.block_size:
+        raise RdepthError(f"serve: --context {context} exceeds the model's block size {model_config.block_size}")
     if config.exit:
         k_max = resolve_k_max("serve", config.k_max, model.n_groups, model_config.default_eval_loops)
         factory = controller_factory(config.exit, config.tau, k_max, lambda: model.readout, options)
-        engine = Engine(model, config.batch_size, controller_factory=factory, kv_layout=config.kv_layout)
+        engine = Engine(model, config.batch_size, controller_factory=factory, kv_layout=config.kv_layout,
+                        capacity=context)
         policy = {"exit": config.exit, "tau": config.tau, "k_max": list(k_max),
                   **{k: str(v) for k, v in options.items()}}
     else:
-        engine = Engine(model, config.batch_size, loop_counts=config.loops, kv_layout=config.kv_layout)
+        engine = Engine(model, config.batch_size, loop_counts=config.loops, kv_layout=config.kv_layout,
+                        capacity=context)
         policy = {"loops": list(engine.k_max)}
     name = config.name or _default_name(config.checkpoint)
-    return ServedModel(name, tokenizer, EngineRunner(engine).start(), model_config.block_size, policy,
+    return ServedModel(name, tokenizer, EngineRunner(engine).start(), context, policy,
                        config.max_tokens, config.max_n, config.seed)
 
 
