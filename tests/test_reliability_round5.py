@@ -36,3 +36,50 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
     lines = error_lines(result.stderr)
     assert result.returncode == 2 and len(lines) == 1 and "cannot write model.safetensors" in lines[0], result.stderr
     assert not (tmp_path / "hf").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("command, flags, words", [
+    ("sweep", ["--policies", "acceleration", "--kl-prior", "none"], "--kl-prior applies to the kl policy"),
+    ("sweep", ["--policies", "acceleration,entropy_diff", "--kl-direction", "old_new"], "--kl-direction applies"),
+    ("sweep", ["--policies", "acceleration", "--decode", "rest", "--no-timing"], "--decode applies to the decoded"),
+    ("sweep", ["--policies", "kl", "--decode-loops", "2"], "--decode-loops applies with --decode rest only"),
+    ("calibrate", ["--policy", "acceleration", "--kl-prior", "uniform"], "--kl-prior applies to the kl policy"),
+    ("calibrate", ["--policy", "step_norm", "--kl-direction", "new_old"], "--kl-direction applies"),
+])
+def test_a_flag_no_chosen_policy_reads_is_a_one_line_error(tmp_path, capsys, command, flags, words):
+    """Issue 55: sweep and calibrate ignored --kl-prior, --kl-direction, --decode and --decode-loops with
+    policies that do not read them (given at their default value too)."""
+    from rdepth.cli.main import main
+
+    argv = [command, "--checkpoint", str(tmp_path / "run"), "--data", str(tmp_path / "data")]
+    argv += ["--out", str(tmp_path / "out")] if command == "sweep" else ["--max-quality-loss", "0.1"]
+    assert main(argv + flags) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_rule_flags_that_apply_are_taken(tmp_path):
+    """The same flags where a chosen policy reads them (the Python API too: a value off its default)."""
+    from rdepth.calibrate.config import CalibrateConfig
+    from rdepth.errors import RdepthError
+    from rdepth.sweep.config import SweepConfig
+
+    common = dict(checkpoint=str(tmp_path), data=str(tmp_path), out=str(tmp_path / "o"))
+    assert SweepConfig(**common, policies=("kl",), kl_prior="uniform", decode="rest", decode_loops=2,
+                       timing=False).kl_prior == "uniform"
+    assert SweepConfig(**common, policies=("acceleration",), decode="rest", timing=False,
+                       exit_profile=str(tmp_path / "p.json")).decode == "rest"  # the profile's rule may read it
+    with pytest.raises(RdepthError, match="--kl-prior applies"):
+        SweepConfig(**common, policies=("acceleration",), kl_prior="uniform")
+    assert CalibrateConfig(checkpoint="x", data="y", policy="kl", kl_prior="uniform", mean_steps=3).kl_prior == "uniform"
+
+
+def test_a_key_given_twice_in_exit_options_is_an_error():
+    """Issue 55: the last of two values of one key was kept silently."""
+    from rdepth.errors import RdepthError
+    from rdepth.run.config import policy_options
+
+    assert policy_options("generate", "kl", "prior=uniform,direction=old_new", "run") == \
+        {"prior": "uniform", "direction": "old_new"}
+    with pytest.raises(RdepthError, match="gives prior twice"):
+        policy_options("generate", "kl", "prior=uniform,direction=old_new, prior=none", "run")
