@@ -83,3 +83,34 @@ def test_a_key_given_twice_in_exit_options_is_an_error():
         {"prior": "uniform", "direction": "old_new"}
     with pytest.raises(RdepthError, match="gives prior twice"):
         policy_options("generate", "kl", "prior=uniform,direction=old_new, prior=none", "run")
+
+
+def _exit_wall(capsys, *argv) -> tuple[int, str]:
+    import exit_wall
+
+    capsys.readouterr()
+    code = exit_wall.main(list(map(str, argv)))
+    return code, capsys.readouterr().err
+
+
+def test_exit_wall_bad_input_is_one_line_as_the_command_line(tiny_text_run, small_chase_data, tmp_path, capsys,
+                                                             monkeypatch):
+    """Issue 55: bench/exit_wall.py gave tracebacks for a missing run, an unknown policy, a difficulty with no
+    held-out set, a text run on task data, and accuracy rows for --problems 0."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    run, task = tiny_text_run, small_chase_data
+    cases = [
+        (["task", "--run", tmp_path / "nope", "--data", task], "not found"),
+        (["task", "--run", run, "--data", task, "--policies", "nope"], "nope"),
+        (["task", "--run", run, "--data", task, "--policies", "entropy_diff"], "no tau grid for entropy_diff"),
+        (["task", "--run", run, "--data", task, "--problems", "0"], "--problems must be >= 1"),
+        (["text", "--run", run, "--data", task, "--timed-problems", "0"], "--timed-problems must be >= 1"),
+        (["task", "--run", run, "--data", task, "--difficulty", "9", "--policies", "step_norm"], ""),
+        (["text", "--run", run, "--data", task, "--policies", "step_norm", "--problems", "2"], ""),
+        (["task", "--run", run, "--data", tmp_path, "--policies", "step_norm"], ""),
+    ]
+    for argv, words in cases:
+        code, err = _exit_wall(capsys, *argv)
+        lines = error_lines(err)
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("bench/exit_wall.py: error:"), (argv, err)
+        assert words in lines[0], (argv, lines)
