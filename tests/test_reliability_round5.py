@@ -114,3 +114,44 @@ def test_exit_wall_bad_input_is_one_line_as_the_command_line(tiny_text_run, smal
         lines = error_lines(err)
         assert code == 2 and len(lines) == 1 and lines[0].startswith("bench/exit_wall.py: error:"), (argv, err)
         assert words in lines[0], (argv, lines)
+
+
+def test_ctrl_c_while_the_command_line_imports_is_one_line(monkeypatch, capsys):
+    """Issue 55: a Ctrl-C in the first seconds (building the parser imports torch) was a traceback; so was
+    one while ``python -m rdepth`` imports the command line."""
+    import runpy
+
+    from rdepth.cli import main as cli_main
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "build_parser", interrupted)
+    assert cli_main.main(["eval", "--help"]) == 130
+    assert capsys.readouterr().err == "rdepth: interrupted\n"
+
+    class Interrupting:  # an import of the command line interrupted
+        def find_spec(self, name, path=None, target=None):
+            if name == "rdepth.cli.main":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "rdepth.cli.main")
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("rdepth", run_name="__main__")
+    assert exit_.value.code == 130 and capsys.readouterr().err == "rdepth: interrupted\n"
+
+
+def test_bench_scripts_end_as_the_command_line_does(capsys):
+    """Every bench script's ``__main__`` goes through :func:`rdepth.cli.main.run_command`."""
+    from rdepth.cli.main import run_command
+    from rdepth.errors import RdepthError
+
+    def bad():
+        raise RdepthError("no such run")
+
+    assert run_command("bench/x.py", bad) == 2 and capsys.readouterr().err == "bench/x.py: error: no such run\n"
+    for script in sorted((ROOT / "bench").glob("*.py")):
+        if script.name not in ("fault_campaign.py", "exit_workload.py"):
+            assert f'run_command("bench/{script.name}"' in script.read_text(), script.name
