@@ -9,7 +9,7 @@ The folder holds::
     configuration_rdepth.py
     tokenizer.json, tokenizer_config.json
                              the pad token <|pad|> is its own, id vocab_size (rdepth.interop.hf_tokenizer)
-    generation_config.json   bos = eos = the end token; pad_token_id = vocab_size
+    generation_config.json   bos = eos = the end token; pad_token_id = vocab_size; max_length = block_size
     README.md                the model card (rdepth.interop.model_card): front matter, training
                              record, loop counts, how to load, the transformers range
 
@@ -134,6 +134,8 @@ def export_run(config: ExportConfig) -> Path:
         write_json(folder / "generation_config.json", {
             "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "pad_token_id": model_config.vocab_size,
             "do_sample": False,
+            # generate() with no length: up to the block size (transformers' own default is 20 positions)
+            "max_length": model_config.block_size,
         })
         write_modeling_files(folder)
         write_tokenizer_files(tokenizer, folder, model_config.block_size, pad_id=model_config.vocab_size)
