@@ -40,13 +40,14 @@ EXPORTED_GATE = "exit_gate.safetensors"  # the learned exit rule's gate, beside 
 
 
 def _exported_gate(spec: dict | None, checkpoint):
-    """The checkpoint's trained exit gate when the exported exit policy is ``learned`` (one-line errors: no
+    """The trained exit gate when the exported exit policy is ``learned``: the one its profile names (the one
+    it was calibrated with), else the checkpoint's; bound to the checkpoint's model (one-line errors: no
     gate, a gate for other weights), else None."""
     if not spec or spec.get("name") != "learned":
         return None
     from rdepth.exits.gate_file import load_gate
 
-    return load_gate(checkpoint)
+    return load_gate(spec.get("gate") or checkpoint, drives=checkpoint)
 
 
 def check_exit_spec(spec: dict | None, n_groups: int) -> None:
