@@ -282,6 +282,11 @@ def compare_mode(args, text: bool) -> dict:
     mixed = len(info.get("difficulties", [])) > 1
     timed_windows = args.timed_problems * (len(info["difficulties"]) if mixed else 1)
     count = max(timed_windows, *_batches(args), 1)
+    if windows.shape[0] < count:  # a batch or a timed round larger than the held-out windows there are
+        from rdepth.errors import RdepthError
+
+        raise RdepthError(f"{count} windows are timed (--timed-problems, --batch) but the held-out set gives "
+                          f"{windows.shape[0]} (--problems, the split): ask for fewer or a larger set")
     windows = torch.from_numpy(windows[:count])
     if text:
         windows = windows[:, : args.tokens]  # decode the first --tokens positions of each window

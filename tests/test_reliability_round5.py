@@ -93,8 +93,8 @@ def _exit_wall(capsys, *argv) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def test_exit_wall_bad_input_is_one_line_as_the_command_line(tiny_text_run, small_chase_data, tmp_path, capsys,
-                                                             monkeypatch):
+def test_exit_wall_bad_input_is_one_line_as_the_command_line(tiny_text_run, small_chase_data, wiki_small, tmp_path,
+                                                             capsys, monkeypatch):
     """Issue 55: bench/exit_wall.py gave tracebacks for a missing run, an unknown policy, a difficulty with no
     held-out set, a text run on task data, and accuracy rows for --problems 0."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
@@ -108,6 +108,9 @@ def test_exit_wall_bad_input_is_one_line_as_the_command_line(tiny_text_run, smal
         (["task", "--run", run, "--data", task, "--difficulty", "9", "--policies", "step_norm"], ""),
         (["text", "--run", run, "--data", task, "--policies", "step_norm", "--problems", "2"], ""),
         (["task", "--run", run, "--data", tmp_path, "--policies", "step_norm"], ""),
+        (["text", "--run", run, "--data", wiki_small, "--policies", "step_norm", "--problems", "2", "--timed-problems", "1",
+          "--batch", "4"],
+         "4 windows are timed"),  # more than the held-out set gives: a traceback before
     ]
     for argv, words in cases:
         code, err = _exit_wall(capsys, *argv)
