@@ -237,9 +237,11 @@ def test_another_models_gate_is_refused_wherever_it_is_named_from(trained, other
     twin, _ = copy_run(run, tmp_path)
     assert main(argv + ["--exit-options", f"gate={twin}"]) == 0
     from rdepth.serve.config import ServeConfig
+    from rdepth.serve.server import served_model
 
+    config = ServeConfig(checkpoint=str(run), exit="learned", tau=0.5, exit_options=f"gate={other_model}")
     with pytest.raises(Exception, match="was trained for the model of"):
-        ServeConfig(checkpoint=str(run), exit="learned", tau=0.5, exit_options=f"gate={other_model}").policy_options()
+        served_model(config)
 
 
 def test_a_gate_with_a_flipped_byte_is_refused(trained, tmp_path, capsys):

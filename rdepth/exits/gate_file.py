@@ -171,3 +171,11 @@ def _check_drives(gate: ExitGate, folder: Path, drives: str | os.PathLike | None
                           f"(their weights or configs differ): train a gate for it with rdepth gate --checkpoint "
                           f"{drives}")
     return gate
+
+
+def check_gate_option(policy: str | None, options: dict, checkpoint: str | os.PathLike) -> None:
+    """``--exit learned --exit-options gate=FOLDER`` on ``checkpoint``'s model: a one-line error unless that
+    gate was trained for this model (another model's gate, or a damaged one, never drives it)."""
+    gate = options.get("gate")
+    if policy == "learned" and isinstance(gate, (str, os.PathLike)) and str(gate) != str(checkpoint):
+        load_gate(gate, drives=checkpoint)

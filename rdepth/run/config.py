@@ -25,7 +25,8 @@ def check_force_profile(command: str, config) -> None:
 def policy_options(command: str, exit_policy: str | None, text: str | None, checkpoint: str) -> dict:
     """``--exit-options KEY=VALUE,...`` as a dict, each value an int, a float or text; a key given twice is
     a one-line error. The learned rule's gate is the run's (``checkpoint``); a gate named by ``gate=FOLDER``
-    must have been trained for the run's model (:func:`rdepth.exits.gate_file.load_gate`'s ``drives``)."""
+    must have been trained for the run's model (:func:`rdepth.exits.gate_file.check_gate_option`, which the
+    commands call)."""
     options, given = ({"gate": checkpoint} if exit_policy == "learned" else {}), set()
     for item in (text or "").split(","):
         if not item.strip():
@@ -43,10 +44,6 @@ def policy_options(command: str, exit_policy: str | None, text: str | None, chec
             raise RdepthError(f"{command}: --exit-options gives {key.strip()} twice; give each key once")
         given.add(key.strip())
         options[key.strip()] = value.strip() if isinstance(value, str) else value
-    if exit_policy == "learned" and isinstance(options.get("gate"), str) and options["gate"] != checkpoint:
-        from rdepth.exits.gate_file import load_gate
-
-        load_gate(options["gate"], drives=checkpoint)
     return options
 
 
