@@ -1358,6 +1358,7 @@ def round5_cases() -> list[Case]:
         # -SIGINT with nothing printed: the signal came before the interpreter installed its handler (the
         # shell shows 130 as for any program); after that, one line and 130
         fine = all(code == 130 or code == -signal.SIGINT and not err.strip() for _, code, err in results)
+        c.last = None  # an interrupt is neither a refusal (exit 2) nor a success: judged here, not by the summary
         return "clean" if fine else "untidy"
 
     def client_probe(c: Campaign, tmp: Path) -> str:
@@ -1376,7 +1377,7 @@ def round5_cases() -> list[Case]:
     def worked_example(c: Campaign, tmp: Path) -> str:
         text = (ROOT / "docs" / "ecosystem.md").read_text()
         example = text.split("## A worked example", 1)[1].split("\n## ", 1)[0]
-        if "prepare_carry" in example or "rdepth demo" not in example:
+        if "runs/gpu-task" in example or "$ rdepth demo" not in example:
             c.note = "the worked example's task model is made elsewhere"
             return "silent"
         return "clean"
