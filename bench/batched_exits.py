@@ -452,4 +452,6 @@ def print_batch(row: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rdepth.cli.main import run_command  # bad input: one line, exit 2, as the command line
+
+    raise SystemExit(run_command("bench/batched_exits.py", main))

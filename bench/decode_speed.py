@@ -322,4 +322,6 @@ def print_report(report: dict, args, loops) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rdepth.cli.main import run_command  # bad input: one line, exit 2, as the command line
+
+    raise SystemExit(run_command("bench/decode_speed.py", main))

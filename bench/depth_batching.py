@@ -474,4 +474,6 @@ def _cpu_name() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rdepth.cli.main import run_command  # bad input: one line, exit 2, as the command line
+
+    raise SystemExit(run_command("bench/depth_batching.py", main))

@@ -152,4 +152,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rdepth.cli.main import run_command  # bad input: one line, exit 2, as the command line
+
+    raise SystemExit(run_command("bench/exit_rule_cost.py", main))

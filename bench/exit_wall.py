@@ -82,6 +82,37 @@ def parse_args(argv):
     return args
 
 
+def check_args(args) -> None:
+    """One-line errors (RdepthError) before any work: an empty workload (no problems, no timed problems, no
+    rounds, no positions), a policy this script has no grid for, a missing --run or --data."""
+    import math
+
+    from rdepth.errors import RdepthError
+    from rdepth.exits.registry import get_policy_class
+
+    if not (args.run and args.data):
+        raise RdepthError(f"{args.mode} mode needs --run and --data")
+    for name in ("problems", "timed_problems", "rounds", "tokens", "threads"):
+        if getattr(args, name) < 1:
+            raise RdepthError(f"--{name.replace('_', '-')} must be >= 1 (an empty workload measures nothing), "
+                              f"got {getattr(args, name)}")
+    if args.warmup < 0 or args.full_loops is not None and args.full_loops < 1:
+        raise RdepthError(f"--warmup must be >= 0 and --full-loops >= 1, got {args.warmup} and {args.full_loops}")
+    if not (math.isfinite(args.tolerance) and args.tolerance >= 0):
+        raise RdepthError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
+    for name in [p for p in args.policies.split(",") if p]:
+        get_policy_class(name)  # an unknown name: one line naming the known ones
+        if name not in TAUS:
+            raise RdepthError(f"--policies: this script has no tau grid for {name}; choose from {', '.join(TAUS)}")
+    try:
+        batches, difficulties = _batches(args), [int(d) for d in args.difficulties.split(",") if d.strip()]
+    except ValueError:
+        raise RdepthError(f"--batch and --difficulties are comma lists of integers, got {args.batch!r} and "
+                          f"{args.difficulties!r}") from None
+    if any(b < 1 for b in batches) or any(d < 1 for d in difficulties) or args.difficulty < 1:
+        raise RdepthError("--batch sizes and difficulties must be >= 1")
+
+
 def revision() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -123,8 +154,6 @@ def full_budget(model, args) -> tuple[int, ...]:
     """Per group, the full budget: ``--full-loops`` in every group, else the model's eval loops."""
     if args.full_loops is None:
         return tuple(model.config.default_eval_loops)
-    if args.full_loops < 1:
-        raise SystemExit(f"--full-loops must be >= 1, got {args.full_loops}")
     return (args.full_loops,) * len(model.config.default_eval_loops)
 
 
@@ -232,6 +261,11 @@ def compare_mode(args, text: bool) -> dict:
     mixed = len(info.get("difficulties", [])) > 1
     timed_windows = args.timed_problems * (len(info["difficulties"]) if mixed else 1)
     count = max(timed_windows, *_batches(args), 1)
+    if windows.shape[0] < count:  # a batch or a timed round larger than the held-out windows there are
+        from rdepth.errors import RdepthError
+
+        raise RdepthError(f"{count} windows are timed (--timed-problems, --batch) but the held-out set gives "
+                          f"{windows.shape[0]} (--problems, the split): ask for fewer or a larger set")
     windows = torch.from_numpy(windows[:count])
     if text:
         windows = windows[:, : args.tokens]  # decode the first --tokens positions of each window
@@ -401,15 +435,21 @@ def _mean_steps(result: dict, heldout) -> float:
 
 
 def main(argv=None) -> int:
+    """``python bench/exit_wall.py ...``: bad input ends as the command line's does (one line, exit 2)."""
+    from rdepth.cli.main import run_command
+
+    return run_command("bench/exit_wall.py", lambda: _main(argv))
+
+
+def _main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    check_args(args)
     import torch
 
     torch.set_num_threads(args.threads)
     header = {"device": "cpu", "threads": args.threads, "torch": torch.__version__, "revision": revision(),
               "argv": sys.argv[1:] if argv is None else argv}
     print(f"device: cpu ({args.threads} threads)  torch {torch.__version__}  git {header['revision']}", flush=True)
-    if not (args.run and args.data):
-        raise SystemExit(f"{args.mode} mode needs --run and --data")
     result = compare_mode(args, text=args.mode == "text")
     if args.json:
         from rdepth.io import json_text  # standard JSON: a NaN or infinity is null

@@ -16,7 +16,13 @@ Re-runs the campaign's categories in temporary folders, every case a real
   flags that do not apply, and re-runs of analyze/sweep killed at several stages (never a mixed folder);
 - ``consolidate`` (issue 43): ``rdepth consolidate`` of a ``--parallel fsdp`` run (one rank under torchrun)
   while it trains with ``--keep-last 1`` (a checkpoint removed while being read), and killed while writing
-  ``model.safetensors`` then re-run.
+  ``model.safetensors`` then re-run;
+- ``round5`` (issue 55): a gate bound to its model (another model's gate, flipped bytes, a gate replaced
+  under a profile, ``--overwrite``, an interrupted gate's temporary file), export onto a full disk, rule flags
+  that do not apply, a key twice in ``--exit-options``, ``bench/exit_wall.py`` on bad input, raven folders
+  (both weight layouts, a small vocabulary), ``import-hf``'s named formats, Ctrl-C while importing, an
+  exported folder's client (generate's hidden states, gradient checkpointing, sdpa, ``max_length``, card),
+  the ecosystem page's worked example.
 
 Each case is classified:
 
@@ -1161,6 +1167,254 @@ def consolidate_cases() -> list[Case]:
     ]
 
 
+# ------------------------------------------------------------------ round 5 (issue 55)
+def _gated(c: Campaign, name: str, source: Path | None = None) -> Path:
+    """A copy of ``source`` (default the campaign's run) with a gate trained for it, made once per name."""
+    run = c.work / f"gated-{name}"
+    if not run.exists():
+        shutil.copytree(source or c.run, run)
+        outcome = c.rdepth("gate", "--checkpoint", str(run), "--data", str(c.data), "--windows", "8", "--k-max", "3",
+                           "--steps", "20", "--no-progress", "--overwrite", timeout=300)
+        if outcome.code != 0:
+            raise RuntimeError(f"gate for the campaign failed: {outcome.err[-300:]}")
+    return run
+
+
+def _script(c: Campaign, script: str, *argv: str) -> Outcome:
+    """A bench script run as a user runs it (``python bench/NAME.py ...``)."""
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *argv], env=ENV, cwd=c.work,
+                              capture_output=True, text=True, timeout=c.timeout)
+        c.last = Outcome(done.returncode, done.stdout, done.stderr, time.monotonic() - started)
+    except subprocess.TimeoutExpired as expired:
+        c.last = Outcome(None, "", str(expired.stderr or ""), time.monotonic() - started)
+    return c.last
+
+
+# what a client of an exported folder runs (rdepth unimportable): generate's hidden states with the cache
+# and without, gradient checkpointing, attn_implementation="sdpa", generate() with no length
+_CLIENT = """
+import sys, torch
+sys.modules["rdepth"] = None
+from transformers import AutoModelForCausalLM
+folder = sys.argv[1]
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+ids = torch.tensor([[1, 2, 3, 4]])
+for use_cache in (True, False):
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, output_hidden_states=True,
+                         return_dict_in_generate=True, use_cache=use_cache)
+    assert all(step is not None for step in out.hidden_states), "hidden states None"
+model.train()
+model.gradient_checkpointing_enable()
+model(ids, labels=ids).loss.backward()
+model.eval()
+named = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, attn_implementation="sdpa").eval()
+assert torch.equal(named(ids).logits, model(ids).logits), "sdpa differs"
+assert model.generation_config.max_length == model.config.block_size, "max_length"
+card = open(folder + "/README.md").read()
+assert "equal length" not in card and "No beam search" not in card and "license_name" in card, "card"
+"""
+
+
+def round5_cases() -> list[Case]:
+    def other_models_gate(c: Campaign, tmp: Path) -> str:
+        other = _gated(c, "other", _other_run(c))
+        return expect_error(c.rdepth("generate", "--checkpoint", str(_gated(c, "own")), "--max-new-tokens", "2",
+                                     "--exit", "learned", "--tau", "0.5", "--exit-options", f"gate={other}"))
+
+    def flipped_gate(c: Campaign, tmp: Path) -> str:
+        copy = c.copy(_gated(c, "own"), "run")
+        gate = next((copy / "checkpoints").glob("step_*")) / "exit_gate.safetensors"
+        raw = bytearray(gate.read_bytes())
+        raw[-3] ^= 0x10  # inside the last bias: still a finite float
+        gate.write_bytes(bytes(raw))
+        return expect_error(c.rdepth("generate", "--checkpoint", str(copy), "--max-new-tokens", "2", "--exit",
+                                     "learned", "--tau", "0.5"))
+
+    def gate_again(c: Campaign, tmp: Path) -> str:
+        copy = c.copy(_gated(c, "own"), "run")
+        before = snapshot(copy)
+        return expect_error(c.rdepth("gate", "--checkpoint", str(copy), "--data", str(c.data), "--windows", "8",
+                                     "--steps", "5", "--no-progress"), before, copy)
+
+    def profile_new_gate(c: Campaign, tmp: Path) -> str:
+        copy = c.copy(_gated(c, "own"), "run")
+        profile = tmp / "learned.json"
+        made = c.rdepth("calibrate", "--checkpoint", str(copy), "--data", str(c.data), "--policy", "learned",
+                        "--max-quality-loss", "0.5", "--k-max", "3", "--windows", "4", "--validation-windows", "4",
+                        "--out", str(profile), timeout=300)
+        again = c.rdepth("gate", "--checkpoint", str(copy), "--data", str(c.data), "--windows", "8", "--k-max", "3",
+                         "--steps", "7", "--no-progress", "--overwrite")
+        if made.code != 0 or again.code != 0:
+            c.note = f"set-up failed: calibrate {made.code}, gate {again.code}"
+            return "error"
+        return expect_error(c.rdepth(*_eval(c, copy, "--exit-profile", str(profile))))
+
+    def interrupted_gate(c: Campaign, tmp: Path) -> str:
+        copy = c.copy(_gated(c, "own"), "run")
+        debris = next((copy / "checkpoints").glob("step_*")) / ".exit_gate.safetensors.k1ll3d00.tmp"
+        debris.write_bytes(b"what a SIGKILL mid-write leaves")
+        outcome = c.rdepth("gate", "--checkpoint", str(copy), "--data", str(c.data), "--windows", "8", "--k-max", "3",
+                           "--steps", "5", "--no-progress", "--overwrite")
+        if debris.exists():
+            c.note = "the temporary file is still there"
+            return "lost"
+        return expect_success(outcome)
+
+    def export_full_disk(c: Campaign, tmp: Path) -> str:
+        weights = next((c.run / "checkpoints").glob("step_*")) / "model.safetensors"
+        outcome = c.rdepth("export", "--checkpoint", str(c.run), "--out", str(tmp / "hf"),
+                           limit_bytes=weights.stat().st_size // 2)
+        if (tmp / "hf").exists() or [p for p in tmp.iterdir() if p.name.startswith(".")]:
+            c.note = "a partial export was left"
+            return "lost"
+        return expect_error(outcome)
+
+    def sweep_flag(*flags: str):
+        def run(c: Campaign, tmp: Path) -> str:
+            return expect_error(c.rdepth("sweep", "--checkpoint", str(c.run), "--data", str(c.data), "--out",
+                                         str(tmp / "s"), "--max-batches", "1", "--no-timing", *flags))
+        return run
+
+    def calibrate_flag(*flags: str):
+        def run(c: Campaign, tmp: Path) -> str:
+            return expect_error(c.rdepth("calibrate", "--checkpoint", str(c.run), "--data", str(c.data), "--out",
+                                         str(tmp / "p.json"), "--max-quality-loss", "0.1", *flags))
+        return run
+
+    def exit_wall(*argv: str):
+        def run(c: Campaign, tmp: Path) -> str:
+            filled = [str(c.run) if a == "RUN" else str(c.data) if a == "DATA" else str(tmp / "nope") if a == "NOPE"
+                      else a for a in argv]
+            outcome = _script(c, "exit_wall.py", *filled)
+            if outcome.code not in (None, 0) and not outcome.err.strip().startswith("bench/exit_wall.py: error:"):
+                c.note = f"not the command line's form: {outcome.err.strip()[:120]}"
+                return "untidy"
+            return expect_error(outcome)
+        return run
+
+    def raven(c: Campaign, tmp: Path, **overrides) -> Path:
+        code = ("import sys; from rdepth.interop.hf_raven import write_raven_folder; "
+                f"write_raven_folder(sys.argv[1], tokenizer_json='{{}}', **{overrides!r})")
+        subprocess.run([sys.executable, "-c", code, str(tmp / "raven")], env=ENV, check=True, timeout=c.timeout)
+        return tmp / "raven"
+
+    def raven_both(c: Campaign, tmp: Path) -> str:
+        from rdepth.data.tokenizers import train_bpe
+
+        tokenizer = train_bpe(["the river and the town"] * 50, 300, name="bpe:300")
+        tokenizer.save(tmp / "bpe")
+        folder = raven(c, tmp, vocab_size=tokenizer.vocab_size)
+        (folder / "tokenizer.json").write_text((tmp / "bpe" / "tokenizer.json").read_text())
+        shard = folder / "model-00001-of-00001.safetensors"
+        from safetensors.torch import load_file, save_file
+        weights = load_file(str(folder / "model.safetensors"))
+        # unmistakable (every value > 50) but importable: the rotary table left as it is
+        save_file({k: v if k == "freqs_cis" else v + 100.0 for k, v in weights.items()}, str(shard))
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: shard.name for k in weights}}))
+        outcome = c.rdepth("import-hf", "--hf", str(folder), "--out", str(tmp / "run"))
+        imported = tmp / "run" / "checkpoints" / "step_000000" / "model.safetensors"
+        if outcome.code == 0 and imported.is_file():
+            got = load_file(str(imported))
+            took = "shards" if any(float(t.float().abs().max()) > 50 for t in got.values()) else "single"
+            c.note = f"took the {took} file(s) (transformers takes model.safetensors)"
+            return "clean" if took == "single" else "silent"
+        return expect_error(outcome)  # refusing the ambiguity in one line is the other acceptable answer
+
+    def raven_small_vocab(c: Campaign, tmp: Path) -> str:
+        outcome = c.rdepth("import-hf", "--hf", str(raven(c, tmp)), "--out", str(tmp / "run"))
+        if "bpe:96" in outcome.err:
+            c.note = "names a tokenizer spec the user never wrote"
+            return "untidy"
+        return expect_error(outcome)
+
+    def import_help(c: Campaign, tmp: Path) -> str:
+        helped = c.rdepth("import-hf", "--help")
+        odd = tmp / "odd"
+        odd.mkdir()
+        (odd / "config.json").write_text(json.dumps({"model_type": "bert"}))
+        refused = c.rdepth("import-hf", "--hf", str(odd), "--out", str(tmp / "r"))
+        if "Huginn-0125" not in " ".join(helped.out.split()) or "Huginn-0125" not in refused.err:
+            c.note = "the help or the refusal does not name the Huginn-0125 (raven) folders it reads"
+            return "silent"
+        return expect_error(refused)
+
+    def ctrl_c_while_importing(c: Campaign, tmp: Path) -> str:
+        results = []
+        for delay in (0.05, 0.2, 0.5, 1.0):
+            proc = subprocess.Popen([sys.executable, "-m", "rdepth", "eval", "--checkpoint", str(c.run), "--data",
+                                     str(c.data)], env=ENV, cwd=c.work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, start_new_session=True)
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=c.timeout)
+            c.last = Outcome(proc.returncode, out, err, delay)
+            results.append((delay, proc.returncode, err))
+        if any("Traceback" in err for _, _, err in results):
+            c.note = "a traceback at " + ", ".join(f"{d} s" for d, _, err in results if "Traceback" in err)
+            return "traceback"
+        c.note = "exits " + ", ".join(f"{code} at {d} s" for d, code, _ in results)
+        # -SIGINT with nothing printed: the signal came before the interpreter installed its handler (the
+        # shell shows 130 as for any program); after that, one line and 130
+        fine = all(code == 130 or code == -signal.SIGINT and not err.strip() for _, code, err in results)
+        c.last = None  # an interrupt is neither a refusal (exit 2) nor a success: judged here, not by the summary
+        return "clean" if fine else "untidy"
+
+    def client_probe(c: Campaign, tmp: Path) -> str:
+        made = c.rdepth("export", "--checkpoint", str(c.run), "--out", str(tmp / "hf"))
+        if made.code != 0:
+            return expect_success(made)
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", _CLIENT, str(tmp / "hf")], env={**ENV, "PYTHONPATH": ""},
+                              cwd=tmp, capture_output=True, text=True, timeout=c.timeout)
+        c.last = Outcome(done.returncode, done.stdout, done.stderr, time.monotonic() - started)
+        if done.returncode != 0:
+            c.note = (done.stderr.strip().splitlines() or ["?"])[-1][:160]
+            return "traceback" if "AssertionError" not in done.stderr else "silent"
+        return "clean"
+
+    def worked_example(c: Campaign, tmp: Path) -> str:
+        text = (ROOT / "docs" / "ecosystem.md").read_text()
+        example = text.split("## A worked example", 1)[1].split("\n## ", 1)[0]
+        if "runs/gpu-task" in example or "$ rdepth demo" not in example:
+            c.note = "the worked example's task model is made elsewhere"
+            return "silent"
+        return "clean"
+
+    return [
+        Case("round5", "generate --exit learned with another model's gate", other_models_gate),
+        Case("round5", "a gate with a flipped byte", flipped_gate),
+        Case("round5", "gate onto an existing gate without --overwrite", gate_again),
+        Case("round5", "a learned profile after its gate was trained again", profile_new_gate),
+        Case("round5", "gate after an interrupted gate's temporary file", interrupted_gate),
+        Case("round5", "export onto a full disk (RLIMIT_FSIZE)", export_full_disk),
+        Case("round5", "sweep --kl-prior without kl", sweep_flag("--policies", "acceleration", "--kl-prior", "none")),
+        Case("round5", "sweep --kl-direction without kl", sweep_flag("--policies", "step_norm", "--kl-direction",
+                                                                      "old_new")),
+        Case("round5", "sweep --decode rest without a decoded policy", sweep_flag("--policies", "acceleration",
+                                                                                   "--decode", "rest")),
+        Case("round5", "sweep --decode-loops without --decode rest", sweep_flag("--policies", "kl", "--decode-loops",
+                                                                                 "2")),
+        Case("round5", "calibrate --kl-prior with acceleration", calibrate_flag("--policy", "acceleration",
+                                                                               "--kl-prior", "uniform")),
+        Case("round5", "generate --exit-options with a key twice",
+             bad_flag("generate", "--exit", "kl", "--tau", "0.1", "--exit-options", "prior=uniform,prior=none")),
+        Case("round5", "exit_wall: a missing run", exit_wall("task", "--run", "NOPE", "--data", "DATA")),
+        Case("round5", "exit_wall: an unknown policy", exit_wall("text", "--run", "RUN", "--data", "DATA",
+                                                                 "--policies", "nope")),
+        Case("round5", "exit_wall: --problems 0", exit_wall("text", "--run", "RUN", "--data", "DATA", "--problems", "0")),
+        Case("round5", "exit_wall: a difficulty with no held-out set (text data)",
+             exit_wall("task", "--run", "RUN", "--data", "DATA", "--policies", "step_norm", "--problems", "2")),
+        Case("round5", "import-hf: raven folder with model.safetensors and a sharded index", raven_both),
+        Case("round5", "import-hf: raven vocabulary under 257", raven_small_vocab),
+        Case("round5", "import-hf names every format it reads", import_help),
+        Case("round5", "Ctrl-C while the command line imports", ctrl_c_while_importing),
+        Case("round5", "export's client: generate hidden states, checkpointing, sdpa, max_length, card", client_probe),
+        Case("round5", "docs/ecosystem.md's worked example makes its own task model", worked_example),
+    ]
+
+
 # ------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -1172,7 +1426,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     groups = {"flags": flag_cases, "files": file_cases, "kills": kill_cases, "concurrent": concurrency_cases,
               "output": output_cases, "data": data_cases, "round3": round3_cases,
-              "consolidate": consolidate_cases}
+              "consolidate": consolidate_cases, "round5": round5_cases}
     chosen = [g for g in (args.only.split(",") if args.only else groups) if g]
     # started in the background (`nohup ... &`), this process inherits an ignored SIGINT, and so would every
     # command it starts: the SIGINT cases would test nothing. A handler here is reset to the default on exec.

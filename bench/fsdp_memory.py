@@ -76,4 +76,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rdepth.cli.main import run_command  # bad input: one line, exit 2, as the command line
+
+    raise SystemExit(run_command("bench/fsdp_memory.py", main))

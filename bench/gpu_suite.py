@@ -20,4 +20,6 @@ from bench.gpu.suite import main, parse_args  # noqa: E402
 __all__ = ["main", "parse_args"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rdepth.cli.main import run_command  # bad input: one line, exit 2, as the command line
+
+    raise SystemExit(run_command("bench/gpu_suite.py", main))

@@ -1,5 +1,9 @@
 import sys
 
-from rdepth.cli.main import main
+try:  # a Ctrl-C while Python imports the command line: one line, never a traceback
+    from rdepth.cli.main import main
+except KeyboardInterrupt:
+    print("rdepth: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

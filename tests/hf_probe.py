@@ -23,7 +23,12 @@ releases and compares the results with rdepth's own). It saves a dict of:
   reloads with equal logits;
 - ``too_long``: the message ``generate`` gives past the block size;
 - ``hidden``: ``output_hidden_states=True``'s last hidden state (the final norm's output) at ``(3, 2, 5)``
-  and the shapes of its ``loop_states``.
+  and the shapes of its ``loop_states``;
+- ``generate_hidden[use_cache]``: ``generate(output_hidden_states=True, return_dict_in_generate=True)``'s
+  last hidden state at the last position of each step (None where a step gave none);
+- ``checkpointing``: the loss and adapter gradient with ``gradient_checkpointing_enable()`` and without;
+- ``sdpa``: whether the folder loaded with ``attn_implementation="sdpa"`` gives the same logits;
+- ``max_length``: the generation config's.
 """
 
 from __future__ import annotations
@@ -91,6 +96,14 @@ def probe(folder: str) -> dict:
         out["mask_warnings"] = [m for m in heard.messages if "cannot be inferred" in m]
         states = model(first, loop_counts=[3, 2, 5], output_hidden_states=True)
         out["hidden"] = (states.hidden_states[-1], [tuple(s.shape) for s in states.loop_states])
+        out["generate_hidden"] = {}
+        for use_cache in (True, False):
+            steps = model.generate(first, max_new_tokens=3, do_sample=False, loop_counts=[3, 2, 5], use_cache=use_cache,
+                                   output_hidden_states=True, return_dict_in_generate=True).hidden_states
+            out["generate_hidden"][use_cache] = [None if step is None else step[-1][:, -1].clone() for step in steps]
+        named = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, attn_implementation="sdpa").eval()
+        out["sdpa"] = bool(torch.equal(named(first, loop_counts=[3, 2, 5]).logits, out["logits"][(3, 2, 5)]))
+        out["max_length"] = model.generation_config.max_length
         out["hf_loop_uncached"] = model.generate(first, max_new_tokens=NEW, do_sample=False, loop_counts=[3, 2, 5],
                                                  use_cache=False).tolist()
         batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
@@ -109,6 +122,17 @@ def probe(folder: str) -> dict:
             out["too_long"] = None
         except ValueError as error:
             out["too_long"] = str(error)
+    out["checkpointing"] = []
+    for enabled in (False, True):
+        model.train()
+        if enabled:
+            model.gradient_checkpointing_enable()
+        loss = model(first, labels=first, loop_counts=[3, 2, 5]).loss
+        loss.backward()
+        out["checkpointing"].append((float(loss.detach()), model.model.adapters[0].weight.grad.clone()))
+        model.zero_grad(set_to_none=True)
+    model.gradient_checkpointing_disable()
+    model.eval()
     vocab = len(tokenizer) - 1  # the model's own vocabulary: the tokenizer's pad lies one past it
     before = out["logits"][(3, 2, 5)]
     model.resize_token_embeddings(len(tokenizer))

@@ -176,7 +176,7 @@ def test_positions_answers_trains_on_the_answer_tokens_only_and_needs_task_data(
     data, run = trained
     copy, _ = copy_run(run, tmp_path)
     assert main(["gate", "--checkpoint", str(copy), "--data", str(data), "--windows", "12", "--k-max", "3",
-                 "--steps", "20", "--positions", "answers", "--no-progress"]) == 0
+                 "--steps", "20", "--positions", "answers", "--no-progress", "--overwrite"]) == 0
     answers = json.loads(load_gate(copy).metadata["training"])
     every = json.loads(load_gate(run).metadata["training"])
     assert every["positions"] == "all" and answers["positions"] == "masked"
@@ -204,3 +204,93 @@ def test_calibrate_chooses_a_learned_threshold_per_group(trained, tmp_path, caps
     assert max(row["value"] for row in saved["candidates"][0]) == 1.0
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(run), "--data", str(data), "--exit-profile", str(profile)]) == 0
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def other_model(trained, tmp_path_factory):
+    """A run of the same shape with other weights and its own gate (issue 55: another model's gate)."""
+    data, run = trained
+    copy, checkpoint = copy_run(run, tmp_path_factory.mktemp("other"))
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    weights = {name: tensor + 1e-2 for name, tensor in weights.items()}
+    save_file(weights, str(checkpoint / "model.safetensors"))
+    assert main(["gate", "--checkpoint", str(copy), "--data", str(data), "--windows", "12", "--k-max", "3",
+                 "--steps", "30", "--no-progress", "--overwrite"]) == 0
+    return copy
+
+
+def test_another_models_gate_is_refused_wherever_it_is_named_from(trained, other_model, tmp_path, capsys):
+    """Issue 55: ``generate --checkpoint A --exit learned --exit-options gate=B`` ran B's gate on A's weights,
+    exit 0; a copy of A's own gate (the same weights) is still taken."""
+    _, run = trained
+    argv = ["generate", "--checkpoint", str(run), "--prompt", "a ? b", "--max-new-tokens", "2", "--temperature", "0",
+            "--device", "cpu", "--exit", "learned", "--tau", "0.5", "--k-max", "3"]
+    capsys.readouterr()
+    assert main(argv + ["--exit-options", f"gate={other_model}"]) == 2
+    assert "was trained for the model of" in one_line_error(capsys)
+    twin, _ = copy_run(run, tmp_path)
+    assert main(argv + ["--exit-options", f"gate={twin}"]) == 0
+    from rdepth.serve.config import ServeConfig
+    from rdepth.serve.server import served_model
+
+    config = ServeConfig(checkpoint=str(run), exit="learned", tau=0.5, exit_options=f"gate={other_model}")
+    with pytest.raises(Exception, match="was trained for the model of"):
+        served_model(config)
+
+
+def test_a_gate_with_a_flipped_byte_is_refused(trained, tmp_path, capsys):
+    data, run = trained
+    copy, checkpoint = copy_run(run, tmp_path)
+    gate = checkpoint / GATE_FILE
+    raw = bytearray(gate.read_bytes())
+    raw[-3] ^= 0x10  # inside the bias: a finite float still, another value
+    gate.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert main(sweep_argv(copy, data, tmp_path / "out")) == 2
+    assert "SHA-256 differs" in one_line_error(capsys)
+
+
+def test_gate_refuses_to_replace_a_gate_without_overwrite_and_a_profile_refuses_a_new_gate(trained, tmp_path, capsys):
+    """Issue 55: ``rdepth gate`` replaced a gate silently and a learned profile then ran the new one."""
+    data, run = trained
+    copy, checkpoint = copy_run(run, tmp_path)
+    before = (checkpoint / GATE_FILE).read_bytes()
+    gate_argv = ["gate", "--checkpoint", str(copy), "--data", str(data), "--windows", "12", "--k-max", "3",
+                 "--steps", "25", "--no-progress"]
+    capsys.readouterr()
+    assert main(gate_argv) == 2
+    assert "--overwrite" in one_line_error(capsys) and (checkpoint / GATE_FILE).read_bytes() == before
+    profile = tmp_path / "learned.json"
+    assert main(["calibrate", "--checkpoint", str(copy), "--data", str(data), "--policy", "learned",
+                 "--max-quality-loss", "0.05", "--k-max", "3", "--windows", "10", "--validation-windows", "10",
+                 "--out", str(profile)]) == 0
+    assert json.loads(profile.read_text())["gate_sha256"] == load_gate(copy).metadata["tensors_sha256"]
+    eval_argv = ["eval", "--checkpoint", str(copy), "--data", str(data), "--exit-profile", str(profile)]
+    assert main(eval_argv) == 0
+    assert main(gate_argv + ["--overwrite"]) == 0
+    assert (checkpoint / GATE_FILE).read_bytes() != before
+    capsys.readouterr()
+    for force in ([], ["--force-profile"]):
+        assert main(eval_argv + force) == 2
+        assert "calibrated with another exit gate" in one_line_error(capsys)
+
+
+def test_the_next_gate_removes_an_interrupted_gates_temporary_file(trained, tmp_path, capsys):
+    """Issue 55: a killed gate left ``.exit_gate.safetensors.XXXXXXXX.tmp`` beside the weights for good."""
+    from rdepth.run.checkpoint import clean_debris
+
+    data, run = trained
+    copy, checkpoint = copy_run(run, tmp_path)
+    debris = checkpoint / ".exit_gate.safetensors.abcd1234.tmp"
+    debris.write_bytes(b"half a gate")
+    assert main(["gate", "--checkpoint", str(copy), "--data", str(data), "--windows", "12", "--k-max", "3",
+                 "--steps", "5", "--no-progress", "--overwrite"]) == 0
+    assert not debris.exists()
+    debris.write_bytes(b"half a gate")  # training's start (clean_debris) removes one as well
+    assert clean_debris(copy) == [f"{checkpoint.name}/{debris.name}"] and not debris.exists()

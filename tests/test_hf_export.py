@@ -96,9 +96,14 @@ def test_hidden_states_and_loop_iterates_are_the_models_own(exported):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert torch.equal(real(out.logits), plain)
     assert torch.equal(model.readout(out.hidden_states[-2]), plain)  # the head reads the last one through the norm
-    for refused in ({"use_cache": True}, {"exit_policy": {"name": "step_norm", "tau": 1.0, "k_max": 4}}):
-        with pytest.raises(ValueError, match="output_hidden_states needs the dense forward"):
-            hf(ids, output_hidden_states=True, **refused)
+    with torch.no_grad():  # through the cache: the same states (the dense forward of the cache's tokens)
+        cached = hf(ids, loop_counts=list(counts), output_hidden_states=True, use_cache=True)
+    for got, want in zip(cached.hidden_states + cached.loop_states, out.hidden_states + out.loop_states):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="output_hidden_states needs fixed loop counts"):
+        hf(ids, output_hidden_states=True, exit_policy={"name": "step_norm", "tau": 1.0, "k_max": 4})
+    with pytest.raises(ValueError, match="do not return attention weights"):
+        hf(ids, output_attentions=True)
 
 
 def test_default_loops_come_from_the_config(exported):
@@ -586,7 +591,7 @@ def test_model_card_has_front_matter_training_record_and_version_range(tmp_path)
     # a run with no training record says so
     bare, _ = tiny_run(tmp_path / "bare")
     card = (export_run(ExportConfig(checkpoint=str(bare), out=str(tmp_path / "hf2"))).joinpath("README.md")).read_text()
-    assert "Not recorded" in card and "license: other" in card
+    assert "Not recorded" in card and "license: other\nlicense_name: unspecified" in card and "not given at export" in card
     with pytest.raises(RdepthError, match="--license"):
         ExportConfig(checkpoint=str(bare), out=str(tmp_path / "hf3"), license="apache 2.0")
 
@@ -639,3 +644,184 @@ def test_beam_search_with_the_cache_is_a_clear_refusal(exported):
         hf.generate(ids, max_new_tokens=3, num_beams=2, do_sample=False)
     beams = hf.generate(ids, max_new_tokens=3, num_beams=2, do_sample=False, use_cache=False)
     assert beams.shape == (1, ids.shape[1] + 3)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_returns_hidden_states_per_step(exported, use_cache):
+    """Issue 55: ``generate(output_hidden_states=True, return_dict_in_generate=True)`` gave None per step on
+    transformers 4.57 and 5.x (prepare_inputs_for_generation dropped the flag). Each step's last hidden
+    state is the dense forward's of the sequence so far, on a left-padded batch, with the cache or without."""
+    _, _, out, hf = exported
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    batch = tokenizer([PROMPT, "A small village"], return_tensors="pt", padding=True)
+    width, new = batch.input_ids.shape[1], 4
+    result = hf.generate(**batch, max_new_tokens=new, do_sample=False, loop_counts=2, output_hidden_states=True,
+                         return_dict_in_generate=True, use_cache=use_cache)
+    assert len(result.hidden_states) == new and all(step is not None for step in result.hidden_states)
+    assert result.hidden_states[0][-1].shape[1] == width
+    sequences = result.sequences
+    assert sequences.tolist() == hf.generate(**batch, max_new_tokens=new, do_sample=False, loop_counts=2).tolist()
+    for step in range(new):
+        length = width + step
+        mask = torch.cat([batch.attention_mask, torch.ones(2, step, dtype=torch.long)], dim=1)
+        with torch.no_grad():
+            dense = hf(sequences[:, :length], attention_mask=mask, loop_counts=2, output_hidden_states=True)
+        real_rows = mask[:, -1].bool()
+        torch.testing.assert_close(result.hidden_states[step][-1][real_rows, -1], dense.hidden_states[-1][real_rows, -1],
+                                   rtol=0, atol=1e-5)
+
+
+def test_gradient_checkpointing_recomputes_every_layer_application_with_the_same_gradients(exported):
+    """Issue 55: ``gradient_checkpointing_enable()`` (what ``TrainingArguments(gradient_checkpointing=True)``
+    calls) was refused. Each layer application of the dense forward, every loop step included, is
+    recomputed in the backward; the loss and gradients equal those without it."""
+    _, _, _, hf = exported
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+
+    def loss_and_grads():
+        hf.zero_grad(set_to_none=True)
+        loss = hf(ids, labels=ids, loop_counts=2).loss
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in hf.named_parameters() if p.grad is not None}
+
+    calls = []
+
+    def counting(function, *args, **kwargs):
+        from torch.utils.checkpoint import checkpoint
+
+        def counted(*inner, **inner_kwargs):
+            calls.append(1)
+            return function(*inner, **inner_kwargs)
+        return checkpoint(counted, *args, use_reentrant=False, **kwargs)
+
+    hf.train()
+    try:
+        plain_loss, plain = loss_and_grads()
+        enable = getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable
+        enable()
+        assert hf.gradient_checkpointing and all("forward" in layer.__dict__ for layer in hf.model.layers)
+        loss, grads = loss_and_grads()
+        assert torch.equal(loss, plain_loss) and grads.keys() == plain.keys()
+        for name in plain:
+            torch.testing.assert_close(grads[name], plain[name], rtol=0, atol=1e-6)
+        hf._set_gradient_checkpointing(True, counting)
+        loss_and_grads()
+        # groups 1|2-3|4 of 6 layers at 2 steps: 1 + 2 + 2 * 2 + 2 + 1 = 10 applications, each run twice
+        assert len(calls) == 2 * 10
+        disable = getattr(hf, "activation_checkpointing_disable", None) or hf.gradient_checkpointing_disable
+        disable()
+        assert not any("forward" in layer.__dict__ for layer in hf.model.layers) and not hf.gradient_checkpointing
+    finally:
+        hf._set_gradient_checkpointing(False)
+        hf.zero_grad(set_to_none=True)
+        hf.eval()
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_attn_implementation_named_loads_the_same_model(exported, implementation):
+    """Issue 55: ``attn_implementation="sdpa"`` was refused when named; every attention is torch's SDPA."""
+    _, _, out, hf = exported
+    named = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True,
+                                                              attn_implementation=implementation).eval()
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    with torch.no_grad():
+        assert torch.equal(named(ids).logits, hf(ids).logits)
+
+
+def test_generate_with_no_length_runs_to_the_block_size(exported):
+    """Issue 55: generation_config.json had no max_length, so generate() made transformers' 20 positions."""
+    _, model, out, hf = exported
+    assert json.loads((out / "generation_config.json").read_text())["max_length"] == model.config.block_size
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    produced = hf.generate(ids, loop_counts=1)
+    assert produced.shape[1] == model.config.block_size or int(produced[0, -1]) == hf.generation_config.eos_token_id
+
+
+def _card_checks(out, hf, model):
+    """One check per statement of the model card (rdepth.interop.model_card.CLAIMS), on the exported model."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor([tiny_tokenizer().encode(PROMPT)])
+    block = model.config.block_size
+
+    def padded_batches():
+        prompts = [PROMPT, "A small village"]
+        batch = tokenizer(prompts, return_tensors="pt", padding=True)
+        settings = dict(max_new_tokens=3, do_sample=False, loop_counts=2, repetition_penalty=1.3)
+        together = hf.generate(**batch, **settings)
+        for row, prompt in enumerate(prompts):
+            alone = hf.generate(**tokenizer([prompt], return_tensors="pt"), **settings)
+            assert together[row, -3:].tolist() == alone[0, -3:].tolist()
+
+    def beam_search():
+        assert hf.generate(ids, max_new_tokens=2, num_beams=2, do_sample=False, use_cache=False).shape[1] == \
+            ids.shape[1] + 2
+        with pytest.raises(ValueError, match="use_cache=False"):
+            hf.generate(ids, max_new_tokens=2, num_beams=2, do_sample=False)
+
+    def hidden_states():
+        for use_cache in (True, False):
+            got = hf.generate(ids, max_new_tokens=2, do_sample=False, output_hidden_states=True,
+                              return_dict_in_generate=True, use_cache=use_cache)
+            assert all(step is not None for step in got.hidden_states)
+        with pytest.raises(ValueError, match="fixed loop counts"):
+            hf(ids, output_hidden_states=True, exit_policy={"name": "step_norm", "tau": 1.0, "k_max": 4})
+
+    def training():
+        assert hf.supports_gradient_checkpointing and hf._supports_sdpa
+        hf.train()
+        try:
+            hf._set_gradient_checkpointing(True)
+            hf(ids, labels=ids, loop_counts=2).loss.backward()
+            assert hf.model.adapters[0].weight.grad is not None
+        finally:
+            hf._set_gradient_checkpointing(False)
+            hf.zero_grad(set_to_none=True)
+            hf.eval()
+
+    def length():
+        with pytest.raises(ValueError, match="block_size"):
+            hf(torch.zeros(1, block + 1, dtype=torch.long))
+        assert hf.generation_config.max_length == block
+
+    def cache_padding():
+        batch = tokenizer([PROMPT, "A small village"], return_tensors="pt", padding=True, padding_side="right")
+        with pytest.raises(ValueError, match="left padding only"):
+            hf(**batch, use_cache=True)
+
+    def no_embeds_or_attentions():
+        with pytest.raises(ValueError, match="inputs_embeds"):
+            hf(inputs_embeds=torch.zeros(1, 3, model.config.d_model))
+        with pytest.raises(ValueError, match="attention weights"):
+            hf(ids, output_attentions=True)
+
+    def pad_token():
+        assert hf.config.pad_token_id == model.config.vocab_size == tokenizer.pad_token_id
+        with torch.no_grad():
+            assert torch.isneginf(hf(ids).logits[..., hf.config.pad_token_id]).all()
+
+    def serving():
+        config = json.loads((out / "config.json").read_text())
+        assert config["model_type"] == "rdepth" and "AutoModelForCausalLM" in config["auto_map"]
+
+    def chat_template():
+        assert getattr(tokenizer, "chat_template", None) is None
+
+    return {check.__name__: check for check in (padded_batches, beam_search, hidden_states, training, length,
+                                                cache_padding, no_embeds_or_attentions, pad_token, serving,
+                                                chat_template)}
+
+
+def test_every_statement_of_the_model_card_holds(exported):
+    """Issue 55: the card said padded batches through transformers' loop need equal lengths and that there is
+    no beam search, after both had come to work. Every statement it makes now has a check here: one that no
+    longer holds fails, and so does a statement added without a check."""
+    from rdepth.interop.model_card import CLAIMS
+
+    _, model, out, hf = exported
+    card = " ".join((out / "README.md").read_text().split())
+    checks = _card_checks(out, hf, model)
+    assert {key for key, _, _ in CLAIMS} == set(checks)
+    for key, _, text in CLAIMS:
+        assert text.split("{")[0].strip() in card, key
+        checks[key]()
+    assert "equal length" not in card and "No beam search" not in card

@@ -156,7 +156,8 @@ def test_other_bad_folders(tmp_path, monkeypatch, capsys):
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({"model_type": "bert"}))
     err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", odd, "--out", tmp_path / "r"))
-    assert "'bert'" in err and "supported: gpt2, huginn_raven, ouro, rdepth" in err
+    assert "'bert'" in err and "Huginn-0125 (raven) folders (model_type huginn_raven)" in err and "GPT-2" in err
+    assert "Ouro (LoopLM) folders (model_type ouro)" in err
     (odd / "config.json").write_text(json.dumps({"model_type": "gpt_neo"}))
     err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", odd, "--out", tmp_path / "r"))
     assert "(gpt_neo)" in err and "local (windowed)" in err

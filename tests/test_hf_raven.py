@@ -222,3 +222,46 @@ def test_exported_hidden_states_hand_on_what_the_coda_reads(tmp_path, monkeypatc
         torch.testing.assert_close(out.hidden_states[3], coda, rtol=0, atol=0)
         logits = torch.nn.functional.linear(out.hidden_states[-1], model.wte.weight)[..., : model.config.vocab_size]
         torch.testing.assert_close(logits, real(out.logits), rtol=0, atol=1e-6)
+
+
+def test_a_folder_holding_one_file_and_a_sharded_index_takes_the_file(tmp_path, monkeypatch):
+    """Issue 55: with both ``model.safetensors`` and ``model.safetensors.index.json`` the import took the shards;
+    transformers' ``from_pretrained`` takes the single file, and so does the import now."""
+    folder = raven_folder(tmp_path / "a")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (alone / name).write_bytes((folder / name).read_bytes())
+    other = write_raven_folder(tmp_path / "other", seed=9, vocab_size=tiny_tokenizer().vocab_size)
+    shard = "model-00001-of-00001.safetensors"
+    (folder / shard).write_bytes((other / "model.safetensors").read_bytes())
+    names = load_file(str(other / "model.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {name: shard for name in names}}))
+    for source, out in ((folder, "both"), (alone, "single")):
+        assert cli(monkeypatch, "import-hf", "--hf", source, "--out", tmp_path / out) == 0
+    weights = [(tmp_path / out / "checkpoints" / "step_000000" / "model.safetensors").read_bytes()
+               for out in ("both", "single")]
+    assert weights[0] == weights[1]
+
+
+def test_a_vocabulary_under_257_names_what_is_wrong_with_the_folder(tmp_path, monkeypatch, capsys):
+    """Issue 55: the refusal named a tokenizer spec ('bpe:96') the user never wrote."""
+    folder = write_raven_folder(tmp_path / "raven", tokenizer_json="{}")  # TINY_RAVEN: 96 tokens
+    err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run"))
+    assert "its vocabulary has 96 tokens" in err and "bpe:96" not in err and not (tmp_path / "run").exists()
+
+
+def test_import_hf_names_every_format_it_reads(tmp_path, monkeypatch, capsys):
+    """Issue 55: the help named rdepth exports and GPT-2 folders only; Huginn-0125 (raven) folders import too."""
+    from rdepth.interop.hf_import import FORMAT_NAMES, IMPORTERS
+
+    with pytest.raises(SystemExit):
+        cli(monkeypatch, "import-hf", "--help")
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Huginn-0125 (raven)" in help_text and "GPT-2" in help_text and "rdepth export" in help_text
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", odd, "--out", tmp_path / "r"))
+    for kind in IMPORTERS:  # a format added without a name in the refusal fails here
+        assert kind in FORMAT_NAMES and f"{FORMAT_NAMES[kind]} (model_type {kind})" in err

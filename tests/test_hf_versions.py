@@ -97,6 +97,15 @@ def check(got: dict, expected: dict, version: str) -> None:
     assert torch.equal(hidden, expected["hidden"]) and loop_shapes == [(4, 1, hidden.shape[1], hidden.shape[2]),
                                                                        (3, 1, hidden.shape[1], hidden.shape[2]),
                                                                        (6, 1, hidden.shape[1], hidden.shape[2])]
+    # issue 55: generate's hidden states per step (None on 4.57 and 5.x before), with the cache and without
+    cached, uncached = got["generate_hidden"][True], got["generate_hidden"][False]
+    assert len(cached) == len(uncached) == 3 and all(step is not None for step in cached + uncached)
+    for a, b in zip(cached, uncached):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cached[0], expected["hidden"][:, -1], rtol=0, atol=1e-6)
+    (plain_loss, plain_grad), (loss, grad) = got["checkpointing"]  # gradient checkpointing: the same gradients
+    assert loss == plain_loss and torch.allclose(grad, plain_grad, rtol=0, atol=1e-6)
+    assert got["sdpa"] and got["max_length"] == expected["block_size"]
     # transformers' own loop, with rdepth's cache and without: the decoder's tokens
     assert got["hf_loop_cached"] == got["hf_loop_uncached"] == expected["greedy"][(3, 2, 5)]
     # one left-padded batch: every row's tokens are its unpadded generation's, after its pads

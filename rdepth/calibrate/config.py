@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from rdepth.config import MAX_LOOPS
 from rdepth.errors import RdepthError
-from rdepth.exits.config import checked_k_max, resolve_k_max
+from rdepth.exits.config import changed_fields, check_rule_flags_apply, checked_k_max, resolve_k_max
 from rdepth.fields import check_fields, option
 from rdepth.run.config import CHECKPOINT_GATE_RULES, DEVICE_HELP, check_device_name
 from rdepth.threads import THREADS_HELP
@@ -73,6 +73,11 @@ class CalibrateConfig:
         if self.kl_prior not in get_policy_class("kl").PRIORS:
             raise RdepthError(f"calibrate: kl_prior must be none or uniform, got {self.kl_prior!r}")
         check_device_name("calibrate", self.device)
+        self.check_flags_apply(changed_fields(self))
+
+    def check_flags_apply(self, given) -> None:
+        """A one-line error for a flag in ``given`` (field names) that the calibrated policy does not read."""
+        check_rule_flags_apply("calibrate", given, (self.policy,))
 
     def candidate_values(self) -> tuple[float, ...]:
         from rdepth.exits.registry import get_policy_class

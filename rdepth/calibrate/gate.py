@@ -35,7 +35,7 @@ from tqdm import tqdm
 from rdepth.calibrate.gate_config import GateConfig
 from rdepth.calibrate.run import read_through_rest, record_iterates
 from rdepth.errors import RdepthError
-from rdepth.exitrun.gate_file import save_gate
+from rdepth.exitrun.gate_file import check_replaceable, save_gate
 from rdepth.exits.gate import ExitGate, gate_features, stable_from
 from rdepth.io import exclusive
 from rdepth.model import RecurrentLM
@@ -150,7 +150,9 @@ def train_gate_checkpoint(config: GateConfig) -> dict:
         raise RdepthError(f"gate: --positions answers needs task data; {config.data} is text data: drop it")
     checkpoint = resolve_checkpoint(config.checkpoint)
     folder = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint
-    with exclusive(folder, "gate"):
+    with exclusive(folder, "gate"):  # (its recovery removes what an interrupted gate left: clean_debris)
+        check_replaceable(checkpoint, config.overwrite)  # before minutes of work, not after
+        _remove_debris(folder, checkpoint)
         run = open_run(checkpoint, config.data, config.device)
         windows = run.windows(config.windows)
         if windows.shape[0] < 2:
@@ -159,9 +161,25 @@ def train_gate_checkpoint(config: GateConfig) -> dict:
         gate, report = train_gate(run.model, windows, config, masks)
         report["data"] = str(Path(config.data))
         report["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()}
-        path = save_gate(gate, checkpoint, {"training": json.dumps(report, sort_keys=True)})
+        path = save_gate(gate, checkpoint, {"training": json.dumps(report, sort_keys=True)},
+                         overwrite=config.overwrite)
     report["path"] = str(path)
     return report
+
+
+def _remove_debris(folder: Path, checkpoint: Path) -> None:
+    """Remove the temporary files an interrupted gate (or consolidate) left beside the weights (the run
+    folder's lock is held)."""
+    from rdepth.run.checkpoint import clean_debris, weight_temp_files
+
+    if folder != checkpoint:  # a checkpoint of a run
+        removed = clean_debris(folder)
+    else:
+        removed = [temp.name for temp in weight_temp_files(checkpoint)]
+        for temp in weight_temp_files(checkpoint):
+            temp.unlink(missing_ok=True)
+    if removed:
+        log.info("removed what an interrupted gate or checkpoint left: %s", ", ".join(removed))
 
 
 def _answer_windows(run, max_windows: int) -> torch.Tensor:

@@ -33,6 +33,8 @@ class GateConfig:
     lr: float = option(0.05, "learning rate of the fit", bounds="(0, 10]")
     batch_size: int = option(16, "windows per forward pass while recording", bounds="[1, inf)")
     seed: int = option(0, "seed of the initial loop-state noise", bounds=f"[0, {2**63})")
+    overwrite: bool = option(False, "replace an existing exit_gate.safetensors (an exit profile calibrated with "
+                             "the old gate then refuses the new one)")
     device: str = option("auto", DEVICE_HELP)
     progress: bool = option(True, "show progress bars")
     threads: int = option(0, THREADS_HELP, bounds="[0, inf)")

@@ -377,6 +377,11 @@ def _calibrate(config: CalibrateConfig, out: Path, task: bool) -> dict:
     run = open_run(config.checkpoint, config.data, config.device)
     model = run.model.eval()
     k_max = config.resolve_k_max(model.n_groups, model.config.default_eval_loops)
+    gate_record = {}
+    if config.policy == "learned":  # the gate calibrated with: a profile refuses any other (trained again since)
+        from rdepth.exitrun.gate_file import gate_sha256, load_gate
+
+        gate_record["gate_sha256"] = gate_sha256(load_gate(run.checkpoint))
     if task:
         difficulty, calibration, validation = _split_task(config)
         windows = torch.from_numpy(np.asarray(calibration.tokens, dtype=np.int64))
@@ -430,6 +435,7 @@ def _calibrate(config: CalibrateConfig, out: Path, task: bool) -> dict:
         config.policy, per_group["values"], k_max, config.policy_options(),
         quality=scorer.name, target=target, calibrated=chosen, shared_baseline=baseline, candidates=table,
         checkpoint=str(run.checkpoint), run=run_identity(run.checkpoint), data={"path": str(run.data), **data_record},
+        **gate_record,
         config=asdict(config), environment=environment_info(),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     write_json(out, profile, overwrite=False, strict=True)

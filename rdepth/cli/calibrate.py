@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rdepth.cli.options import add_dataclass_flags, build
+from rdepth.cli.options import add_dataclass_flags, build, overrides
 
 
 def register(subparsers) -> None:
@@ -29,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.calibrate.run import calibrate_checkpoint
     from rdepth.calibrate.config import CalibrateConfig
 
-    profile = calibrate_checkpoint(build(CalibrateConfig, {}, args))
+    config = build(CalibrateConfig, {}, args)
+    config.check_flags_apply(overrides(args, CalibrateConfig, check=False))  # given, even at its default
+    profile = calibrate_checkpoint(config)
     quality = profile["quality"]
     unit = (lambda loss: f"{100 * loss:+.2f} points") if quality == "accuracy" else \
         (lambda loss: f"{100 * loss:+.2f}% perplexity")

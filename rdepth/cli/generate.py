@@ -70,7 +70,10 @@ def policy_controllers(config):
     from rdepth.exits.config import resolve_k_max
     from rdepth.exits.controller import controller_factory
 
+    from rdepth.exitrun.gate_file import check_gate_option
+
     options = config.policy_options()  # a bad option fails in the next line, before the checkpoint is loaded
+    check_gate_option(config.exit, options, config.checkpoint)  # a gate named for another model
     controller_factory(config.exit, config.tau, config.k_max or (1,), options=options)
 
     def controllers(model):

@@ -12,10 +12,11 @@ def register(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "import-hf",
-        help="import a Hugging Face model folder as an rdepth run",
+        help="import a Hugging Face folder (rdepth export, GPT-2, Huginn-0125/raven) as an rdepth run",
         description="Write an rdepth run (checkpoint + tokenizer) from a Hugging Face folder whose "
-        "architecture rdepth's model can hold exactly: a folder written by rdepth export, or a GPT-2 "
-        "folder (a plain model of gpt2 blocks; loop its layers with rdepth retrofit). Other "
+        "architecture rdepth's model can hold exactly: a folder written by rdepth export; a GPT-2 "
+        "folder (a plain model of gpt2 blocks; loop its layers with rdepth retrofit); a Huginn-0125 (raven) "
+        "folder (model_type huginn_raven, e.g. tomg-group-umd/huginn-0125). Other "
         "architectures are refused with the mismatch named.",
     )
     add_dataclass_flags(parser, ImportConfig, title="import")

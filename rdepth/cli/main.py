@@ -73,8 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:  # building the parser imports torch (seconds): a Ctrl-C meanwhile is one line too
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        print("rdepth: interrupted", file=sys.stderr)
+        return 130
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -83,37 +87,48 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    return run_command(f"rdepth {args.command}", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
     _plan_threads(args)
+    out = _output_folder(args) if args.command in LOCKED_COMMANDS else None
+    with exclusive(out, args.command) if out else contextlib.nullcontext():
+        return args.func(args)
+
+
+def run_command(label: str, call) -> int:
+    """``call()``'s exit status, with the command line's handling of what goes wrong: a user error
+    (:class:`RdepthError`), a full or read-only disk, out of memory, a lost peer rank: ``LABEL: error: ...``,
+    one line, status 2; Ctrl-C: one line, 130; SIGTERM (raised like Ctrl-C so every ``finally`` runs): one
+    line, 143. The bench scripts end the same way (``run_command("bench/NAME.py", ...)``)."""
     previous = _terminate_like_interrupt()
     try:
-        out = _output_folder(args) if args.command in LOCKED_COMMANDS else None
-        with exclusive(out, args.command) if out else contextlib.nullcontext():
-            result = args.func(args)
+        result = call()
     except RdepthError as exc:
-        print(f"rdepth {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"{label}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except Terminated:
-        print(f"rdepth {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        print(f"{label}: terminated (SIGTERM)", file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
-        print(f"rdepth {args.command}: interrupted", file=sys.stderr)
+        print(f"{label}: interrupted", file=sys.stderr)
         return 130
     except OSError as exc:  # a read-only or full disk, a path that is a file: the system's words, one line
         logging.getLogger(__name__).debug("%s", exc, exc_info=True)
         where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
-        print(f"rdepth {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        print(f"{label}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     except MemoryError:
-        print(f"rdepth {args.command}: error: out of memory (choose smaller sizes)", file=sys.stderr)
+        print(f"{label}: error: out of memory (choose smaller sizes)", file=sys.stderr)
         return 2
     except RuntimeError as exc:  # torch's allocators raise RuntimeError, not MemoryError; so do collectives
         if lost_peer(exc):  # another rank died: gloo's ~28-line traceback folded into one line
-            print(f"rdepth {args.command}: error: {lost_peer(exc)}", file=sys.stderr)
+            print(f"{label}: error: {lost_peer(exc)}", file=sys.stderr)
             return 2
         if not is_out_of_memory(exc):
             raise
-        print(f"rdepth {args.command}: error: out of memory ({_one_line(exc)[:160]}; choose smaller sizes)",
-              file=sys.stderr)
+        print(f"{label}: error: out of memory ({_one_line(exc)[:160]}; choose smaller sizes)", file=sys.stderr)
         return 2
     finally:
         if previous is not None:

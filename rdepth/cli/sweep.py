@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rdepth.cli.options import add_dataclass_flags, build
+from rdepth.cli.options import add_dataclass_flags, build, overrides
 
 
 def register(subparsers) -> None:
@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.tasks.eval_checkpoint import is_task_data
 
     config = build(SweepConfig, {}, args)
+    config.check_flags_apply(overrides(args, SweepConfig, check=False))  # given, even at its default
     if is_task_data(config.data):
         from rdepth.sweep.task import format_task_sweep, sweep_task_checkpoint
 

@@ -71,7 +71,25 @@ def load_profile(path: str | Path, n_groups: int | None = None, checkpoint: str 
         from rdepth.run.checkpoint import check_run_identity, resolve_checkpoint
 
         check_run_identity(profile.get("run"), resolve_checkpoint(checkpoint), f"exit profile {path}", FORCE_FLAG)
+    if checkpoint and profile["policy"] == "learned":
+        check_profile_gate(profile, path, checkpoint)
     return profile
+
+
+def check_profile_gate(profile: dict, path: str | Path, checkpoint: str | Path) -> None:
+    """A learned profile runs the gate it was calibrated with, on a model that gate was trained for: its
+    ``gate_sha256`` must be the gate's (:func:`rdepth.exitrun.gate_file.gate_sha256`; a gate trained again
+    since is refused, ``--force-profile`` or not), and the gate must be bound to ``checkpoint``'s model."""
+    from rdepth.exitrun.gate_file import gate_sha256, load_gate
+
+    gate = load_gate(profile.get("options", {}).get("gate") or checkpoint, drives=checkpoint)
+    recorded = profile.get("gate_sha256")
+    if recorded is None:
+        raise RdepthError(f"exit profile {path} does not record the SHA-256 of the exit gate it was calibrated "
+                          "with (an older rdepth wrote it): calibrate again with rdepth calibrate --policy learned")
+    if recorded != gate_sha256(gate):
+        raise RdepthError(f"exit profile {path} was calibrated with another exit gate than {gate.source} (trained "
+                          "again since?): calibrate again with rdepth calibrate --policy learned")
 
 
 def profile_controller_factory(profile: dict, decode_factory: Callable[[], Any] | None = None) -> Callable:

@@ -9,7 +9,7 @@ The folder holds::
     configuration_rdepth.py
     tokenizer.json, tokenizer_config.json
                              the pad token <|pad|> is its own, id vocab_size (rdepth.interop.hf_tokenizer)
-    generation_config.json   bos = eos = the end token; pad_token_id = vocab_size
+    generation_config.json   bos = eos = the end token; pad_token_id = vocab_size; max_length = block_size
     README.md                the model card (rdepth.interop.model_card): front matter, training
                              record, loop counts, how to load, the transformers range
 
@@ -40,13 +40,14 @@ EXPORTED_GATE = "exit_gate.safetensors"  # the learned exit rule's gate, beside 
 
 
 def _exported_gate(spec: dict | None, checkpoint):
-    """The checkpoint's trained exit gate when the exported exit policy is ``learned`` (one-line errors: no
+    """The trained exit gate when the exported exit policy is ``learned``: the one its profile names (the one
+    it was calibrated with), else the checkpoint's; bound to the checkpoint's model (one-line errors: no
     gate, a gate for other weights), else None."""
     if not spec or spec.get("name") != "learned":
         return None
     from rdepth.exitrun.gate_file import load_gate
 
-    return load_gate(checkpoint)
+    return load_gate(spec.get("gate") or checkpoint, drives=checkpoint)
 
 
 def check_exit_spec(spec: dict | None, n_groups: int) -> None:
@@ -90,10 +91,22 @@ def export_config_dict(model_config, loop_counts, state_seed: int, eot_id: int,
     }
 
 
-def export_run(config: ExportConfig) -> Path:
-    """Write the Hugging Face folder ``config.out`` for ``config.checkpoint``; returns it."""
+def _save_tensors(tensors: dict, path: Path) -> None:
+    """``save_file`` with a full or read-only disk as a one-line error (safetensors wraps the OSError in its
+    own SafetensorError), the file given the mode of every other file (safetensors writes 0600)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as exc:
+        raise RdepthError(f"export: cannot write {path.name}: {' '.join(str(exc).split())[:200]} (disk full or not "
+                          "writable?); nothing was exported") from None
+    ordinary_mode(path)
+
+
+def export_run(config: ExportConfig) -> Path:
+    """Write the Hugging Face folder ``config.out`` for ``config.checkpoint``; returns it."""
     source = Path(config.checkpoint)
     if not source.exists():
         raise RdepthError(f"checkpoint not found: {source}")
@@ -110,20 +123,20 @@ def export_run(config: ExportConfig) -> Path:
     check_exit_spec(exit_spec if gate is None else {**exit_spec, "gate": gate}, model_config.n_groups)
     with staged_folder(config.out) as folder:
         if gate is not None:  # the learned rule's gate travels with the model (checked against it above)
-            save_file({"weight": gate.weight.float().contiguous(), "bias": gate.bias.float().contiguous()},
-                      str(folder / EXPORTED_GATE), metadata={"format": "pt"})
-            ordinary_mode(folder / EXPORTED_GATE)
+            _save_tensors({"weight": gate.weight.float().contiguous(), "bias": gate.bias.float().contiguous()},
+                          folder / EXPORTED_GATE)
             exit_spec = {**exit_spec, "gate": EXPORTED_GATE}
         weights = {WEIGHT_PREFIX + name: tensor.detach().float().contiguous().cpu()
                    for name, tensor in model.state_dict().items()}
-        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        ordinary_mode(folder / "model.safetensors")  # safetensors writes 0600; an export is shared
+        _save_tensors(weights, folder / "model.safetensors")
         write_json(folder / "config.json",
                    export_config_dict(model_config, counts, config.state_seed, tokenizer.eot_id, exit_spec),
                    strict=True)
         write_json(folder / "generation_config.json", {
             "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "pad_token_id": model_config.vocab_size,
             "do_sample": False,
+            # generate() with no length: up to the block size (transformers' own default is 20 positions)
+            "max_length": model_config.block_size,
         })
         write_modeling_files(folder)
         write_tokenizer_files(tokenizer, folder, model_config.block_size, pad_id=model_config.vocab_size)

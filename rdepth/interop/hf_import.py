@@ -110,6 +110,18 @@ IMPORTERS: dict[str, Callable[[Path, dict], tuple[RecurrentLM, dict]]] = {
     RAVEN: import_raven,
     OURO: import_ouro,
 }
+# model_type -> the format's name in the refusal (``rdepth import-hf --help`` names the same formats)
+FORMAT_NAMES: dict[str, str] = {
+    "rdepth": "folders written by rdepth export",
+    "gpt2": "GPT-2 folders",
+    RAVEN: "Huginn-0125 (raven) folders",
+    OURO: "Ouro (LoopLM) folders",
+}
+
+
+def supported_formats() -> str:
+    """Every format :data:`IMPORTERS` reads, by name and ``model_type``."""
+    return "; ".join(f"{FORMAT_NAMES.get(kind, kind)} (model_type {kind})" for kind in IMPORTERS)
 
 
 def load_hf_folder(folder: str | Path) -> tuple[RecurrentLM, dict]:
@@ -124,7 +136,7 @@ def load_hf_folder(folder: str | Path) -> tuple[RecurrentLM, dict]:
         raise RdepthError(f"cannot import {folder} ({model_type}) into rdepth's model: {MISMATCHES[model_type]}")
     if model_type not in IMPORTERS:
         raise RdepthError(f"cannot import {folder}: model_type {model_type!r} is not one rdepth's model holds "
-                          f"(supported: {', '.join(sorted(IMPORTERS))})")
+                          f"(it reads {supported_formats()})")
     return IMPORTERS[model_type](folder, hf_config)
 
 

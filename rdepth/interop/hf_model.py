@@ -30,10 +30,15 @@ logits back, so a padded row's real logits equal the unpadded row's. ``generate`
 takes left-padded prompts: rows with the same real length decode together through
 rdepth's decoder, so each row's tokens equal its unpadded generation. rdepth's cache
 (``use_cache`` in transformers' own loop) takes left padding the same way: a decoder per group of rows
-of one real length (right padding is refused with the cache). Beam search is not
-supported (the cache is not reordered). A sequence longer than ``block_size``
-(its positions end there) is refused with a message, in ``forward`` and before
-``generate`` starts.
+of one real length (right padding is refused with the cache). Beam search runs without the cache
+(``use_cache=False``; the cache is not reordered, and asking for both is refused). A sequence longer than
+``block_size`` (its positions end there) is refused with a message, in ``forward`` and before
+``generate`` starts. ``output_hidden_states`` works with and without the cache (with it, the dense
+forward of the sequence so far gives the new tokens' states); attention weights are never returned
+(asking is refused). Gradient (activation) checkpointing recomputes each layer application of the dense
+forward, every loop step's included, in the backward. The attention is torch's
+``scaled_dot_product_attention`` whatever ``attn_implementation`` names (``sdpa`` and ``eager`` are
+accepted: the same maths).
 
 The pad token: the export's own, ``config.pad_token_id`` = the model's vocabulary size, one past it (not
 the end token, so transformers infers the attention mask from it, and processors that read the input
@@ -105,6 +110,7 @@ class RdepthCache:
         self.groups = groups
         self.budget = budget
         self.length = 0
+        self.tokens: torch.Tensor | None = None  # [B, length]: what output_hidden_states re-reads
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -164,6 +170,11 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
     # does not mark a class it loaded from remote code, so the exported module marks itself (rdepth's
     # own module, which imports rdepth, is never copied).
     _auto_class = None if __name__.startswith("rdepth.") else "AutoModelForCausalLM"
+    # activation checkpointing: each layer application of the dense forward (loop steps included) is
+    # recomputed in the backward (:meth:`_set_gradient_checkpointing`)
+    supports_gradient_checkpointing = True
+    # every attention is torch's scaled_dot_product_attention (rdepth.model.layers): "sdpa" names what runs
+    _supports_sdpa = True
 
     def __init__(self, config: RdepthConfig):
         super().__init__(config)
@@ -173,6 +184,25 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module: torch.nn.Module) -> None:
         if isinstance(module, RecurrentLM):
             module.reset_parameters()  # rdepth's own initialisation (weights are then loaded over it)
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    every_n_layers: int = 1, **kwargs) -> None:
+        """transformers' ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable`` (and their
+        ``disable``): with ``enable``, every ``every_n_layers``-th layer's application in a dense forward
+        that records gradients (attention without a cache) runs under ``gradient_checkpointing_func`` (torch's
+        ``checkpoint``): its activations are recomputed in the backward, at every loop step of a looped
+        layer. The model's outputs and gradients are unchanged."""
+        if gradient_checkpointing_func is None:
+            from functools import partial
+
+            from torch.utils.checkpoint import checkpoint
+
+            gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+        self.gradient_checkpointing = bool(enable)
+        for index, layer in enumerate(self.model.layers):
+            layer.__dict__.pop("forward", None)  # the class's own forward again
+            if enable and index % max(int(every_n_layers), 1) == 0:
+                layer.forward = _checkpointed(layer, gradient_checkpointing_func)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -312,6 +342,7 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         exit_policy: dict | bool | None = None,
         return_dict: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]`` (``[B, T, pad_token_id + 1]`` where the pad
@@ -324,13 +355,18 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         and the cache comes back for the next call. The cache arrives as
         ``cache`` (transformers >= 5.24) or ``past_key_values`` (before). Padded rows (contiguous ones
         in ``attention_mask``) are shifted to start at position 0 and back: their real logits are the
-        unpadded row's. ``output_hidden_states`` (the dense forward only: no cache, no exit policy) adds
-        ``hidden_states`` (the embedding, each single-pass layer's output and each group's hand-off in
-        order, then the final norm's output, which the head reads; each ``[B, T, d]``) and ``loop_states``
-        (per group ``[K + 1, B, T, d]``: the start state and every iterate).
+        unpadded row's. ``output_hidden_states`` (fixed loop counts: no exit policy) adds ``hidden_states``
+        (the embedding, each single-pass layer's output and each group's hand-off in order, then the final
+        norm's output, which the head reads; each ``[B, T, d]``) and ``loop_states`` (per group
+        ``[K + 1, B, T, d]``: the start state and every iterate); with the cache, those of this call's
+        tokens, from the dense forward of the sequence so far (the cache keeps its tokens). Attention
+        weights are not returned: ``output_attentions=True`` is refused.
         """
         if input_ids is None:
             raise ValueError("rdepth models take input_ids (inputs_embeds is not supported)")
+        if output_attentions:
+            raise ValueError("rdepth models do not return attention weights (output_attentions): the attention is "
+                             "torch's scaled_dot_product_attention, which does not form them")
         if cache is None and isinstance(past_key_values, RdepthCache):
             cache = past_key_values
         cached = cache is not None or bool(use_cache)
@@ -346,11 +382,15 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         controller = self.exit_controller(exit_policy)
         counts = self.resolve_loop_counts(loop_counts) if controller is None else None
         hidden = loops = None
-        if output_hidden_states and (cached or controller is not None):
-            raise ValueError("output_hidden_states needs the dense forward: pass use_cache=False and no exit_policy")
+        if output_hidden_states and controller is not None:
+            raise ValueError("output_hidden_states needs fixed loop counts: pass no exit_policy (or "
+                             "exit_policy=False)")
         if cached:
             logits, cache = self._cached_logits(input_ids, prompt_offsets, cache, counts, exit_policy,
                                                 controller is not None, state_seed, sequence_ids)
+            if output_hidden_states:
+                hidden, loops = self._cached_states(cache, attention_mask, input_ids.shape[1], counts, state_seed,
+                                                    sequence_ids)
         elif output_hidden_states:
             noise = self.state_noise(input_ids.shape[0], state_seed, sequence_ids)
             logits, hidden, loops = self._states(input_ids, counts, noise)
@@ -403,6 +443,22 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         hidden.append(model.final_hidden(hidden[-1]))  # what the head reads
         return output.logits, tuple(hidden), tuple(torch.stack(loops[g]) for g in sorted(loops))
 
+    def _cached_states(self, cache: RdepthCache, attention_mask: torch.Tensor | None, length: int, counts,
+                       state_seed, sequence_ids) -> tuple[tuple, tuple]:
+        """The hidden states and loop iterates of the last ``length`` tokens the cache has seen: the dense
+        forward of all its tokens (padded rows shifted to start at position 0 and back, as the dense
+        path does), cut to those positions."""
+        tokens = cache.tokens
+        mask = attention_mask if attention_mask is not None and attention_mask.shape[-1] == tokens.shape[1] else None
+        offsets = padding_offsets(mask, cached=False)
+        if offsets is not None:
+            tokens = shift_rows(tokens, offsets)
+        noise = self.state_noise(tokens.shape[0], state_seed, sequence_ids)
+        logits, hidden, loops = self._states(tokens, counts, noise)
+        if offsets is not None:
+            _, hidden, loops = _shift_back(offsets, logits, hidden, loops)
+        return tuple(h[:, -length:] for h in hidden), tuple(steps[:, :, -length:] for steps in loops)
+
     def _cached_logits(self, input_ids: torch.Tensor, offsets: torch.Tensor | None, cache: RdepthCache | None,
                        counts, exit_policy, exits: bool, state_seed,
                        sequence_ids) -> tuple[torch.Tensor, RdepthCache]:
@@ -433,6 +489,7 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         for rows, part in pieces:
             logits[rows.to(logits.device), length - part.shape[1]:] = part
         cache.length += length
+        cache.tokens = input_ids if cache.tokens is None else torch.cat([cache.tokens, input_ids], dim=1)
         return logits, cache
 
     def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, past_key_values=None,
@@ -445,7 +502,8 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None:
             input_ids = input_ids[:, cache.get_seq_length():]
         inputs = {"input_ids": input_ids, "cache": cache, "attention_mask": attention_mask}
-        for name in ("use_cache", "loop_counts", "state_seed", "sequence_ids", "exit_policy"):
+        for name in ("use_cache", "loop_counts", "state_seed", "sequence_ids", "exit_policy", "output_hidden_states",
+                     "output_attentions"):  # (4.46 adds the output flags itself; later releases leave it to us)
             if name in kwargs:
                 inputs[name] = kwargs[name]
         return inputs
@@ -543,6 +601,20 @@ class RdepthForCausalLM(PreTrainedModel, GenerationMixin):
             out[rows.to(out.device), length:] = tokens[:, size:].to(out.device)
         return _finish_rows(out, length, options.get("eos_token_id"), options.get("pad_token_id"),
                             options.get("stopping_criteria"))
+
+
+def _checkpointed(layer: torch.nn.Module, checkpoint_function):
+    """``layer``'s forward, run under ``checkpoint_function`` where it records gradients without a cache
+    (the dense forward in training): its activations are recomputed in the backward."""
+    forward = type(layer).forward.__get__(layer)
+
+    def run(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        attn = args[0] if args else kwargs.get("attn")
+        if attn is None and torch.is_grad_enabled() and layer.training:
+            return checkpoint_function(forward, x, *args, **kwargs)
+        return forward(x, *args, **kwargs)
+
+    return run
 
 
 def _shift_back(offsets: torch.Tensor, logits: torch.Tensor, hidden, loops):

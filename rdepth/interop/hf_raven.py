@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from rdepth.config import ModelConfig, check_fits_memory
-from rdepth.data.tokenizers import BPE_FILE, META_FILE
+from rdepth.data.tokenizers import BPE_FILE, META_FILE, MIN_BPE_VOCAB
 from rdepth.errors import RdepthError
 from rdepth.model import RecurrentLM
 from rdepth.run.checkpoint import check_weight_values
@@ -176,13 +176,14 @@ def _check_rotary_table(folder: Path, stored: torch.Tensor, model: RecurrentLM) 
 
 
 def read_raven_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The folder's ``model.safetensors`` (one file; sharded checkpoints are joined by their index)."""
+    """The folder's ``model.safetensors`` (one file; sharded checkpoints are joined by their index). A folder
+    holding both takes the single file, as transformers' ``from_pretrained`` does."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     index = folder / "model.safetensors.index.json"
     files = [folder / "model.safetensors"]
-    if index.is_file():
+    if index.is_file() and not files[0].is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
@@ -227,7 +228,12 @@ def import_raven(folder: Path, hf_config: dict) -> tuple[RecurrentLM, dict]:
     """A raven folder: the rdepth model (float32, eval mode) and the tokenizer files to save."""
     if hf_config.get("model_type") != MODEL_TYPE:
         raise RdepthError(f"{folder}: model_type {hf_config.get('model_type')!r} is not {MODEL_TYPE!r}")
-    spec, tokenizer_files = raven_tokenizer_files(folder, raven_model_config(folder, hf_config)["vocab_size"])
+    vocab_size = raven_model_config(folder, hf_config)["vocab_size"]
+    if vocab_size < MIN_BPE_VOCAB:
+        raise RdepthError(f"cannot import {folder} ({MODEL_TYPE}): its vocabulary has {vocab_size} tokens; rdepth "
+                          f"reads its tokenizer.json as a byte-level BPE, which holds at least {MIN_BPE_VOCAB} (256 "
+                          "bytes and the end token)")
+    spec, tokenizer_files = raven_tokenizer_files(folder, vocab_size)
     return raven_model(folder, spec), tokenizer_files
 
 

@@ -144,12 +144,13 @@ def weight_temp_files(checkpoint: Path) -> list[Path]:
     """The temporary files of ``model.safetensors`` that a killed ``rdepth consolidate`` left in a checkpoint
     folder: ``.model.safetensors.XXXXXXXX.tmp`` (:func:`rdepth.io.atomic_path`; ``.model.safetensors.tmp``,
     the fixed name of earlier versions) and safetensors' own ``.tmpXXXXXX`` (the one a kill mid-write leaves
-    full-size: :data:`SAFETENSORS_TMP`; rdepth writes nothing else into a finished checkpoint)."""
+    full-size: :data:`SAFETENSORS_TMP`), and those of ``exit_gate.safetensors`` a killed ``rdepth gate`` left
+    (``.exit_gate.safetensors.XXXXXXXX.tmp``); rdepth writes nothing else into a finished checkpoint."""
     if checkpoint.is_symlink() or not checkpoint.is_dir():
         return []
 
     def is_temp(path: Path) -> bool:
-        if path.name.startswith(".model.safetensors.") and is_leftover_tmp(path):
+        if path.name.startswith((".model.safetensors.", ".exit_gate.safetensors.")) and is_leftover_tmp(path):
             return True
         return (path.name == ".model.safetensors.tmp" or bool(SAFETENSORS_TMP.match(path.name))) \
             and path.is_file() and not path.is_symlink()

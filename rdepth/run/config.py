@@ -26,9 +26,11 @@ def check_force_profile(command: str, config) -> None:
 
 
 def policy_options(command: str, exit_policy: str | None, text: str | None, checkpoint: str) -> dict:
-    """``--exit-options KEY=VALUE,...`` as a dict, each value an int, a float or text; the learned rule's gate
-    is the run's (``checkpoint``)."""
-    options = {"gate": checkpoint} if exit_policy in CHECKPOINT_GATE_RULES else {}
+    """``--exit-options KEY=VALUE,...`` as a dict, each value an int, a float or text; a key given twice is
+    a one-line error. A rule whose gate is the run's own (:data:`CHECKPOINT_GATE_RULES`) gets ``checkpoint``;
+    a gate named by ``gate=FOLDER`` must have been trained for the run's model
+    (:func:`rdepth.exitrun.gate_file.check_gate_option`, which the commands call)."""
+    options, given = ({"gate": checkpoint} if exit_policy in CHECKPOINT_GATE_RULES else {}), set()
     for item in (text or "").split(","):
         if not item.strip():
             continue
@@ -41,6 +43,9 @@ def policy_options(command: str, exit_policy: str | None, text: str | None, chec
                 break
             except ValueError:
                 continue
+        if key.strip() in given:
+            raise RdepthError(f"{command}: --exit-options gives {key.strip()} twice; give each key once")
+        given.add(key.strip())
         options[key.strip()] = value.strip() if isinstance(value, str) else value
     return options
 

@@ -24,7 +24,10 @@ def served_model(config: ServeConfig) -> ServedModel:
     from rdepth.run.device import resolve_device
     from rdepth.run.heldout import run_tokenizer
 
+    from rdepth.exitrun.gate_file import check_gate_option
+
     options = config.policy_options() if config.exit else {}
+    check_gate_option(config.exit, options, config.checkpoint)  # a gate named for another model
     if config.exit:  # a bad name, tau or option fails here, before the checkpoint is loaded
         controller_factory(config.exit, config.tau, config.k_max or (1,), options=options)
     if config.threads:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, fields
 
 from rdepth.errors import RdepthError
-from rdepth.exits.config import DECODE_MODES, checked_k_max, resolve_k_max
+from rdepth.exits.config import DECODE_MODES, changed_fields, check_rule_flags_apply, checked_k_max, resolve_k_max
 from rdepth.fields import check_fields, option
 from rdepth.run.config import (CHECKPOINT_GATE_RULES, DEVICE_HELP, PROFILE_FORCE_HELP, check_autocast_name,
                                check_device_name, check_force_profile)
@@ -126,6 +126,7 @@ class SweepConfig:
         if self.kl_prior not in priors:
             raise RdepthError(f"sweep: kl_prior must be one of {', '.join(priors)}, got {self.kl_prior!r}")
         check_autocast_name("sweep", self.autocast)
+        self.check_flags_apply(changed_fields(self))
         if self.difficulties is not None:
             self.difficulties = tuple(int(d) for d in self.difficulties)
             if not self.difficulties:
@@ -135,6 +136,10 @@ class SweepConfig:
         if not (isinstance(self.accuracy_tolerance, (int, float)) and 0 <= self.accuracy_tolerance <= 1):
             raise RdepthError(f"sweep: accuracy_tolerance must be a fraction in [0, 1], got {self.accuracy_tolerance!r}")
         check_device_name("sweep", self.device)
+
+    def check_flags_apply(self, given) -> None:
+        """A one-line error for a flag in ``given`` (field names) that no swept policy reads."""
+        check_rule_flags_apply("sweep", given, self.policies, decode=self.decode, profile=self.exit_profile is not None)
 
     def _check_bounded_and_trained(self) -> None:
         """A one-line error before any work: a tau above a rule's bound (confidence, learned: 1); a trained
