@@ -45,7 +45,7 @@ ALLOWED = {
     # draws problems with a task data folder's own parameters
     "interop": BASE | {"config", "model", "data", "run", "exits", "exitrun", "tasks", "engine"},
     # rdepth serve: the HTTP API on the engine, a run's model and tokenizer, the exit rules by name
-    "serve": BASE | {"config", "model", "run", "exits", "engine"},
+    "serve": BASE | {"config", "model", "run", "exits", "exitrun", "engine"},
     # the main job (rdepth/demo/; the rules inside it: DEMO_ROOM)
     "demo": BASE | {"config", "model", "data", "run", "train", "exits", "sweep", "geometry", "report", "tasks"},
     # rdepth reproduce: trains and runs the analyses like the demo, then judges the paper's claims
@@ -61,6 +61,8 @@ LATE_BINDINGS = {
     # the learned rule given a run folder reads the gate saved beside its checkpoint; imported when asked
     # for, because the exported model bundles the rules without rdepth's run-folder code
     ("rdepth.exits.policies", "rdepth.exitrun.gate_file"),
+    # the ouro rule given a run folder reads the gate tensors of its checkpoint's model file, the same way
+    ("rdepth.exits.policies", "rdepth.run.checkpoint"),
 }
 
 # Inside the demo's room, by module: each mode's first screen reads the saved files and renders with the
