@@ -39,7 +39,8 @@ Each case is classified:
 - ``orphan``: a process the case started, or one of its children, was still running after it (checked by
   the cases that start commands in the background: ``consolidate``'s).
 
-Usage (CPU; about 15 minutes on 2 cores, 158 cases; the consolidate category alone about 70 s)::
+Usage (CPU; about 15 minutes on 2 cores, 180 cases (514 s on the loaded 2-core Intel Xeon of issue 55); the
+consolidate category alone about 70 s, round5 about 80 s)::
 
     python bench/fault_campaign.py [--timeout 60] [--only flags,files] [--json results.json] [--keep]
 """
