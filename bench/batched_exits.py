@@ -156,7 +156,7 @@ class Setting:
 
 def rounded_budget(mean_steps, k_max) -> tuple[int, ...]:
     """A fixed budget per group equal to realised mean steps, rounded, within 1..k_max."""
-    return tuple(min(max(round(mean), 1), cap) for mean, cap in zip(mean_steps, k_max))
+    return tuple(min(max(round(mean), 1), cap) for mean, cap in zip(mean_steps, k_max, strict=False))
 
 
 class Bench:

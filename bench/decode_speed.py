@@ -196,8 +196,8 @@ class Run:
                                    lambda: [decoder.step(t) for t in self.steps], self.args, self.device))
 
     def static(self, budget=None, factory=None, on=None, compiled=False):
-        from rdepth.model.decoder import Decoder
         from bench.gpu.executors.compiled import Compiled
+        from rdepth.model.decoder import Decoder
 
         budget = self.loops if budget is None else budget
         options = {"controller_factory": factory} if factory else {"loop_counts": budget}

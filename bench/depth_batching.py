@@ -85,8 +85,9 @@ def parse_args(argv):
 # ---------------------------------------------------------------------- quality and selection
 def quality(model, heldout, settings: dict, seed: int, device="cpu") -> dict:
     """Per setting: solved [W] bool and executed loop steps per position (over every position)."""
-    from rdepth.tasks.evaluate import heldout_accuracy
     from exit_workload import window_solved
+
+    from rdepth.tasks.evaluate import heldout_accuracy
 
     out = {}
     answers, others = int(heldout.answer_mask[:, 1:].sum()), int((~heldout.answer_mask[:, 1:]).sum())
@@ -187,7 +188,7 @@ def engine_call(model, windows, ids, width, budget, seed, kv_layout="exact"):
 
     engine = Engine(model, width, kv_layout=kv_layout, **budget)
     requests = [Request(window.tolist(), max_tokens=1, noise_seed=seed, sequence_id=int(i), tag=k)
-                for k, (window, i) in enumerate(zip(windows, ids))]
+                for k, (window, i) in enumerate(zip(windows, ids, strict=False))]
     record = {}
 
     def call():
@@ -218,7 +219,7 @@ def lockstep_call(model, windows, ids, width, budget, seed):
     def call():
         start = time.perf_counter()
         latency, rows, paid, positions = [], 0.0, 0.0, 0
-        for decoder, part in zip(decoders, tensors):
+        for decoder, part in zip(decoders, tensors, strict=False):
             decoder.reset()
             for t in range(part.shape[1]):
                 decoder.step(part[:, t:t + 1])
@@ -306,7 +307,7 @@ def throughput_rows(samples: dict, records: dict, positions: int, settings: dict
                       "paid_steps_per_position": records[name]["paid"]}
     base = rows[f"engine | {fixed}"]
     fixed_steps = settings[fixed]["loop_counts"][0]
-    for name, row in rows.items():
+    for row in rows.values():
         row["vs_engine_fixed"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["bound"] = fixed_steps / row["paid_steps_per_position"]
         row["share_of_bound"] = row["vs_engine_fixed"] / row["bound"]
@@ -371,10 +372,10 @@ def engine_vs_teacher_forced(heldout, ids, predicted, settings, label, model, se
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-
-    from rdepth.run.checkpoint import load_model
     from exit_wall import revision
     from exit_workload import mixed_heldout
+
+    from rdepth.run.checkpoint import load_model
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -12,8 +12,8 @@ captured.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -118,7 +118,7 @@ def record(checkpoint: str, data: str, policy: str, tau: float, k_max: int, diff
             out = model(part, controller=controller, noise=StateNoise(0, range(start, start + part.shape[0])))
             for group, computed in enumerate(out.computed):
                 steps = torch.bincount(computed.flatten() - 1, minlength=k_max)
-                counts[group] = [a + int(b) for a, b in zip(counts[group], steps.tolist())]
+                counts[group] = [a + int(b) for a, b in zip(counts[group], steps.tolist(), strict=False)]
     total = sum(counts[0])
     means = [sum((s + 1) * c for s, c in enumerate(group)) / total for group in counts]
     return {"groups": counts, "mean_steps": means,

@@ -88,7 +88,6 @@ def check_args(args) -> None:
     import math
 
     from rdepth.errors import RdepthError
-    from rdepth.exits.registry import get_policy_class
 
     if not (args.run and args.data):
         raise RdepthError(f"{args.mode} mode needs --run and --data")
@@ -100,10 +99,7 @@ def check_args(args) -> None:
         raise RdepthError(f"--warmup must be >= 0 and --full-loops >= 1, got {args.warmup} and {args.full_loops}")
     if not (math.isfinite(args.tolerance) and args.tolerance >= 0):
         raise RdepthError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
-    for name in [p for p in args.policies.split(",") if p]:
-        get_policy_class(name)  # an unknown name: one line naming the known ones
-        if name not in TAUS:
-            raise RdepthError(f"--policies: this script has no tau grid for {name}; choose from {', '.join(TAUS)}")
+    _check_policies(args.policies)
     try:
         batches, difficulties = _batches(args), [int(d) for d in args.difficulties.split(",") if d.strip()]
     except ValueError:
@@ -111,6 +107,17 @@ def check_args(args) -> None:
                           f"{args.difficulties!r}") from None
     if any(b < 1 for b in batches) or any(d < 1 for d in difficulties) or args.difficulty < 1:
         raise RdepthError("--batch sizes and difficulties must be >= 1")
+
+
+def _check_policies(policies: str) -> None:
+    """Every name in ``policies`` a registered rule this script has a tau grid for (one line otherwise)."""
+    from rdepth.errors import RdepthError
+    from rdepth.exits.registry import get_policy_class
+
+    for name in [p for p in policies.split(",") if p]:
+        get_policy_class(name)  # an unknown name: one line naming the known ones
+        if name not in TAUS:
+            raise RdepthError(f"--policies: this script has no tau grid for {name}; choose from {', '.join(TAUS)}")
 
 
 def revision() -> str:
@@ -178,12 +185,10 @@ def task_quality(model, args, settings):
     """Accuracy (higher is better) and loop steps per token of every setting on the held-out problems; on a
     mixed workload also the oracle's and the router's (bench/exit_workload.py), added to ``settings``."""
     import numpy as np
+    from exit_workload import mixed_heldout, oracle_budgets, router_budgets, steps_by_difficulty, window_solved
 
     from rdepth.tasks.data import load_heldout
     from rdepth.tasks.evaluate import heldout_accuracy
-
-    from exit_workload import (mixed_heldout, oracle_budgets, router_budgets, steps_by_difficulty,
-                               window_solved)
 
     difficulties = [int(d) for d in args.difficulties.split(",") if d.strip()]
     if difficulties:
@@ -369,7 +374,7 @@ class Timing:
                                                   1e3 * max(samples[label]) / work[label]],
                            "executed_steps_per_token": stats[label]["steps"] / max(stats[label]["tokens"], 1)}
         base, top = rows[cheapest_fixed]["ms_per_token"], rows[full_label]["ms_per_token"]
-        for label, row in rows.items():
+        for row in rows.values():
             row["speedup_vs_cheapest_fixed"] = base / row["ms_per_token"]
             row["latency_vs_full"] = row["ms_per_token"] / top
         return rows

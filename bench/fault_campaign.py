@@ -48,6 +48,7 @@ consolidate category alone about 70 s, round5 about 80 s)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -58,9 +59,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -88,7 +89,7 @@ class Outcome:
 class Case:
     category: str
     name: str
-    run: Callable[["Campaign", Path], "str | None"]  # returns a class, or None for "look at the outcome"
+    run: Callable[[Campaign, Path], str | None]  # returns a class, or None for "look at the outcome"
     result: str = ""
     kind: str = ""  # of a clean case: "refused" (its last command exited 2 with one line) or "accepted"
     note: str = ""
@@ -527,10 +528,8 @@ def kill_cases() -> list[Case]:
             time.sleep(0.2)
         left = alive(ranks)
         for pid in left:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         return "orphan" if left else "clean"
     cases.append(Case("kills", "demo --ranks 2 SIGKILLed while its ranks train: the ranks die with it",
                       demo_ranks_orphaned))
@@ -1125,10 +1124,8 @@ def consolidate_cases() -> list[Case]:
                 if size is not None and ready(size):
                     break
                 time.sleep(0.001)
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it finished before the kill
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:  # it finished before the kill
-                pass
             proc.wait()
             if size is None or proc.returncode >= 0:
                 return "finished first"

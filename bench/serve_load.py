@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     engines = {label: in_process(args, prompts, budget) for label, (_, budget) in settings.items()}
     rows: dict[str, dict[str, list]] = {label: {"server": [], "engine": []} for label in settings}
     try:
-        for label, (_, url) in servers.items():  # warm-up
+        for _label, (_, url) in servers.items():  # warm-up
             asyncio.run(load(url, prompts[: args.clients], args.clients, args.max_tokens))
         for round_ in range(args.rounds):
             for label in (list(settings) if round_ % 2 == 0 else list(settings)[::-1]):

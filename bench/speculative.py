@@ -68,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     for number in range(windows.shape[0]):
         prompt = windows[number : number + 1, : args.prompt_tokens].to(run.device)
 
-        def plain():
+        def plain(prompt=prompt, number=number):
             return generate(model, prompt, args.new_tokens, temperature=0.0, loop_counts=verify,
                             noise=StateNoise(0, [number]))
 
-        def fast():
+        def fast(prompt=prompt, number=number):
             return speculative_generate(model, prompt, args.new_tokens, draft_loops=draft, loop_counts=verify,
                                         draft_tokens=args.draft_tokens, noise=StateNoise(0, [number]))
 

@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
 
     plain_rates, fast_rates, accepted, drafted, answers, right = [], [], 0, 0, 0, 0
     for window, tokens, free in templates:
-        def plain():
+        def plain(tokens=tokens, free=free, window=window):
             return greedy_fill(model, tokens, free, loop_counts=verify, noise=StateNoise(0, [window]))
 
-        def fast():
+        def fast(tokens=tokens, free=free, window=window):
             return speculative_fill(model, tokens, free, draft_loops=draft, loop_counts=verify,
                                     draft_tokens=args.draft_tokens, noise=StateNoise(0, [window]))
 

@@ -35,11 +35,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from rdepth.exits.controller import PolicyController
     from rdepth.exitrun.evaluate import evaluate_with_exits
-    from rdepth.model.noise import StateNoise
+    from rdepth.exits.controller import PolicyController
     from rdepth.exits.registry import make_policy
     from rdepth.model.control import FixedController
+    from rdepth.model.noise import StateNoise
     from rdepth.run.device import device_name
     from rdepth.run.opened import open_run
     from rdepth.tasks.data import load_heldout, task_manifest
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes: dict[int, list[torch.Tensor]] = {}
         start: dict[int, torch.Tensor] = {}
 
-        def observer(group, step, state, active):
+        def observer(group, step, state, active, sizes=sizes, start=start):
             if step == 0:
                 start[group] = state.clone()
             elif step == 1:

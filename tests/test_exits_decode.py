@@ -11,11 +11,11 @@ from rdepth.config import get_preset
 from rdepth.errors import RdepthError
 from rdepth.exits import PolicyController, make_policy
 from rdepth.exits.base import ExitPolicy
-from rdepth.sweep.config import SweepConfig
 from rdepth.exits.decode import RestDecode, make_decode
-from rdepth.sweep.run import run_sweep
 from rdepth.model import RecurrentLM
 from rdepth.run.heldout import held_out_windows
+from rdepth.sweep.config import SweepConfig
+from rdepth.sweep.run import run_sweep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,9 +126,8 @@ def test_rest_reads_stopped_rows_at_the_state_they_handed_on(tokens):
 def test_rest_needs_the_controller(tokens):
     model = _model()
     policy = make_policy("kl", tau=1e-3, k_max=3, decode=RestDecode(model, T))
-    with pytest.raises(RdepthError, match="PolicyController"):
-        with torch.no_grad():
-            model(tokens, controller=PolicyController([make_policy("fixed", k_max=2), policy]))
+    with pytest.raises(RdepthError, match="PolicyController"), torch.no_grad():
+        model(tokens, controller=PolicyController([make_policy("fixed", k_max=2), policy]))
     with pytest.raises(RdepthError, match="whole windows"):
         RestDecode(model, 5).begin(0, torch.zeros(B * T, 16))
 

@@ -89,16 +89,16 @@ def test_hidden_states_and_loop_iterates_are_the_models_own(exported):
         hidden.append(model.norm_f(hidden[-1]))
         plain = real(hf(ids, loop_counts=list(counts)).logits)
     assert len(out.hidden_states) == 7 and len(out.loop_states) == 3
-    for got, want in zip(out.hidden_states, hidden):
+    for got, want in zip(out.hidden_states, hidden, strict=False):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-    for got, want in zip(out.loop_states, loops):
+    for got, want in zip(out.loop_states, loops, strict=False):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert torch.equal(real(out.logits), plain)
     assert torch.equal(model.readout(out.hidden_states[-2]), plain)  # the head reads the last one through the norm
     with torch.no_grad():  # through the cache: the same states (the dense forward of the cache's tokens)
         cached = hf(ids, loop_counts=list(counts), output_hidden_states=True, use_cache=True)
-    for got, want in zip(cached.hidden_states + cached.loop_states, out.hidden_states + out.loop_states):
+    for got, want in zip(cached.hidden_states + cached.loop_states, out.hidden_states + out.loop_states, strict=False):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="output_hidden_states needs fixed loop counts"):
         hf(ids, output_hidden_states=True, exit_policy={"name": "step_norm", "tau": 1.0, "k_max": 4})
@@ -171,7 +171,7 @@ def test_left_padded_batch_generates_each_rows_unpadded_tokens(exported):
     tokens = hf.generate(**batch, max_new_tokens=12, do_sample=False, loop_counts=[2, 3, 1],
                          sequence_ids=[4, 5, 6])
     width = batch.input_ids.shape[1]
-    for row, prompt, sequence in zip(tokens, prompts, (4, 5, 6)):
+    for row, prompt, sequence in zip(tokens, prompts, (4, 5, 6), strict=False):
         ids = torch.tensor([tiny_tokenizer().encode(prompt)])
         alone = generate(model, ids, 12, temperature=0, loop_counts=(2, 3, 1), noise=StateNoise(0, [sequence]))
         assert row[width - ids.shape[1]:].tolist() == alone[0].tolist()
@@ -217,7 +217,7 @@ def test_repetition_penalty_on_a_left_padded_batch_equals_each_prompt_alone(expo
             ids = tokenizer(prompt, return_tensors="pt")
             alone = hf.generate(**ids, **settings)
             assert together.sequences[row, width:].tolist() == alone.sequences[0, ids.input_ids.shape[1]:].tolist()
-            for scores, scores_alone in zip(together.scores, alone.scores):  # a different length rounds differently
+            for scores, scores_alone in zip(together.scores, alone.scores, strict=False):  # a different length rounds differently
                 torch.testing.assert_close(scores[row, :vocab], scores_alone[0, :vocab], rtol=1e-5, atol=1e-5)
                 assert torch.isneginf(scores[row, vocab:]).all() and torch.isneginf(scores_alone[0, vocab:]).all()
 

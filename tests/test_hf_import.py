@@ -6,12 +6,11 @@ import json
 
 import pytest
 import torch
+from test_hf_helpers import cli, one_line_error, tiny_run, tiny_tokenizer  # noqa: E402
 
 from rdepth.errors import RdepthError
-from rdepth.model.noise import StateNoise
 from rdepth.model.decoder import Decoder
-
-from test_hf_helpers import cli, one_line_error, tiny_run, tiny_tokenizer  # noqa: E402
+from rdepth.model.noise import StateNoise
 
 TEXT = "The river runs south past the old bridge"
 
@@ -196,7 +195,7 @@ def test_imported_gpt2_is_a_surrogate_teacher_with_the_hf_folders_states(tmp_pat
         ours = load_rdepth_teacher(tmp_path / "run").layer_states(ids)
         theirs = load_hf_teacher(folder).layer_states(ids)
     assert len(ours) == len(theirs) == 4
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=False):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_hf_helpers import cli, one_line_error, real, tiny_tokenizer  # noqa: E402
 
 from rdepth.interop.hf_raven import HUGINN_0125, raven_config_json, raven_model, raven_weight_shapes, write_raven_folder
 from rdepth.model.decoder import Decoder
 from rdepth.model.noise import StateNoise
-
-from test_hf_helpers import cli, one_line_error, real, tiny_tokenizer  # noqa: E402
 
 
 def raven_folder(path, **overrides):

@@ -100,7 +100,7 @@ def check(got: dict, expected: dict, version: str) -> None:
     # issue 55: generate's hidden states per step (None on 4.57 and 5.x before), with the cache and without
     cached, uncached = got["generate_hidden"][True], got["generate_hidden"][False]
     assert len(cached) == len(uncached) == 3 and all(step is not None for step in cached + uncached)
-    for a, b in zip(cached, uncached):
+    for a, b in zip(cached, uncached, strict=False):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     torch.testing.assert_close(cached[0], expected["hidden"][:, -1], rtol=0, atol=1e-6)
     (plain_loss, plain_grad), (loss, grad) = got["checkpointing"]  # gradient checkpointing: the same gradients
@@ -110,7 +110,7 @@ def check(got: dict, expected: dict, version: str) -> None:
     assert got["hf_loop_cached"] == got["hf_loop_uncached"] == expected["greedy"][(3, 2, 5)]
     # one left-padded batch: every row's tokens are its unpadded generation's, after its pads
     width = max(len(row) for row in expected["ids"])
-    for row, mask, alone in zip(got["left_padded"], got["left_padded_mask"], expected["alone"]):
+    for row, mask, alone in zip(got["left_padded"], got["left_padded_mask"], expected["alone"], strict=False):
         pads = width - sum(mask)
         assert row[pads:] == alone and mask[:pads] == [0] * pads
     torch.testing.assert_close(got["padded_logits"][0, :, :vocab], expected["logits"][(3, 2, 5)][0])
@@ -120,7 +120,7 @@ def check(got: dict, expected: dict, version: str) -> None:
         tokens, scores = got[key]
         for row, (tokens_alone, scores_alone) in enumerate(got["penalised_alone"]):
             assert tokens[row] == tokens_alone[0], (key, row)
-            for step, step_alone in zip(scores, scores_alone):
+            for step, step_alone in zip(scores, scores_alone, strict=False):
                 torch.testing.assert_close(step[row, :vocab], step_alone[0, :vocab], rtol=1e-5, atol=1e-5)
     tokenizer = transformers.AutoTokenizer.from_pretrained(expected["folder"])
     assert got["pipeline"] == [tokenizer.decode(alone) for alone in expected["alone"]]

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_hf_helpers import tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,6 @@ from rdepth.fields import check_fields, option
 from rdepth.run.config import CHECKPOINT_GATE_RULES, DEVICE_HELP, check_device_name
 from rdepth.threads import THREADS_HELP
 
-
 CALIBRATE_TAUS = (1e-6, 1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
 
 

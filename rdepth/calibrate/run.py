@@ -46,19 +46,19 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 
-from rdepth.errors import RdepthError
 from rdepth.calibrate.config import CalibrateConfig
-from rdepth.exits.controller import PolicyController, controller_factory
+from rdepth.errors import RdepthError
 from rdepth.exitrun.evaluate import evaluate_with_exits
 from rdepth.exitrun.profile import make_profile, profile_controller_factory
+from rdepth.exits.controller import PolicyController, controller_factory
 from rdepth.exits.recorded import drive_recorded
 from rdepth.io import environment_info, exclusive, write_json
 from rdepth.model import RecurrentLM
@@ -159,7 +159,7 @@ def record_iterates(model: RecurrentLM, windows: torch.Tensor, k_max: Sequence[i
         x = windows[first:first + batch_size, :-1].to(device)
         steps: dict[int, list[torch.Tensor]] = {g: [] for g in range(model.n_groups)}
 
-        def observer(group, step, state, active):
+        def observer(group, step, state, active, steps=steps):
             steps[group].append(state.reshape(-1, state.shape[-1]).clone())
 
         out = model(x, loop_counts=list(k_max), noise=StateNoise.consecutive(seed, first, x.shape[0]),

@@ -26,8 +26,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rdepth.calibrate.run import calibrate_checkpoint
     from rdepth.calibrate.config import CalibrateConfig
+    from rdepth.calibrate.run import calibrate_checkpoint
 
     config = build(CalibrateConfig, {}, args)
     config.check_flags_apply(overrides(args, CalibrateConfig, check=False))  # given, even at its default

@@ -67,10 +67,9 @@ def policy_controllers(config):
     """``model -> factory of loop controllers`` for ``--exit POLICY --tau X [--k-max N]``: the policy in
     every group, decoded rules reading the model's head. A bad name, tau or k_max fails here, before
     the checkpoint is loaded."""
+    from rdepth.exitrun.gate_file import check_gate_option
     from rdepth.exits.config import resolve_k_max
     from rdepth.exits.controller import controller_factory
-
-    from rdepth.exitrun.gate_file import check_gate_option
 
     options = config.policy_options()  # a bad option fails in the next line, before the checkpoint is loaded
     check_gate_option(config.exit, options, config.checkpoint)  # a gate named for another model

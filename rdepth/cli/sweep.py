@@ -29,8 +29,8 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rdepth.sweep.config import SweepConfig
-    from rdepth.sweep.stats import format_ratio
     from rdepth.sweep.run import sweep_checkpoint
+    from rdepth.sweep.stats import format_ratio
     from rdepth.sweep.summary import setting_value
     from rdepth.tasks.eval_checkpoint import is_task_data
 

@@ -129,7 +129,7 @@ def load_gate(checkpoint: str | os.PathLike, drives: str | os.PathLike | None = 
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = dict(handle.metadata() or {})
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (no mapping)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise RdepthError(f"exit gate {path} is corrupt or truncated ({exc})") from None
     if metadata.get("format") == "1" and set(tensors) == {"weight", "bias"}:

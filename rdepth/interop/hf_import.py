@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -25,8 +25,10 @@ from rdepth.data.tokenizers import BPE_FILE, META_FILE, load_tokenizer
 from rdepth.errors import RdepthError
 from rdepth.interop.config import ImportConfig
 from rdepth.interop.hf_gpt2 import import_gpt2
-from rdepth.interop.hf_ouro import MODEL_TYPE as OURO, import_ouro
-from rdepth.interop.hf_raven import MODEL_TYPE as RAVEN, import_raven
+from rdepth.interop.hf_ouro import MODEL_TYPE as OURO
+from rdepth.interop.hf_ouro import import_ouro
+from rdepth.interop.hf_raven import MODEL_TYPE as RAVEN
+from rdepth.interop.hf_raven import import_raven
 from rdepth.interop.hf_tokenizer import PAD_TEXT
 from rdepth.interop.output import check_new_folder, staged_folder
 from rdepth.io import read_json_object, write_json, write_text

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -150,10 +150,9 @@ def raven_state_dict(folder: Path, weights: dict[str, torch.Tensor], model: Recu
             put(f"layers.{index}.{name}", tensor, PREFIX + source + raven_name)
     put("adapters.0.weight", take(PREFIX + "adapter.weight"), PREFIX + "adapter.weight")
     put("norm_f.weight", take(PREFIX + "ln_f.weight"), PREFIX + "ln_f.weight")
-    if "lm_head.weight" in weights:
-        if not torch.equal(take("lm_head.weight"), wte):
-            raise RdepthError(f"cannot import {folder} ({MODEL_TYPE}): its lm_head differs from wte, and rdepth "
-                              "ties the output head to the token embedding")
+    if "lm_head.weight" in weights and not torch.equal(take("lm_head.weight"), wte):
+        raise RdepthError(f"cannot import {folder} ({MODEL_TYPE}): its lm_head differs from wte, and rdepth "
+                          "ties the output head to the token embedding")
     if "freqs_cis" in weights:
         _check_rotary_table(folder, take("freqs_cis"), model)
     unexpected = sorted(set(weights) - used)

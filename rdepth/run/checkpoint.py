@@ -364,9 +364,8 @@ def check_run_identity(recorded: Any, checkpoint: Path, what: str, force_flag: s
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
     """Rebuild a model from a checkpoint (or run) folder: returns ``(model, config)``."""
-    from rdepth.model import RecurrentLM
-
     from rdepth.config import check_fits_memory
+    from rdepth.model import RecurrentLM
 
     checkpoint = resolve_checkpoint(path)
     config = load_model_config(checkpoint)

@@ -18,13 +18,12 @@ def served_model(config: ServeConfig) -> ServedModel:
     """Load the checkpoint, build the engine under the budget or exit rule, start its thread."""
     import torch
 
+    from rdepth.exitrun.gate_file import check_gate_option
     from rdepth.exits.config import resolve_k_max
     from rdepth.exits.controller import controller_factory
     from rdepth.run.checkpoint import load_model
     from rdepth.run.device import resolve_device
     from rdepth.run.heldout import run_tokenizer
-
-    from rdepth.exitrun.gate_file import check_gate_option
 
     options = config.policy_options() if config.exit else {}
     check_gate_option(config.exit, options, config.checkpoint)  # a gate named for another model

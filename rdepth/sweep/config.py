@@ -13,8 +13,14 @@ from dataclasses import dataclass, fields
 from rdepth.errors import RdepthError
 from rdepth.exits.config import DECODE_MODES, changed_fields, check_rule_flags_apply, checked_k_max, resolve_k_max
 from rdepth.fields import check_fields, option
-from rdepth.run.config import (CHECKPOINT_GATE_RULES, DEVICE_HELP, PROFILE_FORCE_HELP, check_autocast_name,
-                               check_device_name, check_force_profile)
+from rdepth.run.config import (
+    CHECKPOINT_GATE_RULES,
+    DEVICE_HELP,
+    PROFILE_FORCE_HELP,
+    check_autocast_name,
+    check_device_name,
+    check_force_profile,
+)
 from rdepth.sweep.stats import NOISE_THRESHOLD
 from rdepth.threads import THREADS_HELP
 
@@ -194,7 +200,7 @@ class SweepConfig:
         :meth:`MeasureSettings.generate_tokens_for`)."""
         return self.measure_settings().generate_tokens_for(window)
 
-    def measure_settings(self) -> "MeasureSettings":
+    def measure_settings(self) -> MeasureSettings:
         """The fields that measuring one point needs, and no others (what the sweep's steps are handed)."""
         return MeasureSettings(**{f.name: getattr(self, f.name) for f in fields(MeasureSettings)})
 
