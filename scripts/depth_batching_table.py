@@ -30,7 +30,7 @@ def main(paths: list[str]) -> int:
                   f"{100 * judged['paired_diff']:+.2f} ({100 * judged['paired_se']:.2f}) | "
                   f"{'yes' if judged['meets'] else 'no'} | {100 * share:.0f}% |")
     print()
-    widths = list(reports[0]["timing"])
+    widths = sorted({width for report in reports for width in report["timing"]}, key=lambda w: int(w[2:]))
     def family(name: str) -> tuple[str, str]:
         kind, label = name.split(" | ")
         return kind, "F" if label.startswith("fixed") else label.split()[0]
@@ -44,7 +44,7 @@ def main(paths: list[str]) -> int:
         for kind, rule in families:
             cells = []
             for report in reports:
-                rows = report["timing"][width]["rows"]
+                rows = report["timing"].get(width, {}).get("rows", {})  # a width this seed did not time: -
                 hit = next((r for n, r in rows.items() if family(n) == (kind, rule)), None)
                 if hit is None:
                     cells.append("-")
