@@ -158,7 +158,8 @@ class Engine:
         model, config, n_groups = self.model, self.model.config, self.model.n_groups
         d, batch, device = config.d_model, self.batch, self.device
         kept = self.k_max if self.kv_layout == "exact" else [1] * n_groups
-        self.slots = SlotCache(model.new_cache(batch, self.capacity, kept, self.dtype, device), self.kv_layout)
+        self.slots = SlotCache(model.new_cache(batch, self.capacity, kept, self.dtype, device), self.kv_layout,
+                               write_through=not self.fixed)
         self.x = torch.zeros(batch, d, dtype=self.dtype, device=device)  # activations between stages
         self.state = torch.zeros_like(self.x)  # each row's newest iterate in its group
         self.projected = torch.zeros_like(self.x)  # the group's input half W_e e
@@ -267,9 +268,10 @@ class Engine:
         projected = self.projected if every else self.projected[rows_t]
         if self.fixed and low == high:  # a fixed budget, every row at one step: its loop to the end at once
             k_max = self.k_max[group]
-            new = prev
+            new, ctx = prev, self._context(rows_t, rows, every, np.full_like(steps, low))
             for step in range(low, k_max + 1):
-                new = model.loop_step(group, new, projected, self._context(rows_t, rows, every, np.full_like(steps, step)))
+                ctx.store.set_step(step)
+                new = model.loop_step(group, new, projected, ctx)
             steps = np.full_like(steps, k_max)
             handoff, stopping = new, np.ones(rows.size, dtype=bool)
             self.stats.loop_steps[group] += int(rows.size) * (k_max - low + 1)
@@ -338,10 +340,9 @@ class Engine:
         # the tick's host read of the readout: each row's argmax, and -1 where its logits are not finite
         greedy = torch.where(torch.isfinite(logits).all(dim=-1), logits.argmax(dim=-1), -1).tolist()
         finished, feed_rows, feed_tokens = [], [], []
-        for index, row in enumerate(rows.tolist()):
+        for index, (row, position) in enumerate(zip(rows.tolist(), self.position[rows].tolist(), strict=True)):
             live = self.live[row]
             result, request = live.result, live.request
-            position = int(self.position[row])
             if greedy[index] < 0:
                 live.current_steps, live.current_rules = [], []
                 finished.append(self._fail(row, f"the model's output is not finite at position {position}"))

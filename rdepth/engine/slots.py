@@ -32,9 +32,11 @@ KV_LAYOUTS = ("exact", "shared")
 class SlotCache:
     """Keys/values for ``batch`` slots of ``capacity`` positions (``steps``: slots per group)."""
 
-    def __init__(self, cache: KVCache, layout: str):
+    def __init__(self, cache: KVCache, layout: str, write_through: bool = True):
         self.cache = cache
         self.layout = layout
+        # A fixed budget never leaves a loop early, so slot k only ever holds step k: nothing to write through
+        self.write_through = write_through
         self.batch = cache.batch_size
         self.capacity = cache.capacity
         # (the context's slot_index is unused on the one-query-per-row path: the rows stand in for it)
@@ -82,6 +84,14 @@ class CallStore:
         self._through: torch.Tensor | None = None  # the write-through indices, made at the first looped layer
         self._flat_read: torch.Tensor | None = None
 
+    def set_step(self, step: int) -> None:
+        """Every row on to loop step ``step`` (a fixed budget's loop run to its end in one tick): the same
+        rows and positions, so the store is reused instead of made again for each step."""
+        host_rows, positions, _ = self.host
+        self.host = (host_rows, positions, np.full_like(host_rows, step))
+        self.same_step = step
+        self._through = self._flat_read = None
+
     def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self.slots.cache
@@ -110,7 +120,8 @@ class CallStore:
         new = new.to(tensor.dtype)
         step = self.same_step
         if self.same_position and step is not None:  # every slot at one position and step: two views
-            tensor[step - 1:, :, :, self.first] = new
+            last = tensor.shape[0] if self.slots.write_through else step  # through the later slots, or its own
+            tensor[step - 1:last, :, :, self.first] = new
             return tensor[step - 1].narrow(2, 0, self.span)
         flat = tensor.view(-1, *tensor.shape[2:])  # (K * B, nh, S, hs)
         if self._through is None:
@@ -130,7 +141,7 @@ class CallStore:
         """Where the write-through goes, made on the host once per call: for row a at step s_a, slots
         s_a..K at its position (flat rows ``(k - 1) * B + slot``), and which new row each write takes."""
         host_rows, positions, steps = self.host
-        counts = kept - steps + 1
+        counts = kept - steps + 1 if self.slots.write_through else np.ones_like(steps)
         source = np.repeat(np.arange(steps.shape[0]), counts)
         offset = np.arange(source.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
         slot = steps[source] + offset  # 1-based, s_a..K
