@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from rdepth.config import MAX_BLOCK_SIZE, ModelConfig, check_fits_memory
+from rdepth.config import MAX_BLOCK_SIZE
 from rdepth.errors import RdepthError
 from rdepth.model import RecurrentLM
 from rdepth.run.checkpoint import check_weight_values
@@ -209,16 +209,13 @@ def read_hub_weights(folder: Path) -> dict[str, torch.Tensor]:
 def ouro_model(folder: str | Path, tokenizer: str | None = None) -> RecurrentLM:
     """The rdepth model (float32, eval mode) of the Ouro folder ``folder`` (``tokenizer``: the spec its
     config records; default ``bpe:<vocab_size>``)."""
+    from rdepth.interop.hf_raven import hub_model
     from rdepth.io import read_json_object
 
     folder = Path(folder)
     values = ouro_model_config(folder, read_json_object(folder / "config.json", "Hugging Face config"))
-    config = ModelConfig.from_dict({**values, "tokenizer": tokenizer or f"bpe:{values['vocab_size']}"})
-    check_fits_memory(config, f"cannot import {folder} ({MODEL_TYPE})")  # before anything is allocated
-    with torch.device("meta"):  # the folder's tensors become the parameters: no init, no second copy
-        model = RecurrentLM(config)
-    model.load_state_dict(ouro_state_dict(folder, read_hub_weights(folder), model), assign=True)
-    return model.eval()
+    return hub_model(folder, MODEL_TYPE, values, tokenizer,
+                     lambda model: ouro_state_dict(folder, read_hub_weights(folder), model))
 
 
 def import_ouro(folder: Path, hf_config: dict) -> tuple[RecurrentLM, dict]:

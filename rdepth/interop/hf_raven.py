@@ -35,6 +35,7 @@ golden files), without ``transformers``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -215,11 +216,20 @@ def raven_model(folder: str | Path, tokenizer: str | None = None) -> RecurrentLM
 
     folder = Path(folder)
     values = raven_model_config(folder, read_json_object(folder / "config.json", "Hugging Face config"))
+    return hub_model(folder, MODEL_TYPE, values, tokenizer,
+                     lambda model: raven_state_dict(folder, read_raven_weights(folder), model))
+
+
+def hub_model(folder: Path, model_type: str, values: dict, tokenizer: str | None,
+              state_dict: Callable[[RecurrentLM], dict]) -> RecurrentLM:
+    """The rdepth model (float32, eval mode) of a hub folder whose config maps to ``values``: its size checked
+    against the memory first, built on the meta device, its parameters the tensors ``state_dict(model)``
+    gives (no init, no second copy)."""
     config = ModelConfig.from_dict({**values, "tokenizer": tokenizer or f"bpe:{values['vocab_size']}"})
-    check_fits_memory(config, f"cannot import {folder} ({MODEL_TYPE})")  # before anything is allocated
-    with torch.device("meta"):  # the folder's tensors become the parameters: no init, no second copy
+    check_fits_memory(config, f"cannot import {folder} ({model_type})")  # before anything is allocated
+    with torch.device("meta"):
         model = RecurrentLM(config)
-    model.load_state_dict(raven_state_dict(folder, read_raven_weights(folder), model), assign=True)
+    model.load_state_dict(state_dict(model), assign=True)
     return model.eval()
 
 
