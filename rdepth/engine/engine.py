@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rdepth.config import parse_loop_counts
 from rdepth.engine.request import Finished, Request
 from rdepth.engine.slots import KV_LAYOUTS, SlotCache
 from rdepth.errors import RdepthError
 from rdepth.model.control import FixedController, LoopController
+from rdepth.model.decoder import resolve_budget
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM, StageKind
 from rdepth.model.sampling import choose_tokens
@@ -82,11 +82,9 @@ class _Live:
 def _make_controller(model: RecurrentLM, loop_counts, controller_factory) -> tuple[LoopController, bool]:
     """The engine's one loop controller and whether it is a fixed budget; refuses one that cannot serve rows
     at different steps."""
-    if controller_factory is not None:
-        controller, fixed = controller_factory(), False
-    else:
-        counts = model.config.default_eval_loops if loop_counts is None else loop_counts
-        controller, fixed = FixedController(parse_loop_counts(counts, model.n_groups) if model.n_groups else ()), True
+    budget = resolve_budget(model, loop_counts, controller_factory)  # the one decoder's reading of the two
+    fixed = budget.fixed
+    controller = FixedController(budget.counts) if fixed else budget.controller_factory()
     for method in ("begin_rows", "after_steps"):
         if not hasattr(controller, method):
             raise RdepthError(f"engine: the loop controller {type(controller).__name__} has no {method}() "

@@ -98,7 +98,7 @@ class Decoder:
         if not 1 <= self.capacity <= config.block_size:
             raise RdepthError(f"decoder: capacity must be 1..{config.block_size} (the block size), "
                               f"got {self.capacity}")
-        self.budget = _budget(model, loop_counts, controller_factory)
+        self.budget = resolve_budget(model, loop_counts, controller_factory)
         self.steps = _kept_steps(model, self.budget, keep_steps)
         self.warm_start = bool(warm_start)
         if noise is None:
@@ -287,7 +287,7 @@ class Decoder:
         run in lock-step in one pass; otherwise one at a time. ``computed``/``used`` ``[G, B]`` then
         hold the last position's loop steps and hand-off index, ``prompt_computed`` / ``prompt_used``
         ``[G, B, T]`` every position's."""
-        budget = _budget(self.model, loop_counts, controller_factory, self.budget)
+        budget = resolve_budget(self.model, loop_counts, controller_factory, self.budget)
         tokens = tokens.to(self.device)
         batch, length = tokens.shape
         if batch != self.batch_size:
@@ -396,7 +396,7 @@ def _sequence(pieces: list[_Run]) -> _Run:
     return run
 
 
-def _budget(model: RecurrentLM, loop_counts, controller_factory, default: Budget | None = None) -> Budget:
+def resolve_budget(model: RecurrentLM, loop_counts, controller_factory, default: Budget | None = None) -> Budget:
     """Fixed ``loop_counts``, else exits by ``controller_factory``, else ``default`` (the model's eval loops
     when None)."""
     if loop_counts is not None and controller_factory is not None:
