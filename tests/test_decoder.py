@@ -586,7 +586,7 @@ def test_a_model_that_is_only_its_loop_decodes_as_teacher_forced_and_row_by_row(
     the loop adapter reads the embedding and the head reads the hand-off. The decoder equals the
     teacher-forced pass at a fixed budget and under exits (steps and logits), and each row decoded alone
     equals its row of the batch."""
-    from rdepth.model.recurrent import StageKind
+    from rdepth.model.walk import StageKind
 
     model = tiny_model(n_layer=1, groups="0")
     assert [stage.kind for stage in model.stages] == [StageKind.GROUP]

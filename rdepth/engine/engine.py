@@ -40,8 +40,9 @@ from rdepth.errors import RdepthError
 from rdepth.model.control import FixedController, LoopController
 from rdepth.model.decoder import resolve_budget
 from rdepth.model.noise import StateNoise
-from rdepth.model.recurrent import RecurrentLM, StageKind
+from rdepth.model.recurrent import RecurrentLM
 from rdepth.model.sampling import choose_tokens
+from rdepth.model.walk import StageWalk
 
 FREE = -1  # stage of an empty slot
 
@@ -92,6 +93,29 @@ def _make_controller(model: RecurrentLM, loop_counts, controller_factory) -> tup
     return controller, fixed
 
 
+class _EngineWalk(StageWalk):
+    """The engine's stage walk: a tick visits each stage once with the slots at it (the walk's ``x``: their
+    indices on the host); a group's visit is one loop step of its rows (:meth:`Engine._loop`). Rows enter a
+    group through :meth:`StageWalk.enter` (``arriving``: their slots and positions) and leave it through
+    :meth:`StageWalk.leave`."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(engine.model)
+        self.engine = engine
+        self.arriving: tuple[torch.Tensor, np.ndarray] | None = None
+
+    def single(self, layers, rows):
+        self.engine._single(layers, rows)
+        return rows
+
+    def group(self, group, rows):
+        self.engine._loop(group, rows)
+        return rows
+
+    def start(self, group, inputs):
+        return self.engine._start(group, *self.arriving)
+
+
 class Engine:
     """Continuous depth batching over ``batch_size`` slots (see the module).
 
@@ -139,6 +163,7 @@ class Engine:
         self.listener = listener
         self._cancelled: set[int] = set()
         self.stages = model.stages
+        self.walk = _EngineWalk(self)
         with torch.no_grad():
             self._allocate()
         self.stage = np.full(batch_size, FREE, dtype=np.int64)  # host: the stage each slot's token is at
@@ -225,12 +250,8 @@ class Engine:
         self.stats.occupied += occupied
         for index, stage in enumerate(self.stages):
             rows = np.flatnonzero(self.stage == index)
-            if rows.size == 0:
-                continue
-            if stage.kind is StageKind.SINGLE:
-                self._single(stage.layers, rows)
-            else:
-                self._loop(stage.group, rows)
+            if rows.size:
+                self.walk.visit(stage, rows)  # its single-pass layers, or one loop step of its group
         ready = np.flatnonzero(self.stage == len(self.stages))
         if ready.size:
             finished += self._read_out(ready)
@@ -297,9 +318,9 @@ class Engine:
         computed = steps[stopping]
         handed = handoff if all_leave else handoff[torch.from_numpy(stopping).to(self.device)]
         if all_leave and every:
-            self.x.copy_(model.hand_on(handed))
+            self.x.copy_(self.walk.leave(group, handed))
         else:
-            self.x[leaving_t] = model.hand_on(handed)
+            self.x[leaving_t] = self.walk.leave(group, handed)
         if self.warm_start:
             self.warm[group][leaving_t] = handed
         for row, count in zip(leaving.tolist(), computed.tolist(), strict=True):
@@ -310,25 +331,30 @@ class Engine:
         self.step_count[leaving] = 0
 
     def _begin(self, group: int, rows: np.ndarray) -> None:
-        """Rows arriving at ``group``: the input half, the initial state, the rule's memory."""
+        """Rows arriving at ``group``: the input half, the initial state (:meth:`_EngineWalk.start`), the rule's
+        memory."""
         rows_t, every = self._rows(rows)
-        positions = self.position[rows]
+        self.walk.arriving = (rows_t, self.position[rows])
+        start, projected = self.walk.enter(group, self.x if every else self.x[rows_t])
         if every:
-            self.projected.copy_(self.model.group_input(group, self.x))
+            self.projected.copy_(projected)
+            self.state.copy_(start)
         else:
-            self.projected[rows_t] = self.model.group_input(group, self.x[rows_t])
+            self.projected[rows_t] = projected
+            self.state[rows_t] = start
+        self.controller.begin_rows(group, rows_t, start)
+
+    def _start(self, group: int, rows_t: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
+        """The initial states of the slots ``rows_t`` entering ``group`` at ``positions``: their request's own
+        draw there, or (warm start, past position 0) the state each handed on at its previous position."""
         if group in self.initial:
             start = self.initial[group][rows_t, torch.from_numpy(positions).to(self.device)]
         else:  # init_state_scale 0: the loop starts from zeros
-            start = torch.zeros(rows.size, self.x.shape[1], dtype=self.dtype, device=self.device)
+            start = torch.zeros(rows_t.shape[0], self.x.shape[1], dtype=self.dtype, device=self.device)
         if self.warm_start:  # rows past position 0 start from what they handed on at the previous one
             later = torch.from_numpy(positions > 0).to(self.device)
             start = torch.where(later[:, None], self.warm[group][rows_t], start)
-        if every:
-            self.state.copy_(start)
-        else:
-            self.state[rows_t] = start
-        self.controller.begin_rows(group, rows_t, start)
+        return start
 
     # ------------------------------------------------------------------ tokens
     def _read_out(self, rows: np.ndarray) -> list[Finished]:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from rdepth.errors import RdepthError
+from rdepth.model.walk import StageWalk
 
 # How many eigenvalues (largest modulus first) are saved per position.
 TOP_EIGENVALUES = 6
@@ -100,8 +101,6 @@ def summarize_spectra(per_position: list[list[dict[str, float]]]) -> dict[str, A
 def group_fixed_points(model, idx: torch.Tensor, loop_counts, noise) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each group's last iterate ``[B, T, d]`` after ``loop_counts`` steps from ``noise`` and its
     input half ``W_e e`` ``[B, T, d]`` (:meth:`group_input`), from one forward of the model on ``idx``."""
-    from rdepth.model.recurrent import StageKind
-
     finals: dict[int, torch.Tensor] = {}
     counts = model.resolve_loop_counts(loop_counts)
 
@@ -110,15 +109,26 @@ def group_fixed_points(model, idx: torch.Tensor, loop_counts, noise) -> tuple[li
             finals[group] = state.detach().clone()
 
     model(idx, loop_counts=counts, noise=noise, observer=observer)
-    x = model.embed(idx)
-    inputs: list[torch.Tensor] = []
-    for stage in model.stages:
-        if stage.kind is StageKind.SINGLE:
-            x = model.run_layers(stage.layers, x)
-        else:
-            inputs.append(model.group_input(stage.group, x))
-            x = model.hand_on(finals[stage.group])  # what the next stage reads (handoff_norm)
-    return [finals[g] for g in range(model.n_groups)], inputs
+    walk = _ObservedWalk(model, finals)
+    walk(model.embed(idx))
+    return [finals[g] for g in range(model.n_groups)], [walk.inputs[g] for g in range(model.n_groups)]
+
+
+class _ObservedWalk(StageWalk):
+    """The model's walk with each group's loop replaced by its observed last iterate (``finals``), keeping
+    what each group read: its input half ``W_e e`` (``inputs``)."""
+
+    def __init__(self, model, finals: dict[int, torch.Tensor]):
+        super().__init__(model)
+        self.finals = finals
+        self.inputs: dict[int, torch.Tensor] = {}
+
+    def start(self, group, inputs):
+        return None  # (no loop is run)
+
+    def loop(self, group, state, projected):
+        self.inputs[group] = projected
+        return self.finals[group]
 
 
 def spectra(model, idx: torch.Tensor, positions: list[int], loop_counts, noise,

@@ -55,6 +55,7 @@ MODELING_PARTS: tuple[Part, ...] = (
     Part("rdepth.model.loop"),
     Part("rdepth.model.noise"),
     Part("rdepth.model.schedule"),
+    Part("rdepth.model.walk"),
     Part("rdepth.model.fused_loss"),
     Part("rdepth.model.recurrent"),
     Part("rdepth.model.executors.eager"),

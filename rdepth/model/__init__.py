@@ -2,8 +2,9 @@
 
 from rdepth.model.control import FixedController, LoopController
 from rdepth.model.kv import AttentionContext, KVCache
-from rdepth.model.recurrent import ModelOutput, RecurrentLM, Stage
+from rdepth.model.recurrent import ModelOutput, RecurrentLM
 from rdepth.model.schedule import sample_loop_counts, step_generator
+from rdepth.model.walk import Stage, StageWalk
 
 __all__ = [
     "AttentionContext",
@@ -13,6 +14,7 @@ __all__ = [
     "ModelOutput",
     "RecurrentLM",
     "Stage",
+    "StageWalk",
     "sample_loop_counts",
     "step_generator",
 ]

@@ -35,8 +35,9 @@ from rdepth.model.executors.eager import Executor
 from rdepth.model.kv import AttentionContext, ChunkKV
 from rdepth.model.loop import LoopRows, run_fixed
 from rdepth.model.noise import StateNoise
-from rdepth.model.recurrent import RecurrentLM, StageKind
+from rdepth.model.recurrent import RecurrentLM
 from rdepth.model.sampling import choose_tokens
+from rdepth.model.walk import StageWalk
 
 _Run = Callable[[], None]
 
@@ -117,6 +118,7 @@ class Decoder:
             self._allocate()
             if model.rotary is not None:  # the angle table on the device now, never first inside a graph capture
                 model.rotary.table(self.device)
+        self.walk = _TokenWalk(self)  # a token's way through the stages, over the buffers
         self._plans: dict[Budget, Plan] = {}
         self.plan = self._plan_for(self.budget)
 
@@ -180,33 +182,11 @@ class Decoder:
 
     def _build_pieces(self, plan: Plan) -> list[tuple[str, object]]:
         """A token as ``("run", fn)`` pieces and ``("check", skip_to)`` points (one host read each, skipping
-        the group's remaining chunks when no row loops)."""
-        pieces: list[tuple[str, object]] = []
-        pending: list[_Run] = [self._begin_token]
-        for stage in self.model.stages:
-            if stage.kind is StageKind.SINGLE:
-                pending.append(lambda layers=stage.layers: self._x.copy_(
-                    self.executor.run_layers(self, layers, self._x)))
-                continue
-            group, last = stage.group, plan.steps[stage.group]
-            plan.loops[group] = LoopRows(plan.controller, group, self._state,
-                                         (self._handed, self.computed[group], self.used[group], self._active))
-            pending.append(lambda group=group: self._begin_group(plan, group))
-            every = last if plan.budget.fixed else (self.executor.check_every or last)
-            chunks = [range(first, min(first + every, last + 1)) for first in range(1, last + 1, every)]
-            pieces.append(("run", _sequence(pending)))
-            checks = []
-            for number, chunk in enumerate(chunks):
-                pieces.append(("run", lambda group=group, chunk=chunk: self._steps(plan, group, chunk)))
-                if number < len(chunks) - 1:
-                    checks.append(len(pieces))
-                    pieces.append(("check", None))
-            for index in checks:
-                pieces[index] = ("check", len(pieces))
-            pending = [lambda group=group: self._end_group(plan, group)]
-        pending.append(self._end_token)
-        pieces.append(("run", _sequence(pending)))
-        return pieces
+        the group's remaining chunks when no row loops): the stage walk run once, at plan time."""
+        made = _PlanWalk(self, plan)(_Pieces([], [self._begin_token]))
+        made.pending.append(self._end_token)
+        made.pieces.append(("run", _sequence(made.pending)))
+        return made.pieces
 
     # ------------------------------------------------------------- the pieces
     def _begin_token(self) -> None:
@@ -215,16 +195,10 @@ class Decoder:
         self.executor.begin_token(self)
 
     def _begin_group(self, plan: Plan, group: int) -> None:
-        """The group's input half and each row's initial state (warm: the state handed on at the previous
-        position); the loop routine starts."""
-        self.inputs.copy_(self.model.group_input(group, self._x))
-        if self.warm_start and self.length > 0:
-            self._state.copy_(self._warm[group].index_select(1, self.cache.position - 1).squeeze(1))
-        elif group in self._initial:
-            self._state.copy_(self._initial[group].index_select(1, self.cache.position).squeeze(1))
-        else:
-            self._state.zero_()
-        plan.loops[group].begin(self._state)
+        """The group's input half and each row's initial state (:class:`_TokenWalk`); the loop routine starts."""
+        state, projected = self.walk.enter(group, self._x)
+        self.inputs.copy_(projected)
+        plan.loops[group].begin(state)
 
     def _steps(self, plan: Plan, group: int, steps: range) -> None:
         """Loop steps ``steps`` of ``group`` for every row, predicated on ``active`` (the loop routine's
@@ -240,7 +214,7 @@ class Decoder:
     def _end_group(self, plan: Plan, group: int) -> None:
         if not plan.budget.fixed or plan.steps[group] < self.steps[group]:
             self.cache.settle(group, self.computed[group])  # the latest-KV rule for the steps not run
-        self._x.copy_(self.model.hand_on(self._handed))
+        self._x.copy_(self.walk.leave(group, self._handed))
         if self.warm_start:
             self._warm[group].index_copy_(1, self.cache.position, self._handed.unsqueeze(1))
 
@@ -329,39 +303,11 @@ class Decoder:
 
     def _extend_parallel(self, tokens: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
         """T positions at a fixed budget in lock-step (the teacher-forced computation over the cache)."""
-        model, batch, (_, length) = self.model, self.batch_size, tokens.shape
-        start, end = self.length, self.length + tokens.shape[1]
-        device = self.device
-        store = ChunkKV(self.cache, start, end)
-        rows = batch * length
-        batch_index = torch.arange(batch, device=device).repeat_interleave(length)
-        slot_index = torch.arange(length, device=device).repeat(batch)
-        position = start + slot_index
-        key_positions = torch.arange(end, device=device)
-        mask = (key_positions[None, :] <= torch.arange(start, end, device=device)[:, None]).view(1, 1, length, end)
-
-        def context(step: int) -> AttentionContext:
-            return AttentionContext(store, step, batch_index, position, slot_index, length, batch, mask)
-
-        x = model.embed(tokens, start).reshape(rows, -1).to(self.dtype)  # (B*T, d), rows by batch then time
-        for stage in model.stages:
-            if stage.kind is StageKind.SINGLE:
-                x = model.run_layers(stage.layers, x, context(0))
-                continue
-            group = stage.group
-            projected = model.group_input(group, x)
-            if group in self._initial:
-                state = self._initial[group][:, start:end].reshape(rows, -1)
-            else:
-                state = torch.zeros_like(x)
-            state = run_fixed(state, counts[group], lambda state, step, group=group, projected=projected:
-                              model.loop_step(group, state, projected, context(step)))
-            if counts[group] < self.steps[group]:
-                self.cache.settle_all(group, counts[group], slice(start, end))
-            self.computed[group].fill_(counts[group])
-            self.used[group].fill_(counts[group])
-            x = model.hand_on(state)
-        logits = model.readout(x).view(batch, length, -1)
+        batch, length = tokens.shape
+        start, end = self.length, self.length + length
+        x = self.model.embed(tokens, start).reshape(batch * length, -1).to(self.dtype)  # rows by batch then time
+        x = _PromptWalk(self, start, end, counts)(x)
+        logits = self.model.readout(x).view(batch, length, -1)
         self.logits.copy_(logits[:, -1])
         self.length = end
         self.cache.position.fill_(end)
@@ -383,6 +329,106 @@ class Decoder:
             self._advance(chosen[-1])
             chosen.append(choose_tokens(self.logits, temperature, top_k, rng))
         return torch.cat([prompt, *chosen], dim=1)
+
+
+@dataclass
+class _Pieces:
+    """A plan's pieces as the plan walk makes them: ``pieces`` done, ``pending`` runs not yet in a piece."""
+
+    pieces: list[tuple[str, object]]
+    pending: list[_Run]
+
+
+class _TokenWalk(StageWalk):
+    """One token of every row over the decoder's buffers: rows enter a group at the cache's position with
+    their own request's initial state there (warm start: the state handed on at the previous position)."""
+
+    def __init__(self, decoder: Decoder):
+        super().__init__(decoder.model)
+        self.decoder = decoder
+
+    def start(self, group, inputs):
+        decoder = self.decoder
+        state, position = decoder._state, decoder.cache.position
+        if decoder.warm_start and decoder.length > 0:
+            state.copy_(decoder._warm[group].index_select(1, position - 1).squeeze(1))
+        elif group in decoder._initial:
+            state.copy_(decoder._initial[group].index_select(1, position).squeeze(1))
+        else:
+            state.zero_()
+        return state
+
+
+class _PlanWalk(StageWalk):
+    """The walk a plan is made by, once: visiting a stage appends the pieces that run it for a token (the
+    walk's ``x`` is the :class:`_Pieces` made so far). A group is entered, looped in chunks of
+    ``check_every`` steps with a host check between them, and left."""
+
+    def __init__(self, decoder: Decoder, plan: Plan):
+        super().__init__(decoder.model)
+        self.decoder, self.plan = decoder, plan
+
+    def single(self, layers, made: _Pieces) -> _Pieces:
+        decoder = self.decoder
+        made.pending.append(lambda: decoder._x.copy_(decoder.executor.run_layers(decoder, layers, decoder._x)))
+        return made
+
+    def group(self, group, made: _Pieces) -> _Pieces:
+        decoder, plan = self.decoder, self.plan
+        last = plan.steps[group]
+        plan.loops[group] = LoopRows(plan.controller, group, decoder._state,
+                                     (decoder._handed, decoder.computed[group], decoder.used[group], decoder._active))
+        made.pending.append(lambda: decoder._begin_group(plan, group))
+        every = last if plan.budget.fixed else (decoder.executor.check_every or last)
+        chunks = [range(first, min(first + every, last + 1)) for first in range(1, last + 1, every)]
+        pieces = made.pieces
+        pieces.append(("run", _sequence(made.pending)))
+        checks = []
+        for number, chunk in enumerate(chunks):
+            pieces.append(("run", lambda chunk=chunk: decoder._steps(plan, group, chunk)))
+            if number < len(chunks) - 1:
+                checks.append(len(pieces))
+                pieces.append(("check", None))
+        for index in checks:
+            pieces[index] = ("check", len(pieces))
+        made.pending = [lambda: decoder._end_group(plan, group)]
+        return made
+
+
+class _PromptWalk(StageWalk):
+    """Positions ``start..end - 1`` of every row at fixed ``counts`` in lock-step over the cache, under a
+    causal mask (the decoder's prompt: the teacher-forced computation); rows by batch then time."""
+
+    def __init__(self, decoder: Decoder, start: int, end: int, counts: tuple[int, ...]):
+        super().__init__(decoder.model)
+        self.decoder, self.span, self.counts = decoder, slice(start, end), counts
+        batch, length, device = decoder.batch_size, end - start, decoder.device
+        self.store = ChunkKV(decoder.cache, start, end)
+        self.batch_index = torch.arange(batch, device=device).repeat_interleave(length)
+        self.slot_index = torch.arange(length, device=device).repeat(batch)
+        self.position = start + self.slot_index
+        key_positions = torch.arange(end, device=device)
+        self.mask = (key_positions[None, :] <= torch.arange(start, end, device=device)[:, None]).view(
+            1, 1, length, end)
+        self.length, self.batch = length, batch
+
+    def context(self, step):
+        return AttentionContext(self.store, step, self.batch_index, self.position, self.slot_index, self.length,
+                                self.batch, self.mask)
+
+    def start(self, group, inputs):
+        initial = self.decoder._initial
+        return initial[group][:, self.span].reshape(inputs.shape) if group in initial else torch.zeros_like(inputs)
+
+    def loop(self, group, state, projected):
+        decoder, count = self.decoder, self.counts[group]
+        state = run_fixed(state, count, lambda state, step: self.model.loop_step(group, state, projected,
+                                                                                 self.context(step)))
+        if count < decoder.steps[group]:
+            decoder.cache.settle_all(group, count, self.span)
+        decoder.computed[group].fill_(count)
+        decoder.used[group].fill_(count)
+        return state
 
 
 def _sequence(pieces: list[_Run]) -> _Run:

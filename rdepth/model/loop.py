@@ -1,7 +1,7 @@
 """The one routine that runs a group's loop under a loop controller, and its bookkeeping.
 
-Every driver of a group's loop under a controller calls :class:`LoopRows`: the model's packed and
-warm-started forward (:meth:`rdepth.model.RecurrentLM._forward_packed`), the replay of recorded
+Every driver of a group's loop under a controller calls :class:`LoopRows`: the model's packed
+forward under a controller (:class:`rdepth.model.walk.PackedWalk`), the replay of recorded
 iterates (:func:`rdepth.exits.recorded.drive_recorded`) and the decoder's fixed and exit paths
 (:class:`rdepth.model.decoder.Decoder`). A loop without a controller (the dense forward, the shifted
 warm start, the decoder's lock-step prompt) runs :func:`run_fixed`. After every step the controller sees the rows' previous and

@@ -24,14 +24,14 @@ same code: :meth:`embed`, :meth:`run_layers`, :meth:`init_state`,
 :meth:`group_input`, :meth:`loop_step`, :meth:`readout`. :meth:`forward` composes them in two
 layouts (see :mod:`rdepth.model.layers`): dense ``[B, T, d]`` for training and
 fixed-budget evaluation, and packed rows when a loop controller (per-token
-exits) is given. Token-by-token decoding (and so teacher-forced warm start and the
+exits) is given, both by the one stage walk (:mod:`rdepth.model.walk`). Token-by-token decoding (and so
+teacher-forced warm start and the
 exported model's ``forward(use_cache=True)``) is :class:`rdepth.model.decoder.Decoder`,
 which drives these pieces over the one key/value cache (:meth:`new_cache`).
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,29 +44,11 @@ from rdepth.config import ModelConfig, parse_loop_counts
 from rdepth.errors import RdepthError
 from rdepth.model.control import LoopController
 from rdepth.model.fused_loss import logits_cross_entropy, readout_loss
-from rdepth.model.kv import AttentionContext, KVCache, RowsKV
+from rdepth.model.kv import AttentionContext, KVCache
 from rdepth.model.layers import BLOCKS, Rotary, make_norm
-from rdepth.model.loop import LoopRows, run_fixed
 from rdepth.model.noise import CounterNoise, StateNoise
 from rdepth.model.schedule import sample_loop_counts
-
-# observer(group, step, state [B, T, d], active [B, T] bool or None)
-Observer = Callable[[int, int, torch.Tensor, "torch.Tensor | None"], None]
-# Where initial loop states come from: keyed noise (per sequence, or the counter-based hash), one
-# generator for the whole batch, or (None) the global RNG.
-Noise = StateNoise | CounterNoise | torch.Generator | None
-
-
-class StageKind(enum.Enum):
-    SINGLE = "single"  # layers run once
-    GROUP = "group"  # layers loop together
-
-
-@dataclass(frozen=True)
-class Stage:
-    kind: StageKind
-    layers: tuple[int, ...]
-    group: int | None = None
+from rdepth.model.walk import DenseWalk, Noise, Observer, PackedWalk, StageKind, build_stages
 
 
 @dataclass
@@ -88,27 +70,6 @@ def adapter_matmul(adapter: nn.Linear, x: torch.Tensor, columns: slice) -> torch
 
 # adapter_matmul(adapter, x, columns) -> x W[:, columns]^T
 AdapterMatmul = Callable[[nn.Linear, torch.Tensor, slice], torch.Tensor]
-
-
-def build_stages(config: ModelConfig) -> list[Stage]:
-    stages: list[Stage] = []
-    single: list[int] = []
-    group_at = {spec.start: (index, spec) for index, spec in enumerate(config.group_specs)}
-    layer = 0
-    while layer < config.n_layer:
-        if layer in group_at:
-            if single:
-                stages.append(Stage(StageKind.SINGLE, tuple(single)))
-                single = []
-            index, spec = group_at[layer]
-            stages.append(Stage(StageKind.GROUP, spec.layers, index))
-            layer = spec.end + 1
-        else:
-            single.append(layer)
-            layer += 1
-    if single:
-        stages.append(Stage(StageKind.SINGLE, tuple(single)))
-    return stages
 
 
 class RecurrentLM(nn.Module):
@@ -390,77 +351,18 @@ class RecurrentLM(nn.Module):
                       if stage.kind is StageKind.GROUP and stage.group == group), None)
         if index is None:
             raise RdepthError(f"the model has no recurrence group {group}")
-        return self._run_stages(self.stages[index + 1:], self.hand_on(x), counts, noise, None)
+        return DenseWalk(self, counts, noise, stages=self.stages[index + 1:])(self.hand_on(x))
 
     def _forward_dense(self, idx, counts, noise, observer, shifted_warm_start=False) -> torch.Tensor:
-        return self._run_stages(self.stages, self.embed(idx), counts, noise, observer, shifted_warm_start)
-
-    def _run_stages(self, stages, x, counts, noise, observer, shifted_warm_start=False) -> torch.Tensor:
-        for stage in stages:
-            if stage.kind is StageKind.SINGLE:
-                x = self.run_layers(stage.layers, x)
-                continue
-            group = stage.group
-            inputs = x
-            projected = self.group_input(group, inputs)  # W_e e, once for every loop step
-            state = self.init_state(group, inputs, noise)
-            if shifted_warm_start:
-                state = self._shifted_start(group, state, projected, counts[group])
-            if observer is not None:
-                observer(group, 0, state, None)
-            # Truncated backprop: the first steps run without a graph.
-            steps = counts[group]
-            observe = (lambda step, state, group=group: observer(group, step, state, None)) if observer else None
-            x = self.hand_on(run_fixed(state, steps, lambda state, step, group=group, projected=projected:
-                                       self.loop_step(group, state, projected),
-                                       observe, max(steps - self.config.backprop_depth, 0) + 1))
-        return x
-
-    @torch.no_grad()
-    def _shifted_start(self, group: int, noise_state: torch.Tensor, projected: torch.Tensor,
-                       steps: int) -> torch.Tensor:
-        """Start states ``[B, T, d]`` for :meth:`forward`'s ``shifted_warm_start``: position 0 keeps its
-        noise, position t the state position t-1 hands on after ``steps`` steps from noise
-        (``projected``: the group's input half, :meth:`group_input`)."""
-        state = run_fixed(noise_state, steps, lambda state, step: self.loop_step(group, state, projected))
-        return torch.cat([noise_state[:, :1], state[:, :-1]], dim=1)
+        return DenseWalk(self, counts, noise, observer, shifted_warm_start)(self.embed(idx))
 
     def _forward_packed(self, idx, controller, noise, observer):
-        """Every position of ``idx`` in lock-step, as packed rows under ``controller`` (a row that stops
-        drops out; later steps read its last key: :class:`RowsKV`)."""
+        """Every position of ``idx`` in lock-step, as packed rows under ``controller`` (:class:`PackedWalk`)."""
         batch, seq = idx.shape
-        device = idx.device
         x = self.embed(idx).reshape(batch * seq, -1)  # (N, d), rows by batch then time
-        store = RowsKV(self.new_cache(batch, seq, dtype=x.dtype, device=device))
-        batch_index = torch.arange(batch, device=device).repeat_interleave(seq)
-        position = torch.arange(seq, device=device).repeat(batch)
-        all_rows = AttentionContext.build(store, 1, batch_index, position)
-        computed_out: list[torch.Tensor] = []
-        used_out: list[torch.Tensor] = []
-        for stage in self.stages:
-            if stage.kind is StageKind.SINGLE:
-                x = self.run_layers(stage.layers, x, all_rows)
-                continue
-            group = stage.group
-            inputs = x
-            projected = self.group_input(group, inputs)  # W_e e, once for every loop step
-            state = self.init_state(group, inputs.view(batch, seq, -1), noise).reshape(batch * seq, -1)
-            loop = LoopRows(controller, group, state)
-            if observer is not None:
-                observer(group, 0, state.view(batch, seq, -1), None)
-
-            def step_fn(prev, step, rows, group=group, projected=projected):
-                ctx = AttentionContext.build(store, step, batch_index[rows], position[rows])
-                return self.loop_step(group, prev, projected[rows], ctx)
-
-            def observe(step, state, active, group=group):
-                observer(group, step, state.view(batch, seq, -1), active.view(batch, seq))
-
-            loop.run(state, step_fn, observe if observer is not None else None)
-            x = self.hand_on(loop.handed_on)
-            computed_out.append(loop.computed.view(batch, seq))
-            used_out.append(loop.used.view(batch, seq))
-        return x.view(batch, seq, -1), computed_out, used_out
+        walk = PackedWalk(self, batch, seq, controller, noise, observer, x.dtype, idx.device)
+        x = walk(x)
+        return x.view(batch, seq, -1), walk.computed, walk.used
 
 
 # How forward turns final hidden states into the loss (``loss_head``).

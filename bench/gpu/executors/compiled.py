@@ -18,7 +18,7 @@ from rdepth.config import COMPILE_MODES
 from rdepth.errors import RdepthError
 from rdepth.model.kv import AttentionContext, GivenKV
 from rdepth.model.loop import LoopRows
-from rdepth.model.recurrent import StageKind
+from rdepth.model.walk import StageKind
 
 # Graphs dynamo may compile per compiled function (its default is 8): a decoder's pieces compile a few
 # graphs per group and single-pass stage, and each decoder in a process adds its own.
