@@ -202,7 +202,7 @@ def test_only_the_cli_and_the_demo_import_training():
 # computed. Written once, in this function; every driver of a group's loop under a controller reaches it
 # through LoopRows (model/loop.py).
 BOOKKEEPING = ("model/loop.py", "stop_and_hand_on")
-LOOP_DRIVERS = ("model/recurrent.py", "model/decoder.py", "exits/recorded.py")
+LOOP_DRIVERS = ("model/walk.py", "model/decoder.py", "exits/recorded.py")
 # What a second copy of the bookkeeping would write: a step count masked by the looping rows, a hand-off
 # written by the stopping rows.
 BOOKKEEPING_MARKS = ("masked_fill_(active", "masked_fill(active", "handed_on[", "stopping[:, None]",
