@@ -151,6 +151,23 @@ def run_command(name: str, argv: list[str], log: Path, timeout: float) -> dict:
     return row
 
 
+def run_plan(plan: dict[str, list[str]], steps: list[str], result: dict, report: Path, deadline: float) -> None:
+    """Run ``steps`` of ``plan`` (name -> rdepth argv) in order, each under what is left until ``deadline``
+    (perf_counter seconds; a step with under 20 s left is skipped), each row appended to ``result["rows"]`` and
+    ``report`` rewritten after each; nothing after a failed import."""
+    out = report.parent
+    for name in steps:
+        left = deadline - time.perf_counter()
+        if left < 20:
+            print(f"== {name} skipped: {left:.0f} s left", flush=True)
+            continue
+        row = run_command(name, plan[name], out / f"{name}.log", timeout=left)
+        result["rows"].append(row)
+        report.write_text(json.dumps(result, indent=2) + "\n")
+        if name == "import" and row["rc"] != 0:
+            break
+
+
 def predictions(hf: dict) -> dict:
     from rdepth.config import ModelConfig
     from rdepth.interop.hf_raven import raven_model_config
@@ -190,16 +207,7 @@ def run(carry: Path, work: Path, out: Path, size: str, steps: list[str], budget:
                   "--policies", "kl,entropy_diff,argmax_stable", "--k-max", "32", "--block-size", "256",
                   "--batch-size", "2", "--max-batches", "1", "--autocast", "bf16", "--no-timing"],
     }
-    for name in steps:
-        left = budget - (time.perf_counter() - start)
-        if left < 20:
-            print(f"== {name} skipped: {left:.0f} s left", flush=True)
-            continue
-        row = run_command(name, plan[name], out / f"{name}.log", timeout=left)
-        result["rows"].append(row)
-        (out / "huginn_scale.json").write_text(json.dumps(result, indent=2) + "\n")
-        if name == "import" and row["rc"] != 0:
-            break
+    run_plan(plan, steps, result, out / "huginn_scale.json", start + budget)
 
 
 def main() -> None:

@@ -23,11 +23,10 @@ Random weights give meaningless text and losses: the figures are time and memory
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from bench.gpu.huginn_scale import run_command
+from bench.gpu.huginn_scale import run_plan
 
 STEPS = "import,sweep,generate,generate_gate,engine"
 
@@ -89,16 +88,7 @@ def run(carry: Path, work: Path, out: Path, size: str, steps: list[str], budget:
         "engine": ["generate", "--checkpoint", str(ckpt), "--prompts-file", str(prompts), "--batch-size", "32",
                    "--max-new-tokens", "32", "--temperature", "0", "--autocast", "bf16", *gate],
     }
-    for name in steps:
-        left = budget - (time.perf_counter() - start)
-        if left < 20:
-            print(f"== {name} skipped: {left:.0f} s left", flush=True)
-            continue
-        row = run_command(name, plan[name], out / f"{name}.log", timeout=left)
-        result["rows"].append(row)
-        (out / "ouro_scale.json").write_text(json.dumps(result, indent=2) + "\n")
-        if name == "import" and row["rc"] != 0:
-            break
+    run_plan(plan, steps, result, out / "ouro_scale.json", start + budget)
 
 
 def main() -> None:
