@@ -12,7 +12,8 @@ shares, ``--problems`` of each):
    ``--tolerance`` of the full budget on A; per rule the cheapest setting that meets the bar on A pooled
    (paired difference from F at least ``-tolerance``) and per difficulty (no difficulty more than
    ``--per-difficulty`` under F's), ``plain``; ``safe`` (``safer``) asks the pooled difference less one
-   (two) paired standard errors to meet it. Each is judged on B (the same bars), and over ``--splits`` random A/B splits: the
+   (two) paired standard errors to meet it, ``strict`` (``strictest``) besides each difficulty's difference
+   less one (two) of its own. Each is judged on B (the same bars), and over ``--splits`` random A/B splits: the
    share of splits whose choice meets the bar on its B.
 3. **Wall time** at each width B of ``--widths``: ``max(4B, --min-requests)`` problems of half B (mixed
    difficulties, arrival order shuffled), each a request of its whole window (the positions fed one at a
@@ -111,29 +112,35 @@ def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     return float(diff.mean()), float(diff.std(ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else 0.0
 
 
-def meets(solved: dict, label: str, fixed: str, rows: np.ndarray, labels: np.ndarray, args, margin: float = 0.0):
-    """Whether ``label`` meets the bar against ``fixed`` on ``rows``: pooled paired difference (less
-    ``margin`` standard errors) >= -tolerance, and every difficulty's accuracy within ``--per-difficulty``.
-    (A margin on each difficulty's own standard error was tried: with 128 problems a difficulty in a half,
-    that error is 1.5-2.5 points against the 2-point bar, and no setting is left to choose.)"""
+def meets(solved: dict, label: str, fixed: str, rows: np.ndarray, labels: np.ndarray, args, margin: float = 0.0,
+          difficulty_margin: float = 0.0):
+    """Whether ``label`` meets the bar against ``fixed`` on ``rows``: the pooled paired difference, less ``margin``
+    of its standard errors, >= -tolerance; and each difficulty's paired difference, less ``difficulty_margin``
+    of its own standard errors, >= -``--per-difficulty``. (With 128 problems a difficulty in a half a
+    difficulty's error is 1.5-2.5 points against the 2-point bar and its margin leaves nothing to choose;
+    with 512 it is 0.5-1.5.)"""
     diff, error = paired(solved[label][rows], solved[fixed][rows])
     if diff - margin * error < -args.tolerance - 1e-12:
         return False
     for difficulty in np.unique(labels[rows]):
         part = rows[labels[rows] == difficulty]
-        if solved[label][part].mean() < solved[fixed][part].mean() - args.per_difficulty - 1e-12:
+        part_diff, part_error = paired(solved[label][part], solved[fixed][part]) if difficulty_margin else (
+            solved[label][part].mean() - solved[fixed][part].mean(), 0.0)
+        if part_diff - difficulty_margin * part_error < -args.per_difficulty - 1e-12:
             return False
     return True
 
 
-# How strictly a rule's setting is chosen on half A: standard errors of margin on the paired differences
-MODES = (("plain", 0.0), ("safe", 1.0), ("safer", 2.0))
+# How strictly a rule's setting is chosen on half A, least strict first: (name, standard errors of margin on the
+# pooled paired difference, and on each difficulty's)
+MODES = (("plain", 0.0, 0.0), ("safe", 1.0, 0.0), ("safer", 2.0, 0.0), ("strict", 2.0, 1.0), ("strictest", 2.0, 2.0))
 
 
 def select(qualities: dict, labels: np.ndarray, rows_a: np.ndarray, args) -> dict:
     """On ``rows_a``: the cheapest fixed budget F within tolerance of the full budget, and per rule its
     cheapest setting meeting the bar against F in each of :data:`MODES` (``plain``; ``safe`` and ``safer``
-    with one and two standard errors of margin)."""
+    with one and two standard errors of margin on the pooled difference; ``strict`` and ``strictest`` besides
+    with one and two of each difficulty's own)."""
     solved = {label: q["solved"] for label, q in qualities.items()}
     full = f"fixed {args.full_loops}"
     bar = solved[full][rows_a].mean() - args.tolerance
@@ -142,8 +149,9 @@ def select(qualities: dict, labels: np.ndarray, rows_a: np.ndarray, args) -> dic
     chosen = {}
     for name in [p for p in args.policies.split(",") if p]:
         labels_of = sorted((label for label in solved if label.split()[0] == name), key=lambda label: qualities[label]["steps"])
-        for mode, margin in MODES:
-            ok = [label for label in labels_of if meets(solved, label, fixed, rows_a, labels, args, margin)]
+        for mode, margin, difficulty_margin in MODES:
+            ok = [label for label in labels_of
+                  if meets(solved, label, fixed, rows_a, labels, args, margin, difficulty_margin)]
             chosen[f"{name} {mode}"] = ok[0] if ok else None
     return {"fixed": fixed, "chosen": chosen}
 
@@ -442,12 +450,15 @@ def measured_quality(model, heldout, settings: dict, args, device) -> dict:
 
 def timed_choice(choice: dict, shares: dict, args) -> dict:
     """Timed per rule: the choice of the least strict of :data:`MODES` that meets the bar on B in >= 90% of
-    the splits, else the strictest's; ``choice["timed_mode"]`` says which."""
+    the splits, else of the mode with the highest share (the least strict of equals), among modes that chose
+    a setting; ``choice["timed_mode"]`` says which."""
     timed, modes = {}, {}
     for name in [p for p in args.policies.split(",") if p]:
-        held = [mode for mode, _ in MODES if shares.get(f"{name} {mode}", 0) >= 0.9]
-        modes[name] = held[0] if held else MODES[-1][0]
-        timed[name] = choice["chosen"][f"{name} {modes[name]}"]
+        named = [mode for mode, _, _ in MODES if choice["chosen"].get(f"{name} {mode}") is not None]
+        held = [mode for mode in named if shares.get(f"{name} {mode}", 0) >= 0.9]
+        best = max(named, key=lambda mode: shares.get(f"{name} {mode}", 0), default=None)  # first of equals
+        modes[name] = held[0] if held else best
+        timed[name] = choice["chosen"][f"{name} {modes[name]}"] if modes[name] else None
     choice["timed_mode"] = modes
     return timed
 

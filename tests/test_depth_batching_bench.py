@@ -7,6 +7,7 @@ from __future__ import annotations
 from argparse import Namespace
 
 import numpy as np
+import pytest
 
 from bench.depth_batching import judge, meets, paired, select, split_shares
 
@@ -77,9 +78,34 @@ def test_the_reference_share_sees_a_full_budget_that_drops_a_difficulty():
 def test_the_timed_mode_is_the_least_strict_that_holds_on_nine_splits_in_ten():
     from bench.depth_batching import timed_choice
 
-    choice = {"chosen": {"kl plain": "kl 0.1", "kl safe": "kl 0.05", "kl safer": "kl 0.03"}}
+    choice = {"chosen": {"kl plain": "kl 0.1", "kl safe": "kl 0.05", "kl safer": "kl 0.03", "kl strict": "kl 0.02",
+                         "kl strictest": "kl 0.01"}}
     args = Namespace(policies="kl")
     assert timed_choice(choice, {"kl plain": 0.95, "kl safe": 0.99}, args) == {"kl": "kl 0.1"}
     assert timed_choice(choice, {"kl plain": 0.85, "kl safe": 0.92, "kl safer": 0.99}, args) == {"kl": "kl 0.05"}
     assert choice["timed_mode"] == {"kl": "safe"}
-    assert timed_choice(choice, {"kl plain": 0.5, "kl safe": 0.6, "kl safer": 0.8}, args) == {"kl": "kl 0.03"}
+    assert timed_choice(choice, {"kl plain": 0.5, "kl safe": 0.6, "kl safer": 0.8, "kl strict": 0.91},
+                        args) == {"kl": "kl 0.02"}
+    # none holds: the mode with the highest share, the least strict of equals, among modes that chose
+    assert timed_choice(choice, {"kl plain": 0.5, "kl safe": 0.8, "kl strictest": 0.8}, args) == {"kl": "kl 0.05"}
+    assert choice["timed_mode"] == {"kl": "safe"}
+    choice["chosen"]["kl safe"] = None
+    assert timed_choice(choice, {"kl plain": 0.5, "kl safe": 0.95, "kl strictest": 0.8}, args) == {"kl": "kl 0.01"}
+    choice["chosen"] = dict.fromkeys(choice["chosen"])
+    assert timed_choice(choice, {}, args) == {"kl": None}
+
+
+def test_a_difficulty_margin_refuses_a_drop_within_the_bar_but_not_within_its_error():
+    """1.5 points under F at difficulty 2 (3 of 200 problems lost): within the 2-point bar, but not once one of
+    that difficulty's own paired standard errors (0.86 points) is taken off; pooled (0.75 under) it is within the
+    1-point tolerance."""
+    rule = solved(0.95, 0.9)
+    rule[[200, 201, 202]] = False
+    sets = {"fixed 2": solved(0.95, 0.9), "rule": rule}
+    rows = np.arange(400)
+    part = rows[LABELS == 2]
+    diff, error = paired(sets["rule"][part], sets["fixed 2"][part])
+    assert diff == pytest.approx(-0.015) and diff - error < -0.02
+    assert meets(sets, "rule", "fixed 2", rows, LABELS, ARGS)
+    assert not meets(sets, "rule", "fixed 2", rows, LABELS, ARGS, difficulty_margin=1.0)
+    assert meets(sets, "fixed 2", "fixed 2", rows, LABELS, ARGS, margin=2.0, difficulty_margin=2.0)
