@@ -16,10 +16,11 @@ stops each group's loop per token, at most ``--full-loops`` steps.
    NLL on A is within ``--tolerance`` (relative) of the full budget's; per rule the cheapest threshold whose
    paired NLL difference from F on A is at most ``--tolerance`` x F's mean NLL, pooled, and at most
    ``--per-bucket`` x F's in every bucket, ``plain``; ``safe`` / ``safer`` add one / two paired standard
-   errors to the pooled difference. The buckets stand in for the task's difficulties: the windows grouped
-   by the full budget's NLL into ``--buckets`` quantile bins (quartiles by default; easy text to hard
-   text). Each choice is judged on B (the same bar, no margin: paired difference, its standard error, per
-   bucket), and over ``--splits`` random A/B splits: the share whose choice meets the bar on its B.
+   errors to the pooled difference. (On text the budgets' NLLs lie close together: a 1% relative bar
+   takes in every budget, so the default is 0.1%, about 0.5% perplexity.) The buckets stand in for the
+   task's difficulties: the windows grouped by the full budget's NLL into ``--buckets`` quantile bins
+   (quartiles by default; easy text to hard text). Each choice is judged on B (the same bar, no margin:
+   paired difference, its standard error, per bucket), and over ``--splits`` random A/B splits: the share whose choice meets the bar on its B.
 3. **Wall time** at each width B of ``--widths``: ``max(4B, --min-requests)`` windows of half B (order
    shuffled), each a request of its first ``--prompt-tokens`` tokens then ``--new-tokens`` greedy tokens,
    decoded by (a) the engine at F, (b) the engine with each rule's timed choice (``depth_batching``'s
@@ -63,8 +64,10 @@ def parse_args(argv):
     parser.add_argument("--window-tokens", type=int, default=64, help="tokens a window scores (its context)")
     parser.add_argument("--policies", default="step_norm_rel,kl")
     parser.add_argument("--full-loops", type=int, default=8, help="the full budget: loop steps per group")
-    parser.add_argument("--tolerance", type=float, default=0.01, help="relative NLL above F's allowed, pooled")
-    parser.add_argument("--per-bucket", type=float, default=0.02, help="relative NLL above F's allowed per bucket")
+    parser.add_argument("--tolerance", type=float, default=0.001,
+                        help="relative NLL above F's (and F's above the full budget's) allowed, pooled: 0.001 is "
+                             "about 0.5%% perplexity at 5 nats, exit_wall.py's text bar")
+    parser.add_argument("--per-bucket", type=float, default=0.002, help="relative NLL above F's allowed per bucket")
     parser.add_argument("--buckets", type=int, default=4, help="bins of the full budget's NLL (4: quartiles)")
     parser.add_argument("--splits", type=int, default=200)
     parser.add_argument("--widths", default="1,16,32")
