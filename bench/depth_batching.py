@@ -33,14 +33,13 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from depth_timing import engine_call, lockstep_call, throughput_rows, timed_rounds  # noqa: E402
 
 GRID = {"step_norm_rel": (0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5), "kl": (0.005, 0.01, 0.02, 0.03, 0.05, 0.1),
         "step_norm": (0.5, 1, 2, 4), "confidence": (0.01, 0.03, 0.1), "learned": (0.01, 0.03, 0.1)}
@@ -191,55 +190,6 @@ def split_shares(qualities, labels, args) -> dict:
 
 
 # ---------------------------------------------------------------------- wall time
-def engine_call(model, windows, ids, width, budget, seed, kv_layout="exact"):
-    from rdepth.engine import Engine, Request
-
-    engine = Engine(model, width, kv_layout=kv_layout, **budget)
-    requests = [Request(window.tolist(), max_tokens=1, noise_seed=seed, sequence_id=int(i), tag=k)
-                for k, (window, i) in enumerate(zip(windows, ids, strict=False))]
-    record = {}
-
-    def call():
-        start = time.perf_counter()
-        steps_before, positions_before = sum(engine.stats.loop_steps), engine.stats.positions
-        for request in requests:
-            engine.add_request(request)
-        done = list(engine.run())
-        record["latency"] = [d.finished_s - start for d in done]
-        record["predicted"] = {d.request.tag: d.predicted for d in done}
-        record["steps"] = (sum(engine.stats.loop_steps) - steps_before) / (engine.stats.positions - positions_before)
-        record["paid"] = record["steps"]
-    return call, record
-
-
-def lockstep_call(model, windows, ids, width, budget, seed):
-    import torch
-
-    from rdepth.model.decoder import Decoder
-    from rdepth.model.noise import StateNoise
-
-    batches = [(windows[first:first + width], ids[first:first + width]) for first in range(0, len(windows), width)]
-    decoders = [Decoder(model, len(part), noise=StateNoise(seed, [int(i) for i in part_ids]), **budget)
-                for part, part_ids in batches]
-    tensors = [torch.from_numpy(part).to(next(model.parameters()).device) for part, _ in batches]
-    record = {}
-
-    def call():
-        start = time.perf_counter()
-        latency, rows, paid, positions = [], 0.0, 0.0, 0
-        for decoder, part in zip(decoders, tensors, strict=False):
-            decoder.reset()
-            for t in range(part.shape[1]):
-                decoder.step(part[:, t:t + 1])
-                computed = decoder.computed  # [G, B]
-                rows += float(computed.sum())
-                paid += float(computed.max(dim=1).values.sum()) * part.shape[0]
-                positions += part.shape[0]
-            latency += [time.perf_counter() - start] * part.shape[0]
-        record.update(latency=latency, steps=rows / positions, paid=paid / positions)
-    return call, record
-
-
 def timing(model, heldout, labels, rows_b, choice, settings, args) -> dict:
     order = list(rows_b)
     random.Random(args.seed).shuffle(order)
@@ -278,48 +228,6 @@ def width_calls(model, windows, ids, width: int, timed_labels: list[str], settin
             name = f"engine shared-KV | {label}"
             calls[name], records[name] = engine_call(model, windows, ids, width, budget, args.seed, "shared")
     return calls, records
-
-
-def timed_rounds(calls: dict, args, width: int) -> dict[str, list[float]]:
-    """--warmup untimed calls of each, then --rounds rounds in a shuffled order: seconds per call."""
-    samples = {label: [] for label in calls}
-    for call in calls.values():
-        for _ in range(args.warmup):
-            call()
-    shuffle = random.Random(args.seed + width)
-    for _ in range(args.rounds):
-        names = list(calls)
-        shuffle.shuffle(names)
-        for name in names:
-            start = time.perf_counter()
-            calls[name]()
-            if args.device.startswith("cuda"):
-                import torch
-
-                torch.cuda.synchronize()
-            samples[name].append(time.perf_counter() - start)
-    return samples
-
-
-def throughput_rows(samples: dict, records: dict, positions: int, settings: dict, fixed: str) -> dict:
-    """Tokens/s (median and range), latency percentiles, steps and paid steps per position, and the ratio to
-    the engine at the ``fixed`` budget against the bound the paid steps allow."""
-    rows = {}
-    for name, seconds in samples.items():
-        latency = np.array(records[name]["latency"])
-        rows[name] = {"tokens_per_s": positions / statistics.median(seconds),
-                      "range_tokens_per_s": [positions / max(seconds), positions / min(seconds)],
-                      "latency_p50_s": float(np.percentile(latency, 50)),
-                      "latency_p99_s": float(np.percentile(latency, 99)),
-                      "steps_per_position": records[name]["steps"],
-                      "paid_steps_per_position": records[name]["paid"]}
-    base = rows[f"engine | {fixed}"]
-    fixed_steps = settings[fixed]["loop_counts"][0]
-    for row in rows.values():
-        row["vs_engine_fixed"] = row["tokens_per_s"] / base["tokens_per_s"]
-        row["bound"] = fixed_steps / row["paid_steps_per_position"]
-        row["share_of_bound"] = row["vs_engine_fixed"] / row["bound"]
-    return rows
 
 
 def engine_quality(rows: dict, records: dict, heldout, ids, settings: dict, model, seed: int) -> dict:
