@@ -16,7 +16,7 @@ stops each group's loop per token, at most ``--full-loops`` steps.
    NLL on A is within ``--tolerance`` (relative) of the full budget's; per rule the cheapest threshold whose
    paired NLL difference from F on A is at most ``--tolerance`` x F's mean NLL, pooled, and at most
    ``--per-bucket`` x F's in every bucket, ``plain``; ``safe`` / ``safer`` add one / two paired standard
-   errors to the pooled difference. (On text the budgets' NLLs lie close together: a 1% relative bar
+   errors to the pooled difference, ``strict`` / ``strictest`` besides one / two of each bucket's own. (On text the budgets' NLLs lie close together: a 1% relative bar
    takes in every budget, so the default is 0.1%, about 0.5% perplexity.) The buckets stand in for the
    task's difficulties: the windows grouped by the full budget's NLL into ``--buckets`` quantile bins
    (quartiles by default; easy text to hard text). Each choice is judged on B (the same bar, no margin:
@@ -164,16 +164,19 @@ def buckets_of(full_nll: np.ndarray, count: int) -> np.ndarray:
     return np.searchsorted(edges, full_nll, side="left")
 
 
-def meets(nll: dict, label: str, fixed: str, rows: np.ndarray, buckets: np.ndarray, args, margin: float = 0.0) -> bool:
+def meets(nll: dict, label: str, fixed: str, rows: np.ndarray, buckets: np.ndarray, args, margin: float = 0.0,
+          bucket_margin: float = 0.0) -> bool:
     """Whether ``label``'s NLL on ``rows`` is close enough to ``fixed``'s: the pooled paired difference (plus
     ``margin`` standard errors) at most ``--tolerance`` x F's mean NLL, and in every bucket the mean
-    difference at most ``--per-bucket`` x F's mean NLL there."""
+    difference (plus ``bucket_margin`` of that bucket's paired standard errors) at most ``--per-bucket`` x F's
+    mean NLL there."""
     diff, error = paired(nll[label][rows], nll[fixed][rows])
     if diff + margin * error > args.tolerance * nll[fixed][rows].mean() + 1e-12:
         return False
     for bucket in np.unique(buckets[rows]):
         part = rows[buckets[rows] == bucket]
-        if nll[label][part].mean() - nll[fixed][part].mean() > args.per_bucket * nll[fixed][part].mean() + 1e-12:
+        part_diff, part_error = paired(nll[label][part], nll[fixed][part])
+        if part_diff + bucket_margin * part_error > args.per_bucket * nll[fixed][part].mean() + 1e-12:
             return False
     return True
 
@@ -190,8 +193,8 @@ def select(qualities: dict, buckets: np.ndarray, rows_a: np.ndarray, args) -> di
     for name in policies(args):
         ordered = sorted((label for label in nll if label.split()[0] == name),
                          key=lambda label: qualities[label]["steps"][rows_a].mean())
-        for mode, margin in MODES:
-            ok = [label for label in ordered if meets(nll, label, fixed, rows_a, buckets, args, margin)]
+        for mode, margin, bucket_margin in MODES:  # (the task's modes: a bucket stands for a difficulty)
+            ok = [label for label in ordered if meets(nll, label, fixed, rows_a, buckets, args, margin, bucket_margin)]
             chosen[f"{name} {mode}"] = ok[0] if ok else None
     return {"fixed": fixed, "chosen": chosen}
 

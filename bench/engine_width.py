@@ -135,7 +135,7 @@ def wide_model(config, width: int, head_dim: int, seed: int):
 
 
 def width_rows(model, windows, ids, probs, args) -> dict:
-    from depth_batching import engine_call, lockstep_call, timed_rounds
+    from depth_timing import engine_call, lockstep_call, timed_rounds
 
     fixed = {"loop_counts": (args.fixed,)}
 
