@@ -106,8 +106,7 @@ class _Logs:
     def rules(self, steps: np.ndarray) -> list:
         """Why each loop ended, for loop steps ``steps`` ``[..., G]``: "budget" (a fixed budget or the cap) or
         "rule"."""
-        budget = (self.fixed | (steps == self.k_max)).tolist()
-        return _names(budget)
+        return np.where(self.fixed | (steps == self.k_max), "budget", "rule").tolist()
 
     def fill(self, result: Finished, row: int, read: int) -> None:
         """The result's steps, rules and predictions of the ``read`` positions row ``row`` read out."""
@@ -115,13 +114,6 @@ class _Logs:
         result.steps = steps.tolist()
         result.rules = self.rules(steps)
         result.predicted = self.predicted[row, :min(read, int(self.prompt_length[row]))].tolist()
-
-
-def _names(budget):
-    """"budget"/"rule" for each bool of a nested list."""
-    if isinstance(budget, list):
-        return [_names(item) for item in budget]
-    return "budget" if budget else "rule"
 
 
 def _make_controller(model: RecurrentLM, loop_counts, controller_factory) -> tuple[LoopController, bool]:

@@ -43,6 +43,16 @@ class SlotCache:
         # Row p: which key positions a query at position p reads (causal), shaped (S, 1, 1, S) for SDPA
         where = torch.arange(self.capacity, device=cache.position.device)
         self._masks = (where[None, :] <= where[:, None]).view(self.capacity, 1, 1, self.capacity)
+        self._step_views: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, key 0 / value 1, step): a slot
+
+    def step_slot(self, layer: int, which: int, step: int) -> torch.Tensor:
+        """Looped layer ``layer``'s keys (``which`` 0) or values (1) of loop step ``step``, ``[B, nh, S, hs]``
+        (a view, made once)."""
+        key = (layer, which, step)
+        view = self._step_views.get(key)
+        if view is None:
+            view = self._step_views[key] = self.cache.looped[layer][which][step - 1]
+        return view
 
     def bytes_per_token(self) -> int:
         """Bytes of keys and values one position of one slot takes (every layer, every kept step)."""
@@ -102,7 +112,8 @@ class CallStore:
         if self.slots.layout == "shared":
             return tuple(self._write_read(tensor[0], new)
                          for tensor, new in zip(cache.looped[layer], (keys, values), strict=True))
-        return tuple(self._looped(tensor, new) for tensor, new in zip(cache.looped[layer], (keys, values), strict=True))
+        return tuple(self._looped(tensor, new, layer, which)
+                     for which, (tensor, new) in enumerate(zip(cache.looped[layer], (keys, values), strict=True)))
 
     def _write_read(self, tensor: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Single-pass layer (or one shared slot) ``tensor`` ``[B, nh, S, hs]``: write ``new`` ``[A, nh, 1, hs]``
@@ -114,12 +125,12 @@ class CallStore:
         window = tensor.narrow(2, 0, self.span)
         return window if self.all_rows else window.index_select(0, self.rows)
 
-    def _looped(self, tensor: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    def _looped(self, tensor: torch.Tensor, new: torch.Tensor, layer: int, which: int) -> torch.Tensor:
         """Looped layer ``tensor`` ``[K, B, nh, S, hs]``: write ``new`` ``[A, nh, 1, hs]`` at each row's position
         into its step's slot and every later one (write-through); read each row's step slot ``[A, nh, span, hs]``."""
         step = self.same_step
         if self.same_position and step is not None:  # every slot at one position and step: views, no index
-            slot = tensor.select(0, step - 1)  # (B, nh, S, hs)
+            slot = self.slots.step_slot(layer, which, step)  # (B, nh, S, hs)
             if self.slots.write_through:  # through the later slots too: one broadcast copy
                 tensor.narrow(0, step - 1, tensor.shape[0] - step + 1).narrow(3, self.first, 1).copy_(new)
             else:  # its own slot only
