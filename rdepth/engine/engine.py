@@ -84,12 +84,13 @@ class _Logs:
     result's lists once, when the request retires."""
 
     def __init__(self, batch: int, capacity: int, n_groups: int, k_max: list[int], fixed: bool):
-        self.prompt = np.zeros((batch, capacity), dtype=np.int64)  # the prompt (then zeros)
+        # (int32: token ids and loop steps fit, and a long context's slots take half the host memory)
+        self.prompt = np.zeros((batch, capacity), dtype=np.int32)  # the prompt (then zeros)
         self.prompt_length = np.zeros(batch, dtype=np.int64)
         self.keeps = np.zeros(batch, dtype=bool)  # whether the slot's request keeps its logits
-        self.current = np.zeros((batch, n_groups), dtype=np.int64)  # loop steps of the token in flight
-        self.steps = np.zeros((batch, capacity, n_groups), dtype=np.int64)  # per position read out
-        self.predicted = np.zeros((batch, capacity), dtype=np.int64)  # the argmax after each position
+        self.current = np.zeros((batch, n_groups), dtype=np.int32)  # loop steps of the token in flight
+        self.steps = np.zeros((batch, capacity, n_groups), dtype=np.int32)  # per position read out
+        self.predicted = np.zeros((batch, capacity), dtype=np.int32)  # the argmax after each position
         self.k_max = np.asarray(k_max, dtype=np.int64)
         self.fixed = fixed
 
