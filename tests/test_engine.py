@@ -78,13 +78,23 @@ def run_engine(model, requests, batch, order=None, **budget):
 
 
 def assert_same(model, requests, results, **budget):
+    """Tokens, loop steps, the reasons they ended, the prompt's predictions and (kept) logits: the batch-1
+    decoder's."""
+    k_max = Engine(model, 1, **budget).k_max
     for index, request in enumerate(requests):
         tokens, logits, steps = reference(model, request, **budget)
         done = results[index]
         assert done.error is None, done.error
         assert done.tokens == tokens, f"request {index}"
         assert done.steps == steps, f"request {index}"
-        torch.testing.assert_close(done.logits.double(), logits, rtol=0, atol=1e-9)
+        fixed = "loop_counts" in budget
+        assert done.rules == [["budget" if fixed or s == k else "rule" for s, k in zip(position, k_max, strict=True)]
+                              for position in steps], f"request {index}"
+        assert done.predicted == logits[:len(request.prompt)].argmax(dim=-1).tolist(), f"request {index}"
+        if request.keep_logits:
+            torch.testing.assert_close(done.logits.double(), logits, rtol=0, atol=1e-9)
+        else:
+            assert done.logits is None
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
@@ -187,6 +197,8 @@ def test_a_row_whose_state_goes_non_finite_fails_alone():
                 Request([4, 5], max_tokens=3, keep_logits=True)]
     results, _ = run_engine(model, requests, 3, loop_counts=K_MAX)
     assert results[1].finish_reason == "error" and "not finite" in results[1].error
+    assert len(results[1].steps) == len(results[1].predicted) == 10  # positions 0..9 read out, 10 failed
+    assert results[1].steps == [list(K_MAX)] * 10 and results[1].rules == [["budget"] * 2] * 10
     for index in (0, 2):
         assert results[index].tokens == reference(model, requests[index], loop_counts=K_MAX)[0]
 
@@ -215,3 +227,33 @@ def test_the_controller_must_serve_rows_at_different_steps():
 
     with pytest.raises(RdepthError, match="begin_rows"):
         Engine(tiny_model(), 2, controller_factory=Bare)
+
+
+@pytest.mark.parametrize("keep", ["none", "some"])
+def test_prompt_rows_read_out_together_equal_the_decoder(keep):
+    """The readout's rows in their prompt are handled at once (no logits kept): every slot at one position
+    (requests of one length), rows at different positions, rows generating beside rows in their prompt,
+    rows keeping logits beside rows that do not (which then go one by one)."""
+    model = tiny_model()
+    lengths = [5, 5, 5, 5, 3, 8, 2, 6]
+    requests = [Request(list(range(1 + i, 1 + i + n)), max_tokens=1 + i % 3, sequence_id=i,
+                        keep_logits=keep == "some" and i % 2 == 0) for i, n in enumerate(lengths)]
+    for budget in ({"loop_counts": K_MAX}, {"controller_factory": factory(model, "step_norm_rel")}):
+        for batch in (4, 3):
+            results, _ = run_engine(model, requests, batch, **budget)
+            assert_same(model, requests, results, **budget)
+
+
+def test_the_listener_gets_each_tokens_steps_and_rules():
+    model = tiny_model()
+    heard = []
+    engine = Engine(model, 3, controller_factory=factory(model, "step_norm_rel"),
+                    listener=lambda *event: heard.append(event))
+    requests = [Request(p, max_tokens=3, sequence_id=i) for i, p in enumerate(prompts(4, seed=6))]
+    for request in requests:
+        engine.add_request(request)
+    results = {done.request_id: done for done in engine.run()}
+    for request_id, done in results.items():
+        events = [event[1:] for event in heard if event[0] == request_id]
+        first = len(done.request.prompt) - 1  # the position whose readout chose the first new token
+        assert events == [(token, done.steps[first + i], done.rules[first + i]) for i, token in enumerate(done.tokens)]

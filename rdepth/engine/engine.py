@@ -68,7 +68,8 @@ class EngineStats:
 
 
 class _Live:
-    """A request in a slot: what it has fed and chosen so far."""
+    """A request in a slot: what it has chosen so far (its loop steps and predictions per position are in the
+    engine's host logs, :class:`_Logs`, until it retires)."""
 
     def __init__(self, request_id: int, request: Request, result: Finished, device: torch.device):
         self.id, self.request, self.result = request_id, request, result
@@ -76,8 +77,45 @@ class _Live:
         if request.temperature > 0:
             self.generator = torch.Generator(device=device).manual_seed(int(request.seed))
         self.logits: list[torch.Tensor] = []
-        self.current_steps: list[int] = []
-        self.current_rules: list[str] = []
+
+
+class _Logs:
+    """Per slot, on the host: the prompt, the loop steps per group of the token in flight and of every position
+    read out, and the argmax after each; one vectorized write per readout for all its rows, turned into the
+    result's lists once, when the request retires."""
+
+    def __init__(self, batch: int, capacity: int, n_groups: int, k_max: list[int], fixed: bool):
+        # (int32: token ids and loop steps fit, and a long context's slots take half the host memory)
+        self.prompt = np.zeros((batch, capacity), dtype=np.int32)  # the prompt (then zeros)
+        self.prompt_length = np.zeros(batch, dtype=np.int64)
+        self.keeps = np.zeros(batch, dtype=bool)  # whether the slot's request keeps its logits
+        self.current = np.zeros((batch, n_groups), dtype=np.int32)  # loop steps of the token in flight
+        self.steps = np.zeros((batch, capacity, n_groups), dtype=np.int32)  # per position read out
+        self.predicted = np.zeros((batch, capacity), dtype=np.int32)  # the argmax after each position
+        self.k_max = np.asarray(k_max, dtype=np.int64)
+        self.fixed = fixed
+
+    def admit(self, row: int, request: Request) -> None:
+        self.prompt[row, :len(request.prompt)] = request.prompt
+        self.prompt_length[row] = len(request.prompt)
+        self.keeps[row] = request.keep_logits
+
+    def record(self, rows: np.ndarray, positions: np.ndarray, greedy: np.ndarray) -> None:
+        """Rows ``rows`` read out position ``positions`` with argmax ``greedy`` (all ``[E]``)."""
+        self.steps[rows, positions] = self.current[rows]
+        self.predicted[rows, positions] = greedy
+
+    def rules(self, steps: np.ndarray) -> list:
+        """Why each loop ended, for loop steps ``steps`` ``[..., G]``: "budget" (a fixed budget or the cap) or
+        "rule"."""
+        return np.where(self.fixed | (steps == self.k_max), "budget", "rule").tolist()
+
+    def fill(self, result: Finished, row: int, read: int) -> None:
+        """The result's steps, rules and predictions of the ``read`` positions row ``row`` read out."""
+        steps = self.steps[row, :read]
+        result.steps = steps.tolist()
+        result.rules = self.rules(steps)
+        result.predicted = self.predicted[row, :min(read, int(self.prompt_length[row]))].tolist()
 
 
 def _make_controller(model: RecurrentLM, loop_counts, controller_factory) -> tuple[LoopController, bool]:
@@ -174,6 +212,8 @@ class Engine:
         self.next_id = 0
         self.stats = EngineStats(loop_steps=[0] * model.n_groups)
         self._all_rows = torch.arange(batch_size, device=self.device)
+        self._row_tensors: dict[bytes, torch.Tensor] = {}  # slot sets seen lately, on the device (_rows)
+        self.logs = _Logs(batch_size, self.capacity, model.n_groups, self.k_max, self.fixed)
 
     def _allocate(self) -> None:
         """The slots' device buffers: the cache, the activations and states, the initial states, the rule's
@@ -258,10 +298,17 @@ class Engine:
         return finished
 
     def _rows(self, rows: np.ndarray) -> tuple[torch.Tensor, bool]:
-        """Slot indices on the device, and whether they are every slot in order (views, no gathers)."""
+        """Slot indices on the device, and whether they are every slot in order (views, no gathers). A set of
+        slots seen lately is not copied to the device again (the same rows tick after tick)."""
         if rows.size == self.batch:
             return self._all_rows, True
-        return torch.from_numpy(rows).to(self.device), False
+        key = rows.tobytes()
+        rows_t = self._row_tensors.get(key)
+        if rows_t is None:
+            if len(self._row_tensors) >= 64:
+                self._row_tensors.clear()
+            rows_t = self._row_tensors[key] = torch.from_numpy(rows.copy()).to(self.device)
+        return rows_t, False
 
     def _context(self, rows_t, rows, every, steps=None):
         return self.slots.context(rows_t, rows, self.position[rows], every, steps)
@@ -323,10 +370,7 @@ class Engine:
             self.x[leaving_t] = self.walk.leave(group, handed)
         if self.warm_start:
             self.warm[group][leaving_t] = handed
-        for row, count in zip(leaving.tolist(), computed.tolist(), strict=True):
-            live = self.live[row]
-            live.current_steps.append(count)
-            live.current_rules.append("budget" if self.fixed or count == self.k_max[group] else "rule")
+        self.logs.current[leaving, group] = computed
         self.stage[leaving] += 1
         self.step_count[leaving] = 0
 
@@ -358,68 +402,94 @@ class Engine:
 
     # ------------------------------------------------------------------ tokens
     def _read_out(self, rows: np.ndarray) -> list[Finished]:
-        """Rows whose token went through every stage: logits, the next token, retire or go on."""
+        """Rows whose token went through every stage: logits, the next token, retire or go on.
+
+        Rows still in their prompt (the argmax recorded, the prompt's next token fed) are handled for all of
+        them at once on the host; a row that generates, keeps its logits or fails goes through :meth:`_choose`."""
         rows_t, every = self._rows(rows)
         logits = self.model.readout(self.x if every else self.x[rows_t])  # (E, V)
         # the tick's host read of the readout: each row's argmax, and -1 where its logits are not finite
-        greedy = torch.where(torch.isfinite(logits).all(dim=-1), logits.argmax(dim=-1), -1).tolist()
-        finished, feed_rows, feed_tokens = [], [], []
-        for index, (row, position) in enumerate(zip(rows.tolist(), self.position[rows].tolist(), strict=True)):
-            live = self.live[row]
-            result, request = live.result, live.request
-            if greedy[index] < 0:
-                live.current_steps, live.current_rules = [], []
-                finished.append(self._fail(row, f"the model's output is not finite at position {position}"))
-                continue
-            result.steps.append(live.current_steps)
-            result.rules.append(live.current_rules)
-            live.current_steps, live.current_rules = [], []
-            if request.keep_logits:
-                kept = logits[index].detach().to("cpu")
-                live.logits.append(kept.float() if kept.dtype in (torch.float16, torch.bfloat16) else kept)
-            self.stats.positions += 1
-            prompt_length = len(request.prompt)
-            if position + 1 < prompt_length:  # still in the prompt: its next token goes in
-                result.predicted.append(greedy[index])
-                feed_rows.append(row)
-                feed_tokens.append(request.prompt[position + 1])
-                continue
-            if position + 1 == prompt_length:
-                result.predicted.append(greedy[index])
-            token = greedy[index] if live.generator is None else int(choose_tokens(
-                logits[index:index + 1], request.temperature, request.top_k, live.generator, request.top_p))
-            result.tokens.append(token)
-            if self.listener is not None:
-                self.listener(live.id, token, result.steps[-1], result.rules[-1])
-            reason = None
-            if live.id in self._cancelled:
-                self._cancelled.discard(live.id)
-                reason = "cancelled"
-            elif token in request.stop:
-                reason = "stop"
-            elif len(result.tokens) >= request.max_tokens:
-                reason = "length"
-            elif position + 1 >= self.capacity:
-                reason = "context"
-            if reason is not None:
-                finished.append(self._retire(row, reason))
-            else:
-                feed_rows.append(row)
-                feed_tokens.append(token)
-        if feed_rows:
-            self._feed(np.asarray(feed_rows, dtype=np.int64), feed_tokens)
+        greedy = torch.where(torch.isfinite(logits).all(dim=-1), logits.argmax(dim=-1), -1).cpu().numpy()
+        logs = self.logs
+        positions = self.position[rows]
+        finite = greedy >= 0
+        if finite.all():
+            logs.record(rows, positions, greedy)
+            read = rows.size
+        else:
+            logs.record(rows[finite], positions[finite], greedy[finite])
+            read = int(finite.sum())
+        self.stats.positions += read
+        in_prompt = finite & (positions + 1 < logs.prompt_length[rows])
+        keeps = logs.keeps[rows]
+        if in_prompt.all() and not keeps.any():  # every row in its prompt, none keeping logits: nothing per row
+            self._feed(rows, logs.prompt[rows, positions + 1], every)
+            return []
+        feed = in_prompt.copy()
+        tokens = logs.prompt[rows, np.minimum(positions + 1, self.capacity - 1)]  # the prompt's next (in it)
+        finished = []
+        for index in np.flatnonzero(~in_prompt | keeps).tolist():
+            token = self._choose(int(rows[index]), int(positions[index]), int(greedy[index]), logits, index,
+                                 bool(in_prompt[index]), finished)
+            if token is not None:
+                feed[index], tokens[index] = True, token
+        if feed.all():
+            self._feed(rows, tokens, every)
+        elif feed.any():
+            self._feed(rows[feed], tokens[feed], False)
         return finished
 
-    def _feed(self, rows: np.ndarray, tokens: list[int]) -> None:
-        """The next token of each row goes in at the row's next position (stage 0)."""
-        self.position[rows] += 1
-        self._embed(rows, tokens)
+    def _choose(self, row: int, position: int, greedy: int, logits: torch.Tensor, index: int, in_prompt: bool,
+                finished: list[Finished]) -> int | None:
+        """One row's readout beyond the prompt's bookkeeping: its logits kept, its new token chosen (and
+        handed to the listener), its end; returns the token to feed next, or None (retired, or still in
+        the prompt: the caller feeds the prompt's next)."""
+        live = self.live[row]
+        result, request = live.result, live.request
+        if greedy < 0:
+            finished.append(self._fail(row, f"the model's output is not finite at position {position}"))
+            return None
+        if request.keep_logits:
+            kept = logits[index].detach().to("cpu")
+            live.logits.append(kept.float() if kept.dtype in (torch.float16, torch.bfloat16) else kept)
+        if in_prompt:
+            return None
+        token = greedy if live.generator is None else int(choose_tokens(
+            logits[index:index + 1], request.temperature, request.top_k, live.generator, request.top_p))
+        result.tokens.append(token)
+        if self.listener is not None:
+            steps = self.logs.steps[row, position]
+            self.listener(live.id, token, steps.tolist(), self.logs.rules(steps))
+        reason = None
+        if live.id in self._cancelled:
+            self._cancelled.discard(live.id)
+            reason = "cancelled"
+        elif token in request.stop:
+            reason = "stop"
+        elif len(result.tokens) >= request.max_tokens:
+            reason = "length"
+        elif position + 1 >= self.capacity:
+            reason = "context"
+        if reason is not None:
+            finished.append(self._retire(row, reason))
+            return None
+        return token
 
-    def _embed(self, rows: np.ndarray, tokens: list[int]) -> None:
-        rows_t = torch.from_numpy(rows).to(self.device)
-        positions = torch.from_numpy(self.position[rows]).to(self.device)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        self.x[rows_t] = self.model.embed(ids, positions=positions).to(self.dtype)
+    def _feed(self, rows: np.ndarray, tokens: np.ndarray, every: bool = False) -> None:
+        """The next token of each row goes in at the row's next position (stage 0); ``every``: ``rows`` is
+        every slot in order."""
+        self.position[rows] += 1
+        self._embed(rows, tokens, every)
+
+    def _embed(self, rows: np.ndarray, tokens: np.ndarray, every: bool = False) -> None:
+        ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
+        if every:  # every slot in order: no gathers, no scatter
+            embedded = self.model.embed(ids, positions=torch.from_numpy(self.position.copy()).to(self.device))
+            self.x.copy_(embedded)
+        else:
+            rows_t, _ = self._rows(rows)
+            positions = torch.from_numpy(self.position[rows]).to(self.device)
+            self.x[rows_t] = self.model.embed(ids, positions=positions).to(self.dtype)
         self.stage[rows] = 0
         self.step_count[rows] = 0
 
@@ -443,6 +513,7 @@ class Engine:
                 continue
             row = free.pop(0)
             self.live[row] = _Live(request_id, request, result, self.device)
+            self.logs.admit(row, request)
             self.position[row] = 0
             noise = StateNoise(request.noise_seed, [request.sequence_id])
             for group, table in self.initial.items():
@@ -451,12 +522,16 @@ class Engine:
             admitted_rows.append(row)
             first_tokens.append(request.prompt[0])
         if admitted_rows:
-            self._embed(np.asarray(admitted_rows, dtype=np.int64), first_tokens)
+            rows = np.asarray(admitted_rows, dtype=np.int64)
+            self._embed(rows, np.asarray(first_tokens, dtype=np.int64), rows.size == self.batch)
         return finished
 
     def _retire(self, row: int, reason: str, error: str | None = None) -> Finished:
+        """Slot ``row``'s request ends (``error``: at its current position, which did not read out; else
+        after it)."""
         live = self.live[row]
         result = live.result
+        self.logs.fill(result, row, int(self.position[row]) + (error is None))
         result.finish_reason, result.error = reason, error
         if live.logits:
             result.logits = torch.stack(live.logits)

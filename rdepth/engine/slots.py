@@ -43,6 +43,16 @@ class SlotCache:
         # Row p: which key positions a query at position p reads (causal), shaped (S, 1, 1, S) for SDPA
         where = torch.arange(self.capacity, device=cache.position.device)
         self._masks = (where[None, :] <= where[:, None]).view(self.capacity, 1, 1, self.capacity)
+        self._step_views: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, key 0 / value 1, step): a slot
+
+    def step_slot(self, layer: int, which: int, step: int) -> torch.Tensor:
+        """Looped layer ``layer``'s keys (``which`` 0) or values (1) of loop step ``step``, ``[B, nh, S, hs]``
+        (a view, made once)."""
+        key = (layer, which, step)
+        view = self._step_views.get(key)
+        if view is None:
+            view = self._step_views[key] = self.cache.looped[layer][which][step - 1]
+        return view
 
     def bytes_per_token(self) -> int:
         """Bytes of keys and values one position of one slot takes (every layer, every kept step)."""
@@ -88,41 +98,45 @@ class CallStore:
         """Every row on to loop step ``step`` (a fixed budget's loop run to its end in one tick): the same
         rows and positions, so the store is reused instead of made again for each step."""
         host_rows, positions, _ = self.host
-        self.host = (host_rows, positions, np.full_like(host_rows, step))
+        self.host = (host_rows, positions, None)  # every row at ``step``: an array only if an index needs it
         self.same_step = step
         self._through = self._flat_read = None
 
     def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self.slots.cache
-        keys, values = keys.squeeze(2), values.squeeze(2)  # (A, nh, hs)
+        # keys/values (A, nh, 1, hs); a copy_ casts to the cache's dtype as ``.to`` would (the same rounding)
         if layer in cache.single:
             return tuple(self._write_read(tensor, new)
                          for tensor, new in zip(cache.single[layer], (keys, values), strict=True))
         if self.slots.layout == "shared":
             return tuple(self._write_read(tensor[0], new)
                          for tensor, new in zip(cache.looped[layer], (keys, values), strict=True))
-        return tuple(self._looped(tensor, new) for tensor, new in zip(cache.looped[layer], (keys, values), strict=True))
+        return tuple(self._looped(tensor, new, layer, which)
+                     for which, (tensor, new) in enumerate(zip(cache.looped[layer], (keys, values), strict=True)))
 
     def _write_read(self, tensor: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Single-pass layer (or one shared slot) ``tensor`` ``[B, nh, S, hs]``: write ``new`` ``[A, nh, hs]``
+        """Single-pass layer (or one shared slot) ``tensor`` ``[B, nh, S, hs]``: write ``new`` ``[A, nh, 1, hs]``
         at each row's position; read ``[A, nh, span, hs]``."""
-        if self.same_position:
-            tensor[:, :, self.first] = new.to(tensor.dtype)
+        if self.same_position:  # every slot at one position: a view of that column, no index
+            tensor.narrow(2, self.first, 1).copy_(new)
             return tensor.narrow(2, 0, self.span)
-        tensor[self.rows, :, self.positions] = new.to(tensor.dtype)
+        tensor[self.rows, :, self.positions] = new.squeeze(2).to(tensor.dtype)
         window = tensor.narrow(2, 0, self.span)
         return window if self.all_rows else window.index_select(0, self.rows)
 
-    def _looped(self, tensor: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Looped layer ``tensor`` ``[K, B, nh, S, hs]``: write ``new`` at each row's position into its
-        step's slot and every later one (write-through); read each row's step slot ``[A, nh, span, hs]``."""
-        new = new.to(tensor.dtype)
+    def _looped(self, tensor: torch.Tensor, new: torch.Tensor, layer: int, which: int) -> torch.Tensor:
+        """Looped layer ``tensor`` ``[K, B, nh, S, hs]``: write ``new`` ``[A, nh, 1, hs]`` at each row's position
+        into its step's slot and every later one (write-through); read each row's step slot ``[A, nh, span, hs]``."""
         step = self.same_step
-        if self.same_position and step is not None:  # every slot at one position and step: two views
-            last = tensor.shape[0] if self.slots.write_through else step  # through the later slots, or its own
-            tensor[step - 1:last, :, :, self.first] = new
-            return tensor[step - 1].narrow(2, 0, self.span)
+        if self.same_position and step is not None:  # every slot at one position and step: views, no index
+            slot = self.slots.step_slot(layer, which, step)  # (B, nh, S, hs)
+            if self.slots.write_through:  # through the later slots too: one broadcast copy
+                tensor.narrow(0, step - 1, tensor.shape[0] - step + 1).narrow(3, self.first, 1).copy_(new)
+            else:  # its own slot only
+                slot.narrow(2, self.first, 1).copy_(new)
+            return slot.narrow(2, 0, self.span)
+        new = new.squeeze(2).to(tensor.dtype)  # (A, nh, hs)
         flat = tensor.view(-1, *tensor.shape[2:])  # (K * B, nh, S, hs)
         if self._through is None:
             self._through = self._through_indices(tensor.shape[0])
@@ -132,15 +146,21 @@ class CallStore:
             window = tensor[step - 1].narrow(2, 0, self.span)
             return window if self.all_rows else window.index_select(0, self.rows)
         if self._flat_read is None:
-            host_rows, _, steps = self.host
+            host_rows, _, _ = self.host
             batch = self.slots.batch
-            self._flat_read = torch.from_numpy((steps - 1) * batch + host_rows).to(self.rows.device)
+            self._flat_read = torch.from_numpy((self._host_steps() - 1) * batch + host_rows).to(self.rows.device)
         return flat.narrow(2, 0, self.span).index_select(0, self._flat_read)
+
+    def _host_steps(self) -> np.ndarray:
+        """Each row's loop step on the host ``[A]`` (made here after :meth:`set_step`, which only names it)."""
+        host_rows, _, steps = self.host
+        return np.full_like(host_rows, self.same_step) if steps is None else steps
 
     def _through_indices(self, kept: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where the write-through goes, made on the host once per call: for row a at step s_a, slots
         s_a..K at its position (flat rows ``(k - 1) * B + slot``), and which new row each write takes."""
-        host_rows, positions, steps = self.host
+        host_rows, positions, _ = self.host
+        steps = self._host_steps()
         counts = kept - steps + 1 if self.slots.write_through else np.ones_like(steps)
         source = np.repeat(np.arange(steps.shape[0]), counts)
         offset = np.arange(source.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
