@@ -91,7 +91,8 @@ class CallStore:
         self.host = (host_rows, positions, steps)
         self.first = int(positions[0])
         self.same_step = None if steps is None or int(steps.min()) != int(steps.max()) else int(steps[0])
-        self._through: torch.Tensor | None = None  # the write-through indices, made at the first looped layer
+        self._through: tuple[torch.Tensor, torch.Tensor] | None = None  # write-through indices (first looped layer)
+        self._single_rows: torch.Tensor | None = None  # where single-pass layers write (first such layer)
         self._flat_read: torch.Tensor | None = None
 
     def set_step(self, step: int) -> None:
@@ -121,7 +122,11 @@ class CallStore:
         if self.same_position:  # every slot at one position: a view of that column, no index
             tensor.narrow(2, self.first, 1).copy_(new)
             return tensor.narrow(2, 0, self.span)
-        tensor[self.rows, :, self.positions] = new.squeeze(2).to(tensor.dtype)
+        if self._single_rows is None:  # (the same for every single-pass layer of the call, keys and values)
+            host_rows, positions, _ = self.host
+            self._single_rows = torch.from_numpy(
+                _head_rows(host_rows, positions, tensor.shape[1], tensor.shape[2])).to(self.rows.device)
+        tensor.view(-1, tensor.shape[-1]).index_copy_(0, self._single_rows, new.flatten(0, 2).to(tensor.dtype))
         window = tensor.narrow(2, 0, self.span)
         return window if self.all_rows else window.index_select(0, self.rows)
 
@@ -139,9 +144,11 @@ class CallStore:
         new = new.squeeze(2).to(tensor.dtype)  # (A, nh, hs)
         flat = tensor.view(-1, *tensor.shape[2:])  # (K * B, nh, S, hs)
         if self._through is None:
-            self._through = self._through_indices(tensor.shape[0])
-        index, positions, source = self._through
-        flat[index, :, positions] = new.index_select(0, source)
+            self._through = self._through_indices(tensor.shape)
+        index, source = self._through
+        # one contiguous row of hs per write and head: an index_copy_ (advanced indexing over the cache's
+        # (slot, position) pairs with the heads between them took several times as long)
+        tensor.view(-1, tensor.shape[-1]).index_copy_(0, index, new.index_select(0, source).flatten(0, 1))
         if step is not None:
             window = tensor[step - 1].narrow(2, 0, self.span)
             return window if self.all_rows else window.index_select(0, self.rows)
@@ -156,15 +163,24 @@ class CallStore:
         host_rows, _, steps = self.host
         return np.full_like(host_rows, self.same_step) if steps is None else steps
 
-    def _through_indices(self, kept: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Where the write-through goes, made on the host once per call: for row a at step s_a, slots
-        s_a..K at its position (flat rows ``(k - 1) * B + slot``), and which new row each write takes."""
+    def _through_indices(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the write-through goes, made on the host once per call: for row a at step s_a, slots s_a..K at
+        its position, as rows of the cache ``shape`` ``[K, B, nh, S, hs]`` seen as ``[K * B * nh * S, hs]`` (a
+        write's nh heads in turn); and which new row each write takes."""
+        kept, _, heads, capacity, _ = shape
         host_rows, positions, _ = self.host
         steps = self._host_steps()
         counts = kept - steps + 1 if self.slots.write_through else np.ones_like(steps)
         source = np.repeat(np.arange(steps.shape[0]), counts)
         offset = np.arange(source.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
         slot = steps[source] + offset  # 1-based, s_a..K
-        packed = np.stack([(slot - 1) * self.slots.batch + host_rows[source], positions[source], source])
-        index, positions_t, source_t = torch.from_numpy(packed).to(self.rows.device).unbind(0)
-        return index, positions_t, source_t
+        index = _head_rows((slot - 1) * self.slots.batch + host_rows[source], positions[source], heads, capacity)
+        device = self.rows.device
+        return torch.from_numpy(index).to(device), torch.from_numpy(source).to(device)
+
+
+def _head_rows(blocks: np.ndarray, positions: np.ndarray, heads: int, capacity: int) -> np.ndarray:
+    """For writes into blocks ``blocks`` ``[W]`` (the index over the dims before the heads) at ``positions``
+    ``[W]``: the rows of the cache seen as ``[-1, hs]`` that each write's heads go to, ``[W * nh]`` (write by
+    write, head by head)."""
+    return ((blocks[:, None] * heads + np.arange(heads)) * capacity + positions[:, None]).reshape(-1)
