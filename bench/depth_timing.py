@@ -50,23 +50,23 @@ def lockstep_call(model, windows, ids, width, budget, seed, new_tokens=1):
     at a time), then ``new_tokens - 1`` more greedy positions per row (the argmax of the previous
     position fed back: ``new_tokens`` tokens chosen in all, as the engine's ``max_tokens``); and its record:
     latency, generated ``tokens`` per request, executed loop steps per position and ``paid`` (each
-    position's slowest row's steps per group, for every row of its batch)."""
+    position's slowest row's steps per group, for every row of its batch). Each batch's decoder is made in the
+    call, as a user of the lock-step decoder makes one per batch of prompts: its rows' initial states drawn
+    there, as the engine draws each request's when it admits it."""
     import torch
 
     from rdepth.model.decoder import Decoder
     from rdepth.model.noise import StateNoise
 
     batches = [(windows[first:first + width], ids[first:first + width]) for first in range(0, len(windows), width)]
-    decoders = [Decoder(model, len(part), noise=StateNoise(seed, [int(i) for i in part_ids]), **budget)
-                for part, part_ids in batches]
     tensors = [torch.from_numpy(part).to(next(model.parameters()).device) for part, _ in batches]
     record = {}
 
     def call():
         start = time.perf_counter()
         latency, rows, paid, positions, tokens = [], 0.0, 0.0, 0, {}
-        for first, (decoder, part) in enumerate(zip(decoders, tensors, strict=False)):
-            decoder.reset()
+        for first, ((_, part_ids), part) in enumerate(zip(batches, tensors, strict=True)):
+            decoder = Decoder(model, part.shape[0], noise=StateNoise(seed, [int(i) for i in part_ids]), **budget)
             chosen = []
             for t in range(part.shape[1] + new_tokens - 1):
                 logits = decoder.step(part[:, t:t + 1] if t < part.shape[1] else chosen[-1])
