@@ -75,6 +75,11 @@ def test_a_rule_worse_everywhere_is_never_chosen_and_a_margin_is_stricter():
     loose = Namespace(**{**vars(ARGS), "per_bucket": 0.5})
     assert meets(nll, "rule", "fixed 2", rows, BUCKETS, loose)
     assert not meets(nll, "rule", "fixed 2", rows, BUCKETS, loose, margin=1.0)
+    # per bucket: 0.9% above F is within a 1.2% bar, not once two of the bucket's own standard errors are added
+    bucket_bar = Namespace(**{**vars(ARGS), "tolerance": 0.5, "per_bucket": 0.012})
+    assert meets(nll, "rule", "fixed 2", rows, BUCKETS, bucket_bar)
+    assert not meets(nll, "rule", "fixed 2", rows, BUCKETS, bucket_bar, bucket_margin=2.0)
+    assert meets(nll, "fixed 2", "fixed 2", rows, BUCKETS, bucket_bar, margin=2.0, bucket_margin=2.0)
 
 
 def test_f_is_the_full_budget_when_no_cheaper_budget_is_within_tolerance():
