@@ -171,10 +171,15 @@ def judge(qualities, labels, rows_b, choice, args) -> dict:
     return out
 
 
-def split_shares(qualities, labels, args) -> dict:
-    """Over ``--splits`` random halves: how often each rule's choice on A meets the bar on B."""
+def split_shares(qualities, labels, args, measure: str = "solved", select=None, judge=None, meets=None) -> dict:
+    """Over ``--splits`` random halves: how often each rule's choice on A meets the bar on B, and, as the judge's
+    own noise, how often the full budget itself meets it against that split's F. ``measure`` names the per-problem
+    quality the bar reads; ``select`` / ``judge`` / ``meets`` default to this module's (the text benchmark passes
+    its own: NLL per window, buckets for difficulties)."""
+    select, judge, meets = select or _select, judge or _judge, meets or _meets
     rng = np.random.default_rng(args.seed)
     count = len(labels)
+    values = {label: q[measure] for label, q in qualities.items()}
     hits: dict[str, list[bool]] = {}
     for _ in range(args.splits):
         order = rng.permutation(count)
@@ -182,11 +187,12 @@ def split_shares(qualities, labels, args) -> dict:
         choice = select(qualities, labels, rows_a, args)
         for key, judged in judge(qualities, labels, rows_b, choice, args).items():
             hits.setdefault(key, []).append(bool(judged and judged["meets"]))
-        # the judge's own noise: how often the full budget itself meets the bar against F on B
         hits.setdefault("full budget (reference)", []).append(
-            meets({label: q["solved"] for label, q in qualities.items()}, f"fixed {args.full_loops}", choice["fixed"],
-                  rows_b, labels, args))
-    return {key: float(np.mean(values)) for key, values in hits.items()}
+            meets(values, f"fixed {args.full_loops}", choice["fixed"], rows_b, labels, args))
+    return {key: float(np.mean(shares)) for key, shares in hits.items()}
+
+
+_select, _judge, _meets = select, judge, meets  # (split_shares' defaults)
 
 
 # ---------------------------------------------------------------------- wall time

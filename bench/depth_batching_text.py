@@ -46,6 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from depth_batching import MODES, _cpu_name, timed_choice  # noqa: E402
+from depth_batching import split_shares as task_split_shares  # noqa: E402
 from depth_timing import engine_call, lockstep_call, throughput_rows, timed_rounds  # noqa: E402
 
 # Thresholds per rule: text needs smaller ones than the task model (its states settle less)
@@ -226,20 +227,8 @@ def judge(qualities: dict, buckets: np.ndarray, rows_b: np.ndarray, choice: dict
 
 def split_shares(qualities: dict, buckets: np.ndarray, args) -> dict:
     """Over --splits random halves: how often each choice on A meets the bar on B; and, as the judge's own
-    noise, how often the full budget meets it against that split's F."""
-    rng = np.random.default_rng(args.seed)
-    count = len(buckets)
-    nll = {label: q["nll"] for label, q in qualities.items()}
-    hits: dict[str, list[bool]] = {}
-    for _ in range(args.splits):
-        order = rng.permutation(count)
-        rows_a, rows_b = np.sort(order[: count // 2]), np.sort(order[count // 2:])
-        choice = select(qualities, buckets, rows_a, args)
-        for key, judged in judge(qualities, buckets, rows_b, choice, args).items():
-            hits.setdefault(key, []).append(bool(judged and judged["meets"]))
-        hits.setdefault("full budget (reference)", []).append(
-            meets(nll, f"fixed {args.full_loops}", choice["fixed"], rows_b, buckets, args))
-    return {key: float(np.mean(values)) for key, values in hits.items()}
+    noise, how often the full budget meets it against that split's F (the task benchmark's splits)."""
+    return task_split_shares(qualities, buckets, args, "nll", select, judge, meets)
 
 
 # ---------------------------------------------------------------------- wall time
