@@ -23,7 +23,9 @@ shares, ``--problems`` of each):
    p50 / p99 (all requests arrive at once), executed loop steps per position (the lock-step decoder: the
    steps its batch pays, the slowest row's), the bound those steps imply (F's steps over the rule's) and the
    share of that bound the measured speed-up reaches; the engine's answers on the timed problems against
-   the teacher-forced ones.
+   the teacher-forced ones. The engine runs each of ``--ticks`` (eager; static and compiled: every slot
+   through one device function a tick, ``rdepth/engine/static.py``); ``vs_fastest_fixed`` is each row's
+   speed against the fastest engine row at F among them (the target's ratio).
 
 Prints the device, torch version, thread count and git revision; writes everything to ``--json``.
 """
@@ -63,6 +65,9 @@ def parse_args(argv):
     parser.add_argument("--shared", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the engine with the shared key/value layout (its quality change on the "
                              "timed problems, paired against the exact layout)")
+    parser.add_argument("--ticks", default="eager,compiled",
+                        help="the engine's ticks to time (eager, static, compiled: rdepth/engine/static.py); each "
+                             "at F and with each rule; ratios against the fastest engine at F among them")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reuse-quality", action="store_true",
                         help="read step 1's per-problem results from --json's .quality.npz (written by an earlier run "
@@ -213,8 +218,9 @@ def timing(model, heldout, labels, rows_b, choice, settings, args) -> dict:
         mismatches = engine_quality(rows, records, heldout, ids, settings, model, args.seed)
         out[f"B={width}"] = {"requests": count, "positions": int(positions), "rows": rows,
                              "engine_answers_vs_teacher_forced": mismatches}
-        print(f"B = {width}: {count} requests, {positions} positions; tokens/s median [range], vs engine at "
-              f"{choice['fixed']}, latency p50/p99 s, paid steps/position, share of bound", flush=True)
+        print(f"B = {width}: {count} requests, {positions} positions; tokens/s median [range], vs the eager engine "
+              f"at {choice['fixed']}, vs the fastest engine at it, latency p50/p99 s, paid steps/position, share of "
+              "bound (against the fastest)", flush=True)
         print_rows(rows)
     return out
 
@@ -228,12 +234,26 @@ def width_calls(model, windows, ids, width: int, timed_labels: list[str], settin
                   else {"controller_factory": settings[label]["factory"]})
         calls[f"engine | {label}"], records[f"engine | {label}"] = engine_call(model, windows, ids, width, budget,
                                                                               args.seed)
+        for tick in ticks(args):  # the static and compiled ticks (the eager one above)
+            name = f"engine {tick} | {label}"
+            calls[name], records[name] = engine_call(model, windows, ids, width, budget, args.seed, tick=tick)
         calls[f"lockstep | {label}"], records[f"lockstep | {label}"] = lockstep_call(model, windows, ids, width,
                                                                                     budget, args.seed)
         if "factory" in settings[label] and args.shared:
             name = f"engine shared-KV | {label}"
             calls[name], records[name] = engine_call(model, windows, ids, width, budget, args.seed, "shared")
     return calls, records
+
+
+def ticks(args) -> list[str]:
+    """The engine's ticks besides the eager one that --ticks asks for."""
+    from rdepth.engine.static import TICKS
+
+    asked = [tick.strip() for tick in args.ticks.split(",") if tick.strip()]
+    unknown = sorted(set(asked) - set(TICKS))
+    if unknown:
+        raise SystemExit(f"depth_batching: --ticks takes {', '.join(TICKS)}; got {', '.join(unknown)}")
+    return [tick for tick in asked if tick != "eager"]
 
 
 def engine_quality(rows: dict, records: dict, heldout, ids, settings: dict, model, seed: int) -> dict:
@@ -258,6 +278,7 @@ def print_rows(rows: dict) -> None:
     for name, row in rows.items():
         low, high = row["range_tokens_per_s"]
         print(f"  {name:<34}{row['tokens_per_s']:9.0f} [{low:.0f}-{high:.0f}]  x{row['vs_engine_fixed']:.3f}  "
+              f"x{row['vs_fastest_fixed']:.3f}  "
               f"{row['latency_p50_s']:.3f}/{row['latency_p99_s']:.3f}  {row['paid_steps_per_position']:5.2f}  "
               f"{100 * row['share_of_bound']:5.1f}%"
               + (f"  solved {100 * row['solved']:.1f}%" if "solved" in row else ""), flush=True)

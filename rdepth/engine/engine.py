@@ -36,6 +36,7 @@ import torch
 
 from rdepth.engine.request import Finished, Request
 from rdepth.engine.slots import KV_LAYOUTS, SlotCache
+from rdepth.engine.static import TICKS, StaticTick
 from rdepth.errors import RdepthError
 from rdepth.model.control import FixedController, LoopController
 from rdepth.model.decoder import resolve_budget
@@ -172,14 +173,20 @@ class Engine:
         listener: ``listener(request_id, token, steps, rules)`` called for every new token as it is chosen
             (``steps``/``rules``: the loop steps and stop reason per group of the position that chose it;
             streaming servers); it must not call the engine.
+        tick: ``"eager"`` (default: each tick computes what each row needs), ``"static"`` (every slot through
+            one device function a tick, rows predicated: :mod:`rdepth.engine.static`; a model whose only
+            stage is one looped group, a step-free rule) or ``"compiled"`` (that function through
+            ``torch.compile``).
     """
 
     def __init__(self, model: RecurrentLM, batch_size: int, *, loop_counts: Sequence[int] | str | int | None = None,
                  controller_factory: Callable[[], LoopController] | None = None, capacity: int | None = None,
                  kv_layout: str = "exact", warm_start: bool = False, clock: Callable[[], float] = time.perf_counter,
-                 listener: Callable[[int, int, list[int], list[str]], None] | None = None):
+                 listener: Callable[[int, int, list[int], list[str]], None] | None = None, tick: str = "eager"):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise RdepthError(f"engine: batch_size must be an integer >= 1, got {batch_size!r}")
+        if tick not in TICKS:
+            raise RdepthError(f"engine: tick must be one of {', '.join(TICKS)}, got {tick!r}")
         if kv_layout not in KV_LAYOUTS:
             raise RdepthError(f"engine: kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
         if loop_counts is not None and controller_factory is not None:
@@ -214,6 +221,11 @@ class Engine:
         self._all_rows = torch.arange(batch_size, device=self.device)
         self._row_tensors: dict[bytes, torch.Tensor] = {}  # slot sets seen lately, on the device (_rows)
         self.logs = _Logs(batch_size, self.capacity, model.n_groups, self.k_max, self.fixed)
+        self.tick = tick
+        self.static = None if tick == "eager" else StaticTick(self, compile=tick == "compiled")
+        self._entered = np.zeros(batch_size, dtype=np.int64)  # static tick: the token it entered per slot
+        policy = getattr(self.controller, "policy", None)
+        self._row_memory = policy is not None and policy(0).row_memory  # whether a rule's memory is per row
 
     def _allocate(self) -> None:
         """The slots' device buffers: the cache, the activations and states, the initial states, the rule's
@@ -282,6 +294,8 @@ class Engine:
         return finished
 
     def _tick(self) -> list[Finished]:
+        if self.static is not None:
+            return self._static_tick()
         finished = self._admit() if self.queue else []
         occupied = int((self.stage != FREE).sum())
         if not occupied:
@@ -296,6 +310,33 @@ class Engine:
         if ready.size:
             finished += self._read_out(ready)
         return finished
+
+    def _static_tick(self) -> list[Finished]:
+        """A tick through :class:`~rdepth.engine.static.StaticTick`: every slot's loop step, rule, readout and
+        next token on the device; here, which rows stopped, and the same bookkeeping as the eager tick's."""
+        finished = self._admit() if self.queue else []
+        live = self.stage != FREE
+        occupied = int(live.sum())
+        if not occupied:
+            return finished
+        self.stats.ticks += 1
+        self.stats.occupied += occupied
+        self.stats.loop_steps[0] += occupied
+        decisions, logits = self.static()
+        decisions = decisions.cpu().numpy()  # the tick's one host read: which rows stopped, their argmax
+        self.step_count[live] += 1
+        rows = np.flatnonzero(live & (decisions[0] == 1))
+        if not rows.size:
+            return finished
+        self.logs.current[rows, 0] = self.step_count[rows]
+        self.step_count[rows] = 0
+        greedy = decisions[1][rows]
+        # what the device entered for each: the prompt's next token, or the argmax (0 where not finite)
+        following = self.position[rows] + 1
+        self._entered[rows] = np.where(following < self.logs.prompt_length[rows],
+                                       self.logs.prompt[rows, np.minimum(following, self.capacity - 1)],
+                                       np.maximum(greedy, 0))
+        return finished + self._read_out(rows, (logits, greedy))
 
     def _rows(self, rows: np.ndarray) -> tuple[torch.Tensor, bool]:
         """Slot indices on the device, and whether they are every slot in order (views, no gathers). A set of
@@ -401,15 +442,22 @@ class Engine:
         return start
 
     # ------------------------------------------------------------------ tokens
-    def _read_out(self, rows: np.ndarray) -> list[Finished]:
-        """Rows whose token went through every stage: logits, the next token, retire or go on.
+    def _read_out(self, rows: np.ndarray, read: tuple[torch.Tensor, np.ndarray] | None = None) -> list[Finished]:
+        """Rows whose token went through every stage: logits, the next token, retire or go on (``read``: the
+        static tick's logits of every slot and these rows' argmax, already computed).
 
         Rows still in their prompt (the argmax recorded, the prompt's next token fed) are handled for all of
         them at once on the host; a row that generates, keeps its logits or fails goes through :meth:`_choose`."""
-        rows_t, every = self._rows(rows)
-        logits = self.model.readout(self.x if every else self.x[rows_t])  # (E, V)
-        # the tick's host read of the readout: each row's argmax, and -1 where its logits are not finite
-        greedy = torch.where(torch.isfinite(logits).all(dim=-1), logits.argmax(dim=-1), -1).cpu().numpy()
+        every = rows.size == self.batch
+        if read is None:
+            rows_t, _ = self._rows(rows)
+            logits = self.model.readout(self.x if every else self.x[rows_t])  # (E, V)
+            # the tick's host read of the readout: each row's argmax, and -1 where its logits are not finite
+            greedy = torch.where(torch.isfinite(logits).all(dim=-1), logits.argmax(dim=-1), -1).cpu().numpy()
+            index_of = np.arange(rows.size)  # row ``rows[i]``'s logits: ``logits[index_of[i]]``
+        else:
+            logits, greedy = read  # every slot's logits
+            index_of = rows
         logs = self.logs
         positions = self.position[rows]
         finite = greedy >= 0
@@ -429,8 +477,8 @@ class Engine:
         tokens = logs.prompt[rows, np.minimum(positions + 1, self.capacity - 1)]  # the prompt's next (in it)
         finished = []
         for index in np.flatnonzero(~in_prompt | keeps).tolist():
-            token = self._choose(int(rows[index]), int(positions[index]), int(greedy[index]), logits, index,
-                                 bool(in_prompt[index]), finished)
+            token = self._choose(int(rows[index]), int(positions[index]), int(greedy[index]), logits,
+                                 int(index_of[index]), bool(in_prompt[index]), finished)
             if token is not None:
                 feed[index], tokens[index] = True, token
         if feed.all():
@@ -477,9 +525,19 @@ class Engine:
 
     def _feed(self, rows: np.ndarray, tokens: np.ndarray, every: bool = False) -> None:
         """The next token of each row goes in at the row's next position (stage 0); ``every``: ``rows`` is
-        every slot in order."""
+        every slot in order. (The static tick entered the prompt's next token or the argmax already: only
+        another token, a sampled one, is entered here; the rule's memory of every fed row starts afresh.)"""
         self.position[rows] += 1
-        self._embed(rows, tokens, every)
+        if self.static is None:
+            self._embed(rows, tokens, every)
+            return
+        other = tokens != self._entered[rows]
+        if other.any():
+            self._embed(rows[other], tokens[other])
+            self._begin(0, rows[other])
+        if self._row_memory:
+            rows_t, _ = self._rows(rows)
+            self.controller.begin_rows(0, rows_t, self.state[rows_t])
 
     def _embed(self, rows: np.ndarray, tokens: np.ndarray, every: bool = False) -> None:
         ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.device)
@@ -524,6 +582,10 @@ class Engine:
         if admitted_rows:
             rows = np.asarray(admitted_rows, dtype=np.int64)
             self._embed(rows, np.asarray(first_tokens, dtype=np.int64), rows.size == self.batch)
+            if self.static is not None:  # its first token enters the loop here; the device runs it on
+                for row in admitted_rows:
+                    self.static.admit(row, self.live[row].request.prompt)
+                self._begin(0, rows)
         return finished
 
     def _retire(self, row: int, reason: str, error: str | None = None) -> Finished:

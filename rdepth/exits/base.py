@@ -170,6 +170,17 @@ class ExitPolicy:
             raise RdepthError(f"exit policy {self.name}: begin_rows() before begin()")
         self._reset_rows(rows, state)
 
+    @property
+    def row_memory(self) -> bool:
+        """Whether the rule keeps memory per row (:meth:`begin_rows` has something to reset)."""
+        return type(self)._reset_rows is not ExitPolicy._reset_rows
+
+    @property
+    def one_call(self) -> bool:
+        """Whether :meth:`after_steps` decides rows at any steps in one call (no call per distinct step, no
+        shapes that depend on the steps: what the engine's static tick needs)."""
+        return self.step_free
+
     def after_steps(self, steps: torch.Tensor, values: list[int], rows: torch.Tensor, prev: torch.Tensor,
                     new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`after_step` for rows at different loop steps: ``steps`` ``[A]`` long, each row's step (the

@@ -299,6 +299,10 @@ class KLPolicy(_DecodedPolicy):
         """The log-probabilities the rule compares ``[A, V]``."""
         return self._log_probs(new)
 
+    @property
+    def one_call(self) -> bool:
+        return self.options["every"] == 1
+
     def after_steps(self, steps, values, rows, prev, new):
         """Rows at different steps in one call when the head is read at every step (``every`` 1): the first
         reading (step 1) compares with the prior or exits never, as :meth:`_exits` at step 1."""

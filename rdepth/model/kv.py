@@ -56,6 +56,9 @@ class AttentionContext:
     n_batch: int
     mask: torch.Tensor
     one_per_row: bool = False
+    # (with ``one_per_row``) attention as broadcasts and sums instead of one fused kernel: under
+    # ``torch.compile`` the keys' gather from the cache fuses into them (the engine's static tick)
+    elementwise: bool = False
 
     @classmethod
     def build(

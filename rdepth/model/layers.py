@@ -151,7 +151,10 @@ class CausalSelfAttention(nn.Module):
             if positioned:
                 q, k = self._position_qk(q, k, attn.position)
             keys, values = attn.store.update(self.layer_index, attn, k, v)  # (B, nh, S, hs)
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn.mask)  # (B, nh, 1, hs)
+            if attn.elementwise:
+                y = _attend_elementwise(q, keys, values, attn.mask)
+            else:
+                y = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn.mask)  # (B, nh, 1, hs)
             return self.proj(y.reshape(rows, dim))
         qkv = self.qkv(x).view(rows, 3, self.n_head, self.head_dim)
         q, k, v = qkv.unbind(1)  # each (N, nh, hs)
@@ -250,3 +253,13 @@ class PeriBlock(SandwichBlock):
 # ModelConfig.block -> the layer class RecurrentLM builds
 BLOCKS: dict[str, type[nn.Module]] = {"sandwich": SandwichBlock, "gpt2": GPT2Block, "peri": PeriBlock}
 assert set(BLOCKS) == set(BLOCK_TYPES)
+
+
+def _attend_elementwise(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query per row ``q`` ``(B, nh, 1, hs)`` over ``keys``/``values`` ``(B, nh, S, hs)`` where the boolean
+    ``mask`` ``(B, 1, 1, S)`` is True: softmax(q k / sqrt(hs)) v as broadcasts and sums (what SDPA computes,
+    summed in another order), ``(B, nh, 1, hs)``. Written so because a compiler reads the keys and values
+    where they lie (a gather from a cache) inside these sums, where SDPA needs them copied out first."""
+    scores = (q * keys).sum(-1, keepdim=True) * q.shape[-1] ** -0.5  # (B, nh, S, 1)
+    scores = scores.masked_fill(~mask.transpose(-1, -2), float("-inf"))
+    return (torch.softmax(scores, dim=2) * values).sum(2, keepdim=True)

@@ -1,0 +1,169 @@
+"""The engine's static tick: every slot through one device function a tick, shapes fixed, rows predicated.
+
+The eager tick (:meth:`Engine._tick`) computes only what each row needs: one loop step for the looping
+rows, then, for the few rows whose rule fired, their readout, their next token's embedding and their entry
+into the loop, each a gather, a small call and a scatter. On a small model every one of those calls costs
+its launch more than its arithmetic, so a tick with an exit rule costs about three fixed-budget loop steps.
+
+The static tick does the whole of it for every slot in one function of device tensors, for a model whose
+only stage is one looped group (the task models): one loop step (each row at its own step and position,
+its key written through to the later step slots), the exit rule, and for every row the hand-off, the
+readout, the next token (the prompt's next while in the prompt, else the argmax), its embedding at the
+next position, the group's input half and the initial state there; ``torch.where`` keeps, per row, the
+new token's start where the rule fired and the loop's new state where it did not. The host reads, once,
+which rows stopped and their argmax, and does the bookkeeping (the same as the eager tick's: records,
+sampled tokens, retiring, admitting). Fixed shapes make the function one graph for ``torch.compile``
+(``Engine(..., tick="compiled")``): Inductor fuses its elementwise work, so a tick's cost barely depends
+on how many rows stop in it.
+
+A row computes what it computes in the eager tick (the same loop step, the same rule, the same readout),
+so its tokens are the batch-1 decoder's; compiled, the arithmetic is fused in another order (float
+rounding, not the model), which can move a decision that sits on its threshold.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from rdepth.errors import RdepthError
+from rdepth.model.kv import AttentionContext
+from rdepth.model.walk import StageWalk
+
+TICKS = ("eager", "static", "compiled")
+
+
+def check_static(engine) -> None:
+    """A one-line error unless ``engine`` can run the static tick."""
+    model = engine.model
+    if model.n_groups != 1 or len(model.stages) != 1:
+        raise RdepthError(f"engine: tick {engine.tick!r} needs a model whose only stage is one looped group "
+                          f"(this one has {len(model.stages)} stages); use tick='eager'")
+    for name, wrong in (("kv_layout", engine.kv_layout != "exact"), ("warm_start", engine.warm_start)):
+        if wrong:
+            raise RdepthError(f"engine: tick {engine.tick!r} runs the exact layout without warm start; "
+                              f"{name} asks otherwise (use tick='eager')")
+    policy = getattr(engine.controller, "policy", None)
+    if policy is not None and not policy(0).one_call:
+        raise RdepthError(f"engine: tick {engine.tick!r} runs rules that decide rows at any steps in one call "
+                          f"(such as step_norm_rel, kl, learned); {policy(0).name} does not (use tick='eager')")
+
+
+class _StaticStore:
+    """Keys/values of one static call: every slot writes its key at its position into its step's slot and
+    the later ones (write-through, so a row that leaves its loop early leaves its last key in the later
+    slots: the latest-KV rule) and reads its step's slot over the whole capacity (the mask does the rest)."""
+
+    def __init__(self, cache, steps: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                 slot_numbers: torch.Tensor):
+        self.cache, self.steps, self.positions, self.rows = cache, steps, positions, rows
+        self.through = slot_numbers >= steps.view(-1, 1, 1, 1)  # (B, K, 1, 1): slots s..K of row b
+        self.read = (steps - 1) * rows.shape[0] + rows  # row b's step slot among the K * B blocks
+
+    def update(self, layer, ctx, keys, values):
+        out = []
+        for tensor, new in zip(self.cache.looped[layer], (keys, values), strict=True):
+            new = new.squeeze(2).to(tensor.dtype)  # (B, nh, hs)
+            column = tensor[:, self.rows, :, self.positions]  # (B, K, nh, hs)
+            tensor[:, self.rows, :, self.positions] = torch.where(self.through, new[:, None], column)
+            out.append(tensor.view(-1, *tensor.shape[2:]).index_select(0, self.read))  # (B, nh, S, hs)
+        return tuple(out)
+
+
+class _StaticWalk(StageWalk):
+    """The static tick's walk: rows enter the group at ``next_positions`` (every slot; the caller keeps the
+    entries of the rows whose rule fired)."""
+
+    def __init__(self, model, initial: torch.Tensor | None):
+        super().__init__(model)
+        self.initial = initial  # (B, capacity, d): each slot's request's initial states, or None (zeros)
+        self.next_positions: torch.Tensor | None = None
+
+    def start(self, group, inputs):
+        if self.initial is None:
+            return torch.zeros_like(inputs)
+        return self.initial[torch.arange(inputs.shape[0], device=inputs.device), self.next_positions]
+
+
+class StaticTick:
+    """The device side of the static tick for ``engine`` (see the module): the slots' steps, positions and
+    prompts on the device, and the one function a tick runs (compiled with ``compile``)."""
+
+    def __init__(self, engine, compile: bool):
+        check_static(engine)
+        self.engine = engine
+        model, batch, device = engine.model, engine.batch, engine.device
+        self.rows = torch.arange(batch, device=device)
+        self.steps = torch.ones(batch, dtype=torch.long, device=device)  # the step each row computes next
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        self.prompt = torch.zeros(batch, engine.capacity + 1, dtype=torch.long, device=device)
+        self.prompt_length = torch.zeros(batch, dtype=torch.long, device=device)
+        kept = engine.k_max[0]
+        self.slot_numbers = torch.arange(1, kept + 1, device=device).view(1, kept, 1, 1)
+        cap = engine.capacity
+        where = torch.arange(cap, device=device)
+        self.masks = (where[None, :] <= where[:, None]).view(cap, 1, 1, cap)
+        self.walk = _StaticWalk(model, engine.initial.get(0))
+        self.values = [1, kept]  # (more than one distinct step: the rule's one call for rows at any step)
+        with torch.inference_mode():  # the tick's inputs as every later tick's are (no recompile at tick 2)
+            engine.state, engine.projected = engine.state.clone(), engine.projected.clone()
+        self.compiled = compile
+        if compile:  # one graph per (model, width, dtype, rule): more than dynamo's default few in one process
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, 64)
+            config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
+        self.function = torch.compile(_own_code(self._tick), dynamic=False) if compile else self._tick
+
+    def admit(self, row: int, prompt: list[int]) -> None:
+        """Slot ``row`` takes a new request: its prompt, step 1, position 0."""
+        self.prompt[row].zero_()
+        self.prompt[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        self.prompt_length[row] = len(prompt)
+        self.steps[row] = 1
+        self.positions[row] = 0
+
+    def restart(self, rows: torch.Tensor) -> None:
+        """Rows ``rows`` start a new token's loop outside the tick (a sampled token, entered by the host)."""
+        self.steps[rows] = 1
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One tick over every slot; returns ``[2, B]`` (stopped, argmax or -1 where the logits are not
+        finite) and the logits ``[B, V]``."""
+        engine = self.engine
+        state, projected, decisions, logits = self.function(engine.state, engine.projected)
+        engine.state, engine.projected = state, projected
+        return decisions, logits
+
+    def _tick(self, state: torch.Tensor, projected: torch.Tensor):
+        engine, model = self.engine, self.engine.model
+        steps, positions, rows = self.steps, self.positions, self.rows
+        store = _StaticStore(engine.slots.cache, steps, positions, rows, self.slot_numbers)
+        ctx = AttentionContext(store, 0, rows, positions, rows, 1, rows.shape[0],
+                               self.masks.index_select(0, positions), one_per_row=True, elementwise=self.compiled)
+        new = model.loop_step(0, state, projected, ctx)
+        done, handoff, _ = engine.controller.after_steps(0, steps, self.values, rows, state, new)
+        logits = model.readout(self.walk.leave(0, handoff))
+        finite = torch.isfinite(logits).all(dim=-1)
+        greedy = logits.argmax(dim=-1)
+        following = (positions + 1).clamp(max=engine.capacity - 1)  # (a free slot's garbage stays in range)
+        in_prompt = positions + 1 < self.prompt_length
+        token = torch.where(in_prompt, self.prompt.gather(1, following[:, None]).squeeze(1),
+                            torch.where(finite, greedy, 0))
+        self.walk.next_positions = following
+        start, entered = self.walk.enter(0, model.embed(token, positions=following).to(state.dtype))
+        stopped = done[:, None]
+        self.steps.copy_(torch.where(done, 1, steps + 1))
+        self.positions.copy_(torch.where(done, following, positions))
+        decisions = torch.stack([done.long(), torch.where(finite, greedy, -1)])
+        return torch.where(stopped, start, new), torch.where(stopped, entered, projected), decisions, logits
+
+
+def _own_code(method):
+    """``method`` (bound) with a code object of its own: dynamo keeps its compiled graphs and their guards per
+    code object, so each engine's tick is looked up among its own graph only, not among every engine's in the
+    process (each failing guard set checked first costs the tick time)."""
+    function = method.__func__
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+    return types.MethodType(copy, method.__self__)
