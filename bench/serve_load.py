@@ -44,6 +44,8 @@ def parse_args(argv):
     parser.add_argument("--k-max", type=int, default=12)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--tick", default="eager", help="the engine's tick for the rule (eager, static, compiled); "
+                        "the fixed budget runs the eager one")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
@@ -141,8 +143,9 @@ def main(argv=None) -> int:
     prompts = [heldout.tokens[i, : args.prompt_tokens].astype(int).tolist() for i in order]
     settings = {
         f"fixed {args.loops}": (["--loops", str(args.loops)], lambda model: {"loop_counts": args.loops}),
-        f"{args.exit} {args.tau:g}": (["--exit", args.exit, "--tau", str(args.tau), "--k-max", str(args.k_max)],
-                                      lambda model: {"controller_factory": controller_factory(
+        f"{args.exit} {args.tau:g}": (["--exit", args.exit, "--tau", str(args.tau), "--k-max", str(args.k_max),
+                                       "--tick", args.tick],
+                                      lambda model: {"tick": args.tick, "controller_factory": controller_factory(
                                           args.exit, args.tau, args.k_max, lambda: model.readout)}),
     }
     code = revision()

@@ -165,6 +165,9 @@ class GenerateConfig:
     kv_layout: str = option("exact", "with --prompts-file: the engine's key/value layout: exact (the trained "
                             "rule) or shared (one slot per looped layer: memory flat in the loop budget, "
                             "outputs change)")
+    tick: str = option("eager", "with --prompts-file: the engine's tick: eager (what each row needs), static or "
+                       "compiled (every slot through one device function a tick, compiled; a model whose only "
+                       "stage is one looped group: docs/engine.md)")
     autocast: str = option("none", "autocast dtype of the forward passes: none, bf16 or fp16")
     device: str = option("auto", DEVICE_HELP)
     threads: int = option(0, THREADS_HELP, bounds="[0, inf)")
@@ -212,3 +215,7 @@ class GenerateConfig:
             raise RdepthError(f"generate: --kv-layout must be exact or shared, got {self.kv_layout!r}")
         if self.kv_layout != "exact" and self.prompts_file is None:
             raise RdepthError("generate: --kv-layout is the engine's (with --prompts-file)")
+        if self.tick not in ("eager", "static", "compiled"):
+            raise RdepthError(f"generate: --tick must be eager, static or compiled, got {self.tick!r}")
+        if self.tick != "eager" and self.prompts_file is None:
+            raise RdepthError("generate: --tick is the engine's (with --prompts-file)")

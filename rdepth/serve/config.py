@@ -31,6 +31,9 @@ class ServeConfig:
     exit_options: str | None = option(None, "with --exit: the policy's options as KEY=VALUE,...",
                                       default_text="the policy's own", metavar="KEY=VALUE,...")
     kv_layout: str = option("exact", "the engine's key/value layout: exact or shared", choices=("exact", "shared"))
+    tick: str = option("eager", "the engine's tick: eager (what each row needs), static or compiled (every slot "
+                       "through one device function a tick, compiled; a model whose only stage is one looped "
+                       "group: docs/engine.md)", choices=("eager", "static", "compiled"))
     max_tokens: int = option(256, "the most new tokens a request may ask for", bounds="[1, 1000000]")
     context: int | None = option(None, "positions each slot holds (prompt and new tokens): the engine's capacity; "
                                  "below the block size for models with a long context (an Ouro's 65,536)",

@@ -41,12 +41,12 @@ def served_model(config: ServeConfig) -> ServedModel:
         k_max = resolve_k_max("serve", config.k_max, model.n_groups, model_config.default_eval_loops)
         factory = controller_factory(config.exit, config.tau, k_max, lambda: model.readout, options)
         engine = Engine(model, config.batch_size, controller_factory=factory, kv_layout=config.kv_layout,
-                        capacity=context)
+                        capacity=context, tick=config.tick)
         policy = {"exit": config.exit, "tau": config.tau, "k_max": list(k_max),
                   **{k: str(v) for k, v in options.items()}}
     else:
         engine = Engine(model, config.batch_size, loop_counts=config.loops, kv_layout=config.kv_layout,
-                        capacity=context)
+                        capacity=context, tick=config.tick)
         policy = {"loops": list(engine.k_max)}
     name = config.name or _default_name(config.checkpoint)
     return ServedModel(name, tokenizer, EngineRunner(engine).start(), context, policy,
