@@ -32,6 +32,11 @@ def single_group():
     return tiny_model(n_layer=1, groups="0")
 
 
+def prelude_and_coda():
+    """One looped layer between single-pass layers (the task preset's and Huginn's shape)."""
+    return tiny_model(n_layer=4, groups="1-2")
+
+
 def test_the_rules_it_runs_are_the_one_call_rules():
     """The step-free rules and kl (its head read at every step); not the two-hit rules, nor kl read every
     other step."""
@@ -42,9 +47,10 @@ def test_the_rules_it_runs_are_the_one_call_rules():
     assert not factory(model, "kl", {"every": 2})().policy(0).one_call
 
 
+@pytest.mark.parametrize("shape", ["loop only", "prelude and coda"])
 @pytest.mark.parametrize("name", ["step_norm_rel", "kl", "learned", "argmax_stable", "fixed"])
-def test_every_request_equals_the_batch_1_decoder_in_any_arrival_order(name):
-    model = single_group()
+def test_every_request_equals_the_batch_1_decoder_in_any_arrival_order(name, shape):
+    model = single_group() if shape == "loop only" else prelude_and_coda()
     requests = [Request(p, max_tokens=3 + i % 4, keep_logits=True, sequence_id=i % 3, noise_seed=i)
                 for i, p in enumerate(prompts(7, seed=1))]
     for batch, seed in ((3, 0), (8, 1), (1, 2)):
@@ -59,10 +65,11 @@ def test_every_request_equals_the_batch_1_decoder_in_any_arrival_order(name):
         assert len(distinct) > 1, "the setting should make exits vary"
 
 
-def test_sampled_tokens_stop_tokens_and_the_contexts_end():
-    """A sampled token is not what the device entered (the argmax): the host enters it; a stop token and the
-    context's end retire a row whose slot the next request takes."""
-    model = single_group()
+@pytest.mark.parametrize("shape", ["loop only", "prelude and coda"])
+def test_sampled_tokens_stop_tokens_and_the_contexts_end(shape):
+    """A sampled token is not what the device entered (the argmax): the host enters it (through the layers
+    before the group); a stop token and the context's end retire a row whose slot the next request takes."""
+    model = single_group() if shape == "loop only" else prelude_and_coda()
     budget = {"controller_factory": factory(model, "kl")}
     sampled = [Request(p, max_tokens=6, temperature=1.3, top_p=0.9, seed=10 + i, keep_logits=True)
                for i, p in enumerate(prompts(5, seed=4))]
@@ -98,8 +105,8 @@ def test_what_it_cannot_run_is_a_one_line_error():
     model = single_group()
     with pytest.raises(RdepthError, match="tick must be one of"):
         Engine(model, 2, tick="fast")
-    with pytest.raises(RdepthError, match="only stage is one looped group"):
-        Engine(tiny_model(), 2, tick="static", loop_counts=(2, 2))  # single-pass layers and two groups
+    with pytest.raises(RdepthError, match="one looped group"):
+        Engine(tiny_model(), 2, tick="static", loop_counts=(2, 2))  # two groups
     with pytest.raises(RdepthError, match="acceleration does not"):
         Engine(model, 2, tick="static", controller_factory=factory(model, "acceleration"))
     with pytest.raises(RdepthError, match="kv_layout"):
@@ -112,8 +119,8 @@ def test_what_it_cannot_run_is_a_one_line_error():
                     reason="torch.compile on the CPU needs a C++ compiler")
 def test_compiled_decides_as_the_eager_tick():
     """Inductor fuses the same arithmetic in another order: in float64 every decision and token is the
-    eager tick's, the kept logits equal to rounding."""
-    model = single_group()
+    eager tick's, the kept logits equal to rounding (single-pass layers before and after the loop too)."""
+    model = prelude_and_coda()
     requests = [Request(p, max_tokens=4, keep_logits=True, sequence_id=i) for i, p in enumerate(prompts(6, seed=6))]
     budget = {"controller_factory": factory(model, "kl")}
     compiled, _ = run_engine(model, requests, 4, tick="compiled", **budget)

@@ -142,14 +142,28 @@ class _EngineWalk(StageWalk):
         super().__init__(engine.model)
         self.engine = engine
         self.arriving: tuple[torch.Tensor, np.ndarray] | None = None
+        self.entering = False  # (the static tick's rows entered by the host: up to the group's entry only)
 
     def single(self, layers, rows):
         self.engine._single(layers, rows)
         return rows
 
     def group(self, group, rows):
-        self.engine._loop(group, rows)
+        if self.entering:
+            self.engine._begin(group, rows)
+            self.entering = False
+        else:
+            self.engine._loop(group, rows)
         return rows
+
+    def enter_rows(self, rows: np.ndarray) -> None:
+        """Rows whose token is embedded (stage 0): the layers before the first group, then its entry (the
+        static tick runs them on from there)."""
+        self.entering = True
+        for stage in self.stages:
+            self.visit(stage, rows)
+            if not self.entering:
+                return
 
     def start(self, group, inputs):
         return self.engine._start(group, *self.arriving)
@@ -534,7 +548,7 @@ class Engine:
         other = tokens != self._entered[rows]
         if other.any():
             self._embed(rows[other], tokens[other])
-            self._begin(0, rows[other])
+            self.walk.enter_rows(rows[other])
         if self._row_memory:
             rows_t, _ = self._rows(rows)
             self.controller.begin_rows(0, rows_t, self.state[rows_t])
@@ -585,7 +599,7 @@ class Engine:
             if self.static is not None:  # its first token enters the loop here; the device runs it on
                 for row in admitted_rows:
                     self.static.admit(row, self.live[row].request.prompt)
-                self._begin(0, rows)
+                self.walk.enter_rows(rows)
         return finished
 
     def _retire(self, row: int, reason: str, error: str | None = None) -> Finished:

@@ -5,12 +5,15 @@ rows, then, for the few rows whose rule fired, their readout, their next token's
 into the loop, each a gather, a small call and a scatter. On a small model every one of those calls costs
 its launch more than its arithmetic, so a tick with an exit rule costs about three fixed-budget loop steps.
 
-The static tick does the whole of it for every slot in one function of device tensors, for a model whose
-only stage is one looped group (the task models): one loop step (each row at its own step and position,
-its key written through to the later step slots), the exit rule, and for every row the hand-off, the
-readout, the next token (the prompt's next while in the prompt, else the argmax), its embedding at the
-next position, the group's input half and the initial state there; ``torch.where`` keeps, per row, the
-new token's start where the rule fired and the loop's new state where it did not. The host reads, once,
+The static tick does the whole of it for every slot in one function of device tensors, for a model with
+one looped group (the task models; single-pass layers before and after it too): one loop step (each row at
+its own step and position, its key written through to the later step slots), the exit rule, and for every
+row the hand-off, the layers after the group at its position, the readout, the next token (the prompt's
+next while in the prompt, else the argmax), its embedding at the next position, the layers before the
+group there, the group's input half and the initial state; ``torch.where`` keeps, per row, the new
+token's start where the rule fired and the loop's new state where it did not. (A row that did not stop
+writes keys of single-pass layers it will write again: after the group at its own position, before it at
+the next, both rewritten in the tick it stops, before anything reads them.) The host reads, once,
 which rows stopped and their argmax, and does the bookkeeping (the same as the eager tick's: records,
 sampled tokens, retiring, admitting). Fixed shapes make the function one graph for ``torch.compile``
 (``Engine(..., tick="compiled")``): Inductor fuses its elementwise work, so a tick's cost barely depends
@@ -37,9 +40,9 @@ TICKS = ("eager", "static", "compiled")
 def check_static(engine) -> None:
     """A one-line error unless ``engine`` can run the static tick."""
     model = engine.model
-    if model.n_groups != 1 or len(model.stages) != 1:
-        raise RdepthError(f"engine: tick {engine.tick!r} needs a model whose only stage is one looped group "
-                          f"(this one has {len(model.stages)} stages); use tick='eager'")
+    if model.n_groups != 1:
+        raise RdepthError(f"engine: tick {engine.tick!r} needs a model with one looped group (this one has "
+                          f"{model.n_groups}); use tick='eager'")
     for name, wrong in (("kv_layout", engine.kv_layout != "exact"), ("warm_start", engine.warm_start)):
         if wrong:
             raise RdepthError(f"engine: tick {engine.tick!r} runs the exact layout without warm start; "
@@ -71,14 +74,51 @@ class _StaticStore:
         return tuple(out)
 
 
-class _StaticWalk(StageWalk):
-    """The static tick's walk: rows enter the group at ``next_positions`` (every slot; the caller keeps the
-    entries of the rows whose rule fired)."""
+class _SingleStore:
+    """Keys/values of a single-pass layer in one static call: every slot writes at its position ``positions``
+    and reads its whole row (the mask does the rest: a view, no gather)."""
 
-    def __init__(self, model, initial: torch.Tensor | None):
-        super().__init__(model)
+    def __init__(self, cache, positions: torch.Tensor, rows: torch.Tensor):
+        self.cache, self.positions, self.rows = cache, positions, rows
+
+    def update(self, layer, ctx, keys, values):
+        for tensor, new in zip(self.cache.single[layer], (keys, values), strict=True):
+            tensor[self.rows, :, self.positions] = new.squeeze(2).to(tensor.dtype)  # (B, nh, hs)
+        return self.cache.single[layer]
+
+
+class _StaticWalk(StageWalk):
+    """The static tick's walk, taken twice a tick (:attr:`finishing`): first for the tokens in flight, whose
+    pass starts at the group (the layers before it are skipped): one loop step, the rule, the hand-off, the
+    layers after the group at their positions; then for the next tokens, whose pass ends entering the group
+    (the layers after it are skipped): the layers before the group at the next positions, the input half and
+    the initial states (:attr:`entered`)."""
+
+    def __init__(self, tick: StaticTick, initial: torch.Tensor | None):
+        super().__init__(tick.engine.model)
+        self.tick = tick
         self.initial = initial  # (B, capacity, d): each slot's request's initial states, or None (zeros)
+        self.finishing = True
+        self.passed = False  # whether this pass visited the group yet
         self.next_positions: torch.Tensor | None = None
+        self.entered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def run(self, finishing: bool, x):
+        self.finishing, self.passed = finishing, False
+        return self(x)
+
+    def single(self, layers, x):
+        if self.finishing != self.passed:  # the other token's layers
+            return x
+        positions = self.tick.positions if self.finishing else self.next_positions
+        return self.model.run_layers(layers, x, self.tick.single_context(positions))
+
+    def group(self, group, x):
+        self.passed = True
+        if self.finishing:
+            return self.leave(group, self.tick.loop_step())
+        self.entered = self.enter(group, x)
+        return x
 
     def start(self, group, inputs):
         if self.initial is None:
@@ -104,7 +144,7 @@ class StaticTick:
         cap = engine.capacity
         where = torch.arange(cap, device=device)
         self.masks = (where[None, :] <= where[:, None]).view(cap, 1, 1, cap)
-        self.walk = _StaticWalk(model, engine.initial.get(0))
+        self.walk = _StaticWalk(self, engine.initial.get(0))
         self.values = [1, kept]  # (more than one distinct step: the rule's one call for rows at any step)
         with torch.inference_mode():  # the tick's inputs as every later tick's are (no recompile at tick 2)
             engine.state, engine.projected = engine.state.clone(), engine.projected.clone()
@@ -135,15 +175,29 @@ class StaticTick:
         engine.state, engine.projected = state, projected
         return decisions, logits
 
-    def _tick(self, state: torch.Tensor, projected: torch.Tensor):
-        engine, model = self.engine, self.engine.model
-        steps, positions, rows = self.steps, self.positions, self.rows
+    def single_context(self, positions: torch.Tensor) -> AttentionContext:
+        """The context of a single-pass layer's call over every slot at ``positions``."""
+        store = _SingleStore(self.engine.slots.cache, positions, self.rows)
+        return AttentionContext(store, 0, self.rows, positions, self.rows, 1, self.rows.shape[0],
+                                self.masks.index_select(0, positions), one_per_row=True, elementwise=self.compiled)
+
+    def loop_step(self) -> torch.Tensor:
+        """One loop step of every slot at its step and position, and the rule; sets :attr:`new` (the loop's new
+        states) and :attr:`done`; returns the states to hand on."""
+        engine, steps, positions, rows = self.engine, self.steps, self.positions, self.rows
         store = _StaticStore(engine.slots.cache, steps, positions, rows, self.slot_numbers)
         ctx = AttentionContext(store, 0, rows, positions, rows, 1, rows.shape[0],
                                self.masks.index_select(0, positions), one_per_row=True, elementwise=self.compiled)
-        new = model.loop_step(0, state, projected, ctx)
-        done, handoff, _ = engine.controller.after_steps(0, steps, self.values, rows, state, new)
-        logits = model.readout(self.walk.leave(0, handoff))
+        self.new = engine.model.loop_step(0, self.state, self.projected, ctx)
+        self.done, handoff, _ = engine.controller.after_steps(0, steps, self.values, rows, self.state, self.new)
+        return handoff
+
+    def _tick(self, state: torch.Tensor, projected: torch.Tensor):
+        engine, model = self.engine, self.engine.model
+        steps, positions = self.steps, self.positions
+        self.state, self.projected = state, projected
+        logits = model.readout(self.walk.run(True, None))
+        done = self.done
         finite = torch.isfinite(logits).all(dim=-1)
         greedy = logits.argmax(dim=-1)
         following = (positions + 1).clamp(max=engine.capacity - 1)  # (a free slot's garbage stays in range)
@@ -151,11 +205,14 @@ class StaticTick:
         token = torch.where(in_prompt, self.prompt.gather(1, following[:, None]).squeeze(1),
                             torch.where(finite, greedy, 0))
         self.walk.next_positions = following
-        start, entered = self.walk.enter(0, model.embed(token, positions=following).to(state.dtype))
+        self.walk.run(False, model.embed(token, positions=following).to(state.dtype))
+        start, entered = self.walk.entered
         stopped = done[:, None]
         self.steps.copy_(torch.where(done, 1, steps + 1))
         self.positions.copy_(torch.where(done, following, positions))
         decisions = torch.stack([done.long(), torch.where(finite, greedy, -1)])
+        new = self.new
+        self.state = self.projected = self.new = self.done = None
         return torch.where(stopped, start, new), torch.where(stopped, entered, projected), decisions, logits
 
 
