@@ -133,7 +133,7 @@ class StaticTick:
     def __init__(self, engine, compile: bool):
         check_static(engine)
         self.engine = engine
-        model, batch, device = engine.model, engine.batch, engine.device
+        batch, device = engine.batch, engine.device
         self.rows = torch.arange(batch, device=device)
         self.steps = torch.ones(batch, dtype=torch.long, device=device)  # the step each row computes next
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
