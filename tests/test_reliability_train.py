@@ -245,6 +245,29 @@ def test_clean_debris_restores_a_checkpoint_caught_between_renames(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step_000003"]
 
 
+def test_an_interrupt_while_removing_a_checkpoint_leaves_no_debris(tmp_path, monkeypatch):
+    """SIGTERM is raised like Ctrl-C: one that lands while rotation deletes a checkpoint must still leave
+    the folder gone (not a ``.step_N.removing`` for the next start to clean), and stop the run."""
+    checkpoint = tmp_path / "checkpoints" / "step_000003"
+    checkpoint.mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "state.json"):
+        (checkpoint / name).write_text("x")
+    real, calls = ckpt.shutil.rmtree, []
+
+    def interrupted(path, *args, **kwargs):
+        calls.append(Path(path).name)
+        if len(calls) == 2:  # the rmtree after the rename: interrupted part-way
+            (Path(path) / "model.safetensors").unlink()
+            raise KeyboardInterrupt
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.remove_checkpoint(checkpoint)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+    assert calls == [".step_000003.removing"] * 3
+
+
 def test_sigterm_stops_like_ctrl_c(wiki_small, tmp_path):
     run = tmp_path / "run"
     proc = spawn(train_argv(wiki_small, run, "--max-steps", "100000", "--eval-every", "100000"))

@@ -219,8 +219,12 @@ def remove_checkpoint(checkpoint: Path) -> None:
         raise RdepthError(f"{checkpoint} is not a checkpoint folder written by rdepth: not removed")
     doomed = checkpoint.parent / f".{checkpoint.name}.removing"
     shutil.rmtree(doomed, ignore_errors=True)
-    os.replace(checkpoint, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    try:
+        os.replace(checkpoint, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    finally:  # Ctrl-C or SIGTERM (raised like it) while removing: finish it, then stop as asked
+        if doomed.exists():
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def rotate_checkpoints(run_dir: str | os.PathLike, keep_last: int, milestone_every: int | None = None,
