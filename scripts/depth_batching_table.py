@@ -37,7 +37,7 @@ def main(paths: list[str]) -> int:
 
     families = sorted({family(name) for report in reports for width in report["timing"].values()
                        for name in width["rows"]}, key=lambda f: (f[0] != "engine", f[0], f[1] != "F", f[1]))
-    print("| B | row | " + " | ".join(f"seed {s}: tokens/s (x engine F), paid steps, share of bound"
+    print("| B | row | " + " | ".join(f"seed {s}: tokens/s (x fastest engine F), paid steps, share of bound"
                                    for s in range(len(reports))) + " |")
     print("|---|---|" + "---|" * len(reports))
     for width in widths:
@@ -50,7 +50,8 @@ def main(paths: list[str]) -> int:
                     cells.append("-")
                     continue
                 extra = f", solved {100 * hit['solved']:.1f}%" if "solved" in hit else ""
-                cells.append(f"{hit['tokens_per_s']:.0f} (x{hit['vs_engine_fixed']:.2f}), "
+                ratio = hit.get("vs_fastest_fixed", hit["vs_engine_fixed"])  # (older reports: the eager engine)
+                cells.append(f"{hit['tokens_per_s']:.0f} (x{ratio:.2f}), "
                              f"{hit['paid_steps_per_position']:.2f}, {100 * hit['share_of_bound']:.0f}%{extra}")
             print(f"| {width[2:]} | {kind}, {rule} | " + " | ".join(cells) + " |")
     return 0
