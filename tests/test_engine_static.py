@@ -115,6 +115,15 @@ def test_what_it_cannot_run_is_a_one_line_error():
         Engine(model, 2, tick="static", warm_start=True, loop_counts=3)
 
 
+def test_compiled_without_a_compiler_is_a_one_line_error(monkeypatch):
+    from rdepth.engine import static
+
+    monkeypatch.setattr(static.shutil, "which", lambda name: None)
+    with pytest.raises(RdepthError, match="needs a C\\+\\+ compiler"):
+        Engine(single_group(), 2, tick="compiled", loop_counts=3)
+    assert Engine(single_group(), 2, tick="static", loop_counts=3).static is not None
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on the CPU needs a C++ compiler")
 def test_compiled_decides_as_the_eager_tick():

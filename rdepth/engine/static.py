@@ -26,6 +26,7 @@ rounding, not the model), which can move a decision that sits on its threshold.
 
 from __future__ import annotations
 
+import shutil
 import types
 
 import torch
@@ -132,6 +133,9 @@ class StaticTick:
 
     def __init__(self, engine, compile: bool):
         check_static(engine)
+        if compile and engine.device.type == "cpu" and not _cpu_compiler():
+            raise RdepthError("engine: tick 'compiled' on the CPU needs a C++ compiler (g++ or the one "
+                              "torch._inductor.config.cpp.cxx names); use tick='static' or 'eager'")
         self.engine = engine
         batch, device = engine.batch, engine.device
         self.rows = torch.arange(batch, device=device)
@@ -224,3 +228,11 @@ def _own_code(method):
     copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
                               function.__defaults__, function.__closure__)
     return types.MethodType(copy, method.__self__)
+
+
+def _cpu_compiler() -> bool:
+    """Whether Inductor finds a C++ compiler for CPU kernels (the ones its config names, then g++)."""
+    from torch._inductor import config
+
+    names = config.cpp.cxx if isinstance(config.cpp.cxx, tuple) else (config.cpp.cxx,)
+    return any(name and shutil.which(name) for name in (*names, "g++"))
