@@ -157,3 +157,31 @@ def test_elementwise_attention_is_sdpa_summed_in_another_order():
     wider = mask.clone()
     wider[0, ..., 1] = True  # row 0 would read position 1 too
     assert (_attend_elementwise(q, keys, values, wider)[0] - expected[0]).abs().max() > 1e-3
+
+
+def test_a_controller_of_its_own_starts_each_rows_loop_afresh():
+    """A controller that is not an exit rule (here: each row stops at a step drawn when its loop begins) is
+    told of every row that starts a loop, as in the eager tick: the same steps, position by position."""
+
+    class Drawn:
+        def __init__(self):
+            self.generator = torch.Generator().manual_seed(5)
+            self.target = torch.zeros(0, dtype=torch.long)
+
+        def max_steps(self, group):
+            return 4
+
+        def begin(self, group, state):
+            self.target = torch.randint(1, 5, (state.shape[0],), generator=self.generator)
+
+        def begin_rows(self, group, rows, state):
+            self.target[rows] = torch.randint(1, 5, (rows.shape[0],), generator=self.generator)
+
+        def after_steps(self, group, steps, values, rows, prev, new):
+            return self.target[rows] <= steps, new, steps
+
+    model = single_group()
+    requests = [Request(p, max_tokens=3) for p in prompts(1, seed=8)]
+    runs = [run_engine(model, requests, 1, controller_factory=Drawn, tick=tick)[0][0].steps for tick in ("eager",
+                                                                                                        "static")]
+    assert runs[0] == runs[1] and len({s for position in runs[1] for s in position}) > 1

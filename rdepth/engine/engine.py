@@ -238,8 +238,10 @@ class Engine:
         self.tick = tick
         self.static = None if tick == "eager" else StaticTick(self, compile=tick == "compiled")
         self._entered = np.zeros(batch_size, dtype=np.int64)  # static tick: the token it entered per slot
+        # whether the controller keeps memory per row to start afresh (an exit rule says; another controller
+        # than a fixed budget is asked every time)
         policy = getattr(self.controller, "policy", None)
-        self._row_memory = policy is not None and policy(0).row_memory  # whether a rule's memory is per row
+        self._row_memory = policy(0).row_memory if policy is not None else not self.fixed
 
     def _allocate(self) -> None:
         """The slots' device buffers: the cache, the activations and states, the initial states, the rule's
