@@ -17,6 +17,8 @@ what stopping early saves (docs/engine.md). This study asks where that changes:
    the scheduled rule, (c) the lock-step decoder at ``--fixed`` and (d) with the scheduled rule, ``--batch``
    rows. Printed: tokens/s (median and range), the engine's ratio to its fixed budget, the bound its executed
    steps imply (fixed steps / steps) and the share of the bound reached; the lock-step decoder's the same.
+   The engine runs each tick of ``--ticks`` (eager; static and compiled: every slot through one device
+   function a tick, rdepth/engine/static.py), its ratios against the fastest engine at the fixed budget.
 
 Prints the CPU, torch version, threads and git revision; ``--json`` keeps everything.
 """
@@ -45,6 +47,9 @@ def parse_args(argv):
     parser.add_argument("--widths-d", default="128,256,512,1024", help="model widths d_model")
     parser.add_argument("--head-dim", type=int, default=None, help="head width kept (default: the run's)")
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--ticks", default="eager,compiled",
+                        help="the engine's ticks timed (eager, static, compiled); every engine row's ratio is against "
+                             "the fastest engine at the fixed budget among them")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
@@ -64,6 +69,9 @@ def parse_args(argv):
     if not args.widths or min(args.widths) < 1:
         parser.error("--widths-d needs at least one width >= 1")
     args.device = "cpu"  # (the timing helpers read it)
+    args.tick_list = [tick.strip() for tick in args.ticks.split(",") if tick.strip()]
+    if "eager" not in args.tick_list or not set(args.tick_list) <= {"eager", "static", "compiled"}:
+        parser.error(f"--ticks must name eager and any of static, compiled; got {args.ticks!r}")
     return args
 
 
@@ -145,8 +153,10 @@ def width_rows(model, windows, ids, probs, args) -> dict:
     rule = {"controller_factory": scheduled}
     calls, records = {}, {}
     for name, budget in (("fixed", fixed), ("scheduled", rule)):
-        calls[f"engine | {name}"], records[f"engine | {name}"] = engine_call(model, windows, ids, args.batch,
-                                                                            budget, args.seed)
+        for tick in args.tick_list:
+            path = engine_path(tick)
+            calls[f"{path} | {name}"], records[f"{path} | {name}"] = engine_call(
+                model, windows, ids, args.batch, budget, args.seed, tick=tick)
         calls[f"lockstep | {name}"], records[f"lockstep | {name}"] = lockstep_call(model, windows, ids,
                                                                                   args.batch, budget, args.seed)
     samples = timed_rounds(calls, args, args.batch)
@@ -156,13 +166,20 @@ def width_rows(model, windows, ids, probs, args) -> dict:
         rates = [positions / s for s in seconds]
         rows[name] = {"tokens_per_s": statistics.median(rates), "range": [min(rates), max(rates)],
                       "steps": records[name]["steps"], "paid": records[name]["paid"]}
-    for path in ("engine", "lockstep"):
-        base, rule_row = rows[f"{path} | fixed"], rows[f"{path} | scheduled"]
-        ratio = rule_row["tokens_per_s"] / base["tokens_per_s"]
+    engines = [engine_path(tick) for tick in args.tick_list]
+    fastest = max(rows[f"{path} | fixed"]["tokens_per_s"] for path in engines)
+    for path in (*engines, "lockstep"):
+        rule_row = rows[f"{path} | scheduled"]
+        ratio = rule_row["tokens_per_s"] / (rows["lockstep | fixed"]["tokens_per_s"] if path == "lockstep" else fastest)
         bound = args.fixed / rule_row["paid"]
         rule_row.update(ratio=ratio, bound=bound, share=ratio / bound)
     rows["engine | fixed"]["vs_lockstep"] = rows["engine | fixed"]["tokens_per_s"] / rows["lockstep | fixed"]["tokens_per_s"]
     return rows
+
+
+def engine_path(tick: str) -> str:
+    """A row's path name for the engine with ``tick``: "engine" (eager) or e.g. "engine compiled"."""
+    return "engine" if tick == "eager" else f"engine {tick}"
 
 
 def main(argv=None) -> int:
@@ -193,14 +210,15 @@ def main(argv=None) -> int:
     report = {"device": _cpu_name(), "torch": torch.__version__, "threads": args.threads, "revision": revision(),
               "args": {k: v for k, v in vars(args).items() if k != "widths"}, "histogram": probs.tolist(),
               "mean_steps": mean, "widths": {}}
-    print("d_model  path      fixed tok/s   scheduled tok/s  ratio  bound  share", flush=True)
+    print("d_model  path             fixed tok/s   scheduled tok/s  ratio  bound  share  (engine rows: against the "
+          "fastest engine at the fixed budget)", flush=True)
     for width in args.widths:
         model = wide_model(trained.config, width, head_dim, args.seed)
         rows = width_rows(model, windows, ids, probs, args)
         report["widths"][str(width)] = rows
-        for path in ("engine", "lockstep"):
+        for path in (*[engine_path(tick) for tick in args.tick_list], "lockstep"):
             fixed, rule = rows[f"{path} | fixed"], rows[f"{path} | scheduled"]
-            print(f"{width:7d}  {path:8s}  {fixed['tokens_per_s']:11,.0f}  {rule['tokens_per_s']:15,.0f}  "
+            print(f"{width:7d}  {path:15s}  {fixed['tokens_per_s']:11,.0f}  {rule['tokens_per_s']:15,.0f}  "
                   f"{rule['ratio']:5.2f}  {rule['bound']:5.2f}  {rule['share']:5.0%}", flush=True)
     if args.json:
         import json
