@@ -153,11 +153,11 @@ class StaticTick:
         with torch.inference_mode():  # the tick's inputs as every later tick's are (no recompile at tick 2)
             engine.state, engine.projected = engine.state.clone(), engine.projected.clone()
         self.compiled = compile
-        if compile:  # one graph per (model, width, dtype, rule): more than dynamo's default few in one process
-            config = torch._dynamo.config
-            config.recompile_limit = max(config.recompile_limit, 64)
-            config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
-        self.function = torch.compile(_own_code(self._tick), dynamic=False) if compile else self._tick
+        # inside a tick: its inputs, the loop's new states and which rows stopped (None between ticks)
+        self.state = self.projected = self.new = self.done = None
+        # (a code object of its own: dynamo's graphs, guards and recompile count are this engine's alone)
+        self.code = _own_code(self._tick)  # (its code object: where dynamo keeps this engine's graphs)
+        self.function = torch.compile(self.code, dynamic=False) if compile else self._tick
 
     def admit(self, row: int, prompt: list[int]) -> None:
         """Slot ``row`` takes a new request: its prompt, step 1, position 0."""
@@ -166,10 +166,6 @@ class StaticTick:
         self.prompt_length[row] = len(prompt)
         self.steps[row] = 1
         self.positions[row] = 0
-
-    def restart(self, rows: torch.Tensor) -> None:
-        """Rows ``rows`` start a new token's loop outside the tick (a sampled token, entered by the host)."""
-        self.steps[rows] = 1
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One tick over every slot; returns ``[2, B]`` (stopped, argmax or -1 where the logits are not
@@ -221,9 +217,10 @@ class StaticTick:
 
 
 def _own_code(method):
-    """``method`` (bound) with a code object of its own: dynamo keeps its compiled graphs and their guards per
-    code object, so each engine's tick is looked up among its own graph only, not among every engine's in the
-    process (each failing guard set checked first costs the tick time)."""
+    """``method`` (bound) with a code object of its own: dynamo keeps its compiled graphs, their guards and its
+    recompile count per code object, so each engine's tick is looked up among its own graphs only (each failing
+    guard set checked first costs the tick time), and many engines in one process (a benchmark's widths and
+    rules) never reach dynamo's recompile limit (8) together."""
     function = method.__func__
     copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
                               function.__defaults__, function.__closure__)
