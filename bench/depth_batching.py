@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from depth_timing import engine_call, lockstep_call, throughput_rows, timed_rounds  # noqa: E402
+from depth_timing import engine_call, lockstep_call, throughput_rows, tick_list, timed_rounds  # noqa: E402
 
 from rdepth.errors import RdepthError  # noqa: E402
 
@@ -252,13 +252,7 @@ def width_calls(model, windows, ids, width: int, timed_labels: list[str], settin
 
 def ticks(args) -> list[str]:
     """The engine's ticks besides the eager one that --ticks asks for."""
-    from rdepth.engine.static import TICKS
-
-    asked = [tick.strip() for tick in args.ticks.split(",") if tick.strip()]
-    unknown = sorted(set(asked) - set(TICKS))
-    if unknown:
-        raise SystemExit(f"depth_batching: --ticks takes {', '.join(TICKS)}; got {', '.join(unknown)}")
-    return [tick for tick in asked if tick != "eager"]
+    return tick_list(args.ticks)[1:]
 
 
 def engine_quality(rows: dict, records: dict, heldout, ids, settings: dict, model, seed: int) -> dict:

@@ -16,6 +16,17 @@ import time
 import numpy as np
 
 
+def tick_list(text: str) -> list[str]:
+    """The engine's ticks named by a benchmark's --ticks (comma-separated; eager always among them, first)."""
+    from rdepth.engine.static import TICKS
+
+    asked = [tick.strip() for tick in text.split(",") if tick.strip()]
+    unknown = sorted(set(asked) - set(TICKS))
+    if unknown:
+        raise SystemExit(f"--ticks takes {', '.join(TICKS)}; got {', '.join(unknown)}")
+    return ["eager", *[tick for tick in dict.fromkeys(asked) if tick != "eager"]]
+
+
 def engine_call(model, windows, ids, width, budget, seed, kv_layout="exact", new_tokens=1, tick="eager"):
     """A call that decodes ``windows`` ``[N, T]`` (each request's prompt; initial states keyed by ``ids``)
     through one :class:`rdepth.engine.Engine` of ``width`` slots at ``budget`` (``loop_counts`` or

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bench.depth_batching import judge, meets, paired, select, split_shares
+from bench.depth_timing import throughput_rows, tick_list
 
 ARGS = Namespace(tolerance=0.01, per_difficulty=0.02, full_loops=3, policies="step_norm_rel", splits=50, seed=0)
 LABELS = np.repeat([1, 2], 200)  # 200 problems of each difficulty
@@ -109,3 +110,29 @@ def test_a_difficulty_margin_refuses_a_drop_within_the_bar_but_not_within_its_er
     assert meets(sets, "rule", "fixed 2", rows, LABELS, ARGS)
     assert not meets(sets, "rule", "fixed 2", rows, LABELS, ARGS, difficulty_margin=1.0)
     assert meets(sets, "fixed 2", "fixed 2", rows, LABELS, ARGS, margin=2.0, difficulty_margin=2.0)
+
+
+def test_ratios_are_against_the_fastest_engine_at_f_whichever_tick_it_is():
+    """With the compiled tick faster at F, the eager engine at F is below 1 and a rule's share of its bound is
+    judged against the compiled F; with the eager tick the faster, against it. The shared layout is never F."""
+    records = {name: {"latency": [0.1, 0.2], "steps": steps, "paid": steps} for name, steps in
+               (("engine | fixed 6", 6.0), ("engine compiled | fixed 6", 6.0), ("engine compiled | kl 0.02", 3.0),
+                ("engine shared-KV | fixed 6", 6.0))}
+    settings = {"fixed 6": {"loop_counts": (6,)}}
+    seconds = {"engine | fixed 6": [2.0] * 3, "engine compiled | fixed 6": [1.0] * 3,
+               "engine compiled | kl 0.02": [0.8] * 3, "engine shared-KV | fixed 6": [0.1] * 3}
+    rows = throughput_rows(seconds, records, 100, settings, "fixed 6")
+    assert rows["engine | fixed 6"]["vs_engine_fixed"] == 1.0 and rows["engine | fixed 6"]["vs_fastest_fixed"] == 0.5
+    rule = rows["engine compiled | kl 0.02"]
+    assert rule["vs_fastest_fixed"] == pytest.approx(1.25) and rule["bound"] == 2.0
+    assert rule["share_of_bound"] == pytest.approx(0.625)  # not 2.5 / 2 against the slower eager F
+    seconds["engine compiled | fixed 6"] = [4.0] * 3
+    rows = throughput_rows(seconds, records, 100, settings, "fixed 6")
+    assert rows["engine compiled | kl 0.02"]["vs_fastest_fixed"] == pytest.approx(2.5)
+
+
+def test_ticks_named_are_checked_and_eager_is_always_first():
+    assert tick_list("compiled") == ["eager", "compiled"] and tick_list("compiled,eager,compiled") == ["eager",
+                                                                                                      "compiled"]
+    with pytest.raises(SystemExit, match="--ticks takes"):
+        tick_list("eager,fast")

@@ -141,7 +141,7 @@ class StaticTick:
         self.rows = torch.arange(batch, device=device)
         self.steps = torch.ones(batch, dtype=torch.long, device=device)  # the step each row computes next
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
-        self.prompt = torch.zeros(batch, engine.capacity + 1, dtype=torch.long, device=device)
+        self.prompt = torch.zeros(batch, engine.capacity, dtype=torch.long, device=device)
         self.prompt_length = torch.zeros(batch, dtype=torch.long, device=device)
         kept = engine.k_max[0]
         self.slot_numbers = torch.arange(1, kept + 1, device=device).view(1, kept, 1, 1)
