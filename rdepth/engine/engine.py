@@ -188,9 +188,9 @@ class Engine:
             (``steps``/``rules``: the loop steps and stop reason per group of the position that chose it;
             streaming servers); it must not call the engine.
         tick: ``"eager"`` (default: each tick computes what each row needs), ``"static"`` (every slot through
-            one device function a tick, rows predicated: :mod:`rdepth.engine.static`; a model whose only
-            stage is one looped group, a step-free rule) or ``"compiled"`` (that function through
-            ``torch.compile``).
+            one device function a tick, rows predicated: :mod:`rdepth.engine.static`; a model with one looped
+            group, a rule that decides rows at any steps in one call) or ``"compiled"`` (that function
+            through ``torch.compile``).
     """
 
     def __init__(self, model: RecurrentLM, batch_size: int, *, loop_counts: Sequence[int] | str | int | None = None,
@@ -339,20 +339,15 @@ class Engine:
         self.stats.occupied += occupied
         self.stats.loop_steps[0] += occupied
         decisions, logits = self.static()
-        decisions = decisions.cpu().numpy()  # the tick's one host read: which rows stopped, their argmax
+        decisions = decisions.cpu().numpy()  # the tick's one host read: which rows stopped, argmax, token entered
         self.step_count[live] += 1
         rows = np.flatnonzero(live & (decisions[0] == 1))
         if not rows.size:
             return finished
         self.logs.current[rows, 0] = self.step_count[rows]
         self.step_count[rows] = 0
-        greedy = decisions[1][rows]
-        # what the device entered for each: the prompt's next token, or the argmax (0 where not finite)
-        following = self.position[rows] + 1
-        self._entered[rows] = np.where(following < self.logs.prompt_length[rows],
-                                       self.logs.prompt[rows, np.minimum(following, self.capacity - 1)],
-                                       np.maximum(greedy, 0))
-        return finished + self._read_out(rows, (logits, greedy))
+        self._entered[rows] = decisions[2][rows]  # the token the device entered for each (_feed compares)
+        return finished + self._read_out(rows, (logits, decisions[1][rows]))
 
     def _rows(self, rows: np.ndarray) -> tuple[torch.Tensor, bool]:
         """Slot indices on the device, and whether they are every slot in order (views, no gathers). A set of

@@ -14,7 +14,7 @@ group there, the group's input half and the initial state; ``torch.where`` keeps
 token's start where the rule fired and the loop's new state where it did not. (A row that did not stop
 writes keys of single-pass layers it will write again: after the group at its own position, before it at
 the next, both rewritten in the tick it stops, before anything reads them.) The host reads, once,
-which rows stopped and their argmax, and does the bookkeeping (the same as the eager tick's: records,
+which rows stopped, their argmax and the token entered, and does the bookkeeping (the same as the eager tick's: records,
 sampled tokens, retiring, admitting). Fixed shapes make the function one graph for ``torch.compile``
 (``Engine(..., tick="compiled")``): Inductor fuses its elementwise work, so a tick's cost barely depends
 on how many rows stop in it.
@@ -168,8 +168,8 @@ class StaticTick:
         self.positions[row] = 0
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One tick over every slot; returns ``[2, B]`` (stopped, argmax or -1 where the logits are not
-        finite) and the logits ``[B, V]``."""
+        """One tick over every slot; returns ``[3, B]`` (stopped, argmax or -1 where the logits are not
+        finite, the token entered at the next position) and the logits ``[B, V]``."""
         engine = self.engine
         state, projected, decisions, logits = self.function(engine.state, engine.projected)
         engine.state, engine.projected = state, projected
@@ -210,7 +210,7 @@ class StaticTick:
         stopped = done[:, None]
         self.steps.copy_(torch.where(done, 1, steps + 1))
         self.positions.copy_(torch.where(done, following, positions))
-        decisions = torch.stack([done.long(), torch.where(finite, greedy, -1)])
+        decisions = torch.stack([done.long(), torch.where(finite, greedy, -1), token])
         new = self.new
         self.state = self.projected = self.new = self.done = None
         return torch.where(stopped, start, new), torch.where(stopped, entered, projected), decisions, logits
