@@ -189,20 +189,22 @@ def test_a_controller_of_its_own_starts_each_rows_loop_afresh():
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on the CPU needs a C++ compiler")
-def test_each_compiled_engine_keeps_its_own_graph(monkeypatch):
+def test_each_compiled_engine_keeps_its_own_graph():
     """Two engines of different widths compile one graph each, even where dynamo allows one compile per code
     object (a shared code object would run the second engine's ticks uncompiled), and touch no global
     setting of dynamo."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     model = single_group()
     engines = []
-    for width in (2, 3):
-        results, engine = run_engine(model, [Request([1, 2, 3], max_tokens=2)], width, tick="compiled",
-                                     controller_factory=factory(model, "step_norm_rel"))
-        assert results[0].error is None
-        engines.append(engine)
-    codes = [engine.static.code.__func__.__code__ for engine in engines]
-    assert codes[0] is not codes[1] and all(len(_debug_get_cache_entry_list(code)) == 1 for code in codes)
-    assert torch._dynamo.config.recompile_limit == 1
+    # (torch's own patch: pytest's monkeypatch undoes a config option by deleting it, which hides the option
+    # from every later test)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for width in (2, 3):
+            results, engine = run_engine(model, [Request([1, 2, 3], max_tokens=2)], width, tick="compiled",
+                                         controller_factory=factory(model, "step_norm_rel"))
+            assert results[0].error is None
+            engines.append(engine)
+        codes = [engine.static.code.__func__.__code__ for engine in engines]
+        assert codes[0] is not codes[1] and all(len(_debug_get_cache_entry_list(code)) == 1 for code in codes)
+        assert torch._dynamo.config.recompile_limit == 1
