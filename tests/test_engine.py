@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from rdepth.engine import Engine, Request
+from rdepth.engine import KV_LAYOUTS, Engine, Request
 from rdepth.errors import RdepthError
 from rdepth.exits.controller import controller_factory as exit_controllers
 from rdepth.exits.gate import random_gate
@@ -218,6 +218,32 @@ def test_the_shared_layout_keeps_one_slot_and_changes_only_later_positions():
     one, two = next(exact.run()), next(shared.run())
     torch.testing.assert_close(one.logits[0], two.logits[0], rtol=0, atol=1e-12)
     assert (one.logits[1:] - two.logits[1:]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("name", sorted(KV_LAYOUTS))
+def test_every_layout_keeps_its_slots_and_is_exact_where_it_says(name):
+    """Each registered layout: the bytes a position takes are what its kept step slots imply; a layout that
+    claims exactness equals the batch-1 decoder for every request under an exit rule in any arrival order; one
+    that does not is exact at a request's first position and differs later."""
+    model = tiny_model()
+    layout = KV_LAYOUTS[name]()
+    engine = Engine(model, 3, loop_counts=K_MAX, kv_layout=name)
+    per_layer = 2 * model.config.d_model * 8  # K and V, float64
+    looped = sum(kept * len(spec.layers) for kept, spec in zip(layout.kept(K_MAX), model.config.group_specs,
+                                                            strict=True))
+    assert engine.kv_bytes_per_token() == per_layer * (2 + looped)  # layers 0 and 4 run once
+    requests = [Request(prompt, max_tokens=3, keep_logits=True) for prompt in prompts(5, seed=3)]
+    budget = {"controller_factory": factory(model, "step_norm_rel")}
+    results, _ = run_engine(model, requests, 3, order=[2, 0, 4, 1, 3], kv_layout=name, **budget)
+    if layout.exact:
+        assert_same(model, requests, results, **budget)
+        return
+    later = []
+    for index, request in enumerate(requests):
+        logits, kept = reference(model, request, **budget)[1], results[index].logits
+        torch.testing.assert_close(kept[0], logits[0], rtol=0, atol=1e-12)
+        later.append((kept[1:] - logits[1:kept.shape[0]]).abs().max().item())
+    assert max(later) > 1e-6
 
 
 def test_the_controller_must_serve_rows_at_different_steps():

@@ -121,7 +121,7 @@ def test_compiled_without_a_compiler_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(static.shutil, "which", lambda name: None)
     with pytest.raises(RdepthError, match="needs a C\\+\\+ compiler"):
         Engine(single_group(), 2, tick="compiled", loop_counts=3)
-    assert Engine(single_group(), 2, tick="static", loop_counts=3).static is not None
+    assert Engine(single_group(), 2, tick="static", loop_counts=3).tick.name == "static"
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -205,6 +205,6 @@ def test_each_compiled_engine_keeps_its_own_graph():
                                          controller_factory=factory(model, "step_norm_rel"))
             assert results[0].error is None
             engines.append(engine)
-        codes = [engine.static.code.__func__.__code__ for engine in engines]
+        codes = [engine.tick.code.__func__.__code__ for engine in engines]
         assert codes[0] is not codes[1] and all(len(_debug_get_cache_entry_list(code)) == 1 for code in codes)
         assert torch._dynamo.config.recompile_limit == 1

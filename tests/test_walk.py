@@ -117,7 +117,7 @@ def test_every_driver_walks_through_the_one_walk(counted):
     engine = Engine(model, 2, loop_counts=(2, 2))
     engine.add_request(Request([1, 2, 3], max_tokens=1))
     engine.step()  # the first tick: the token's single-pass layers, group 0 (both steps), group 1, the last layers
-    assert counted == ["_EngineWalk"] * stages
+    assert counted == ["_EagerWalk"] * stages
 
 
 def _kind_tests(source: str) -> list[int]:

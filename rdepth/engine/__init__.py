@@ -1,8 +1,12 @@
 """Continuous depth batching (:class:`Engine`): many requests decoded at once, each row at its own position
-and loop step, on the one model."""
+and loop step, on the one model: a host scheduler, a tick from :data:`TICKS`, a key/value layout from
+:data:`KV_LAYOUTS`."""
 
-from rdepth.engine.engine import Engine, EngineStats
+from rdepth.engine.engine import Engine
 from rdepth.engine.request import Finished, Request
+from rdepth.engine.scheduler import EngineStats
 from rdepth.engine.slots import KV_LAYOUTS
+from rdepth.engine.tick import TICKS, Tick, TickInput, TickOutput, TickPlan
 
-__all__ = ["Engine", "EngineStats", "Finished", "KV_LAYOUTS", "Request"]
+__all__ = ["Engine", "EngineStats", "Finished", "KV_LAYOUTS", "Request", "TICKS", "Tick", "TickInput", "TickOutput",
+           "TickPlan"]

@@ -7,7 +7,7 @@ new key at its own position ``p_b`` and, in a loop, into its own step's slot ``k
 first ``p_b + 1`` keys of that slot (the mask does the rest). :class:`CallStore` is the store a layer
 sees for one such call (``update``, as every store of :mod:`rdepth.model.kv`).
 
-Two layouts (:data:`KV_LAYOUTS`):
+Two layouts (:data:`KV_LAYOUTS`, one class each):
 
 * ``exact`` (the default): K slots per looped layer, written *through*: a token's key at loop step k goes
   into slots k..K, so when it leaves its loop at step c the slots after c already hold step c's key (the
@@ -21,18 +21,57 @@ Two layouts (:data:`KV_LAYOUTS`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import ClassVar
+
 import numpy as np
 import torch
 
 from rdepth.model.kv import AttentionContext, KVCache
 
-KV_LAYOUTS = ("exact", "shared")
+
+class ExactLayout:
+    """K slots per looped layer, written through (see the module): every token computes what the batch-1
+    decoder computes."""
+
+    name: ClassVar[str] = "exact"
+    exact: ClassVar[bool] = True  # every token computes what the batch-1 decoder computes
+
+    def kept(self, k_max: Sequence[int]) -> list[int]:
+        """The step slots each group keeps, for loop budgets ``k_max``."""
+        return list(k_max)
+
+    def looped(self, store: CallStore, tensor: torch.Tensor, new: torch.Tensor, layer: int,
+               which: int) -> torch.Tensor:
+        """A looped layer's write of ``new`` ``[A, nh, 1, hs]`` into ``tensor`` ``[K, B, nh, S, hs]`` and what
+        the rows read, ``[A, nh, span, hs]``."""
+        return store._looped(tensor, new, layer, which)
+
+
+class SharedLayout:
+    """One slot per looped layer, every step overwriting it (see the module): memory that does not grow with
+    the loop budget, outputs that differ from the trained rule's."""
+
+    name: ClassVar[str] = "shared"
+    exact: ClassVar[bool] = False  # a request's first position only (nothing cached to read)
+
+    def kept(self, k_max: Sequence[int]) -> list[int]:
+        return [1] * len(k_max)
+
+    def looped(self, store: CallStore, tensor: torch.Tensor, new: torch.Tensor, layer: int,
+               which: int) -> torch.Tensor:
+        return store._write_read(tensor[0], new)
+
+
+# The key/value layouts by name: a new layout is one class here (``name``, ``exact``, ``kept``, ``looped``); the
+# layout test in tests/test_engine.py runs over this registry (its bytes per token, and exactness where it claims it).
+KV_LAYOUTS: dict[str, type] = {layout.name: layout for layout in (ExactLayout, SharedLayout)}
 
 
 class SlotCache:
     """Keys/values for ``batch`` slots of ``capacity`` positions (``steps``: slots per group)."""
 
-    def __init__(self, cache: KVCache, layout: str, write_through: bool = True):
+    def __init__(self, cache: KVCache, layout: ExactLayout | SharedLayout, write_through: bool = True):
         self.cache = cache
         self.layout = layout
         # A fixed budget never leaves a loop early, so slot k only ever holds step k: nothing to write through
@@ -110,10 +149,8 @@ class CallStore:
         if layer in cache.single:
             return tuple(self._write_read(tensor, new)
                          for tensor, new in zip(cache.single[layer], (keys, values), strict=True))
-        if self.slots.layout == "shared":
-            return tuple(self._write_read(tensor[0], new)
-                         for tensor, new in zip(cache.looped[layer], (keys, values), strict=True))
-        return tuple(self._looped(tensor, new, layer, which)
+        layout = self.slots.layout
+        return tuple(layout.looped(self, tensor, new, layer, which)
                      for which, (tensor, new) in enumerate(zip(cache.looped[layer], (keys, values), strict=True)))
 
     def _write_read(self, tensor: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The engine's static tick: every slot through one device function a tick, shapes fixed, rows predicated.
 
-The eager tick (:meth:`Engine._tick`) computes only what each row needs: one loop step for the looping
+The eager tick (:mod:`rdepth.engine.eager`) computes only what each row needs: one loop step for the looping
 rows, then, for the few rows whose rule fired, their readout, their next token's embedding and their entry
 into the loop, each a gather, a small call and a scatter. On a small model every one of those calls costs
 its launch more than its arithmetic, so a tick with an exit rule costs about three fixed-budget loop steps.
@@ -14,8 +14,9 @@ group there, the group's input half and the initial state; ``torch.where`` keeps
 token's start where the rule fired and the loop's new state where it did not. (A row that did not stop
 writes keys of single-pass layers it will write again: after the group at its own position, before it at
 the next, both rewritten in the tick it stops, before anything reads them.) The host reads, once,
-which rows stopped, their argmax and the token entered, and does the bookkeeping (the same as the eager tick's: records,
-sampled tokens, retiring, admitting). Fixed shapes make the function one graph for ``torch.compile``
+which rows stopped, their argmax and the token entered; the scheduler's bookkeeping is the same as for the eager
+tick (records, sampled tokens, retiring, admitting), and a token it feeds that the device did not enter (a sampled
+one) is entered here through the eager walk. Fixed shapes make the function one graph for ``torch.compile``
 (``Engine(..., tick="compiled")``): Inductor fuses its elementwise work, so a tick's cost barely depends
 on how many rows stop in it.
 
@@ -28,29 +29,31 @@ from __future__ import annotations
 
 import shutil
 import types
+from typing import ClassVar
 
+import numpy as np
 import torch
 
+from rdepth.engine.eager import EagerTick
+from rdepth.engine.tick import TickInput, TickOutput, TickPlan, draw_initial, register_tick
 from rdepth.errors import RdepthError
 from rdepth.model.kv import AttentionContext
+from rdepth.model.recurrent import RecurrentLM
 from rdepth.model.walk import StageWalk
 
-TICKS = ("eager", "static", "compiled")
 
-
-def check_static(engine) -> None:
-    """A one-line error unless ``engine`` can run the static tick."""
-    model = engine.model
+def check_static(name: str, model: RecurrentLM, plan: TickPlan) -> None:
+    """A one-line error unless tick ``name`` can run ``model`` under ``plan``."""
     if model.n_groups != 1:
-        raise RdepthError(f"engine: tick {engine.tick!r} needs a model with one looped group (this one has "
+        raise RdepthError(f"engine: tick {name!r} needs a model with one looped group (this one has "
                           f"{model.n_groups}); use tick='eager'")
-    for name, wrong in (("kv_layout", engine.kv_layout != "exact"), ("warm_start", engine.warm_start)):
+    for field, wrong in (("kv_layout", plan.kv_layout != "exact"), ("warm_start", plan.warm_start)):
         if wrong:
-            raise RdepthError(f"engine: tick {engine.tick!r} runs the exact layout without warm start; "
-                              f"{name} asks otherwise (use tick='eager')")
-    policy = getattr(engine.controller, "policy", None)
+            raise RdepthError(f"engine: tick {name!r} runs the exact layout without warm start; "
+                              f"{field} asks otherwise (use tick='eager')")
+    policy = getattr(plan.controller, "policy", None)
     if policy is not None and not policy(0).one_call:
-        raise RdepthError(f"engine: tick {engine.tick!r} runs rules that decide rows at any steps in one call "
+        raise RdepthError(f"engine: tick {name!r} runs rules that decide rows at any steps in one call "
                           f"(such as step_norm_rel, kl, learned); {policy(0).name} does not (use tick='eager')")
 
 
@@ -96,7 +99,7 @@ class _StaticWalk(StageWalk):
     the initial states (:attr:`entered`)."""
 
     def __init__(self, tick: StaticTick, initial: torch.Tensor | None):
-        super().__init__(tick.engine.model)
+        super().__init__(tick.model)
         self.tick = tick
         self.initial = initial  # (B, capacity, d): each slot's request's initial states, or None (zeros)
         self.finishing = True
@@ -127,37 +130,84 @@ class _StaticWalk(StageWalk):
         return self.initial[torch.arange(inputs.shape[0], device=inputs.device), self.next_positions]
 
 
-class StaticTick:
-    """The device side of the static tick for ``engine`` (see the module): the slots' steps, positions and
-    prompts on the device, and the one function a tick runs (compiled with ``compile``)."""
+@register_tick
+class StaticTick(EagerTick):
+    """The static tick (see the module): the slots' steps, positions and prompts on the device, and the one
+    function a tick runs (``compiled``: through ``torch.compile``, :class:`CompiledTick`). Rows the host enters
+    (admitted, or fed a token the device did not enter) go through the eager tick's walk up to the group."""
 
-    def __init__(self, engine, compile: bool):
-        check_static(engine)
-        if compile and engine.device.type == "cpu" and not _cpu_compiler():
+    name: ClassVar[str] = "static"
+    compiled: ClassVar[bool] = False
+
+    def __init__(self, model: RecurrentLM, plan: TickPlan):
+        check_static(self.name, model, plan)
+        if self.compiled and plan.device.type == "cpu" and not _cpu_compiler():
             raise RdepthError("engine: tick 'compiled' on the CPU needs a C++ compiler (g++ or the one "
                               "torch._inductor.config.cpp.cxx names); use tick='static' or 'eager'")
-        self.engine = engine
-        batch, device = engine.batch, engine.device
+        super().__init__(model, plan)
+        batch, device = plan.batch, plan.device
         self.rows = torch.arange(batch, device=device)
         self.steps = torch.ones(batch, dtype=torch.long, device=device)  # the step each row computes next
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
-        self.prompt = torch.zeros(batch, engine.capacity, dtype=torch.long, device=device)
+        self.prompt = torch.zeros(batch, plan.capacity, dtype=torch.long, device=device)
         self.prompt_length = torch.zeros(batch, dtype=torch.long, device=device)
-        kept = engine.k_max[0]
+        kept = plan.k_max[0]
         self.slot_numbers = torch.arange(1, kept + 1, device=device).view(1, kept, 1, 1)
-        cap = engine.capacity
+        cap = plan.capacity
         where = torch.arange(cap, device=device)
         self.masks = (where[None, :] <= where[:, None]).view(cap, 1, 1, cap)
-        self.walk = _StaticWalk(self, engine.initial.get(0))
+        self.static_walk = _StaticWalk(self, self.initial.get(0))
         self.values = [1, kept]  # (more than one distinct step: the rule's one call for rows at any step)
         with torch.inference_mode():  # the tick's inputs as every later tick's are (no recompile at tick 2)
-            engine.state, engine.projected = engine.state.clone(), engine.projected.clone()
-        self.compiled = compile
+            self.state, self.projected = self.state.clone(), self.projected.clone()
+        self.live = np.zeros(batch, dtype=bool)  # host: the occupied slots
+        self.entered = np.zeros(batch, dtype=np.int64)  # host: the token the device entered per slot
+        self.row_memory = plan.row_memory
         # inside a tick: its inputs, the loop's new states and which rows stopped (None between ticks)
-        self.state = self.projected = self.new = self.done = None
-        # (a code object of its own: dynamo's graphs, guards and recompile count are this engine's alone)
-        self.code = _own_code(self._tick)  # (its code object: where dynamo keeps this engine's graphs)
-        self.function = torch.compile(self.code, dynamic=False) if compile else self._tick
+        self._in_state = self._in_projected = self.new = self.done = None
+        # (a code object of its own: dynamo's graphs, guards and recompile count are this tick's alone)
+        self.code = _own_code(self._tick)
+        self.function = torch.compile(self.code, dynamic=False) if self.compiled else self._tick
+
+    def __call__(self, tick_input: TickInput) -> TickOutput:
+        self._apply(tick_input)
+        live = self.live
+        occupied = int(live.sum())
+        state, projected, decisions, logits = self.function(self.state, self.projected)
+        self.state, self.projected = state, projected
+        decisions = decisions.cpu().numpy()  # the tick's one host read: which rows stopped, argmax, token entered
+        self.step_count[live] += 1
+        rows = np.flatnonzero(live & (decisions[0] == 1))
+        if not rows.size:
+            return TickOutput.nothing(1, [occupied])
+        self.current[rows, 0] = self.step_count[rows]
+        self.step_count[rows] = 0
+        self.entered[rows] = decisions[2][rows]  # the token the device entered for each (_apply compares)
+        self.position[rows] += 1  # (the device moved them on; the host's next hand-over says the same)
+        return TickOutput(rows, decisions[1][rows], self.current[rows].copy(), logits, rows, [occupied])
+
+    def _apply(self, tick_input: TickInput) -> None:
+        """The host's hand-over: slots emptied; requests admitted (their prompt on the device, their first
+        token entered); tokens fed that the device did not enter itself (sampled ones) entered here, and the
+        rule's memory of every fed row started afresh."""
+        self.live[tick_input.retired] = False
+        admitted = np.asarray([row for row, _ in tick_input.admitted], dtype=np.int64)
+        for row, request in tick_input.admitted:
+            draw_initial(self.model, self.initial, row, request)
+            self.admit(row, request.prompt)
+            self.live[row] = True
+            self.entered[row] = -1  # (its first token: never the device's)
+        rows, tokens, positions = tick_input.entering, tick_input.tokens, tick_input.positions
+        if not rows.size:
+            return
+        other = tokens != self.entered[rows]
+        if other.any():
+            self._enter(rows[other], tokens[other], positions[other])
+            self.walk.enter_rows(rows[other])
+        fed = rows[~np.isin(rows, admitted)]
+        if self.row_memory and fed.size:
+            rows_t, _ = self._rows(fed)
+            self.controller.begin_rows(0, rows_t, self.state[rows_t])
 
     def admit(self, row: int, prompt: list[int]) -> None:
         """Slot ``row`` takes a new request: its prompt, step 1, position 0."""
@@ -167,53 +217,53 @@ class StaticTick:
         self.steps[row] = 1
         self.positions[row] = 0
 
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One tick over every slot; returns ``[3, B]`` (stopped, argmax or -1 where the logits are not
-        finite, the token entered at the next position) and the logits ``[B, V]``."""
-        engine = self.engine
-        state, projected, decisions, logits = self.function(engine.state, engine.projected)
-        engine.state, engine.projected = state, projected
-        return decisions, logits
-
     def single_context(self, positions: torch.Tensor) -> AttentionContext:
         """The context of a single-pass layer's call over every slot at ``positions``."""
-        store = _SingleStore(self.engine.slots.cache, positions, self.rows)
+        store = _SingleStore(self.slots.cache, positions, self.rows)
         return AttentionContext(store, 0, self.rows, positions, self.rows, 1, self.rows.shape[0],
                                 self.masks.index_select(0, positions), one_per_row=True, elementwise=self.compiled)
 
     def loop_step(self) -> torch.Tensor:
         """One loop step of every slot at its step and position, and the rule; sets :attr:`new` (the loop's new
         states) and :attr:`done`; returns the states to hand on."""
-        engine, steps, positions, rows = self.engine, self.steps, self.positions, self.rows
-        store = _StaticStore(engine.slots.cache, steps, positions, rows, self.slot_numbers)
+        steps, positions, rows = self.steps, self.positions, self.rows
+        store = _StaticStore(self.slots.cache, steps, positions, rows, self.slot_numbers)
         ctx = AttentionContext(store, 0, rows, positions, rows, 1, rows.shape[0],
                                self.masks.index_select(0, positions), one_per_row=True, elementwise=self.compiled)
-        self.new = engine.model.loop_step(0, self.state, self.projected, ctx)
-        self.done, handoff, _ = engine.controller.after_steps(0, steps, self.values, rows, self.state, self.new)
+        self.new = self.model.loop_step(0, self._in_state, self._in_projected, ctx)
+        self.done, handoff, _ = self.controller.after_steps(0, steps, self.values, rows, self._in_state, self.new)
         return handoff
 
     def _tick(self, state: torch.Tensor, projected: torch.Tensor):
-        engine, model = self.engine, self.engine.model
+        model = self.model
         steps, positions = self.steps, self.positions
-        self.state, self.projected = state, projected
-        logits = model.readout(self.walk.run(True, None))
+        self._in_state, self._in_projected = state, projected
+        logits = model.readout(self.static_walk.run(True, None))
         done = self.done
         finite = torch.isfinite(logits).all(dim=-1)
         greedy = logits.argmax(dim=-1)
-        following = (positions + 1).clamp(max=engine.capacity - 1)  # (a free slot's garbage stays in range)
+        following = (positions + 1).clamp(max=self.capacity - 1)  # (a free slot's garbage stays in range)
         in_prompt = positions + 1 < self.prompt_length
         token = torch.where(in_prompt, self.prompt.gather(1, following[:, None]).squeeze(1),
                             torch.where(finite, greedy, 0))
-        self.walk.next_positions = following
-        self.walk.run(False, model.embed(token, positions=following).to(state.dtype))
-        start, entered = self.walk.entered
+        self.static_walk.next_positions = following
+        self.static_walk.run(False, model.embed(token, positions=following).to(state.dtype))
+        start, entered = self.static_walk.entered
         stopped = done[:, None]
         self.steps.copy_(torch.where(done, 1, steps + 1))
         self.positions.copy_(torch.where(done, following, positions))
         decisions = torch.stack([done.long(), torch.where(finite, greedy, -1), token])
         new = self.new
-        self.state = self.projected = self.new = self.done = None
+        self._in_state = self._in_projected = self.new = self.done = None
         return torch.where(stopped, start, new), torch.where(stopped, entered, projected), decisions, logits
+
+
+@register_tick
+class CompiledTick(StaticTick):
+    """The static tick's function through ``torch.compile`` (one graph per tick object)."""
+
+    name: ClassVar[str] = "compiled"
+    compiled: ClassVar[bool] = True
 
 
 def _own_code(method):

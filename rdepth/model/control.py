@@ -9,7 +9,7 @@ trivial one (a set number of steps per group).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -38,10 +38,27 @@ class LoopController(Protocol):
         iterates 0..step.
         """
 
-    # Continuous depth batching (rdepth.engine) also calls, on rows that loop at different steps:
-    #   begin_rows(group, rows [A], state [A, d]): start these rows' loops, the others going on;
-    #   after_steps(group, steps [A] long, values (the distinct steps, host ints), rows, prev, new):
-    #   after_step for each row at its own step. FixedController and PolicyController have both.
+
+
+@runtime_checkable
+class RowController(Protocol):
+    """A loop controller that serves rows looping at different steps (continuous depth batching,
+    :mod:`rdepth.engine`): :class:`FixedController` and the exit rules'
+    :class:`~rdepth.exits.controller.PolicyController` implement it (and :class:`LoopController` too)."""
+
+    def max_steps(self, group: int) -> int:
+        """Hard cap on loop steps for ``group``."""
+
+    def begin(self, group: int, state: torch.Tensor) -> None:
+        """Called once with a state ``[B, d]`` of every slot (the rule's per-row memory allocated)."""
+
+    def begin_rows(self, group: int, rows: torch.Tensor, state: torch.Tensor) -> None:
+        """Start the loops of the rows ``rows`` ``[A]`` from ``state`` ``[A, d]``, the other rows going on."""
+
+    def after_steps(self, group: int, steps: torch.Tensor, values: Sequence[int], rows: torch.Tensor,
+                    prev: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`LoopController.after_step` for each row of ``rows`` ``[A]`` at its own step ``steps`` ``[A]``
+        (``values``: the distinct steps among them, host ints)."""
 
 
 class FixedController:

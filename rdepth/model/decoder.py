@@ -30,6 +30,7 @@ import torch
 
 from rdepth.config import parse_loop_counts
 from rdepth.errors import RdepthError
+from rdepth.model.budget import Budget, resolve_budget
 from rdepth.model.control import FixedController, LoopController
 from rdepth.model.executors.eager import Executor
 from rdepth.model.kv import AttentionContext, ChunkKV
@@ -40,18 +41,6 @@ from rdepth.model.sampling import choose_tokens
 from rdepth.model.walk import StageWalk
 
 _Run = Callable[[], None]
-
-
-@dataclass(frozen=True)
-class Budget:
-    """How long each group loops: ``counts`` (fixed) or a ``controller_factory`` (exits)."""
-
-    counts: tuple[int, ...] | None = None
-    controller_factory: Callable[[], LoopController] | None = None
-
-    @property
-    def fixed(self) -> bool:
-        return self.controller_factory is None
 
 
 @dataclass
@@ -440,19 +429,6 @@ def _sequence(pieces: list[_Run]) -> _Run:
             piece()
 
     return run
-
-
-def resolve_budget(model: RecurrentLM, loop_counts, controller_factory, default: Budget | None = None) -> Budget:
-    """Fixed ``loop_counts``, else exits by ``controller_factory``, else ``default`` (the model's eval loops
-    when None)."""
-    if loop_counts is not None and controller_factory is not None:
-        raise RdepthError("decoder: give loop_counts or controller_factory, not both")
-    if controller_factory is not None:
-        return Budget(controller_factory=controller_factory)
-    if loop_counts is None and default is not None:
-        return default
-    counts = model.config.default_eval_loops if loop_counts is None else loop_counts
-    return Budget(counts=parse_loop_counts(counts, model.n_groups) if model.n_groups else ())
 
 
 def _kept_steps(model: RecurrentLM, budget: Budget, keep_steps) -> tuple[int, ...]:

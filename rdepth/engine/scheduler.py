@@ -1,0 +1,268 @@
+"""The engine's host side: slots, the queue, admission, retirement, the host logs and token choice.
+
+:class:`Scheduler` hands the tick a :class:`~rdepth.engine.tick.TickInput` (:meth:`Scheduler.schedule`) and reads
+its :class:`~rdepth.engine.tick.TickOutput` back (:meth:`Scheduler.update`): for each row read out, its steps and
+argmax recorded; in its prompt, the prompt's next token fed; beyond it, the next token chosen (greedy, or drawn
+with the request's own generator), handed to the listener, and the request retired (a stop token, its length,
+the context, a cancellation, a non-finite output) or its token fed. It touches no device buffer of the tick's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rdepth.engine.request import Finished, Request
+from rdepth.engine.tick import TickInput, TickOutput
+from rdepth.model.sampling import choose_tokens
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life: ticks, row-steps per group (loop steps computed, summed over rows),
+    positions decoded, occupied slot-ticks (occupancy = that over ticks * batch)."""
+
+    ticks: int = 0
+    positions: int = 0
+    occupied: int = 0
+    loop_steps: list[int] | None = None
+    requests: int = 0
+    failed: int = 0
+
+    def as_dict(self, batch: int) -> dict:
+        steps = self.loop_steps or []
+        return {"ticks": self.ticks, "positions": self.positions, "requests": self.requests,
+                "failed": self.failed, "loop_steps": list(steps),
+                "mean_loop_steps": [s / self.positions if self.positions else 0.0 for s in steps],
+                "occupancy": self.occupied / (self.ticks * batch) if self.ticks else 0.0}
+
+
+class _Live:
+    """A request in a slot: what it has chosen so far (its loop steps and predictions per position are in the
+    host logs, :class:`_Logs`, until it retires)."""
+
+    def __init__(self, request_id: int, request: Request, result: Finished, device: torch.device):
+        self.id, self.request, self.result = request_id, request, result
+        self.generator = None
+        if request.temperature > 0:
+            self.generator = torch.Generator(device=device).manual_seed(int(request.seed))
+        self.logits: list[torch.Tensor] = []
+
+
+class _Logs:
+    """Per slot, on the host: the prompt, the loop steps per group of every position read out, and the argmax
+    after each; one vectorized write per readout for all its rows, turned into the result's lists once, when
+    the request retires."""
+
+    def __init__(self, batch: int, capacity: int, n_groups: int, k_max: list[int], fixed: bool):
+        # (int32: token ids and loop steps fit, and a long context's slots take half the host memory)
+        self.prompt = np.zeros((batch, capacity), dtype=np.int32)  # the prompt (then zeros)
+        self.prompt_length = np.zeros(batch, dtype=np.int64)
+        self.keeps = np.zeros(batch, dtype=bool)  # whether the slot's request keeps its logits
+        self.steps = np.zeros((batch, capacity, n_groups), dtype=np.int32)  # per position read out
+        self.predicted = np.zeros((batch, capacity), dtype=np.int32)  # the argmax after each position
+        self.k_max = np.asarray(k_max, dtype=np.int64)
+        self.fixed = fixed
+
+    def admit(self, row: int, request: Request) -> None:
+        self.prompt[row, :len(request.prompt)] = request.prompt
+        self.prompt_length[row] = len(request.prompt)
+        self.keeps[row] = request.keep_logits
+
+    def record(self, rows: np.ndarray, positions: np.ndarray, steps: np.ndarray, greedy: np.ndarray) -> None:
+        """Rows ``rows`` read out position ``positions`` after loop steps ``steps`` ``[E, G]``, argmax ``greedy``."""
+        self.steps[rows, positions] = steps
+        self.predicted[rows, positions] = greedy
+
+    def rules(self, steps: np.ndarray) -> list:
+        """Why each loop ended, for loop steps ``steps`` ``[..., G]``: "budget" (a fixed budget or the cap) or
+        "rule"."""
+        return np.where(self.fixed | (steps == self.k_max), "budget", "rule").tolist()
+
+    def fill(self, result: Finished, row: int, read: int) -> None:
+        """The result's steps, rules and predictions of the ``read`` positions row ``row`` read out."""
+        steps = self.steps[row, :read]
+        result.steps = steps.tolist()
+        result.rules = self.rules(steps)
+        result.predicted = self.predicted[row, :min(read, int(self.prompt_length[row]))].tolist()
+
+
+class Scheduler:
+    """The host side of an engine of ``batch`` slots of ``capacity`` positions (see the module)."""
+
+    def __init__(self, batch: int, capacity: int, n_groups: int, k_max: list[int], fixed: bool,
+                 device: torch.device, clock: Callable[[], float] = time.perf_counter,
+                 listener: Callable[[int, int, list[int], list[str]], None] | None = None):
+        self.batch, self.capacity, self.device, self.clock, self.listener = batch, capacity, device, clock, listener
+        self.live: list[_Live | None] = [None] * batch
+        self.position = np.zeros(batch, dtype=np.int64)  # where each slot's token in flight writes
+        self.queue: deque[tuple[int, Request, float, int]] = deque()
+        self.next_id = 0
+        self.cancelled: set[int] = set()
+        self.stats = EngineStats(loop_steps=[0] * n_groups)
+        self.logs = _Logs(batch, capacity, n_groups, k_max, fixed)
+        self._retired: list[int] = []  # slots emptied since the last hand-over
+        self._admitted: list[tuple[int, Request]] = []
+        self._feeding: list[tuple[np.ndarray, np.ndarray]] = []  # (slots, tokens) fed since the last hand-over
+
+    # ------------------------------------------------------------------ clients
+    def add(self, request: Request) -> int:
+        request_id = self.next_id
+        self.next_id += 1
+        self.queue.append((request_id, request, self.clock(), self.stats.ticks))
+        return request_id
+
+    def occupied(self) -> np.ndarray:
+        return np.asarray([live is not None for live in self.live], dtype=bool)
+
+    def in_flight(self) -> int:
+        return sum(live is not None for live in self.live)
+
+    def pending(self) -> bool:
+        return bool(self.queue) or self.in_flight() > 0
+
+    # ------------------------------------------------------------------ schedule
+    def admit(self) -> list[Finished]:
+        """Fill free slots from the queue; a request that cannot run finishes at once with its error."""
+        finished = []
+        free = [row for row, live in enumerate(self.live) if live is None]
+        while free and self.queue:
+            request_id, request, submitted, tick = self.queue.popleft()
+            result = Finished(request_id, request, submitted_tick=tick, submitted_s=submitted)
+            self.stats.requests += 1
+            if len(request.prompt) > self.capacity:
+                result.finish_reason, result.error = "error", (
+                    f"a prompt of {len(request.prompt)} tokens exceeds the engine's capacity {self.capacity} "
+                    "(the model's context)")
+                self.stats.failed += 1
+                result.finished_tick, result.finished_s = self.stats.ticks, self.clock()
+                finished.append(result)
+                continue
+            row = free.pop(0)
+            self.live[row] = _Live(request_id, request, result, self.device)
+            self.logs.admit(row, request)
+            self.position[row] = 0
+            self._admitted.append((row, request))
+            self._feeding.append((np.asarray([row]), np.asarray([request.prompt[0]])))
+        return finished
+
+    def schedule(self) -> TickInput:
+        """The next tick's hand-over (and the counts of a tick: the caller ticks only with a slot occupied)."""
+        live = self.occupied()
+        if self._feeding:
+            rows = np.concatenate([rows for rows, _ in self._feeding]).astype(np.int64)
+            tokens = np.concatenate([tokens for _, tokens in self._feeding]).astype(np.int64)
+            order = np.argsort(rows, kind="stable")  # slots in order (every slot entering: views, no gathers)
+            rows, tokens = rows[order], tokens[order]
+        else:
+            rows = tokens = np.zeros(0, dtype=np.int64)
+        tick_input = TickInput(live, np.asarray(self._retired, dtype=np.int64), self._admitted, rows, tokens,
+                               self.position[rows].copy())
+        self._retired, self._admitted, self._feeding = [], [], []
+        return tick_input
+
+    def count_tick(self, occupied: int) -> None:
+        self.stats.ticks += 1
+        self.stats.occupied += occupied
+
+    # ------------------------------------------------------------------ update
+    def update(self, output: TickOutput) -> list[Finished]:
+        """Rows read out: records, the next token, retire or go on (see the module). Rows still in their prompt
+        (the argmax recorded, the prompt's next token fed) are handled for all of them at once; a row that
+        generates, keeps its logits or fails goes through :meth:`_choose`."""
+        for group, steps in enumerate(output.loop_steps):
+            self.stats.loop_steps[group] += steps
+        rows, greedy = output.rows, output.greedy
+        if not rows.size:
+            return []
+        logs = self.logs
+        positions = self.position[rows]
+        finite = greedy >= 0
+        if finite.all():
+            logs.record(rows, positions, output.steps, greedy)
+            read = rows.size
+        else:
+            logs.record(rows[finite], positions[finite], output.steps[finite], greedy[finite])
+            read = int(finite.sum())
+        self.stats.positions += read
+        in_prompt = finite & (positions + 1 < logs.prompt_length[rows])
+        keeps = logs.keeps[rows]
+        if in_prompt.all() and not keeps.any():  # every row in its prompt, none keeping logits: nothing per row
+            self._feed(rows, logs.prompt[rows, positions + 1])
+            return []
+        feed = in_prompt.copy()
+        tokens = logs.prompt[rows, np.minimum(positions + 1, self.capacity - 1)]  # the prompt's next (in it)
+        finished = []
+        for index in np.flatnonzero(~in_prompt | keeps).tolist():
+            token = self._choose(int(rows[index]), int(positions[index]), int(greedy[index]), output.logits,
+                                 int(output.index[index]), bool(in_prompt[index]), finished)
+            if token is not None:
+                feed[index], tokens[index] = True, token
+        if feed.any():
+            self._feed(rows[feed], tokens[feed])
+        return finished
+
+    def _feed(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """The next token of each row goes in at the row's next position (in the next tick's hand-over)."""
+        self.position[rows] += 1
+        self._feeding.append((rows.copy(), np.asarray(tokens, dtype=np.int64)))
+
+    def _choose(self, row: int, position: int, greedy: int, logits: torch.Tensor, index: int, in_prompt: bool,
+                finished: list[Finished]) -> int | None:
+        """One row's readout beyond the prompt's bookkeeping: its logits kept, its new token chosen (and
+        handed to the listener), its end; returns the token to feed next, or None (retired, or still in
+        the prompt: the caller feeds the prompt's next)."""
+        live = self.live[row]
+        result, request = live.result, live.request
+        if greedy < 0:
+            finished.append(self.fail(row, f"the model's output is not finite at position {position}"))
+            return None
+        if request.keep_logits:
+            kept = logits[index].detach().to("cpu")
+            live.logits.append(kept.float() if kept.dtype in (torch.float16, torch.bfloat16) else kept)
+        if in_prompt:
+            return None
+        token = greedy if live.generator is None else int(choose_tokens(
+            logits[index:index + 1], request.temperature, request.top_k, live.generator, request.top_p))
+        result.tokens.append(token)
+        if self.listener is not None:
+            steps = self.logs.steps[row, position]
+            self.listener(live.id, token, steps.tolist(), self.logs.rules(steps))
+        reason = None
+        if live.id in self.cancelled:
+            self.cancelled.discard(live.id)
+            reason = "cancelled"
+        elif token in request.stop:
+            reason = "stop"
+        elif len(result.tokens) >= request.max_tokens:
+            reason = "length"
+        elif position + 1 >= self.capacity:
+            reason = "context"
+        if reason is not None:
+            finished.append(self.retire(row, reason))
+            return None
+        return token
+
+    # ------------------------------------------------------------------ slots
+    def retire(self, row: int, reason: str, error: str | None = None) -> Finished:
+        """Slot ``row``'s request ends (``error``: at its current position, which did not read out; else
+        after it)."""
+        live = self.live[row]
+        result = live.result
+        self.logs.fill(result, row, int(self.position[row]) + (error is None))
+        result.finish_reason, result.error = reason, error
+        if live.logits:
+            result.logits = torch.stack(live.logits)
+        result.finished_tick, result.finished_s = self.stats.ticks, self.clock()
+        self.live[row] = None
+        self._retired.append(row)
+        return result
+
+    def fail(self, row: int, why: str) -> Finished:
+        self.stats.failed += 1
+        return self.retire(row, "error", why)

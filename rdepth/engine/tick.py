@@ -1,0 +1,123 @@
+"""The engine's seam between the host and the device: what a tick is handed and what it hands back.
+
+:class:`~rdepth.engine.engine.Engine` runs ``schedule -> tick -> update``: the host's
+:class:`~rdepth.engine.scheduler.Scheduler` (slots, admission, retirement, the host logs, token choice) makes a
+:class:`TickInput`; one :class:`Tick` (the eager walk, :mod:`rdepth.engine.eager`, or the static and compiled
+function, :mod:`rdepth.engine.static`) moves every occupied slot one loop step on and returns a
+:class:`TickOutput`; the scheduler reads it back. A tick owns the device (the cache, the activations, the loop
+states, the rule's memory) and is built from a :class:`TickPlan`; it reads nothing of the engine's.
+
+A new tick is a class with ``name`` and ``__call__(TickInput) -> TickOutput``, registered in :data:`TICKS`
+(``@register_tick``), with the engine's exactness tests run over it (``tests/test_engine*.py`` take every
+registered tick).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+import numpy as np
+import torch
+
+from rdepth.engine.request import Request
+from rdepth.errors import RdepthError
+from rdepth.model.control import RowController
+from rdepth.model.noise import StateNoise
+from rdepth.model.recurrent import RecurrentLM
+
+
+@dataclass(frozen=True)
+class TickPlan:
+    """What a tick is built for: the slots (``batch`` rows of ``capacity`` positions), the loop controller
+    (``fixed``: a fixed budget, ``k_max`` the most steps per group), the key/value layout, warm start, and the
+    dtype and device of the model's parameters."""
+
+    batch: int
+    capacity: int
+    controller: RowController
+    fixed: bool
+    k_max: tuple[int, ...]
+    kv_layout: str
+    warm_start: bool
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def row_memory(self) -> bool:
+        """Whether the controller keeps memory per row that a row's next token starts afresh (an exit rule
+        says; a controller other than a fixed budget is asked every time)."""
+        policy = getattr(self.controller, "policy", None)
+        return policy(0).row_memory if policy is not None else not self.fixed
+
+
+@dataclass
+class TickInput:
+    """The host's hand-over for one tick, each array over slots: ``retired`` (slots emptied since the last
+    tick), ``admitted`` (slot, request: a new request's slot, its first token entering at position 0),
+    ``entering`` (slots whose next token goes in at ``positions``: ``tokens``), ``live`` ``[B]`` (the occupied
+    slots after these)."""
+
+    live: np.ndarray
+    retired: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    admitted: list[tuple[int, Request]] = field(default_factory=list)
+    entering: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+@dataclass
+class TickOutput:
+    """What one tick did: the slots ``rows`` ``[E]`` whose token went through every stage (read out), each
+    one's argmax (``greedy``, -1 where its logits are not finite) and loop steps per group (``steps``
+    ``[E, G]``); ``logits`` with row ``rows[i]``'s at ``logits[index[i]]``; ``loop_steps``: loop steps
+    computed per group, summed over rows."""
+
+    rows: np.ndarray
+    greedy: np.ndarray
+    steps: np.ndarray
+    logits: torch.Tensor | None
+    index: np.ndarray
+    loop_steps: list[int]
+
+    @classmethod
+    def nothing(cls, groups: int, loop_steps: list[int]) -> TickOutput:
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(empty, empty, np.zeros((0, groups), dtype=np.int64), None, empty, loop_steps)
+
+
+class Tick(Protocol):
+    """One tick over the slots (see the module)."""
+
+    name: ClassVar[str]
+
+    def __call__(self, tick_input: TickInput) -> TickOutput: ...
+
+    def kv_bytes_per_token(self) -> int: ...
+
+
+TICKS: dict[str, Callable[[RecurrentLM, TickPlan], Tick]] = {}
+
+
+def register_tick(cls):
+    """Class decorator: the tick ``cls`` under ``cls.name`` in :data:`TICKS`."""
+    TICKS[cls.name] = cls
+    return cls
+
+
+def make_tick(name: str, model: RecurrentLM, plan: TickPlan) -> Tick:
+    """The registered tick ``name`` for ``model`` and ``plan`` (:mod:`rdepth.engine.engine` imports the ticks,
+    which register themselves); a one-line error names the registered ones."""
+    if name not in TICKS:
+        raise RdepthError(f"engine: tick must be one of {', '.join(TICKS)}, got {name!r}")
+    return TICKS[name](model, plan)
+
+
+def draw_initial(model: RecurrentLM, tables: dict[int, torch.Tensor], row: int, request: Request) -> None:
+    """Slot ``row``'s initial loop states at every position, per group (``tables[g]`` ``[B, capacity, d]``): its
+    request's own draw, ``StateNoise(noise_seed, [sequence_id])`` (never keyed by slot)."""
+    noise = StateNoise(request.noise_seed, [request.sequence_id])
+    for group, table in tables.items():
+        blank = torch.zeros(1, table.shape[1], table.shape[-1], dtype=table.dtype, device=table.device)
+        table[row] = model.init_state(group, blank, noise, 0)[0]
