@@ -199,7 +199,7 @@ def test_a_cancel_made_before_the_engine_took_the_request_is_not_dropped(run):
     runner.cancel(first)
     assert first.request_id is None
     runner._take_inbox()
-    assert first.request_id is not None and first.request_id in runner.engine._cancelled
+    assert first.request_id is not None and first.request_id in runner.engine.scheduler.cancelled
     never = type(first)(Request([1], max_tokens=2))  # cancelled, never submitted: kept, not lost, not sent
     runner.cancel(never)
     runner._take_inbox()

@@ -3,7 +3,12 @@
 FastAPI on Starlette, served by uvicorn: a maintained ASGI stack whose test client runs the app in-process
 (tests need no socket), with server-sent events for streaming. Bodies are validated here rather than by
 pydantic models so that a bad request gets OpenAI's error body (``{"error": {"message", "type", "param",
-"code"}}``, status 400) naming the field, never a traceback.
+"code"}}``, status 400) naming the field, never a traceback; whatever else fails in a request is a 500 with
+the same body (:mod:`rdepth.serve.errors`).
+
+A hostile client is bounded before it costs much: the body's size before it is parsed (413), the choices a
+request may ask for (prompts x n) and a string prompt's length in characters before it is tokenised; the
+tokenising runs off the event loop; a client that leaves has its choices cancelled, streamed or not.
 
 Every choice carries an extension field ``rdepth``: per new token, the loop steps each group ran
 (``steps``) and why each group's loop stopped (``rules``: ``"rule"`` the exit rule fired, ``"budget"`` the
@@ -14,25 +19,28 @@ import asyncio
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from rdepth.engine import Finished, Request
-from rdepth.serve.runner import EngineRunner, Submission, TokenEvent
+from rdepth.errors import RdepthError
+from rdepth.serve.body import decode_json, read_body, unless_client_leaves
+from rdepth.serve.errors import BadRequest, error_json, internal_error
+from rdepth.serve.runner import EngineFailed, EngineRunner, Submission, TokenEvent
 
 FINISH = {"length": "length", "context": "length", "stop": "stop", "cancelled": "stop", "error": "error"}
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
+# A string prompt longer than this many characters per position of the context is refused before it is
+# tokenised: to fit, its tokens would average more than this many characters (English text runs about 4), and
+# tokenising it would cost the server hundreds of bytes per character.
+CHARS_PER_POSITION = 16
 
 
 @dataclass
 class ServedModel:
     """What the API serves: the name clients pass as ``model``, the tokenizer, the engine's runner and the
-    limits the server sets (``max_tokens`` per request, ``max_n`` choices, the noise seed)."""
+    limits the server sets (``max_tokens`` per request, ``max_n`` choices per prompt, ``max_choices`` choices
+    per request (prompts x n), ``max_body_bytes`` per request body, the noise seed)."""
 
     name: str
     tokenizer: Any
@@ -42,10 +50,8 @@ class ServedModel:
     max_tokens: int = 256
     max_n: int = 16
     noise_seed: int = 0
-
-
-def error_body(error: BadRequest) -> dict:
-    return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": None}}
+    max_choices: int = 64
+    max_body_bytes: int = 4 * 1024 * 1024
 
 
 def _number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
@@ -59,32 +65,47 @@ def _number(body: dict, name: str, default, low: float, high: float, integer: bo
     return value
 
 
-def _prompts(served: ServedModel, prompt) -> list[list[int]]:
-    """``prompt``: a string, a list of strings, a list of token ids, or a list of such lists."""
-    vocab = served.tokenizer.vocab_size
+def _prompt_items(prompt) -> list:
+    """``prompt`` as a list of prompts, each a string or a list of token ids (not yet tokenised): ``prompt`` is
+    a string, a list of strings, a list of token ids, or a list of such lists."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise BadRequest("'prompt' must be a string, a list of strings or token ids (not empty)", "prompt")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         prompt = [prompt]
-    out = []
-    for item in prompt:
-        if isinstance(item, str):
+    return prompt
+
+
+def _tokens(served: ServedModel, item) -> list[int]:
+    """One prompt's token ids; a string longer than :data:`CHARS_PER_POSITION` characters per position of the
+    context is refused before the tokenizer sees it, and so is one that is not valid Unicode (a lone surrogate)
+    or holds a word outside a task model's vocabulary."""
+    vocab = served.tokenizer.vocab_size
+    if isinstance(item, str):
+        limit = CHARS_PER_POSITION * served.context
+        if len(item) > limit:
+            raise BadRequest(f"a prompt of {len(item)} characters is longer than this server tokenises ({limit}: "
+                             f"{CHARS_PER_POSITION} per position of the context of {served.context})", "prompt")
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest("a prompt is not valid Unicode (it holds a lone surrogate)", "prompt") from None
+        try:
             ids = served.tokenizer.encode(item)
-        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            ids = item
-            if any(not 0 <= t < vocab for t in ids):
-                raise BadRequest(f"'prompt' holds a token id outside the vocabulary [0, {vocab})", "prompt")
-        else:
-            raise BadRequest("'prompt' must be a string, a list of strings or token ids", "prompt")
-        if not ids:
-            raise BadRequest("a prompt is empty after tokenisation", "prompt")
-        if len(ids) > served.context:
-            raise BadRequest(f"a prompt of {len(ids)} tokens exceeds the model's context of {served.context}",
-                             "prompt")
-        out.append(list(ids))
-    return out
+        except RdepthError as exc:  # a task vocabulary refuses a word it lacks
+            raise BadRequest(str(exc), "prompt") from None
+    elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+        ids = item
+        if any(not 0 <= t < vocab for t in ids):
+            raise BadRequest(f"'prompt' holds a token id outside the vocabulary [0, {vocab})", "prompt")
+    else:
+        raise BadRequest("'prompt' must be a string, a list of strings or token ids", "prompt")
+    if not ids:
+        raise BadRequest("a prompt is empty after tokenisation", "prompt")
+    if len(ids) > served.context:
+        raise BadRequest(f"a prompt of {len(ids)} tokens exceeds the model's context of {served.context}", "prompt")
+    return list(ids)
 
 
 def _stops(body: dict) -> list[str]:
@@ -117,15 +138,21 @@ def parse_completion(served: ServedModel, body: Any) -> tuple[list[Request], dic
     for penalty in ("presence_penalty", "frequency_penalty"):
         if body.get(penalty) not in (None, 0, 0.0):
             raise BadRequest(f"'{penalty}' is not supported by this server (only 0)", penalty)
-    prompts = _prompts(served, body.get("prompt"))
+    items = _prompt_items(body.get("prompt"))
+    n = _number(body, "n", 1, 1, served.max_n, integer=True)
+    if len(items) * n > served.max_choices:
+        raise BadRequest(f"a request may ask for at most {served.max_choices} choices (prompts x n: "
+                         f"--max-choices), this one asks for {len(items)} x {n} = {len(items) * n}",
+                         "prompt" if len(items) > served.max_choices else "n")
     max_tokens = _number(body, "max_tokens", 16, 1, served.max_tokens, integer=True)
     temperature = _number(body, "temperature", 1.0, 0, 2)
     top_p = _number(body, "top_p", 1.0, 1e-9, 1)
-    n = _number(body, "n", 1, 1, served.max_n, integer=True)
     seed = _number(body, "seed", 0, 0, 2**62, integer=True)
     for flag in ("stream", "echo"):
         if not isinstance(body.get(flag, False), bool):
             raise BadRequest(f"'{flag}' must be true or false", flag)
+    stops = _stops(body)
+    prompts = [_tokens(served, item) for item in items]  # the costly part, last: every cheap check first
     requests = []
     for index, ids in enumerate(prompts):
         for choice in range(n):
@@ -133,7 +160,7 @@ def parse_completion(served: ServedModel, body: Any) -> tuple[list[Request], dic
             requests.append(Request(ids, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                                     seed=seed + number, noise_seed=served.noise_seed, sequence_id=number,
                                     tag=number))
-    settings = {"stream": body.get("stream", False), "echo": body.get("echo", False), "stops": _stops(body),
+    settings = {"stream": body.get("stream", False), "echo": body.get("echo", False), "stops": stops,
                 "n": n, "prompts": prompts}
     return requests, settings
 
@@ -197,6 +224,18 @@ def _submit(served: ServedModel, requests: list[Request], settings: dict) -> tup
     return submissions, choices
 
 
+def _parse(served: ServedModel, raw: bytes) -> tuple[list[Request], dict]:
+    return parse_completion(served, decode_json(raw))
+
+
+def _cancel_open(runner: EngineRunner, submissions: list[Submission], choices: list[Choice]) -> None:
+    """Cancel every choice still decoding (neither finished nor cut by a stop string): its slot is freed at its
+    next token."""
+    for submission, choice in zip(submissions, choices, strict=False):
+        if choice.finish_reason is None:
+            runner.cancel(submission)
+
+
 async def complete(served: ServedModel, requests: list[Request], settings: dict) -> dict:
     """Every choice to its end, concurrently in the engine's batch; the response body."""
     runner = served.runner
@@ -205,6 +244,8 @@ async def complete(served: ServedModel, requests: list[Request], settings: dict)
     async def drain(submission: Submission, choice: Choice) -> None:
         while True:
             event = await _next_event(submission)
+            if isinstance(event, EngineFailed):  # logged once, by the runner
+                raise BadRequest(event.message, None, 500, "server_error")
             if isinstance(event, Finished):
                 choice.finish(event)
                 return
@@ -213,7 +254,13 @@ async def complete(served: ServedModel, requests: list[Request], settings: dict)
             if choice.finish_reason is not None and not stopped:
                 runner.cancel(submission)
 
-    await asyncio.gather(*(drain(s, c) for s, c in zip(submissions, choices, strict=False)))
+    tasks = [asyncio.ensure_future(drain(s, c)) for s, c in zip(submissions, choices, strict=False)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:  # cancelled (the client left) or failed: no choice goes on decoding for nobody
+        for task in tasks:
+            task.cancel()
+        _cancel_open(runner, submissions, choices)
     prompt_tokens = sum(len(p) for p in settings["prompts"])
     completion = sum(len(c.tokens) for c in choices)
     return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
@@ -234,7 +281,7 @@ async def stream(served: ServedModel, requests: list[Request], settings: dict):
         while True:
             event = await _next_event(submissions[index])
             await merged.put((index, event))
-            if isinstance(event, Finished):
+            if isinstance(event, (Finished, EngineFailed)):
                 return
 
     tasks = [asyncio.create_task(pump(i)) for i in range(len(requests))]
@@ -253,6 +300,9 @@ async def stream(served: ServedModel, requests: list[Request], settings: dict):
         while open_choices:
             index, event = await merged.get()
             choice = choices[index]
+            if isinstance(event, EngineFailed):  # the status is sent already: the fault as the last event
+                yield f"data: {error_json(BadRequest(event.message, None, 500, 'server_error')).decode()}\n\n"
+                return
             if isinstance(event, Finished):
                 choice.finish(event)
                 open_choices -= 1
@@ -269,12 +319,12 @@ async def stream(served: ServedModel, requests: list[Request], settings: dict):
             choice.sent = len(choice.text)
             yield chunk(choice, delta, choice.depth(first), None)
         yield "data: [DONE]\n\n"
+    except Exception as exc:  # the status is sent already: the fault as the stream's last event
+        yield f"data: {error_json(internal_error('a streamed completion', exc)).decode()}\n\n"
     finally:
         for task in tasks:
             task.cancel()
-        for submission, choice in zip(submissions, choices, strict=False):
-            if choice.finish_reason is None:
-                runner.cancel(submission)
+        _cancel_open(runner, submissions, choices)
 
 
 def prometheus(served: ServedModel) -> str:
@@ -312,26 +362,31 @@ def build_app(served: ServedModel):
     # HttpRequest is local to this function)
     from fastapi import FastAPI
     from fastapi import Request as HttpRequest
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
     app = FastAPI(title="rdepth", description="An OpenAI-compatible server whose every token reports its depth")
+    # Parsing and tokenising, off the event loop (a long prompt must not stall every other client) and off the
+    # loop's default executor (whose threads wait on the engine's events).
+    parsing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rdepth-parse")
 
-    def failure(error: BadRequest) -> JSONResponse:
-        return JSONResponse(error_body(error), status_code=error.status)
+    def failure(error: BadRequest) -> Response:
+        return Response(error_json(error), status_code=error.status, media_type="application/json")
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
         try:
-            try:
-                body = json.loads(await http.body())
-            except ValueError:
-                raise BadRequest("the body is not valid JSON") from None
-            requests, settings = parse_completion(served, body)
+            raw = await read_body(http, served.max_body_bytes)
+            requests, settings = await asyncio.get_running_loop().run_in_executor(parsing, _parse, served, raw)
+            if settings["stream"]:
+                return StreamingResponse(stream(served, requests, settings), media_type="text/event-stream")
+            answered, body = await unless_client_leaves(http, complete(served, requests, settings))
+            if not answered:  # nobody to answer: its choices were cancelled
+                return Response(status_code=499)
+            return JSONResponse(body)
         except BadRequest as error:
             return failure(error)
-        if settings["stream"]:
-            return StreamingResponse(stream(served, requests, settings), media_type="text/event-stream")
-        return JSONResponse(await complete(served, requests, settings))
+        except Exception as exc:
+            return failure(internal_error("a completion", exc))
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
@@ -351,8 +406,9 @@ def build_app(served: ServedModel):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "in_flight": served.runner.engine.in_flight(),
-                "queue": served.runner.queue_length()}
+        status = {"status": "ok" if served.runner.failure is None else "failed",
+                  "in_flight": served.runner.engine.in_flight(), "queue": served.runner.queue_length()}
+        return JSONResponse(status, status_code=200 if served.runner.failure is None else 503)
 
     @app.get("/metrics")
     async def metrics():

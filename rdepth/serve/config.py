@@ -38,7 +38,11 @@ class ServeConfig:
     context: int | None = option(None, "positions each slot holds (prompt and new tokens): the engine's capacity; "
                                  "below the block size for models with a long context (an Ouro's 65,536)",
                                  default_text="the model's block size", bounds="[1, 16777216]")
-    max_n: int = option(16, "the most choices (n) a request may ask for", bounds="[1, 1024]")
+    max_n: int = option(16, "the most choices (n) a request may ask for per prompt", bounds="[1, 1024]")
+    max_choices: int = option(64, "the most choices a request may ask for in all (its prompts x n)",
+                              bounds="[1, 65536]")
+    max_body_bytes: int = option(4 * 1024 * 1024, "the largest request body taken (413 above it, before it is "
+                                 "parsed)", bounds="[1024, 1073741824]")
     seed: int = option(0, "seed of the initial loop-state noise (request choice i draws StateNoise(seed, [i]))",
                        bounds=f"[0, {2**62})")
     device: str = option("auto", DEVICE_HELP)
@@ -53,6 +57,9 @@ class ServeConfig:
         if self.exit is not None and self.loops:
             raise RdepthError("serve: --exit replaces --loops; give one")
         check_device_name("serve", self.device)
+        if self.max_n > self.max_choices:
+            raise RdepthError(f"serve: --max-n {self.max_n} exceeds --max-choices {self.max_choices} (the choices "
+                              "of a whole request); raise --max-choices too")
 
     def policy_options(self) -> dict:
         """``--exit-options`` as a dict (the learned rule's gate is the run's), as ``rdepth generate`` reads it."""

@@ -7,12 +7,15 @@ same policy, threshold, noise and seed (the engine's guarantee, tests/test_engin
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
 from rdepth.engine import Engine, Finished, Request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,11 +29,20 @@ class TokenEvent:
 
 
 @dataclass
+class EngineFailed:
+    """The last event of every request once the engine's thread has failed (an exception out of a tick): the
+    server's fault, which no request outlives."""
+
+    message: str
+
+
+@dataclass
 class Submission:
-    """A submitted request: ``events`` yields :class:`TokenEvent` s, then the :class:`Finished` result."""
+    """A submitted request: ``events`` yields :class:`TokenEvent` s, then the :class:`Finished` result (or
+    :class:`EngineFailed`)."""
 
     request: Request
-    events: queue.Queue[TokenEvent | Finished] = field(default_factory=queue.Queue)
+    events: queue.Queue[TokenEvent | Finished | EngineFailed] = field(default_factory=queue.Queue)
     request_id: int | None = None
 
 
@@ -50,12 +62,15 @@ class EngineRunner:
         self.started_s = time.time()
         self.metrics = {"requests": 0, "requests_failed": 0, "tokens_generated": 0}
         self._lock = threading.Lock()
+        self.failure: str | None = None  # set when the engine's thread failed
 
     # ------------------------------------------------------------------ clients (any thread)
     def submit(self, request: Request) -> Submission:
         submission = Submission(request)
         self._inbox.put(submission)
         self._wake.set()
+        if self.failure is not None:  # after the put: the failed thread's own sweep may have missed it
+            self._fail_inbox()
         return submission
 
     def cancel(self, submission: Submission) -> None:
@@ -91,14 +106,30 @@ class EngineRunner:
 
     def _loop(self) -> None:
         engine = self.engine
-        while not self._stop.is_set():
-            self._take_inbox()
-            if not engine.pending():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            for done in engine.step():
-                self._finish(done)
+        try:
+            while not self._stop.is_set():
+                self._take_inbox()
+                if not engine.pending():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                for done in engine.step():
+                    self._finish(done)
+        except Exception as exc:  # the engine's state is unknown now: every request, now and later, fails
+            log.error("the engine's thread failed; every request now fails (restart the server)",
+                      exc_info=(type(exc), exc, exc.__traceback__))
+            self.failure = f"the engine failed ({type(exc).__name__}); restart the server"
+            for submission in self._by_id.values():
+                submission.events.put(EngineFailed(self.failure))
+            self._by_id.clear()
+            self._fail_inbox()
+
+    def _fail_inbox(self) -> None:
+        while True:
+            try:
+                self._inbox.get_nowait().events.put(EngineFailed(self.failure))
+            except queue.Empty:
+                return
 
     def _take_inbox(self) -> None:
         while True:

@@ -9,6 +9,7 @@ from rdepth.engine import Engine
 from rdepth.errors import RdepthError
 from rdepth.serve.api import ServedModel, build_app
 from rdepth.serve.config import ServeConfig
+from rdepth.serve.listen import bind_sockets
 from rdepth.serve.runner import EngineRunner
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,8 @@ def served_model(config: ServeConfig) -> ServedModel:
                         capacity=context, tick=config.tick)
         policy = {"loops": list(engine.k_max)}
     name = config.name or _default_name(config.checkpoint)
-    return ServedModel(name, tokenizer, EngineRunner(engine).start(), context, policy,
-                       config.max_tokens, config.max_n, config.seed)
+    return ServedModel(name, tokenizer, EngineRunner(engine).start(), context, policy, config.max_tokens,
+                       config.max_n, config.seed, config.max_choices, config.max_body_bytes)
 
 
 def _default_name(checkpoint: str) -> str:
@@ -63,16 +64,22 @@ def _default_name(checkpoint: str) -> str:
 
 
 def serve(config: ServeConfig) -> int:
-    """Serve until interrupted."""
+    """Serve until interrupted. The port is taken first (in use, or a host that does not resolve: one line,
+    before the checkpoint loads), then uvicorn serves on it."""
     try:
         import uvicorn
     except ModuleNotFoundError:
         raise RdepthError("rdepth serve needs its extra: pip install 'rdepth[serve]'") from None
-    served = served_model(config)
-    log.info("serving %s (%s) on http://%s:%d with %d slots", served.name, served.policy, config.host, config.port,
-             config.batch_size)
+    sockets = bind_sockets(config.host, config.port)
     try:
-        uvicorn.run(build_app(served), host=config.host, port=config.port, log_level="info")
+        served = served_model(config)
+        log.info("serving %s (%s) on http://%s:%d with %d slots", served.name, served.policy, config.host,
+                 config.port, config.batch_size)
+        try:
+            uvicorn.Server(uvicorn.Config(build_app(served), log_level="info")).run(sockets=sockets)
+        finally:
+            served.runner.stop()
     finally:
-        served.runner.stop()
+        for sock in sockets:
+            sock.close()
     return 0
