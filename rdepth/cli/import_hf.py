@@ -8,16 +8,17 @@ from rdepth.cli.options import add_dataclass_flags, build
 
 
 def register(subparsers) -> None:
-    from rdepth.interop.config import ImportConfig
+    from rdepth.interop.config import IMPORT_FORMATS, ImportConfig
 
+    shorts = ", ".join(form.short for form in IMPORT_FORMATS.values())
+    formats = "; ".join(f"{form.name} (model_type {kind}: {form.note})" for kind, form in IMPORT_FORMATS.items())
     parser = subparsers.add_parser(
         "import-hf",
-        help="import a Hugging Face folder (rdepth export, GPT-2, Huginn-0125/raven) as an rdepth run",
+        help=f"import a Hugging Face folder ({shorts}) as an rdepth run",
         description="Write an rdepth run (checkpoint + tokenizer) from a Hugging Face folder whose "
-        "architecture rdepth's model can hold exactly: a folder written by rdepth export; a GPT-2 "
-        "folder (a plain model of gpt2 blocks; loop its layers with rdepth retrofit); a Huginn-0125 (raven) "
-        "folder (model_type huginn_raven, e.g. tomg-group-umd/huginn-0125). Other "
-        "architectures are refused with the mismatch named.",
+        f"architecture rdepth's model can hold exactly: {formats}. Other architectures are refused with "
+        "the mismatch named. A folder holding model.safetensors and a sharded index is read from the single "
+        "file, as transformers reads it.",
     )
     add_dataclass_flags(parser, ImportConfig, title="import")
     parser.set_defaults(func=run)

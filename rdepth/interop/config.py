@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from rdepth.errors import RdepthError
 from rdepth.fields import option
@@ -64,12 +65,30 @@ class ExportConfig:
         return spec
 
 
+class ImportFormat(NamedTuple):
+    """A format ``rdepth import-hf`` reads, as its --help, the README's command table and its refusal of any
+    other name it."""
+
+    short: str  # in the one-line help and the README's command table
+    name: str  # in the description and the refusal
+    note: str  # in the description
+
+
+# model_type -> the format (rdepth.interop.hf_import.IMPORTERS has an importer for each)
+IMPORT_FORMATS: dict[str, ImportFormat] = {
+    "rdepth": ImportFormat("rdepth exports", "folders written by rdepth export", "the round trip is exact"),
+    "gpt2": ImportFormat("GPT-2", "GPT-2 folders", "a plain model of gpt2 blocks, whose layers rdepth retrofit loops"),
+    "huginn_raven": ImportFormat("Huginn-0125", "Huginn-0125 (raven) folders", "e.g. tomg-group-umd/huginn-0125"),
+    "ouro": ImportFormat("Ouro", "Ouro (LoopLM) folders", "e.g. ByteDance/Ouro-1.4B and Ouro-2.6B"),
+}
+
+
 @dataclass
 class ImportConfig:
     """One ``rdepth import-hf``: a Hugging Face folder as an rdepth run."""
 
-    hf: str = option("", "Hugging Face model folder (config.json + model.safetensors + tokenizer.json)",
-                     required=True)
+    hf: str = option("", "Hugging Face model folder (config.json, model.safetensors or its shards and their "
+                     "index, tokenizer.json)", required=True)
     out: str = option("", "new rdepth run folder to write (must not exist, or be empty)", required=True)
 
 

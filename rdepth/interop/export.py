@@ -121,7 +121,7 @@ def export_run(config: ExportConfig) -> Path:
     exit_spec = config.exit_spec(model_config.n_groups, checkpoint)
     gate = _exported_gate(exit_spec, checkpoint)
     check_exit_spec(exit_spec if gate is None else {**exit_spec, "gate": gate}, model_config.n_groups)
-    with staged_folder(config.out) as folder:
+    with staged_folder(config.out, "export") as folder:
         if gate is not None:  # the learned rule's gate travels with the model (checked against it above)
             _save_tensors({"weight": gate.weight.float().contiguous(), "bias": gate.bias.float().contiguous()},
                           folder / EXPORTED_GATE)

@@ -34,6 +34,7 @@ import torch
 from rdepth.config import ModelConfig
 from rdepth.data.tokenizers import BPE_FILE, META_FILE
 from rdepth.errors import RdepthError
+from rdepth.interop.hf_weights import has_safetensors, read_hub_weights
 from rdepth.model import RecurrentLM
 from rdepth.run.checkpoint import check_weight_values
 
@@ -78,26 +79,21 @@ def gpt2_model_config(folder: Path, hf: dict) -> dict:
 
 
 def read_gpt2_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The folder's tensors (``model.safetensors``, else ``pytorch_model.bin`` with
-    ``weights_only=True``), without the ``transformer.`` prefix and the mask buffers."""
-    safetensors_path, torch_path = folder / "model.safetensors", folder / "pytorch_model.bin"
-    try:
-        if safetensors_path.is_file():
-            from safetensors import SafetensorError
-            from safetensors.torch import load_file
-
-            try:
-                raw = load_file(str(safetensors_path))
-            except SafetensorError as exc:
-                raise ValueError(str(exc)) from None
-        elif torch_path.is_file():
+    """The folder's tensors (its safetensors weights as :mod:`rdepth.interop.hf_weights` reads them, else
+    ``pytorch_model.bin`` with ``weights_only=True``), without the ``transformer.`` prefix and the mask
+    buffers."""
+    torch_path = folder / "pytorch_model.bin"
+    if has_safetensors(folder):
+        raw = read_hub_weights(folder, check_values=False)  # checked below, less the mask buffers
+    elif torch_path.is_file():
+        try:
             raw = torch.load(torch_path, map_location="cpu", weights_only=True)
             if not isinstance(raw, dict):
                 raise ValueError("not a state dict")
-        else:
-            raise RdepthError(f"{folder} has no model.safetensors or pytorch_model.bin")
-    except (OSError, ValueError, RuntimeError, EOFError) as exc:
-        raise RdepthError(f"weights in {folder} are corrupt or truncated ({exc})") from None
+        except (OSError, ValueError, RuntimeError, EOFError) as exc:
+            raise RdepthError(f"weights in {folder} are corrupt or truncated ({exc})") from None
+    else:
+        raise RdepthError(f"{folder} has no model.safetensors or pytorch_model.bin")
     weights = {}
     for name, tensor in raw.items():
         name = name.removeprefix("transformer.")

@@ -18,22 +18,21 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from rdepth.config import ModelConfig, field_names
 from rdepth.data.tokenizers import BPE_FILE, META_FILE, load_tokenizer
 from rdepth.errors import RdepthError
-from rdepth.interop.config import ImportConfig
+from rdepth.interop.config import IMPORT_FORMATS, ImportConfig
 from rdepth.interop.hf_gpt2 import import_gpt2
 from rdepth.interop.hf_ouro import MODEL_TYPE as OURO
 from rdepth.interop.hf_ouro import import_ouro
 from rdepth.interop.hf_raven import MODEL_TYPE as RAVEN
 from rdepth.interop.hf_raven import import_raven
 from rdepth.interop.hf_tokenizer import PAD_TEXT
+from rdepth.interop.hf_weights import read_hub_weights
 from rdepth.interop.output import check_new_folder, staged_folder
 from rdepth.io import read_json_object, write_json, write_text
 from rdepth.model import RecurrentLM
-from rdepth.run.checkpoint import check_weight_values, save_checkpoint
+from rdepth.run.checkpoint import save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +47,6 @@ MISMATCHES: dict[str, str] = {
 }
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = folder / "model.safetensors"
-    if not path.is_file():
-        raise RdepthError(f"{folder} has no model.safetensors")
-    try:
-        weights = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise RdepthError(f"weights {path} are corrupt or truncated ({exc})") from None
-    check_weight_values(path, weights)
-    return weights
-
-
 def import_rdepth_export(folder: Path, hf_config: dict) -> tuple[RecurrentLM, dict]:
     """A folder written by ``rdepth export``: its model and the tokenizer files to save."""
     values = {name: hf_config[name] for name in field_names() if name in hf_config}
@@ -72,7 +56,7 @@ def import_rdepth_export(folder: Path, hf_config: dict) -> tuple[RecurrentLM, di
         values["eval_loops"] = hf_config["loop_counts"]
     config = ModelConfig.from_dict(values)
     model = RecurrentLM(config)
-    weights = _read_weights(folder)
+    weights = read_hub_weights(folder)
     stripped = {name[len(WEIGHT_PREFIX):]: tensor for name, tensor in weights.items()
                 if name.startswith(WEIGHT_PREFIX)}
     expected = model.state_dict()
@@ -113,12 +97,7 @@ IMPORTERS: dict[str, Callable[[Path, dict], tuple[RecurrentLM, dict]]] = {
     OURO: import_ouro,
 }
 # model_type -> the format's name in the refusal (``rdepth import-hf --help`` names the same formats)
-FORMAT_NAMES: dict[str, str] = {
-    "rdepth": "folders written by rdepth export",
-    "gpt2": "GPT-2 folders",
-    RAVEN: "Huginn-0125 (raven) folders",
-    OURO: "Ouro (LoopLM) folders",
-}
+FORMAT_NAMES: dict[str, str] = {kind: form.name for kind, form in IMPORT_FORMATS.items()}
 
 
 def supported_formats() -> str:
@@ -146,7 +125,7 @@ def import_hf(config: ImportConfig) -> Path:
     """Write the rdepth run ``config.out`` (checkpoint at step 0 + tokenizer) from ``config.hf``."""
     check_new_folder(config.out)
     model, tokenizer_files = load_hf_folder(config.hf)
-    with staged_folder(config.out) as folder:
+    with staged_folder(config.out, "import-hf") as folder:
         save_checkpoint(folder, 0, model, model.config, state={"imported_from": str(Path(config.hf).resolve())})
         tokenizer_dir = folder / "tokenizer"
         tokenizer_dir.mkdir()

@@ -41,12 +41,11 @@ import torch
 
 from rdepth.config import MAX_BLOCK_SIZE
 from rdepth.errors import RdepthError
+from rdepth.interop.hf_weights import INDEX_FILE, read_hub_weights
 from rdepth.model import RecurrentLM
-from rdepth.run.checkpoint import check_weight_values
 
 MODEL_TYPE = "ouro"
 PREFIX = "model."
-INDEX_FILE = "model.safetensors.index.json"
 # Ouro's per-layer tensors that map one to one: name -> rdepth's
 LAYER_NAMES = {
     "self_attn.o_proj.weight": "attn.proj.weight", "mlp.down_proj.weight": "mlp.proj.weight",
@@ -161,49 +160,6 @@ def ouro_state_dict(folder: Path, weights: dict[str, torch.Tensor], model: Recur
     if set(mapped) != set(expected):  # the config and the layout above disagree: a bug, named
         raise RdepthError(f"{folder}: the Ouro layout does not fill the model: {sorted(set(expected) ^ set(mapped))[:3]}")
     return mapped
-
-
-def read_hub_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The folder's ``model.safetensors``, or the shards its ``model.safetensors.index.json`` names, each
-    tensor where the index says it is and every indexed tensor present (a wrong index is refused)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    index_path = folder / INDEX_FILE
-    weight_map: dict[str, str] | None = None
-    files = ["model.safetensors"]
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise TypeError("weight_map is not a mapping of tensor names to file names")
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
-            raise RdepthError(f"{index_path} is not a safetensors index ({exc})") from None
-        files = sorted(set(weight_map.values()))
-        for name in files:
-            if Path(name).name != name:
-                raise RdepthError(f"{index_path} names a shard outside the folder: {name!r}")
-    weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = folder / name
-        if not path.is_file():
-            raise RdepthError(f"{folder} has no {name}" + (f" (a shard its {INDEX_FILE} names)" if weight_map else ""))
-        try:
-            shard = load_file(str(path))
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise RdepthError(f"weights {path} are corrupt or truncated ({exc})") from None
-        if weight_map is not None:
-            stray = sorted(tensor for tensor in shard if weight_map.get(tensor) != name)
-            if stray:
-                raise RdepthError(f"{index_path} is wrong: {name} holds {stray[0]!r}, which the index puts "
-                                  f"{'in ' + repr(weight_map[stray[0]]) if stray[0] in weight_map else 'nowhere'}")
-        weights.update(shard)
-    if weight_map is not None:
-        absent = sorted(set(weight_map) - set(weights))
-        if absent:
-            raise RdepthError(f"{index_path} is wrong: {absent[0]!r} is not in {weight_map[absent[0]]}")
-    check_weight_values(folder, weights)
-    return weights
 
 
 def ouro_model(folder: str | Path, tokenizer: str | None = None) -> RecurrentLM:

@@ -43,8 +43,8 @@ import torch
 from rdepth.config import ModelConfig, check_fits_memory
 from rdepth.data.tokenizers import BPE_FILE, META_FILE, MIN_BPE_VOCAB
 from rdepth.errors import RdepthError
+from rdepth.interop.hf_weights import read_hub_weights
 from rdepth.model import RecurrentLM
-from rdepth.run.checkpoint import check_weight_values
 
 MODEL_TYPE = "huginn_raven"
 PREFIX = "transformer."
@@ -175,32 +175,6 @@ def _check_rotary_table(folder: Path, stored: torch.Tensor, model: RecurrentLM) 
                           f"{model.config.rope_base} (another base or pair layout)")
 
 
-def read_raven_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The folder's ``model.safetensors`` (one file; sharded checkpoints are joined by their index). A folder
-    holding both takes the single file, as transformers' ``from_pretrained`` does."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    index = folder / "model.safetensors.index.json"
-    files = [folder / "model.safetensors"]
-    if index.is_file() and not files[0].is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise RdepthError(f"{index} is not a safetensors index ({exc})") from None
-        files = [folder / name for name in shards]
-    weights: dict[str, torch.Tensor] = {}
-    for path in files:
-        if not path.is_file():
-            raise RdepthError(f"{folder} has no {path.name}")
-        try:
-            weights.update(load_file(str(path)))
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise RdepthError(f"weights {path} are corrupt or truncated ({exc})") from None
-    check_weight_values(folder, weights)
-    return weights
-
-
 def raven_tokenizer_files(folder: Path, vocab_size: int) -> tuple[str, dict[str, str | None]]:
     """(tokenizer spec, files for the run's tokenizer folder): the folder's ``tokenizer.json`` as a BPE."""
     path = folder / "tokenizer.json"
@@ -217,7 +191,7 @@ def raven_model(folder: str | Path, tokenizer: str | None = None) -> RecurrentLM
     folder = Path(folder)
     values = raven_model_config(folder, read_json_object(folder / "config.json", "Hugging Face config"))
     return hub_model(folder, MODEL_TYPE, values, tokenizer,
-                     lambda model: raven_state_dict(folder, read_raven_weights(folder), model))
+                     lambda model: raven_state_dict(folder, read_hub_weights(folder), model))
 
 
 def hub_model(folder: Path, model_type: str, values: dict, tokenizer: str | None,

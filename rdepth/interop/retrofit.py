@@ -79,7 +79,7 @@ def retrofit_run(config: RetrofitConfig) -> Path:
         changes["init_state_scale"] = config.init_state_scale
     retrofitted = retrofit_model(model, config.groups, **changes)
     tokenizer = run_tokenizer(checkpoint)
-    with staged_folder(config.out) as folder:
+    with staged_folder(config.out, "retrofit") as folder:
         save_checkpoint(folder, 0, retrofitted, retrofitted.config,
                         state={"retrofit_from": str(checkpoint.resolve()), "source_step": checkpoint_step(checkpoint)})
         tokenizer.save(folder / "tokenizer")
