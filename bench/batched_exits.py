@@ -51,7 +51,10 @@ if __name__ == "__main__" and not __package__:  # run as a file: this checkout's
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/batched_exits.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=None, help="a run or checkpoint (default: random weights)")
     parser.add_argument("--data", default=None, help="held-out data for the prompts (with --checkpoint)")
     parser.add_argument("--preset", default="tiny", help="model preset when no --checkpoint is given")
@@ -178,7 +181,9 @@ class Bench:
             tokens, _ = held_out_tokens(args.data, args.checkpoint, self.config)
             windows = held_out_windows(tokens, args.prompt, batch)[:, : args.prompt]
             if windows.shape[0] < batch:
-                raise SystemExit(f"{args.data} holds only {windows.shape[0]} prompts of {args.prompt} tokens")
+                from rdepth.errors import RdepthError
+
+                raise RdepthError(f"{args.data} holds only {windows.shape[0]} prompts of {args.prompt} tokens")
             return windows.to(self.device)
         generator = torch.Generator().manual_seed(args.seed + batch)
         return torch.randint(0, self.config.vocab_size, (batch, args.prompt), generator=generator).to(self.device)
@@ -193,8 +198,10 @@ class Bench:
         args, length = self.args, self.length
         heldout = load_heldout(args.data, args.task_difficulty)
         if heldout.tokens.shape[0] < batch or heldout.tokens.shape[1] < length:
-            raise SystemExit(f"{args.data}: difficulty {args.task_difficulty} holds {heldout.tokens.shape[0]} windows "
-                             f"of {heldout.tokens.shape[1]} tokens; {batch} of {length} needed")
+            from rdepth.errors import RdepthError
+
+            raise RdepthError(f"{args.data}: difficulty {args.task_difficulty} holds {heldout.tokens.shape[0]} windows "
+                              f"of {heldout.tokens.shape[1]} tokens; {batch} of {length} needed")
         self.answers[batch] = torch.from_numpy(np.asarray(heldout.answer_mask[:batch, args.prompt + 1:length],
                                                           dtype=bool))
         return torch.from_numpy(np.asarray(heldout.tokens[:batch, :length], dtype=np.int64)).to(self.device)

@@ -40,7 +40,10 @@ if __name__ == "__main__" and not __package__:  # run as a file: this checkout's
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/decode_speed.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny", choices=["paper", "small", "tiny"])
     parser.add_argument("--loops", default=None,
                         help="budget per group: N or N,N,... (default: the preset's eval loops)")

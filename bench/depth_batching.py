@@ -42,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from depth_timing import engine_call, lockstep_call, throughput_rows, tick_list, timed_rounds  # noqa: E402
+from flags import positive_ints  # noqa: E402
 
 from rdepth.errors import RdepthError  # noqa: E402
 
@@ -50,7 +51,10 @@ GRID = {"step_norm_rel": (0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5), "kl": (0.005, 0.
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/depth_batching.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="a trained task run (its train/ folder)")
     parser.add_argument("--data", required=True, help="its prepared task data")
     parser.add_argument("--difficulties", default="1,2,3,4,5,6,7,8")
@@ -83,9 +87,14 @@ def parse_args(argv):
     for name in ("problems", "full_loops", "splits", "rounds", "threads", "min_requests"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
     unknown = [p for p in args.policies.split(",") if p and p not in GRID]
     if unknown:
         parser.error(f"--policies: no grid for {', '.join(unknown)} (choose from {', '.join(GRID)})")
+    positive_ints("--widths", args.widths)  # (kept as text: read where it is used)
+    positive_ints("--difficulties", args.difficulties)
+    tick_list(args.ticks)
     return args
 
 
@@ -323,7 +332,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     model = load_model(args.run, device)[0].eval()
     if model.n_groups != 1:
-        raise SystemExit("depth_batching: a model with one looped group (the task models)")
+        raise RdepthError(f"{args.run}: depth_batching takes a model with one looped group (the task models), "
+                          f"not {model.n_groups}")
     difficulties = [int(d) for d in args.difficulties.split(",") if d.strip()]
     heldout, labels = mixed_heldout(args.data, difficulties, args.problems, 0)
     settings = settings_for(model, args)
@@ -372,7 +382,7 @@ def measured_quality(model, heldout, settings: dict, args, device) -> dict:
     cache = Path(args.json).with_suffix(".quality.npz") if args.json else None
     if args.reuse_quality:
         if cache is None or not cache.is_file():
-            raise SystemExit(f"depth_batching: --reuse-quality needs {cache or '--json'} from an earlier run")
+            raise RdepthError(f"--reuse-quality needs {cache or '--json'} from an earlier run")
         saved = np.load(cache)
         return {label: {"steps": float(saved[f"steps|{label}"]), "solved": saved[f"solved|{label}"]}
                 for label in settings}

@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from depth_batching import MODES, _cpu_name, timed_choice  # noqa: E402
 from depth_batching import split_shares as task_split_shares  # noqa: E402
 from depth_timing import engine_call, lockstep_call, throughput_rows, timed_rounds  # noqa: E402
+from flags import positive_ints  # noqa: E402
 
 # Thresholds per rule: text needs smaller ones than the task model (its states settle less)
 GRID = {"step_norm_rel": (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5), "kl": (0.001, 0.003, 0.01, 0.03, 0.1, 0.3),
@@ -97,12 +98,7 @@ def parse_args(argv):
     unknown = [p for p in args.policies.split(",") if p and p not in GRID]
     if unknown:
         parser.error(f"--policies: no grid for {', '.join(unknown)} (choose from {', '.join(GRID)})")
-    try:
-        args.width_list = [int(w) for w in args.widths.split(",") if w.strip()]
-    except ValueError:
-        parser.error(f"--widths: comma-separated integers, got {args.widths!r}")
-    if not args.width_list or min(args.width_list) < 1:
-        parser.error("--widths: at least one width, each >= 1")
+    args.width_list = positive_ints("--widths", args.widths)
     return args
 
 

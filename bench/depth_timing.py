@@ -18,12 +18,13 @@ import numpy as np
 
 def tick_list(text: str) -> list[str]:
     """The engine's ticks named by a benchmark's --ticks (comma-separated; eager always among them, first)."""
-    from rdepth.engine.static import TICKS
+    from rdepth.engine import TICKS
+    from rdepth.errors import RdepthError
 
     asked = [tick.strip() for tick in text.split(",") if tick.strip()]
     unknown = sorted(set(asked) - set(TICKS))
     if unknown:
-        raise SystemExit(f"--ticks takes {', '.join(TICKS)}; got {', '.join(unknown)}")
+        raise RdepthError(f"--ticks takes {', '.join(TICKS)}; got {', '.join(unknown)}")
     return ["eager", *[tick for tick in dict.fromkeys(asked) if tick != "eager"]]
 
 

@@ -34,10 +34,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flags import positive_ints  # noqa: E402
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/engine_width.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="a trained task run (its train/ folder)")
     parser.add_argument("--data", required=True, help="its prepared task data")
     parser.add_argument("--exit", default="kl", help="the rule whose exit steps are replayed")
@@ -62,12 +66,7 @@ def parse_args(argv):
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.fixed > args.k_max:
         parser.error("--fixed must be at most --k-max")
-    try:
-        args.widths = [int(w) for w in args.widths_d.split(",") if w.strip()]
-    except ValueError:
-        parser.error(f"--widths-d must be integers separated by commas, got {args.widths_d!r}")
-    if not args.widths or min(args.widths) < 1:
-        parser.error("--widths-d needs at least one width >= 1")
+    args.widths = positive_ints("--widths-d", args.widths_d)
     args.device = "cpu"  # (the timing helpers read it)
     from depth_timing import tick_list
 
@@ -136,7 +135,9 @@ def wide_model(config, width: int, head_dim: int, seed: int):
     from rdepth.model import RecurrentLM
 
     if width % head_dim:
-        raise SystemExit(f"engine_width: d_model {width} is not a multiple of the head width {head_dim}")
+        from rdepth.errors import RdepthError
+
+        raise RdepthError(f"engine_width: d_model {width} is not a multiple of the head width {head_dim}")
     fields = {**config.to_dict(), "d_model": width, "n_head": width // head_dim}
     torch.manual_seed(seed)
     return RecurrentLM(ModelConfig.from_dict(fields)).eval().requires_grad_(False)
@@ -194,7 +195,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     trained = load_model(args.run, "cpu")[0].eval().requires_grad_(False)
     if trained.n_groups != 1:
-        raise SystemExit("engine_width: a model with one looped group (the task models)")
+        from rdepth.errors import RdepthError
+
+        raise RdepthError(f"{args.run}: engine_width takes a model with one looped group (the task models), "
+                          f"not {trained.n_groups}")
     heldout, labels = mixed_heldout(args.data, list(range(1, 9)), 256, 0)
     order = list(range(1, len(labels), 2))  # half B, as bench/depth_batching.py times
     random.Random(args.seed).shuffle(order)

@@ -33,7 +33,10 @@ NEVER = {"learned": 1e-12, "kl": 1e-30, "confidence": 1e-30, "step_norm_rel": 1e
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/exit_rule_cost.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="128x1,256x2,512x4,1024x4",
                         help="comma list of WIDTHxLOOPED_LAYERS")
     parser.add_argument("--policies", default="learned,kl,step_norm_rel")
@@ -121,8 +124,10 @@ def shape_row(width: int, looped: int, args) -> dict:
         if name.startswith("fixed"):
             continue
         if abs(executed[name] - k) > 1e-9:
-            raise SystemExit(f"{name} stopped before {k} steps at {width}x{looped} ({executed[name]:.2f}): "
-                             "its never-firing threshold fired")
+            from rdepth.errors import RdepthError
+
+            raise RdepthError(f"{name} stopped before {k} steps at {width}x{looped} ({executed[name]:.2f}): "
+                              "its never-firing threshold fired")
         per_step = (ms[name] - ms[f"fixed {k}"]) / k
         row["rules"][name] = {"ms_per_step": per_step, "share_of_loop_step": per_step / step_ms}
     return row

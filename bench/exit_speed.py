@@ -26,7 +26,6 @@ OUT/sweep.json`` prints a saved sweep again without measuring.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
@@ -35,13 +34,14 @@ USAGE = __doc__.split("\n\n")[0]
 
 def parse_args(argv: list[str] | None):
     """``(from_sweep, None)`` to re-read a saved sweep, else ``(None, SweepConfig)``."""
+    from rdepth.cli.main import OneLineParser
     from rdepth.cli.options import add_dataclass_flags, build
     from rdepth.sweep.config import SweepConfig
 
-    saved = argparse.ArgumentParser(add_help=False)
+    saved = OneLineParser(prog="bench/exit_speed.py", add_help=False)
     saved.add_argument("--from-sweep")
     known, rest = saved.parse_known_args(argv)
-    parser = argparse.ArgumentParser(description=USAGE)
+    parser = OneLineParser(prog="bench/exit_speed.py", description=USAGE)
     parser.add_argument("--from-sweep", metavar="SWEEP_JSON",
                         help="a saved sweep.json (or its folder) to print instead of measuring; takes no other flag")
     if known.from_sweep:

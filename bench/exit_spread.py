@@ -128,10 +128,12 @@ def record(checkpoint: str, data: str, policy: str, tau: float, k_max: int, diff
 
 
 def main(argv=None) -> int:
-    import argparse
     import sys
 
-    parser = argparse.ArgumentParser(description="Record a trained model's exit-step histogram as JSON.")
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/exit_spread.py",
+                           description="Record a trained model's exit-step histogram as JSON.")
     parser.add_argument("command", choices=["record"])
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--data", required=True, help="the run's prepared task data")

@@ -43,6 +43,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flags import positive_ints  # noqa: E402
 
 TAUS = {"step_norm": (0.5, 1, 2, 4, 8), "step_norm_rel": (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8),
         "acceleration": (0.5, 1, 2, 4, 8), "acceleration_rel": (0.1, 0.2, 0.4, 0.6, 0.8),
@@ -51,7 +55,10 @@ TAUS = {"step_norm": (0.5, 1, 2, 4, 8), "step_norm_rel": (0.02, 0.05, 0.1, 0.2, 
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/exit_wall.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["task", "text"])
     parser.add_argument("--run", default=None, help="a trained run (task mode: a task model)")
     parser.add_argument("--data", default=None, help="its prepared data (task mode)")
@@ -100,13 +107,10 @@ def check_args(args) -> None:
     if not (math.isfinite(args.tolerance) and args.tolerance >= 0):
         raise RdepthError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
     _check_policies(args.policies)
-    try:
-        batches, difficulties = _batches(args), [int(d) for d in args.difficulties.split(",") if d.strip()]
-    except ValueError:
-        raise RdepthError(f"--batch and --difficulties are comma lists of integers, got {args.batch!r} and "
-                          f"{args.difficulties!r}") from None
-    if any(b < 1 for b in batches) or any(d < 1 for d in difficulties) or args.difficulty < 1:
-        raise RdepthError("--batch sizes and difficulties must be >= 1")
+    positive_ints("--batch", args.batch, empty=True)  # '': batch 1 only
+    positive_ints("--difficulties", args.difficulties, empty=True)  # '': the one --difficulty
+    if args.difficulty < 1:
+        raise RdepthError(f"--difficulty must be >= 1, got {args.difficulty}")
 
 
 def _check_policies(policies: str) -> None:
@@ -190,7 +194,7 @@ def task_quality(model, args, settings):
     from rdepth.tasks.data import load_heldout
     from rdepth.tasks.evaluate import heldout_accuracy
 
-    difficulties = [int(d) for d in args.difficulties.split(",") if d.strip()]
+    difficulties = positive_ints("--difficulties", args.difficulties, empty=True)
     if difficulties:
         heldout, labels = mixed_heldout(args.data, difficulties, args.problems, args.timed_problems)
     else:
@@ -229,14 +233,13 @@ def task_quality(model, args, settings):
     return quality, windows, info, "accuracy"
 
 
-def text_quality(model, args, settings):
-    """Perplexity (lower is better) and loop steps per token of every setting on held-out windows."""
+def text_quality(model, args, settings, tokens):
+    """Perplexity (lower is better) and loop steps per token of every setting on held-out windows of
+    ``tokens`` (the data's held-out ids)."""
     from rdepth.exitrun.evaluate import evaluate_with_exits
     from rdepth.run.heldout import held_out_windows
-    from rdepth.run.opened import open_run
 
-    run = open_run(args.run, args.data, "cpu")
-    windows = held_out_windows(run.tokens, model.config.block_size, args.problems)
+    windows = held_out_windows(tokens, model.config.block_size, args.problems)
     quality = {}
     for label, setting in settings.items():
         result = evaluate_with_exits(model, windows, controller=setting.get("factory"),
@@ -250,11 +253,17 @@ def text_quality(model, args, settings):
 def compare_mode(args, text: bool) -> dict:
     import torch
 
-    from rdepth.run.checkpoint import load_model
+    from rdepth.run.opened import open_run
 
-    model = load_model(args.run, torch.device("cpu"))[0].eval()
+    # the run with its data: the data's tokenizer checked against the run's (a text run on task data, or the
+    # reverse, is one line in either mode, as in rdepth eval)
+    run = open_run(args.run, args.data, "cpu")
+    model = run.model.eval()
     settings = settings_for(model, args)
-    quality, windows, info, key = (text_quality if text else task_quality)(model, args, settings)
+    if text:
+        quality, windows, info, key = text_quality(model, args, settings, run.tokens)
+    else:
+        quality, windows, info, key = task_quality(model, args, settings)
     full_label = f"fixed {','.join(map(str, full_budget(model, args)))}"
     bar, meets = quality_bar(quality, info, key, full_label, args.tolerance)
     cheapest_fixed = min((label for label in meets if label.startswith("fixed")),
@@ -430,7 +439,7 @@ def op_counts(model, settings: dict, timed: list[str], problem, seed: int) -> di
 
 
 def _batches(args) -> list[int]:
-    return [int(b) for b in args.batch.split(",") if b.strip()]
+    return positive_ints("--batch", args.batch, empty=True)
 
 
 def _mean_steps(result: dict, heldout) -> float:

@@ -15,7 +15,6 @@ the machine's load does not change them. Gloo on the CPU, NCCL with --device cud
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -24,7 +23,9 @@ import torch.distributed as dist
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/fsdp_memory.py", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="paper")
     parser.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp")
     parser.add_argument("--tokens", type=int, default=16)

@@ -25,7 +25,10 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/noise_draw.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32, help="rows per micro-batch")
     parser.add_argument("--length", type=int, default=512, help="positions per row")
     parser.add_argument("--width", type=int, default=768, help="d_model")

@@ -17,21 +17,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flags import at_least, positive_ints  # noqa: E402
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/serve_load.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--difficulties", default="1,2,3,4,5,6,7,8")
@@ -48,7 +55,27 @@ def parse_args(argv):
                         "the fixed budget runs the eager one")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args) -> None:
+    """One-line errors (RdepthError) before any server starts: an empty workload, a difficulty list that is
+    not one, an unknown rule or tick, a threshold the rule refuses."""
+    import math
+
+    from rdepth.engine import TICKS
+    from rdepth.errors import RdepthError
+    from rdepth.exits.controller import controller_factory
+
+    at_least(args, 1, "requests", "prompt_tokens", "max_tokens", "loops", "k_max", "clients", "batch_size", "rounds")
+    positive_ints("--difficulties", args.difficulties)
+    if args.tick not in TICKS:
+        raise RdepthError(f"--tick takes {', '.join(TICKS)}, got {args.tick!r}")
+    if not math.isfinite(args.tau):
+        raise RdepthError(f"--tau must be a finite number, got {args.tau}")
+    controller_factory(args.exit, args.tau, args.k_max)  # an unknown rule or a bad threshold: one line
 
 
 def free_port() -> int:
@@ -57,25 +84,63 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(args, flags: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, "-m", "rdepth", "serve", "--checkpoint", args.run, "--port", str(port), "--threads",
-               "1", "--batch-size", str(args.batch_size), "--device", "cpu", "--name", "bench", *flags]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+def server_command(args, port: int, flags: list[str]) -> list[str]:
+    return [sys.executable, "-m", "rdepth", "serve", "--checkpoint", args.run, "--port", str(port), "--threads",
+            "1", "--batch-size", str(args.batch_size), "--device", "cpu", "--name", "bench", *flags]
+
+
+@contextlib.contextmanager
+def running_servers(args, settings: dict) -> Iterator[dict[str, str]]:
+    """A server per setting (``label: (flags, ...)``), answering /health; yields ``label: url``. Every server
+    started is stopped on the way out, whatever ends the block (an error, a server that fails to start after
+    another did, Ctrl-C, SIGTERM: ``run_command`` raises it like Ctrl-C)."""
+    with tempfile.TemporaryDirectory(prefix="serve_load-") as logs:
+        started: list[subprocess.Popen] = []
+        try:
+            urls = {}
+            for index, (label, (flags, _)) in enumerate(settings.items()):
+                port, log = free_port(), Path(logs) / f"server{index}.log"
+                with open(log, "w") as handle:  # a file, not a pipe: a pipe nobody reads stalls the server
+                    started.append(subprocess.Popen(server_command(args, port, flags), stdout=subprocess.DEVNULL,
+                                                    stderr=handle))
+                urls[label] = f"http://127.0.0.1:{port}"
+                wait_until_healthy(started[-1], urls[label], log)
+            yield urls
+        finally:
+            for process in started:
+                stop(process)
+
+
+def wait_until_healthy(process: subprocess.Popen, url: str, log: Path, seconds: float = 120) -> None:
+    """Return when ``url`` answers /health; RdepthError (the server's last error line) if it exits first, or
+    when ``seconds`` pass."""
     import httpx
 
-    deadline = time.time() + 120
+    from rdepth.errors import RdepthError
+
+    deadline = time.time() + seconds
     while time.time() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"serve_load: the server exited: {process.stderr.read()[-2000:]}")
+            lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+            said = next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else "")
+            raise RdepthError(f"the server exited (status {process.returncode}): {said.strip() or 'no output'}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
+                return
         except httpx.HTTPError:
             time.sleep(0.3)
-    process.kill()
-    raise SystemExit("serve_load: the server did not answer /health within 120 s")
+    raise RdepthError(f"the server did not answer /health within {seconds:g} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Stop a server: SIGTERM, then SIGKILL if it has not exited within 30 s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 async def load(url: str, prompts: list[list[int]], clients: int, max_tokens: int) -> dict:
@@ -90,7 +155,10 @@ async def load(url: str, prompts: list[list[int]], clients: int, max_tokens: int
             start = time.perf_counter()
             response = await http.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
                                                                      "temperature": 0})
-            response.raise_for_status()
+            if response.status_code != 200:  # one line naming the server's reason, not a traceback
+                from rdepth.errors import RdepthError
+
+                raise RdepthError(f"the server answered {response.status_code}: {response.text[:300]}")
             body = response.json()
             latencies.append(time.perf_counter() - start)
             tokens += body["usage"]["completion_tokens"]
@@ -124,7 +192,11 @@ def in_process(args, prompts, budget) -> dict:
         return {"wall_s": wall, "tokens": sum(len(d.tokens) for d in done),
                 "tokens_per_s": sum(len(d.tokens) for d in done) / wall,
                 "mean_loop_steps": engine.stats.as_dict(engine.batch)["mean_loop_steps"]}
-    call()
+    if call()["tokens"] == 0:  # (before any server starts) every completion ended at once: nothing to time
+        from rdepth.errors import RdepthError
+
+        raise RdepthError(f"{args.run} ends every completion at once (end of text first) on these prompts: no token "
+                          "to time; try another --prompt-tokens or a trained run")
     return call
 
 
@@ -136,7 +208,7 @@ def main(argv=None) -> int:
 
     from rdepth.exits.controller import controller_factory
 
-    difficulties = [int(d) for d in args.difficulties.split(",") if d.strip()]
+    difficulties = positive_ints("--difficulties", args.difficulties)
     per = max(1, args.requests // len(difficulties))
     heldout, _ = mixed_heldout(args.data, difficulties, per, 0)
     order = np.random.default_rng(0).permutation(heldout.tokens.shape[0])[: args.requests]
@@ -151,26 +223,27 @@ def main(argv=None) -> int:
     code = revision()
     print(f"serve_load: {_cpu_name()}, revision {code}; {len(prompts)} requests, {args.clients} clients, "
           f"{args.batch_size} slots", flush=True)
-    servers = {label: start_server(args, flags) for label, (flags, _) in settings.items()}
+    # the engines first: a run, rule or workload the engine refuses fails here, before any server starts
     engines = {label: in_process(args, prompts, budget) for label, (_, budget) in settings.items()}
     rows: dict[str, dict[str, list]] = {label: {"server": [], "engine": []} for label in settings}
-    try:
-        for _label, (_, url) in servers.items():  # warm-up
+    with running_servers(args, settings) as servers:
+        for url in servers.values():  # warm-up
             asyncio.run(load(url, prompts[: args.clients], args.clients, args.max_tokens))
         for round_ in range(args.rounds):
             for label in (list(settings) if round_ % 2 == 0 else list(settings)[::-1]):
-                rows[label]["server"].append(asyncio.run(load(servers[label][1], prompts, args.clients,
+                rows[label]["server"].append(asyncio.run(load(servers[label], prompts, args.clients,
                                                               args.max_tokens)))
                 rows[label]["engine"].append(engines[label]())
-    finally:
-        for process, _ in servers.values():
-            process.terminate()
-            process.wait(timeout=30)
     report = {"cpu": _cpu_name(), "revision": code, "args": vars(args), "settings": {}}
     base = None
     for label, samples in rows.items():
         server = sorted(samples["server"], key=lambda r: r["tokens_per_s"])[len(samples["server"]) // 2]
         engine = sorted(samples["engine"], key=lambda r: r["tokens_per_s"])[len(samples["engine"]) // 2]
+        if server["tokens"] == 0 or engine["tokens"] == 0:
+            from rdepth.errors import RdepthError
+
+            raise RdepthError(f"{label}: a timed round generated no token (every completion ended at once): no rate "
+                              "to compare; try another --prompt-tokens or a trained run")
         base = base or server["tokens_per_s"]
         overhead = (server["wall_s"] - engine["wall_s"]) / server["tokens"]
         report["settings"][label] = {"server": server, "engine": engine, "server_overhead_ms_per_token": 1e3 * overhead,

@@ -33,7 +33,10 @@ def git_revision() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/speculative.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--loops", default=None, help="verifying budget N or N,N,... (default: eval loops)")

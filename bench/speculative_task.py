@@ -27,7 +27,10 @@ from speculative import git_revision, iqr  # the sibling benchmark's helpers (be
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/speculative_task.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--data", required=True, help="the task data folder the run was trained on")
     parser.add_argument("--difficulty", type=int, default=None, help="held-out difficulty (default: the highest trained)")

@@ -14,17 +14,26 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flags import positive_ints  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/task_accuracy_time.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="a trained task run (rdepth demo's OUT/train)")
     parser.add_argument("--data", required=True, help="its task data (rdepth demo's OUT/data)")
     parser.add_argument("--budgets", default="1,2,3,4,6,8,12,16,32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args(argv)
+    budgets = positive_ints("--budgets", args.budgets)
     import torch
 
     from rdepth.run.opened import open_run
@@ -32,7 +41,6 @@ def main(argv=None) -> int:
     from rdepth.tasks.evaluate import heldout_accuracy, task_accuracy_table
 
     torch.set_num_threads(1)
-    budgets = [int(b) for b in args.budgets.split(",")]
     model = open_run(args.run, args.data, "cpu").model
     difficulties = sorted(int(d) for d in task_manifest(args.data)["heldout"])
     sets = [load_heldout(args.data, d) for d in difficulties]

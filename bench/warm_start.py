@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flags import positive_ints  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/warm_start.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--difficulty", type=int, default=None)
@@ -32,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    fixed = positive_ints("--fixed", args.fixed)
 
     import torch
 
@@ -51,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     run = open_run(args.checkpoint, args.data, "cpu")
     model = run.model.eval()
     groups = model.n_groups
-    settings = [(f"fixed {k}", (lambda k=k: FixedController([k] * groups))) for k in map(int, args.fixed.split(","))]
+    settings = [(f"fixed {k}", (lambda k=k: FixedController([k] * groups))) for k in fixed]
     for item in filter(None, args.policies.split(",")):
         name, tau = item.split("=")
         settings.append((f"{name} tau={tau}", (lambda name=name, tau=float(tau): PolicyController(

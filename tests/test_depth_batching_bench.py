@@ -134,5 +134,7 @@ def test_ratios_are_against_the_fastest_engine_at_f_whichever_tick_it_is():
 def test_ticks_named_are_checked_and_eager_is_always_first():
     assert tick_list("compiled") == ["eager", "compiled"] and tick_list("compiled,eager,compiled") == ["eager",
                                                                                                       "compiled"]
-    with pytest.raises(SystemExit, match="--ticks takes"):
+    from rdepth.errors import RdepthError
+
+    with pytest.raises(RdepthError, match="--ticks takes"):  # one line, exit 2 (a SystemExit was exit 1)
         tick_list("eager,fast")

@@ -45,7 +45,9 @@ def test_the_wide_model_keeps_the_head_width():
     config = tiny_model(n_layer=1, groups="0").config  # d 16, 2 heads of 8
     model = wide_model(config, 64, config.head_dim, 0)
     assert (model.config.d_model, model.config.n_head, model.config.head_dim) == (64, 8, 8)
-    with pytest.raises(SystemExit):
+    from rdepth.errors import RdepthError
+
+    with pytest.raises(RdepthError, match="not a multiple of the head width"):  # one line, exit 2 (issue 61)
         wide_model(config, 60, config.head_dim, 0)
 
 

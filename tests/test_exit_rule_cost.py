@@ -31,8 +31,10 @@ def test_a_tiny_run_times_every_rule_at_exactly_k_steps(tmp_path, capsys):
 def test_a_rule_that_stops_early_is_refused_not_charged_for_fewer_steps(monkeypatch):
     """The cost per step divides by K: a threshold that fires (here tau 1: every token stops at step 1)
     would make the rule look cheaper than it is, so the run stops with the reason."""
+    from rdepth.errors import RdepthError
+
     monkeypatch.setitem(exit_rule_cost.NEVER, "learned", 1.0)
-    with pytest.raises(SystemExit, match="stopped before 4 steps"):
+    with pytest.raises(RdepthError, match="stopped before 4 steps"):  # one line, exit 2 (issue 61)
         exit_rule_cost.main(["--shapes", "32x1", "--policies", "learned", "--steps", "4", "--tokens", "3",
                              "--rounds", "1"])
 

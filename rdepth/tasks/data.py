@@ -301,13 +301,29 @@ def answer_masks(shards: TokenShards, split: str) -> np.ndarray:
 
 
 def load_heldout(directory: str | os.PathLike, difficulty: int) -> HeldOut:
-    """The held-out set of ``difficulty``; RdepthError naming the recorded ones when absent."""
+    """The held-out set of ``difficulty``; RdepthError naming the recorded ones when absent, and one naming
+    the folder and the difficulty when the set's file holds no problem or its arrays disagree in shape
+    (every caller, evaluation, sweeps and the bench scripts, would otherwise fail deep in its loop)."""
     recorded = task_manifest(directory)["heldout"]
     if str(difficulty) not in recorded:
         raise RdepthError(f"no held-out set of difficulty {difficulty} in {directory} "
                           f"(recorded: {', '.join(recorded)})")
-    with np.load(Path(directory) / recorded[str(difficulty)]["file"]) as data:
-        return HeldOut(int(data["difficulty"]), data["tokens"], data["answer_mask"], data["problem_ids"])
+    path = Path(directory) / recorded[str(difficulty)]["file"]
+    with np.load(path) as data:
+        missing = sorted({"difficulty", "tokens", "answer_mask", "problem_ids"} - set(data.files))
+        if missing:
+            raise RdepthError(f"{directory}: the held-out set of difficulty {difficulty} ({path.name}) lacks "
+                              f"{', '.join(missing)}: prepare the data again")
+        heldout = HeldOut(int(data["difficulty"]), data["tokens"], data["answer_mask"], data["problem_ids"])
+    shapes = {heldout.tokens.shape, heldout.answer_mask.shape, heldout.problem_ids.shape}
+    if len(shapes) != 1 or heldout.tokens.ndim != 2:
+        raise RdepthError(f"{directory}: the held-out set of difficulty {difficulty} ({path.name}) has arrays of "
+                          f"shapes {', '.join(map(str, sorted(shapes)))}, not one [windows, tokens]: prepare the "
+                          "data again")
+    if heldout.tokens.shape[0] == 0 or not (heldout.problem_ids >= 0).any():
+        raise RdepthError(f"{directory}: the held-out set of difficulty {difficulty} ({path.name}) holds no "
+                          "problem: prepare the data again, or choose another difficulty")
+    return heldout
 
 
 def describe_task_data(out: Path) -> list[str]:
