@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from rdepth.cli.options import add_dataclass_flags, build
+from rdepth.cli.options import add_dataclass_flags, build, overrides
+from rdepth.errors import RdepthError
 
 
 def register(subparsers) -> None:
@@ -24,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.run.generate_text import generate_text
 
     config = build(GenerateConfig, {}, args)
+    check_ignored_flags(overrides(args, GenerateConfig, check=False))
 
     def profile_controllers(model):
         from rdepth.exitrun.profile import load_profile, profile_controller_factory
@@ -44,22 +46,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_ignored_flags(given: dict) -> None:
+    """Flags that would be ignored: ``--batch-size`` sizes the engine (``--prompts-file`` only), and
+    ``--prompts-file`` replaces ``--prompt``. Judged on what was typed, since both have defaults."""
+    if "batch_size" in given and given.get("prompts_file") is None:
+        raise RdepthError("generate: --batch-size is the engine's (with --prompts-file); one --prompt decodes "
+                          "its --samples together")
+    if "prompt" in given and given.get("prompts_file") is not None:
+        raise RdepthError("generate: give --prompt or --prompts-file, not both")
+
+
 def _many(config, controllers) -> int:
-    """Every prompt of the file through the engine: each continuation, then a line with its loop steps;
-    exit 1 when a request failed (its error printed; the others stand)."""
+    """Every prompt of the file through the engine: each continuation, then a line with its loop steps,
+    written (and flushed) as soon as it and every one before it are done, so that an interrupted run keeps
+    what finished; exit 1 when a request failed (its error printed; the others stand)."""
     import sys
+
+    from tqdm import tqdm
 
     from rdepth.run.generate_many import generate_many
 
     failed = 0
-    for item in generate_many(config, controllers):
-        print(item.text)
+
+    def write(item) -> None:
+        nonlocal failed
         steps = ", ".join(f"{s:.2f}" for s in item.mean_steps)
-        print(f"--- prompt {item.index + 1}, sample {item.sample + 1}: {len(item.tokens)} tokens, "
-              f"mean loop steps per group [{steps}], {item.finish_reason}")
+        tqdm.write(f"{item.text}\n--- prompt {item.index + 1}, sample {item.sample + 1}: {len(item.tokens)} tokens, "
+                   f"mean loop steps per group [{steps}], {item.finish_reason}")  # (clears the bar, then redraws it)
+        sys.stdout.flush()
         if item.error:
             failed += 1
-            print(f"error: prompt {item.index + 1}: {item.error}", file=sys.stderr)
+            tqdm.write(f"error: prompt {item.index + 1}: {item.error}", file=sys.stderr)
+
+    generate_many(config, controllers, on_result=write)
     return 1 if failed else 0
 
 

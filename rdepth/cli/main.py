@@ -73,10 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:  # building the parser imports torch (seconds): a Ctrl-C meanwhile is one line too
+    # Building the parser imports torch (seconds). A KeyboardInterrupt raised inside torch's native import
+    # (Python code called back from C++) can abort the process (pybind11's error_already_set, SIGABRT), so a
+    # Ctrl-C meanwhile only sets a flag; the command line then ends with one line, status 130.
+    with deferred_interrupt() as interrupted:
         parser = build_parser()
         args = parser.parse_args(argv)
-    except KeyboardInterrupt:
+    if interrupted:
         print("rdepth: interrupted", file=sys.stderr)
         return 130
     logging.basicConfig(
@@ -177,6 +180,26 @@ def _plan_threads(args: argparse.Namespace) -> None:
     threads = apply_plan(0, max(1, ranks), at)
     logging.getLogger(__name__).debug("torch threads: %d (%s, %d process%s)", threads, describe(at), ranks,
                                       "es" if ranks != 1 else "")
+
+
+@contextlib.contextmanager
+def deferred_interrupt():
+    """Within the block, SIGINT (Ctrl-C) raises nothing: it is recorded in the yielded list, which the caller
+    reads after the block. A KeyboardInterrupt raised in the block anyway (the handler was not ours, e.g. off
+    the main thread) is recorded too. The previous handler is restored on leaving."""
+    import threading
+
+    received: list[int] = []
+    ours = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not \
+        signal.SIG_IGN  # (a process started with Ctrl-C ignored keeps ignoring it)
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum)) if ours else None
+    try:
+        yield received
+    except KeyboardInterrupt:
+        received.append(signal.SIGINT)
+    finally:
+        if ours:  # (None: a handler not set from Python; Python's own is the one to go on with)
+            signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
 class Terminated(KeyboardInterrupt):

@@ -159,8 +159,8 @@ class GenerateConfig:
         "Geiping et al.'s kl)", default_text="the policy's own", metavar="KEY=VALUE,...")
     prompts_file: str | None = option(
         None, "a text file of prompts, one per line (blank lines skipped): every prompt decoded through the "
-        "continuous depth batching engine, --batch-size at a time, each row at its own loop step; --prompt is "
-        "then unused", default_text="none (one --prompt)", metavar="FILE")
+        "continuous depth batching engine, --batch-size at a time, each row at its own loop step (instead "
+        "of --prompt)", default_text="none (one --prompt)", metavar="FILE")
     batch_size: int = option(8, "with --prompts-file: requests decoded together (the engine's slots)", bounds="[1, 4096]")
     kv_layout: str = option("exact", "with --prompts-file: the engine's key/value layout: exact (the trained "
                             "rule) or shared (one slot per looped layer: memory flat in the loop budget, "

@@ -39,6 +39,8 @@ class Continuation:
 def read_prompts(path: str) -> list[str]:
     """The non-blank lines of ``path`` (UTF-8); a one-line error for a missing, unreadable or empty file."""
     file = Path(path)
+    if file.is_dir():
+        raise RdepthError(f"generate: --prompts-file {path} is a directory; give a text file of prompts, one per line")
     if not file.is_file():
         raise RdepthError(f"generate: --prompts-file {path}: no such file")
     try:
@@ -51,11 +53,13 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
-def generate_many(config: GenerateConfig, controllers: Callable | None = None,
-                  progress: bool = True) -> list[Continuation]:
+def generate_many(config: GenerateConfig, controllers: Callable | None = None, progress: bool = True,
+                  on_result: Callable[[Continuation], None] | None = None) -> list[Continuation]:
     """Every prompt of ``config.prompts_file`` x ``config.samples``, in file order. Request i (prompt p, sample
     s) draws its initial loop states as ``StateNoise(seed, [i])`` and samples with seed ``seed + 1 + i``, so
-    its text does not depend on ``--batch-size`` or on the other prompts."""
+    its text does not depend on ``--batch-size`` or on the other prompts. ``on_result(continuation)`` is called
+    for result i as soon as results 0..i are all done (file order), so a caller that writes each one keeps
+    what finished if the run is interrupted."""
     prompts = read_prompts(config.prompts_file)
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -84,19 +88,10 @@ def generate_many(config: GenerateConfig, controllers: Callable | None = None,
                                        sequence_id=index, tag=(number, sample)))
             keys.append((number, sample))
     dtype = autocast_dtype(config.autocast)
-    results = {}
-    with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None), \
-            tqdm(total=len(keys), desc="generate", unit="request", disable=not progress) as bar:
-        for done in engine.run():
-            results[done.request.tag] = done
-            bar.update(1)
-    stats = engine.stats.as_dict(engine.batch)
-    log.info("engine: %d requests, %d ticks, occupancy %.0f%%, mean loop steps per position %s; KV %d bytes/position",
-             len(keys), stats["ticks"], 100 * stats["occupancy"], [round(s, 2) for s in stats["mean_loop_steps"]],
-             engine.kv_bytes_per_token())
-    out = []
-    for number, sample in keys:
-        done = results[(number, sample)]
+    finished, out = {}, []
+
+    def continuation(number: int, sample: int) -> Continuation:
+        done = finished.pop((number, sample))
         fed = done.steps[len(done.request.prompt) - 1:]  # the positions whose logits chose a new token
         groups = len(fed[0]) if fed else 0
         mean = [sum(position[g] for position in fed) / len(fed) for g in range(groups)] if fed else []
@@ -104,5 +99,19 @@ def generate_many(config: GenerateConfig, controllers: Callable | None = None,
         if not config.show_special:
             for token in SPECIAL_TOKENS:
                 text = text.replace(token, "\n")
-        out.append(Continuation(number, sample, text, done.tokens, mean, done.finish_reason, done.error))
+        return Continuation(number, sample, text, done.tokens, mean, done.finish_reason, done.error)
+
+    with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None), \
+            tqdm(total=len(keys), desc="generate", unit="request", disable=not progress) as bar:
+        for done in engine.run():
+            finished[done.request.tag] = done
+            bar.update(1)
+            while len(out) < len(keys) and keys[len(out)] in finished:  # the next results in file order
+                out.append(continuation(*keys[len(out)]))
+                if on_result is not None:
+                    on_result(out[-1])
+    stats = engine.stats.as_dict(engine.batch)
+    log.info("engine: %d requests, %d ticks, occupancy %.0f%%, mean loop steps per position %s; KV %d bytes/position",
+             len(keys), stats["ticks"], 100 * stats["occupancy"], [round(s, 2) for s in stats["mean_loop_steps"]],
+             engine.kv_bytes_per_token())
     return out

@@ -56,8 +56,12 @@ def check_resume_config(saved: TrainConfig, wanted: TrainConfig, step: int) -> d
     if refused:
         raise RdepthError(f"--resume continues the run as it was saved, but {'; '.join(refused[:4])}; "
                           "start a new run (another --out) to change these")
+    if a["max_steps"] == wanted.max_steps == step:
+        raise RdepthError(f"--resume: the run is already finished (it reached its --max-steps, step {step}); to "
+                          f"train it further, resume with --max-steps above {step}")
     if wanted.max_steps <= step:
-        raise RdepthError(f"--max-steps {wanted.max_steps} ends before the checkpoint's step {step}")
+        raise RdepthError(f"--resume: --max-steps {wanted.max_steps} ends at or before the checkpoint's step {step}, "
+                          f"leaving nothing to train; to train the run further, give --max-steps above {step}")
     return {k: [a[k], b[k]] for k in RESUME_RECORDED if a[k] != b[k]}
 
 
