@@ -50,6 +50,9 @@ ALLOWED = {
     "demo": BASE | {"config", "model", "data", "run", "train", "exits", "sweep", "geometry", "report", "tasks"},
     # rdepth reproduce: trains and runs the analyses like the demo, then judges the paper's claims
     "reproduce": BASE | {"config", "model", "data", "run", "train", "exits", "sweep", "geometry", "report"},
+    # looped models that ship in transformers (HRM-Text, Inkling-2) driven step by step: the geometry metrics
+    # and the exit rules over their iterates
+    "looped": BASE | {"geometry", "exits"},
     "cli": None,  # the command line sits above everything
     "__main__": None,
     "__init__": set(),
