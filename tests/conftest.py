@@ -86,7 +86,10 @@ def _global_state() -> dict:
     return state
 
 
-_TORCH_SETS = ("TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+# Environment variables a library sets on its own first import or use (torch's Inductor on its first compile,
+# lm-eval on import): new ones are not a test's doing.
+_TORCH_SETS = ("TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "HF_XET_HIGH_PERFORMANCE",
+               "KMP_DUPLICATE_LIB_OK")
 
 
 def _changes(before: dict, after: dict) -> list[str]:
