@@ -38,8 +38,9 @@ from rdepth.geometry.metrics import (
     effective_rank_from_gram,
 )
 
-# Per-step statistics; "cosine" and "acceleration" compare step j with j+1.
-STEP_METRICS = ("step_size", "relative_step_size", "cosine", "acceleration")
+# Per-step statistics; "cosine" and "acceleration" compare step j with j+1; "state_norm" at index k is ||x^(k)||,
+# the state step k starts from (the noise floor's rounding term, rdepth.geometry.summary.rounding_floors).
+STEP_METRICS = ("step_size", "relative_step_size", "cosine", "acceleration", "state_norm")
 
 
 @dataclass
@@ -101,6 +102,8 @@ class _BatchGroup:
     extent: torch.Tensor | None = None  # [N] float64, max_k ||x^(k) - x^(1)|| so far
     drift: list[torch.Tensor] = field(default_factory=list)  # ||x^(k) - x_prev^(K)|| per step k
     last_size: torch.Tensor | None = None  # [N] float64, each row's last step ||Delta^(K-1)||, set at its close
+    before_size: torch.Tensor | None = None  # [N] float64, each row's step before its last, ||Delta^(K-2)||
+    last_turn: torch.Tensor | None = None  # [N] float64, cos(Delta^(K-2), Delta^(K-1)) of each row (NaN: none yet)
     steps: int = 0
 
 
@@ -115,8 +118,12 @@ class StreamResult:
     and under ``"handoff"`` the per-token :func:`rdepth.geometry.metrics.handoff_ratio`.
     ``handoff_parts["g->g+1"]`` holds what the hand-off ratio's per-token zero-drift control needs
     (:func:`rdepth.geometry.summary.handoff_control`), each [N]: ``extent`` (group g's extent after x^(1),
-    the ratio's denominator), ``last_prev`` and ``last_next`` (each group's last step ||Delta^(K-1)||).
-    ``kept_states[g]`` is [K+1, T, d] for the kept sequence (absent if none kept).
+    the ratio's denominator), ``last_prev`` and ``last_next`` (each group's last step ||Delta^(K-1)||),
+    ``before_prev`` / ``before_next`` (the step before it, ||Delta^(K-2)||) and ``turn_prev`` / ``turn_next``
+    (the cosine between those two steps): each token's own contraction and turning at the end of its loop.
+    ``kept_states[g]`` is [K+1, T, d] for the kept sequence (absent if none kept). ``eps``: the machine epsilon
+    of the coarsest floating dtype the states came in (float64's 2.2e-16, float32's 1.2e-7): the rounding the
+    steps carry, which the noise floor must stay above.
     """
 
     groups: list[dict[str, np.ndarray]]
@@ -124,6 +131,7 @@ class StreamResult:
     kept_states: list[np.ndarray]
     tokens: int
     handoff_parts: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    eps: float = 0.0
 
 
 class GeometryObserver:
@@ -152,6 +160,7 @@ class GeometryObserver:
         self._batch_start = 0
         self._batch_size = 0
         self._tokens = 0
+        self._eps = 0.0  # machine epsilon of the coarsest floating dtype seen
 
     # ------------------------------------------------------------- callback
     def __call__(self, group: int, step: int, state: torch.Tensor, active: torch.Tensor | None) -> None:
@@ -159,6 +168,8 @@ class GeometryObserver:
         if group == 0 and step == 0:
             self._close_batch()
             self._batch_size, self._tokens = batch, self._tokens + batch * seq
+        if state.is_floating_point():
+            self._eps = max(self._eps, float(torch.finfo(state.dtype).eps))
         flat = state.detach().reshape(batch * seq, -1).double()
         if step == 0:
             self._start_group(group, flat)
@@ -190,6 +201,8 @@ class GeometryObserver:
             final_relative=torch.zeros(n, dtype=torch.float64, device=device),
             first_state=flat.clone(),
             extent=torch.zeros(n, dtype=torch.float64, device=device),
+            before_size=torch.zeros(n, dtype=torch.float64, device=device),
+            last_turn=torch.full((n,), float("nan"), dtype=torch.float64, device=device),
         )
         self._record_drift(self._current, flat)
         self._groups.setdefault(group, _GroupAccumulator())
@@ -206,9 +219,11 @@ class GeometryObserver:
         new = flat if rows is None else flat[rows]
         delta = new - prev
         size = delta.norm(dim=-1)
-        relative = size / (prev.norm(dim=-1) + EPS)
+        norm = prev.norm(dim=-1)
+        relative = size / (norm + EPS)
         acc.moments["step_size"].add(index, size)
         acc.moments["relative_step_size"].add(index, relative)
+        acc.moments["state_norm"].add(index, norm)
         if self.rank:
             delta32 = delta.float()
             gram = (delta32.T @ delta32).double()
@@ -216,12 +231,16 @@ class GeometryObserver:
                 acc.grams.append(gram)
             else:
                 acc.grams[index] += gram
+        select = slice(None) if rows is None else rows
         if current.prev_delta is not None:
             before = current.prev_delta if rows is None else current.prev_delta[rows]
-            acc.moments["cosine"].add(index - 1, cosine((delta * before).sum(dim=-1), size, before.norm(dim=-1)))
+            before_size = before.norm(dim=-1)
+            turn = cosine((delta * before).sum(dim=-1), size, before_size)
+            acc.moments["cosine"].add(index - 1, turn)
             acc.moments["acceleration"].add(index - 1, (delta - before).norm(dim=-1))
+            current.before_size[select] = before_size
+            current.last_turn[select] = turn
         # per-token bookkeeping, then move on
-        select = slice(None) if rows is None else rows
         first = current.computed[select] == 0
         current.first_size[select] = torch.where(first, size, current.first_size[select])
         first_state = torch.where(first.unsqueeze(-1), new, current.first_state[select])
@@ -270,7 +289,9 @@ class GeometryObserver:
                                 torch.full_like(extent, float("nan")))
             per_definition.setdefault(HANDOFF, []).append(ratio.cpu())
             parts = self._handoff_parts.setdefault((previous.group, current.group), {})
-            named = (("extent", extent), ("last_prev", previous.last_size), ("last_next", current.last_size))
+            named = (("extent", extent), ("last_prev", previous.last_size), ("last_next", current.last_size),
+                     ("before_prev", previous.before_size), ("before_next", current.before_size),
+                     ("turn_prev", previous.last_turn), ("turn_next", current.last_turn))
             for name, value in named:
                 parts.setdefault(name, []).append(value.cpu())
         self._previous, self._previous_last = current, current.prev_state
@@ -328,4 +349,4 @@ class GeometryObserver:
                  for (a, b), named in sorted(self._handoff_parts.items())}
         kept = [torch.stack(self._kept[g]).numpy() for g in sorted(self._kept)]
         return StreamResult(groups=groups, boundaries=boundaries, kept_states=kept, tokens=self._tokens,
-                            handoff_parts=parts)
+                            handoff_parts=parts, eps=self._eps)

@@ -13,17 +13,19 @@ Everything a report page, a figure, the CLI or a benchmark shows is computed
 here, once, when the analysis runs, and saved; readers never recompute. The
 headline numbers of a group at one budget (``group["headline"]``):
 
-* ``noise_floor_step``: first update index k >= 1 whose mean step size is under the noise floor
-  (``NOISE_FLOORS`` by the analysis precision, ``NOISE_FLOOR`` when unknown) times the first refinement
-  step ||Delta^(1)|| (the loop's own scale: shifting or rescaling every state changes nothing), None if
-  never;
+* ``noise_floor_step``: first update index k >= 1 whose mean step size is under the noise floor, the larger
+  of two: ``NOISE_FLOORS`` by the analysis precision (``NOISE_FLOOR`` when unknown) times the first
+  refinement step ||Delta^(1)|| (the loop's own scale: shifting or rescaling every state changes nothing),
+  and ``ROUNDING_MULTIPLE`` x the precision's epsilon x the mean state norm ||x^(k)|| (the rounding a
+  difference of two states carries: :func:`rounding_floors`); None if never;
 * ``decayed_step``: first k >= 2 with mean ||Delta^(k)|| <= ``DECAYED_FRACTION`` x ||Delta^(1)||
   (:func:`decayed_step`), None if never;
 * ``settled_cosine``: mean of the last ``SETTLED_STEPS`` consecutive-step cosines j, after the step-size
-  decay (j >= ``decayed_step``; cos(Delta^(0), Delta^(1)), from the random start, never counts), whose steps
-  are still above the noise floor; None ("no plateau") when fewer than ``SETTLED_STEPS`` qualify, they
-  spread over more than ``SETTLED_RANGE`` or trend by more than ``SETTLED_SLOPE`` a step, or the steps
-  never decay; ``settled_cosine_window``: how many qualify, which it averages, their range and slope and,
+  decay (j >= ``decayed_step``; when the mean steps never decay, j >= ``SETTLED_AFTER``; cos(Delta^(0),
+  Delta^(1)), from the random start, never counts), whose steps are still above the noise floor; None when
+  fewer than ``SETTLED_STEPS`` qualify (nothing to read), or ("no plateau") they spread over more than
+  ``SETTLED_RANGE`` or trend by more than ``SETTLED_SLOPE`` a step beyond ``TREND_T`` standard errors;
+  ``settled_cosine_window``: how many qualify, which it averages, their range and slope and,
   when there is no plateau, why; ``settled_cosine_std``: the
   mean over the same steps of the cosine's standard deviation over tokens (its spread);
 * ``plateau``: whether step sizes level off at a nonzero value over the last
@@ -80,7 +82,10 @@ SLOWEST_FILE = "slowest_tokens.json"
 # after the step-size decay ("decayed_step") and without a trend (SETTLED_SLOPE), with its "reason";
 # the plateau's last step over ||Delta^(1)|| ("last_over_step1"); the hand-off control per token
 # ("handoff_control": median, share of tokens clear of it, dynamics).
-FORMAT_VERSION = 6
+# 7 (issue 67): the noise floor also above ROUNDING_MULTIPLE x the precision's epsilon x the state norm (the
+# "state_norm" curve, the budget's "noise_floor"); the settled window without a decay from SETTLED_AFTER, its
+# trend judged against its standard error; the hand-off control with each token's own contraction and turning.
+FORMAT_VERSION = 7
 HANDOFF_CONTROL = "handoff_control"
 
 DLR_NUMERATOR_TEXT = {
@@ -121,8 +126,18 @@ SETTLED_STEPS = 5
 SETTLED_RANGE = 0.2
 # ... and do not trend: the least-squares slope over the window is at most this per loop step in size (a
 # cosine moving 0.01 a step moves 0.04 over the five-cosine window, about a quarter of the paper's band
-# 0.5-0.65; a cosine falling 0.04 a step stays within SETTLED_RANGE over five steps yet never settles).
+# 0.5-0.65; a cosine falling 0.04 a step stays within SETTLED_RANGE over five steps yet never settles) ...
 SETTLED_SLOPE = 0.01
+# ... unless the slope is within this many of its standard errors (least squares, SETTLED_STEPS - 2 = 3 degrees
+# of freedom: 3.18 is the two-sided 95% t quantile). A zero-mean wobble inside the band fits a slope whose size
+# depends on where the five-cosine window falls (0.2 x its amplitude for a period of 4 steps), with residuals
+# as large: noise, not a trend. A cosine falling in a straight line fits with no residual and stays a trend.
+TREND_T = 3.18
+# When the mean step never falls to DECAYED_FRACTION of ||Delta^(1)|| (steps that level off and keep turning,
+# the paper's section-4 regime, or tokens contracting at different rates), the window starts no earlier than this
+# loop step, where the paper's own account ("typically within 5-10 steps") has the transient over; a budget too
+# short for five cosines there leaves the settled cosine unread ("no decay": not measured, never a verdict).
+SETTLED_AFTER = 10
 # Comparisons of saved floats against these bounds allow this much (0.65 - 0.45 is 0.2000000000000001).
 TOLERANCE = 1e-9
 # The settled window lies after the step-size decay: from the first step k >= 2 whose mean step size is at
@@ -139,11 +154,20 @@ NOISE_FLOOR = 1e-3
 # of ~1e-16 of the state: a step of 1e-6 of ||Delta^(1)|| keeps its direction to ~1e-5 while the loop's first
 # refinement moves at least 1e-4 of the state, so below it the loop, not the arithmetic, has gone quiet (a floor
 # of 1e-3 there threw away cosines that were plainly measured, and a measured "no" read as "not tested").
-NOISE_FLOORS = {"float64": 1e-6, "float32": NOISE_FLOOR}
+# Issue 67: the float32 floor of 1e-3 dropped steps 40-100x above float32's rounding, so one trajectory read
+# differently in float32 and float64; the precision now enters through the rounding term below, and the
+# loop-relative floor is the same in both.
+NOISE_FLOORS = {"float64": 1e-6, "float32": 1e-6}
+# ... and never under this many times the precision's epsilon times the state's norm (mean ||x^(k)|| over tokens):
+# a step is the difference of two states each rounded to ~eps ||x||, and a width-d layer accumulates about
+# sqrt(d) roundings (28 at d = 768), so a step 32 times eps ||x|| keeps its size and direction; the float32
+# floor of 1e-3 ||Delta^(1)|| sat 40-100x above eps ||x|| on the issue's runs.
+ROUNDING_MULTIPLE = 32.0
 # The plateau test: over the last PLATEAU_WINDOW steps of the long budget the mean step size
 # shrinks by less than PLATEAU_MAX_DECAY (last / first of the window >= 1 / PLATEAU_MAX_DECAY) and
-# stays above the noise floor (NOISE_FLOOR x ||Delta^(1)||): the paper's "norms plateau at a small nonzero
-# value due to rotation". A loop contracting 2x per step shrinks ~1,000x over the window.
+# stays above the noise floor (the larger of NOISE_FLOORS x ||Delta^(1)|| and the rounding term): the paper's
+# "norms plateau at a small nonzero value due to rotation". A loop contracting 2x per step shrinks ~1,000x over
+# the window.
 PLATEAU_WINDOW = 10
 PLATEAU_MAX_DECAY = 2.0
 # Claim 3's control: a hand-off ratio counts as drift only where it is at least this many times what the same
@@ -154,14 +178,34 @@ CONTROL_MARGIN = 2.0
 # ------------------------------------------------------------------ headline numbers
 
 
-def noise_floor_step(step_means: list[float], floor: float = NOISE_FLOOR) -> int | None:
-    """First update index k >= 1 whose mean step size is under ``floor`` x the first refinement step
-    ||Delta^(1)|| (1 when that step is zero; None: never, or a loop of one step)."""
+def rounding_floors(group: dict[str, Any], eps: float) -> list[float] | None:
+    """Per update index k, ROUNDING_MULTIPLE x ``eps`` x the mean state norm ||x^(k)|| (the group's saved
+    ``state_norm`` curve); None when ``eps`` is 0 (unknown) or the curve is not saved."""
+    norms = (group.get("state_norm") or {}).get("mean")
+    if not eps or not norms:
+        return None
+    return [ROUNDING_MULTIPLE * eps * float(norm) for norm in norms]
+
+
+def _floor_at(step_means: list[float], k: int, floor: float, rounding: list[float] | None) -> float:
+    """The noise floor of update k: ``floor`` x ||Delta^(1)||, or the rounding term when larger."""
+    relative = floor * step_means[1]
+    if rounding is None or k >= len(rounding):
+        return relative
+    return max(relative, rounding[k])
+
+
+def noise_floor_step(step_means: list[float], floor: float = NOISE_FLOOR,
+                     rounding: list[float] | None = None) -> int | None:
+    """First update index k >= 1 whose mean step size is under the noise floor: ``floor`` x the first refinement
+    step ||Delta^(1)||, or ``rounding[k]`` when larger (:func:`rounding_floors`). 1 when that step is zero or
+    itself under the rounding term; None: never, or a loop of one step."""
     if len(step_means) < 2:
         return None
-    if not step_means[1] > 0:
+    if not step_means[1] > 0 or (rounding is not None and len(rounding) > 1 and step_means[1] < rounding[1]):
         return 1
-    return next((k for k in range(2, len(step_means)) if step_means[k] < floor * step_means[1]), None)
+    return next((k for k in range(2, len(step_means)) if step_means[k] < _floor_at(step_means, k, floor, rounding)),
+                None)
 
 
 def decayed_step(step_means: list[float]) -> int | None:
@@ -179,29 +223,45 @@ def _slope(values: list[float]) -> float:
     return sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / sum((x - mean_x) ** 2 for x in range(n))
 
 
+def _slope_error(values: list[float], slope: float) -> float:
+    """The least-squares slope's standard error: sqrt(residual sum of squares / (n - 2) / sum (x - mean x)^2)."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    residual = sum((y - mean_y - slope * (x - mean_x)) ** 2 for x, y in enumerate(values))
+    return math.sqrt(residual / (n - 2) / sum((x - mean_x) ** 2 for x in range(n)))
+
+
+def is_trend(values: list[float]) -> bool:
+    """A trend: the least-squares slope is above SETTLED_SLOPE a step in size and above TREND_T standard errors
+    (a wobble that fits a slope as large as its residuals is noise)."""
+    slope = _slope(values)
+    return abs(slope) > SETTLED_SLOPE + TOLERANCE and abs(slope) > TREND_T * _slope_error(values, slope)
+
+
 def settled_window(cosine_means: list[float], floor: int | None, decayed: int | None = 1) -> dict[str, Any]:
     """Where the settled cosine is read: the last SETTLED_STEPS cosines j >= max(1, ``decayed``) whose two steps
     are above the noise floor.
 
     Cosine j compares updates j and j+1; j = 0 (cos(Delta^(0), Delta^(1))) is left out, since Delta^(0) is the
     jump from the random initial state, and so are the cosines before the step-size decay (``decayed``:
-    :func:`decayed_step`; None when the steps never decay, then nothing has settled). Cosine j counts while
-    update j+1 is above the floor (``floor``: :func:`noise_floor_step`). Returns ``usable`` (how many cosines
-    qualify), ``window`` ([first, last] cosine index averaged, or None), ``range`` and ``slope`` (per step)
-    over the window, ``plateau`` (True when at least SETTLED_STEPS cosines qualify, stay within SETTLED_RANGE
-    of each other and trend by at most SETTLED_SLOPE a step) and ``reason`` when there is no plateau:
-    "no decay", "too few" (the floor comes first: nothing to measure), "range" or "trend".
+    :func:`decayed_step`; None when the mean steps never decay: then the window starts at SETTLED_AFTER, where
+    the paper has the transient over). Cosine j counts while update j+1 is above the floor (``floor``:
+    :func:`noise_floor_step`). Returns ``usable`` (how many cosines qualify), ``window`` ([first, last] cosine
+    index averaged, or None), ``range`` and ``slope`` (per step) over the window, ``plateau`` (True when at least
+    SETTLED_STEPS cosines qualify, stay within SETTLED_RANGE of each other and show no trend, :func:`is_trend`)
+    and ``reason`` when there is no plateau: "too few" (the floor comes first) or "no decay" (the steps never
+    decay and the budget ends before SETTLED_AFTER + SETTLED_STEPS): nothing to read; "range" or "trend": read,
+    and not settled.
     """
     end = len(cosine_means) if floor is None else min(max(floor - 1, 0), len(cosine_means))
-    usable = list(range(max(1, decayed or 1), end))
-    if decayed is None or len(usable) < SETTLED_STEPS:
+    usable = list(range(max(1, SETTLED_AFTER if decayed is None else decayed), end))
+    if len(usable) < SETTLED_STEPS:
         return {"usable": len(usable), "window": None, "plateau": False, "range": None, "slope": None,
                 "reason": "no decay" if decayed is None else "too few"}
     window = usable[-SETTLED_STEPS:]
     values = [cosine_means[j] for j in window]
     spread, slope = max(values) - min(values), _slope(values)
-    reason = ("range" if spread > SETTLED_RANGE + TOLERANCE else
-              "trend" if abs(slope) > SETTLED_SLOPE + TOLERANCE else None)
+    reason = ("range" if spread > SETTLED_RANGE + TOLERANCE else "trend" if is_trend(values) else None)
     return {"usable": len(usable), "window": [window[0], window[-1]], "plateau": reason is None, "range": spread,
             "slope": slope, "reason": reason}
 
@@ -225,20 +285,22 @@ def settled_spread(cosine_stds: list[float], cosine_means: list[float], floor: i
     return float(np.mean(cosine_stds[first:last + 1]))
 
 
-def plateau(sizes: list[float], floor: float = NOISE_FLOOR) -> dict[str, Any] | None:
+def plateau(sizes: list[float], floor: float = NOISE_FLOOR, rounding: list[float] | None = None
+            ) -> dict[str, Any] | None:
     """Do the mean step sizes level off at a nonzero value? None when the loop is shorter than the window.
 
     ``ratio`` = sizes[-1] / sizes[-1 - PLATEAU_WINDOW] (1: flat; 1e-3: still contracting);
     ``last_over_step1`` = sizes[-1] / sizes[1]; ``holds`` when ratio >= 1 / PLATEAU_MAX_DECAY and the last
-    step is at least ``floor`` x the first refinement step.
+    step is above the noise floor: at least ``floor`` x the first refinement step and ``rounding[-1]``
+    (:func:`rounding_floors`) when given.
     """
     if len(sizes) <= PLATEAU_WINDOW or len(sizes) < 2:
         return None
     first, last = sizes[-1 - PLATEAU_WINDOW], sizes[-1]
     ratio = last / first if first > 0 else None
     over_step1 = last / sizes[1] if sizes[1] > 0 else None
-    holds = (ratio is not None and ratio >= 1.0 / PLATEAU_MAX_DECAY and over_step1 is not None
-             and over_step1 >= floor)
+    above = over_step1 is not None and over_step1 >= floor and (rounding is None or last >= rounding[min(len(sizes), len(rounding)) - 1])
+    holds = ratio is not None and ratio >= 1.0 / PLATEAU_MAX_DECAY and above
     return {"ratio": ratio, "last_over_step1": over_step1, "window": PLATEAU_WINDOW, "holds": bool(holds)}
 
 
@@ -249,10 +311,12 @@ def step_ratio(sizes: list[float], k: int, base: int) -> float | None:
     return sizes[k] / sizes[base]
 
 
-def group_headline(group: dict[str, Any], noise_floor: float = NOISE_FLOOR) -> dict[str, Any]:
-    """The headline numbers of one group's saved curves (see the module docstring), at this noise floor."""
+def group_headline(group: dict[str, Any], noise_floor: float = NOISE_FLOOR, eps: float = 0.0) -> dict[str, Any]:
+    """The headline numbers of one group's saved curves (see the module docstring), at this noise floor
+    (relative to ||Delta^(1)||) and, with ``eps`` (the states' machine epsilon), above its rounding term."""
     sizes = group["step_size"]["mean"]
-    floor = noise_floor_step(sizes, noise_floor)
+    rounding = rounding_floors(group, eps)
+    floor = noise_floor_step(sizes, noise_floor, rounding)
     decayed = decayed_step(sizes)
     ranks = group.get("effective_rank") or []
     return {
@@ -266,7 +330,7 @@ def group_headline(group: dict[str, Any], noise_floor: float = NOISE_FLOOR) -> d
         "settled_cosine": settled_cosine(group["cosine"]["mean"], floor, decayed),
         "settled_cosine_std": settled_spread(group["cosine"]["std"], group["cosine"]["mean"], floor, decayed),
         "settled_cosine_window": settled_window(group["cosine"]["mean"], floor, decayed),
-        "plateau": plateau(sizes, noise_floor),
+        "plateau": plateau(sizes, noise_floor, rounding),
         "last_effective_rank": ranks[-1] if ranks else None,
     }
 
@@ -297,16 +361,21 @@ def handoff_control(previous: dict[str, Any], following: dict[str, Any], parts: 
     """The zero-drift control of the hand-off ratio at a boundary, per token.
 
     With no drift both groups settle at one point p, so the hand-off states are at most the two groups'
-    distances left to p apart. In a linear loop x^(k+1) - p = r R(theta) (x^(k) - p) (contraction and rotation
-    read off each group's saved mean curves, refinement steps above the noise floor:
-    :func:`rdepth.geometry.synthetic.dynamics_from_curves`) that distance is r ||Delta^(K-1)|| / |r e^(i theta) - 1|,
-    read from each token's own last step. Per token: control = (distance left in group g + in group g+1) /
-    group g's extent after x^(1) (the ratio's denominator), so a token whose earlier loop barely moves gets a
-    large control. ``parts``: the observer's per-token ``extent``, ``last_prev``, ``last_next``; ``handoff``: the
-    per-token hand-off ratio. Returns ``median`` (the control's median over tokens), ``over_control``
-    (the ratio over its control: median, p10, p90), ``share_clear`` (the tokens whose ratio is at least
-    CONTROL_MARGIN x their control), ``dynamics`` and ``factors``; ``median`` None ("not tested") when a group
-    has too few refinement steps above the noise floor to read its dynamics.
+    distances left to p apart. In a linear loop x^(k+1) - p = r R(theta) (x^(k) - p) that distance is
+    r ||Delta^(K-1)|| / |r e^(i theta) - 1|, read from each token's own last step. The contraction r and turning
+    theta are each token's own (its last step over the one before, and the cosine between them: ``before_*`` and
+    ``turn_*`` in ``parts``), never less than the group's (read off its saved mean curves, refinement steps above
+    the noise floor: :func:`rdepth.geometry.synthetic.dynamics_from_curves`): when tokens contract at different
+    rates, the mean curve follows the few with the largest steps, and a group factor read off it understates what
+    the slow tokens have left (issue 67). A token whose own steps do not shrink (r >= 1: it has settled to its
+    noise, or does not settle) keeps the group's. Per token: control = (distance left in group g + in group g+1)
+    / group g's extent after x^(1) (the ratio's denominator), so a token whose earlier loop barely moves gets a
+    large control. ``parts``: the observer's per-token ``extent``, ``last_*``, ``before_*``, ``turn_*``;
+    ``handoff``: the per-token hand-off ratio. Returns ``median`` (the control's median over tokens),
+    ``over_control`` (the ratio over its control: median, p10, p90), ``share_clear`` (the tokens whose ratio is
+    at least CONTROL_MARGIN x their control), ``dynamics``, ``factors`` (the groups') and ``token_factors`` (the
+    medians of the factors used per token); ``median`` None ("not tested") when a group has too few refinement
+    steps above the noise floor to read its dynamics.
     """
     from rdepth.geometry.synthetic import dynamics_from_curves
 
@@ -317,8 +386,10 @@ def handoff_control(previous: dict[str, Any], following: dict[str, Any], parts: 
         return {"median": None, "loops": loops, "dynamics": None, "over_control": None, "share_clear": None,
                 "margin": CONTROL_MARGIN}
     factors = [_distance_left_factor(d.contraction, d.rotation) for d in dynamics]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        left = factors[0] * parts["last_prev"] + factors[1] * parts["last_next"]
+    per_token = [_token_factors(parts, side, factor) for side, factor in zip(("prev", "next"), factors, strict=True)]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        left = sum(np.where(parts[f"last_{side}"] > 0, factor * parts[f"last_{side}"], 0.0)
+                   for side, factor in zip(("prev", "next"), per_token, strict=True))
         extent = parts["extent"]
         control = np.where(extent > 0, left / np.where(extent > 0, extent, 1.0), np.nan)
         over = handoff / np.maximum(control, np.finfo(np.float64).tiny)  # a control of 0: clear by any margin
@@ -327,7 +398,25 @@ def handoff_control(previous: dict[str, Any], following: dict[str, Any], parts: 
     return {"median": _stats(control)["median"], "loops": loops, "margin": CONTROL_MARGIN,
             "over_control": {key: _stats(over[defined])[key] for key in ("median", "p10", "p90")},
             "share_clear": float(clear.mean()) if clear.size else None, "factors": factors,
+            "token_factors": [float(np.median(f)) if f.size else None for f in per_token],
             "dynamics": [{"contraction": d.contraction, "rotation": d.rotation, "noise": d.noise} for d in dynamics]}
+
+
+def _token_factors(parts: dict[str, np.ndarray], side: str, group_factor: float) -> np.ndarray:
+    """Per token of one side ("prev": group g, "next": group g+1), ||x^(K) - p|| / ||Delta^(K-1)|| of the linear
+    loop with the token's own contraction (last step over the one before) and turning (the cosine between
+    them), never under ``group_factor``; the group's where the token's own is undefined or does not contract."""
+    last = parts[f"last_{side}"]
+    before, turn = parts.get(f"before_{side}"), parts.get(f"turn_{side}")
+    if before is None or turn is None:
+        return np.full(last.shape, group_factor, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rate = np.where(before > 0, last / np.where(before > 0, before, 1.0), np.nan)
+        angle = np.arccos(np.clip(np.nan_to_num(turn, nan=1.0), -1.0, 1.0))
+        gap = np.hypot(rate * np.cos(angle) - 1.0, rate * np.sin(angle))
+        own = np.where(gap > 0, rate / np.where(gap > 0, gap, 1.0), np.inf)
+    valid = (before > 0) & (rate < 1.0) & np.isfinite(turn)
+    return np.where(valid, np.maximum(own, group_factor), group_factor)
 
 
 def _distance_left_factor(contraction: float, rotation: float) -> float:
@@ -353,7 +442,7 @@ def summarize_budget(result: StreamResult, group_names: list[str], loss: float |
             **_stats(convergence.astype(np.float64)),
             "never_fraction": float((convergence >= entry["steps"]).mean()),
         }
-        entry["headline"] = group_headline(entry, noise_floor)
+        entry["headline"] = group_headline(entry, noise_floor, result.eps)
         groups.append(entry)
     dlr, controls = {}, {}
     for boundary, definitions in result.boundaries.items():
@@ -361,7 +450,8 @@ def summarize_budget(result: StreamResult, group_names: list[str], loss: float |
         dlr[f"{group_names[a]}->{group_names[b]}"] = {name: _stats(v) for name, v in definitions.items()}
         controls[f"{group_names[a]}->{group_names[b]}"] = handoff_control(
             groups[a], groups[b], result.handoff_parts.get(boundary), definitions.get(HANDOFF))
-    return {"loss": loss, "tokens": result.tokens, "groups": groups, "dlr": dlr, HANDOFF_CONTROL: controls}
+    return {"loss": loss, "tokens": result.tokens, "groups": groups, "dlr": dlr, HANDOFF_CONTROL: controls,
+            "noise_floor": {"relative": noise_floor, "eps": result.eps, "rounding_multiple": ROUNDING_MULTIPLE}}
 
 
 def save_budget(out: str | Path, label: str, budget: str, result: StreamResult, group_names: list[str],

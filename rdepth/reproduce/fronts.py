@@ -7,8 +7,10 @@ the same threshold compares nothing, since a threshold means something else to e
 fronts does. :func:`front` keeps the points no other point beats on both; rule A is better than rule B
 when A's front dominates B's (:func:`dominates`): every point of B's front is matched by a point of A's
 at no more cost and no less quality (within the slacks), and A has a point B's front cannot match.
-:func:`neighbour_spread` is the stability of a rule: how far quality moves between neighbouring
-thresholds.
+:func:`at_matched_quality` compares two fronts where both reach, at equal quality within a slack;
+:func:`largest_rise` is the stability of a rule (the largest perplexity rise between neighbouring
+thresholds, a diverged threshold unstable) and :func:`neighbour_spread` how far quality moves between
+neighbouring thresholds either way.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 Point = tuple[float, float]  # (cost, quality): lower cost and higher quality are better
+# Comparisons of a saving against its bar allow this much (5% of 20 steps is 1 - 19/20 = 0.050000000000000044).
+TOLERANCE = 1e-9
 
 
 def front(points: Sequence[Point]) -> list[Point]:
@@ -76,36 +80,79 @@ def cost_at(front_points: Sequence[Point], quality: float) -> float | None:
     return points[0][0]
 
 
-def at_matched_quality(a: Sequence[Point], b: Sequence[Point], cost_slack: float = 0.0,
-                       min_saving: float = 0.0) -> dict[str, Any]:
-    """Front ``a`` against front ``b`` at equal quality, over the quality range both reach.
+def cost_within(front_points: Sequence[Point], quality: float, quality_slack: float) -> float | None:
+    """The least a front pays to keep at least ``quality - quality_slack`` (:func:`cost_at` there; its cheapest
+    point when that point already keeps it); None when the front never reaches it, or when ``quality`` lies
+    more than the slack below the front's lowest quality (what the rule would pay there was not measured)."""
+    points = front(front_points)
+    if not points:
+        return None
+    low, high = points[0][1], points[-1][1]
+    if quality < low - quality_slack or quality - quality_slack > high:
+        return None
+    return cost_at(points, max(quality - quality_slack, low))
 
-    ``shared``: [low, high], the overlap of the two fronts' quality ranges (None when they do not overlap);
-    points outside it decide nothing. ``levels``: per quality level in it (every point of either front there),
-    (quality, a's cost, b's cost) with costs interpolated along each front (:func:`cost_at`). ``cheaper``: a
-    costs at most b's cost x (1 + cost_slack) at every level and at least ``min_saving`` less somewhere;
-    ``costlier``: the same with a and b swapped; ``saving``: the largest share of b's cost that a saves.
+
+def _savings(mine: list[Point], theirs: list[Point], quality_slack: float) -> list[tuple[float, float, float]]:
+    """Per point of ``mine`` that ``theirs`` can be held to: (quality, its cost, the least ``theirs`` pays to keep
+    that quality within the slack)."""
+    rows = []
+    for cost, quality in mine:
+        other = cost_within(theirs, quality, quality_slack)
+        if other is not None:
+            rows.append((quality, cost, other))
+    return rows
+
+
+def _saving(cost: float, other: float) -> float:
+    return 1.0 - cost / other if other > 0 else 0.0
+
+
+def at_matched_quality(a: Sequence[Point], b: Sequence[Point], cost_slack: float = 0.0,
+                       min_saving: float = 0.0, quality_slack: float = 0.0) -> dict[str, Any]:
+    """Front ``a`` against front ``b`` at equal quality, where equal means within ``quality_slack`` (the noise of
+    one held-out set: on a flat front a quality difference inside it moves the cost a lot and means nothing).
+
+    Cheaper is decided with the slack on the side that makes it hard to claim: a is ``cheaper`` when (i) every
+    point of b's front that a reaches within the slack is matched by a point of a's costing at most its cost x
+    (1 + cost_slack) and keeping its quality less the slack (a is dearer nowhere, the slack going a's way), and
+    (ii) some point of a's front costs at least ``min_saving`` less than the least b pays to keep that point's
+    quality less the slack (a saves even with the slack going b's way). Points more than the slack below the
+    other front's lowest quality decide nothing (what the other rule pays there was not measured).
+    ``costlier``: the same with a and b swapped. ``shared``: [low, high], the overlap of the two fronts' quality
+    ranges (None when they are more than the slack apart); ``levels``: per point of a's front held to b's
+    (quality, a's cost, the least b pays within the slack); ``saving``: the largest share of b's cost a saves
+    there; ``unmatched``: b's points that a does not match.
     """
     front_a, front_b = front(a), front(b)
+    empty = {"shared": None, "levels": [], "cheaper": False, "costlier": False, "saving": None, "unmatched": [],
+             "quality_slack": quality_slack}
     if not front_a or not front_b:
-        return {"shared": None, "levels": [], "cheaper": False, "costlier": False, "saving": None}
+        return empty
     low, high = max(front_a[0][1], front_b[0][1]), min(front_a[-1][1], front_b[-1][1])
-    if low > high:
-        return {"shared": None, "levels": [], "cheaper": False, "costlier": False, "saving": None}
-    qualities = sorted({q for _, q in front_a + front_b if low <= q <= high})
-    levels = [(q, cost_at(front_a, q), cost_at(front_b, q)) for q in qualities]
-    savings = [1.0 - ca / cb if cb > 0 else 0.0 for _, ca, cb in levels]
-    extra = [1.0 - cb / ca if ca > 0 else 0.0 for _, ca, cb in levels]
-    return {"shared": [low, high], "levels": levels, "saving": max(savings),
-            "cheaper": all(ca <= cb * (1.0 + cost_slack) for _, ca, cb in levels) and max(savings) >= min_saving,
-            "costlier": all(cb <= ca * (1.0 + cost_slack) for _, ca, cb in levels) and max(extra) >= min_saving}
+    if low > high + quality_slack:
+        return empty
+    levels = _savings(front_a, front_b, quality_slack)
+    others = _savings(front_b, front_a, quality_slack)
+    if not levels or not others:
+        return empty
+    savings = [_saving(ca, cb) for _, ca, cb in levels]
+    extra = [_saving(cb, ca) for _, cb, ca in others]
+    unmatched = [(q, cb) for q, cb, ca in others if ca > cb * (1.0 + cost_slack)]
+    unmatched_a = [(q, ca) for q, ca, cb in levels if cb > ca * (1.0 + cost_slack)]
+    return {"shared": [min(low, high), max(low, high)], "levels": levels, "saving": max(savings), "unmatched": unmatched,
+            "quality_slack": quality_slack,
+            "cheaper": not unmatched and max(savings) >= min_saving - TOLERANCE,
+            "costlier": not unmatched_a and max(extra) >= min_saving - TOLERANCE}
 
 
-def largest_jump_from_flat(rises: Sequence[float], flat: float) -> float | None:
-    """Stability on a threshold grid: the largest perplexity rise from one threshold to the next, over the
-    thresholds whose own rise is at most ``flat`` (``rises`` in threshold order: a setting one would keep);
-    0.0 when no such step exists beyond the last flat one, None with fewer than two thresholds."""
+def largest_rise(rises: Sequence[float]) -> float | None:
+    """Stability on a threshold grid: the largest perplexity rise from one threshold to the next, over every
+    neighbouring pair (``rises`` in threshold order): a cliff after a threshold just outside the tolerance is
+    still a cliff. A threshold whose perplexity is not finite (the setting diverged) makes it inf. None with
+    fewer than two thresholds."""
     if len(rises) < 2:
         return None
-    jumps = [b - a for a, b in zip(rises, rises[1:], strict=False) if a <= flat]
-    return max(jumps, default=0.0)
+    if not all(math.isfinite(float(rise)) for rise in rises):
+        return math.inf
+    return max(b - a for a, b in zip(rises, rises[1:], strict=False))

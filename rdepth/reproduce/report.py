@@ -28,7 +28,10 @@ CLAIMS_FILE = "claims.json"
 # 3: claim 4 judged along fronts ("fronts"; the paper's absolute grid in "paper_grid", issue 40 item 4).
 # 4: claim 4 decided at matched quality ("cheaper", per axis "matched", "stable", "jump"); claim 3's per-token
 # control ("over_control_median", "share_clear", "per_step_median"); claim 2's window "reason", "slope" (issue 54).
-CLAIMS_FORMAT = 4
+# 5: claim 4's "verdict_note" and "ours.holds" (which of its comparisons hold: against KL, against the first-order
+# step-norm rule, stability), its fronts compared within the quality slack ("matched.quality_slack",
+# "matched.unmatched") and stability over every neighbouring threshold (issue 67).
+CLAIMS_FORMAT = 5
 PAPER = "Two-Scale Latent Dynamics for Recurrent-Depth Transformers (Pappone, Crisostomi, Rodolà)"
 # Per claim: the figures that show it, best first (stems under report/figures); the first that exists is used.
 CLAIM_FIGURES = {
@@ -75,9 +78,15 @@ def table_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     the verdict and why."""
     return [{"#": CLAIM_NUMBERS.get(claim["id"], index), "claim": claim["claim"],
              "paper": f"{claim['paper']['figure']}: {claim['paper']['value']}",
-             "ours": claim["ours"].get("value", ""), "judged on": judged_text(claim), "verdict": claim["verdict"],
+             "ours": claim["ours"].get("value", ""), "judged on": judged_text(claim), "verdict": _verdict_text(claim),
              "why": " ".join(claim["why"])}
             for index, claim in enumerate(doc["claims"], 1)]
+
+
+def _verdict_text(claim: dict[str, Any]) -> str:
+    """The verdict, with what it rests on where the judge says (claim 4: which comparisons hold)."""
+    note = claim.get("verdict_note")
+    return f"{claim['verdict']} ({note})" if note and claim["verdict"] != "not tested" else claim["verdict"]
 
 
 def markdown_table(doc: dict[str, Any]) -> str:

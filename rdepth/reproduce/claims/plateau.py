@@ -1,4 +1,11 @@
 """The step-norm plateau (§4): step norms level off at a small nonzero value, which fools a step-norm exit.
+
+The paper: "A pure norm threshold can be fooled by this regime (norms plateau at a small nonzero value due to
+rotation)" (§4). Two bars, both needed (:func:`rdepth.geometry.summary.plateau`): "plateau", the mean step
+shrinks by less than PLATEAU_MAX_DECAY over the last PLATEAU_WINDOW steps (a loop still contracting is no
+plateau, however slowly it started); "nonzero", the last step is above the noise floor, the larger of a share
+of ||Δ(1)|| and 32 x the precision's epsilon x ||x|| (issue 67: a floor relative to ||Δ(1)|| alone, 1e-3 in
+float32, read the same trajectory differently in float32 and float64).
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ def claim_plateau(summary: dict[str, Any], seeds: dict[str, Any] | None = None) 
                        {"figure": "§4, Fig. 3a", "value": "step norms level off at a small nonzero value"},
                        criteria=f"per group, over the last {window} steps of the '{budget}' budget at the final "
                                 f"checkpoint, the mean step size shrinks by less than {decay:g}x and the last step is "
-                                f"above the noise floor ({definitions.get('noise_floor', 1e-3):g} x the first "
-                                "refinement step ||Δ(1)||, the loop's own scale); reproduced when every group "
+                                f"above the noise floor (the larger of {definitions.get('noise_floor', 1e-3):g} x the "
+                                "first refinement step ||Δ(1)||, the loop's own scale, and 32 x the precision's "
+                                "epsilon x the state's norm, its rounding); reproduced when every group "
                                 "plateaus, partly when some do")
     per_group = [{"group": g["name"], **((g.get("headline") or {}).get("plateau") or {})} for g in groups]
     measured = [g for g in per_group if "holds" in g]

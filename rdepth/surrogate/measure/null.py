@@ -12,11 +12,17 @@ is reduced to one number per model (:data:`STATISTICS`), measured over >= :data:
 and the verdict (:func:`judge`) is "reproduced" only where the trained model's mean is beyond every
 null's mean, in the claim's direction, by more than the spread over seeds (the larger of the two
 ranges, max - min) and by at least the finding's minimum effect (:data:`STATISTICS`), and the finding's
-own checks hold on every trained seed. "not reproduced" when the random-init null is not beaten: an
+own checks hold on every trained seed. The paper reports them of trained ViTs ("We find i) directional
+convergence into class-dependent angular basins with self-correcting trajectories under small perturbations, ii)
+token-specific dynamics, ... and iii) a collapse to low rank updates in late depth"), so each is a finding about
+training only where the trained model is beyond the nulls. "not reproduced" when the random-init null is not beaten: an
 untrained network shows the same thing, so it says nothing about training. "partly" when the random-init
 null is beaten but not the shuffled-depth one (learned, but not tied to the layers' order) or the own
-checks fail at some seed. "not tested" with fewer than :data:`MIN_SEEDS` seeds, or when the own checks are
-missing for the finding or given for another number of seeds than measured.
+checks fail at some seed. "not tested" with fewer than :data:`MIN_SEEDS` seeds, when a null of :data:`NULLS`
+was not measured (each is required by name: a null that was not run is not a null beaten), or when the own
+checks are missing for the finding or given for another number of seeds than measured. The gap is compared
+with the spread and the minimum effect within :data:`TOLERANCE` (0.35 - 0.30 is 0.04999999999999999: a gap
+equal to the minimum effect meets it).
 
 What the spread is: the "trained" values are one trained network measured on several seeded halves of the
 held-out images (and perturbation draws), not several trainings; a null's are several fresh initialisations
@@ -83,6 +89,8 @@ STATISTICS: dict[str, tuple[Callable[[dict], float], str, str, float]] = {
 }
 # The null whose beating makes a finding about training at all (an untrained network of the same shape).
 TRAINING_NULL = "random_init"
+# Comparisons of a gap against the spread and the minimum effect allow this much float rounding.
+TOLERANCE = 1e-9
 
 
 def _mean(values: list[float]) -> float:
@@ -96,14 +104,16 @@ def _range(values: list[float]) -> float:
 def compare(trained: list[float], null: list[float], direction: str, min_effect: float = 0.0) -> dict[str, Any]:
     """The trained model's statistic against one null's, over seeds. ``gap``: how far the trained mean is
     beyond the null's in the claim's direction (``direction``: "lower" or "higher" supports the claim);
-    ``spread``: the larger range (max - min) over seeds; ``beats``: gap > spread and gap >= ``min_effect``."""
+    ``spread``: the larger range (max - min) over seeds; ``beats``: gap > spread and gap >= ``min_effect``,
+    each within TOLERANCE (a gap that equals the spread does not beat it; one that equals the minimum effect
+    meets it, whatever the rounding of the means)."""
     if direction not in ("lower", "higher"):
         raise ValueError(f"direction must be 'lower' or 'higher', got {direction!r}")
     gap = _mean(null) - _mean(trained) if direction == "lower" else _mean(trained) - _mean(null)
     spread = max(_range(trained), _range(null))
     return {"trained_mean": _mean(trained), "null_mean": _mean(null), "gap": gap, "spread": spread,
             "min_effect": min_effect,
-            "beats": bool(math.isfinite(gap) and gap > spread and gap >= min_effect)}
+            "beats": bool(math.isfinite(gap) and gap > spread + TOLERANCE and gap >= min_effect - TOLERANCE)}
 
 
 def _statistic(finding: str, dynamics: dict, name: str, seed: int) -> float:
@@ -128,9 +138,10 @@ def _own_held(finding: str, own: list[list[dict]]) -> int | None:
 
 
 def _verdict(against: dict[str, dict[str, Any]], held: int, seeds: int) -> str:
-    """Beating the random-init null makes it a finding about training; beating every null, with the own checks
-    at every seed, reproduces it."""
-    if not against.get(TRAINING_NULL, {"beats": True})["beats"] or not any(c["beats"] for c in against.values()):
+    """Beating the random-init null makes it a finding about training; beating every null of NULLS, with the own
+    checks at every seed, reproduces it (``against`` holds every null of NULLS: :func:`judge` says "not tested"
+    before this when one is missing)."""
+    if not against[TRAINING_NULL]["beats"]:
         return NOT
     return REPRODUCED if all(c["beats"] for c in against.values()) and held == seeds else PARTLY
 
@@ -143,10 +154,10 @@ def judge(trained: list[dict], nulls: dict[str, list[dict]], own: list[list[dict
     A row per finding: ``statistic`` (what is compared), ``direction``, ``values`` (per model, per seed),
     ``against`` (per null: :func:`compare` with the finding's minimum effect), ``own_checks`` (the trained seeds
     whose own checks all hold) and ``verdict``: reproduced when every null is beaten and the own checks hold at
-    every seed; not reproduced when the random-init null (or, without it, every null) is not beaten; partly
-    otherwise; not tested with fewer than MIN_SEEDS seeds anywhere, or own checks missing for the finding or
-    given for another number of seeds than the trained model was measured on. ``spread_is``: what the spread
-    measures (see the module docstring).
+    every seed; not reproduced when the random-init null is not beaten; partly otherwise; not tested with fewer
+    than MIN_SEEDS seeds anywhere, a null of NULLS not measured (named in ``why``), or own checks missing for the
+    finding or given for another number of seeds than the trained model was measured on. ``spread_is``: what the
+    spread measures (see the module docstring).
     """
     seeds = {"trained": len(trained), **{name: len(runs) for name, runs in nulls.items()}}
     rows = []
@@ -158,7 +169,14 @@ def judge(trained: list[dict], nulls: dict[str, list[dict]], own: list[list[dict
         row = {"finding": finding, "statistic": text, "direction": direction, "min_effect": min_effect,
                "values": values, "seeds": seeds, "spread_is": SPREAD_IS,
                "own_checks": "missing" if held is None else f"{held} of {len(own)} seeds"}
-        if not nulls or min(seeds.values()) < MIN_SEEDS:
+        missing = [name for name in NULLS if name not in nulls]
+        if missing:
+            row.update(against={}, verdict=UNTESTED,
+                       why=f"the {', '.join(missing)} null{'s were' if len(missing) > 1 else ' was'} not measured: "
+                           f"each of {', '.join(NULLS)} is needed (a null not run is not a null beaten)")
+            rows.append(row)
+            continue
+        if min(seeds.values()) < MIN_SEEDS:
             row.update(against={}, verdict=UNTESTED,
                        why=f"needs >= {MIN_SEEDS} seeds of the trained model and of each null ({seeds})")
             rows.append(row)
