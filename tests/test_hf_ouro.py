@@ -147,9 +147,11 @@ def _golden_folder(tmp_path, meta, name):
     return folder
 
 
-# The targets: float32 within 2e-6 (the reference's logits reach 2.5 here; 1.8e-6 now), float64 within
-# 1e-12 against the reference with its norm widened (5.6e-15 now).
-TOLERANCE = {torch.float32: 2e-6, torch.float64: 1e-12}
+# float32 within 4e-6 (the reference's logits reach 2.5 here, where a float32 step is 2.4e-7: about 16 steps;
+# measured 1.8e-6 on the 2-core Intel Xeon the golden logits were made on and 2.3e-6 on the 2-core AMD EPYC, whose
+# CPU kernels round differently: the 2e-6 held on one machine only), float64 within 1e-12 against the
+# reference with its norm widened (5.6e-15 now).
+TOLERANCE = {torch.float32: 4e-6, torch.float64: 1e-12}
 
 
 @pytest.mark.parametrize("name", ["A", "B"])
@@ -188,7 +190,7 @@ def test_a_padded_batch_and_the_references_cached_generation(tmp_path, dtype):
             logits.append(decoder.step(torch.tensor([[token]]))[0])
         logits = torch.stack(logits)
         assert logits.argmax(-1).tolist() == meta["generate"]["tokens"][row]
-        assert (logits.float() - golden[f"generate_logits_{label}_row{row}"]).abs().max() <= 2e-6
+        assert (logits.float() - golden[f"generate_logits_{label}_row{row}"]).abs().max() <= TOLERANCE[torch.float32]
 
 
 def _iterates(model, tokens):
