@@ -27,19 +27,25 @@ SETTINGS = {"step_norm": 1.0, "step_norm_rel": 0.3, "acceleration": 1.0, "accele
             "entropy_diff": 0.01, "argmax_stable": 1, "confidence": 0.9, "learned": 0.5, "ouro": 0.5, "fixed": None}
 
 
+def caps_for(model) -> list[int]:
+    """K_MAX per group (repeated for a model with more groups than it names)."""
+    return [K_MAX[group % len(K_MAX)] for group in range(max(model.n_groups, len(K_MAX)))]
+
+
 def factory(model, name: str, options: dict | None = None):
     value = SETTINGS[name]
     options = dict(options or {})
+    caps = caps_for(model)
     if name == "argmax_stable":
-        return exit_controllers(name, None, list(K_MAX), lambda: model.readout, {"patience": value, **options})
+        return exit_controllers(name, None, caps, lambda: model.readout, {"patience": value, **options})
     if name == "fixed":
-        return exit_controllers(name, None, list(K_MAX))
+        return exit_controllers(name, None, caps)
     if name == "learned":
         gate = random_gate(model.n_groups, model.config.d_model, seed=3)
-        return exit_controllers(name, value, list(K_MAX), None, {"gate": gate})
+        return exit_controllers(name, value, caps, None, {"gate": gate})
     if name == "ouro":
-        return exit_controllers(name, value, list(K_MAX), None, {"gate": random_ouro_gate(model.config.d_model, 3)})
-    return exit_controllers(name, value, list(K_MAX), lambda: model.readout, options)
+        return exit_controllers(name, value, caps, None, {"gate": random_ouro_gate(model.config.d_model, 3)})
+    return exit_controllers(name, value, caps, lambda: model.readout, options)
 
 
 def prompts(count: int, seed: int = 0, low: int = 2, high: int = 9) -> list[list[int]]:
@@ -280,6 +286,7 @@ def test_the_listener_gets_each_tokens_steps_and_rules():
         engine.add_request(request)
     results = {done.request_id: done for done in engine.run()}
     for request_id, done in results.items():
-        events = [event[1:] for event in heard if event[0] == request_id]
+        events = [event[1:4] for event in heard if event[0] == request_id]
+        assert all(event[4] is None for event in heard)  # (a log-probability only where a request asks)
         first = len(done.request.prompt) - 1  # the position whose readout chose the first new token
         assert events == [(token, done.steps[first + i], done.rules[first + i]) for i, token in enumerate(done.tokens)]

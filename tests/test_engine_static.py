@@ -37,6 +37,15 @@ def prelude_and_coda():
     return tiny_model(n_layer=4, groups="1-2")
 
 
+def three_groups():
+    """Three looped groups with single-pass layers before, between (one) and after (the text presets' shape)."""
+    return tiny_model(n_layer=7, groups="1|3-4|5")
+
+
+SHAPES = {"loop only": single_group, "prelude and coda": prelude_and_coda, "two groups": tiny_model,
+          "three groups": three_groups}
+
+
 def test_the_rules_it_runs_are_the_one_call_rules():
     """The step-free rules and kl (its head read at every step); not the two-hit rules, nor kl read every
     other step."""
@@ -47,10 +56,10 @@ def test_the_rules_it_runs_are_the_one_call_rules():
     assert not factory(model, "kl", {"every": 2})().policy(0).one_call
 
 
-@pytest.mark.parametrize("shape", ["loop only", "prelude and coda"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("name", ["step_norm_rel", "kl", "learned", "argmax_stable", "fixed"])
 def test_every_request_equals_the_batch_1_decoder_in_any_arrival_order(name, shape):
-    model = single_group() if shape == "loop only" else prelude_and_coda()
+    model = SHAPES[shape]()
     requests = [Request(p, max_tokens=3 + i % 4, keep_logits=True, sequence_id=i % 3, noise_seed=i)
                 for i, p in enumerate(prompts(7, seed=1))]
     for batch, seed in ((3, 0), (8, 1), (1, 2)):
@@ -65,11 +74,11 @@ def test_every_request_equals_the_batch_1_decoder_in_any_arrival_order(name, sha
         assert len(distinct) > 1, "the setting should make exits vary"
 
 
-@pytest.mark.parametrize("shape", ["loop only", "prelude and coda"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_sampled_tokens_stop_tokens_and_the_contexts_end(shape):
     """A sampled token is not what the device entered (the argmax): the host enters it (through the layers
     before the group); a stop token and the context's end retire a row whose slot the next request takes."""
-    model = single_group() if shape == "loop only" else prelude_and_coda()
+    model = SHAPES[shape]()
     budget = {"controller_factory": factory(model, "kl")}
     sampled = [Request(p, max_tokens=6, temperature=1.3, top_p=0.9, seed=10 + i, keep_logits=True)
                for i, p in enumerate(prompts(5, seed=4))]
@@ -105,8 +114,6 @@ def test_what_it_cannot_run_is_a_one_line_error():
     model = single_group()
     with pytest.raises(RdepthError, match="tick must be one of"):
         Engine(model, 2, tick="fast")
-    with pytest.raises(RdepthError, match="one looped group"):
-        Engine(tiny_model(), 2, tick="static", loop_counts=(2, 2))  # two groups
     with pytest.raises(RdepthError, match="acceleration does not"):
         Engine(model, 2, tick="static", controller_factory=factory(model, "acceleration"))
     with pytest.raises(RdepthError, match="kv_layout"):
@@ -126,10 +133,12 @@ def test_compiled_without_a_compiler_is_a_one_line_error(monkeypatch):
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on the CPU needs a C++ compiler")
-def test_compiled_decides_as_the_eager_tick():
+@pytest.mark.parametrize("shape", ["prelude and coda", "three groups"])
+def test_compiled_decides_as_the_eager_tick(shape):
     """Inductor fuses the same arithmetic in another order: in float64 every decision and token is the
-    eager tick's, the kept logits equal to rounding (single-pass layers before and after the loop too)."""
-    model = prelude_and_coda()
+    eager tick's, the kept logits equal to rounding (single-pass layers before and after the loop, and
+    between groups, too)."""
+    model = SHAPES[shape]()
     requests = [Request(p, max_tokens=4, keep_logits=True, sequence_id=i) for i, p in enumerate(prompts(6, seed=6))]
     budget = {"controller_factory": factory(model, "kl")}
     compiled, _ = run_engine(model, requests, 4, tick="compiled", **budget)

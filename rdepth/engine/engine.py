@@ -69,19 +69,20 @@ class Engine:
         kv_layout: a name in :data:`~rdepth.engine.slots.KV_LAYOUTS` (``"exact"``, the default, or ``"shared"``).
         warm_start: each group's loop starts from the state the row handed on at its previous position.
         clock: the time source of the latency figures.
-        listener: ``listener(request_id, token, steps, rules)`` called for every new token as it is chosen
-            (``steps``/``rules``: the loop steps and stop reason per group of the position that chose it;
-            streaming servers); it must not call the engine.
+        listener: ``listener(request_id, token, steps, rules, logprob)`` called for every new token as it is
+            chosen (``steps``/``rules``: the loop steps and stop reason per group of the position that chose it;
+            ``logprob``: its :class:`~rdepth.engine.request.TokenLogprob` where the request asks for logprobs,
+            else None; streaming servers); it must not call the engine.
         tick: a name in :data:`~rdepth.engine.tick.TICKS`: ``"eager"`` (default: each tick computes what each
             row needs), ``"static"`` (every slot through one device function a tick, rows predicated: a model
-            with one looped group, a rule that decides rows at any steps in one call) or ``"compiled"`` (that
+            with any looped groups, a rule that decides rows at any steps in one call) or ``"compiled"`` (that
             function through ``torch.compile``).
     """
 
     def __init__(self, model: RecurrentLM, batch_size: int, *, loop_counts: Sequence[int] | str | int | None = None,
                  controller_factory: Callable[[], RowController] | None = None, capacity: int | None = None,
                  kv_layout: str = "exact", warm_start: bool = False, clock: Callable[[], float] = time.perf_counter,
-                 listener: Callable[[int, int, list[int], list[str]], None] | None = None, tick: str = "eager"):
+                 listener: Callable[..., None] | None = None, tick: str = "eager"):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise RdepthError(f"engine: batch_size must be an integer >= 1, got {batch_size!r}")
         if tick not in TICKS:
@@ -120,8 +121,9 @@ class Engine:
         return self.scheduler.pending()
 
     def cancel(self, request_id: int) -> None:
-        """End request ``request_id`` (queued or in flight) at its next token, ``finish_reason`` "cancelled"
-        (a client gone, or a stop string matched outside the engine); unknown or finished ids are ignored."""
+        """End request ``request_id`` (queued or in flight) at the start of the next tick, ``finish_reason``
+        "cancelled" (a client gone, or a stop string matched outside the engine): its slot goes to a waiting
+        request in that tick; unknown or finished ids are ignored."""
         self.scheduler.cancelled.add(int(request_id))
 
     def in_flight(self) -> int:
@@ -170,7 +172,7 @@ class Engine:
         use it anywhere."""
         scheduler = self.scheduler
         with torch.inference_mode():
-            finished = scheduler.admit() if scheduler.queue else []
+            finished = scheduler.admit() if scheduler.queue or scheduler.cancelled else []
             occupied = scheduler.in_flight()
             if occupied:
                 scheduler.count_tick(occupied)

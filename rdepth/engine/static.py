@@ -5,20 +5,23 @@ rows, then, for the few rows whose rule fired, their readout, their next token's
 into the loop, each a gather, a small call and a scatter. On a small model every one of those calls costs
 its launch more than its arithmetic, so a tick with an exit rule costs about three fixed-budget loop steps.
 
-The static tick does the whole of it for every slot in one function of device tensors, for a model with
-one looped group (the task models; single-pass layers before and after it too): one loop step (each row at
-its own step and position, its key written through to the later step slots), the exit rule, and for every
-row the hand-off, the layers after the group at its position, the readout, the next token (the prompt's
-next while in the prompt, else the argmax), its embedding at the next position, the layers before the
-group there, the group's input half and the initial state; ``torch.where`` keeps, per row, the new
-token's start where the rule fired and the loop's new state where it did not. (A row that did not stop
-writes keys of single-pass layers it will write again: after the group at its own position, before it at
-the next, both rewritten in the tick it stops, before anything reads them.) The host reads, once,
-which rows stopped, their argmax and the token entered; the scheduler's bookkeeping is the same as for the eager
-tick (records, sampled tokens, retiring, admitting), and a token it feeds that the device did not enter (a sampled
-one) is entered here through the eager walk. Fixed shapes make the function one graph for ``torch.compile``
-(``Engine(..., tick="compiled")``): Inductor fuses its elementwise work, so a tick's cost barely depends
-on how many rows stop in it.
+The static tick does the whole of it for every slot in one function of device tensors, for a model with any
+number of looped groups and single-pass layers before, between and after them: for each group, one loop step
+of every slot at its own step and position (only the slots looping in that group write their keys, written
+through to the later step slots), the exit rule; a slot whose rule fired in a group that is not the last goes
+through the layers between (their keys written for the slots that go on only) and enters the next group (its
+input half and initial state), looping there from the next tick; a slot whose rule fired in the last group
+hands on through the layers after it, reads out, takes its next token (the prompt's next while in the prompt,
+else the argmax), its embedding at the next position, the layers before the first group there and that group's
+entry. ``torch.where`` keeps, per slot, what applies to it. (A slot that did not stop writes keys of the layers
+after the last group at its own position and before the first at the next: both rewritten in the tick it
+stops, before anything reads them.) Every slot pays a loop step of every group a tick: with several groups the
+tick costs their sum, however the rows spread. The host reads, once, which rows stopped, their argmax and the
+token entered; the scheduler's bookkeeping is the same as for the eager tick (records, sampled tokens,
+retiring, admitting); a token it feeds that the device did not enter (a sampled one) is entered here through
+the eager walk, and a rule's per-row memory starts afresh (``begin_rows``) for the rows that entered a group in
+the tick. Fixed shapes make the function one graph for ``torch.compile`` (``Engine(..., tick="compiled")``):
+Inductor fuses its elementwise work, so a tick's cost barely depends on how many rows stop in it.
 
 A row computes what it computes in the eager tick (the same loop step, the same rule, the same readout),
 so its tokens are the batch-1 decoder's; compiled, the arithmetic is fused in another order (float
@@ -44,9 +47,8 @@ from rdepth.model.walk import StageWalk
 
 def check_static(name: str, model: RecurrentLM, plan: TickPlan) -> None:
     """A one-line error unless tick ``name`` can run ``model`` under ``plan``."""
-    if model.n_groups != 1:
-        raise RdepthError(f"engine: tick {name!r} needs a model with one looped group (this one has "
-                          f"{model.n_groups}); use tick='eager'")
+    if model.n_groups < 1:
+        raise RdepthError(f"engine: tick {name!r} needs a model with a looped group; use tick='eager'")
     for field, wrong in (("kv_layout", plan.kv_layout != "exact"), ("warm_start", plan.warm_start)):
         if wrong:
             raise RdepthError(f"engine: tick {name!r} runs the exact layout without warm start; "
@@ -58,14 +60,20 @@ def check_static(name: str, model: RecurrentLM, plan: TickPlan) -> None:
 
 
 class _StaticStore:
-    """Keys/values of one static call: every slot writes its key at its position into its step's slot and
-    the later ones (write-through, so a row that leaves its loop early leaves its last key in the later
-    slots: the latest-KV rule) and reads its step's slot over the whole capacity (the mask does the rest)."""
+    """Keys/values of one static call of group ``g``'s loop step: every slot at ``g`` (``at``; None: every slot)
+    writes its key at its position into its step's slot and the later ones (write-through, so a row that
+    leaves its loop early leaves its last key in the later slots: the latest-KV rule) and reads its step's
+    slot over the whole capacity (the mask does the rest). A slot at another group writes nothing and reads
+    garbage that nothing keeps."""
 
     def __init__(self, cache, steps: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                 slot_numbers: torch.Tensor):
-        self.cache, self.steps, self.positions, self.rows = cache, steps, positions, rows
+                 slot_numbers: torch.Tensor, at: torch.Tensor | None):
+        self.cache, self.positions, self.rows = cache, positions, rows
+        kept = slot_numbers.shape[1]
         self.through = slot_numbers >= steps.view(-1, 1, 1, 1)  # (B, K, 1, 1): slots s..K of row b
+        if at is not None:
+            self.through = self.through & at.view(-1, 1, 1, 1)
+            steps = steps.clamp(max=kept)  # (a slot at another group may be past this group's slots)
         self.read = (steps - 1) * rows.shape[0] + rows  # row b's step slot among the K * B blocks
 
     def update(self, layer, ctx, keys, values):
@@ -79,62 +87,63 @@ class _StaticStore:
 
 
 class _SingleStore:
-    """Keys/values of a single-pass layer in one static call: every slot writes at its position ``positions``
-    and reads its whole row (the mask does the rest: a view, no gather)."""
+    """Keys/values of a single-pass layer in one static call: the slots ``writing`` (None: every slot) write at
+    their positions ``positions``; every slot reads its whole row (the mask does the rest: a view, no gather)."""
 
-    def __init__(self, cache, positions: torch.Tensor, rows: torch.Tensor):
-        self.cache, self.positions, self.rows = cache, positions, rows
+    def __init__(self, cache, positions: torch.Tensor, rows: torch.Tensor, writing: torch.Tensor | None):
+        self.cache, self.positions, self.rows, self.writing = cache, positions, rows, writing
 
     def update(self, layer, ctx, keys, values):
         for tensor, new in zip(self.cache.single[layer], (keys, values), strict=True):
-            tensor[self.rows, :, self.positions] = new.squeeze(2).to(tensor.dtype)  # (B, nh, hs)
+            new = new.squeeze(2).to(tensor.dtype)  # (B, nh, hs)
+            if self.writing is not None:
+                new = torch.where(self.writing[:, None, None], new, tensor[self.rows, :, self.positions])
+            tensor[self.rows, :, self.positions] = new
         return self.cache.single[layer]
 
 
-class _StaticWalk(StageWalk):
-    """The static tick's walk, taken twice a tick (:attr:`finishing`): first for the tokens in flight, whose
-    pass starts at the group (the layers before it are skipped): one loop step, the rule, the hand-off, the
-    layers after the group at their positions; then for the next tokens, whose pass ends entering the group
-    (the layers after it are skipped): the layers before the group at the next positions, the input half and
-    the initial states (:attr:`entered`)."""
+class _Segment(StageWalk):
+    """One piece of a slot's way through the model, over a run of stages, as the static tick takes it for every
+    slot: it leaves group ``leaving`` (its first stage, given the hand-off state) and/or enters group
+    ``entering`` (its last stage: the input half and the initial states, :attr:`entered`), through the
+    single-pass layers between at ``positions``, writing their keys for the slots ``writing`` only (None:
+    every slot, where a slot that does not go on rewrites them before anything reads them)."""
 
-    def __init__(self, tick: StaticTick, initial: torch.Tensor | None):
-        super().__init__(tick.model)
-        self.tick = tick
-        self.initial = initial  # (B, capacity, d): each slot's request's initial states, or None (zeros)
-        self.finishing = True
-        self.passed = False  # whether this pass visited the group yet
-        self.next_positions: torch.Tensor | None = None
+    def __init__(self, tick: StaticTick, stages, leaving: int | None, entering: int | None, masked: bool):
+        super().__init__(tick.model, stages)
+        self.tick, self.leaving, self.entering, self.masked = tick, leaving, entering, masked
+        self.positions: torch.Tensor | None = None
+        self.writing: torch.Tensor | None = None
         self.entered: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def run(self, finishing: bool, x):
-        self.finishing, self.passed = finishing, False
-        return self(x)
+    def run(self, x, positions: torch.Tensor, writing: torch.Tensor):
+        self.positions, self.writing = positions, writing if self.masked else None
+        x = self(x)
+        self.positions = self.writing = None
+        return x
 
     def single(self, layers, x):
-        if self.finishing != self.passed:  # the other token's layers
-            return x
-        positions = self.tick.positions if self.finishing else self.next_positions
-        return self.model.run_layers(layers, x, self.tick.single_context(positions))
+        return self.model.run_layers(layers, x, self.tick.single_context(self.positions, self.writing))
 
     def group(self, group, x):
-        self.passed = True
-        if self.finishing:
-            return self.leave(group, self.tick.loop_step())
+        if group == self.leaving:
+            return self.leave(group, x)
         self.entered = self.enter(group, x)
         return x
 
     def start(self, group, inputs):
-        if self.initial is None:
+        initial = self.tick.initial.get(group)
+        if initial is None:
             return torch.zeros_like(inputs)
-        return self.initial[torch.arange(inputs.shape[0], device=inputs.device), self.next_positions]
+        return initial[torch.arange(inputs.shape[0], device=inputs.device), self.positions]
 
 
 @register_tick
 class StaticTick(EagerTick):
-    """The static tick (see the module): the slots' steps, positions and prompts on the device, and the one
-    function a tick runs (``compiled``: through ``torch.compile``, :class:`CompiledTick`). Rows the host enters
-    (admitted, or fed a token the device did not enter) go through the eager tick's walk up to the group."""
+    """The static tick (see the module): the slots' groups, steps, positions and prompts on the device, and
+    the one function a tick runs (``compiled``: through ``torch.compile``, :class:`CompiledTick`). Rows the host
+    enters (admitted, or fed a token the device did not enter) go through the eager tick's walk up to the
+    first group."""
 
     name: ClassVar[str] = "static"
     compiled: ClassVar[bool] = False
@@ -145,26 +154,32 @@ class StaticTick(EagerTick):
             raise RdepthError("engine: tick 'compiled' on the CPU needs a C++ compiler (g++ or the one "
                               "torch._inductor.config.cpp.cxx names); use tick='static' or 'eager'")
         super().__init__(model, plan)
-        batch, device = plan.batch, plan.device
+        batch, device, groups = plan.batch, plan.device, model.n_groups
+        self.groups = groups
         self.rows = torch.arange(batch, device=device)
+        self.group = torch.zeros(batch, dtype=torch.long, device=device)  # the group each slot loops in
         self.steps = torch.ones(batch, dtype=torch.long, device=device)  # the step each row computes next
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
         self.prompt = torch.zeros(batch, plan.capacity, dtype=torch.long, device=device)
         self.prompt_length = torch.zeros(batch, dtype=torch.long, device=device)
-        kept = plan.k_max[0]
-        self.slot_numbers = torch.arange(1, kept + 1, device=device).view(1, kept, 1, 1)
+        self.slot_numbers = [torch.arange(1, kept + 1, device=device).view(1, kept, 1, 1) for kept in plan.k_max]
         cap = plan.capacity
         where = torch.arange(cap, device=device)
         self.masks = (where[None, :] <= where[:, None]).view(cap, 1, 1, cap)
-        self.static_walk = _StaticWalk(self, self.initial.get(0))
-        self.values = [1, kept]  # (more than one distinct step: the rule's one call for rows at any step)
+        stages = model.stages
+        at = {stage.group: index for index, stage in enumerate(stages) if stage.group is not None}
+        # the ways between: group g to g + 1 (writes masked: a slot past g keeps its keys there); after the last
+        # group to the readout; the next token to the first group (every slot writes: see _Segment)
+        self.between = [_Segment(self, stages[at[g]:at[g + 1] + 1], g, g + 1, True) for g in range(groups - 1)]
+        self.finish = _Segment(self, stages[at[groups - 1]:], groups - 1, None, False)
+        self.begin_next = _Segment(self, stages[:at[0] + 1], None, 0, False)
+        self.values = [[1, kept] for kept in plan.k_max]  # (distinct steps: the rule's one call for rows at any)
         with torch.inference_mode():  # the tick's inputs as every later tick's are (no recompile at tick 2)
             self.state, self.projected = self.state.clone(), self.projected.clone()
         self.live = np.zeros(batch, dtype=bool)  # host: the occupied slots
+        self.host_group = np.zeros(batch, dtype=np.int64)  # host: the group each slot loops in
         self.entered = np.zeros(batch, dtype=np.int64)  # host: the token the device entered per slot
         self.row_memory = plan.row_memory
-        # inside a tick: its inputs, the loop's new states and which rows stopped (None between ticks)
-        self._in_state = self._in_projected = self.new = self.done = None
         # (a code object of its own: dynamo's graphs, guards and recompile count are this tick's alone)
         self.code = _own_code(self._tick)
         self.function = torch.compile(self.code, dynamic=False) if self.compiled else self._tick
@@ -172,19 +187,37 @@ class StaticTick(EagerTick):
     def __call__(self, tick_input: TickInput) -> TickOutput:
         self._apply(tick_input)
         live = self.live
-        occupied = int(live.sum())
         state, projected, decisions, logits = self.function(self.state, self.projected)
         self.state, self.projected = state, projected
         decisions = decisions.cpu().numpy()  # the tick's one host read: which rows stopped, argmax, token entered
         self.step_count[live] += 1
-        rows = np.flatnonzero(live & (decisions[0] == 1))
+        loop_steps = np.bincount(self.host_group[live], minlength=self.groups).tolist()
+        stopped = np.flatnonzero(live & (decisions[0] == 1))
+        if not stopped.size:
+            return TickOutput.nothing(self.groups, loop_steps)
+        groups = self.host_group[stopped]
+        self.current[stopped, groups] = self.step_count[stopped]
+        self.step_count[stopped] = 0
+        last = groups == self.groups - 1
+        moved, rows = stopped[~last], stopped[last]
+        if moved.size:  # on to the next group (the device entered them): the rule's memory there starts afresh
+            self.host_group[moved] += 1
+            self._restart(moved)
         if not rows.size:
-            return TickOutput.nothing(1, [occupied])
-        self.current[rows, 0] = self.step_count[rows]
-        self.step_count[rows] = 0
+            return TickOutput.nothing(self.groups, loop_steps)
+        self.host_group[rows] = 0
         self.entered[rows] = decisions[2][rows]  # the token the device entered for each (_apply compares)
         self.position[rows] += 1  # (the device moved them on; the host's next hand-over says the same)
-        return TickOutput(rows, decisions[1][rows], self.current[rows].copy(), logits, rows, [occupied])
+        return TickOutput(rows, decisions[1][rows], self.current[rows].copy(), logits, rows, loop_steps)
+
+    def _restart(self, rows: np.ndarray) -> None:
+        """The rule's memory of ``rows`` in the group each now loops in starts afresh (their start states)."""
+        if not self.row_memory:
+            return
+        for group in np.unique(self.host_group[rows]).tolist():
+            chosen = rows[self.host_group[rows] == group]
+            rows_t, _ = self._rows(chosen)
+            self.controller.begin_rows(group, rows_t, self.state[rows_t])
 
     def _apply(self, tick_input: TickInput) -> None:
         """The host's hand-over: slots emptied; requests admitted (their prompt on the device, their first
@@ -196,6 +229,7 @@ class StaticTick(EagerTick):
             draw_initial(self.model, self.initial, row, request)
             self.admit(row, request.prompt)
             self.live[row] = True
+            self.host_group[row] = 0
             self.entered[row] = -1  # (its first token: never the device's)
         rows, tokens, positions = tick_input.entering, tick_input.tokens, tick_input.positions
         if not rows.size:
@@ -205,57 +239,76 @@ class StaticTick(EagerTick):
             self._enter(rows[other], tokens[other], positions[other])
             self.walk.enter_rows(rows[other])
         fed = rows[~np.isin(rows, admitted)]
-        if self.row_memory and fed.size:
-            rows_t, _ = self._rows(fed)
-            self.controller.begin_rows(0, rows_t, self.state[rows_t])
+        if fed.size:
+            self._restart(fed)
 
     def admit(self, row: int, prompt: list[int]) -> None:
-        """Slot ``row`` takes a new request: its prompt, step 1, position 0."""
+        """Slot ``row`` takes a new request: its prompt, the first group, step 1, position 0."""
         self.prompt[row].zero_()
         self.prompt[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         self.prompt_length[row] = len(prompt)
+        self.group[row] = 0
         self.steps[row] = 1
         self.positions[row] = 0
 
-    def single_context(self, positions: torch.Tensor) -> AttentionContext:
-        """The context of a single-pass layer's call over every slot at ``positions``."""
-        store = _SingleStore(self.slots.cache, positions, self.rows)
+    def single_context(self, positions: torch.Tensor, writing: torch.Tensor | None) -> AttentionContext:
+        """The context of a single-pass layer's call over every slot at ``positions`` (keys written for the
+        slots ``writing``; None: every slot)."""
+        store = _SingleStore(self.slots.cache, positions, self.rows, writing)
         return AttentionContext(store, 0, self.rows, positions, self.rows, 1, self.rows.shape[0],
                                 self.masks.index_select(0, positions), one_per_row=True, elementwise=self.compiled)
 
-    def loop_step(self) -> torch.Tensor:
-        """One loop step of every slot at its step and position, and the rule; sets :attr:`new` (the loop's new
-        states) and :attr:`done`; returns the states to hand on."""
+    def loop_step(self, group: int, state: torch.Tensor, projected: torch.Tensor, at: torch.Tensor | None):
+        """One loop step of ``group`` for every slot at its step and position (the slots ``at`` it count; None:
+        every slot), and the rule; returns the new states, which rows stopped and the states they hand on."""
         steps, positions, rows = self.steps, self.positions, self.rows
-        store = _StaticStore(self.slots.cache, steps, positions, rows, self.slot_numbers)
+        store = _StaticStore(self.slots.cache, steps, positions, rows, self.slot_numbers[group], at)
         ctx = AttentionContext(store, 0, rows, positions, rows, 1, rows.shape[0],
                                self.masks.index_select(0, positions), one_per_row=True, elementwise=self.compiled)
-        self.new = self.model.loop_step(0, self._in_state, self._in_projected, ctx)
-        self.done, handoff, _ = self.controller.after_steps(0, steps, self.values, rows, self._in_state, self.new)
-        return handoff
+        new = self.model.loop_step(group, state, projected, ctx)
+        done, handoff, _ = self.controller.after_steps(group, steps, self.values[group], rows, state, new)
+        return new, (done if at is None else done & at), handoff
 
     def _tick(self, state: torch.Tensor, projected: torch.Tensor):
-        model = self.model
-        steps, positions = self.steps, self.positions
-        self._in_state, self._in_projected = state, projected
-        logits = model.readout(self.static_walk.run(True, None))
-        done = self.done
+        """Every slot one loop step on in its group; a slot whose rule fired goes on to the next group (entered
+        there), or after the last one reads out, chooses its next token and enters the first group at the
+        next position. Returns the new loop states and input halves, ``[3, B]`` (stopped, argmax or -1 where
+        the logits are not finite, the token entered) and the logits ``[B, V]``."""
+        model, positions, steps = self.model, self.positions, self.steps
+        groups, one = self.groups, self.groups == 1
+        next_state, next_projected, next_group = state, projected, self.group
+        stopped = torch.zeros_like(self.group, dtype=torch.bool)
+        for group in range(groups):
+            at = None if one else self.group == group
+            new, done, handoff = self.loop_step(group, state, projected, at)
+            going = new if one else torch.where(at[:, None], new, next_state)
+            if group < groups - 1:
+                segment = self.between[group]
+                segment.run(handoff, positions, done)
+                start, entered = segment.entered
+                next_state = torch.where(done[:, None], start, going)
+                next_projected = torch.where(done[:, None], entered, next_projected)
+                next_group = torch.where(done, group + 1, next_group)
+            else:
+                last, last_new = done, going  # (last_new: every slot's state but the ones ending here)
+            stopped = stopped | done
+        logits = model.readout(self.finish.run(handoff, positions, last))
         finite = torch.isfinite(logits).all(dim=-1)
         greedy = logits.argmax(dim=-1)
         following = (positions + 1).clamp(max=self.capacity - 1)  # (a free slot's garbage stays in range)
         in_prompt = positions + 1 < self.prompt_length
         token = torch.where(in_prompt, self.prompt.gather(1, following[:, None]).squeeze(1),
                             torch.where(finite, greedy, 0))
-        self.static_walk.next_positions = following
-        self.static_walk.run(False, model.embed(token, positions=following).to(state.dtype))
-        start, entered = self.static_walk.entered
-        stopped = done[:, None]
-        self.steps.copy_(torch.where(done, 1, steps + 1))
-        self.positions.copy_(torch.where(done, following, positions))
-        decisions = torch.stack([done.long(), torch.where(finite, greedy, -1), token])
-        new = self.new
-        self._in_state = self._in_projected = self.new = self.done = None
-        return torch.where(stopped, start, new), torch.where(stopped, entered, projected), decisions, logits
+        self.begin_next.run(model.embed(token, positions=following).to(state.dtype), following, last)
+        start, entered = self.begin_next.entered
+        ends = last[:, None]
+        new_state = torch.where(ends, start, last_new)
+        new_projected = torch.where(ends, entered, next_projected)
+        self.group.copy_(torch.where(last, 0, next_group))
+        self.steps.copy_(torch.where(stopped, 1, steps + 1))
+        self.positions.copy_(torch.where(last, following, positions))
+        decisions = torch.stack([stopped.long(), torch.where(finite, greedy, -1), token])
+        return new_state, new_projected, decisions, logits
 
 
 @register_tick

@@ -135,10 +135,13 @@ class GenerateConfig:
     loops: str | None = option(None, "loop counts N or N,N,... per group", default_text="the model's eval loop counts")
     samples: int = option(1, f"independent continuations (at most {MAX_SAMPLES})", bounds=f"[1, {MAX_SAMPLES}]")
     seed: int = option(0, "seed of the initial loop-state noise and of sampling", bounds=f"[0, {2**62})")
+    speculate: int | None = option(
+        None, "loop-speculative decoding: draft K tokens at --draft-loops loop steps per group, verify them in one "
+        "pass at --loops (or --exit / --exit-profile's rule): greedy gives plain decoding's tokens, sampling its "
+        "distribution", default_text="off", bounds="[1, inf)", metavar="K")
     draft_loops: str | None = option(
-        None, "self-speculative decoding: draft with these loop counts (N or N,N,...), verify at --loops; "
-        "greedy only (--temperature 0), the same tokens as plain greedy decoding", default_text="off")
-    draft_tokens: int = option(4, "tokens drafted per verification pass (with --draft-loops)", bounds="[1, inf)")
+        None, "with --speculate: the drafts' loop steps D per group (N or N,N,...), below the verifying budget; "
+        "under an exit rule, the rule capped at D", default_text="1", metavar="D")
     show_special: bool = option(False, "show special tokens such as <|endoftext|> in the output")
     warm_start: bool = option(False, "start each group's loop from the state it handed on at the previous token "
                                      "(Geiping et al.'s continuous compute; the prompt runs token by token)")
@@ -166,8 +169,8 @@ class GenerateConfig:
                             "rule) or shared (one slot per looped layer: memory flat in the loop budget, "
                             "outputs change)")
     tick: str = option("eager", "with --prompts-file: the engine's tick: eager (what each row needs), static or "
-                       "compiled (every slot through one device function a tick, compiled; a model whose only "
-                       "stage is one looped group: docs/engine.md)")
+                       "compiled (every slot through one device function a tick, compiled; any looped groups: "
+                       "docs/engine.md)")
     autocast: str = option("none", "autocast dtype of the forward passes: none, bf16 or fp16")
     device: str = option("auto", DEVICE_HELP)
     threads: int = option(0, THREADS_HELP, bounds="[0, inf)")
@@ -190,27 +193,29 @@ class GenerateConfig:
         check_device_name("generate", self.device)
 
     def _check_modes(self) -> None:
-        """The ways of choosing the loops (--loops, --draft-loops, --exit, --exit-profile) exclude each other."""
+        """The ways of choosing the loops (--loops, --exit, --exit-profile) exclude each other."""
         if self.exit_profile is not None and self.exit is not None:
             raise RdepthError("generate: give --exit or --exit-profile, not both")
         check_force_profile("generate", self)
         if self.exit is None and (self.tau is not None or self.k_max is not None or self.exit_options is not None):
             raise RdepthError("generate: --tau, --k-max and --exit-options set the policy of --exit; give --exit too")
-        if self.exit is not None and (self.loops or self.draft_loops is not None):
-            raise RdepthError("generate: --exit replaces --loops and --draft-loops; give one")
-        if self.exit_profile is not None and (self.loops or self.draft_loops is not None):
-            raise RdepthError("generate: --exit-profile replaces --loops and --draft-loops; give one")
+        if self.exit is not None and self.loops:
+            raise RdepthError("generate: --exit replaces --loops; give one")
+        if self.exit_profile is not None and self.loops:
+            raise RdepthError("generate: --exit-profile replaces --loops; give one")
         self._check_decoding()
 
     def _check_decoding(self) -> None:
         """Speculative drafts, the engine (--prompts-file) and its key/value layout: what each combines with."""
-        if self.draft_loops is not None and self.warm_start:
-            raise RdepthError("generate: --warm-start with --draft-loops is not supported (the verifier would need "
+        speculating = self.speculate is not None or self.draft_loops is not None
+        if self.prompts_file is not None and speculating:
+            raise RdepthError("generate: --prompts-file decodes through the engine, without --draft-loops or "
+                              "--speculate (speculation is the one-prompt path's)")
+        if self.draft_loops is not None and self.speculate is None:
+            raise RdepthError("generate: --draft-loops sets the drafts of --speculate K; give --speculate too")
+        if self.speculate is not None and self.warm_start:
+            raise RdepthError("generate: --warm-start with --speculate is not supported (the verifier would need "
                               "the drafts' handed-on states)")
-        if self.draft_loops is not None and self.temperature != 0:
-            raise RdepthError("generate: --draft-loops (speculative decoding) is greedy: pass --temperature 0")
-        if self.prompts_file is not None and self.draft_loops is not None:
-            raise RdepthError("generate: --prompts-file decodes through the engine, without --draft-loops")
         if self.kv_layout not in ("exact", "shared"):
             raise RdepthError(f"generate: --kv-layout must be exact or shared, got {self.kv_layout!r}")
         if self.kv_layout != "exact" and self.prompts_file is None:

@@ -32,8 +32,7 @@ class ServeConfig:
                                       default_text="the policy's own", metavar="KEY=VALUE,...")
     kv_layout: str = option("exact", "the engine's key/value layout: exact or shared", choices=("exact", "shared"))
     tick: str = option("eager", "the engine's tick: eager (what each row needs), static or compiled (every slot "
-                       "through one device function a tick, compiled; a model whose only stage is one looped "
-                       "group: docs/engine.md)", choices=("eager", "static", "compiled"))
+                       "through one device function a tick, compiled; any looped groups: docs/engine.md)", choices=("eager", "static", "compiled"))
     max_tokens: int = option(256, "the most new tokens a request may ask for", bounds="[1, 1000000]")
     context: int | None = option(None, "positions each slot holds (prompt and new tokens): the engine's capacity; "
                                  "below the block size for models with a long context (an Ouro's 65,536)",
@@ -41,9 +40,11 @@ class ServeConfig:
     max_n: int = option(16, "the most choices (n) a request may ask for per prompt", bounds="[1, 1024]")
     max_choices: int = option(64, "the most choices a request may ask for in all (its prompts x n)",
                               bounds="[1, 65536]")
+    max_logprobs: int = option(20, "the most likely tokens a request may ask for per position ('logprobs', "
+                               "'top_logprobs')", bounds="[0, 1000]")
     max_body_bytes: int = option(4 * 1024 * 1024, "the largest request body taken (413 above it, before it is "
                                  "parsed)", bounds="[1024, 1073741824]")
-    seed: int = option(0, "seed of the initial loop-state noise (request choice i draws StateNoise(seed, [i]))",
+    seed: int = option(0, "seed of the initial loop-state noise (a choice of seed S draws StateNoise(seed, [S]))",
                        bounds=f"[0, {2**62})")
     device: str = option("auto", DEVICE_HELP)
     threads: int = option(0, THREADS_HELP, bounds="[0, inf)")
