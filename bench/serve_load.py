@@ -181,7 +181,12 @@ def in_process(args, prompts, budget) -> dict:
     torch.set_num_threads(1)
     model = load_model(args.run, torch.device("cpu"))[0].eval()
     engine = Engine(model, args.batch_size, **budget(model))
-    requests = [Request(p, max_tokens=args.max_tokens, sequence_id=i) for i, p in enumerate(prompts)]
+    from rdepth.run.heldout import run_tokenizer
+
+    # as the server decodes each: greedy from sequence 0 (its default seed), ended by the end-of-text token
+    end = getattr(run_tokenizer(args.run), "eot_id", None)
+    requests = [Request(p, max_tokens=args.max_tokens, sequence_id=0, stop=() if end is None else (end,))
+                for p in prompts]
 
     def call():
         start = time.perf_counter()

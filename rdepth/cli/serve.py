@@ -14,8 +14,9 @@ def register(subparsers) -> None:
         "serve",
         help="serve a checkpoint over an OpenAI-compatible HTTP API",
         description="Serve a checkpoint through the continuous depth batching engine: POST /v1/completions "
-        "(streaming too), GET /v1/models, /health, /metrics. Every choice reports each token's loop steps per "
-        "group and why each loop stopped. Needs the serve extra (pip install 'rdepth[serve]').",
+        "(streaming, logprobs, echo), /v1/chat/completions (a tokenizer with a chat template), GET /v1/models, "
+        "/health, /metrics, and /tokenize for lm-eval's local-completions. Every choice reports each token's loop "
+        "steps per group and why each loop stopped. Needs the serve extra (pip install 'rdepth[serve]').",
     )
     add_dataclass_flags(parser, ServeConfig, title="serve")
     parser.set_defaults(func=run)

@@ -23,7 +23,10 @@ class Request:
     ``seed`` (the request's own: the draws do not depend on what else shares the batch). A token in
     ``stop`` ends the request after it is emitted. The initial loop states are the ones
     ``StateNoise(noise_seed, [sequence_id])`` gives (the batch-1 decoder's default is seed 0, id 0).
-    ``keep_logits`` keeps every position's logits (``[T, V]``, on the host) in the result.
+    ``keep_logits`` keeps every position's logits (``[T, V]``, on the host) in the result. ``logprobs``: for
+    every new token, its log-probability and the ``logprobs`` most likely tokens' (:class:`TokenLogprob`, from
+    the model's logits, before temperature and top-p); with ``prompt_logprobs`` too, for every prompt token
+    after the first (what scoring reads).
     """
 
     prompt: Sequence[int]
@@ -36,6 +39,8 @@ class Request:
     noise_seed: int = 0
     sequence_id: int = 0
     keep_logits: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
     tag: object = None  # the client's own label, handed back untouched
 
     def __post_init__(self) -> None:
@@ -55,6 +60,31 @@ class Request:
                                        or self.top_k < 1):
             raise RdepthError(f"request: top_k must be an integer >= 1, got {self.top_k!r}")
         self.stop = frozenset(int(t) for t in self.stop)
+        _check_logprobs(self.logprobs, self.prompt_logprobs)
+
+
+def _check_logprobs(logprobs, prompt_logprobs: bool) -> None:
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+        raise RdepthError(f"request: logprobs must be an integer >= 0 or None, got {logprobs!r}")
+    if prompt_logprobs and logprobs is None:
+        raise RdepthError("request: prompt_logprobs needs logprobs (the most likely tokens to keep)")
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the logits of the position before it, and the ``k`` most likely tokens'
+    (``top``: ``(token, logprob)``, most likely first)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+        """From one position's logits ``[V]`` (log-softmax in float32)."""
+        scores = torch.log_softmax(logits.float(), dim=-1)
+        values, ids = scores.topk(min(k, scores.shape[-1]))
+        return cls(int(token), float(scores[token]), list(zip(ids.tolist(), values.tolist(), strict=True)))
 
 
 @dataclass
@@ -67,7 +97,8 @@ class Finished:
     (max_tokens), ``"stop"`` (a stop token), ``"context"`` (the cache's capacity) or ``"error"`` (then
     ``error`` says why and the tokens so far stand); ``logits`` ``[T + n, V]`` with ``keep_logits``.
     ``rules``: per position and group, why its loop ended (``"rule"`` the exit rule fired, ``"budget"`` the
-    cap or a fixed budget)."""
+    cap or a fixed budget). With ``logprobs``: ``logprobs`` per new token and, with ``prompt_logprobs``,
+    ``prompt_logprobs`` per prompt token after the first (:class:`TokenLogprob`)."""
 
     request_id: int
     request: Request
@@ -78,6 +109,8 @@ class Finished:
     finish_reason: str | None = None
     error: str | None = None
     logits: torch.Tensor | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     submitted_tick: int = 0
     finished_tick: int = 0
     submitted_s: float = 0.0

@@ -4,7 +4,8 @@
 its :class:`~rdepth.engine.tick.TickOutput` back (:meth:`Scheduler.update`): for each row read out, its steps and
 argmax recorded; in its prompt, the prompt's next token fed; beyond it, the next token chosen (greedy, or drawn
 with the request's own generator), handed to the listener, and the request retired (a stop token, its length,
-the context, a cancellation, a non-finite output) or its token fed. It touches no device buffer of the tick's.
+the context, a non-finite output) or its token fed; a cancelled request ends between ticks, queued or in a slot.
+It touches no device buffer of the tick's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rdepth.engine.request import Finished, Request
+from rdepth.engine.request import Finished, Request, TokenLogprob
 from rdepth.engine.tick import TickInput, TickOutput
 from rdepth.model.sampling import choose_tokens
 
@@ -63,7 +64,7 @@ class _Logs:
         # (int32: token ids and loop steps fit, and a long context's slots take half the host memory)
         self.prompt = np.zeros((batch, capacity), dtype=np.int32)  # the prompt (then zeros)
         self.prompt_length = np.zeros(batch, dtype=np.int64)
-        self.keeps = np.zeros(batch, dtype=bool)  # whether the slot's request keeps its logits
+        self.keeps = np.zeros(batch, dtype=bool)  # whether the slot's request keeps its logits (or prompt logprobs)
         self.steps = np.zeros((batch, capacity, n_groups), dtype=np.int32)  # per position read out
         self.predicted = np.zeros((batch, capacity), dtype=np.int32)  # the argmax after each position
         self.k_max = np.asarray(k_max, dtype=np.int64)
@@ -72,7 +73,7 @@ class _Logs:
     def admit(self, row: int, request: Request) -> None:
         self.prompt[row, :len(request.prompt)] = request.prompt
         self.prompt_length[row] = len(request.prompt)
-        self.keeps[row] = request.keep_logits
+        self.keeps[row] = request.keep_logits or request.prompt_logprobs  # read per row in the prompt too
 
     def record(self, rows: np.ndarray, positions: np.ndarray, steps: np.ndarray, greedy: np.ndarray) -> None:
         """Rows ``rows`` read out position ``positions`` after loop steps ``steps`` ``[E, G]``, argmax ``greedy``."""
@@ -97,7 +98,7 @@ class Scheduler:
 
     def __init__(self, batch: int, capacity: int, n_groups: int, k_max: list[int], fixed: bool,
                  device: torch.device, clock: Callable[[], float] = time.perf_counter,
-                 listener: Callable[[int, int, list[int], list[str]], None] | None = None):
+                 listener: Callable[[int, int, list[int], list[str], TokenLogprob | None], None] | None = None):
         self.batch, self.capacity, self.device, self.clock, self.listener = batch, capacity, device, clock, listener
         self.live: list[_Live | None] = [None] * batch
         self.position = np.zeros(batch, dtype=np.int64)  # where each slot's token in flight writes
@@ -128,8 +129,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def admit(self) -> list[Finished]:
-        """Fill free slots from the queue; a request that cannot run finishes at once with its error."""
-        finished = []
+        """End the cancelled requests (:meth:`drop_cancelled`), then fill free slots from the queue; a request
+        that cannot run finishes at once with its error."""
+        finished = self.drop_cancelled() if self.cancelled else []
         free = [row for row, live in enumerate(self.live) if live is None]
         while free and self.queue:
             request_id, request, submitted, tick = self.queue.popleft()
@@ -149,6 +151,32 @@ class Scheduler:
             self.position[row] = 0
             self._admitted.append((row, request))
             self._feeding.append((np.asarray([row]), np.asarray([request.prompt[0]])))
+        return finished
+
+    def drop_cancelled(self) -> list[Finished]:
+        """The cancelled requests end now, ``finish_reason`` "cancelled": a queued one leaves the queue, one in
+        a slot frees it between ticks (in its prompt or mid-loop: the position in flight is dropped, never read
+        out), so a waiting request takes the slot in this tick. Ids unknown or finished are forgotten."""
+        finished = []
+        if self.queue:
+            kept = deque()
+            for entry in self.queue:
+                if entry[0] in self.cancelled:
+                    request_id, request, submitted, tick = entry
+                    result = Finished(request_id, request, finish_reason="cancelled", submitted_tick=tick,
+                                      submitted_s=submitted, finished_tick=self.stats.ticks, finished_s=self.clock())
+                    self.stats.requests += 1
+                    finished.append(result)
+                else:
+                    kept.append(entry)
+            self.queue = kept
+        dropped = [row for row, live in enumerate(self.live) if live is not None and live.id in self.cancelled]
+        for row in dropped:
+            finished.append(self.retire(row, "cancelled", read_current=False))
+        if dropped:  # their tokens fed since the last tick go in nowhere
+            self._feeding = [(rows[keep], tokens[keep]) for rows, tokens in self._feeding
+                             for keep in [~np.isin(rows, dropped)]]
+        self.cancelled.clear()
         return finished
 
     def schedule(self) -> TickInput:
@@ -226,18 +254,22 @@ class Scheduler:
             kept = logits[index].detach().to("cpu")
             live.logits.append(kept.float() if kept.dtype in (torch.float16, torch.bfloat16) else kept)
         if in_prompt:
+            if request.prompt_logprobs:  # the prompt's next token, scored
+                following = int(self.logs.prompt[row, position + 1])
+                result.prompt_logprobs.append(TokenLogprob.of(logits[index], following, request.logprobs))
             return None
         token = greedy if live.generator is None else int(choose_tokens(
             logits[index:index + 1], request.temperature, request.top_k, live.generator, request.top_p))
         result.tokens.append(token)
+        scored = None
+        if request.logprobs is not None:
+            scored = TokenLogprob.of(logits[index], token, request.logprobs)
+            result.logprobs.append(scored)
         if self.listener is not None:
             steps = self.logs.steps[row, position]
-            self.listener(live.id, token, steps.tolist(), self.logs.rules(steps))
+            self.listener(live.id, token, steps.tolist(), self.logs.rules(steps), scored)
         reason = None
-        if live.id in self.cancelled:
-            self.cancelled.discard(live.id)
-            reason = "cancelled"
-        elif token in request.stop:
+        if token in request.stop:
             reason = "stop"
         elif len(result.tokens) >= request.max_tokens:
             reason = "length"
@@ -249,12 +281,13 @@ class Scheduler:
         return token
 
     # ------------------------------------------------------------------ slots
-    def retire(self, row: int, reason: str, error: str | None = None) -> Finished:
-        """Slot ``row``'s request ends (``error``: at its current position, which did not read out; else
-        after it)."""
+    def retire(self, row: int, reason: str, error: str | None = None, read_current: bool | None = None) -> Finished:
+        """Slot ``row``'s request ends: after its current position read out, or (``error``, or ``read_current``
+        False: a cancellation between ticks) before it."""
         live = self.live[row]
         result = live.result
-        self.logs.fill(result, row, int(self.position[row]) + (error is None))
+        read_current = error is None if read_current is None else read_current
+        self.logs.fill(result, row, int(self.position[row]) + read_current)
         result.finish_reason, result.error = reason, error
         if live.logits:
             result.logits = torch.stack(live.logits)

@@ -176,11 +176,18 @@ def _check_rotary_table(folder: Path, stored: torch.Tensor, model: RecurrentLM) 
 
 
 def raven_tokenizer_files(folder: Path, vocab_size: int) -> tuple[str, dict[str, str | None]]:
-    """(tokenizer spec, files for the run's tokenizer folder): the folder's ``tokenizer.json`` as a BPE."""
+    """(tokenizer spec, files for the run's tokenizer folder): the folder's ``tokenizer.json`` as a BPE, and its
+    chat template where it has one (``rdepth serve``'s /v1/chat/completions reads it)."""
+    from rdepth.run.chat_template import CHAT_TEMPLATE_FILE, hub_chat_template
+
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise RdepthError(f"{folder} has no tokenizer.json")
-    return f"bpe:{vocab_size}", {META_FILE: None, BPE_FILE: path.read_text()}
+    files = {META_FILE: None, BPE_FILE: path.read_text()}
+    template = hub_chat_template(folder)
+    if template is not None:
+        files[CHAT_TEMPLATE_FILE] = template.to_json()
+    return f"bpe:{vocab_size}", files
 
 
 def raven_model(folder: str | Path, tokenizer: str | None = None) -> RecurrentLM:

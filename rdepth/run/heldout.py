@@ -23,15 +23,20 @@ from rdepth.errors import RdepthError
 log = logging.getLogger(__name__)
 
 
+def run_tokenizer_dir(checkpoint: str | Path) -> Path:
+    """The folder of the tokenizer saved with a run (``RUN/tokenizer``), found from a run or checkpoint path."""
+    path = Path(checkpoint).resolve()
+    for folder in (path, *path.parents[:3]):
+        if (folder / "tokenizer").is_dir():
+            return folder / "tokenizer"
+    raise RdepthError(f"no tokenizer saved with the run of {checkpoint} (expected RUN/tokenizer)")
+
+
 def run_tokenizer(checkpoint: str | Path):
     """The tokenizer saved with a run (``RUN/tokenizer``), found from a run or checkpoint path."""
     from rdepth.data.tokenizers import load_tokenizer
 
-    path = Path(checkpoint).resolve()
-    for folder in (path, *path.parents[:3]):
-        if (folder / "tokenizer").is_dir():
-            return load_tokenizer(folder / "tokenizer")
-    raise RdepthError(f"no tokenizer saved with the run of {checkpoint} (expected RUN/tokenizer)")
+    return load_tokenizer(run_tokenizer_dir(checkpoint))
 
 
 def run_tokenizer_fingerprint(checkpoint: str | Path) -> str | None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from rdepth.engine import Engine
 from rdepth.errors import RdepthError
 from rdepth.serve.api import ServedModel, build_app
+from rdepth.serve.chat import ChatRenderer
 from rdepth.serve.config import ServeConfig
 from rdepth.serve.listen import bind_sockets
 from rdepth.serve.runner import EngineRunner
@@ -22,6 +23,7 @@ def served_model(config: ServeConfig) -> ServedModel:
     from rdepth.exitrun.gate_file import check_gate_option
     from rdepth.exits.config import resolve_k_max
     from rdepth.exits.controller import controller_factory
+    from rdepth.run.chat_template import run_chat_template
     from rdepth.run.checkpoint import load_model
     from rdepth.run.device import resolve_device
     from rdepth.run.heldout import run_tokenizer
@@ -35,6 +37,8 @@ def served_model(config: ServeConfig) -> ServedModel:
     device = resolve_device(config.device)
     model, model_config = load_model(config.checkpoint, device)
     tokenizer = run_tokenizer(config.checkpoint)
+    template = run_chat_template(config.checkpoint)
+    chat = ChatRenderer(template) if template is not None else None
     context = config.context or model_config.block_size
     if context > model_config.block_size:
         raise RdepthError(f"serve: --context {context} exceeds the model's block size {model_config.block_size}")
@@ -51,7 +55,7 @@ def served_model(config: ServeConfig) -> ServedModel:
         policy = {"loops": list(engine.k_max)}
     name = config.name or _default_name(config.checkpoint)
     return ServedModel(name, tokenizer, EngineRunner(engine).start(), context, policy, config.max_tokens,
-                       config.max_n, config.seed, config.max_choices, config.max_body_bytes)
+                       config.max_n, config.seed, config.max_choices, config.max_body_bytes, config.max_logprobs, chat)
 
 
 def _default_name(checkpoint: str) -> str:
