@@ -70,7 +70,7 @@ def test_one_cache_class_and_no_cache_in_the_model_forward():
     adapters = {name: lines for name, (module, lines) in classes.items()
                 if name not in ("KVCache", "RdepthCache")}  # RdepthCache: transformers' handle on a Decoder
     # SlotCache: the engine's reads and writes of a KVCache made by the model (rows at their own steps)
-    assert set(adapters) == {"ChunkKV", "RowsKV", "GivenKV", "SlotCache"} and max(adapters.values()) < 60
+    assert set(adapters) == {"ChunkKV", "RowsKV", "ThroughKV", "GivenKV", "SlotCache"} and max(adapters.values()) < 60
     parameters = inspect.signature(RecurrentLM.forward).parameters
     assert "cache" not in parameters and "warm_start" not in parameters
 

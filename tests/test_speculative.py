@@ -64,10 +64,10 @@ def test_generate_command_with_draft_loops(wiki_small, tmp_path, capsys):
     capsys.readouterr()
     assert main(common) == 0
     plain = capsys.readouterr().out
-    assert main(common + ["--draft-loops", "1", "--draft-tokens", "3"]) == 0
+    assert main(common + ["--speculate", "3", "--draft-loops", "1"]) == 0
     assert capsys.readouterr().out == plain
-    assert main(common[:-2] + ["--draft-loops", "1"]) == 2  # sampling is not speculative
-    assert "--temperature 0" in capsys.readouterr().err
+    assert main(common + ["--draft-loops", "1"]) == 2  # the drafts of --speculate K, not alone
+    assert "give --speculate too" in capsys.readouterr().err
 
 
 def test_generated_text_hides_special_tokens_and_eval_on_text_has_a_baseline(wiki_small, tmp_path, capsys):

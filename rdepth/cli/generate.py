@@ -14,7 +14,10 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate",
         help="generate text from a prompt",
-        description="Generate text with a key/value cache (exact under recurrence); loop counts per group selectable.",
+        description="Generate text with a key/value cache (exact under recurrence); loop counts per group selectable. "
+        "--checkpoint may instead name a Hugging Face folder of a looped model transformers ships (model_type "
+        "hrm_text, inkling2_loop_text), decoded in place at its own budget, --loops (its loops in order: H,L or "
+        "passes) or, for HRM-Text, --exit RULE in every loop the rule can read.",
     )
     add_dataclass_flags(parser, GenerateConfig, title="generation")
     parser.set_defaults(func=run)
@@ -25,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.run.generate_text import generate_text
 
     config = build(GenerateConfig, {}, args)
+    if looped_folder(config.checkpoint):  # a looped transformers model's folder, driven in place
+        return _looped(config, overrides(args, GenerateConfig, check=False))
     check_ignored_flags(overrides(args, GenerateConfig, check=False))
 
     def profile_controllers(model):
@@ -43,6 +48,29 @@ def run(args: argparse.Namespace) -> int:
     for text in generate_text(config, controllers):
         print(text)
         print("---")
+    return 0
+
+
+def looped_folder(path: str) -> bool:
+    from rdepth.looped.load import looped_source
+
+    return looped_source([path], "generate")
+
+
+def _looped(config, given: dict) -> int:
+    """``--checkpoint`` a Hugging Face folder of HRM-Text or Inkling-2: its texts (rdepth.looped.generate), and
+    with --exit the steps the rule ran."""
+    from rdepth.looped.generate import generate_folder
+
+    made = generate_folder(config, given)
+    for text in made.texts:
+        print(text)
+        print("---")
+    if made.steps is not None:
+        steps = made.steps
+        print(f"--exit {config.exit}: mean L steps per L loop {steps['mean_low_steps']:.2f} of {steps['full_low_steps']}, "
+              f"mean H steps {steps['mean_high_steps']:.2f} of {steps['full_high_steps']} ({steps['positions']} "
+              "positions, the prompt's included)")
     return 0
 
 

@@ -16,7 +16,11 @@ by the model), exact against teacher-forced evaluation (cached = teacher-forced 
   pieces run: eager reading the written prefix of the cache, the product's; the GPU benchmarks apply
   their own (masked whole-cache reads, Inductor-compiled pieces, CUDA graphs: ``bench/gpu/executors/``).
 * **Several tokens at once** (:meth:`Decoder.extend`, ``T > 1`` at a fixed budget) run in lock-step
-  under a causal mask, as the teacher-forced forward does; with exits or warm start one by one.
+  under a causal mask, as the teacher-forced forward does; with warm start one by one, and with exits one
+  by one unless asked for ``lockstep``: then the T positions loop together as packed rows, each stopping on
+  its own, its key written through to the later step slots as it is computed (the latest-KV rule as it goes,
+  :class:`~rdepth.model.kv.ThroughKV`), so that a verification under an exit rule is one pass
+  (:mod:`rdepth.model.loop_speculation`).
 * **Rollback** sets the cache length back; **warm start** starts each group's loop at position p from
   the state it handed on at p - 1 (kept per position: rollback keeps it right).
 """
@@ -33,7 +37,7 @@ from rdepth.errors import RdepthError
 from rdepth.model.budget import Budget, resolve_budget
 from rdepth.model.control import FixedController, LoopController
 from rdepth.model.executors.eager import Executor
-from rdepth.model.kv import AttentionContext, ChunkKV
+from rdepth.model.kv import AttentionContext, ChunkKV, ThroughKV
 from rdepth.model.loop import LoopRows, run_fixed
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM
@@ -109,6 +113,7 @@ class Decoder:
                 model.rotary.table(self.device)
         self.walk = _TokenWalk(self)  # a token's way through the stages, over the buffers
         self._plans: dict[Budget, Plan] = {}
+        self._packed: dict[Budget, LoopController] = {}  # lock-step passes' controllers (exits)
         self.plan = self._plan_for(self.budget)
 
     def use(self, executor: Executor) -> Decoder:
@@ -242,15 +247,20 @@ class Decoder:
 
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor, loop_counts: Sequence[int] | str | int | None = None,
-               controller_factory: Callable[[], LoopController] | None = None) -> torch.Tensor:
+               controller_factory: Callable[[], LoopController] | None = None, *, budget: Budget | None = None,
+               lockstep: bool = False) -> torch.Tensor:
         """Append ``tokens`` ``[B, T]`` at the next positions; returns their logits ``[B, T, V]``.
 
-        The budget is the decoder's own, or ``loop_counts`` / ``controller_factory`` for this call
-        (at most the cache's steps per group). At a fixed budget without warm start the T positions
-        run in lock-step in one pass; otherwise one at a time. ``computed``/``used`` ``[G, B]`` then
-        hold the last position's loop steps and hand-off index, ``prompt_computed`` / ``prompt_used``
-        ``[G, B, T]`` every position's."""
-        budget = resolve_budget(self.model, loop_counts, controller_factory, self.budget)
+        The budget is the decoder's own, or ``loop_counts`` / ``controller_factory`` (or a resolved
+        ``budget``) for this call (at most the cache's steps per group). At a fixed budget without warm
+        start the T positions run in lock-step in one pass; under exits too with ``lockstep`` (packed rows,
+        each position's own exits: the same decisions, keys and logits as one at a time, to rounding);
+        otherwise one at a time. ``computed``/``used`` ``[G, B]`` then hold the last position's loop steps
+        and hand-off index, ``prompt_computed`` / ``prompt_used`` ``[G, B, T]`` every position's."""
+        if budget is None:
+            budget = resolve_budget(self.model, loop_counts, controller_factory, self.budget)
+        elif loop_counts is not None or controller_factory is not None:
+            raise RdepthError("decoder: give a budget or loop_counts / controller_factory, not both")
         tokens = tokens.to(self.device)
         batch, length = tokens.shape
         if batch != self.batch_size:
@@ -260,7 +270,7 @@ class Decoder:
         if self.length + length > self.capacity:
             raise RdepthError(f"decoder: {self.length} + {length} positions exceed the capacity {self.capacity} "
                               "(the model's context)")
-        if length == 1 or not budget.fixed or self.warm_start:
+        if length == 1 or not (budget.fixed or lockstep) or self.warm_start:
             logits, computed, used = [], [], []
             for t in range(length):
                 self._advance(tokens[:, t:t + 1], budget)
@@ -269,15 +279,14 @@ class Decoder:
                 used.append(self.used.clone())
             self.prompt_computed, self.prompt_used = torch.stack(computed, dim=2), torch.stack(used, dim=2)
             return torch.stack(logits, dim=1)
-        logits = self._extend_parallel(tokens, budget.counts)
-        self.prompt_computed = self.prompt_used = self.computed[:, :, None].expand(-1, -1, length).clone()
-        return logits
+        return self._extend_parallel(tokens, budget)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Decode ``tokens`` ``[B, 1]`` at the next position at the decoder's budget; returns logits
-        ``[B, V]`` (a copy). ``computed``/``used`` ``[G, B]`` hold each row's steps and hand-off index."""
-        self._advance(tokens, self.budget)
+    def step(self, tokens: torch.Tensor, budget: Budget | None = None) -> torch.Tensor:
+        """Decode ``tokens`` ``[B, 1]`` at the next position at the decoder's budget (or ``budget``, within the
+        cache's steps); returns logits ``[B, V]`` (a copy). ``computed``/``used`` ``[G, B]`` hold each row's
+        steps and hand-off index."""
+        self._advance(tokens, budget or self.budget)
         return self.logits.clone()
 
     @torch.no_grad()
@@ -290,17 +299,32 @@ class Decoder:
         self.executor.run_token(self, plan)
         self.length += 1
 
-    def _extend_parallel(self, tokens: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
-        """T positions at a fixed budget in lock-step (the teacher-forced computation over the cache)."""
+    def _extend_parallel(self, tokens: torch.Tensor, budget: Budget) -> torch.Tensor:
+        """T positions in lock-step (the teacher-forced computation over the cache): at a fixed budget, or
+        under the budget's plan's controller as packed rows."""
         batch, length = tokens.shape
         start, end = self.length, self.length + length
         x = self.model.embed(tokens, start).reshape(batch * length, -1).to(self.dtype)  # rows by batch then time
-        x = _PromptWalk(self, start, end, counts)(x)
+        controller = None if budget.fixed else self._packed_controller(budget)
+        walk = _PromptWalk(self, start, end, budget.counts, controller)
+        x = walk(x)
         logits = self.model.readout(x).view(batch, length, -1)
         self.logits.copy_(logits[:, -1])
         self.length = end
         self.cache.position.fill_(end)
+        if controller is None:
+            self.prompt_computed = self.prompt_used = self.computed[:, :, None].expand(-1, -1, length).clone()
+        else:
+            self.prompt_computed, self.prompt_used = torch.stack(walk.computed), torch.stack(walk.used)
         return logits
+
+    def _packed_controller(self, budget: Budget) -> LoopController:
+        """The controller of lock-step passes under an exit budget: made once per budget, apart from the
+        plan's (whose per-row memory an executor's captured pieces may hold)."""
+        if budget not in self._packed:
+            self._plan_for(budget)  # its steps checked against the cache's
+            self._packed[budget] = budget.controller_factory()
+        return self._packed[budget]
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
@@ -386,11 +410,18 @@ class _PlanWalk(StageWalk):
 
 class _PromptWalk(StageWalk):
     """Positions ``start..end - 1`` of every row at fixed ``counts`` in lock-step over the cache, under a
-    causal mask (the decoder's prompt: the teacher-forced computation); rows by batch then time."""
+    causal mask (the decoder's prompt: the teacher-forced computation); rows by batch then time. With a
+    ``controller`` each group's loop runs the loop routine over the rows still looping (packed: a stopped
+    row computes nothing more), their keys written through to the later step slots (:class:`ThroughKV`);
+    ``computed`` / ``used`` then hold per group ``[B, T]``."""
 
-    def __init__(self, decoder: Decoder, start: int, end: int, counts: tuple[int, ...]):
+    def __init__(self, decoder: Decoder, start: int, end: int, counts: tuple[int, ...] | None,
+                 controller: LoopController | None = None):
         super().__init__(decoder.model)
-        self.decoder, self.span, self.counts = decoder, slice(start, end), counts
+        self.decoder, self.span, self.counts, self.controller = decoder, slice(start, end), counts, controller
+        self.through = None if controller is None else ThroughKV(decoder.cache, end)
+        self.computed: list[torch.Tensor] = []
+        self.used: list[torch.Tensor] = []
         batch, length, device = decoder.batch_size, end - start, decoder.device
         self.store = ChunkKV(decoder.cache, start, end)
         self.batch_index = torch.arange(batch, device=device).repeat_interleave(length)
@@ -410,6 +441,8 @@ class _PromptWalk(StageWalk):
         return initial[group][:, self.span].reshape(inputs.shape) if group in initial else torch.zeros_like(inputs)
 
     def loop(self, group, state, projected):
+        if self.controller is not None:
+            return self._loop_rows(group, state, projected)
         decoder, count = self.decoder, self.counts[group]
         state = run_fixed(state, count, lambda state, step: self.model.loop_step(group, state, projected,
                                                                                  self.context(step)))
@@ -418,6 +451,22 @@ class _PromptWalk(StageWalk):
         decoder.computed[group].fill_(count)
         decoder.used[group].fill_(count)
         return state
+
+    def _loop_rows(self, group, state, projected):
+        """The group's loop under the controller, each step over the rows still looping."""
+        loop = LoopRows(self.controller, group, state)
+
+        def step_fn(prev, step, rows):
+            ctx = AttentionContext.build(self.through, step, self.batch_index[rows], self.position[rows])
+            return self.model.loop_step(group, prev, projected[rows], ctx)
+
+        loop.run(state, step_fn)
+        computed, used = loop.computed.view(self.batch, self.length), loop.used.view(self.batch, self.length)
+        self.computed.append(computed)
+        self.used.append(used)
+        self.decoder.computed[group].copy_(computed[:, -1])
+        self.decoder.used[group].copy_(used[:, -1])
+        return loop.handed_on
 
 
 def _sequence(pieces: list[_Run]) -> _Run:

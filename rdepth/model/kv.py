@@ -17,8 +17,10 @@ et al.'s "latest" lookup).
 * Adapters write into the cache's tensors for the other shapes of a call (each is what a layer's
   ``store.update`` sees): :class:`ChunkKV`, a lock-step pass over several new positions (a prompt, a
   verification); :class:`RowsKV`, packed rows of a teacher-forced pass with exits, all positions in
-  lock-step, where one slot per looped layer (its latest key) is exact; :class:`GivenKV`, a loop
-  step's slots handed to a compiled piece as tensors.
+  lock-step, where one slot per looped layer (its latest key) is exact; :class:`ThroughKV`, packed
+  rows of a lock-step pass over new positions under exits, over the cache's step slots (each row's key
+  written through to the later steps' slots); :class:`GivenKV`, a loop step's slots handed to a compiled
+  piece as tensors.
 """
 
 from __future__ import annotations
@@ -218,6 +220,34 @@ class RowsKV:
         cache_k[ctx.batch_index, :, ctx.position] = keys.to(cache_k.dtype)
         cache_v[ctx.batch_index, :, ctx.position] = values.to(cache_v.dtype)
         return cache_k, cache_v
+
+
+class ThroughKV:
+    """The store of a lock-step pass with exits over new positions (every one before ``end``): packed rows
+    (``[N, nh, hs]``, or one per batch row ``[B, nh, 1, hs]``) of the rows still looping at step k. A row
+    writes its step-k key/value into the slots of step k *and every later step*, so a row that stops after
+    c steps leaves its step-c key in the slots of steps c+1.. -- what :meth:`KVCache.settle` would leave --
+    before any later step reads them; a row still looping overwrites them at its next step. Reads are the
+    cache's first ``end`` positions (the rows' causal mask does the rest)."""
+
+    def __init__(self, cache: KVCache, end: int):
+        self.cache, self.batch_size, self.capacity = cache, cache.batch_size, end
+
+    def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
+               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the rows' keys/values at their positions; return ``[B, nh, end, hs]`` each (views)."""
+        if keys.dim() == 4:
+            keys, values = keys.squeeze(2), values.squeeze(2)
+        rows, positions = ctx.batch_index, ctx.position
+        if layer in self.cache.looped:
+            for tensor, new in zip(self.cache.looped[layer], (keys, values), strict=True):
+                # [steps, B, nh, S, hs] indexed [k-1:, rows, :, positions] -> [N, steps - k + 1, nh, hs]
+                tensor[ctx.step - 1:, rows, :, positions] = new.to(tensor.dtype).unsqueeze(1)
+        else:
+            for tensor, new in zip(self.cache.single[layer], (keys, values), strict=True):
+                tensor[rows, :, positions] = new.to(tensor.dtype)
+        cache_k, cache_v = self.cache.slots(layer, ctx.step)
+        return cache_k.narrow(2, 0, self.capacity), cache_v.narrow(2, 0, self.capacity)
 
 
 class GivenKV:

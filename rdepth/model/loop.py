@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from rdepth.errors import RdepthError
@@ -52,6 +53,20 @@ def stop_and_hand_on(step: int, last: int, active: torch.Tensor, done: torch.Ten
     torch.where(stopping, used_now, used, out=used)
     computed.masked_fill_(active, step)
     active.masked_fill_(done, False)
+
+
+def rows_leaving(rows: np.ndarray, steps: np.ndarray, stopping: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The row-indexed bookkeeping after a loop step of rows that loop at their own steps (continuous depth
+    batching, :mod:`rdepth.engine`), on the host: of the slots ``rows`` ``[A]`` at steps ``steps`` ``[A]`` (the
+    step each just computed), those ``stopping`` ``[A]`` bool leave; returns them and the steps each computed
+    (what :func:`stop_and_hand_on` records as ``computed`` for rows in lock-step)."""
+    return rows[stopping], steps[stopping]
+
+
+def next_steps(steps: torch.Tensor, stopping: torch.Tensor) -> torch.Tensor:
+    """The step each row computes next, on the device, predicated: one on, or 1 where it stopped (its next loop,
+    in the next group or at the next position, starts there)."""
+    return torch.where(stopping, 1, steps + 1)
 
 
 class LoopRows:

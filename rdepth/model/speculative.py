@@ -27,39 +27,25 @@ because
 Drafts, verification and the plain greedy fill all run on the one decoder
 (:class:`rdepth.model.decoder.Decoder`): a draft is a one-token step at the draft
 budget, a verification one lock-step pass over the drafts at the verifying budget
-(one token at a time when the verifying budget has exits).
+(one token at a time when the verifying budget has exits). Free text (greedy or
+sampled, a draft capped under an exit rule, one-pass verification under exits) is
+:mod:`rdepth.model.loop_speculation`; :func:`speculative_generate` runs its rounds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from rdepth.config import parse_loop_counts
 from rdepth.errors import RdepthError
+from rdepth.model.budget import Budget
 from rdepth.model.control import LoopController
 from rdepth.model.decoder import Decoder
+from rdepth.model.loop_speculation import SpeculativeStats, speculate
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM
-
-
-@dataclass
-class SpeculativeStats:
-    """``rounds``: verification passes; ``drafted``/``accepted``: draft tokens made and kept."""
-
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    def to_dict(self) -> dict:
-        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance": self.acceptance}
 
 
 def _decoder(model: RecurrentLM, noise: StateNoise, counts, factory, draft_counts=None,
@@ -190,21 +176,28 @@ def speculative_fill(
 
 @torch.no_grad()
 def speculative_generate(model: RecurrentLM, idx: torch.Tensor, max_new_tokens: int, *,
-                         draft_loops: Sequence[int] | int, **options) -> tuple[torch.Tensor, SpeculativeStats]:
-    """Greedy continuation of ``idx`` ``[1, T0]`` by up to ``max_new_tokens`` tokens (fewer at the
-    block size): :func:`speculative_fill` of the template whose positions after the prompt are free.
-    Returns the tokens ``[1, T0 + n]`` and acceptance statistics; the same tokens as
-    :func:`~rdepth.model.generation.generate` at ``temperature=0`` with the same ``noise``. ``options``:
-    :func:`speculative_fill`'s (``loop_counts``, ``controller_factory``, ``draft_controller_factory``,
-    ``draft_tokens``, ``noise``)."""
+                         draft_loops: Sequence[int] | int | None = None, loop_counts: Sequence[int] | int | None = None,
+                         controller_factory: Callable[[], LoopController] | None = None,
+                         draft_controller_factory: Callable[[], LoopController] | None = None, draft_tokens: int = 4,
+                         noise: StateNoise | None = None) -> tuple[torch.Tensor, SpeculativeStats]:
+    """Greedy continuation of ``idx`` ``[1, T0]`` by up to ``max_new_tokens`` tokens (fewer at the block
+    size) with any draft budget, the verifier's included (``draft_loops`` counts or a
+    ``draft_controller_factory``; the budgets as :func:`speculative_fill`'s): the rounds of
+    :func:`rdepth.model.loop_speculation.speculate` (free text; :func:`rdepth.model.loop_speculation.
+    speculative_decode` checks the draft against the verifier and samples too). Returns the tokens
+    ``[1, T0 + n]`` and acceptance statistics; the same tokens as :func:`~rdepth.model.generation.generate`
+    at ``temperature=0`` with the same ``noise``."""
     if idx.dim() != 2 or idx.shape[0] != 1:
         raise RdepthError(f"speculative decoding runs one sequence at a time, got a batch of shape {tuple(idx.shape)}")
     if max_new_tokens < 1:
         raise RdepthError("speculative decoding needs max_new_tokens >= 1")
-    prompt = idx.shape[1]
-    if prompt > model.config.block_size:
+    if draft_loops is None and draft_controller_factory is None:
+        raise RdepthError("speculative decoding needs a draft budget (draft_loops or a draft controller)")
+    if idx.shape[1] > model.config.block_size:
         return idx, SpeculativeStats()
-    length = min(prompt + max_new_tokens, model.config.block_size + 1)
-    template = torch.cat([idx, idx.new_zeros(1, length - prompt)], dim=1)
-    free = torch.arange(length, device=idx.device) >= prompt
-    return speculative_fill(model, template, free, draft_loops=draft_loops, **options)
+    noise = noise if noise is not None else StateNoise(0, [0])
+    verify_counts = None if controller_factory is not None else _eval_counts(model, loop_counts)
+    draft_counts = None if draft_controller_factory is not None else _eval_counts(model, draft_loops)
+    decoder = _decoder(model, noise, verify_counts, controller_factory, draft_counts, draft_controller_factory)
+    draft = Budget(counts=draft_counts, controller_factory=draft_controller_factory)
+    return speculate(decoder, idx, max_new_tokens, tokens=draft_tokens, draft=draft)

@@ -57,20 +57,22 @@ def generate_text(config: GenerateConfig, controllers: Callable | None = None) -
 
 def _generate(config: GenerateConfig, model, model_config, prompt, counts, noise, sampling,
               controllers: Callable | None) -> torch.Tensor:
-    """The token ids ``[samples, P + new]``: speculative, or plain cached generation."""
-    if config.draft_loops is not None:
-        from rdepth.model.speculative import speculative_generate
+    """The token ids ``[samples, P + new]``: loop-speculative (one sample at a time), or plain cached generation."""
+    factory = None if controllers is None else controllers(model)
+    if config.speculate is not None:
+        from rdepth.model.loop_speculation import speculative_decode
 
-        draft = parse_loop_counts(config.draft_loops, model_config.n_groups)
+        draft = parse_loop_counts(config.draft_loops or "1", model_config.n_groups)
         rows = []
         for sample in range(config.samples):
-            row, stats = speculative_generate(model, prompt[sample : sample + 1], config.max_new_tokens,
-                                              draft_loops=draft, loop_counts=counts, draft_tokens=config.draft_tokens,
-                                              noise=StateNoise(config.seed, [sample]))
-            log.info("speculative decoding: %d of %d drafts accepted (%.0f%%) in %d passes", stats.accepted,
-                     stats.drafted, 100 * stats.acceptance, stats.rounds)
+            row, stats = speculative_decode(
+                model, prompt[sample : sample + 1], config.max_new_tokens, tokens=config.speculate, draft_loops=draft,
+                loop_counts=counts, controller_factory=factory, temperature=config.temperature, top_k=config.top_k,
+                noise=StateNoise(config.seed, [sample]), rng=sampling)
+            log.info("speculative decoding: %d of %d drafts accepted (%.0f%%), %.2f per verification pass of %d",
+                     stats.accepted, stats.drafted, 100 * stats.acceptance, stats.mean_accepted, stats.rounds)
             rows.append(row)
         return torch.cat(rows)
     return generate(model, prompt, config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
                     loop_counts=counts, noise=noise, rng=sampling, warm_start=config.warm_start,
-                    controller_factory=None if controllers is None else controllers(model))
+                    controller_factory=factory)

@@ -1,0 +1,217 @@
+"""Loop-speculative decoding against plain decoding at the same budget, batch 1, the one decoder.
+
+    python bench/loop_speculation.py --checkpoint RUN --data DATA [--draft-loops 1,2,3] [--tokens 2,3,4,5,6,8]
+        [--loops N | --exit POLICY --tau X] [--temperature 0] [--prompts 4] [--rounds 3] [--threads 1] [--json F]
+
+Prompts are the first --prompt-tokens tokens of held-out windows. Each round times, for every prompt, plain
+decoding (``rdepth.model.generation.generate``) and speculative decoding
+(``rdepth.model.loop_speculation.speculative_decode``) at every draft budget D (--draft-loops) and draft
+length K (--tokens), in an order shuffled per round (interleaved), each generating --new-tokens tokens at the
+verifying budget (--loops, default the model's eval loops; or --exit's rule, the drafts its rule capped at D).
+Before timing, each setting runs once per prompt: greedy outputs must equal plain decoding's (else exit 1).
+Prints per setting the acceptance (drafts kept per draft), the mean accepted length (drafts kept per
+verification pass), the median tokens/s over the timed calls with its interquartile range and the ratio of
+the medians to plain decoding's, with the device and revision; --json writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def iqr(values: list[float]) -> list[float]:
+    """The interquartile range ``[q1, q3]`` of timed rates (the value twice for one)."""
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
+
+
+def git_revision() -> str:
+    """The short git revision of the checkout this script is in ('' without git)."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/loop_speculation.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--loops", default=None, help="verifying budget N or N,N,... (default: eval loops)")
+    parser.add_argument("--exit", default=None, help="verify under this exit rule instead of --loops")
+    parser.add_argument("--tau", type=float, default=None)
+    parser.add_argument("--k-max", type=int, default=None, help="with --exit: the rule's cap (default: 2x eval loops)")
+    parser.add_argument("--draft-loops", type=int_list, default=[1, 2, 3], help="draft budgets D (steps per group)")
+    parser.add_argument("--tokens", type=int_list, default=[2, 3, 4, 5, 6, 8], help="draft lengths K")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="the order's shuffle and the sampling seed")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.exit is not None and args.loops is not None:
+        parser.error("give --loops or --exit, not both")
+    return args
+
+
+def verifying_budget(args, run) -> tuple[dict, str]:
+    """``generate``'s budget keywords for --loops or --exit, and how to show it."""
+    from rdepth.config import parse_loop_counts
+
+    model = run.model
+    if args.exit is not None:
+        from rdepth.exits.controller import controller_factory
+
+        k_max = args.k_max or 2 * max(run.config.default_eval_loops)
+        factory = controller_factory(args.exit, args.tau, k_max, lambda: model.readout)
+        return {"controller_factory": factory}, f"{args.exit} tau={args.tau} k_max={k_max}"
+    counts = parse_loop_counts(args.loops, run.config.n_groups) if args.loops else run.config.default_eval_loops
+    return {"loop_counts": counts}, ",".join(map(str, counts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    import torch
+
+    from rdepth.errors import RdepthError
+    from rdepth.model.generation import generate
+    from rdepth.model.loop_speculation import SpeculativeStats, speculative_decode
+    from rdepth.model.noise import StateNoise
+    from rdepth.run.device import device_name
+    from rdepth.run.opened import open_run
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run = open_run(args.checkpoint, args.data, args.device)
+    model = run.model
+    verify, shown_budget = verifying_budget(args, run)
+    windows = run.windows(args.prompts, seq_len=args.prompt_tokens)
+    prompts = [windows[i : i + 1, : args.prompt_tokens].to(run.device) for i in range(windows.shape[0])]
+    sampled = args.temperature > 0
+
+    def rng(number):
+        return torch.Generator(device=run.device).manual_seed(args.seed + number) if sampled else None
+
+    def call(setting, number):
+        """One generation of prompt ``number``: plain, or speculative at (D, K)."""
+        if setting[0] == "plain":
+            return generate(model, prompts[number], args.new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, noise=StateNoise(0, [number]), rng=rng(number), **verify)
+        return speculative_decode(model, prompts[number], args.new_tokens, tokens=setting[2],
+                                  draft_loops=setting[1], temperature=args.temperature, top_k=args.top_k,
+                                  noise=StateNoise(0, [number]), rng=rng(number), **verify)
+
+    settings = [("plain", None, None)] + [("speculative", draft, tokens) for draft in args.draft_loops
+                                          for tokens in args.tokens]
+    try:
+        stats = checked(settings, len(prompts), call, sampled, SpeculativeStats)
+    except RdepthError as error:
+        print(error, file=sys.stderr)
+        return 2
+    if stats is None:
+        return 1
+    rates = timed(args, settings, len(prompts), call)
+    result = {"device": device_name(run.device), "torch": torch.__version__, "revision": git_revision(),
+              "threads": torch.get_num_threads(), "checkpoint": str(run.checkpoint), "verify": shown_budget,
+              "temperature": args.temperature, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
+              "prompts": len(prompts), "rounds": args.rounds, "rows": table_rows(settings, rates, stats)}
+    report(result)
+    if args.json:
+        from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
+
+        Path(args.json).write_text(json_text(result, indent=2) + "\n")
+    return 0
+
+
+def checked(settings, prompts: int, call, sampled: bool, stats_class):
+    """Every setting once on every prompt: the warm-up, the exactness check (greedy: the plain tokens; None and a
+    line on stderr where they differ) and the acceptance counts per speculative setting (deterministic)."""
+    import torch
+
+    from rdepth.errors import RdepthError
+
+    stats = {setting: stats_class() for setting in settings[1:]}
+    for number in range(prompts):
+        reference = call(settings[0], number)
+        for setting in settings[1:]:
+            try:
+                out, counted = call(setting, number)
+            except RdepthError as error:
+                raise RdepthError(f"D={setting[1]}: {error}") from error
+            if not sampled and not torch.equal(out, reference):
+                print(f"speculative output (D={setting[1]}, K={setting[2]}) differs from plain decoding",
+                      file=sys.stderr)
+                return None
+            for name in ("rounds", "drafted", "accepted"):
+                setattr(stats[setting], name, getattr(stats[setting], name) + getattr(counted, name))
+    return stats
+
+
+def timed(args, settings, prompts: int, call) -> dict:
+    """Tokens/s of every call, per setting: each round every (setting, prompt) once, in a shuffled order."""
+    rates: dict = {setting: [] for setting in settings}
+    order = random.Random(args.seed)
+    for _ in range(args.rounds):
+        calls = [(setting, number) for setting in settings for number in range(prompts)]
+        order.shuffle(calls)
+        for setting, number in calls:
+            start = time.perf_counter()
+            call(setting, number)
+            rates[setting].append(args.new_tokens / (time.perf_counter() - start))
+    return rates
+
+
+def table_rows(settings, rates, stats) -> list[dict]:
+    base = statistics.median(rates[settings[0]])
+    rows = []
+    for setting in settings:
+        median = statistics.median(rates[setting])
+        row = {"draft_loops": setting[1], "tokens": setting[2], "tokens_per_s": median, "iqr": iqr(rates[setting]),
+               "speedup": median / base}
+        if setting in stats:
+            row.update(acceptance=stats[setting].acceptance, mean_accepted=stats[setting].mean_accepted)
+        rows.append(row)
+    return rows
+
+
+def report(result: dict) -> None:
+    print(f"{result['device']}, torch {result['torch']}, {result['threads']} thread(s), revision {result['revision']}; "
+          f"verifying at {result['verify']}, {result['new_tokens']} new tokens after {result['prompt_tokens']}-token "
+          f"prompts, {result['prompts']} prompts x {result['rounds']} rounds, temperature {result['temperature']}")
+    print("| D | K | acceptance | mean accepted | tokens/s [IQR] | vs plain |")
+    print("|---|---|---|---|---|---|")
+    for row in result["rows"]:
+        label = ("plain", "") if row["draft_loops"] is None else (row["draft_loops"], row["tokens"])
+        accepted = (f"{row['acceptance']:.2f} | {row['mean_accepted']:.2f}" if "acceptance" in row else "- | -")
+        print(f"| {label[0]} | {label[1]} | {accepted} | {row['tokens_per_s']:.1f} [{row['iqr'][0]:.1f}-"
+              f"{row['iqr'][1]:.1f}] | {row['speedup']:.2f}x |")
+
+
+if __name__ == "__main__":
+    from rdepth.cli.main import run_command  # bad input: one line, exit 2, as the command line
+
+    raise SystemExit(run_command("bench/loop_speculation.py", main))
