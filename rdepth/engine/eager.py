@@ -28,6 +28,7 @@ import torch
 
 from rdepth.engine.slots import KV_LAYOUTS, SlotCache
 from rdepth.engine.tick import TickInput, TickOutput, TickPlan, draw_initial, register_tick
+from rdepth.model.loop import rows_leaving
 from rdepth.model.recurrent import RecurrentLM
 from rdepth.model.walk import StageWalk
 
@@ -222,7 +223,7 @@ class EagerTick:
         if not stopping.any():
             return
         # (the keys of a row leaving early are settled already: the cache is written through, engine/slots.py)
-        leaving = rows[stopping]
+        leaving, computed = rows_leaving(rows, steps, stopping)
         all_leave = bool(stopping.all())
         leaving_t = rows_t if all_leave else torch.from_numpy(leaving).to(self.device)
         handed = handoff if all_leave else handoff[torch.from_numpy(stopping).to(self.device)]
@@ -232,7 +233,7 @@ class EagerTick:
             self.x[leaving_t] = self.walk.leave(group, handed)
         if self.plan.warm_start:
             self.warm[group][leaving_t] = handed
-        self.current[leaving, group] = steps[stopping]
+        self.current[leaving, group] = computed
         self.stage[leaving] += 1
         self.step_count[leaving] = 0
 

@@ -41,6 +41,7 @@ from rdepth.engine.eager import EagerTick
 from rdepth.engine.tick import TickInput, TickOutput, TickPlan, draw_initial, register_tick
 from rdepth.errors import RdepthError
 from rdepth.model.kv import AttentionContext
+from rdepth.model.loop import next_steps
 from rdepth.model.recurrent import RecurrentLM
 from rdepth.model.walk import StageWalk
 
@@ -305,7 +306,7 @@ class StaticTick(EagerTick):
         new_state = torch.where(ends, start, last_new)
         new_projected = torch.where(ends, entered, next_projected)
         self.group.copy_(torch.where(last, 0, next_group))
-        self.steps.copy_(torch.where(stopped, 1, steps + 1))
+        self.steps.copy_(next_steps(steps, stopped))
         self.positions.copy_(torch.where(last, following, positions))
         decisions = torch.stack([stopped.long(), torch.where(finite, greedy, -1), token])
         return new_state, new_projected, decisions, logits

@@ -58,6 +58,7 @@ MODELING_PARTS: tuple[Part, ...] = (
     Part("rdepth.model.walk"),
     Part("rdepth.model.fused_loss"),
     Part("rdepth.model.recurrent"),
+    Part("rdepth.model.budget"),
     Part("rdepth.model.executors.eager"),
     Part("rdepth.model.sampling"),
     Part("rdepth.model.decoder"),
