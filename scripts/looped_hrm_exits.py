@@ -3,7 +3,9 @@
 Trains transformers' HrmTextForCausalLM (64 wide, one layer per stack, H_cycles 2, L_cycles 4, tied head)
 for 400 AdamW steps on the bytes of README.md, then compares per-token exits of the L loop (and of the H
 loop) with the full budget on four 48-byte windows of the same text (rdepth.looped.exits.exit_quality).
-Seed 0, one thread, a CPU; about a minute.
+Seed 0, one thread, a CPU; about a minute. ``--save FOLDER`` also writes the trained model with a byte tokenizer as
+a Hugging Face folder, which rdepth analyze, sweep and generate read in place (docs/results/paper.md's HRM-Text
+geometry).
 """
 
 from __future__ import annotations
@@ -36,13 +38,23 @@ def train(data: torch.Tensor, steps: int = 400):
 
 
 def main() -> None:
+    import argparse
+
     from rdepth.exits.registry import make_policy
     from rdepth.looped.exits import exit_quality
     from rdepth.looped.hrm_text import HrmTextAdapter
+    from rdepth.looped.load import save_byte_tokenizer
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--save", metavar="FOLDER", help="also save the trained model and a byte tokenizer here")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     data = torch.tensor(list((Path(__file__).resolve().parents[1] / "README.md").read_bytes()[:20000]))
-    adapter = HrmTextAdapter(train(data).double())
+    model = train(data)
+    if args.save:
+        model.save_pretrained(args.save)
+        save_byte_tokenizer(args.save)
+    adapter = HrmTextAdapter(model.double())
     windows = torch.stack([data[i:i + 48] for i in (100, len(data) // 4, len(data) // 2, 3 * len(data) // 4)])
     settings = [("step_norm_rel", 0.05, None), ("step_norm_rel", 0.1, None), ("cosine", 0.9, None),
                 ("acceleration_rel", 0.05, None), ("step_norm_rel", 0.1, ("kl", 0.01))]

@@ -51,8 +51,10 @@ ALLOWED = {
     # rdepth reproduce: trains and runs the analyses like the demo, then judges the paper's claims
     "reproduce": BASE | {"config", "model", "data", "run", "train", "exits", "sweep", "geometry", "report"},
     # looped models that ship in transformers (HRM-Text, Inkling-2) driven step by step: the geometry metrics
-    # and the exit rules over their iterates
-    "looped": BASE | {"geometry", "exits"},
+    # and the exit rules over their iterates; rdepth analyze / sweep / generate on their folders use the run
+    # layer's window maker and device, the model's sampling, the page builder, and reproduce's claim judges
+    # (pure functions on a geometry summary) for the page's verdicts
+    "looped": BASE | {"geometry", "exits", "model", "run", "report", "reproduce"},
     "cli": None,  # the command line sits above everything
     "__main__": None,
     "__init__": set(),
@@ -206,32 +208,78 @@ def test_only_the_cli_and_the_demo_import_training():
 # through LoopRows (model/loop.py).
 BOOKKEEPING = ("model/loop.py", "stop_and_hand_on")
 LOOP_DRIVERS = ("model/walk.py", "model/decoder.py", "exits/recorded.py")
+# The engine's rows loop at their own steps: the same bookkeeping row-indexed (the eager tick, on the host) and
+# predicated (the static tick, on the device), written beside it; who calls each.
+ROW_BOOKKEEPING = {"rows_leaving": {"engine/eager.py"}, "next_steps": {"engine/static.py"}}
 # What a second copy of the bookkeeping would write: a step count masked by the looping rows, a hand-off
-# written by the stopping rows.
+# written by the stopping rows, the rows leaving picked by the stopping mask, a step count restarted where rows
+# stopped.
 BOOKKEEPING_MARKS = ("masked_fill_(active", "masked_fill(active", "handed_on[", "stopping[:, None]",
-                     "computed[self.rows]")
+                     "computed[self.rows]", "rows[stopping]", "steps[stopping]", "where(done, 1", "where(stopped, 1",
+                     "where(stopping, 1")
 
 
-def test_the_loop_bookkeeping_is_written_once():
-    defined, called, marked, drivers = [], [], [], set()
-    for path in sorted(ROOT.rglob("*.py")):
-        relative = path.relative_to(ROOT).as_posix()
-        text = path.read_text()
+def bookkeeping_copies(sources: dict[str, str]) -> dict:
+    """Where the loop bookkeeping is defined, who calls it, and the marks of a copy outside model/loop.py, over
+    ``sources`` (path relative to rdepth/ -> text)."""
+    found = {"defined": [], "called": set(), "marked": [], "drivers": set(),
+             "row_defined": {name: [] for name in ROW_BOOKKEEPING}, "row_called": {name: set() for name in
+                                                                                    ROW_BOOKKEEPING}}
+    for relative, text in sorted(sources.items()):
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef) and node.name == BOOKKEEPING[1]:
-                defined.append(relative)
+                found["defined"].append(relative)
+            if isinstance(node, ast.FunctionDef) and node.name in ROW_BOOKKEEPING:
+                found["row_defined"][node.name].append(relative)
             if isinstance(node, ast.Call):
                 name = getattr(node.func, "id", getattr(node.func, "attr", None))
                 if name == BOOKKEEPING[1]:
-                    called.append(relative)
+                    found["called"].add(relative)
+                if name in ROW_BOOKKEEPING:
+                    found["row_called"][name].add(relative)
                 if name == "LoopRows":
-                    drivers.add(relative)
+                    found["drivers"].add(relative)
         if relative != BOOKKEEPING[0]:
-            marked += [f"{relative}: {mark}" for mark in BOOKKEEPING_MARKS if mark in text]
-    assert defined == [BOOKKEEPING[0]]
-    assert set(called) == {BOOKKEEPING[0]}  # only the loop routine calls it
-    assert marked == []
-    assert drivers == set(LOOP_DRIVERS)
+            found["marked"] += [f"{relative}: {mark}" for mark in BOOKKEEPING_MARKS if mark in text]
+    return found
+
+
+def bookkeeping_problems(found: dict) -> list[str]:
+    problems = []
+    if found["defined"] != [BOOKKEEPING[0]]:
+        problems.append(f"stop_and_hand_on defined in {found['defined']}")
+    if found["called"] != {BOOKKEEPING[0]}:  # only the loop routine calls it
+        problems.append(f"stop_and_hand_on called from {sorted(found['called'])}")
+    problems += [f"a copy of the bookkeeping: {mark}" for mark in found["marked"]]
+    if found["drivers"] != set(LOOP_DRIVERS):
+        problems.append(f"LoopRows driven from {sorted(found['drivers'])}")
+    for name, callers in ROW_BOOKKEEPING.items():
+        if found["row_defined"][name] != [BOOKKEEPING[0]]:
+            problems.append(f"{name} defined in {found['row_defined'][name]}")
+        if found["row_called"][name] != callers:
+            problems.append(f"{name} called from {sorted(found['row_called'][name])}")
+    return problems
+
+
+def _sources() -> dict[str, str]:
+    return {path.relative_to(ROOT).as_posix(): path.read_text() for path in sorted(ROOT.rglob("*.py"))}
+
+
+def test_the_loop_bookkeeping_is_written_once():
+    assert bookkeeping_problems(bookkeeping_copies(_sources())) == []
+
+
+def test_the_bookkeeping_check_sees_a_second_copy():
+    """A constructed second copy in the engine (the eager tick picking its leaving rows itself, the static tick
+    restarting its step count itself) and a row function defined twice: each is named."""
+    sources = _sources()
+    sources["engine/eager.py"] += "\n\ndef _copy(rows, steps, stopping):\n    return rows[stopping], steps[stopping]\n"
+    sources["engine/static.py"] += "\n\ndef _again(torch, done, steps):\n    return torch.where(done, 1, steps + 1)\n"
+    sources["engine/scheduler.py"] += "\n\ndef next_steps(steps, stopping):\n    return steps\n"
+    problems = bookkeeping_problems(bookkeeping_copies(sources))
+    assert "a copy of the bookkeeping: engine/eager.py: rows[stopping]" in problems
+    assert "a copy of the bookkeeping: engine/static.py: where(done, 1" in problems
+    assert "next_steps defined in ['engine/scheduler.py', 'model/loop.py']" in problems
 
 
 def test_the_checker_sees_lazy_imports(tmp_path):

@@ -270,3 +270,211 @@ def test_exit_quality_and_refusals(folders):
         decode_with_exits(adapter, x, low=_policy("kl", 0.1, 3, adapter))
     with pytest.raises(RdepthError, match="k_max 5 must be the loop's budget 3"):
         decode_with_exits(adapter, x, low=_policy("step_norm", 0.1, 5))
+
+
+# -- the commands on a folder (rdepth analyze, sweep, generate) ------------------------------------------
+
+TEXT_CONFIG = dict(vocab_size=256, H_cycles=2, L_cycles=3, num_hidden_layers=1, tie_word_embeddings=True,
+                   prefix_lm=False)
+GOLDEN_SEED = 1234
+GOLDEN_ABOUT = ("rdepth analyze on a tiny random HRM-Text (tests/test_looped_hrm_text.py text_folder: 32 wide, H 2 / "
+                "L 3, one layer per stack, tied head, weights drawn from seed 1234, a byte tokenizer) over 2 windows "
+                "of 16 bytes of tests/looped_helpers.TEXT, float64: the summary's headline numbers. Rewrite with "
+                "python tests/test_looped_hrm_text.py write-golden")
+
+
+def text_folder(root, seed: int = GOLDEN_SEED):
+    """A tiny HRM-Text with a byte tokenizer (ids = UTF-8 bytes) saved as a Hugging Face folder, and its text."""
+    from looped_helpers import write_text
+
+    from rdepth.looped.load import save_byte_tokenizer
+
+    model = transformers.HrmTextForCausalLM(hrm_config(**TEXT_CONFIG))
+    randomize(model, seed)
+    model.save_pretrained(root / "hrm")
+    save_byte_tokenizer(root / "hrm")
+    return root / "hrm", write_text(root)
+
+
+def _text_class(adapter, **cycles):
+    """The class (float32) with the text folder's weights and these cycle counts."""
+    model = transformers.HrmTextForCausalLM(hrm_config(**{**TEXT_CONFIG, **cycles})).eval()
+    model.load_state_dict(adapter.model.state_dict())
+    return model
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    folder, data = text_folder(tmp_path_factory.mktemp("hrm_commands"))
+    return folder, data, open_looped(folder, torch.float64)
+
+
+def test_analyze_measures_every_loop_run_and_judges_the_claims(text, tmp_path, monkeypatch):
+    """rdepth analyze on the folder: one group per loop run, the step sizes and drift of the recorded iterates, the
+    loss of the class's own forward, claims.json and the page; its numbers equal the golden file's."""
+    import numpy as np
+    from looped_helpers import check_golden, golden_numbers, text_windows, weights_digest
+    from test_hf_helpers import cli
+
+    from rdepth.geometry import metrics
+    from rdepth.looped.geometry import record_iterates
+
+    folder, data, adapter = text
+    out = tmp_path / "out"
+    # two batches (3 windows, batch 2): the observers stream across batches as they do for rdepth's models
+    assert cli(monkeypatch, "analyze", "--checkpoints", folder, "--data", data, "--out", out, "--sequences", 3,
+               "--seq-len", 16, "--batch-size", 2, "--no-progress") == 0
+    summary = json.loads((out / "geometry" / "summary.json").read_text())
+    assert summary["groups"] == ["H", "L@h0", "L@h1"] and summary["budgets"] == {"train": [2, 3, 3]}
+    windows = text_windows(16, 3)
+    with torch.no_grad():
+        logits, iterates = record_iterates(adapter, windows[:, :-1])
+        own = torch.nn.functional.cross_entropy(adapter.model(windows[:, :-1]).logits.reshape(-1, 256),
+                                                windows[:, 1:].reshape(-1))
+    budget = summary["checkpoints"][0]["budgets"]["train"]
+    assert budget["loss"] == pytest.approx(float(own), rel=1e-12)
+    for group in budget["groups"]:
+        states = iterates[group["name"]]
+        sizes = (states[1:] - states[:-1]).norm(dim=-1).mean(dim=-1)
+        assert group["step_size"]["mean"] == pytest.approx(sizes.tolist(), rel=1e-9)
+    dlr = budget["dlr"]["L@h0->L@h1"]
+    expected = metrics.drift_to_loop_ratio(iterates["L@h0"], iterates["L@h1"], "first")
+    assert dlr["first"]["median"] == pytest.approx(float(np.median(expected.numpy())), rel=1e-9)  # (an even count)
+    assert dlr["literal"]["median"] == 0.0  # the L loop restarts exactly where it stopped
+    claims = json.loads((out / "claims.json").read_text())
+    assert [claim["id"] for claim in claims["claims"]] == ["step_decay", "plateau", "cosine", "dlr"]
+    # H (2 steps) is left out of the per-loop claims and named; the plateau needs 10 steps
+    assert "H: 2 steps" in " ".join(claims["claims"][0]["why"]) and claims["verdicts"]["plateau"] == "not tested"
+    assert claims["claims"][3]["ours"]["boundaries"][0]["boundary"] == "L@h0->L@h1"
+    page = (out / "index.html").read_text()
+    assert "geometry claims judged on hrm_text" in page and "Loop geometry of hrm_text" in page
+    # the golden file: the same analysis on the first two windows
+    assert cli(monkeypatch, "analyze", "--checkpoints", folder, "--data", data, "--out", tmp_path / "golden",
+               "--sequences", 2, "--seq-len", 16, "--no-progress") == 0
+    summary = json.loads((tmp_path / "golden" / "geometry" / "summary.json").read_text())
+    check_golden("looped_hrm_text", golden_numbers(summary), weights_digest(adapter.model), GOLDEN_ABOUT)
+
+
+def test_sweep_rules_have_known_answers(text, tmp_path, monkeypatch, capsys):
+    """rdepth sweep on the folder: a rule that stops every token after one step equals the class with that loop's
+    cycles at 1 (L, H, both), one that never stops equals the full budget; decoded rules run on H only."""
+    from looped_helpers import text_windows
+    from test_hf_helpers import cli
+
+    folder, data, adapter = text
+    out = tmp_path / "sweep"
+    assert cli(monkeypatch, "sweep", "--checkpoint", folder, "--data", data, "--out", out, "--policies",
+               "step_norm,kl", "--taus", "1e-12,1e9", "--max-batches", 1, "--batch-size", 2, "--block-size", 12,
+               "--no-progress") == 0
+    assert "step_norm on L+H" in capsys.readouterr().out
+    result = json.loads((out / "looped_sweep.json").read_text())
+    windows = text_windows(12, 2)
+
+    def class_ce(high: int, low: int) -> float:
+        small = _text_class(adapter, H_cycles=high, L_cycles=low)
+        with torch.no_grad():
+            logits = small(windows[:, :-1]).logits
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, 256).double(), windows[:, 1:].reshape(-1)))
+
+    full = result["full"]
+    assert full["ce"] == pytest.approx(class_ce(2, 3), rel=1e-5) and full["stack_calls"] == 2 * (3 + 1)
+    points = {(p["policy"], p["target"], p["value"]): p for p in result["points"]}
+    assert {key[1] for key in points if key[0] == "kl"} == {"H"}
+    for target, (high, low) in {"L": (2, 1), "H": (1, 3), "L+H": (1, 1)}.items():
+        stops = points[("step_norm", target, 1e9)]
+        assert stops["ce"] == pytest.approx(class_ce(high, low), rel=1e-5), target
+        assert stops["stack_calls"] == high * (low + 1) and stops["compute_saved"] > 0
+        never = points[("step_norm", target, 1e-12)]
+        assert never["ce"] == full["ce"] and never["argmax_agreement"] == 1.0 and never["compute_saved"] == 0.0
+    fixed = {(row["H"], row["L"]): row for row in result["fixed"]}
+    assert fixed[(1, 1)]["ce"] == pytest.approx(class_ce(1, 1), rel=1e-5) and len(fixed) == 6
+    assert "Early exit on hrm_text" in (out / "index.html").read_text()
+
+
+def test_generate_with_an_exit_rule_has_known_answers(text, monkeypatch, capsys):
+    """rdepth generate --exit on the folder, greedy: a rule that stops every token after one step gives the tokens
+    of the class with H and L cycles 1; without a rule, the class's own greedy generate."""
+    from test_hf_helpers import cli
+
+    from rdepth.looped.load import folder_tokenizer
+
+    folder, _, adapter = text
+    tokenizer = folder_tokenizer(folder)
+    prompt = torch.tensor([list(b"loop 3 turns")])
+
+    def reference(**cycles) -> str:
+        model = _text_class(adapter, **cycles)
+        with torch.no_grad():
+            made = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                                  pad_token_id=0)
+        return tokenizer.decode(made[0], skip_special_tokens=True)
+
+    common = ("generate", "--checkpoint", folder, "--prompt", "loop 3 turns", "--max-new-tokens", 6, "--temperature", 0)
+    assert cli(monkeypatch, *common, "--exit", "step_norm", "--tau", 1e9) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(reference(H_cycles=1, L_cycles=1) + "\n---\n")
+    assert "mean L steps per L loop 1.00 of 3, mean H steps 1.00 of 2 (17 positions" in printed
+    assert cli(monkeypatch, *common) == 0
+    assert capsys.readouterr().out == reference() + "\n---\n"
+
+
+def test_commands_refuse_what_they_cannot_do_in_one_line(text, tmp_path, monkeypatch, capsys):
+    from test_hf_helpers import cli, one_line_error
+
+    folder, data, _ = text
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    err = one_line_error(capsys, cli(monkeypatch, "analyze", "--checkpoints", other, "--data", data, "--out", tmp_path / "a"))
+    assert "model_type 'gpt2'" in err and "hrm_text or inkling2_loop_text" in err and "import-hf" in err
+    err = one_line_error(capsys, cli(monkeypatch, "analyze", "--checkpoints", folder, "--data", data, "--out",
+                                     tmp_path / "a", "--long-loops", 8))
+    assert "--long-loops does not apply to a looped Hugging Face folder" in err
+    err = one_line_error(capsys, cli(monkeypatch, "analyze", "--checkpoints", folder, "--data", tmp_path, "--out",
+                                     tmp_path / "a"))
+    assert "reads a UTF-8 text file" in err
+    err = one_line_error(capsys, cli(monkeypatch, "generate", "--checkpoint", folder, "--exit", "cosine", "--tau", 0.5,
+                                     "--k-max", 3))
+    assert "--k-max does not apply" in err
+    err = one_line_error(capsys, cli(monkeypatch, "sweep", "--checkpoint", folder, "--data", data, "--out",
+                                     tmp_path / "s", "--repeats", 3))
+    assert "--repeats does not apply" in err
+    err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run"))
+    assert "(hrm_text) into rdepth's model" in err and "drive the folder in place" in err
+
+
+def test_the_gpu_scale_script_runs_tiny_and_skips_1b_without_cuda(tmp_path, capsys):
+    """bench/gpu/hrm_text_scale.py (the prepared device call): every timing on a tiny config, and without CUDA the 1B
+    size skipped in one line with exit 0."""
+    from bench.gpu.hrm_text_scale import main
+
+    assert main(["--out", str(tmp_path), "--size", "tiny", "--tokens", "8", "--warmup", "0", "--repeats", "1",
+                 "--batches", "1,2"]) == 0
+    report = json.loads((tmp_path / "hrm_text_scale.json").read_text())
+    assert [row["batch"] for row in report["batches"]] == [1, 2]
+    assert {"prefill", "decode", "step", "exit_decode"} <= set(report["batches"][0])
+    if not torch.cuda.is_available():
+        capsys.readouterr()
+        assert main(["--out", str(tmp_path / "1b")]) == 0
+        assert "skipped, no CUDA device" in capsys.readouterr().out and not (tmp_path / "1b").exists()
+
+
+if __name__ == "__main__":
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    if sys.argv[1:] != ["write-golden"]:
+        sys.exit("usage: python tests/test_looped_hrm_text.py write-golden")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from looped_helpers import check_golden, golden_numbers, weights_digest
+
+    from rdepth.geometry.config import AnalyzeConfig
+    from rdepth.looped.analyze import analyze_folders
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder, data = text_folder(Path(scratch))
+        summary = analyze_folders(AnalyzeConfig(checkpoints=[str(folder)], data=str(data), out=f"{scratch}/out",
+                                                sequences=2, seq_len=16, progress=False))
+        check_golden("looped_hrm_text", golden_numbers(summary), weights_digest(open_looped(folder).model),
+                     GOLDEN_ABOUT, write=True)

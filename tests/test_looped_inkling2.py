@@ -165,3 +165,118 @@ def test_geometry_of_the_passes(folders, tmp_path):
     torch.testing.assert_close(torch.tensor(saved["trajectories"]["passes"]["step_size"], dtype=torch.float64),
                                expected)
     assert saved["boundaries"] == {} and saved["budgets"] == {"passes": 3}
+
+
+# -- the commands on a folder (rdepth analyze, sweep, generate) ------------------------------------------
+
+TEXT_CONFIG = dict(CONFIGS["passes3"], vocab_size=256, unpadded_vocab_size=256, max_position_embeddings=64)
+GOLDEN_SEED = 4321
+GOLDEN_ABOUT = ("rdepth analyze on a tiny random Inkling-2 (tests/test_looped_inkling2.py text_folder: 32 wide, 3 passes "
+                "over layers 2-3 of 6, weights drawn from seed 4321, a byte tokenizer) over 2 windows of 16 bytes of "
+                "tests/looped_helpers.TEXT, float64: the summary's headline numbers. Rewrite with "
+                "python tests/test_looped_inkling2.py write-golden")
+
+
+def text_folder(root, seed: int = GOLDEN_SEED):
+    """A tiny Inkling-2 with a byte tokenizer (ids = UTF-8 bytes) saved as a Hugging Face folder, and its text."""
+    from looped_helpers import write_text
+
+    from rdepth.looped.load import save_byte_tokenizer
+
+    model = transformers.Inkling2LoopForCausalLM(inkling_config(**TEXT_CONFIG))
+    randomize(model, seed)
+    model.save_pretrained(root / "inkling")
+    save_byte_tokenizer(root / "inkling")
+    return root / "inkling", write_text(root)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    folder, data = text_folder(tmp_path_factory.mktemp("inkling_commands"))
+    return folder, data, open_looped(folder, torch.float64)
+
+
+def test_analyze_measures_the_passes(text, tmp_path, monkeypatch):
+    """rdepth analyze on the folder: one group (the passes) with the recorded iterates' step sizes, the class's own
+    loss, no boundary (claim 3 not tested), and the golden file's numbers."""
+    from looped_helpers import check_golden, golden_numbers, text_windows, weights_digest
+    from test_hf_helpers import cli
+
+    from rdepth.looped.geometry import record_iterates
+
+    folder, data, adapter = text
+    out = tmp_path / "out"
+    assert cli(monkeypatch, "analyze", "--checkpoints", folder, "--data", data, "--out", out, "--sequences", 2,
+               "--seq-len", 16, "--no-progress") == 0
+    summary = json.loads((out / "geometry" / "summary.json").read_text())
+    assert summary["groups"] == ["passes"] and summary["budgets"] == {"train": [3]}
+    windows = text_windows(16, 2)
+    with torch.no_grad():
+        _, iterates = record_iterates(adapter, windows[:, :-1])
+        own = torch.nn.functional.cross_entropy(adapter.model(windows[:, :-1]).logits.reshape(-1, 256).double(),
+                                                windows[:, 1:].reshape(-1))
+    budget = summary["checkpoints"][0]["budgets"]["train"]
+    assert budget["loss"] == pytest.approx(float(own), rel=1e-12) and budget["dlr"] == {}
+    states = iterates["passes"]
+    assert budget["groups"][0]["step_size"]["mean"] == pytest.approx(
+        (states[1:] - states[:-1]).norm(dim=-1).mean(dim=-1).tolist(), rel=1e-9)
+    claims = json.loads((out / "claims.json").read_text())
+    assert claims["verdicts"]["dlr"] == "not tested" and "no boundary" in claims["claims"][3]["why"][0]
+    assert "geometry claims judged on inkling2_loop_text" in (out / "index.html").read_text()
+    check_golden("looped_inkling2", golden_numbers(summary), weights_digest(adapter.model), GOLDEN_ABOUT)
+
+
+def test_generate_at_a_pass_budget_is_the_class_with_those_passes(text, monkeypatch, capsys):
+    from test_hf_helpers import cli
+
+    from rdepth.looped.load import folder_tokenizer
+
+    folder, _, _ = text
+    prompt = torch.tensor([list(b"loop 3 turns")])
+    config = transformers.AutoConfig.from_pretrained(folder)
+    config.loop_num_passes = 2
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        made = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                              pad_token_id=0)
+    assert cli(monkeypatch, "generate", "--checkpoint", folder, "--prompt", "loop 3 turns", "--max-new-tokens", 6,
+               "--temperature", 0, "--loops", 2) == 0
+    assert capsys.readouterr().out == folder_tokenizer(folder).decode(made[0], skip_special_tokens=True) + "\n---\n"
+
+
+def test_exit_commands_are_refused_in_one_line(text, tmp_path, monkeypatch, capsys):
+    """Inkling-2's passes have no per-token exit: rdepth sweep and generate --exit say so; import-hf points at the
+    commands that drive the folder in place."""
+    from test_hf_helpers import cli, one_line_error
+
+    folder, data, _ = text
+    err = one_line_error(capsys, cli(monkeypatch, "sweep", "--checkpoint", folder, "--data", data, "--out",
+                                     tmp_path / "sweep"))
+    assert "per-token exits are offered for HRM-Text only" in err
+    err = one_line_error(capsys, cli(monkeypatch, "generate", "--checkpoint", folder, "--exit", "cosine", "--tau", 0.5))
+    assert "--exit is offered for HRM-Text only" in err
+    err = one_line_error(capsys, cli(monkeypatch, "generate", "--checkpoint", folder, "--loops", "2,2"))
+    assert "--loops for inkling2_loop_text is passes (1 count(s))" in err
+    err = one_line_error(capsys, cli(monkeypatch, "import-hf", "--hf", folder, "--out", tmp_path / "run"))
+    assert "(inkling2_loop_text) into rdepth's model" in err
+
+
+if __name__ == "__main__":
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    if sys.argv[1:] != ["write-golden"]:
+        sys.exit("usage: python tests/test_looped_inkling2.py write-golden")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from looped_helpers import check_golden, golden_numbers, weights_digest
+
+    from rdepth.geometry.config import AnalyzeConfig
+    from rdepth.looped.analyze import analyze_folders
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder, data = text_folder(Path(scratch))
+        summary = analyze_folders(AnalyzeConfig(checkpoints=[str(folder)], data=str(data), out=f"{scratch}/out",
+                                                sequences=2, seq_len=16, progress=False))
+        check_golden("looped_inkling2", golden_numbers(summary), weights_digest(open_looped(folder).model),
+                     GOLDEN_ABOUT, write=True)

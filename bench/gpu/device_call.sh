@@ -99,6 +99,7 @@ step_ouro() {  # Ouro-1.4B's published config at its real size (random weights, 
         --out "$OUT/ouro" --budget-s "$1"
 }
 
+step_hrm_text() { python3 bench/gpu/hrm_text_scale.py --out "$OUT/hrm_text" --revision "$REV" --budget-s "$1"; }  # HRM-Text-1B-sized random weights: the looped adapter against the class, batch 1 and 32 (docs/results/paper.md)
 if ((ONE)); then  # --one REVISION STEP SECONDS
     "step_$1" "$2"
     exit $?
@@ -106,7 +107,7 @@ fi
 
 declare -A LIMIT=([tests]=90 [train]=150 [train_fused]=150 [train_autotune]=240 [fp8]=150 [trained_exits]=100
                   [spread]=120 [spread_spans]=120 [decode_autotune]=240 [noise]=60
-                  [huginn]=330 [ouro]=330 [depth_batching]=300)
+                  [huginn]=330 [ouro]=330 [depth_batching]=300 [hrm_text]=240)
 for name in "$@"; do  # every name checked before anything runs
     if ! declare -F "step_$name" >/dev/null; then
         echo "== unknown step $name (choose from ${!LIMIT[*]})"; exit 2

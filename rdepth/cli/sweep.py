@@ -21,13 +21,17 @@ def register(subparsers) -> None:
         "budgets also on the dense path; speedups within noise are flagged. Writes sweep.json (with its "
         "summary), sweep.csv, figures/ and an index.html section into --out. On task data (rdepth prepare "
         "--corpus task:NAME): exact-match accuracy and loop steps on answer tokens and on the rest, per "
-        "policy setting and fixed budget 1..k_max on the same packed path, into task_sweep.json.",
+        "policy setting and fixed budget 1..k_max on the same packed path, into task_sweep.json. --checkpoint may "
+        "instead name a Hugging Face folder of HRM-Text (model_type hrm_text): each training-free rule on its L loop, "
+        "its H loop and both, teacher-forced on a UTF-8 text file read with the folder's tokenizer, against the full "
+        "budget and every fixed (H, L) budget, cost in stack calls, into looped_sweep.json.",
     )
     add_dataclass_flags(parser, SweepConfig, title="sweep")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from rdepth.looped.load import looped_source
     from rdepth.sweep.config import SweepConfig
     from rdepth.sweep.run import sweep_checkpoint
     from rdepth.sweep.stats import format_ratio
@@ -35,7 +39,15 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.tasks.eval_checkpoint import is_task_data
 
     config = build(SweepConfig, {}, args)
-    config.check_flags_apply(overrides(args, SweepConfig, check=False))  # given, even at its default
+    given = overrides(args, SweepConfig, check=False)
+    if looped_source([config.checkpoint], "sweep"):
+        from rdepth.looped.sweep import summary_lines, sweep_folder
+
+        result = sweep_folder(config, given)
+        print("\n".join(summary_lines(result)))
+        print(f"wrote {result['paths']['json']} and the report {result['paths']['report']}")
+        return 0
+    config.check_flags_apply(given)  # given, even at its default
     if is_task_data(config.data):
         from rdepth.sweep.task import format_task_sweep, sweep_task_checkpoint
 

@@ -44,6 +44,11 @@ MISMATCHES: dict[str, str] = {
                "1/sqrt(head_dim); rdepth's gpt2 block is global and scaled",
     "llama": "its blocks are pre-RMSNorm (an unnormalised residual stream) with rotate-half rotary positions; "
              "rdepth's sandwich blocks normalise after each residual sum and rotate adjacent channel pairs",
+    # the looped models transformers ships: driven in place through rdepth.looped's adapter, never imported
+    "hrm_text": "its loops are nested (an L loop inside each H step, every step with its own cache slots); rdepth "
+                "analyze, sweep and generate drive the folder in place: give it as --checkpoint(s)",
+    "inkling2_loop_text": "its looped layers mix attention residuals across passes, with sliding windows and experts; "
+                          "rdepth analyze and generate drive the folder in place: give it as --checkpoint(s)",
 }
 
 

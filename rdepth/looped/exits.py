@@ -146,6 +146,23 @@ def decode_with_exits(adapter: HrmTextAdapter, tokens: torch.Tensor, low: ExitPo
     return ExitDecode(torch.stack(logits, 1), torch.stack(low_steps, 1), torch.stack(high_steps, 1), cache)
 
 
+def build_policy(name: str, value: float | None, k_max: int, decode=None, options: dict | None = None) -> ExitPolicy:
+    """The training-free rule ``name`` with ``value`` as its swept parameter (``tau``, or e.g. ``argmax_stable``'s
+    patience; None: the rule's own default) and ``k_max`` the loop's budget; a trained rule (its gate is rdepth's)
+    is a one-line error."""
+    from rdepth.exits.registry import get_policy_class, make_policy
+
+    cls = get_policy_class(name)
+    if cls.trained:
+        raise RdepthError(f"exit rule {name} is trained on rdepth's own model (its gate); a looped transformers model "
+                          "takes the training-free rules")
+    options = dict(options or {})
+    if value is None or cls.sweep_parameter == "tau":
+        return make_policy(name, tau=value, k_max=k_max, decode=decode, **options)
+    chosen = int(value) if float(value).is_integer() else value
+    return make_policy(name, k_max=k_max, decode=decode, **{cls.sweep_parameter: chosen}, **options)
+
+
 def exit_quality(adapter: HrmTextAdapter, tokens: torch.Tensor, low: ExitPolicy | None = None,
                  high: ExitPolicy | None = None) -> dict[str, float]:
     """Next-token quality of exits against the full budget on ``tokens`` ``[B, T]`` (predicting positions

@@ -60,6 +60,7 @@ class Inkling2Adapter(LoopedAdapter):
     """``Inkling2LoopForCausalLM`` (text) driven pass by pass: one loop, ``passes``."""
 
     model_type = "inkling2_loop_text"
+    float64_load = {"experts_implementation": "eager"}  # the grouped expert matmul takes no float64 on a CPU
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)

@@ -59,6 +59,8 @@ class LoopedAdapter(ABC):
 
     model_type: ClassVar[str] = ""
     loops: tuple[LoopSpec, ...] = ()
+    # ``from_pretrained`` options the model needs to load in float64 (e.g. eager kernels where a fused one has none)
+    float64_load: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, model: Any) -> None:
         self.model = model
