@@ -47,7 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from depth_batching import MODES, _cpu_name, timed_choice  # noqa: E402
 from depth_batching import split_shares as task_split_shares  # noqa: E402
-from depth_timing import engine_call, lockstep_call, throughput_rows, timed_rounds  # noqa: E402
+from depth_timing import engine_call, lockstep_call, throughput_rows, tick_list, timed_rounds  # noqa: E402
 from flags import positive_ints  # noqa: E402
 
 # Thresholds per rule: text needs smaller ones than the task model (its states settle less)
@@ -78,6 +78,10 @@ def parse_args(argv):
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens each request generates")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--ticks", default="eager",
+                        help="the engine's ticks to time (eager, static, compiled: rdepth/engine/static.py; with "
+                             "several looped groups the static tick runs a step of every group a tick), each at F "
+                             "and with each rule; rows 'engine TICK | setting'")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--seed", type=int, default=0)
@@ -99,6 +103,7 @@ def parse_args(argv):
     if unknown:
         parser.error(f"--policies: no grid for {', '.join(unknown)} (choose from {', '.join(GRID)})")
     args.width_list = positive_ints("--widths", args.widths)
+    args.tick_list = tick_list(args.ticks)
     return args
 
 
@@ -245,6 +250,10 @@ def timing(model, windows: np.ndarray, rows_b: np.ndarray, choice: dict, setting
             for path, make in (("engine", engine_call), ("lockstep", lockstep_call)):
                 calls[f"{path} | {label}"], records[f"{path} | {label}"] = make(
                     model, prompts, ids, width, budget, args.seed, new_tokens=args.new_tokens)
+            for tick in args.tick_list[1:]:  # the static and compiled ticks besides the eager one above
+                name = f"engine {tick} | {label}"
+                calls[name], records[name] = engine_call(model, prompts, ids, width, budget, args.seed,
+                                                         new_tokens=args.new_tokens, tick=tick)
         samples = timed_rounds(calls, args, width)
         positions = count * (args.prompt_tokens + args.new_tokens - 1)
         rows = throughput_rows(samples, records, positions, settings, choice["fixed"])

@@ -123,7 +123,8 @@ def test_end_to_end_on_a_tiny_wiki_run(tiny_text_run, wiki_small, tmp_path, caps
     out = tmp_path / "bench.json"
     assert main(["--run", str(tiny_text_run), "--data", str(wiki_small), "--windows", "16", "--window-tokens", "12",
                  "--prompt-tokens", "6", "--new-tokens", "3", "--full-loops", "3", "--widths", "1,4",
-                 "--min-requests", "2", "--rounds", "1", "--warmup", "0", "--splits", "10", "--json", str(out)]) == 0
+                 "--min-requests", "2", "--rounds", "1", "--warmup", "0", "--splits", "10", "--ticks", "eager,static",
+                 "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "torch" in printed and "revision" in printed
     report = json.loads(out.read_text())
@@ -141,6 +142,7 @@ def test_end_to_end_on_a_tiny_wiki_run(tiny_text_run, wiki_small, tmp_path, caps
         assert set(timed["engine_positions"].values()) == {timed["positions"]}
         fixed = report["choice"]["fixed"]
         assert timed["rows"][f"engine | {fixed}"]["vs_engine_fixed"] == 1.0
+        assert f"engine static | {fixed}" in timed["rows"]  # the static tick on two looped groups, same positions
         assert timed["engine_vs_lockstep_tokens"][fixed]["tokens"] >= 0.9
 
 
