@@ -3,10 +3,10 @@ and loop step, on the one model: a host scheduler, a tick from :data:`TICKS`, a 
 :data:`KV_LAYOUTS`."""
 
 from rdepth.engine.engine import Engine
-from rdepth.engine.request import Finished, Request
+from rdepth.engine.request import Depth, Finished, Request
 from rdepth.engine.scheduler import EngineStats
 from rdepth.engine.slots import KV_LAYOUTS
 from rdepth.engine.tick import TICKS, Tick, TickInput, TickOutput, TickPlan
 
-__all__ = ["Engine", "EngineStats", "Finished", "KV_LAYOUTS", "Request", "TICKS", "Tick", "TickInput", "TickOutput",
+__all__ = ["Depth", "Engine", "EngineStats", "Finished", "KV_LAYOUTS", "Request", "TICKS", "Tick", "TickInput", "TickOutput",
            "TickPlan"]

@@ -81,6 +81,10 @@ class EagerTick:
     def __init__(self, model: RecurrentLM, plan: TickPlan):
         self.model, self.plan = model, plan
         self.controller, self.fixed, self.k_max = plan.controller, plan.fixed, list(plan.k_max)
+        # every controller a row may use (Request.depth; the engine's own first), each slot's and its caps
+        self.controllers = plan.controllers() if plan.own_depths else [plan.controller]
+        self.choice = np.zeros(plan.batch, dtype=np.int64)
+        self.caps = np.tile(np.asarray(plan.k_max, dtype=np.int64), (plan.batch, 1))
         self.dtype, self.device, self.batch, self.capacity = plan.dtype, plan.device, plan.batch, plan.capacity
         self.stages = model.stages
         self.walk = _EagerWalk(self)
@@ -111,7 +115,8 @@ class EagerTick:
                         for group in range(n_groups)} if model.config.init_state_scale != 0 else {}
         self.warm = {group: torch.zeros_like(self.x) for group in range(n_groups)} if plan.warm_start else {}
         for group in range(n_groups):  # the rule's per-row memory for every slot, once
-            self.controller.begin(group, torch.zeros_like(self.x))
+            for controller in self.controllers:
+                controller.begin(group, torch.zeros_like(self.x))
         if model.rotary is not None:
             model.rotary.table(device)
 
@@ -141,8 +146,37 @@ class EagerTick:
         self.step_count[tick_input.retired] = 0
         for row, request in tick_input.admitted:
             draw_initial(self.model, self.initial, row, request)
+            self._route(row, request)
         if tick_input.entering.size:
             self._enter(tick_input.entering, tick_input.tokens, tick_input.positions)
+
+    def _route(self, row: int, request) -> None:
+        """Slot ``row``'s controller, caps and threshold: its request's depth (:meth:`TickPlan.route`)."""
+        if len(self.controllers) == 1:
+            return
+        index, caps, tau = self.plan.route(request)
+        self.choice[row] = index
+        self.caps[row] = caps
+        if tau is not None:
+            self.controllers[index].set_row_tau(torch.tensor([row], device=self.device), tau)
+
+    def _decide(self, group: int, steps: np.ndarray, rows: np.ndarray, rows_t: torch.Tensor, prev: torch.Tensor,
+                new: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        """Which rows stop after this step and what each hands on, each row under its own controller (its
+        request's depth) and within its caps: one call per controller among the rows."""
+        choice = self.choice[rows]
+        stopping = np.zeros(rows.size, dtype=bool)
+        handoff = new.clone()
+        for index in np.unique(choice).tolist():
+            part = np.flatnonzero(choice == index)
+            part_t = torch.from_numpy(part).to(self.device)
+            values = np.unique(steps[part]).tolist()
+            done, handed, _ = self.controllers[index].after_steps(
+                group, torch.from_numpy(steps[part]).to(self.device), values, rows_t[part_t], prev[part_t],
+                new[part_t])
+            stopping[part] = done.cpu().numpy()  # (one host read per controller)
+            handoff[part_t] = handed.to(handoff.dtype)
+        return stopping | (steps >= self.caps[rows, group]), handoff
 
     def _enter(self, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray) -> None:
         """Tokens ``tokens`` go in at ``positions`` of the slots ``rows`` (stage 0)."""
@@ -196,7 +230,8 @@ class EagerTick:
         low, high = int(steps.min()), int(steps.max())
         prev = self.state if every else self.state[rows_t]
         projected = self.projected if every else self.projected[rows_t]
-        if self.fixed and low == high:  # a fixed budget, every row at one step: its loop to the end at once
+        own = len(self.controllers) > 1 and bool((self.choice[rows] != 0).any())  # rows at depths of their own
+        if self.fixed and low == high and not own:  # a fixed budget, every row at one step: its loop to the end
             k_max = self.k_max[group]
             new, ctx = prev, self._context(rows_t, rows, every, np.full_like(steps, low))
             for step in range(low, k_max + 1):
@@ -208,7 +243,9 @@ class EagerTick:
         else:
             new = model.loop_step(group, prev, projected, self._context(rows_t, rows, every, steps))
             self.loop_steps[group] += int(rows.size)
-            if self.fixed:  # known on the host: no call, no read of the device
+            if own:
+                stopping, handoff = self._decide(group, steps, rows, rows_t, prev, new)
+            elif self.fixed:  # known on the host: no call, no read of the device
                 handoff, stopping = new, steps >= self.k_max[group]
             else:
                 values = [low] if low == high else np.unique(steps).tolist()
@@ -249,7 +286,8 @@ class EagerTick:
         else:
             self.projected[rows_t] = projected
             self.state[rows_t] = start
-        self.controller.begin_rows(group, rows_t, start)
+        for controller in self.controllers:  # (every controller: a row's is among them)
+            controller.begin_rows(group, rows_t, start)
 
     def _start(self, group: int, rows_t: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
         """The initial states of the slots ``rows_t`` entering ``group`` at ``positions``: their request's own

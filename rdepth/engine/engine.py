@@ -22,7 +22,7 @@ request and position (never by slot), it reads only its own cache row, and the r
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -54,6 +54,22 @@ def _make_controller(model: RecurrentLM, loop_counts, controller_factory) -> tup
     return controller, budget.fixed
 
 
+def _named_rules(rules, model: RecurrentLM, k_max: list[int]) -> tuple[tuple[str, RowController], ...]:
+    """The exit rules requests may ask for by name, each built once (its factory called) and checked: it serves
+    rows at different steps, at the engine's caps."""
+    named = []
+    for name, factory in (rules or {}).items():
+        controller = factory()
+        if not isinstance(controller, RowController):
+            raise RdepthError(f"engine: the rule {name!r} is not a loop controller that serves rows at different steps")
+        caps = [int(controller.max_steps(group)) for group in range(model.n_groups)]
+        if caps != list(k_max):
+            raise RdepthError(f"engine: the rule {name!r} caps its loops at {caps}; the engine's are {k_max} (a "
+                              "request's own k_max caps it lower)")
+        named.append((str(name), controller))
+    return tuple(named)
+
+
 class Engine:
     """Continuous depth batching over ``batch_size`` slots (see the module).
 
@@ -77,12 +93,18 @@ class Engine:
             row needs), ``"static"`` (every slot through one device function a tick, rows predicated: a model
             with any looped groups, a rule that decides rows at any steps in one call) or ``"compiled"`` (that
             function through ``torch.compile``).
+        rules: the exit rules a request may ask for by name (``Request(depth=Depth(rule=NAME, tau=X, k_max=N))``),
+            ``name -> () -> RowController`` at the engine's caps; each row then runs its own request's budget or
+            rule, in the same batch.
+        own_depths: requests may bring a depth of their own (``Depth(loops=N)``, or a rule of ``rules``, which
+            turns it on); off, the ticks run the engine's controller alone (no per-row choice to pay for).
     """
 
     def __init__(self, model: RecurrentLM, batch_size: int, *, loop_counts: Sequence[int] | str | int | None = None,
                  controller_factory: Callable[[], RowController] | None = None, capacity: int | None = None,
                  kv_layout: str = "exact", warm_start: bool = False, clock: Callable[[], float] = time.perf_counter,
-                 listener: Callable[..., None] | None = None, tick: str = "eager"):
+                 listener: Callable[..., None] | None = None, tick: str = "eager",
+                 rules: Mapping[str, Callable[[], RowController]] | None = None, own_depths: bool = False):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise RdepthError(f"engine: batch_size must be an integer >= 1, got {batch_size!r}")
         if tick not in TICKS:
@@ -103,18 +125,43 @@ class Engine:
         if any(k < 1 for k in self.k_max):
             raise RdepthError(f"engine: every group needs at least one loop step, got {self.k_max}")
         self.kv_layout = kv_layout
+        named = _named_rules(rules, model, self.k_max)
         self.plan = TickPlan(batch_size, self.capacity, controller, fixed, tuple(self.k_max), kv_layout,
-                             bool(warm_start), parameter.dtype, parameter.device)
+                             bool(warm_start), parameter.dtype, parameter.device, named, bool(own_depths or named))
         self.scheduler = Scheduler(batch_size, self.capacity, model.n_groups, self.k_max, fixed, parameter.device,
                                    clock, listener)
         self.tick = make_tick(tick, model, self.plan)
 
     # ------------------------------------------------------------------ clients
     def add_request(self, request: Request) -> int:
-        """Queue ``request``; returns its id (the order of arrival)."""
+        """Queue ``request``; returns its id (the order of arrival). A depth the engine cannot serve (a rule it
+        was not built with, more steps than its caps, a threshold the rule refuses) is a one-line error."""
         if not isinstance(request, Request):
             raise RdepthError(f"engine: add_request takes a Request, got {type(request).__name__}")
+        if request.depth is not None:
+            if not self.plan.own_depths:
+                raise RdepthError("engine: a request brings a depth of its own; this engine runs its own budget only "
+                                  "(build it with own_depths=True, or rules=...)")
+            self._check_depth(request.depth)
         return self.scheduler.add(request)
+
+    def _check_depth(self, depth) -> None:
+        most = min(self.k_max)
+        asked = depth.loops if depth.loops is not None else depth.k_max
+        if asked is not None and asked > most:
+            raise RdepthError(f"engine: a request's depth asks for {asked} loop steps; this engine holds at most "
+                              f"{most} (its caps {self.k_max})")
+        if depth.rule is None:
+            return
+        names = [name for name, _ in self.plan.rules]
+        if depth.rule not in names:
+            raise RdepthError(f"engine: a request's depth asks for the exit rule {depth.rule!r}; this engine serves "
+                              f"{', '.join(names) or 'no rule by name'}")
+        policy = getattr(dict(self.plan.rules)[depth.rule], "policy", None)
+        if depth.tau is not None and policy is not None:
+            if not (policy(0).uses_tau and policy(0).per_row_tau):
+                raise RdepthError(f"engine: the exit rule {depth.rule} takes no threshold per request")
+            policy(0).checked_tau(depth.tau)
 
     def pending(self) -> bool:
         """Whether a request is queued or in flight."""

@@ -11,6 +11,38 @@ import torch
 from rdepth.errors import RdepthError
 
 
+@dataclass(frozen=True)
+class Depth:
+    """A request's own loop depth, in place of the engine's budget or rule: ``loops`` (a fixed budget: that many
+    steps in every group), or ``rule`` (one of the rules the engine was built to serve, by name) at threshold
+    ``tau`` (None: the rule's as the engine built it), each group's loop capped at ``k_max`` steps (None: the
+    engine's cap). Its tokens are those of its batch-1 decode at that budget or rule, whatever shares the batch."""
+
+    loops: int | None = None
+    rule: str | None = None
+    tau: float | None = None
+    k_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.loops is None) == (self.rule is None):
+            raise RdepthError("request: a depth gives loops or a rule, one of the two")
+        for name in ("loops", "k_max"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise RdepthError(f"request: depth {name} must be an integer >= 1, got {value!r}")
+        if self.loops is not None and (self.tau is not None or self.k_max is not None):
+            raise RdepthError("request: a depth of fixed loops takes no tau or k_max")
+        if self.tau is not None and not (isinstance(self.tau, (int, float)) and not isinstance(self.tau, bool)
+                                         and math.isfinite(self.tau) and self.tau > 0):
+            raise RdepthError(f"request: depth tau must be a positive finite number, got {self.tau!r}")
+
+    def describe(self) -> dict:
+        """The depth as a report echoes it."""
+        if self.loops is not None:
+            return {"loops": self.loops}
+        return {"exit": self.rule, "tau": self.tau, "k_max": self.k_max}
+
+
 @dataclass
 class Request:
     """One sequence to decode.
@@ -22,7 +54,8 @@ class Request:
     largest and the smallest set whose probability reaches ``top_p``, from a generator seeded with
     ``seed`` (the request's own: the draws do not depend on what else shares the batch). A token in
     ``stop`` ends the request after it is emitted. The initial loop states are the ones
-    ``StateNoise(noise_seed, [sequence_id])`` gives (the batch-1 decoder's default is seed 0, id 0).
+    ``StateNoise(noise_seed, [sequence_id])`` gives (the batch-1 decoder's default is seed 0, id 0). ``depth``
+    (a :class:`Depth`): the request's own loop budget or exit rule, in the same batch as the others'.
     ``keep_logits`` keeps every position's logits (``[T, V]``, on the host) in the result. ``logprobs``: for
     every new token, its log-probability and the ``logprobs`` most likely tokens' (:class:`TokenLogprob`, from
     the model's logits, before temperature and top-p); with ``prompt_logprobs`` too, for every prompt token
@@ -41,6 +74,7 @@ class Request:
     keep_logits: bool = False
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    depth: Depth | None = None  # the request's own budget or rule (None: the engine's)
     tag: object = None  # the client's own label, handed back untouched
 
     def __post_init__(self) -> None:
@@ -61,6 +95,8 @@ class Request:
             raise RdepthError(f"request: top_k must be an integer >= 1, got {self.top_k!r}")
         self.stop = frozenset(int(t) for t in self.stop)
         _check_logprobs(self.logprobs, self.prompt_logprobs)
+        if self.depth is not None and not isinstance(self.depth, Depth):
+            raise RdepthError(f"request: depth must be a Depth, got {type(self.depth).__name__}")
 
 
 def _check_logprobs(logprobs, prompt_logprobs: bool) -> None:

@@ -67,29 +67,39 @@ class _Logs:
         self.keeps = np.zeros(batch, dtype=bool)  # whether the slot's request keeps its logits (or prompt logprobs)
         self.steps = np.zeros((batch, capacity, n_groups), dtype=np.int32)  # per position read out
         self.predicted = np.zeros((batch, capacity), dtype=np.int32)  # the argmax after each position
-        self.k_max = np.asarray(k_max, dtype=np.int64)
-        self.fixed = fixed
+        # per slot: whether its request runs a fixed budget, and the most steps each group may take (its depth)
+        self.caps = np.tile(np.asarray(k_max, dtype=np.int64), (batch, 1))
+        self.fixed = np.full(batch, fixed, dtype=bool)
+        self.engine_caps, self.engine_fixed = np.asarray(k_max, dtype=np.int64), fixed
 
     def admit(self, row: int, request: Request) -> None:
         self.prompt[row, :len(request.prompt)] = request.prompt
         self.prompt_length[row] = len(request.prompt)
         self.keeps[row] = request.keep_logits or request.prompt_logprobs  # read per row in the prompt too
+        depth = request.depth
+        if depth is None:
+            self.caps[row], self.fixed[row] = self.engine_caps, self.engine_fixed
+        elif depth.loops is not None:
+            self.caps[row], self.fixed[row] = depth.loops, True
+        else:
+            self.caps[row] = np.minimum(self.engine_caps, depth.k_max or self.engine_caps.max())
+            self.fixed[row] = False
 
     def record(self, rows: np.ndarray, positions: np.ndarray, steps: np.ndarray, greedy: np.ndarray) -> None:
         """Rows ``rows`` read out position ``positions`` after loop steps ``steps`` ``[E, G]``, argmax ``greedy``."""
         self.steps[rows, positions] = steps
         self.predicted[rows, positions] = greedy
 
-    def rules(self, steps: np.ndarray) -> list:
-        """Why each loop ended, for loop steps ``steps`` ``[..., G]``: "budget" (a fixed budget or the cap) or
-        "rule"."""
-        return np.where(self.fixed | (steps == self.k_max), "budget", "rule").tolist()
+    def rules(self, row: int, steps: np.ndarray) -> list:
+        """Why each loop of slot ``row`` ended, for loop steps ``steps`` ``[..., G]``: "budget" (a fixed budget or
+        the cap) or "rule"."""
+        return np.where(self.fixed[row] | (steps == self.caps[row]), "budget", "rule").tolist()
 
     def fill(self, result: Finished, row: int, read: int) -> None:
         """The result's steps, rules and predictions of the ``read`` positions row ``row`` read out."""
         steps = self.steps[row, :read]
         result.steps = steps.tolist()
-        result.rules = self.rules(steps)
+        result.rules = self.rules(row, steps)
         result.predicted = self.predicted[row, :min(read, int(self.prompt_length[row]))].tolist()
 
 
@@ -267,7 +277,7 @@ class Scheduler:
             result.logprobs.append(scored)
         if self.listener is not None:
             steps = self.logs.steps[row, position]
-            self.listener(live.id, token, steps.tolist(), self.logs.rules(steps), scored)
+            self.listener(live.id, token, steps.tolist(), self.logs.rules(row, steps), scored)
         reason = None
         if token in request.stop:
             reason = "stop"

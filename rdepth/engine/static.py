@@ -54,10 +54,11 @@ def check_static(name: str, model: RecurrentLM, plan: TickPlan) -> None:
         if wrong:
             raise RdepthError(f"engine: tick {name!r} runs the exact layout without warm start; "
                               f"{field} asks otherwise (use tick='eager')")
-    policy = getattr(plan.controller, "policy", None)
-    if policy is not None and not policy(0).one_call:
-        raise RdepthError(f"engine: tick {name!r} runs rules that decide rows at any steps in one call "
-                          f"(such as step_norm_rel, kl, learned); {policy(0).name} does not (use tick='eager')")
+    for controller in (plan.controller, *(controller for _, controller in plan.rules)):
+        policy = getattr(controller, "policy", None)
+        if policy is not None and not policy(0).one_call:
+            raise RdepthError(f"engine: tick {name!r} runs rules that decide rows at any steps in one call "
+                              f"(such as step_norm_rel, kl, learned); {policy(0).name} does not (use tick='eager')")
 
 
 class _StaticStore:
@@ -175,6 +176,8 @@ class StaticTick(EagerTick):
         self.finish = _Segment(self, stages[at[groups - 1]:], groups - 1, None, False)
         self.begin_next = _Segment(self, stages[:at[0] + 1], None, 0, False)
         self.values = [[1, kept] for kept in plan.k_max]  # (distinct steps: the rule's one call for rows at any)
+        self.choice_t = torch.zeros(batch, dtype=torch.long, device=device)  # each slot's controller (its depth)
+        self.caps_t = torch.tensor(self.caps, dtype=torch.long, device=device)
         with torch.inference_mode():  # the tick's inputs as every later tick's are (no recompile at tick 2)
             self.state, self.projected = self.state.clone(), self.projected.clone()
         self.live = np.zeros(batch, dtype=bool)  # host: the occupied slots
@@ -218,7 +221,8 @@ class StaticTick(EagerTick):
         for group in np.unique(self.host_group[rows]).tolist():
             chosen = rows[self.host_group[rows] == group]
             rows_t, _ = self._rows(chosen)
-            self.controller.begin_rows(group, rows_t, self.state[rows_t])
+            for controller in self.controllers:
+                controller.begin_rows(group, rows_t, self.state[rows_t])
 
     def _apply(self, tick_input: TickInput) -> None:
         """The host's hand-over: slots emptied; requests admitted (their prompt on the device, their first
@@ -229,6 +233,10 @@ class StaticTick(EagerTick):
         for row, request in tick_input.admitted:
             draw_initial(self.model, self.initial, row, request)
             self.admit(row, request.prompt)
+            self._route(row, request)
+            if len(self.controllers) > 1:
+                self.choice_t[row] = int(self.choice[row])
+                self.caps_t[row] = torch.from_numpy(self.caps[row])
             self.live[row] = True
             self.host_group[row] = 0
             self.entered[row] = -1  # (its first token: never the device's)
@@ -268,6 +276,13 @@ class StaticTick(EagerTick):
                                self.masks.index_select(0, positions), one_per_row=True, elementwise=self.compiled)
         new = self.model.loop_step(group, state, projected, ctx)
         done, handoff, _ = self.controller.after_steps(group, steps, self.values[group], rows, state, new)
+        if len(self.controllers) > 1:  # each row under its own request's controller, within its caps
+            for index, controller in enumerate(self.controllers[1:], start=1):
+                mine = self.choice_t == index
+                own, handed, _ = controller.after_steps(group, steps, self.values[group], rows, state, new)
+                done = torch.where(mine, own, done)
+                handoff = torch.where(mine[:, None], handed, handoff)
+            done = done | (steps >= self.caps_t[:, group])
         return new, (done if at is None else done & at), handoff
 
     def _tick(self, state: torch.Tensor, projected: torch.Tensor):

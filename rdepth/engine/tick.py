@@ -23,7 +23,7 @@ import torch
 
 from rdepth.engine.request import Request
 from rdepth.errors import RdepthError
-from rdepth.model.control import RowController
+from rdepth.model.control import FixedController, RowController
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM
 
@@ -43,11 +43,33 @@ class TickPlan:
     warm_start: bool
     dtype: torch.dtype
     device: torch.device
+    # the exit rules a request may ask for by name (Request.depth), each a controller at the engine's caps
+    rules: tuple[tuple[str, RowController], ...] = ()
+    own_depths: bool = False  # whether requests may bring a depth of their own (Request.depth)
+
+    def route(self, request: Request) -> tuple[int, tuple[int, ...], float | None]:
+        """Which controller a request's rows use (0: the engine's; 1: a fixed budget of its own ``loops``;
+        2 + i: the i-th named rule), the loop steps each group may take at most, and its own threshold (None:
+        the controller's)."""
+        depth = request.depth
+        if depth is None:
+            return 0, self.k_max, None
+        if depth.loops is not None:
+            return 1, (depth.loops,) * len(self.k_max), None
+        index = [name for name, _ in self.rules].index(depth.rule)
+        caps = self.k_max if depth.k_max is None else tuple(min(depth.k_max, k) for k in self.k_max)
+        return 2 + index, caps, depth.tau
+
+    def controllers(self) -> list[RowController]:
+        """Every controller a row may use, in :meth:`route`'s order (the fixed budget's at the engine's caps)."""
+        return [self.controller, FixedController(self.k_max), *(controller for _, controller in self.rules)]
 
     @property
     def row_memory(self) -> bool:
-        """Whether the controller keeps memory per row that a row's next token starts afresh (an exit rule
-        says; a controller other than a fixed budget is asked every time)."""
+        """Whether a controller keeps memory per row that a row's next token starts afresh (an exit rule says;
+        a controller other than a fixed budget is asked every time)."""
+        if self.own_depths:
+            return True
         policy = getattr(self.controller, "policy", None)
         return policy(0).row_memory if policy is not None else not self.fixed
 

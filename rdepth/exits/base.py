@@ -80,6 +80,11 @@ class ExitPolicy:
     step_free: ClassVar[bool] = False
     # The group whose loop this object serves (PolicyController sets it); a learned gate reads its head.
     group: int = 0
+    # Whether each row may have its own threshold (:meth:`set_row_tau`: continuous depth batching, a request's
+    # own tau); False for a rule whose threshold is a constant derived from tau once (learned, ouro).
+    per_row_tau: ClassVar[bool] = True
+    # Each row's threshold ``[N]`` (float64) once :meth:`set_row_tau` gave one; None: ``tau`` for every row.
+    row_tau: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -89,16 +94,7 @@ class ExitPolicy:
         **options: Any,
     ) -> None:
         if self.uses_tau:
-            if tau is None:
-                raise RdepthError(f"exit policy {self.name}: needs a threshold tau")
-            try:
-                tau = float(tau)
-            except (TypeError, ValueError):
-                raise RdepthError(f"exit policy {self.name}: tau must be a number, got {tau!r}") from None
-            if not (math.isfinite(tau) and tau > 0):
-                raise RdepthError(f"exit policy {self.name}: tau must be positive and finite, got {tau!r}")
-            if self.tau_max is not None and tau > self.tau_max:
-                raise RdepthError(f"exit policy {self.name}: tau must be in (0, {self.tau_max:g}], got {tau!r}")
+            tau = self.checked_tau(tau)
         elif tau is not None:
             raise RdepthError(f"exit policy {self.name}: takes no tau (got tau={tau!r})")
         if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
@@ -117,8 +113,43 @@ class ExitPolicy:
         self.n_rows = 0
         self._step_tensors: dict[tuple, torch.Tensor] = {}
 
+    @classmethod
+    def checked_tau(cls, tau: Any) -> float:
+        """``tau`` as the rule's threshold (a positive finite number, at most ``tau_max``), or a one-line error."""
+        if tau is None:
+            raise RdepthError(f"exit policy {cls.name}: needs a threshold tau")
+        try:
+            tau = float(tau)
+        except (TypeError, ValueError):
+            raise RdepthError(f"exit policy {cls.name}: tau must be a number, got {tau!r}") from None
+        if not (math.isfinite(tau) and tau > 0):
+            raise RdepthError(f"exit policy {cls.name}: tau must be positive and finite, got {tau!r}")
+        if cls.tau_max is not None and tau > cls.tau_max:
+            raise RdepthError(f"exit policy {cls.name}: tau must be in (0, {cls.tau_max:g}], got {tau!r}")
+        return tau
+
     def _validate_options(self) -> None:
         """Check ``self.options``; raise :class:`RdepthError` naming a bad one."""
+
+    def set_row_tau(self, rows: torch.Tensor, tau: float) -> None:
+        """The rows ``rows`` (of the last :meth:`begin`) compare their signal with ``tau`` from now on, the
+        others with their own (``tau`` until given another): one object serves rows of different requests, each
+        at its own threshold, every decision as a policy built with that ``tau`` would make it."""
+        if not (self.uses_tau and self.per_row_tau):
+            raise RdepthError(f"exit policy {self.name}: takes no threshold per row")
+        tau = self.checked_tau(tau)
+        if self.n_rows == 0:
+            raise RdepthError(f"exit policy {self.name}: set_row_tau() before begin()")
+        if self.row_tau is None or self.row_tau.shape[0] != self.n_rows:
+            self.row_tau = torch.full((self.n_rows,), float(self.tau), dtype=torch.float64, device=rows.device)
+        self.row_tau[rows] = tau
+
+    def _below(self, signal: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``signal < tau`` for the rows ``rows``: the rule's threshold, or each row's own (:meth:`set_row_tau`),
+        compared in the signal's dtype as a Python float would be."""
+        if self.row_tau is None:
+            return signal < self.tau
+        return signal < self.row_tau[rows].to(signal.dtype)
 
     def describe(self) -> dict[str, Any]:
         """Name and settings, for logs and saved results."""

@@ -98,6 +98,11 @@ class PolicyController:
                               "not on rows that begin at different times; use the head reading")
         policy.begin_rows(rows, state)
 
+    def set_row_tau(self, rows: torch.Tensor, tau: float) -> None:
+        """Every group's policy compares the rows ``rows`` with ``tau`` (:meth:`ExitPolicy.set_row_tau`)."""
+        for group in sorted(self._policies):
+            self.policy(group).set_row_tau(rows, tau)
+
     def after_steps(self, group: int, steps: torch.Tensor, values: list[int], rows: torch.Tensor,
                     prev: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`after_step` for rows at different steps (``steps`` ``[A]``, ``values`` the distinct ones):

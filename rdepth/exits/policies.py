@@ -117,7 +117,7 @@ class StepNormPolicy(ExitPolicy):
     name = "step_norm"
 
     def _exits(self, step, rows, prev, new):
-        return _norm(_wide(new) - _wide(prev)) < self.tau
+        return self._below(_norm(_wide(new) - _wide(prev)), rows)
 
 
 class _EpsPolicy(ExitPolicy):
@@ -139,7 +139,7 @@ class StepNormRelPolicy(_EpsPolicy):
     def _exits(self, step, rows, prev, new):
         prev = _wide(prev)
         ratio = _norm(_wide(new) - prev) / (_norm(prev) + self.options["eps"])
-        return ratio < self.tau
+        return self._below(ratio, rows)
 
 
 class _TwoHitPolicy(ExitPolicy):
@@ -174,7 +174,7 @@ class _TwoHitPolicy(ExitPolicy):
         if step == 1:  # no previous update yet
             exits = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         else:
-            small = self._signal(delta, self.prev_delta[rows], prev) < self.tau
+            small = self._below(self._signal(delta, self.prev_delta[rows], prev), rows)
             exits = small & self.prev_small[rows]
             self.prev_small[rows] = small
         self.prev_delta[rows] = delta
@@ -225,7 +225,7 @@ class CosinePolicy(_EpsPolicy):
 
     def _exits(self, step, rows, prev, new):
         cosine = F.cosine_similarity(_wide(new), _wide(prev), dim=-1, eps=self.options["eps"])
-        return (1.0 - cosine) < self.tau
+        return self._below(1.0 - cosine, rows)
 
 
 @register_policy
@@ -239,7 +239,7 @@ class LatentDiffPolicy(_EpsPolicy):
 
     def _exits(self, step, rows, prev, new):
         new = _wide(new)
-        return _norm(new - _wide(prev)) / (_norm(new) + self.options["eps"]) < self.tau
+        return self._below(_norm(new - _wide(prev)) / (_norm(new) + self.options["eps"]), rows)
 
 
 class _DecodedPolicy(ExitPolicy):
@@ -311,7 +311,7 @@ class KLPolicy(_DecodedPolicy):
         self._check_steps(values)
         log_probs = self._distribution(new)  # (A, V)
         kl = self._kl(log_probs, rows)
-        exits = kl < self.tau
+        exits = self._below(kl, rows)
         if self.options["prior"] != "uniform":
             exits = exits & (steps != 1)
         self.prev_log_probs[rows] = log_probs
@@ -337,7 +337,7 @@ class KLPolicy(_DecodedPolicy):
                 self._kl(log_probs, rows)  # allocates the memory
             exits = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         else:
-            exits = self._kl(log_probs, rows) < self.tau
+            exits = self._below(self._kl(log_probs, rows), rows)
         self.prev_log_probs[rows] = log_probs
         return exits
 
@@ -387,7 +387,7 @@ class EntropyDiffPolicy(_DecodedPolicy):
         if self._first_reading(step):
             exits = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         else:
-            exits = (entropy - self.prev_entropy[rows]).abs() < self.tau
+            exits = self._below((entropy - self.prev_entropy[rows]).abs(), rows)
         self.prev_entropy[rows] = entropy
         return exits
 
@@ -453,7 +453,7 @@ class ConfidencePolicy(_DecodedPolicy):
         else:
             top = log_probs.topk(min(2, log_probs.shape[-1]), dim=-1).values.exp()  # (A, 2)
             unsure = 1.0 - (top[:, 0] - top[:, -1]) if top.shape[-1] == 2 else 1.0 - top[:, 0]
-        return unsure < self.tau
+        return self._below(unsure, rows)
 
 
 @register_policy
@@ -469,6 +469,7 @@ class LearnedPolicy(ExitPolicy):
 
     step_free = True
     name = "learned"
+    per_row_tau = False  # (its threshold is derived once: a score floor)
     tau_max = 1.0
     trained = True
     option_defaults = {"gate": None}
@@ -524,6 +525,7 @@ class OuroPolicy(ExitPolicy):
     step_free = True
     name = "ouro"
     tau_max = 1.0
+    per_row_tau = False  # (its threshold is derived once: 1 - tau)
     trained = True
     option_defaults = {"gate": None}
 
