@@ -25,7 +25,8 @@ shares, ``--problems`` of each):
    share of that bound the measured speed-up reaches; the engine's answers on the timed problems against
    the teacher-forced ones. The engine runs each of ``--ticks`` (eager; static and compiled: every slot
    through one device function a tick, ``rdepth/engine/static.py``); ``vs_fastest_fixed`` is each row's
-   speed against the fastest engine row at F among them (the target's ratio).
+   speed against the fastest fixed-budget path at that width: any engine tick at F or the lock-step decoder at F
+   (the target's ratio).
 
 Prints the device, torch version, thread count and git revision; writes everything to ``--json``.
 """
@@ -73,7 +74,7 @@ def parse_args(argv):
                              "timed problems, paired against the exact layout)")
     parser.add_argument("--ticks", default="eager,compiled",
                         help="the engine's ticks to time (eager, static, compiled: rdepth/engine/static.py); each "
-                             "at F and with each rule; ratios against the fastest engine at F among them")
+                             "at F and with each rule; ratios against the fastest path at F (any tick, the lock-step decoder)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reuse-quality", action="store_true",
                         help="read step 1's per-problem results from --json's .quality.npz (written by an earlier run "
@@ -230,7 +231,7 @@ def timing(model, heldout, labels, rows_b, choice, settings, args) -> dict:
         out[f"B={width}"] = {"requests": count, "positions": int(positions), "rows": rows,
                              "engine_answers_vs_teacher_forced": mismatches}
         print(f"B = {width}: {count} requests, {positions} positions; tokens/s median [range], vs the eager engine "
-              f"at {choice['fixed']}, vs the fastest engine at it, latency p50/p99 s, paid steps/position, share of "
+              f"at {choice['fixed']}, vs the fastest path at it, latency p50/p99 s, paid steps/position, share of "
               "bound (against the fastest)", flush=True)
         print_rows(rows)
     return out

@@ -37,7 +37,7 @@ def main(paths: list[str]) -> int:
 
     families = sorted({family(name) for report in reports for width in report["timing"].values()
                        for name in width["rows"]}, key=lambda f: (f[0] != "engine", f[0], f[1] != "F", f[1]))
-    print("| B | row | " + " | ".join(f"seed {s}: tokens/s (x fastest engine F), paid steps, share of bound"
+    print("| B | row | " + " | ".join(f"seed {s}: tokens/s (x fastest path at F), paid steps, share of bound"
                                    for s in range(len(reports))) + " |")
     print("|---|---|" + "---|" * len(reports))
     for width in widths:

@@ -112,9 +112,10 @@ def test_a_difficulty_margin_refuses_a_drop_within_the_bar_but_not_within_its_er
     assert meets(sets, "fixed 2", "fixed 2", rows, LABELS, ARGS, margin=2.0, difficulty_margin=2.0)
 
 
-def test_ratios_are_against_the_fastest_engine_at_f_whichever_tick_it_is():
+def test_ratios_are_against_the_fastest_path_at_f_whichever_it_is():
     """With the compiled tick faster at F, the eager engine at F is below 1 and a rule's share of its bound is
-    judged against the compiled F; with the eager tick the faster, against it. The shared layout is never F."""
+    judged against the compiled F; with the eager tick the faster, against it; with the lock-step decoder the
+    fastest at F, against it. The shared layout is never F."""
     records = {name: {"latency": [0.1, 0.2], "steps": steps, "paid": steps} for name, steps in
                (("engine | fixed 6", 6.0), ("engine compiled | fixed 6", 6.0), ("engine compiled | kl 0.02", 3.0),
                 ("engine shared-KV | fixed 6", 6.0))}
@@ -129,6 +130,11 @@ def test_ratios_are_against_the_fastest_engine_at_f_whichever_tick_it_is():
     seconds["engine compiled | fixed 6"] = [4.0] * 3
     rows = throughput_rows(seconds, records, 100, settings, "fixed 6")
     assert rows["engine compiled | kl 0.02"]["vs_fastest_fixed"] == pytest.approx(2.5)
+    records["lockstep | fixed 6"] = {"latency": [0.1], "steps": 6.0, "paid": 6.0}
+    seconds["lockstep | fixed 6"] = [0.5] * 3  # the lock-step decoder the fastest at F
+    rows = throughput_rows(seconds, records, 100, settings, "fixed 6")
+    assert rows["engine compiled | kl 0.02"]["vs_fastest_fixed"] == pytest.approx(0.625)
+    assert rows["lockstep | fixed 6"]["vs_fastest_fixed"] == 1.0
 
 
 def test_ticks_named_are_checked_and_eager_is_always_first():
