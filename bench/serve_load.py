@@ -2,7 +2,8 @@
 engine in-process (the server's own overhead per token), at a fixed budget and under an exit rule.
 
     python bench/serve_load.py --run runs/demo/train --data runs/demo/data --loops 6 \
-        --exit step_norm_rel --tau 0.5 [--clients 32] [--batch-size 32] [--json out.json]
+        --exit step_norm_rel --tau 0.5 [--clients 32] [--batch-size 32] [--json out.json] \
+        [--depth-mix loops=2,loops=6,exit=step_norm_rel:0.3]
 
 The workload: ``--requests`` held-out task problems of the mixed difficulties (equal shares), each request the
 problem's first ``--prompt-tokens`` tokens as token ids, greedy, ``--max-tokens`` new tokens. For each
@@ -11,6 +12,12 @@ subprocess on 127.0.0.1, one torch thread) and ``--clients`` asyncio clients tha
 of the requests one after another; ``--rounds`` rounds after a warm-up, the median round's tokens/s (new
 tokens), p50 / p99 request latency; then the engine in-process on the same requests, all queued at once
 (no HTTP). Settings interleaved per round. Prints the CPU, torch and revision; writes ``--json``.
+
+``--depth-mix`` adds a third setting, a mix of efforts: request ``i`` asks for the mix's entry ``i mod m`` as its
+``rdepth`` object (``loops=N``: ``{"loops": N}``; ``exit=RULE:TAU[:K_MAX]``: ``{"exit": RULE, "tau": TAU,
+"k_max": K_MAX}``, K_MAX default ``--k-max``), from a server at ``--loops`` whose ``--max-loops`` and
+``--allow-exits`` admit them, and the same through the engine in-process. Its mean loop steps are printed: run
+``--loops`` at that mean to see how close the mix comes to the throughput of its mean depth.
 """
 
 from __future__ import annotations
@@ -54,10 +61,78 @@ def parse_args(argv):
     parser.add_argument("--tick", default="eager", help="the engine's tick for the rule (eager, static, compiled); "
                         "the fixed budget runs the eager one")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--depth-mix", default=None, metavar="DEPTH,...",
+                        help="a third setting: each request its own depth in turn, loops=N or exit=RULE:TAU[:K_MAX] "
+                        "(K_MAX default --k-max), e.g. loops=2,loops=6,exit=step_norm_rel:0.3")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     check_args(args)
     return args
+
+
+def parse_depth_mix(text: str, k_max: int) -> list[dict]:
+    """``--depth-mix``: its entries as the requests' ``rdepth`` objects, in order (see the module); RdepthError
+    (one line) for an entry that is not one, a rule that is none or takes no threshold per request, a threshold
+    the rule refuses."""
+    from rdepth.errors import RdepthError
+    from rdepth.exits.registry import get_policy_class
+
+    usage = "--depth-mix takes loops=N or exit=RULE:TAU[:K_MAX] separated by commas"
+
+    def steps(value: str, item: str) -> int:
+        if not value.strip().isdigit() or int(value) < 1:
+            raise RdepthError(f"{usage} (N and K_MAX integers >= 1), got {item!r}")
+        return int(value)
+
+    mix = []
+    for item in (entry.strip() for entry in str(text).split(",")):
+        if not item:
+            continue
+        kind, sep, value = item.partition("=")
+        if kind.strip() == "loops" and sep:
+            mix.append({"loops": steps(value, item)})
+            continue
+        parts = value.split(":")
+        if kind.strip() != "exit" or not sep or len(parts) not in (2, 3) or not parts[0].strip():
+            raise RdepthError(f"{usage}, got {item!r}")
+        rule = parts[0].strip()
+        try:
+            cls = get_policy_class(rule)
+            if not (cls.uses_tau and cls.per_row_tau):
+                raise RdepthError(f"the rule {rule} takes no threshold per request")
+            tau = cls.checked_tau(parts[1])
+        except RdepthError as exc:
+            raise RdepthError(f"--depth-mix {item}: {exc}") from None
+        mix.append({"exit": rule, "tau": tau, "k_max": steps(parts[2], item) if len(parts) == 3 else k_max})
+    if not mix:
+        raise RdepthError(f"{usage}, got {text!r}")
+    return mix
+
+
+def mix_server_flags(args, mix: list[dict]) -> list[str]:
+    """The server flags of the mix's setting: the fixed budget ``--loops``, caps that hold every entry
+    (``--max-loops``), the entries' rules allowed (each request gives its threshold), ``--tick``."""
+    most = max([args.loops, *(entry.get("loops", 1) for entry in mix), *(entry.get("k_max", 1) for entry in mix)])
+    rules = list(dict.fromkeys(entry["exit"] for entry in mix if "exit" in entry))
+    flags = ["--loops", str(args.loops), "--max-loops", str(most), "--tick", args.tick]
+    return flags + (["--allow-exits", ",".join(rules)] if rules else [])
+
+
+def mix_engine(args, flags: list[str], mix: list[dict], count: int):
+    """``model -> (engine, depths)``: the engine the mix's server builds from ``flags`` and the depth of each of
+    ``count`` requests (entry ``i mod m``), read as the server reads them."""
+    from rdepth.cli.main import build_parser
+    from rdepth.cli.options import build
+    from rdepth.serve.config import ServeConfig
+    from rdepth.serve.depth import build_engine, check_allowed
+
+    config = build(ServeConfig, {}, build_parser().parse_args(["serve", "--checkpoint", args.run, "--batch-size",
+                                                               str(args.batch_size), "--device", "cpu", *flags]))
+
+    def make(model):
+        engine, depths = build_engine(config, model, model.config.block_size, check_allowed(config, {}), {})
+        return engine, [depths.read(mix[i % len(mix)])[0] for i in range(count)]
+    return make
 
 
 def check_args(args) -> None:
@@ -71,6 +146,8 @@ def check_args(args) -> None:
 
     at_least(args, 1, "requests", "prompt_tokens", "max_tokens", "loops", "k_max", "clients", "batch_size", "rounds")
     positive_ints("--difficulties", args.difficulties)
+    if args.depth_mix is not None:
+        parse_depth_mix(args.depth_mix, args.k_max)
     if args.tick not in TICKS:
         raise RdepthError(f"--tick takes {', '.join(TICKS)}, got {args.tick!r}")
     if not math.isfinite(args.tau):
@@ -143,18 +220,23 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-async def load(url: str, prompts: list[list[int]], clients: int, max_tokens: int) -> dict:
+async def load(url: str, prompts: list[list[int]], clients: int, max_tokens: int,
+               mix: list[dict] | None = None) -> dict:
+    """``clients`` clients, each sending its share of ``prompts`` one after another (request ``i`` with the
+    ``rdepth`` object ``mix[i mod m]`` where a mix is given)."""
     import httpx
 
     latencies, tokens = [], 0
-    shares = [prompts[i::clients] for i in range(clients)]
+    shares = [range(i, len(prompts), clients) for i in range(clients)]
 
     async def client(share, http):
         nonlocal tokens
-        for prompt in share:
+        for index in share:
             start = time.perf_counter()
-            response = await http.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                                     "temperature": 0})
+            body = {"prompt": prompts[index], "max_tokens": max_tokens, "temperature": 0}
+            if mix:
+                body["rdepth"] = mix[index % len(mix)]
+            response = await http.post(f"{url}/v1/completions", json=body)
             if response.status_code != 200:  # one line naming the server's reason, not a traceback
                 from rdepth.errors import RdepthError
 
@@ -172,21 +254,23 @@ async def load(url: str, prompts: list[list[int]], clients: int, max_tokens: int
             "latency_p50_s": float(np.percentile(latencies, 50)), "latency_p99_s": float(np.percentile(latencies, 99))}
 
 
-def in_process(args, prompts, budget) -> dict:
+def in_process(args, prompts, make) -> dict:
+    """The workload through the engine in-process: ``make(model) -> (engine, depths)`` (``depths``: each
+    request's, or None)."""
     import torch
 
-    from rdepth.engine import Engine, Request
+    from rdepth.engine import Request
     from rdepth.run.checkpoint import load_model
 
     torch.set_num_threads(1)
     model = load_model(args.run, torch.device("cpu"))[0].eval()
-    engine = Engine(model, args.batch_size, **budget(model))
+    engine, depths = make(model)
     from rdepth.run.heldout import run_tokenizer
 
     # as the server decodes each: greedy from sequence 0 (its default seed), ended by the end-of-text token
     end = getattr(run_tokenizer(args.run), "eot_id", None)
-    requests = [Request(p, max_tokens=args.max_tokens, sequence_id=0, stop=() if end is None else (end,))
-                for p in prompts]
+    requests = [Request(p, max_tokens=args.max_tokens, sequence_id=0, stop=() if end is None else (end,),
+                        depth=None if depths is None else depths[i]) for i, p in enumerate(prompts)]
 
     def call():
         start = time.perf_counter()
@@ -211,6 +295,7 @@ def main(argv=None) -> int:
     from exit_wall import revision
     from exit_workload import mixed_heldout
 
+    from rdepth.engine import Engine
     from rdepth.exits.controller import controller_factory
 
     difficulties = positive_ints("--difficulties", args.difficulties)
@@ -219,25 +304,34 @@ def main(argv=None) -> int:
     order = np.random.default_rng(0).permutation(heldout.tokens.shape[0])[: args.requests]
     prompts = [heldout.tokens[i, : args.prompt_tokens].astype(int).tolist() for i in order]
     settings = {
-        f"fixed {args.loops}": (["--loops", str(args.loops)], lambda model: {"loop_counts": args.loops}),
+        f"fixed {args.loops}": (["--loops", str(args.loops)],
+                                lambda model: (Engine(model, args.batch_size, loop_counts=args.loops), None)),
         f"{args.exit} {args.tau:g}": (["--exit", args.exit, "--tau", str(args.tau), "--k-max", str(args.k_max),
                                        "--tick", args.tick],
-                                      lambda model: {"tick": args.tick, "controller_factory": controller_factory(
-                                          args.exit, args.tau, args.k_max, lambda: model.readout)}),
+                                      lambda model: (Engine(model, args.batch_size, tick=args.tick,
+                                                            controller_factory=controller_factory(
+                                                                args.exit, args.tau, args.k_max,
+                                                                lambda: model.readout)), None)),
     }
+    mixes = {}
+    if args.depth_mix is not None:
+        mix = parse_depth_mix(args.depth_mix, args.k_max)
+        flags = mix_server_flags(args, mix)
+        settings["mix"] = (flags, mix_engine(args, flags, mix, len(prompts)))
+        mixes["mix"] = mix
     code = revision()
     print(f"serve_load: {_cpu_name()}, revision {code}; {len(prompts)} requests, {args.clients} clients, "
           f"{args.batch_size} slots", flush=True)
     # the engines first: a run, rule or workload the engine refuses fails here, before any server starts
-    engines = {label: in_process(args, prompts, budget) for label, (_, budget) in settings.items()}
+    engines = {label: in_process(args, prompts, make) for label, (_, make) in settings.items()}
     rows: dict[str, dict[str, list]] = {label: {"server": [], "engine": []} for label in settings}
     with running_servers(args, settings) as servers:
-        for url in servers.values():  # warm-up
-            asyncio.run(load(url, prompts[: args.clients], args.clients, args.max_tokens))
+        for label, url in servers.items():  # warm-up
+            asyncio.run(load(url, prompts[: args.clients], args.clients, args.max_tokens, mixes.get(label)))
         for round_ in range(args.rounds):
             for label in (list(settings) if round_ % 2 == 0 else list(settings)[::-1]):
                 rows[label]["server"].append(asyncio.run(load(servers[label], prompts, args.clients,
-                                                              args.max_tokens)))
+                                                              args.max_tokens, mixes.get(label))))
                 rows[label]["engine"].append(engines[label]())
     report = {"cpu": _cpu_name(), "revision": code, "args": vars(args), "settings": {}}
     base = None
@@ -253,11 +347,15 @@ def main(argv=None) -> int:
         overhead = (server["wall_s"] - engine["wall_s"]) / server["tokens"]
         report["settings"][label] = {"server": server, "engine": engine, "server_overhead_ms_per_token": 1e3 * overhead,
                                      "vs_fixed": server["tokens_per_s"] / base,
-                                     "server_rounds_tokens_per_s": [r["tokens_per_s"] for r in samples["server"]]}
+                                     "server_rounds_tokens_per_s": [r["tokens_per_s"] for r in samples["server"]],
+                                     **({"mix": mixes[label]} if label in mixes else {})}
         print(f"  {label:<22} server {server['tokens_per_s']:8.1f} tok/s (x{server['tokens_per_s'] / base:.3f}), "
               f"p50 {server['latency_p50_s']:.3f} s, p99 {server['latency_p99_s']:.3f} s; engine in-process "
               f"{engine['tokens_per_s']:8.1f} tok/s, mean steps {engine['mean_loop_steps']}; server overhead "
               f"{1e3 * overhead:.2f} ms/token", flush=True)
+        if label in mixes:
+            print(f"  {'':<22} the mix {args.depth_mix}: compare with --loops at its mean steps "
+                  f"{engine['mean_loop_steps']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")

@@ -98,3 +98,37 @@ def test_a_depth_the_engine_cannot_serve_is_a_one_line_error():
     own = Engine(model, 2, loop_counts=(6, 5), own_depths=True)
     own.add_request(Request([1, 2], max_tokens=2, depth=Depth(loops=5)))  # fixed loops need no rule
     assert [done.steps for done in own.run()] == [[[5, 5]] * 3]
+
+
+def test_a_fixed_budget_engine_serves_named_rules_exactly():
+    """Engine(loop_counts=..., rules=...): a row under a named rule stops early, and at its next position a later
+    loop step reads this position's keys at steps it never ran: the cache is written through (the latest-KV
+    rule) though the engine's own budget is fixed."""
+    model = SHAPES["two groups"]()
+    caps = caps_for(model)[:model.n_groups]
+    engine = Engine(model, 3, loop_counts=tuple(caps),
+                    rules={"step_norm_rel": controller_factory("step_norm_rel", 0.3, caps)})
+    requests = [Request(p, max_tokens=4, sequence_id=i, depth=Depth(rule="step_norm_rel", tau=0.3 + 0.1 * i))
+                for i, p in enumerate(prompts(4, seed=5))]
+    ids = {engine.add_request(r): i for i, r in enumerate(requests)}
+    done = {ids[d.request_id]: d for d in engine.run()}
+    for i, request in enumerate(requests):
+        tokens, _, steps = reference(model, request,
+                                     controller_factory=controller_factory("step_norm_rel", request.depth.tau, caps))
+        assert (done[i].tokens, done[i].steps) == (tokens, steps), f"request {i}"
+
+
+@pytest.mark.parametrize("tick", ["eager", "static"])
+def test_a_slots_next_request_at_the_rules_own_threshold_does_not_inherit_the_last_ones(tick):
+    """Depth(rule=R) with tau None after Depth(rule=R, tau=X) on the same slot runs at the rule's own tau, not
+    the slot's last request's."""
+    model = SHAPES["two groups"]()
+    caps = caps_for(model)[:model.n_groups]
+    engine = Engine(model, 1, tick=tick, controller_factory=controller_factory("step_norm_rel", 0.3, caps),
+                    rules={"step_norm_rel": controller_factory("step_norm_rel", 0.3, caps)})
+    first, second = prompts(2, seed=5)
+    engine.add_request(Request(first, max_tokens=4, depth=Depth(rule="step_norm_rel", tau=3.0)))
+    engine.add_request(Request(second, max_tokens=4, sequence_id=1, depth=Depth(rule="step_norm_rel")))
+    done = {d.request_id: d for d in engine.run()}
+    _, _, steps = reference(model, done[1].request, controller_factory=controller_factory("step_norm_rel", 0.3, caps))
+    assert done[1].steps == steps

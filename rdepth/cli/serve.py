@@ -16,7 +16,9 @@ def register(subparsers) -> None:
         description="Serve a checkpoint through the continuous depth batching engine: POST /v1/completions "
         "(streaming, logprobs, echo), /v1/chat/completions (a tokenizer with a chat template), GET /v1/models, "
         "/health, /metrics, and /tokenize for lm-eval's local-completions. Every choice reports each token's loop "
-        "steps per group and why each loop stopped. Needs the serve extra (pip install 'rdepth[serve]').",
+        "steps per group and why each loop stopped; a request may ask for a depth of its own (its 'rdepth' object: "
+        "loops, or an exit rule at its own threshold) within --max-loops and --allow-exits. Needs the serve extra "
+        "(pip install 'rdepth[serve]').",
     )
     add_dataclass_flags(parser, ServeConfig, title="serve")
     parser.set_defaults(func=run)

@@ -105,7 +105,8 @@ class EagerTick:
         d, batch, device = model.config.d_model, plan.batch, plan.device
         layout = KV_LAYOUTS[plan.kv_layout]()
         cache = model.new_cache(batch, plan.capacity, layout.kept(self.k_max), plan.dtype, device)
-        self.slots = SlotCache(cache, layout, write_through=not plan.fixed)
+        # (a fixed budget never leaves a loop early: nothing to write through; a request's own depth may)
+        self.slots = SlotCache(cache, layout, write_through=not plan.fixed or plan.own_depths)
         self.x = torch.zeros(batch, d, dtype=plan.dtype, device=device)  # activations between stages
         self.state = torch.zeros_like(self.x)  # each row's newest iterate in its group
         self.projected = torch.zeros_like(self.x)  # the group's input half W_e e
@@ -157,8 +158,10 @@ class EagerTick:
         index, caps, tau = self.plan.route(request)
         self.choice[row] = index
         self.caps[row] = caps
-        if tau is not None:
-            self.controllers[index].set_row_tau(torch.tensor([row], device=self.device), tau)
+        policy = getattr(self.controllers[index], "policy", None)  # (a named rule: its own tau unless given one)
+        if policy is not None and index >= 2 and policy(0).uses_tau and policy(0).per_row_tau:
+            rows = torch.tensor([row], device=self.device)
+            self.controllers[index].set_row_tau(rows, policy(0).tau if tau is None else tau)
 
     def _decide(self, group: int, steps: np.ndarray, rows: np.ndarray, rows_t: torch.Tensor, prev: torch.Tensor,
                 new: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:

@@ -12,7 +12,8 @@ tokenising runs off the event loop; a client that leaves has its choices cancell
 
 Every choice carries an extension field ``rdepth``: per new token, the loop steps each group ran
 (``steps``) and why each group's loop stopped (``rules``: ``"rule"`` the exit rule fired, ``"budget"`` the
-cap or a fixed budget), their mean per group (``mean_steps``), the policy and the choice's seed.
+cap or a fixed budget), their mean per group (``mean_steps``), the policy it ran (the server's, or the one its
+request's ``rdepth`` object asked for: :mod:`rdepth.serve.depth`) and the choice's seed.
 
 Besides OpenAI's endpoints, ``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` answer as vLLM's do: what
 lm-eval's ``local-completions`` model reads when it takes the server's tokenizer (``tokenizer_backend=remote``).
@@ -39,7 +40,8 @@ def model_card(served: ServedModel) -> dict:
             "max_model_len": served.context,
             "rdepth": {"policy": served.policy, "batch": served.runner.engine.batch, "context": served.context,
                        "kv_layout": served.runner.engine.kv_layout, "chat_template": served.chat is not None,
-                       "max_logprobs": served.max_logprobs}}
+                       "max_logprobs": served.max_logprobs,
+                       "depths": served.depths.card() if served.depths is not None else None}}
 
 
 def tokenize(served: ServedModel, body: Any) -> dict:

@@ -55,6 +55,7 @@ class Choice:
         self.served, self.index, self.prompt, self.seed = served, index, prompt, seed
         self.stops, self.limit, self.echo = settings.stops, settings.max_tokens, settings.echo
         self.wants_logprobs = settings.logprobs is not None
+        self.policy = settings.policy  # the budget or rule it runs (the server's, or its request's own)
         self.tokens: list[int] = []
         self.steps: list[list[int]] = []
         self.rules: list[list[str]] = []
@@ -110,16 +111,19 @@ class Choice:
         delta, self.sent = self.text[self.sent:end], end
         return delta
 
-    def depth(self, first: int = 0, last: int | None = None) -> dict:
+    def depth(self, first: int = 0, last: int | None = None, final: bool = False) -> dict:
         """The depth report of new tokens ``first:last``; the whole choice's (with the means per group, the
-        policy and the seed) for ``first`` 0 and no ``last``."""
+        policy it ran and the seed) for ``first`` 0 and no ``last``; ``final`` (a stream's last chunk of the
+        choice): with the policy."""
         steps, rules = self.steps[first:last], self.rules[first:last]
         report = {"steps": steps, "rules": rules}
         if first == 0 and last is None:
             groups = len(steps[0]) if steps else 0
             report["mean_steps"] = [sum(s[g] for s in steps) / len(steps) for g in range(groups)] if steps else []
-            report["policy"] = self.served.policy
+            report["policy"] = self.policy
             report["seed"] = self.seed
+        elif final:
+            report["policy"] = self.policy
         if self.error:
             report["error"] = self.error
         return report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rdepth.config import MAX_LOOPS
@@ -30,6 +31,14 @@ class ServeConfig:
                                            default_text="twice the model's eval loops", bounds=f"[1, {MAX_LOOPS}]")
     exit_options: str | None = option(None, "with --exit: the policy's options as KEY=VALUE,...",
                                       default_text="the policy's own", metavar="KEY=VALUE,...")
+    max_loops: int | None = option(None, "the most loop steps a request's own depth may ask for ('rdepth': "
+                                   "loops or k_max) in every group: the engine's caps, at least the server's own "
+                                   "budget or k-max", default_text="the server's own --loops or --k-max (its "
+                                   "smallest group's)", bounds=f"[1, {MAX_LOOPS}]")
+    allow_exits: str | None = option(None, "the exit rules a request may ask for by name ('rdepth': {\"exit\": "
+                                     "RULE, \"tau\": X}), each with the threshold a request gets without one; "
+                                     "'none' for none", default_text="the server's --exit rule, if any",
+                                     metavar="RULE[:TAU],...")
     kv_layout: str = option("exact", "the engine's key/value layout: exact or shared", choices=("exact", "shared"))
     tick: str = option("eager", "the engine's tick: eager (what each row needs), static or compiled (every slot "
                        "through one device function a tick, compiled; any looped groups: docs/engine.md)", choices=("eager", "static", "compiled"))
@@ -58,9 +67,39 @@ class ServeConfig:
         if self.exit is not None and self.loops:
             raise RdepthError("serve: --exit replaces --loops; give one")
         check_device_name("serve", self.device)
+        self.allowed_exits()  # its syntax, before anything loads (the names: when the server builds its rules)
         if self.max_n > self.max_choices:
             raise RdepthError(f"serve: --max-n {self.max_n} exceeds --max-choices {self.max_choices} (the choices "
                               "of a whole request); raise --max-choices too")
+
+    def allowed_exits(self) -> list[tuple[str, float | None]]:
+        """``--allow-exits`` as ``(rule, tau)`` pairs (tau None: the server's --tau for its own --exit rule, else
+        none, and a request must give one); by default the server's own --exit rule, or none."""
+        if self.allow_exits is None:
+            return [(self.exit, None)] if self.exit else []
+        if self.allow_exits.strip() == "none":
+            return []
+        allowed: list[tuple[str, float | None]] = []
+        for item in self.allow_exits.split(","):
+            name, sep, text = (part.strip() for part in item.partition(":"))
+            tau = None
+            if sep:
+                try:
+                    tau = float(text)
+                except ValueError:
+                    tau = math.nan
+                if not (math.isfinite(tau) and tau > 0):
+                    raise RdepthError(f"serve: --allow-exits wants RULE[:TAU],... with TAU a positive number, "
+                                      f"got {item.strip()!r}")
+            if not name or name == "none":
+                raise RdepthError(f"serve: --allow-exits wants RULE[:TAU],... (or 'none' alone), got {item.strip()!r}")
+            if name in (rule for rule, _ in allowed):
+                raise RdepthError(f"serve: --allow-exits names {name} twice; name each rule once")
+            if name == self.exit and tau is not None:
+                raise RdepthError(f"serve: --allow-exits {item.strip()}: the server's own rule {name} runs at --tau; "
+                                  f"name it without a threshold")
+            allowed.append((name, tau))
+        return allowed
 
     def policy_options(self) -> dict:
         """``--exit-options`` as a dict (the learned rule's gate is the run's), as ``rdepth generate`` reads it."""

@@ -11,6 +11,9 @@ list. That seed keys both its sampling generator and its initial loop states: ``
 the batch-1 decoder's noise of sequence ``seed`` (seed 0: sequence 0, what ``rdepth generate`` and ``rdepth
 lm-eval`` start from). A request without ``seed`` samples with a fresh one (drawn from the OS) and decodes
 greedily with seed 0; each choice reports its seed in ``rdepth.seed``.
+
+**Depth.** The body's ``rdepth`` object (:mod:`rdepth.serve.depth`) sets every choice's loop budget or exit
+rule, within the server's bounds; each choice's report echoes the policy it ran.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from rdepth.engine import Request
+from rdepth.engine import Depth, Request
 from rdepth.errors import RdepthError
 from rdepth.serve.chat import chat_messages
 from rdepth.serve.errors import BadRequest
@@ -29,7 +32,7 @@ MAX_STOPS = 16  # stop strings per request (OpenAI takes 4; lm-eval sends a task
 MAX_STOP_CHARS = 1024
 SEED_BOUND = 2**62
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
-          "logprobs", "presence_penalty", "frequency_penalty"}
+          "logprobs", "presence_penalty", "frequency_penalty", "rdepth"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 
@@ -38,7 +41,8 @@ CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 class Settings:
     """What a response needs beyond the engine's requests: ``prompts`` (token ids, one per prompt), ``n``,
     ``max_tokens`` (0: score the prompt only, with ``echo``), ``logprobs`` (most likely tokens per position, or
-    None), ``echo``, ``stops``, ``stream`` and ``include_usage``, and each choice's ``seeds``."""
+    None), ``echo``, ``stops``, ``stream`` and ``include_usage``, each choice's ``seeds``, and the ``policy``
+    every choice runs (its depth report echoes it)."""
 
     prompts: list[list[int]]
     n: int
@@ -49,6 +53,7 @@ class Settings:
     stream: bool
     include_usage: bool
     seeds: list[int]
+    policy: dict
 
 
 def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
@@ -186,8 +191,17 @@ def _sampling(body: dict) -> tuple[float, float, int]:
     return temperature, top_p, seed
 
 
+def _depth(served: ServedModel, body: dict) -> tuple[Depth | None, dict]:
+    """The body's ``rdepth`` object as every choice's depth, and the policy the choices run (see the module)."""
+    if served.depths is None:
+        if body.get("rdepth") is not None:
+            raise BadRequest("this server takes no 'rdepth' object (it runs one policy for every request)", "rdepth")
+        return None, served.policy
+    return served.depths.read(body.get("rdepth"))
+
+
 def _requests(served: ServedModel, prompts: list[list[int]], n: int, max_tokens: int, sampling: tuple,
-              logprobs: int | None, echo: bool) -> tuple[list[Request], list[int]]:
+              logprobs: int | None, echo: bool, depth: Depth | None) -> tuple[list[Request], list[int]]:
     """The engine's requests, prompt-major then choice, and each one's seed (see the module)."""
     temperature, top_p, seed = sampling
     requests, seeds = [], []
@@ -197,7 +211,8 @@ def _requests(served: ServedModel, prompts: list[list[int]], n: int, max_tokens:
             requests.append(Request(ids, max_tokens=max(max_tokens, 1), temperature=temperature, top_p=top_p,
                                     seed=own, stop=served.end_tokens, noise_seed=served.noise_seed,
                                     sequence_id=own, logprobs=logprobs,
-                                    prompt_logprobs=echo and logprobs is not None, tag=len(requests)))
+                                    prompt_logprobs=echo and logprobs is not None, depth=depth,
+                                    tag=len(requests)))
             seeds.append(own)
     return requests, seeds
 
@@ -219,10 +234,10 @@ def parse_completion(served: ServedModel, body: Any) -> tuple[list[Request], Set
     if stream and echo and logprobs is not None:
         raise BadRequest("'logprobs' with 'echo' (the prompt's log-probabilities) is answered whole, not streamed: "
                          "send 'stream': false", "logprobs")
-    stops, sampling = _stops(body), _sampling(body)
+    stops, sampling, (depth, policy) = _stops(body), _sampling(body), _depth(served, body)
     prompts = [prompt_tokens(served, item) for item in items]  # the costly part, last: every cheap check first
-    requests, seeds = _requests(served, prompts, n, max_tokens, sampling, logprobs, echo)
-    return requests, Settings(prompts, n, max_tokens, logprobs, echo, stops, stream, include_usage, seeds)
+    requests, seeds = _requests(served, prompts, n, max_tokens, sampling, logprobs, echo, depth)
+    return requests, Settings(prompts, n, max_tokens, logprobs, echo, stops, stream, include_usage, seeds, policy)
 
 
 def parse_chat(served: ServedModel, body: Any) -> tuple[list[Request], Settings]:
@@ -240,7 +255,7 @@ def parse_chat(served: ServedModel, body: Any) -> tuple[list[Request], Settings]
         raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     logprobs = (top or 0) if body.get("logprobs") else None
     stream, include_usage = _stream(body)
-    stops, sampling = _stops(body), _sampling(body)
+    stops, sampling, (depth, policy) = _stops(body), _sampling(body), _depth(served, body)
     _length_checked(served, "".join(m["content"] for m in messages), "messages")
     text = served.chat.render(messages)
     try:
@@ -248,5 +263,5 @@ def parse_chat(served: ServedModel, body: Any) -> tuple[list[Request], Settings]
     except RdepthError as exc:
         raise BadRequest(str(exc), "messages") from None
     prompts = [_fits(served, ids, "messages")]
-    requests, seeds = _requests(served, prompts, n, max_tokens, sampling, logprobs, False)
-    return requests, Settings(prompts, n, max_tokens, logprobs, False, stops, stream, include_usage, seeds)
+    requests, seeds = _requests(served, prompts, n, max_tokens, sampling, logprobs, False, depth)
+    return requests, Settings(prompts, n, max_tokens, logprobs, False, stops, stream, include_usage, seeds, policy)

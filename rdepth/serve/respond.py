@@ -70,7 +70,8 @@ class CompletionFormat:
 
     def chunk(self, served, choice: Choice, text: str, first: int, last: int, finish: str | None) -> dict:
         return {"text": text, "index": choice.index, "logprobs": self.logprobs(served, choice, first, last)
-                if last > first else None, "finish_reason": finish, "rdepth": choice.depth(first, last)}
+                if last > first else None, "finish_reason": finish,
+                "rdepth": choice.depth(first, last, final=finish is not None)}
 
     def opening(self, choice: Choice) -> dict | None:
         if not choice.prefix:
@@ -110,7 +111,7 @@ class ChatFormat:
     def chunk(self, served, choice: Choice, text: str, first: int, last: int, finish: str | None) -> dict:
         return {"index": choice.index, "delta": {"content": text} if text or finish is None else {},
                 "logprobs": self.logprobs(served, choice, first, last) if last > first else None,
-                "finish_reason": finish, "rdepth": choice.depth(first, last)}
+                "finish_reason": finish, "rdepth": choice.depth(first, last, final=finish is not None)}
 
     def opening(self, choice: Choice) -> dict:
         return {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 from rdepth.engine import Engine, Finished, Request
 from rdepth.engine.request import TokenLogprob
+from rdepth.errors import RdepthError
 
 log = logging.getLogger(__name__)
+REFUSED = -1  # the id of a request the engine refused (add_request raised): it ended at once, with its error
 
 
 @dataclass
@@ -201,7 +203,13 @@ class EngineRunner:
                 submission = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            submission.request_id = self.engine.add_request(submission.request)
+            try:
+                submission.request_id = self.engine.add_request(submission.request)
+            except RdepthError as exc:  # a request the engine refuses (its depth): it ends, the engine goes on
+                submission.request_id = REFUSED
+                self._post_now(submission, Finished(REFUSED, submission.request, finish_reason="error",
+                                                    error=str(exc)))
+                continue
             self._by_id[submission.request_id] = submission
         cancels, self._unresolved = self._unresolved, []
         while True:
@@ -212,7 +220,7 @@ class EngineRunner:
         for submission in cancels:  # one submitted after the inbox was read waits for the next round
             if submission.request_id is None:
                 self._unresolved.append(submission)
-            else:
+            elif submission.request_id != REFUSED:
                 self.engine.cancel(submission.request_id)
 
     def _on_token(self, request_id: int, token: int, steps: list[int], rules: list[str],

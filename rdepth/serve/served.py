@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rdepth.serve.chat import ChatRenderer, SpecialEncoder
+from rdepth.serve.depth import Depths
 from rdepth.serve.runner import EngineRunner
 
 # A string prompt longer than this many characters per position of the context is refused before it is
@@ -20,7 +21,9 @@ class ServedModel:
     """What the API serves: the name clients pass as ``model``, the tokenizer, the engine's runner and the
     limits the server sets (``max_tokens`` per request, ``max_n`` choices per prompt, ``max_choices`` choices
     per request (prompts x n), ``max_body_bytes`` per request body, ``max_logprobs`` most likely tokens per
-    position), the loop-state noise seed, and the chat template (None: the model has none).
+    position), the loop-state noise seed, the chat template (None: the model has none) and the depths a
+    request's ``rdepth`` object may ask for (:class:`~rdepth.serve.depth.Depths`; None: only the server's
+    ``policy``).
 
     ``end_tokens``: the tokens that end a completion (``finish_reason`` "stop", no text): the tokenizer's
     end-of-text token and the chat template's end-of-turn token; ``encoder`` reads special tokens' text as them
@@ -38,6 +41,7 @@ class ServedModel:
     max_body_bytes: int = 4 * 1024 * 1024
     max_logprobs: int = 20
     chat: ChatRenderer | None = None
+    depths: Depths | None = None
     end_tokens: frozenset[int] = field(init=False)
     encoder: SpecialEncoder = field(init=False)
 

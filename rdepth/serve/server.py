@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from rdepth.engine import Engine
 from rdepth.errors import RdepthError
 from rdepth.serve.api import ServedModel, build_app
 from rdepth.serve.chat import ChatRenderer
 from rdepth.serve.config import ServeConfig
+from rdepth.serve.depth import build_engine, check_allowed
 from rdepth.serve.listen import bind_sockets
 from rdepth.serve.runner import EngineRunner
 
@@ -17,11 +17,11 @@ log = logging.getLogger(__name__)
 
 
 def served_model(config: ServeConfig) -> ServedModel:
-    """Load the checkpoint, build the engine under the budget or exit rule, start its thread."""
+    """Load the checkpoint, build the engine under the budget or exit rule (and the depths a request may ask
+    for: :mod:`rdepth.serve.depth`), start its thread."""
     import torch
 
     from rdepth.exitrun.gate_file import check_gate_option
-    from rdepth.exits.config import resolve_k_max
     from rdepth.exits.controller import controller_factory
     from rdepth.run.chat_template import run_chat_template
     from rdepth.run.checkpoint import load_model
@@ -32,6 +32,7 @@ def served_model(config: ServeConfig) -> ServedModel:
     check_gate_option(config.exit, options, config.checkpoint)  # a gate named for another model
     if config.exit:  # a bad name, tau or option fails here, before the checkpoint is loaded
         controller_factory(config.exit, config.tau, config.k_max or (1,), options=options)
+    allowed = check_allowed(config, options)  # --allow-exits: its names and thresholds, before the load too
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
@@ -42,20 +43,11 @@ def served_model(config: ServeConfig) -> ServedModel:
     context = config.context or model_config.block_size
     if context > model_config.block_size:
         raise RdepthError(f"serve: --context {context} exceeds the model's block size {model_config.block_size}")
-    if config.exit:
-        k_max = resolve_k_max("serve", config.k_max, model.n_groups, model_config.default_eval_loops)
-        factory = controller_factory(config.exit, config.tau, k_max, lambda: model.readout, options)
-        engine = Engine(model, config.batch_size, controller_factory=factory, kv_layout=config.kv_layout,
-                        capacity=context, tick=config.tick)
-        policy = {"exit": config.exit, "tau": config.tau, "k_max": list(k_max),
-                  **{k: str(v) for k, v in options.items()}}
-    else:
-        engine = Engine(model, config.batch_size, loop_counts=config.loops, kv_layout=config.kv_layout,
-                        capacity=context, tick=config.tick)
-        policy = {"loops": list(engine.k_max)}
+    engine, depths = build_engine(config, model, context, allowed, options)
     name = config.name or _default_name(config.checkpoint)
-    return ServedModel(name, tokenizer, EngineRunner(engine).start(), context, policy, config.max_tokens,
-                       config.max_n, config.seed, config.max_choices, config.max_body_bytes, config.max_logprobs, chat)
+    return ServedModel(name, tokenizer, EngineRunner(engine).start(), context, depths.policy, config.max_tokens,
+                       config.max_n, config.seed, config.max_choices, config.max_body_bytes, config.max_logprobs, chat,
+                       depths)
 
 
 def _default_name(checkpoint: str) -> str:
@@ -77,8 +69,8 @@ def serve(config: ServeConfig) -> int:
     sockets = bind_sockets(config.host, config.port)
     try:
         served = served_model(config)
-        log.info("serving %s (%s) on http://%s:%d with %d slots", served.name, served.policy, config.host,
-                 config.port, config.batch_size)
+        log.info("serving %s (%s; a request may ask for %s) on http://%s:%d with %d slots", served.name,
+                 served.policy, served.depths.card(), config.host, config.port, config.batch_size)
         try:
             uvicorn.Server(uvicorn.Config(build_app(served), log_level="info")).run(sockets=sockets)
         finally:
