@@ -1,0 +1,71 @@
+"""``rdepth serve`` through OpenAI's own Python client (``openai``), as a user calls it: completions (greedy, a
+depth of its own through ``extra_body``, log-probabilities, streaming) equal the batch-1 decode; every refusal
+raises the client's exception class for its status, with the field named; the chat route is a NotFoundError on a
+model without a chat template."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from test_serve_depth import alone
+
+from rdepth.run.checkpoint import load_model
+from rdepth.serve.api import build_app
+from rdepth.serve.config import ServeConfig
+from rdepth.serve.server import served_model
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def client(tiny_text_run):
+    served = served_model(ServeConfig(checkpoint=str(tiny_text_run), batch_size=2, device="cpu", name="tiny",
+                                      max_loops=4, allow_exits="kl:0.1"))
+    http = TestClient(build_app(served))
+    yield openai.OpenAI(api_key="unused", base_url="http://testserver/v1", http_client=http, max_retries=0)
+    served.runner.stop()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_text_run):
+    return load_model(tiny_text_run)[0]
+
+
+def test_completions_equal_the_batch_1_decode_at_the_depth_asked(client, model, tiny_text_run):
+    plain = client.completions.create(model="tiny", prompt="The city", max_tokens=5, temperature=0)
+    assert plain.choices[0].text == alone(tiny_text_run, model, "The city", 5, {"loops": [2, 2]})[0]
+    deep = client.completions.create(model="tiny", prompt="The city", max_tokens=5, temperature=0,
+                                     extra_body={"rdepth": {"loops": 4}})
+    assert deep.choices[0].text == alone(tiny_text_run, model, "The city", 5, {"loops": [4, 4]})[0]
+    ruled = client.completions.create(model="tiny", prompt="The city", max_tokens=5, temperature=0,
+                                      extra_body={"rdepth": {"exit": "kl", "tau": 0.05, "k_max": 3}})
+    policy = {"exit": "kl", "tau": 0.05, "k_max": [3, 3]}
+    text, _, logprobs = alone(tiny_text_run, model, "The city", 5, policy)
+    assert ruled.choices[0].text == text
+    scored = client.completions.create(model="tiny", prompt="The city", max_tokens=5, temperature=0, logprobs=2,
+                                       extra_body={"rdepth": {"exit": "kl", "tau": 0.05, "k_max": 3}})
+    got = scored.choices[0].logprobs
+    assert len(got.token_logprobs) == len(got.top_logprobs) and all(len(top) == 2 for top in got.top_logprobs)
+    assert got.token_logprobs[: len(logprobs)] == pytest.approx(logprobs[: len(got.token_logprobs)], abs=1e-5)
+
+
+def test_a_stream_joins_to_the_full_text(client):
+    full = client.completions.create(model="tiny", prompt="In 1900 the", max_tokens=8, temperature=0)
+    stream = client.completions.create(model="tiny", prompt="In 1900 the", max_tokens=8, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == full.choices[0].text
+
+
+def test_refusals_raise_the_clients_exception_classes(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="tiny", prompt="a", max_tokens=2, extra_body={"rdepth": {"loops": 99}})
+    assert error.value.body["param"] == "rdepth.loops"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="tiny", prompt="a", max_tokens=2,
+                                  extra_body={"rdepth": {"exit": "cosine", "tau": 0.1}})
+    assert error.value.body["param"] == "rdepth.exit"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="a", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):  # the tiny run's tokenizer carries no chat template
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert client.completions.create(model="tiny", prompt="a", max_tokens=1).choices[0].finish_reason in (
+        "length", "stop")
