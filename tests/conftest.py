@@ -89,7 +89,7 @@ def _global_state() -> dict:
 # Environment variables a library sets on its own first import or use, whichever test gets there first (torch's
 # Inductor on its first compile; lm-eval; scikit-learn and joblib, imported by sentence-transformers and lm-eval;
 # transformers' generation): new ones are not a test's doing.
-_TORCH_SETS = ("TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "HF_XET_HIGH_PERFORMANCE",
+_LIBRARY_SETS = ("TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "HF_XET_HIGH_PERFORMANCE",
                "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "TOKENIZERS_PARALLELISM")
 
 
@@ -110,7 +110,7 @@ def _changes(before: dict, after: dict) -> list[str]:
             continue
         if isinstance(old, dict):
             for name in sorted(set(old) | set(new)):
-                if name in _TORCH_SETS and name not in old:  # set by a library itself on first use
+                if name in _LIBRARY_SETS and name not in old:  # set by a library itself on first use
                     continue
                 if old.get(name, "<unset>") != new.get(name, "<unset>"):
                     lines.append(f"{key}[{name!r}]: {old.get(name, '<unset>')!r} -> {new.get(name, '<unset>')!r}")

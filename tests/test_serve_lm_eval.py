@@ -8,18 +8,12 @@ Skipped where lm-eval or what its API models import (``requests``, ``aiohttp``, 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+from serve_helpers import serve_process
 from test_hf_helpers import sentences, tiny_run
 
-ROOT = Path(__file__).resolve().parents[1]
 LIKELIHOOD, GENERATION = "rdepth_serve_endings", "rdepth_serve_generate"
 GENERATE_YAML = """task: {name}
 dataset_path: json
@@ -42,7 +36,6 @@ metric_list:
 metadata:
   version: 1.0
 """
-SERVER = "import sys; from rdepth.cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
 def harness():
@@ -80,30 +73,8 @@ def server(tmp_path_factory):
     run, _ = tiny_run(root / "run", groups="1|2-3")
     tasks = write_task(" ".join(sentences(60, seed=9)), root / "tasks", LIKELIHOOD, count=8)
     generation_task(run, tasks)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = open(root / "server.log", "w")  # noqa: SIM115  (closed below, after the process)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-c", SERVER, "serve", "--checkpoint", str(run), "--loops", "2,3",
-                                "--batch-size", "8", "--port", str(port), "--device", "cpu", "--threads", "1",
-                                "--name", "tiny", "--seed", "0"], stdout=log, stderr=subprocess.STDOUT, env=env,
-                               cwd=ROOT)
-    try:
-        end = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, (root / "server.log").read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < end, "the server did not start"
-                time.sleep(0.2)
+    with serve_process(run, root, "--loops", "2,3", "--batch-size", "8", "--name", "tiny", "--seed", "0") as port:
         yield run, tasks, port
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
     text = (root / "server.log").read_text()
     assert "Traceback" not in text and "ERROR" not in text, text
 

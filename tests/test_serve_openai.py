@@ -69,3 +69,33 @@ def test_refusals_raise_the_clients_exception_classes(client):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert client.completions.create(model="tiny", prompt="a", max_tokens=1).choices[0].finish_reason in (
         "length", "stop")
+
+
+@pytest.fixture(scope="module")
+def over_a_socket(tiny_text_run, tmp_path_factory):
+    """The OpenAI client against ``rdepth serve`` in its own process, over 127.0.0.1."""
+    from serve_helpers import serve_process
+
+    with serve_process(tiny_text_run, tmp_path_factory.mktemp("openai_socket"), "--batch-size", "3", "--name",
+                       "tiny", "--max-loops", "4", "--allow-exits", "kl:0.1") as port:
+        yield openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=120)
+
+
+def test_over_a_socket_several_prompts_streamed_and_not(over_a_socket, model, tiny_text_run):
+    """Three prompts in one request, their choices each the batch-1 decode at the depth asked; the same request
+    streamed: each choice's chunks (told apart by index) join to its text."""
+    prompts = ["The city", "In 1900 the", "A river flows"]
+    depth = {"rdepth": {"loops": 3}}
+    full = over_a_socket.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0,
+                                            extra_body=depth)
+    texts = {choice.index: choice.text for choice in full.choices}
+    assert texts == {i: alone(tiny_text_run, model, p, 6, {"loops": [3, 3]})[0] for i, p in enumerate(prompts)}
+    streamed: dict[int, str] = {}
+    for chunk in over_a_socket.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0,
+                                                  stream=True, extra_body=depth):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == texts
+    with pytest.raises(openai.BadRequestError) as error:
+        over_a_socket.completions.create(model="tiny", prompt=prompts, max_tokens=2, extra_body={"rdepth": {"loops": 9}})
+    assert error.value.body["param"] == "rdepth.loops"

@@ -59,3 +59,21 @@ def test_the_guard_fails_each_test_that_leaves_global_state_changed(pytester):
     assert result.parseoutcomes() == {"passed": 6, "errors": 4}, text
     assert "recompile_limit: hidden (deleted" in text and "recompile_limit: 8 -> 3" in text  # (cache_size_limit is its alias)
     assert "RDEPTH_GUARD_PROBE" in text and "logger 'rdepth'" in text
+
+
+def test_ci_fails_a_whole_run_in_which_too_few_tests_compiled(pytester, monkeypatch):
+    """Under CI=true a run of the whole suite (its testpaths) with fewer compiling tests than the floor fails,
+    naming the count; the same run outside CI, or a run of chosen files under CI, passes."""
+    pytester.makeconftest(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+                          "from tests.conftest import (leaves_global_state_alone, pytest_runtest_makereport,  # noqa\n"
+                          "                            pytest_terminal_summary)\n")
+    pytester.makeini("[pytest]\ntestpaths = inner\n")
+    pytester.mkdir("inner")
+    pytester.makepyfile(**{"inner/test_plain": "def test_nothing_compiles():\n    assert True\n"})
+    monkeypatch.setenv("CI", "true")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret == 1 and "fewer than 12 passed: failing the run" in result.stdout.str()
+    assert "compile tests: 0 tests compiled with torch.compile, 0 passed" in result.stdout.str()
+    assert pytester.runpytest_subprocess("-p", "no:cacheprovider", "inner/test_plain.py").ret == 0
+    monkeypatch.delenv("CI")
+    assert pytester.runpytest_subprocess("-p", "no:cacheprovider").ret == 0
