@@ -111,6 +111,7 @@ class Scheduler:
                  listener: Callable[[int, int, list[int], list[str], TokenLogprob | None], None] | None = None):
         self.batch, self.capacity, self.device, self.clock, self.listener = batch, capacity, device, clock, listener
         self.live: list[_Live | None] = [None] * batch
+        self.taken = np.zeros(batch, dtype=bool)  # the slots a request holds (live's rows that are not None)
         self.position = np.zeros(batch, dtype=np.int64)  # where each slot's token in flight writes
         self.queue: deque[tuple[int, Request, float, int]] = deque()
         self.next_id = 0
@@ -129,10 +130,10 @@ class Scheduler:
         return request_id
 
     def occupied(self) -> np.ndarray:
-        return np.asarray([live is not None for live in self.live], dtype=bool)
+        return self.taken.copy()
 
     def in_flight(self) -> int:
-        return sum(live is not None for live in self.live)
+        return int(self.taken.sum())
 
     def pending(self) -> bool:
         return bool(self.queue) or self.in_flight() > 0
@@ -142,7 +143,7 @@ class Scheduler:
         """End the cancelled requests (:meth:`drop_cancelled`), then fill free slots from the queue; a request
         that cannot run finishes at once with its error."""
         finished = self.drop_cancelled() if self.cancelled else []
-        free = [row for row, live in enumerate(self.live) if live is None]
+        free = np.flatnonzero(~self.taken).tolist()
         while free and self.queue:
             request_id, request, submitted, tick = self.queue.popleft()
             result = Finished(request_id, request, submitted_tick=tick, submitted_s=submitted)
@@ -157,6 +158,7 @@ class Scheduler:
                 continue
             row = free.pop(0)
             self.live[row] = _Live(request_id, request, result, self.device)
+            self.taken[row] = True
             self.logs.admit(row, request)
             self.position[row] = 0
             self._admitted.append((row, request))
@@ -303,6 +305,7 @@ class Scheduler:
             result.logits = torch.stack(live.logits)
         result.finished_tick, result.finished_s = self.stats.ticks, self.clock()
         self.live[row] = None
+        self.taken[row] = False
         self._retired.append(row)
         return result
 
