@@ -75,6 +75,9 @@ def parse_args(argv):
     parser.add_argument("--ticks", default="eager,compiled",
                         help="the engine's ticks to time (eager, static, compiled: rdepth/engine/static.py); each "
                              "at F and with each rule; ratios against the fastest path at F (any tick, the lock-step decoder)")
+    parser.add_argument("--ahead", default="1",
+                        help="ticks one call of the static and compiled ticks runs before the host reads the device "
+                             "(Engine(ahead=N)); a list times each (1,4: both), at F and with each rule")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reuse-quality", action="store_true",
                         help="read step 1's per-problem results from --json's .quality.npz (written by an earlier run "
@@ -94,6 +97,7 @@ def parse_args(argv):
     if unknown:
         parser.error(f"--policies: no grid for {', '.join(unknown)} (choose from {', '.join(GRID)})")
     positive_ints("--widths", args.widths)  # (kept as text: read where it is used)
+    positive_ints("--ahead", args.ahead)
     positive_ints("--difficulties", args.difficulties)
     tick_list(args.ticks)
     return args
@@ -247,11 +251,13 @@ def width_calls(model, windows, ids, width: int, timed_labels: list[str], settin
         calls[f"engine | {label}"], records[f"engine | {label}"] = engine_call(model, windows, ids, width, budget,
                                                                               args.seed)
         for tick in ticks(args):  # the static and compiled ticks (the eager one above), where the model has them
-            name = f"engine {tick} | {label}"
-            try:
-                calls[name], records[name] = engine_call(model, windows, ids, width, budget, args.seed, tick=tick)
-            except RdepthError as error:
-                print(f"  ({name}: not timed: {error})", flush=True)
+            for ahead in dict.fromkeys(int(n) for n in args.ahead.split(",")):
+                name = f"engine {tick}{f' ahead {ahead}' if ahead > 1 else ''} | {label}"
+                try:
+                    calls[name], records[name] = engine_call(model, windows, ids, width, budget, args.seed,
+                                                             tick=tick, ahead=ahead)
+                except RdepthError as error:
+                    print(f"  ({name}: not timed: {error})", flush=True)
         calls[f"lockstep | {label}"], records[f"lockstep | {label}"] = lockstep_call(model, windows, ids, width,
                                                                                     budget, args.seed)
         if "factory" in settings[label] and args.shared:

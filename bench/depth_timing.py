@@ -28,17 +28,17 @@ def tick_list(text: str) -> list[str]:
     return ["eager", *[tick for tick in dict.fromkeys(asked) if tick != "eager"]]
 
 
-def engine_call(model, windows, ids, width, budget, seed, kv_layout="exact", new_tokens=1, tick="eager"):
+def engine_call(model, windows, ids, width, budget, seed, kv_layout="exact", new_tokens=1, tick="eager", ahead=1):
     """A call that decodes ``windows`` ``[N, T]`` (each request's prompt; initial states keyed by ``ids``)
     through one :class:`rdepth.engine.Engine` of ``width`` slots at ``budget`` (``loop_counts`` or
     ``controller_factory``), ``new_tokens`` greedy tokens each; and the record it fills: per-request
     latency (s from the call's start), the teacher-forced ``predicted`` and generated ``tokens`` per
     request (by its index in ``windows``), executed loop steps per position (summed over groups) and
     ``paid`` (the same: the engine pays only the steps it runs). ``tick``: the engine's tick (``eager``,
-    ``static``, ``compiled``)."""
+    ``static``, ``compiled``); ``ahead``: the ticks one call of a static or compiled tick runs."""
     from rdepth.engine import Engine, Request
 
-    engine = Engine(model, width, kv_layout=kv_layout, tick=tick, **budget)
+    engine = Engine(model, width, kv_layout=kv_layout, tick=tick, ahead=ahead, **budget)
     requests = [Request(window.tolist(), max_tokens=new_tokens, noise_seed=seed, sequence_id=int(i), tag=k)
                 for k, (window, i) in enumerate(zip(windows, ids, strict=False))]
     record = {}

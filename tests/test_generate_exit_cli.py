@@ -163,13 +163,23 @@ def test_prompts_file_gives_each_prompts_own_text_whatever_the_batch(capsys, run
         assert texts[1][index] == tokenizer.decode(tokens[0].tolist()).replace("<|endoftext|>", "\n")
 
 
+def test_prompts_file_through_a_static_tick_that_runs_ahead_gives_the_same_texts(capsys, run, tmp_path):
+    """--tick static --ahead 3 (the device enters each row's greedy token itself, three ticks a call): the
+    texts of the eager tick, at a fixed budget and under step_norm_rel."""
+    for rule in ((), ("--exit", "step_norm_rel", "--tau", "0.3", "--k-max", "3")):
+        eager = many_texts(capsys, run, tmp_path, 3, *rule)
+        assert many_texts(capsys, run, tmp_path, 3, *rule, "--tick", "static", "--ahead", "3") == eager
+
+
 def test_prompts_file_bad_input_is_one_line(capsys, run, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
     for flags, message in ((["--prompts-file", str(tmp_path / "missing.txt")], "no such file"),
                            (["--prompts-file", str(empty)], "holds no prompt"),
                            (["--prompts-file", str(empty), "--draft-loops", "1", "--temperature", "0"], "without --draft-loops"),
-                           (["--kv-layout", "shared"], "with --prompts-file")):
+                           (["--kv-layout", "shared"], "with --prompts-file"),
+                           (["--prompts-file", str(empty), "--ahead", "2"], "--ahead runs several ticks"),
+                           (["--ahead", "0"], "ahead must be an integer in [1, 64]")):
         capsys.readouterr()
         assert main(["generate", "--checkpoint", str(run), "--device", "cpu", *flags]) != 0
         err = capsys.readouterr().err

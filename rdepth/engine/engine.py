@@ -98,17 +98,28 @@ class Engine:
             rule, in the same batch.
         own_depths: requests may bring a depth of their own (``Depth(loops=N)``, or a rule of ``rules``, which
             turns it on); off, the ticks run the engine's controller alone (no per-row choice to pay for).
+        ahead: the most ticks one call of a static or compiled tick runs before the host reads the device
+            (default 1). Above 1 the device chooses and enters every row's next token itself for that many
+            ticks, and the host reads their outputs in one go: it runs ahead only while every request in a slot
+            decodes greedily and no rule keeps per-row memory (else one tick a call); a request that ends in
+            the first of those ticks leaves its slot idle until the call returns (its later outputs dropped).
     """
 
     def __init__(self, model: RecurrentLM, batch_size: int, *, loop_counts: Sequence[int] | str | int | None = None,
                  controller_factory: Callable[[], RowController] | None = None, capacity: int | None = None,
                  kv_layout: str = "exact", warm_start: bool = False, clock: Callable[[], float] = time.perf_counter,
                  listener: Callable[..., None] | None = None, tick: str = "eager",
-                 rules: Mapping[str, Callable[[], RowController]] | None = None, own_depths: bool = False):
+                 rules: Mapping[str, Callable[[], RowController]] | None = None, own_depths: bool = False,
+                 ahead: int = 1):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise RdepthError(f"engine: batch_size must be an integer >= 1, got {batch_size!r}")
         if tick not in TICKS:
             raise RdepthError(f"engine: tick must be one of {', '.join(TICKS)}, got {tick!r}")
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
+            raise RdepthError(f"engine: ahead must be an integer >= 1, got {ahead!r}")
+        if ahead > 1 and not getattr(TICKS[tick], "runs_ahead", False):
+            raise RdepthError(f"engine: tick {tick!r} reads the device after every tick (ahead > 1 needs one of "
+                              f"{', '.join(name for name, cls in TICKS.items() if getattr(cls, 'runs_ahead', False))})")
         if kv_layout not in KV_LAYOUTS:
             raise RdepthError(f"engine: kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
         if loop_counts is not None and controller_factory is not None:
@@ -127,7 +138,8 @@ class Engine:
         self.kv_layout = kv_layout
         named = _named_rules(rules, model, self.k_max)
         self.plan = TickPlan(batch_size, self.capacity, controller, fixed, tuple(self.k_max), kv_layout,
-                             bool(warm_start), parameter.dtype, parameter.device, named, bool(own_depths or named))
+                             bool(warm_start), parameter.dtype, parameter.device, named, bool(own_depths or named),
+                             ahead)
         self.scheduler = Scheduler(batch_size, self.capacity, model.n_groups, self.k_max, fixed, parameter.device,
                                    clock, listener)
         self.tick = make_tick(tick, model, self.plan)
@@ -223,7 +235,11 @@ class Engine:
             occupied = scheduler.in_flight()
             if occupied:
                 scheduler.count_tick(occupied)
-                finished += scheduler.update(self.tick(scheduler.schedule()))
+                output = self.tick(scheduler.schedule())
+                finished += scheduler.update(output)
+                for later in output.following:  # (a call that ran ahead: each later tick read in turn)
+                    scheduler.count_tick(occupied)
+                    finished += scheduler.update(later)
         for result in finished:
             if result.logits is not None:
                 result.logits = result.logits.clone()  # outside inference mode: an ordinary tensor

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -120,7 +120,9 @@ class Scheduler:
         self.logs = _Logs(batch, capacity, n_groups, k_max, fixed)
         self._retired: list[int] = []  # slots emptied since the last hand-over
         self._admitted: list[tuple[int, Request]] = []
-        self._feeding: list[tuple[np.ndarray, np.ndarray]] = []  # (slots, tokens) fed since the last hand-over
+        # (slots, tokens, positions) fed since the last hand-over
+        self._feeding: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._sampling = 0  # the requests in slots that sample their tokens (none: a tick may run ahead)
 
     # ------------------------------------------------------------------ clients
     def add(self, request: Request) -> int:
@@ -158,11 +160,12 @@ class Scheduler:
                 continue
             row = free.pop(0)
             self.live[row] = _Live(request_id, request, result, self.device)
+            self._sampling += self.live[row].generator is not None
             self.taken[row] = True
             self.logs.admit(row, request)
             self.position[row] = 0
             self._admitted.append((row, request))
-            self._feeding.append((np.asarray([row]), np.asarray([request.prompt[0]])))
+            self._feeding.append((np.asarray([row]), np.asarray([request.prompt[0]]), np.zeros(1, dtype=np.int64)))
         return finished
 
     def drop_cancelled(self) -> list[Finished]:
@@ -186,7 +189,7 @@ class Scheduler:
         for row in dropped:
             finished.append(self.retire(row, "cancelled", read_current=False))
         if dropped:  # their tokens fed since the last tick go in nowhere
-            self._feeding = [(rows[keep], tokens[keep]) for rows, tokens in self._feeding
+            self._feeding = [(rows[keep], tokens[keep], positions[keep]) for rows, tokens, positions in self._feeding
                              for keep in [~np.isin(rows, dropped)]]
         self.cancelled.clear()
         return finished
@@ -195,14 +198,13 @@ class Scheduler:
         """The next tick's hand-over (and the counts of a tick: the caller ticks only with a slot occupied)."""
         live = self.occupied()
         if self._feeding:
-            rows = np.concatenate([rows for rows, _ in self._feeding]).astype(np.int64)
-            tokens = np.concatenate([tokens for _, tokens in self._feeding]).astype(np.int64)
+            rows, tokens, positions = (np.concatenate(parts).astype(np.int64) for parts in zip(*self._feeding, strict=True))
             order = np.argsort(rows, kind="stable")  # slots in order (every slot entering: views, no gathers)
-            rows, tokens = rows[order], tokens[order]
+            rows, tokens, positions = rows[order], tokens[order], positions[order]
         else:
-            rows = tokens = np.zeros(0, dtype=np.int64)
+            rows = tokens = positions = np.zeros(0, dtype=np.int64)
         tick_input = TickInput(live, np.asarray(self._retired, dtype=np.int64), self._admitted, rows, tokens,
-                               self.position[rows].copy())
+                               positions, greedy_only=self._sampling == 0)
         self._retired, self._admitted, self._feeding = [], [], []
         return tick_input
 
@@ -220,6 +222,13 @@ class Scheduler:
         rows, greedy = output.rows, output.greedy
         if not rows.size:
             return []
+        if not self.taken[rows].all():  # (a call that ran ahead: requests that ended in one of its earlier ticks)
+            held = self.taken[rows]
+            output = replace(output, rows=rows[held], greedy=greedy[held], steps=output.steps[held],
+                                         index=output.index[held])
+            rows, greedy = output.rows, output.greedy
+            if not rows.size:
+                return []
         logs = self.logs
         positions = self.position[rows]
         finite = greedy >= 0
@@ -250,7 +259,7 @@ class Scheduler:
     def _feed(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """The next token of each row goes in at the row's next position (in the next tick's hand-over)."""
         self.position[rows] += 1
-        self._feeding.append((rows.copy(), np.asarray(tokens, dtype=np.int64)))
+        self._feeding.append((rows.copy(), np.asarray(tokens, dtype=np.int64), self.position[rows]))
 
     def _choose(self, row: int, position: int, greedy: int, logits: torch.Tensor, index: int, in_prompt: bool,
                 finished: list[Finished]) -> int | None:
@@ -304,6 +313,7 @@ class Scheduler:
         if live.logits:
             result.logits = torch.stack(live.logits)
         result.finished_tick, result.finished_s = self.stats.ticks, self.clock()
+        self._sampling -= live.generator is not None
         self.live[row] = None
         self.taken[row] = False
         self._retired.append(row)

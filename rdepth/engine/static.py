@@ -149,6 +149,7 @@ class StaticTick(EagerTick):
 
     name: ClassVar[str] = "static"
     compiled: ClassVar[bool] = False
+    runs_ahead: ClassVar[bool] = True  # (Engine(ahead=N): several ticks a call, see __call__)
 
     def __init__(self, model: RecurrentLM, plan: TickPlan):
         check_static(self.name, model, plan)
@@ -186,14 +187,33 @@ class StaticTick(EagerTick):
         self.row_memory = plan.row_memory
         # (a code object of its own: dynamo's graphs, guards and recompile count are this tick's alone)
         self.code = _own_code(self._tick)
-        self.function = torch.compile(self.code, dynamic=False) if self.compiled else self._tick
+        self.function = self._compile(self.code)
+        # several ticks a call (Engine(ahead=N)) where the device can choose every row's next token itself and
+        # no rule keeps per-row memory the host would have to restart between them
+        self.ahead = 1 if self.row_memory else plan.ahead
+        self.function_ahead = self._compile(_own_code(self._ticks)) if self.ahead > 1 else None
+
+    def _compile(self, function):
+        return torch.compile(function, dynamic=False) if self.compiled else function
 
     def __call__(self, tick_input: TickInput) -> TickOutput:
         self._apply(tick_input)
-        live = self.live
+        live = self.live.copy()
+        if self.function_ahead is not None and tick_input.greedy_only:
+            # ahead: the device chooses and enters every row's next token for self.ahead ticks; one host read
+            state, projected, decisions, logits = self.function_ahead(self.state, self.projected)
+            self.state, self.projected = state, projected
+            decisions = decisions.cpu().numpy()  # (N, 3, B)
+            outputs = [self._read(live, decisions[i], logits[i]) for i in range(self.ahead)]
+            outputs[0].following = outputs[1:]
+            return outputs[0]
         state, projected, decisions, logits = self.function(self.state, self.projected)
         self.state, self.projected = state, projected
-        decisions = decisions.cpu().numpy()  # the tick's one host read: which rows stopped, argmax, token entered
+        return self._read(live, decisions.cpu().numpy(), logits)  # the tick's one host read
+
+    def _read(self, live: np.ndarray, decisions: np.ndarray, logits: torch.Tensor) -> TickOutput:
+        """One tick's output from its decisions ``[3, B]`` (which rows stopped, argmax, token entered) and
+        logits ``[B, V]``: the host's per-slot bookkeeping of the rows that stopped."""
         self.step_count[live] += 1
         loop_steps = np.bincount(self.host_group[live], minlength=self.groups).tolist()
         stopped = np.flatnonzero(live & (decisions[0] == 1))
@@ -243,6 +263,9 @@ class StaticTick(EagerTick):
         rows, tokens, positions = tick_input.entering, tick_input.tokens, tick_input.positions
         if not rows.size:
             return
+        if rows.size > 1 and (rows[1:] == rows[:-1]).any():  # after a call that ran ahead: each slot's last feed
+            last = np.append(rows[1:] != rows[:-1], True)  # (the earlier ones are the device's own: greedy)
+            rows, tokens, positions = rows[last], tokens[last], positions[last]
         other = tokens != self.entered[rows]
         if other.any():
             self._enter(rows[other], tokens[other], positions[other])
@@ -284,6 +307,16 @@ class StaticTick(EagerTick):
                 handoff = torch.where(mine[:, None], handed, handoff)
             done = done | (steps >= self.caps_t[:, group])
         return new, (done if at is None else done & at), handoff
+
+    def _ticks(self, state: torch.Tensor, projected: torch.Tensor):
+        """:meth:`_tick` ``self.ahead`` times: the new loop states and input halves, the decisions ``[N, 3, B]``
+        and the logits ``[N, B, V]`` of each."""
+        decisions, logits = [], []
+        for _ in range(self.ahead):
+            state, projected, decided, read = self._tick(state, projected)
+            decisions.append(decided)
+            logits.append(read)
+        return state, projected, torch.stack(decisions), torch.stack(logits)
 
     def _tick(self, state: torch.Tensor, projected: torch.Tensor):
         """Every slot one loop step on in its group; a slot whose rule fired goes on to the next group (entered

@@ -46,6 +46,9 @@ class TickPlan:
     # the exit rules a request may ask for by name (Request.depth), each a controller at the engine's caps
     rules: tuple[tuple[str, RowController], ...] = ()
     own_depths: bool = False  # whether requests may bring a depth of their own (Request.depth)
+    # the most ticks one call of the tick may run before the host reads the device (a tick that runs ahead:
+    # :class:`~rdepth.engine.static.StaticTick`; 1: the host reads after every tick)
+    ahead: int = 1
 
     def route(self, request: Request) -> tuple[int, tuple[int, ...], float | None]:
         """Which controller a request's rows use (0: the engine's; 1: a fixed budget of its own ``loops``;
@@ -66,20 +69,27 @@ class TickPlan:
 
     @property
     def row_memory(self) -> bool:
-        """Whether a controller keeps memory per row that a row's next token starts afresh (an exit rule says;
-        a controller other than a fixed budget is asked every time)."""
-        if self.own_depths:
-            return True
-        policy = getattr(self.controller, "policy", None)
-        return policy(0).row_memory if policy is not None else not self.fixed
+        """Whether a controller a row may use keeps memory per row that a row's next token starts afresh (an
+        exit rule says; a fixed budget keeps none; any other controller is asked every time)."""
+        return any(_keeps_row_memory(controller)
+                   for controller in (self.controllers() if self.own_depths else [self.controller]))
+
+
+def _keeps_row_memory(controller: RowController) -> bool:
+    policy = getattr(controller, "policy", None)
+    if policy is not None:
+        return policy(0).row_memory
+    return not isinstance(controller, FixedController)
 
 
 @dataclass
 class TickInput:
     """The host's hand-over for one tick, each array over slots: ``retired`` (slots emptied since the last
     tick), ``admitted`` (slot, request: a new request's slot, its first token entering at position 0),
-    ``entering`` (slots whose next token goes in at ``positions``: ``tokens``), ``live`` ``[B]`` (the occupied
-    slots after these)."""
+    ``entering`` (slots whose next token goes in at ``positions``: ``tokens``; a slot may appear more than once,
+    its feeds in the order they were made: after a call that ran several ticks), ``live`` ``[B]`` (the occupied
+    slots after these); ``greedy_only``: every occupied slot's request chooses its tokens by argmax (the device
+    may enter its next tokens itself, several ticks on)."""
 
     live: np.ndarray
     retired: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -87,6 +97,7 @@ class TickInput:
     entering: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    greedy_only: bool = False
 
 
 @dataclass
@@ -94,7 +105,9 @@ class TickOutput:
     """What one tick did: the slots ``rows`` ``[E]`` whose token went through every stage (read out), each
     one's argmax (``greedy``, -1 where its logits are not finite) and loop steps per group (``steps``
     ``[E, G]``); ``logits`` with row ``rows[i]``'s at ``logits[index[i]]``; ``loop_steps``: loop steps
-    computed per group, summed over rows."""
+    computed per group, summed over rows; ``following``: the outputs of the ticks the same call ran after this
+    one, in order (a tick that runs ahead; the scheduler reads each as if it were a tick of its own, dropping
+    the rows of requests that ended in an earlier one)."""
 
     rows: np.ndarray
     greedy: np.ndarray
@@ -102,6 +115,7 @@ class TickOutput:
     logits: torch.Tensor | None
     index: np.ndarray
     loop_steps: list[int]
+    following: list[TickOutput] = field(default_factory=list)
 
     @classmethod
     def nothing(cls, groups: int, loop_steps: list[int]) -> TickOutput:

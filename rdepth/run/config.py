@@ -171,6 +171,9 @@ class GenerateConfig:
     tick: str = option("eager", "with --prompts-file: the engine's tick: eager (what each row needs), static or "
                        "compiled (every slot through one device function a tick, compiled; any looped groups: "
                        "docs/engine.md)")
+    ahead: int = option(1, "with --tick static or compiled: ticks one call runs before the host reads the device (the "
+                        "device enters every row's next token itself: while every request decodes greedily and the "
+                        "rule keeps no per-row memory; 4 is a good start)", bounds="[1, 64]")
     autocast: str = option("none", "autocast dtype of the forward passes: none, bf16 or fp16")
     device: str = option("auto", DEVICE_HELP)
     threads: int = option(0, THREADS_HELP, bounds="[0, inf)")
@@ -222,5 +225,8 @@ class GenerateConfig:
             raise RdepthError("generate: --kv-layout is the engine's (with --prompts-file)")
         if self.tick not in ("eager", "static", "compiled"):
             raise RdepthError(f"generate: --tick must be eager, static or compiled, got {self.tick!r}")
+        if self.ahead != 1 and self.tick == "eager":
+            raise RdepthError("generate: --ahead runs several ticks a call of the static or compiled tick; give "
+                              "--tick static or compiled")
         if self.tick != "eager" and self.prompts_file is None:
             raise RdepthError("generate: --tick is the engine's (with --prompts-file)")

@@ -78,7 +78,7 @@ def generate_many(config: GenerateConfig, controllers: Callable | None = None, p
     # positions: a slot of it would hold 96 layer-steps of keys for every one)
     capacity = min(model_config.block_size, max(map(len, encoded)) + max(config.max_new_tokens, 1))
     engine = Engine(model, config.batch_size, kv_layout=config.kv_layout, warm_start=config.warm_start,
-                    capacity=capacity, tick=config.tick, **budget)
+                    capacity=capacity, tick=config.tick, ahead=config.ahead, **budget)
     keys = []
     for number, ids in enumerate(encoded):
         for sample in range(config.samples):
