@@ -282,6 +282,78 @@ def test_the_bookkeeping_check_sees_a_second_copy():
     assert "next_steps defined in ['engine/scheduler.py', 'model/loop.py']" in problems
 
 
+# The latest-KV rule (a row's key of loop step s in the slots of steps s..K) is written in one method of the
+# model's cache that every store calls; these are the shapes a second copy takes.
+LATEST_KV = ("model/kv.py", "KVCache.write_latest")
+
+
+def latest_kv_copies(sources: dict[str, str]) -> list[str]:
+    """Writes over the loop-step slots from a step on, outside :data:`LATEST_KV`: an assignment to a slice of
+    the steps' dim that starts at a step (``tensor[step - 1:, rows, :, positions] = ...``), a ``narrow`` of the
+    steps' dim copied into (``tensor.narrow(0, step - 1, n)...copy_(...)``), and a masked write of every step's
+    slot of a column (``tensor[:, rows, :, positions] = torch.where(...)``); each as ``path: function``."""
+    found = []
+    for relative, text in sorted(sources.items()):
+        tree = ast.parse(text)
+        for scope in ast.walk(tree):
+            if not isinstance(scope, ast.ClassDef | ast.Module):
+                continue
+            prefix = f"{scope.name}." if isinstance(scope, ast.ClassDef) else ""
+            for function in scope.body:
+                if not isinstance(function, ast.FunctionDef):
+                    continue
+                name = prefix + function.name
+                if (relative, name) == LATEST_KV:
+                    continue
+                found += [f"{relative}: {name}" for node in ast.walk(function) if _writes_step_slots(node)]
+    return sorted(set(found))
+
+
+def _writes_step_slots(node: ast.AST) -> bool:
+    if isinstance(node, ast.Assign):
+        for target in node.targets:
+            if isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Tuple) and target.slice.elts:
+                first = target.slice.elts[0]
+                if isinstance(first, ast.Slice) and first.lower is not None and not isinstance(first.lower, ast.Constant):
+                    # [step - 1:, ...]
+                    return True
+                where = isinstance(node.value, ast.Call) and getattr(node.value.func, "attr", None) == "where"
+                if isinstance(first, ast.Slice) and first.lower is None and len(target.slice.elts) == 4 and where:
+                    return True  # [:, rows, :, positions] = torch.where(...)
+    if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "copy_":
+        inner = node.func.value
+        while isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute):
+            if inner.func.attr == "narrow" and inner.args and isinstance(inner.args[0], ast.Constant) \
+                    and inner.args[0].value == 0:
+                return True  # .narrow(0, step - 1, n)... .copy_(new)
+            inner = inner.func.value
+    return False
+
+
+def test_the_latest_kv_rule_is_written_once():
+    """Every store (the decoder's settle, the lock-step passes', the engine's eager and static stores) calls
+    KVCache.write_latest; no other function writes the step slots from a step on."""
+    sources = _sources()
+    assert latest_kv_copies(sources) == []
+    callers = {relative for relative, text in sources.items() if ".write_latest(" in text}
+    assert callers == {"model/kv.py", "engine/slots.py", "engine/static.py"}
+
+
+def test_the_latest_kv_check_sees_a_second_copy():
+    """Constructed second copies, one of each shape: the static tick's masked write, the eager store's
+    broadcast copy through the later slots, a lock-step pass's slice from the step on."""
+    sources = _sources()
+    sources["engine/static.py"] += ("\n\nclass _Copy:\n    def update(self, tensor, rows, positions, through, new, "
+                                    "column, torch):\n        tensor[:, rows, :, positions] = torch.where(through, "
+                                    "new, column)\n")
+    sources["engine/slots.py"] += ("\n\ndef _again(tensor, step, first, new):\n    tensor.narrow(0, step - 1, "
+                                   "tensor.shape[0] - step + 1).narrow(3, first, 1).copy_(new)\n")
+    sources["model/decoder.py"] += ("\n\ndef _through(tensor, step, rows, positions, new):\n    tensor[step - 1:, rows, "
+                                    ":, positions] = new.unsqueeze(1)\n")
+    assert latest_kv_copies(sources) == ["engine/slots.py: _again", "engine/static.py: _Copy.update",
+                                         "model/decoder.py: _through"]
+
+
 def test_the_checker_sees_lazy_imports(tmp_path):
     source = tmp_path / "probe.py"
     source.write_text("def f():\n    from rdepth.train.trainer import train\n")

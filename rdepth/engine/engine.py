@@ -70,6 +70,27 @@ def _named_rules(rules, model: RecurrentLM, k_max: list[int]) -> tuple[tuple[str
     return tuple(named)
 
 
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RdepthError(f"engine: {name} must be an integer >= 1, got {value!r}")
+
+
+def _check_arguments(batch_size, tick, ahead, kv_layout, both_budgets: bool) -> None:
+    """One-line errors for the engine's arguments that need no model."""
+    _positive("batch_size", batch_size)
+    if tick not in TICKS:
+        raise RdepthError(f"engine: tick must be one of {', '.join(TICKS)}, got {tick!r}")
+    _positive("ahead", ahead)
+    if ahead > 1 and not getattr(TICKS[tick], "runs_ahead", False):
+        ahead_ticks = ", ".join(name for name, cls in TICKS.items() if getattr(cls, "runs_ahead", False))
+        raise RdepthError(f"engine: tick {tick!r} reads the device after every tick (ahead > 1 needs one of "
+                          f"{ahead_ticks})")
+    if kv_layout not in KV_LAYOUTS:
+        raise RdepthError(f"engine: kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+    if both_budgets:
+        raise RdepthError("engine: give loop_counts or controller_factory, not both")
+
+
 class Engine:
     """Continuous depth batching over ``batch_size`` slots (see the module).
 
@@ -111,19 +132,7 @@ class Engine:
                  listener: Callable[..., None] | None = None, tick: str = "eager",
                  rules: Mapping[str, Callable[[], RowController]] | None = None, own_depths: bool = False,
                  ahead: int = 1):
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise RdepthError(f"engine: batch_size must be an integer >= 1, got {batch_size!r}")
-        if tick not in TICKS:
-            raise RdepthError(f"engine: tick must be one of {', '.join(TICKS)}, got {tick!r}")
-        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
-            raise RdepthError(f"engine: ahead must be an integer >= 1, got {ahead!r}")
-        if ahead > 1 and not getattr(TICKS[tick], "runs_ahead", False):
-            raise RdepthError(f"engine: tick {tick!r} reads the device after every tick (ahead > 1 needs one of "
-                              f"{', '.join(name for name, cls in TICKS.items() if getattr(cls, 'runs_ahead', False))})")
-        if kv_layout not in KV_LAYOUTS:
-            raise RdepthError(f"engine: kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
-        if loop_counts is not None and controller_factory is not None:
-            raise RdepthError("engine: give loop_counts or controller_factory, not both")
+        _check_arguments(batch_size, tick, ahead, kv_layout, loop_counts is not None and controller_factory is not None)
         config = model.config
         parameter = next(model.parameters())
         self.model = model

@@ -27,7 +27,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from rdepth.model.kv import AttentionContext, KVCache
+from rdepth.model.kv import AttentionContext, KVCache, LatestRows
 
 
 class ExactLayout:
@@ -130,7 +130,7 @@ class CallStore:
         self.host = (host_rows, positions, steps)
         self.first = int(positions[0])
         self.same_step = None if steps is None or int(steps.min()) != int(steps.max()) else int(steps[0])
-        self._through: tuple[torch.Tensor, torch.Tensor] | None = None  # write-through indices (first looped layer)
+        self._first: LatestRows | None = None  # where the rows' writes go (first looped layer)
         self._single_rows: torch.Tensor | None = None  # where single-pass layers write (first such layer)
         self._flat_read: torch.Tensor | None = None
 
@@ -140,7 +140,7 @@ class CallStore:
         host_rows, positions, _ = self.host
         self.host = (host_rows, positions, None)  # every row at ``step``: an array only if an index needs it
         self.same_step = step
-        self._through = self._flat_read = None
+        self._first = self._flat_read = None
 
     def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,23 +169,16 @@ class CallStore:
 
     def _looped(self, tensor: torch.Tensor, new: torch.Tensor, layer: int, which: int) -> torch.Tensor:
         """Looped layer ``tensor`` ``[K, B, nh, S, hs]``: write ``new`` ``[A, nh, 1, hs]`` at each row's position
-        into its step's slot and every later one (write-through); read each row's step slot ``[A, nh, span, hs]``."""
-        step = self.same_step
+        into its step's slot and every later one (the latest-KV rule, :meth:`KVCache.write_latest`); read each
+        row's step slot ``[A, nh, span, hs]``."""
+        cache, step, through = self.slots.cache, self.same_step, self.slots.write_through
         if self.same_position and step is not None:  # every slot at one position and step: views, no index
-            slot = self.slots.step_slot(layer, which, step)  # (B, nh, S, hs)
-            if self.slots.write_through:  # through the later slots too: one broadcast copy
-                tensor.narrow(0, step - 1, tensor.shape[0] - step + 1).narrow(3, self.first, 1).copy_(new)
-            else:  # its own slot only
-                slot.narrow(2, self.first, 1).copy_(new)
-            return slot.narrow(2, 0, self.span)
-        new = new.squeeze(2).to(tensor.dtype)  # (A, nh, hs)
-        flat = tensor.view(-1, *tensor.shape[2:])  # (K * B, nh, S, hs)
-        if self._through is None:
-            self._through = self._through_indices(tensor.shape)
-        index, source = self._through
-        # one contiguous row of hs per write and head: an index_copy_ (advanced indexing over the cache's
-        # (slot, position) pairs with the heads between them took several times as long)
-        tensor.view(-1, tensor.shape[-1]).index_copy_(0, index, new.index_select(0, source).flatten(0, 1))
+            cache.write_latest(tensor, new, step, positions=self.first, through=through)
+            return self.slots.step_slot(layer, which, step).narrow(2, 0, self.span)
+        if self._first is None:  # (where the writes go: made on the host once per call, every looped layer's)
+            host_rows, positions, _ = self.host
+            self._first = cache.latest_rows(tensor.shape[0], host_rows, positions, self._host_steps(), through)
+        cache.write_latest(tensor, new.squeeze(2), self._first)  # new (A, nh, hs)
         if step is not None:
             window = tensor[step - 1].narrow(2, 0, self.span)
             return window if self.all_rows else window.index_select(0, self.rows)
@@ -193,27 +186,13 @@ class CallStore:
             host_rows, _, _ = self.host
             batch = self.slots.batch
             self._flat_read = torch.from_numpy((self._host_steps() - 1) * batch + host_rows).to(self.rows.device)
+        flat = tensor.view(-1, *tensor.shape[2:])  # (K * B, nh, S, hs)
         return flat.narrow(2, 0, self.span).index_select(0, self._flat_read)
 
     def _host_steps(self) -> np.ndarray:
         """Each row's loop step on the host ``[A]`` (made here after :meth:`set_step`, which only names it)."""
         host_rows, _, steps = self.host
         return np.full_like(host_rows, self.same_step) if steps is None else steps
-
-    def _through_indices(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the write-through goes, made on the host once per call: for row a at step s_a, slots s_a..K at
-        its position, as rows of the cache ``shape`` ``[K, B, nh, S, hs]`` seen as ``[K * B * nh * S, hs]`` (a
-        write's nh heads in turn); and which new row each write takes."""
-        kept, _, heads, capacity, _ = shape
-        host_rows, positions, _ = self.host
-        steps = self._host_steps()
-        counts = kept - steps + 1 if self.slots.write_through else np.ones_like(steps)
-        source = np.repeat(np.arange(steps.shape[0]), counts)
-        offset = np.arange(source.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
-        slot = steps[source] + offset  # 1-based, s_a..K
-        index = _head_rows((slot - 1) * self.slots.batch + host_rows[source], positions[source], heads, capacity)
-        device = self.rows.device
-        return torch.from_numpy(index).to(device), torch.from_numpy(source).to(device)
 
 
 def _head_rows(blocks: np.ndarray, positions: np.ndarray, heads: int, capacity: int) -> np.ndarray:

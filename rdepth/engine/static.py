@@ -63,27 +63,22 @@ def check_static(name: str, model: RecurrentLM, plan: TickPlan) -> None:
 
 class _StaticStore:
     """Keys/values of one static call of group ``g``'s loop step: every slot at ``g`` (``at``; None: every slot)
-    writes its key at its position into its step's slot and the later ones (write-through, so a row that
-    leaves its loop early leaves its last key in the later slots: the latest-KV rule) and reads its step's
-    slot over the whole capacity (the mask does the rest). A slot at another group writes nothing and reads
-    garbage that nothing keeps."""
+    writes its key at its position into its step's slot and the later ones (:meth:`KVCache.write_latest`: a row
+    that leaves its loop early leaves its last key in the later slots) and reads its step's slot over the whole
+    capacity (the mask does the rest). A slot at another group writes nothing and reads garbage that nothing
+    keeps."""
 
-    def __init__(self, cache, steps: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                 slot_numbers: torch.Tensor, at: torch.Tensor | None):
-        self.cache, self.positions, self.rows = cache, positions, rows
-        kept = slot_numbers.shape[1]
-        self.through = slot_numbers >= steps.view(-1, 1, 1, 1)  # (B, K, 1, 1): slots s..K of row b
+    def __init__(self, cache, steps: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, kept: int,
+                 at: torch.Tensor | None):
+        self.cache, self.steps, self.positions, self.rows, self.at = cache, steps, positions, rows, at
         if at is not None:
-            self.through = self.through & at.view(-1, 1, 1, 1)
             steps = steps.clamp(max=kept)  # (a slot at another group may be past this group's slots)
         self.read = (steps - 1) * rows.shape[0] + rows  # row b's step slot among the K * B blocks
 
     def update(self, layer, ctx, keys, values):
         out = []
         for tensor, new in zip(self.cache.looped[layer], (keys, values), strict=True):
-            new = new.squeeze(2).to(tensor.dtype)  # (B, nh, hs)
-            column = tensor[:, self.rows, :, self.positions]  # (B, K, nh, hs)
-            tensor[:, self.rows, :, self.positions] = torch.where(self.through, new[:, None], column)
+            self.cache.write_latest(tensor, new.squeeze(2), self.steps, self.rows, self.positions, self.at)
             out.append(tensor.view(-1, *tensor.shape[2:]).index_select(0, self.read))  # (B, nh, S, hs)
         return tuple(out)
 
@@ -165,7 +160,6 @@ class StaticTick(EagerTick):
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
         self.prompt = torch.zeros(batch, plan.capacity, dtype=torch.long, device=device)
         self.prompt_length = torch.zeros(batch, dtype=torch.long, device=device)
-        self.slot_numbers = [torch.arange(1, kept + 1, device=device).view(1, kept, 1, 1) for kept in plan.k_max]
         cap = plan.capacity
         where = torch.arange(cap, device=device)
         self.masks = (where[None, :] <= where[:, None]).view(cap, 1, 1, cap)
@@ -294,7 +288,7 @@ class StaticTick(EagerTick):
         """One loop step of ``group`` for every slot at its step and position (the slots ``at`` it count; None:
         every slot), and the rule; returns the new states, which rows stopped and the states they hand on."""
         steps, positions, rows = self.steps, self.positions, self.rows
-        store = _StaticStore(self.slots.cache, steps, positions, rows, self.slot_numbers[group], at)
+        store = _StaticStore(self.slots.cache, steps, positions, rows, self.k_max[group], at)
         ctx = AttentionContext(store, 0, rows, positions, rows, 1, rows.shape[0],
                                self.masks.index_select(0, positions), one_per_row=True, elementwise=self.compiled)
         new = self.model.loop_step(group, state, projected, ctx)

@@ -11,9 +11,11 @@ et al.'s "latest" lookup).
   (:meth:`rdepth.model.recurrent.RecurrentLM.new_cache`). The current token's keys are written at a
   *device* position (``index_copy_``), so nothing on the host depends on the data (CUDA graphs).
   Eager decoding sets :attr:`KVCache.limit` to the positions written so far, and the layers then
-  read only that prefix. The latest rule is applied once, when a token's loop ends
-  (:meth:`KVCache.settle` / :meth:`KVCache.settle_all`: the token's slots of the steps it skipped
-  take its last key), so that step k reads its slot as it is, with no scan of the cache.
+  read only that prefix. The latest rule is written once, :meth:`KVCache.write_latest` (a row's key of
+  step s into the slots of steps s..K), and every store calls it: when a token's loop ends
+  (:meth:`KVCache.settle` / :meth:`KVCache.settle_all`: the token's slots of the steps it skipped take
+  its last key), or as each step writes (the engine's stores, :class:`ThroughKV`), so that step k reads
+  its slot as it is, with no scan of the cache.
 * Adapters write into the cache's tensors for the other shapes of a call (each is what a layer's
   ``store.update`` sees): :class:`ChunkKV`, a lock-step pass over several new positions (a prompt, a
   verification); :class:`RowsKV`, packed rows of a teacher-forced pass with exits, all positions in
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -84,6 +88,14 @@ class AttentionContext:
         return cls(store, step, batch_index, position, slot_index, slots, n_batch, mask, one_per_row)
 
 
+class LatestRows(NamedTuple):
+    """:meth:`KVCache.latest_rows`: the rows of a looped tensor seen as ``[-1, hs]`` that the writes go to
+    (``index``), and the new row each takes (``source``)."""
+
+    index: torch.Tensor
+    source: torch.Tensor
+
+
 class KVCache:
     """Keys/values of every layer for one new token per row, at fixed shapes.
 
@@ -125,9 +137,9 @@ class KVCache:
         # Positions a read covers (eager decoding: the written prefix, position included); None: all.
         self.limit: int | None = None
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # 1-based step numbers of the slots, shaped to broadcast over [steps, B, nh, 1, hs]
-        self._step_numbers = {group: torch.arange(1, n + 1, device=device).view(n, 1, 1, 1, 1)
-                              for group, n in enumerate(self.steps)}
+        # 1-based step numbers of the slots per count kept, shaped to broadcast over [A, K, nh, hs] (write_latest)
+        self._slot_numbers = {n: torch.arange(1, n + 1, device=device).view(1, n, 1, 1) for n in set(self.steps)}
+        self._rows = torch.arange(batch_size, device=device)
 
     def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,30 +169,88 @@ class KVCache:
             self._views[key] = views
         return views
 
+    def latest_rows(self, kept: int, rows: np.ndarray, positions: np.ndarray, first: np.ndarray,
+                    through: bool = True) -> LatestRows:
+        """Where :meth:`write_latest` writes for rows ``rows`` at ``positions`` from steps ``first`` (host arrays
+        ``[A]``) in a looped tensor of ``kept`` steps seen as ``[K * B * nh * S, hs]``: slots s_a..K (``through``;
+        else s_a alone) of row a, each write's heads in turn; made on the host once per call, for every looped
+        layer of it (the eager engine's stores: an ``index_copy_`` instead of a masked write of every slot)."""
+        counts = kept - first + 1 if through else np.ones_like(first)
+        source = np.repeat(np.arange(first.shape[0]), counts)
+        offset = np.arange(source.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+        slot = first[source] + offset  # 1-based, s_a..K
+        blocks = (slot - 1) * self.batch_size + rows[source]
+        heads, capacity = next(iter(self.looped.values()))[0].shape[2:4]
+        index = ((blocks[:, None] * heads + np.arange(heads)) * capacity + positions[source][:, None]).reshape(-1)
+        device = self.position.device
+        return LatestRows(torch.from_numpy(index).to(device), torch.from_numpy(source).to(device))
+
+    def write_latest(self, tensor: torch.Tensor, new: torch.Tensor, first: int | torch.Tensor | LatestRows,
+                     rows: torch.Tensor | None = None, positions: torch.Tensor | slice | int | None = None,
+                     at: torch.Tensor | None = None, through: bool = True) -> None:
+        """The latest-KV rule, the one place it is written: a row's key (or value) ``new`` of loop step s goes
+        into looped ``tensor`` ``[K, B, nh, S, hs]`` (a layer's keys or values) at its position, in the slot of
+        step s *and every later step* (``through``; else in its own slot only), so a row that leaves its loop
+        after step s leaves its step-s key where later tokens read steps s+1..K; a row still looping overwrites
+        them at its next step. Every store calls it, in one of two shapes:
+
+        * ``first`` an int (every row from step ``first``): ``rows`` None (every row), ``positions`` an int or
+          a slice, ``new`` broadcast to ``[B, nh, T, hs]``; or ``rows`` ``[A]`` and ``positions`` ``[A]`` (device),
+          ``new`` ``[A, nh, hs]``;
+        * ``first`` ``[A]`` (each row from its own step; above K: nothing), with ``rows``, ``positions`` ``[A]``
+          and ``new`` ``[A, nh, hs]``, the rows ``at`` (``[A]`` bool; None: every row) writing: fixed shapes,
+          no host read (the engine's static tick); or ``first`` the same writes prepared on the host
+          (:meth:`latest_rows`), ``new`` ``[A, nh, hs]``.
+        """
+        kept = tensor.shape[0]
+        new = new.to(tensor.dtype)
+        if isinstance(first, LatestRows):  # one contiguous row of hs per write and head
+            tensor.view(-1, tensor.shape[-1]).index_copy_(0, first.index, new.index_select(0, first.source).flatten(0, 1))
+            return
+        if isinstance(first, int):
+            count = (kept - first + 1) if through else min(1, kept - first + 1)
+            if count <= 0:
+                return
+            if rows is None:  # every row: a view of the slots and positions, one broadcast copy
+                slots = tensor.narrow(0, first - 1, count)
+                if isinstance(positions, slice):
+                    slots = slots.narrow(3, positions.start, positions.stop - positions.start)
+                else:
+                    slots = slots.narrow(3, int(positions), 1)
+                slots.copy_(new)
+            else:  # [first-1:, rows, :, positions] -> [A, count, nh, hs]
+                tensor[first - 1:first - 1 + count, rows, :, positions] = new.unsqueeze(1)
+            return
+        numbers = self._slot_numbers[kept]
+        first = first.view(-1, 1, 1, 1)
+        writes = numbers >= first if through else numbers == first  # (A, K, 1, 1)
+        if at is not None:
+            writes = writes & at.view(-1, 1, 1, 1)
+        column = tensor[:, rows, :, positions]  # (A, K, nh, hs)
+        tensor[:, rows, :, positions] = torch.where(writes, new.unsqueeze(1), column)
+
     def settle_all(self, group: int, computed: int, span: slice) -> None:
         """Every row computed ``computed`` loop steps of ``group`` at the positions ``span`` (host
-        indices): their slots of the later steps take the key/value of that step."""
-        start, length = span.start, span.stop - span.start
+        indices): their slots of the later steps take the key/value of that step (:meth:`write_latest`)."""
         for layer, tensors in self.looped.items():
             if self.group_of[layer] == group:
                 for tensor in tensors:
-                    column = tensor.narrow(3, start, length)  # [K, B, nh, T, hs], a view
-                    column.narrow(0, computed, column.shape[0] - computed).copy_(column.narrow(0, computed - 1, 1))
+                    latest = tensor[computed - 1].narrow(2, span.start, span.stop - span.start)  # [B, nh, T, hs]
+                    self.write_latest(tensor, latest.clone(), computed + 1, positions=span)
 
     def settle(self, group: int, computed: torch.Tensor) -> None:
         """The current token's loop of ``group`` is over, row b after ``computed[b]`` steps (``[B]``
         long): its slots of the later steps take the key/value of step ``computed[b]``, which is what
-        later tokens must read there (the latest rule, see the module)."""
-        numbers = self._step_numbers[group]  # (K, 1, 1, 1, 1)
-        last = (computed - 1).view(1, -1, 1, 1, 1)  # (1, B, 1, 1, 1)
-        keep = numbers <= computed.view(1, -1, 1, 1, 1)  # (K, B, 1, 1, 1)
+        later tokens must read there (the latest rule, :meth:`write_latest`)."""
+        rows = self._rows
+        positions = self.position.expand(self.batch_size)
         for layer, tensors in self.looped.items():
             if self.group_of[layer] != group:
                 continue
             for tensor in tensors:
-                column = tensor.index_select(3, self.position)  # (K, B, nh, 1, hs)
-                latest = column.gather(0, last.expand(1, *column.shape[1:]))  # (1, B, nh, 1, hs)
-                tensor.index_copy_(3, self.position, torch.where(keep, column, latest))
+                column = tensor[:, rows, :, positions]  # (B, K, nh, hs)
+                latest = column.gather(1, (computed - 1).view(-1, 1, 1, 1).expand(-1, 1, *column.shape[2:]))
+                self.write_latest(tensor, latest.squeeze(1), computed + 1, rows, positions)
 
 
 class ChunkKV:
@@ -216,6 +286,10 @@ class RowsKV:
         """Write the rows' keys/values ``[N, nh, hs]`` (or ``[N, nh, 1, hs]``); return ``[B, nh, S, hs]`` each."""
         if keys.dim() == 4:
             keys, values = keys.squeeze(2), values.squeeze(2)
+        if layer in self.cache.looped:  # its one slot: step 1's, written through to none later
+            for tensor, new in zip(self.cache.looped[layer], (keys, values), strict=True):
+                self.cache.write_latest(tensor, new, 1, ctx.batch_index, ctx.position)
+            return self.cache.slots(layer, 1)
         cache_k, cache_v = self.cache.slots(layer, 1)
         cache_k[ctx.batch_index, :, ctx.position] = keys.to(cache_k.dtype)
         cache_v[ctx.batch_index, :, ctx.position] = values.to(cache_v.dtype)
@@ -241,8 +315,7 @@ class ThroughKV:
         rows, positions = ctx.batch_index, ctx.position
         if layer in self.cache.looped:
             for tensor, new in zip(self.cache.looped[layer], (keys, values), strict=True):
-                # [steps, B, nh, S, hs] indexed [k-1:, rows, :, positions] -> [N, steps - k + 1, nh, hs]
-                tensor[ctx.step - 1:, rows, :, positions] = new.to(tensor.dtype).unsqueeze(1)
+                self.cache.write_latest(tensor, new, ctx.step, rows, positions)
         else:
             for tensor, new in zip(self.cache.single[layer], (keys, values), strict=True):
                 tensor[rows, :, positions] = new.to(tensor.dtype)
