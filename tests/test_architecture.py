@@ -55,6 +55,9 @@ ALLOWED = {
     # layer's window maker and device, the model's sampling, the page builder, and reproduce's claim judges
     # (pure functions on a geometry summary) for the page's verdicts
     "looped": BASE | {"geometry", "exits", "model", "run", "report", "reproduce"},
+    # vLLM's model plugin for rdepth exports (loaded by vLLM through an entry point): rdepth's model and stage
+    # walk with vLLM's attention, the export's config read as interop reads it
+    "vllm": BASE | {"config", "model", "interop"},
     "cli": None,  # the command line sits above everything
     "__main__": None,
     "__init__": set(),

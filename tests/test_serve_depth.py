@@ -37,6 +37,8 @@ SERVERS = {
     "kl": dict(exit="kl", tau=0.1, k_max=(4,), allow_exits="kl,step_norm_rel:0.3,confidence"),
     # kl with caps raised to 6 above its --k-max 4, on the static tick
     "kl static": dict(exit="kl", tau=0.1, k_max=(4,), max_loops=6, tick="static"),
+    # step_norm_rel (no per-row memory) on the static tick running 3 ticks a call while every request is greedy
+    "ahead": dict(exit="step_norm_rel", tau=0.3, k_max=(4,), tick="static", ahead=3),
 }
 
 
@@ -356,3 +358,18 @@ def test_serve_load_refuses_a_bad_mix_in_one_line(monkeypatch, mix, words):
         bench.parse_args(["--run", "r", "--data", "d", "--loops", "2", "--exit", "kl", "--tau", "0.1",
                           "--depth-mix", mix])
     assert words in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_the_ahead_server_runs_several_ticks_a_call(servers):
+    """(Its answers are checked with every server's above.) Its rules keep no per-row memory: the tick has its
+    function of three ticks; the kl server's tick, whose rule keeps memory, has none."""
+    assert servers["ahead"].runner.engine.tick.ahead == 3
+    assert servers["ahead"].runner.engine.tick.function_ahead is not None
+    assert servers["kl static"].runner.engine.tick.function_ahead is None
+
+
+def test_ahead_without_a_static_tick_is_a_one_line_error(tiny_text_run):
+    with pytest.raises(RdepthError, match="--ahead runs several ticks a call of the static or compiled tick"):
+        ServeConfig(checkpoint=str(tiny_text_run), ahead=2)
+    with pytest.raises(RdepthError, match="ahead must be an integer in"):
+        ServeConfig(checkpoint=str(tiny_text_run), tick="static", ahead=0)

@@ -7,7 +7,7 @@
 #   bash bench/gpu/device_call.sh REVISION STEP [STEP ...]      (CALL_BUDGET_S: the whole call, default 450)
 #
 # Steps: tests, train, train_fused, noise, train_autotune, fp8, trained_exits, spread, spread_spans,
-# decode_autotune, huginn, ouro, depth_batching (see step_* below).
+# decode_autotune, huginn, ouro, depth_batching, hrm_text, vllm_vs_serve (see step_* below).
 # The machine has no network: the package runs from the checkout (PYTHONPATH), torchao comes from a
 # carried wheel (fp8), the trained task model from carried runs/gpu-task (trained_exits).
 set -u -o pipefail
@@ -99,6 +99,11 @@ step_ouro() {  # Ouro-1.4B's published config at its real size (random weights, 
         --out "$OUT/ouro" --budget-s "$1"
 }
 
+step_vllm_vs_serve() {  # vLLM with rdepth's plugin against rdepth serve's engine, the paper preset at 4 loops per
+                       # group, B = 32-256 (issue 65): needs vllm installed on the machine (the script says so if not)
+    python3 bench/gpu/vllm_vs_serve.py --out "$OUT/vllm_vs_serve" --preset paper --loops 4 --batches 32,64,128,256
+}
+
 step_hrm_text() { python3 bench/gpu/hrm_text_scale.py --out "$OUT/hrm_text" --revision "$REV" --budget-s "$1"; }  # HRM-Text-1B-sized random weights: the looped adapter against the class, batch 1 and 32 (docs/results/paper.md)
 if ((ONE)); then  # --one REVISION STEP SECONDS
     "step_$1" "$2"
@@ -107,7 +112,7 @@ fi
 
 declare -A LIMIT=([tests]=90 [train]=150 [train_fused]=150 [train_autotune]=240 [fp8]=150 [trained_exits]=100
                   [spread]=120 [spread_spans]=120 [decode_autotune]=240 [noise]=60
-                  [huginn]=330 [ouro]=330 [depth_batching]=300 [hrm_text]=240)
+                  [huginn]=330 [ouro]=330 [depth_batching]=300 [hrm_text]=240 [vllm_vs_serve]=300)
 for name in "$@"; do  # every name checked before anything runs
     if ! declare -F "step_$name" >/dev/null; then
         echo "== unknown step $name (choose from ${!LIMIT[*]})"; exit 2

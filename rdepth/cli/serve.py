@@ -29,6 +29,14 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.serve.config import ServeConfig
 
     config = build(ServeConfig, {}, args)
+    if config.replicas is not None:  # N servers under Ray Serve (docs/serve.md: scaling out)
+        try:
+            from rdepth.serve.ray_app import serve_replicas
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.split(".")[0] == "ray":
+                raise RdepthError("rdepth serve --replicas needs Ray Serve: pip install 'rdepth[ray]'") from None
+            raise
+        return serve_replicas(config)
     try:
         from rdepth.serve.server import serve
     except ModuleNotFoundError as exc:

@@ -42,6 +42,9 @@ class ServeConfig:
     kv_layout: str = option("exact", "the engine's key/value layout: exact or shared", choices=("exact", "shared"))
     tick: str = option("eager", "the engine's tick: eager (what each row needs), static or compiled (every slot "
                        "through one device function a tick, compiled; any looped groups: docs/engine.md)", choices=("eager", "static", "compiled"))
+    ahead: int = option(1, "with --tick static or compiled: ticks one call runs before the host reads the device (the "
+                        "device enters each row's greedy token itself: while every request in a slot decodes greedily "
+                        "and no rule keeps per-row memory; 4 is a good start)", bounds="[1, 64]")
     max_tokens: int = option(256, "the most new tokens a request may ask for", bounds="[1, 1000000]")
     context: int | None = option(None, "positions each slot holds (prompt and new tokens): the engine's capacity; "
                                  "below the block size for models with a long context (an Ouro's 65,536)",
@@ -56,7 +59,15 @@ class ServeConfig:
     seed: int = option(0, "seed of the initial loop-state noise (a choice of seed S draws StateNoise(seed, [S]))",
                        bounds=f"[0, {2**62})")
     device: str = option("auto", DEVICE_HELP)
-    threads: int = option(0, THREADS_HELP, bounds="[0, inf)")
+    threads: int = option(0, THREADS_HELP + "; with --replicas, each replica's, and the CPUs Ray holds for it "
+                          "(0: one)", bounds="[0, inf)")
+    replicas: int | None = option(None, "serve N copies of the server under Ray Serve (docs/serve.md: scaling out), "
+                                  "each a whole engine; Ray's proxy listens on --host and --port", bounds="[1, 1024]",
+                                  default_text="one process, no Ray")
+    ray_address: str | None = option(None, "with --replicas: the Ray cluster to join ('auto', or its HOST:PORT)",
+                                     default_text="a Ray cluster of its own on this machine", metavar="ADDRESS")
+    replica_gpus: float = option(0.0, "with --replicas: the GPUs Ray holds for each replica (1: a card each)",
+                                 bounds="[0, 64]")
 
     def __post_init__(self) -> None:
         if self.k_max is not None:
@@ -66,7 +77,13 @@ class ServeConfig:
             raise RdepthError("serve: --tau, --k-max and --exit-options set the policy of --exit; give --exit too")
         if self.exit is not None and self.loops:
             raise RdepthError("serve: --exit replaces --loops; give one")
+        if self.ahead != 1 and self.tick == "eager":
+            raise RdepthError("serve: --ahead runs several ticks a call of the static or compiled tick; give --tick "
+                              "static or compiled")
         check_device_name("serve", self.device)
+        if self.replicas is None and (self.ray_address is not None or self.replica_gpus):
+            raise RdepthError("serve: --ray-address and --replica-gpus place the replicas of --replicas; give "
+                              "--replicas too")
         self.allowed_exits()  # its syntax, before anything loads (the names: when the server builds its rules)
         if self.max_n > self.max_choices:
             raise RdepthError(f"serve: --max-n {self.max_n} exceeds --max-choices {self.max_choices} (the choices "

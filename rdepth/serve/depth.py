@@ -257,6 +257,6 @@ def build_engine(config, model, context: int, allowed: list[AllowedRule], own_op
     else:
         budget = {"loop_counts": caps}
     engine = Engine(model, config.batch_size, kv_layout=config.kv_layout, capacity=context, tick=config.tick,
-                    rules=rules, own_depths=True, **budget)
+                    rules=rules, own_depths=True, ahead=config.ahead, **budget)
     # (a rule's cap where a request gives none: the server's own; above the engine's caps only with one value)
     return engine, Depths(caps, {rule.name: rule for rule in allowed}, default, policy, own[0] if moved else None)

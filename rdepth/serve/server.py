@@ -21,18 +21,12 @@ def served_model(config: ServeConfig) -> ServedModel:
     for: :mod:`rdepth.serve.depth`), start its thread."""
     import torch
 
-    from rdepth.exitrun.gate_file import check_gate_option
-    from rdepth.exits.controller import controller_factory
     from rdepth.run.chat_template import run_chat_template
     from rdepth.run.checkpoint import load_model
     from rdepth.run.device import resolve_device
     from rdepth.run.heldout import run_tokenizer
 
-    options = config.policy_options() if config.exit else {}
-    check_gate_option(config.exit, options, config.checkpoint)  # a gate named for another model
-    if config.exit:  # a bad name, tau or option fails here, before the checkpoint is loaded
-        controller_factory(config.exit, config.tau, config.k_max or (1,), options=options)
-    allowed = check_allowed(config, options)  # --allow-exits: its names and thresholds, before the load too
+    options, allowed = check_policies(config)
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
@@ -48,6 +42,19 @@ def served_model(config: ServeConfig) -> ServedModel:
     return ServedModel(name, tokenizer, EngineRunner(engine).start(), context, depths.policy, config.max_tokens,
                        config.max_n, config.seed, config.max_choices, config.max_body_bytes, config.max_logprobs, chat,
                        depths)
+
+
+def check_policies(config: ServeConfig) -> tuple[dict, list]:
+    """The exit policy's options and the rules a request may ask for (``--exit``, ``--allow-exits``), checked
+    before any checkpoint loads: a bad name, tau or option, or a gate named for another model, is one line."""
+    from rdepth.exitrun.gate_file import check_gate_option
+    from rdepth.exits.controller import controller_factory
+
+    options = config.policy_options() if config.exit else {}
+    check_gate_option(config.exit, options, config.checkpoint)  # a gate named for another model
+    if config.exit:
+        controller_factory(config.exit, config.tau, config.k_max or (1,), options=options)
+    return options, check_allowed(config, options)  # --allow-exits: its names and thresholds too
 
 
 def _default_name(checkpoint: str) -> str:
