@@ -225,7 +225,8 @@ class Scheduler:
         if not self.taken[rows].all():  # (a call that ran ahead: requests that ended in one of its earlier ticks)
             held = self.taken[rows]
             output = replace(output, rows=rows[held], greedy=greedy[held], steps=output.steps[held],
-                                         index=output.index[held])
+                             index=output.index[held],
+                             entered=None if output.entered is None else output.entered[held])
             rows, greedy = output.rows, output.greedy
             if not rows.size:
                 return []
@@ -242,7 +243,7 @@ class Scheduler:
         in_prompt = finite & (positions + 1 < logs.prompt_length[rows])
         keeps = logs.keeps[rows]
         if in_prompt.all() and not keeps.any():  # every row in its prompt, none keeping logits: nothing per row
-            self._feed(rows, logs.prompt[rows, positions + 1])
+            self._feed(rows, logs.prompt[rows, positions + 1], output.entered)
             return []
         feed = in_prompt.copy()
         tokens = logs.prompt[rows, np.minimum(positions + 1, self.capacity - 1)]  # the prompt's next (in it)
@@ -253,13 +254,20 @@ class Scheduler:
             if token is not None:
                 feed[index], tokens[index] = True, token
         if feed.any():
-            self._feed(rows[feed], tokens[feed])
+            self._feed(rows[feed], tokens[feed], None if output.entered is None else output.entered[feed])
         return finished
 
-    def _feed(self, rows: np.ndarray, tokens: np.ndarray) -> None:
-        """The next token of each row goes in at the row's next position (in the next tick's hand-over)."""
+    def _feed(self, rows: np.ndarray, tokens: np.ndarray, entered: np.ndarray | None = None) -> None:
+        """The next token of each row goes in at the row's next position (in the next tick's hand-over), unless
+        the tick entered that token there itself (``entered``: the token it entered per row; None: none)."""
         self.position[rows] += 1
-        self._feeding.append((rows.copy(), np.asarray(tokens, dtype=np.int64), self.position[rows]))
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if entered is not None:
+            other = tokens != entered
+            if not other.any():
+                return
+            rows, tokens = rows[other], tokens[other]
+        self._feeding.append((rows.copy(), tokens, self.position[rows]))
 
     def _choose(self, row: int, position: int, greedy: int, logits: torch.Tensor, index: int, in_prompt: bool,
                 finished: list[Finished]) -> int | None:

@@ -105,7 +105,9 @@ class TickOutput:
     """What one tick did: the slots ``rows`` ``[E]`` whose token went through every stage (read out), each
     one's argmax (``greedy``, -1 where its logits are not finite) and loop steps per group (``steps``
     ``[E, G]``); ``logits`` with row ``rows[i]``'s at ``logits[index[i]]``; ``loop_steps``: loop steps
-    computed per group, summed over rows; ``following``: the outputs of the ticks the same call ran after this
+    computed per group, summed over rows; ``entered``: per row, the token the tick itself entered at the row's
+    next position (the static tick: the prompt's next, else the argmax), which the scheduler then does not feed
+    again unless it chose another (None: the tick enters nothing itself); ``following``: the outputs of the ticks the same call ran after this
     one, in order (a tick that runs ahead; the scheduler reads each as if it were a tick of its own, dropping
     the rows of requests that ended in an earlier one)."""
 
@@ -116,6 +118,7 @@ class TickOutput:
     index: np.ndarray
     loop_steps: list[int]
     following: list[TickOutput] = field(default_factory=list)
+    entered: np.ndarray | None = None  # per row: the token the tick entered at its next position (None: none)
 
     @classmethod
     def nothing(cls, groups: int, loop_steps: list[int]) -> TickOutput:
