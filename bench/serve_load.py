@@ -3,6 +3,7 @@ engine in-process (the server's own overhead per token), at a fixed budget and u
 
     python bench/serve_load.py --run runs/demo/train --data runs/demo/data --loops 6 \
         --exit step_norm_rel --tau 0.5 [--clients 32] [--batch-size 32] [--json out.json] \
+        [--tick compiled --fixed-tick compiled --ahead 4] \
         [--depth-mix loops=2,loops=6,exit=step_norm_rel:0.3]
 
 The workload: ``--requests`` held-out task problems of the mixed difficulties (equal shares), each request the
@@ -58,8 +59,10 @@ def parse_args(argv):
     parser.add_argument("--k-max", type=int, default=12)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--tick", default="eager", help="the engine's tick for the rule (eager, static, compiled); "
-                        "the fixed budget runs the eager one")
+    parser.add_argument("--tick", default="eager", help="the engine's tick for the rule (eager, static, compiled)")
+    parser.add_argument("--fixed-tick", default="eager", help="the engine's tick for the fixed budget")
+    parser.add_argument("--ahead", type=int, default=1,
+                        help="ticks one call of a static or compiled tick runs (rdepth serve --ahead), each setting's")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--depth-mix", default=None, metavar="DEPTH,...",
                         help="a third setting: each request its own depth in turn, loops=N or exit=RULE:TAU[:K_MAX] "
@@ -114,8 +117,13 @@ def mix_server_flags(args, mix: list[dict]) -> list[str]:
     (``--max-loops``), the entries' rules allowed (each request gives its threshold), ``--tick``."""
     most = max([args.loops, *(entry.get("loops", 1) for entry in mix), *(entry.get("k_max", 1) for entry in mix)])
     rules = list(dict.fromkeys(entry["exit"] for entry in mix if "exit" in entry))
-    flags = ["--loops", str(args.loops), "--max-loops", str(most), "--tick", args.tick]
+    flags = ["--loops", str(args.loops), "--max-loops", str(most), "--tick", args.tick, *ahead_flags(args, args.tick)]
     return flags + (["--allow-exits", ",".join(rules)] if rules else [])
+
+
+def ahead_flags(args, tick: str) -> list[str]:
+    """``--ahead N`` for a server on the static or compiled tick (the eager tick reads after every tick)."""
+    return ["--ahead", str(args.ahead)] if args.ahead > 1 and tick != "eager" else []
 
 
 def mix_engine(args, flags: list[str], mix: list[dict], count: int):
@@ -144,12 +152,14 @@ def check_args(args) -> None:
     from rdepth.errors import RdepthError
     from rdepth.exits.controller import controller_factory
 
-    at_least(args, 1, "requests", "prompt_tokens", "max_tokens", "loops", "k_max", "clients", "batch_size", "rounds")
+    at_least(args, 1, "requests", "prompt_tokens", "max_tokens", "loops", "k_max", "clients", "batch_size", "rounds",
+             "ahead")
     positive_ints("--difficulties", args.difficulties)
     if args.depth_mix is not None:
         parse_depth_mix(args.depth_mix, args.k_max)
-    if args.tick not in TICKS:
-        raise RdepthError(f"--tick takes {', '.join(TICKS)}, got {args.tick!r}")
+    for flag, tick in (("--tick", args.tick), ("--fixed-tick", args.fixed_tick)):
+        if tick not in TICKS:
+            raise RdepthError(f"{flag} takes {', '.join(TICKS)}, got {tick!r}")
     if not math.isfinite(args.tau):
         raise RdepthError(f"--tau must be a finite number, got {args.tau}")
     controller_factory(args.exit, args.tau, args.k_max)  # an unknown rule or a bad threshold: one line
@@ -303,12 +313,15 @@ def main(argv=None) -> int:
     heldout, _ = mixed_heldout(args.data, difficulties, per, 0)
     order = np.random.default_rng(0).permutation(heldout.tokens.shape[0])[: args.requests]
     prompts = [heldout.tokens[i, : args.prompt_tokens].astype(int).tolist() for i in order]
+    fixed_ahead, rule_ahead = (int(args.ahead) if tick != "eager" else 1 for tick in (args.fixed_tick, args.tick))
     settings = {
-        f"fixed {args.loops}": (["--loops", str(args.loops)],
-                                lambda model: (Engine(model, args.batch_size, loop_counts=args.loops), None)),
+        f"fixed {args.loops}": (["--loops", str(args.loops), "--tick", args.fixed_tick,
+                                 *ahead_flags(args, args.fixed_tick)],
+                                lambda model: (Engine(model, args.batch_size, loop_counts=args.loops,
+                                                      tick=args.fixed_tick, ahead=fixed_ahead), None)),
         f"{args.exit} {args.tau:g}": (["--exit", args.exit, "--tau", str(args.tau), "--k-max", str(args.k_max),
-                                       "--tick", args.tick],
-                                      lambda model: (Engine(model, args.batch_size, tick=args.tick,
+                                       "--tick", args.tick, *ahead_flags(args, args.tick)],
+                                      lambda model: (Engine(model, args.batch_size, tick=args.tick, ahead=rule_ahead,
                                                             controller_factory=controller_factory(
                                                                 args.exit, args.tau, args.k_max,
                                                                 lambda: model.readout)), None)),

@@ -222,6 +222,8 @@ def _left_running(started) -> list:
     (["--difficulties", "1,x"], "--difficulties takes integers"),
     (["--exit", "bogus"], "unknown exit policy 'bogus'"),
     (["--tick", "bogus"], "--tick takes eager, static, compiled, got 'bogus'"),
+    (["--fixed-tick", "bogus"], "--fixed-tick takes eager, static, compiled, got 'bogus'"),
+    (["--ahead", "0"], "--ahead must be >= 1, got 0"),
     (["--prompt-tokens", "0"], "--prompt-tokens must be >= 1, got 0"),
 ])
 def test_serve_load_refuses_bad_flags_before_starting_a_server(task_run, capsys, monkeypatch, flags, words):

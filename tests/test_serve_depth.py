@@ -337,6 +337,9 @@ def test_serve_load_reads_a_mix_of_depths_as_the_server_does(tiny_text_run, monk
     assert depths == [Depth(loops=1), Depth(loops=3), Depth(rule="step_norm_rel", tau=0.3, k_max=4),
                       Depth(rule="kl", tau=0.05, k_max=2), Depth(loops=1)]
     assert bench.parse_args(argv[:-2]).depth_mix is None
+    ahead = bench.parse_args([*argv, "--tick", "compiled", "--ahead", "4"])
+    assert bench.mix_server_flags(ahead, mix)[:8] == ["--loops", "2", "--max-loops", "4", "--tick", "compiled",
+                                                      "--ahead", "4"]
 
 
 @pytest.mark.parametrize("mix, words", [
