@@ -83,8 +83,10 @@ step_depth_batching() {  # continuous depth batching on the card (issue 51, call
     mkdir -p "$OUT/depth_batching"
     python3 bench/depth_batching.py --run runs/gpu-task-loop/train --data runs/gpu-task-loop/data --device cuda \
         --problems "${DB_PROBLEMS:-128}" --widths "${DB_WIDTHS:-32,64,128,256}" --rounds 3 --splits 200 \
-        --ticks "${DB_TICKS:-eager,compiled}" --json "$OUT/depth_batching/depth_batching.json"
-    # (the compiled tick compiles one graph per width and rule: DB_TICKS=eager if the step's limit is short)
+        --ticks "${DB_TICKS:-eager,compiled}" --ahead "${DB_AHEAD:-1,4}" \
+        --json "$OUT/depth_batching/depth_batching.json"
+    # (the compiled tick compiles one graph per width and rule, and one more per width for --ahead 4: DB_TICKS=eager
+    # or DB_AHEAD=1 if the step's limit is short; ahead 4 reads the device once every 4 ticks: the host's sync)
 }
 
 step_huginn() {  # Huginn-0125's published config at its real size (random weights): import-hf and the GPU
