@@ -176,7 +176,7 @@ def test_prompts_file_bad_input_is_one_line(capsys, run, tmp_path):
     empty.write_text("\n  \n")
     for flags, message in ((["--prompts-file", str(tmp_path / "missing.txt")], "no such file"),
                            (["--prompts-file", str(empty)], "holds no prompt"),
-                           (["--prompts-file", str(empty), "--draft-loops", "1", "--temperature", "0"], "without --draft-loops"),
+                           (["--prompts-file", str(empty), "--draft-loops", "1", "--temperature", "0"], "give --speculate too"),
                            (["--kv-layout", "shared"], "with --prompts-file"),
                            (["--prompts-file", str(empty), "--ahead", "2"], "--ahead runs several ticks"),
                            (["--ahead", "0"], "ahead must be an integer in [1, 64]")):

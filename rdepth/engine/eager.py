@@ -127,6 +127,11 @@ class EagerTick:
     # ------------------------------------------------------------------ the tick
     def __call__(self, tick_input: TickInput) -> TickOutput:
         self._apply(tick_input)
+        return self._walk()
+
+    def _walk(self) -> TickOutput:
+        """Every occupied slot's token one stage walk on (the rows at each stage in one call), the rows that got
+        through read out."""
         self.loop_steps = [0] * self.model.n_groups
         for index, stage in enumerate(self.stages):
             rows = np.flatnonzero(self.stage == index)

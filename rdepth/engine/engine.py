@@ -30,6 +30,7 @@ from rdepth.engine.eager import EagerTick
 from rdepth.engine.request import Finished, Request
 from rdepth.engine.scheduler import EngineStats, Scheduler
 from rdepth.engine.slots import KV_LAYOUTS
+from rdepth.engine.speculation import Speculation, count_speculation, speculating_tick
 from rdepth.engine.static import CompiledTick, StaticTick
 from rdepth.engine.tick import TICKS, TickPlan, make_tick
 from rdepth.errors import RdepthError
@@ -124,6 +125,10 @@ class Engine:
             ticks, and the host reads their outputs in one go: it runs ahead only while every request in a slot
             decodes greedily and no rule keeps per-row memory (else one tick a call); a request that ends in
             the first of those ticks leaves its slot idle until the call returns (its later outputs dropped).
+        speculate: loop speculation (:mod:`rdepth.engine.speculation`, the eager tick): K drafts a round at
+            ``draft_loops`` loop steps per group (or the exit rule capped there), verified at the engine's budget
+            in one pass on the slot's own cache row, for a greedy request past its prompt while at most
+            ``speculate_at_most`` slots are occupied (default 1: a request alone); otherwise plain ticks.
     """
 
     def __init__(self, model: RecurrentLM, batch_size: int, *, loop_counts: Sequence[int] | str | int | None = None,
@@ -131,7 +136,8 @@ class Engine:
                  kv_layout: str = "exact", warm_start: bool = False, clock: Callable[[], float] = time.perf_counter,
                  listener: Callable[..., None] | None = None, tick: str = "eager",
                  rules: Mapping[str, Callable[[], RowController]] | None = None, own_depths: bool = False,
-                 ahead: int = 1):
+                 ahead: int = 1, speculate: int | None = None, draft_loops: Sequence[int] | int | str = 1,
+                 speculate_at_most: int = 1):
         _check_arguments(batch_size, tick, ahead, kv_layout, loop_counts is not None and controller_factory is not None)
         config = model.config
         parameter = next(model.parameters())
@@ -151,7 +157,11 @@ class Engine:
                              ahead)
         self.scheduler = Scheduler(batch_size, self.capacity, model.n_groups, self.k_max, fixed, parameter.device,
                                    clock, listener)
-        self.tick = make_tick(tick, model, self.plan)
+        if speculate is None:
+            self.tick = make_tick(tick, model, self.plan)
+        else:  # (validated there: the eager tick and layout, no warm start, a draft below the engine's budget)
+            self.tick = speculating_tick(model, self.plan, tick, Speculation(speculate, draft_loops, speculate_at_most),
+                                         loop_counts, controller_factory)
 
     # ------------------------------------------------------------------ clients
     def add_request(self, request: Request) -> int:
@@ -246,8 +256,11 @@ class Engine:
                 scheduler.count_tick(occupied)
                 output = self.tick(scheduler.schedule())
                 finished += scheduler.update(output)
+                if output.speculation is not None:  # (rounds: their later readouts follow, in the same tick)
+                    count_speculation(scheduler.stats, output.speculation)
                 for later in output.following:  # (a call that ran ahead: each later tick read in turn)
-                    scheduler.count_tick(occupied)
+                    if output.speculation is None:
+                        scheduler.count_tick(occupied)
                     finished += scheduler.update(later)
         for result in finished:
             if result.logits is not None:

@@ -34,13 +34,21 @@ class EngineStats:
     loop_steps: list[int] | None = None
     requests: int = 0
     failed: int = 0
+    # loop speculation (Engine(speculate=K)): ticks that ran a round, verification rounds, drafts made and kept
+    speculated_ticks: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     def as_dict(self, batch: int) -> dict:
         steps = self.loop_steps or []
         return {"ticks": self.ticks, "positions": self.positions, "requests": self.requests,
                 "failed": self.failed, "loop_steps": list(steps),
                 "mean_loop_steps": [s / self.positions if self.positions else 0.0 for s in steps],
-                "occupancy": self.occupied / (self.ticks * batch) if self.ticks else 0.0}
+                "occupancy": self.occupied / (self.ticks * batch) if self.ticks else 0.0,
+                "speculation": {"ticks": self.speculated_ticks, "rounds": self.rounds, "drafted": self.drafted,
+                                "accepted": self.accepted,
+                                "acceptance": self.accepted / self.drafted if self.drafted else 0.0}}
 
 
 class _Live:

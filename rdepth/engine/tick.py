@@ -119,6 +119,9 @@ class TickOutput:
     loop_steps: list[int]
     following: list[TickOutput] = field(default_factory=list)
     entered: np.ndarray | None = None  # per row: the token the tick entered at its next position (None: none)
+    # (rounds, drafted, accepted) where the tick ran loop-speculation rounds (rdepth.engine.speculation): its
+    # ``following`` are then the rounds' later readouts, not ticks of their own
+    speculation: tuple[int, int, int] | None = None
 
     @classmethod
     def nothing(cls, groups: int, loop_steps: list[int]) -> TickOutput:

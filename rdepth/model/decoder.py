@@ -37,7 +37,7 @@ from rdepth.errors import RdepthError
 from rdepth.model.budget import Budget, resolve_budget
 from rdepth.model.control import FixedController, LoopController
 from rdepth.model.executors.eager import Executor
-from rdepth.model.kv import AttentionContext, ChunkKV, ThroughKV
+from rdepth.model.kv import AttentionContext, ChunkKV, KVCache, ThroughKV
 from rdepth.model.loop import LoopRows, run_fixed
 from rdepth.model.noise import StateNoise
 from rdepth.model.recurrent import RecurrentLM
@@ -238,6 +238,23 @@ class Decoder:
             raise RdepthError(f"decoder: cannot roll back to {length}; {self.length} positions are filled")
         self.length = length
         self.cache.position.fill_(length)
+
+    def attach(self, cache: KVCache, initial: dict[int, torch.Tensor], length: int) -> None:
+        """Decode on ``cache`` from position ``length`` on (its positions before it written at the budgets this
+        decoder runs), with the initial loop states ``initial`` (per group ``[B, capacity, d]``; none where the
+        model starts its loops from zeros): a cache of this decoder's rows, capacity and steps whose tensors
+        live elsewhere, such as one slot of the engine's (:meth:`KVCache.row`, the engine's speculation)."""
+        if (cache.batch_size, cache.capacity, cache.steps) != (self.batch_size, self.capacity, self.steps):
+            raise RdepthError(f"decoder: a cache of {cache.batch_size} rows, {cache.capacity} positions and steps "
+                              f"{cache.steps} does not fit this decoder's {self.batch_size}, {self.capacity}, "
+                              f"{self.steps}")
+        if self.warm_start or set(initial) != set(self._initial):
+            raise RdepthError("decoder: attach takes the initial states of every group the model draws (no warm "
+                              "start)")
+        self.cache, self._initial = cache, dict(initial)
+        self.contexts = self.attention_contexts()
+        self.length = length
+        cache.position.fill_(length)
 
     @torch.no_grad()
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:

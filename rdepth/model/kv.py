@@ -141,6 +141,18 @@ class KVCache:
         self._slot_numbers = {n: torch.arange(1, n + 1, device=device).view(1, n, 1, 1) for n in set(self.steps)}
         self._rows = torch.arange(batch_size, device=device)
 
+    def row(self, row: int) -> KVCache:
+        """Row ``row`` as a cache of one row: its tensors are views of this cache's (what is written through it
+        lands here), with a position of its own (the engine's speculation: a batch-1 decoder on one slot)."""
+        view = object.__new__(KVCache)
+        view.__dict__.update(self.__dict__)
+        view.batch_size = 1
+        view.single = {layer: tuple(t.narrow(0, row, 1) for t in pair) for layer, pair in self.single.items()}
+        view.looped = {layer: tuple(t.narrow(1, row, 1) for t in pair) for layer, pair in self.looped.items()}
+        view.position = torch.zeros_like(self.position)
+        view.limit, view._views, view._rows = None, {}, self._rows[:1]
+        return view
+
     def update(self, layer: int, ctx: AttentionContext, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the rows' keys/values ``[B, nh, 1, hs]`` at ``position``; return what layer ``layer``

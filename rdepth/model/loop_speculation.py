@@ -182,6 +182,60 @@ def accept_drafts(verified: torch.Tensor, drafts: Sequence[int], draft_probs: to
     return len(drafts), None
 
 
+@dataclass
+class Round:
+    """One round's outcome (:func:`speculation_round`): the ``drafts`` made, how many the verifier ``kept`` (a
+    prefix), its own ``token`` after them (its correction, or the bonus token; None: every draft kept and no
+    bonus wanted), the verifying pass's logits ``verified`` ``[m, V]`` at the positions from the round's first
+    (row i: the logits after position ``start + i``), its loop steps per group there ``steps`` ``[G, m]``, and
+    the loop steps the drafts computed per group ``draft_steps`` ``[G]``."""
+
+    drafts: list[int]
+    kept: int
+    token: int | None
+    verified: torch.Tensor
+    steps: torch.Tensor
+    draft_steps: torch.Tensor
+
+    @property
+    def decided(self) -> int:
+        """Positions the round decided (read out at the verifying budget): the kept drafts' and the verifier's."""
+        return self.kept + (self.token is not None)
+
+
+@torch.no_grad()
+def speculation_round(decoder: Decoder, token: int, count: int, bonus: bool, draft: Budget,
+                      sampling: Sampling = Sampling(), rng: torch.Generator | None = None,
+                      accept_rng: torch.Generator | None = None) -> Round:
+    """One round on ``decoder`` (batch 1, its budget the verifying one), whose cache holds the positions before
+    ``decoder.length`` at that budget and whose next token is ``token`` (decided): ``count`` drafts at ``draft``,
+    verified in one pass with (``bonus``) or without the last draft fed (without: the round's last position is
+    the last one wanted), kept or rejected (see the module). The decoder is left holding the positions the round
+    decided (``token`` and the kept drafts; the verifier's own token is the next to go in)."""
+    start = decoder.length
+    drafts, probs, current = [], [], token
+    draft_steps = torch.zeros_like(decoder.computed[:, 0])
+    for _ in range(count):
+        logits = decoder.step(torch.tensor([[current]], device=decoder.device), draft)
+        draft_steps += decoder.computed[:, 0]
+        if sampling.greedy:
+            current = int(logits.float().argmax())
+        else:
+            probs.append(sampling.probabilities(logits))
+            current = int(torch.multinomial(probs[-1], 1, generator=rng))
+        drafts.append(current)
+    decoder.rollback(start)
+    fed = torch.tensor([[token, *drafts[: count if bonus else count - 1]]], device=decoder.device)
+    verified = decoder.extend(fed, lockstep=True)[0]  # [count (+ 1), V]
+    steps = decoder.prompt_computed[:, 0].clone()  # [G, count (+ 1)]
+    kept, chosen = accept_drafts(verified, drafts, torch.cat(probs) if probs else None, sampling, accept_rng)
+    if chosen is None and bonus:
+        chosen = sampling.choose(verified[count:count + 1], rng)
+    if chosen is not None:
+        decoder.rollback(start + kept + 1)
+    return Round(drafts, kept, chosen, verified, steps, draft_steps)
+
+
 @torch.no_grad()
 def speculate(decoder: Decoder, prompt: torch.Tensor, max_new_tokens: int, *, tokens: int, draft: Budget,
               sampling: Sampling = Sampling(), rng: torch.Generator | None = None,
@@ -208,31 +262,15 @@ def speculate(decoder: Decoder, prompt: torch.Tensor, max_new_tokens: int, *, to
     sequence.append(sampling.choose(decoder.extend(prompt, lockstep=True)[:, -1], rng))
     # Invariant: the decoder holds positions < len(sequence) - 1 at the verifying budget; the last token is final.
     while len(sequence) < total:
-        start = decoder.length
         count = min(tokens, total - len(sequence))  # drafts past the last token are never needed
         bonus = len(sequence) + count < total  # the verifier's token after K kept drafts is still wanted
-        drafts, probs, token = [], [], sequence[-1]
-        for _ in range(count):
-            logits = decoder.step(torch.tensor([[token]], device=decoder.device), draft)
-            if sampling.greedy:
-                token = int(logits.float().argmax())
-            else:
-                probs.append(sampling.probabilities(logits))
-                token = int(torch.multinomial(probs[-1], 1, generator=rng))
-            drafts.append(token)
-        decoder.rollback(start)
-        fed = torch.tensor([[sequence[-1], *drafts[: count if bonus else count - 1]]], device=decoder.device)
-        verified = decoder.extend(fed, lockstep=True)[0]  # [count (+ 1), V]
-        kept, token = accept_drafts(verified, drafts, torch.cat(probs) if probs else None, sampling, accept_rng)
-        if token is None and bonus:
-            token = sampling.choose(verified[count:count + 1], rng)
-        sequence.extend(drafts[:kept])
-        if token is not None:
-            sequence.append(token)
-            decoder.rollback(start + kept + 1)
+        one = speculation_round(decoder, sequence[-1], count, bonus, draft, sampling, rng, accept_rng)
+        sequence.extend(one.drafts[:one.kept])
+        if one.token is not None:
+            sequence.append(one.token)
         stats.rounds += 1
         stats.drafted += count
-        stats.accepted += kept
+        stats.accepted += one.kept
     return torch.tensor([sequence], device=decoder.device), stats
 
 

@@ -142,6 +142,9 @@ class GenerateConfig:
     draft_loops: str | None = option(
         None, "with --speculate: the drafts' loop steps D per group (N or N,N,...), below the verifying budget; "
         "under an exit rule, the rule capped at D", default_text="1", metavar="D")
+    speculate_at_most: int = option(
+        1, "with --speculate and --prompts-file: the engine speculates for a greedy request only while at most M "
+        "requests are in flight (1: a request alone); plain ticks above", bounds="[1, 4096]", metavar="M")
     show_special: bool = option(False, "show special tokens such as <|endoftext|> in the output")
     warm_start: bool = option(False, "start each group's loop from the state it handed on at the previous token "
                                      "(Geiping et al.'s continuous compute; the prompt runs token by token)")
@@ -210,10 +213,12 @@ class GenerateConfig:
 
     def _check_decoding(self) -> None:
         """Speculative drafts, the engine (--prompts-file) and its key/value layout: what each combines with."""
-        speculating = self.speculate is not None or self.draft_loops is not None
-        if self.prompts_file is not None and speculating:
-            raise RdepthError("generate: --prompts-file decodes through the engine, without --draft-loops or "
-                              "--speculate (speculation is the one-prompt path's)")
+        if self.speculate is not None and self.prompts_file is not None and (
+                self.tick != "eager" or self.kv_layout != "exact"):
+            raise RdepthError("generate: --speculate through the engine (--prompts-file) runs on --tick eager with "
+                              "--kv-layout exact")
+        if self.speculate_at_most != 1 and (self.speculate is None or self.prompts_file is None):
+            raise RdepthError("generate: --speculate-at-most is the engine's (with --prompts-file and --speculate)")
         if self.draft_loops is not None and self.speculate is None:
             raise RdepthError("generate: --draft-loops sets the drafts of --speculate K; give --speculate too")
         if self.speculate is not None and self.warm_start:

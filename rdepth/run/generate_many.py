@@ -77,8 +77,11 @@ def generate_many(config: GenerateConfig, controllers: Callable | None = None, p
     # each slot holds the longest prompt and its continuation, not the whole context (Ouro's is 65,536
     # positions: a slot of it would hold 96 layer-steps of keys for every one)
     capacity = min(model_config.block_size, max(map(len, encoded)) + max(config.max_new_tokens, 1))
+    speculation = {} if config.speculate is None else {
+        "speculate": config.speculate, "draft_loops": config.draft_loops or "1",
+        "speculate_at_most": config.speculate_at_most}
     engine = Engine(model, config.batch_size, kv_layout=config.kv_layout, warm_start=config.warm_start,
-                    capacity=capacity, tick=config.tick, ahead=config.ahead, **budget)
+                    capacity=capacity, tick=config.tick, ahead=config.ahead, **budget, **speculation)
     keys = []
     for number, ids in enumerate(encoded):
         for sample in range(config.samples):
@@ -114,4 +117,8 @@ def generate_many(config: GenerateConfig, controllers: Callable | None = None, p
     log.info("engine: %d requests, %d ticks, occupancy %.0f%%, mean loop steps per position %s; KV %d bytes/position",
              len(keys), stats["ticks"], 100 * stats["occupancy"], [round(s, 2) for s in stats["mean_loop_steps"]],
              engine.kv_bytes_per_token())
+    if speculation:
+        rounds = stats["speculation"]
+        log.info("engine: loop speculation in %d ticks, %d rounds: %d of %d drafts accepted (%.0f%%)", rounds["ticks"],
+                 rounds["rounds"], rounds["accepted"], rounds["drafted"], 100 * rounds["acceptance"])
     return out
