@@ -45,6 +45,14 @@ class ServeConfig:
     ahead: int = option(1, "with --tick static or compiled: ticks one call runs before the host reads the device (the "
                         "device enters each row's greedy token itself: while every request in a slot decodes greedily "
                         "and no rule keeps per-row memory; 4 is a good start)", bounds="[1, 64]")
+    speculate: int | None = option(
+        None, "loop speculation at low load (the eager tick): K drafts at --draft-loops loop steps per group, verified "
+        "in one pass, for a greedy request at the server's own depth while at most --speculate-at-most slots are "
+        "in use; its tokens are plain decoding's", default_text="off", bounds="[1, 64]", metavar="K")
+    draft_loops: str | None = option(None, "with --speculate: the drafts' loop steps D per group (N or N,N,...), below "
+                                     "the server's budget", default_text="1", metavar="D")
+    speculate_at_most: int = option(1, "with --speculate: the most slots in use at which a round runs",
+                                    bounds="[1, 4096]")
     max_tokens: int = option(256, "the most new tokens a request may ask for", bounds="[1, 1000000]")
     context: int | None = option(None, "positions each slot holds (prompt and new tokens): the engine's capacity; "
                                  "below the block size for models with a long context (an Ouro's 65,536)",
@@ -77,6 +85,11 @@ class ServeConfig:
             raise RdepthError("serve: --tau, --k-max and --exit-options set the policy of --exit; give --exit too")
         if self.exit is not None and self.loops:
             raise RdepthError("serve: --exit replaces --loops; give one")
+        if (self.draft_loops is not None or self.speculate_at_most != 1) and self.speculate is None:
+            raise RdepthError("serve: --draft-loops and --speculate-at-most set --speculate's rounds; give --speculate "
+                              "too")
+        if self.speculate is not None and self.tick != "eager":
+            raise RdepthError(f"serve: --speculate runs on the eager tick, not --tick {self.tick}")
         if self.ahead != 1 and self.tick == "eager":
             raise RdepthError("serve: --ahead runs several ticks a call of the static or compiled tick; give --tick "
                               "static or compiled")

@@ -219,6 +219,14 @@ def check_allowed(config, own_options: dict) -> list[AllowedRule]:
     return allowed
 
 
+def speculation(config) -> dict:
+    """The engine's loop-speculation arguments from ``--speculate``, ``--draft-loops`` and ``--speculate-at-most``."""
+    if config.speculate is None:
+        return {}
+    return {"speculate": config.speculate, "draft_loops": config.draft_loops or 1,
+            "speculate_at_most": config.speculate_at_most}
+
+
 def build_engine(config, model, context: int, allowed: list[AllowedRule], own_options: dict) -> tuple[Engine, Depths]:
     """The engine behind ``rdepth serve`` and the :class:`Depths` requests are read against.
 
@@ -257,6 +265,6 @@ def build_engine(config, model, context: int, allowed: list[AllowedRule], own_op
     else:
         budget = {"loop_counts": caps}
     engine = Engine(model, config.batch_size, kv_layout=config.kv_layout, capacity=context, tick=config.tick,
-                    rules=rules, own_depths=True, ahead=config.ahead, **budget)
+                    rules=rules, own_depths=True, ahead=config.ahead, **budget, **speculation(config))
     # (a rule's cap where a request gives none: the server's own; above the engine's caps only with one value)
     return engine, Depths(caps, {rule.name: rule for rule in allowed}, default, policy, own[0] if moved else None)

@@ -26,6 +26,10 @@ def prometheus(served) -> str:
            [("", m["occupied_slot_ticks"] / (m["ticks"] * m["batch"]) if m["ticks"] else 0.0)])
     metric("mean_loop_steps", "gauge", "loop steps executed per position, per group",
            [(f'{{group="{g}"}}', s / m["positions"] if m["positions"] else 0.0) for g, s in enumerate(m["loop_steps"])])
+    metric("speculation_rounds_total", "counter", "loop-speculation rounds (--speculate)", [("", m["speculation_rounds"])])
+    metric("speculation_drafted_total", "counter", "draft tokens made", [("", m["drafted"])])
+    metric("speculation_accepted_total", "counter", "draft tokens kept (acceptance: accepted / drafted)",
+           [("", m["accepted"])])
     metric("tokens_per_second", "gauge", "new tokens per second since the server started",
            [("", m["tokens_generated"] / m["uptime_s"] if m["uptime_s"] > 0 else 0.0)])
     return "\n".join(lines) + "\n"

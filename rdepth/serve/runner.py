@@ -126,7 +126,8 @@ class EngineRunner:
         stats = self.engine.stats  # ints the engine's thread updates (each read is atomic)
         metrics.update(queue=self.queue_length(), in_flight=self.engine.in_flight(), batch=self.engine.batch,
                        uptime_s=time.time() - self.started_s, ticks=stats.ticks, positions=stats.positions,
-                       occupied_slot_ticks=stats.occupied, loop_steps=list(stats.loop_steps))
+                       occupied_slot_ticks=stats.occupied, loop_steps=list(stats.loop_steps),
+                       speculation_rounds=stats.rounds, drafted=stats.drafted, accepted=stats.accepted)
         return metrics
 
     # ------------------------------------------------------------------ the engine's thread

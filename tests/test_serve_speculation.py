@@ -1,0 +1,58 @@
+"""rdepth serve --speculate K: loop speculation for a lone greedy request (the engine's rounds on its slot's cache
+row). Its answers, log-probabilities and depth reports equal the server's without speculation; /metrics counts the
+rounds and drafts; the flags that need it, or a tick that cannot run it, are one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from rdepth.errors import RdepthError
+from rdepth.serve.api import build_app
+from rdepth.serve.config import ServeConfig
+from rdepth.serve.server import served_model
+
+PROMPTS = ["The city", "In 1900 the", "A river flows"]
+
+
+@pytest.mark.parametrize("policy", [{}, {"exit": "step_norm_rel", "tau": 0.3, "k_max": (4,)}])
+def test_a_lone_request_speculates_and_answers_as_without(tiny_text_run, policy):
+    made = [served_model(ServeConfig(checkpoint=str(tiny_text_run), batch_size=2, device="cpu", name="tiny",
+                                     **policy, **extra)) for extra in ({}, {"speculate": 3, "draft_loops": "1"})]
+    try:
+        answers = []
+        for served in made:
+            client = TestClient(build_app(served))
+            texts = []
+            for prompt in PROMPTS:  # one at a time: each request alone in the engine
+                response = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 8,
+                                                                 "temperature": 0, "logprobs": 0})
+                assert response.status_code == 200, response.text
+                choice = response.json()["choices"][0]
+                texts.append((choice["text"], choice["rdepth"]["steps"],
+                              [round(x, 5) for x in choice["logprobs"]["token_logprobs"]]))
+            answers.append(texts)
+            metrics = client.get("/metrics").text
+            rounds = int(next(line.split()[-1] for line in metrics.splitlines()
+                              if line.startswith("rdepth_speculation_rounds_total")))
+            answers[-1].append(rounds)
+        plain, speculated = answers
+        assert speculated[:-1] == plain[:-1]
+        assert plain[-1] == 0 and speculated[-1] > 0
+    finally:
+        for served in made:
+            served.runner.stop()
+
+
+@pytest.mark.parametrize("flags, words", [({"draft_loops": "1"}, "give --speculate too"),
+                                          ({"speculate_at_most": 2}, "give --speculate too"),
+                                          ({"speculate": 2, "tick": "static"}, "--speculate runs on the eager tick"),
+                                          ({"speculate": 0}, "speculate must be an integer in")])
+def test_speculation_flags_it_cannot_run_are_one_line_errors(tiny_text_run, flags, words):
+    with pytest.raises(RdepthError, match=words):
+        ServeConfig(checkpoint=str(tiny_text_run), **flags)
+
+
+def test_a_draft_budget_at_the_servers_is_refused_at_start(tiny_text_run):
+    with pytest.raises(RdepthError, match="draft"):
+        served_model(ServeConfig(checkpoint=str(tiny_text_run), device="cpu", loops=2, speculate=2, draft_loops="2"))
