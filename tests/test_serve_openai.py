@@ -99,3 +99,34 @@ def test_over_a_socket_several_prompts_streamed_and_not(over_a_socket, model, ti
     with pytest.raises(openai.BadRequestError) as error:
         over_a_socket.completions.create(model="tiny", prompt=prompts, max_tokens=2, extra_body={"rdepth": {"loops": 9}})
     assert error.value.body["param"] == "rdepth.loops"
+
+
+@pytest.mark.parametrize("flags", [("--tick", "static", "--ahead", "2"), ("--speculate", "2", "--draft-loops", "1")],
+                         ids=["ahead", "speculate"])
+def test_over_a_socket_the_fast_paths_answer_as_the_batch_1_decode(flags, model, tiny_text_run, tmp_path):
+    """The static tick running 2 ticks a call, and loop speculation for a lone request: the OpenAI client over
+    127.0.0.1, several prompts in one request (and one alone), streamed and not, each choice the batch-1 decode at
+    the server's budget; the speculating server counts its rounds in /metrics."""
+    import httpx
+    from serve_helpers import serve_process
+
+    from rdepth.engine import Engine
+
+    loops = {"loops": Engine(model, 1).k_max}  # the server's own budget: the run's eval loops
+    prompts = ["The city", "In 1900 the", "A river flows"]
+    expected = {i: alone(tiny_text_run, model, p, 6, loops)[0] for i, p in enumerate(prompts)}
+    with serve_process(tiny_text_run, tmp_path, "--batch-size", "3", "--name", "tiny", *flags) as port:
+        client = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=120)
+        alone_text = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=6, temperature=0)
+        assert alone_text.choices[0].text == expected[1]
+        full = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0)
+        assert {choice.index: choice.text for choice in full.choices} == expected
+        streamed: dict[int, str] = {}
+        for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, stream=True):
+            for choice in chunk.choices:
+                streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+        assert streamed == expected
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    rounds = int(next(line.split()[-1] for line in metrics.splitlines()
+                      if line.startswith("rdepth_speculation_rounds_total")))
+    assert (rounds > 0) == ("--speculate" in flags)
