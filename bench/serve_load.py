@@ -299,20 +299,27 @@ def in_process(args, prompts, make) -> dict:
     return call
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from depth_batching import _cpu_name
-    from exit_wall import revision
+def heldout_prompts(args) -> list[list[int]]:
+    """``--requests`` prompts: the first ``--prompt-tokens`` tokens of held-out problems of ``--difficulties`` in
+    equal shares, in a fixed random order (seed 0)."""
     from exit_workload import mixed_heldout
-
-    from rdepth.engine import Engine
-    from rdepth.exits.controller import controller_factory
 
     difficulties = positive_ints("--difficulties", args.difficulties)
     per = max(1, args.requests // len(difficulties))
     heldout, _ = mixed_heldout(args.data, difficulties, per, 0)
     order = np.random.default_rng(0).permutation(heldout.tokens.shape[0])[: args.requests]
-    prompts = [heldout.tokens[i, : args.prompt_tokens].astype(int).tolist() for i in order]
+    return [heldout.tokens[i, : args.prompt_tokens].astype(int).tolist() for i in order]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from depth_batching import _cpu_name
+    from exit_wall import revision
+
+    from rdepth.engine import Engine
+    from rdepth.exits.controller import controller_factory
+
+    prompts = heldout_prompts(args)
     fixed_ahead, rule_ahead = (int(args.ahead) if tick != "eager" else 1 for tick in (args.fixed_tick, args.tick))
     settings = {
         f"fixed {args.loops}": (["--loops", str(args.loops), "--tick", args.fixed_tick,

@@ -100,18 +100,13 @@ async def stream_load(url: str, prompts: list[list[int]], clients: int, max_toke
 def main(argv=None) -> int:
     from depth_batching import _cpu_name
     from exit_wall import revision
-    from exit_workload import mixed_heldout
-    from serve_load import running_servers
+    from serve_load import heldout_prompts, running_servers
 
     from rdepth.cli.main import run_command
 
     def body() -> int:
         args = parse_args(argv)
-        difficulties = positive_ints("--difficulties", args.difficulties)
-        per = max(1, args.requests // len(difficulties))
-        heldout, _ = mixed_heldout(args.data, difficulties, per, 0)
-        order = np.random.default_rng(0).permutation(heldout.tokens.shape[0])[: args.requests]
-        prompts = [heldout.tokens[i, : args.prompt_tokens].astype(int).tolist() for i in order]
+        prompts = heldout_prompts(args)
         flags = ["--loops", str(args.loops), *args.server_flags]
         print(f"serve_stream_gaps: {_cpu_name()}, revision {revision()}; {len(prompts)} streamed requests, "
               f"{args.batch_size} slots, server flags {' '.join(flags)}", flush=True)

@@ -68,19 +68,24 @@ def create(folder: Path, with_pip: bool = True) -> None:
     (Path(inner) / "_rdepth_builder.pth").write_text("".join(f"{path}\n" for path in builder_site_packages()))
 
 
+def install(folder: Path, pins: tuple[str, ...] | list[str], label: str, what: str | None = None) -> None:
+    """A venv at ``folder`` (:func:`create`) holding ``pins``, kept as it is when built with the same pins
+    (``pins.txt``); prints ``label`` ready or installing ``what`` (default: the pins)."""
+    if ready(folder, pins):
+        print(f"{label}: ready", flush=True)
+        return
+    print(f"{label}: installing {what or ' '.join(pins)}", flush=True)
+    (folder / "pins.txt").unlink(missing_ok=True)
+    create(folder)
+    subprocess.run([str(python_of(folder)), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                    *pins], check=True)
+    (folder / "pins.txt").write_text("\n".join(pins))
+
+
 def build(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     for name, pins in VENVS.items():
-        folder = root / name
-        if ready(folder, pins):
-            print(f"hf venv {name}: ready", flush=True)
-            continue
-        print(f"hf venv {name}: installing {' '.join(pins)}", flush=True)
-        (folder / "pins.txt").unlink(missing_ok=True)
-        create(folder)
-        subprocess.run([str(python_of(folder)), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                        *pins], check=True)
-        (folder / "pins.txt").write_text("\n".join(pins))
+        install(root / name, pins, f"hf venv {name}")
 
 
 if __name__ == "__main__":

@@ -15,12 +15,11 @@ first one downloads about 110 MB and takes about a minute.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_venvs import create, python_of, ready  # noqa: E402
+from hf_venvs import install, python_of, ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = ROOT / ".ray-venv"
@@ -52,15 +51,7 @@ def ray_python() -> Path | None:
 
 
 def build(folder: Path) -> None:
-    if ready(folder, PINS):
-        print(f"ray venv {folder.name}: ready", flush=True)
-        return
-    print(f"ray venv {folder.name}: installing {PINS[0]} and {len(PINS) - 1} pinned dependencies", flush=True)
-    (folder / "pins.txt").unlink(missing_ok=True)
-    create(folder)
-    subprocess.run([str(python_of(folder)), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                    *PINS], check=True)
-    (folder / "pins.txt").write_text("\n".join(PINS))
+    install(folder, PINS, f"ray venv {folder.name}", f"{PINS[0]} and {len(PINS) - 1} pinned dependencies")
 
 
 if __name__ == "__main__":
