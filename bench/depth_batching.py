@@ -62,6 +62,10 @@ def parse_args(argv):
     parser.add_argument("--problems", type=int, default=256, help="held-out problems of each difficulty")
     parser.add_argument("--policies", default="step_norm_rel,kl")
     parser.add_argument("--full-loops", type=int, default=12)
+    parser.add_argument("--caps", default=None,
+                        help="the loop caps each rule's grid runs at (default: --full-loops alone); a cap below "
+                             "--full-loops is its own setting, 'NAME TAU cap K', chosen on A like any other "
+                             "(a rule capped at F never pays more steps than the fixed budget)")
     parser.add_argument("--tolerance", type=float, default=0.01, help="pooled accuracy below F's allowed")
     parser.add_argument("--per-difficulty", type=float, default=0.02, help="accuracy below F's allowed per difficulty")
     parser.add_argument("--splits", type=int, default=200)
@@ -97,6 +101,9 @@ def parse_args(argv):
     if unknown:
         parser.error(f"--policies: no grid for {', '.join(unknown)} (choose from {', '.join(GRID)})")
     positive_ints("--widths", args.widths)  # (kept as text: read where it is used)
+    args.caps = positive_ints("--caps", args.caps) if args.caps else [args.full_loops]
+    if max(args.caps) > args.full_loops:
+        parser.error(f"--caps: a cap above --full-loops ({args.full_loops}) has no fixed budget to compare")
     positive_ints("--ahead", args.ahead)
     positive_ints("--difficulties", args.difficulties)
     tick_list(args.ticks)
@@ -377,26 +384,35 @@ def settings_for(model, args) -> dict:
     settings = {f"fixed {k}": {"loop_counts": (k,)} for k in range(1, args.full_loops + 1)}
     for name in [p for p in args.policies.split(",") if p]:
         options = {"gate": args.run} if name == "learned" else {}
-        for tau in GRID[name]:
-            settings[f"{name} {tau:g}"] = {"factory": controller_factory(name, tau, args.full_loops,
-                                                                          lambda: model.readout, options)}
+        for cap in args.caps:
+            for tau in GRID[name]:
+                label = f"{name} {tau:g}" + ("" if cap == args.full_loops else f" cap {cap}")
+                settings[label] = {"factory": controller_factory(name, tau, cap, lambda: model.readout, options)}
     return settings
 
 
 def measured_quality(model, heldout, settings: dict, args, device) -> dict:
     """Each setting's steps and solved problems: measured (and saved beside --json), or with --reuse-quality
-    read from an earlier run's file."""
+    read from an earlier run's file (the settings it lacks, such as a new cap's, measured and added to it)."""
     cache = Path(args.json).with_suffix(".quality.npz") if args.json else None
+    saved = {}
     if args.reuse_quality:
         if cache is None or not cache.is_file():
             raise RdepthError(f"--reuse-quality needs {cache or '--json'} from an earlier run")
-        saved = np.load(cache)
-        return {label: {"steps": float(saved[f"steps|{label}"]), "solved": saved[f"solved|{label}"]}
-                for label in settings}
-    qualities = quality(model, heldout, settings, args.seed, device)
-    if cache is not None:
-        np.savez(cache, **{f"{key}|{label}": q[key] for label, q in qualities.items() for key in ("steps", "solved")})
-    return qualities
+        with np.load(cache) as stored:
+            saved = {name: stored[name] for name in stored.files}
+    qualities = {label: {"steps": float(saved[f"steps|{label}"]), "solved": saved[f"solved|{label}"]}
+                 for label in settings if f"steps|{label}" in saved}
+    missing = {label: setting for label, setting in settings.items() if label not in qualities}
+    if not missing:
+        return qualities
+    qualities.update(quality(model, heldout, missing, args.seed, device))
+    if cache is not None:  # (the earlier file's other settings kept; written whole, then moved into place)
+        saved.update({f"{key}|{label}": q[key] for label, q in qualities.items() for key in ("steps", "solved")})
+        partial = cache.with_name(cache.name + ".partial.npz")
+        np.savez(partial, **saved)
+        partial.replace(cache)
+    return {label: qualities[label] for label in settings}
 
 
 def timed_choice(choice: dict, shares: dict, args) -> dict:

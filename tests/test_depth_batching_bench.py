@@ -144,3 +144,49 @@ def test_ticks_named_are_checked_and_eager_is_always_first():
 
     with pytest.raises(RdepthError, match="--ticks takes"):  # one line, exit 2 (a SystemExit was exit 1)
         tick_list("eager,fast")
+
+
+def test_a_rule_capped_at_the_fixed_budget_is_chosen_when_cheaper_and_refused_when_it_drops_a_difficulty():
+    """--caps: 'NAME TAU cap K' competes with the uncapped grid on A like any other setting."""
+    uncapped = (1.6, solved(0.95, 0.9))
+    q = qualities({"step_norm_rel 0.3": uncapped, "step_norm_rel 0.3 cap 2": (1.5, solved(0.95, 0.9))})
+    rows = np.arange(400)
+    assert select(q, LABELS, rows, ARGS)["chosen"]["step_norm_rel plain"] == "step_norm_rel 0.3 cap 2"
+    # the cap cuts the slow rows of difficulty 2 (3 points under F there): the uncapped setting is chosen
+    q = qualities({"step_norm_rel 0.3": uncapped, "step_norm_rel 0.3 cap 2": (1.5, solved(0.95, 0.87))})
+    assert select(q, LABELS, rows, ARGS)["chosen"]["step_norm_rel plain"] == "step_norm_rel 0.3"
+
+
+def test_caps_make_their_own_settings_and_a_reused_quality_file_gains_only_the_missing_ones(tmp_path, monkeypatch):
+    import bench.depth_batching as bench
+
+    args = bench.parse_args(["--run", "r", "--data", "d", "--full-loops", "4", "--caps", "2,4",
+                             "--policies", "step_norm_rel", "--json", str(tmp_path / "q.json")])
+    settings = bench.settings_for(Namespace(readout=lambda hidden: hidden), args)
+    taus = bench.GRID["step_norm_rel"]
+    assert [label for label in settings if label.startswith("step_norm_rel")] == (
+        [f"step_norm_rel {tau:g} cap 2" for tau in taus] + [f"step_norm_rel {tau:g}" for tau in taus])
+    assert settings["step_norm_rel 0.5 cap 2"]["factory"]().policy(0).k_max == 2
+    with pytest.raises(SystemExit):  # a cap above the full budget has no fixed budget to compare with
+        bench.parse_args(["--run", "r", "--data", "d", "--full-loops", "4", "--caps", "5"])
+    measured = []
+
+    def fake_quality(model, heldout, wanted, seed, device):
+        measured.append(sorted(wanted))
+        return {label: {"steps": float(len(label)), "solved": np.ones(3, dtype=bool)} for label in wanted}
+
+    monkeypatch.setattr(bench, "quality", fake_quality)
+    old = {label: setting for label, setting in settings.items() if "cap" not in label}
+    first = bench.measured_quality(None, None, old, args, "cpu")
+    np.savez(tmp_path / "q.quality.npz", **{"steps|other": 1.0, "solved|other": np.zeros(3, dtype=bool)},
+             **{f"{key}|{label}": q[key] for label, q in first.items() for key in ("steps", "solved")})
+    args.reuse_quality = True
+    again = bench.measured_quality(None, None, settings, args, "cpu")
+    assert measured[-1] == sorted(label for label in settings if "cap" in label)  # only the new ones measured
+    assert list(again) == list(settings)
+    kept = np.load(tmp_path / "q.quality.npz")
+    assert "steps|other" in kept.files and "steps|step_norm_rel 0.5 cap 2" in kept.files  # merged, nothing lost
+    count = len(measured)
+    third = bench.measured_quality(None, None, settings, args, "cpu")  # everything saved: nothing measured
+    assert len(measured) == count and list(third) == list(settings)
+    assert all(third[label]["steps"] == again[label]["steps"] for label in settings)

@@ -116,6 +116,22 @@ def test_a_non_finite_row_fails_alone_when_running_ahead():
         assert ahead[index].tokens == eager[index].tokens and ahead[index].steps == eager[index].steps
 
 
+def test_a_row_that_fails_inside_its_prompt_reads_nothing_after_it_and_its_slot_goes_on_clean():
+    """Non-finite at position 5 of a 20-token prompt, one loop a token (a readout every tick): the call's later
+    readouts of that slot (positions 6, 7: in the prompt, finite) are dropped with it, and the request that
+    takes the slot next equals its batch-1 decode."""
+    model = SHAPES["loop only"]()
+    with torch.no_grad():
+        model.wpe.weight[5] = float("nan")
+    budget = {"loop_counts": [1] * model.n_groups}
+    requests = [Request(list(range(1, 21)), max_tokens=2), Request([4, 5, 6], max_tokens=3, sequence_id=1),
+                Request([7, 8], max_tokens=2, sequence_id=2)]
+    results, engine = run_engine(model, requests, 1, tick="static", ahead=4, **budget)
+    assert results[0].finish_reason == "error" and "position 5" in results[0].error
+    assert len(results[0].steps) == 5  # positions 0-4 read out, nothing after
+    assert_same(model, requests[1:], {0: results[1], 1: results[2]}, **budget)
+
+
 @pytest.mark.parametrize("ahead, tick, why", [(0, "static", "ahead must be an integer >= 1"),
                                               (True, "static", "ahead must be an integer >= 1"),
                                               (2, "eager", "reads the device after every tick")])

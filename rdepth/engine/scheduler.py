@@ -241,6 +241,13 @@ class Scheduler:
         logs = self.logs
         positions = self.position[rows]
         finite = greedy >= 0
+        in_prompt = finite & (positions + 1 < logs.prompt_length[rows])
+        keeps = logs.keeps[rows]
+        if (in_prompt > keeps).all():  # every row in its prompt (so finite), none keeping logits: nothing per row
+            logs.record(rows, positions, output.steps, greedy)
+            self.stats.positions += rows.size
+            self._feed(rows, logs.prompt[rows, positions + 1], output.entered)
+            return []
         if finite.all():
             logs.record(rows, positions, output.steps, greedy)
             read = rows.size
@@ -248,11 +255,6 @@ class Scheduler:
             logs.record(rows[finite], positions[finite], output.steps[finite], greedy[finite])
             read = int(finite.sum())
         self.stats.positions += read
-        in_prompt = finite & (positions + 1 < logs.prompt_length[rows])
-        keeps = logs.keeps[rows]
-        if in_prompt.all() and not keeps.any():  # every row in its prompt, none keeping logits: nothing per row
-            self._feed(rows, logs.prompt[rows, positions + 1], output.entered)
-            return []
         feed = in_prompt.copy()
         tokens = logs.prompt[rows, np.minimum(positions + 1, self.capacity - 1)]  # the prompt's next (in it)
         finished = []

@@ -80,7 +80,7 @@ class _StaticStore:
         for tensor, new in zip(self.cache.looped[layer], (keys, values), strict=True):
             self.cache.write_latest(tensor, new.squeeze(2), self.steps, self.rows, self.positions, self.at)
             out.append(tensor.view(-1, *tensor.shape[2:]).index_select(0, self.read))  # (B, nh, S, hs)
-        return tuple(out)
+        return _masked(out, ctx)
 
 
 class _SingleStore:
@@ -96,7 +96,20 @@ class _SingleStore:
             if self.writing is not None:
                 new = torch.where(self.writing[:, None, None], new, tensor[self.rows, :, self.positions])
             tensor[self.rows, :, self.positions] = new
-        return self.cache.single[layer]
+        return _masked(self.cache.single[layer], ctx)
+
+
+def _masked(pair, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``(B, nh, S, hs)`` read over a slot's whole capacity, zero where ``ctx.mask`` hides them:
+    what lies there (a former request's keys, or what the tick wrote running ahead past its request's end) may
+    not be finite (a model whose output was not finite there), and a masked value that is not finite is not
+    masked (0 x inf is NaN, and so is a NaN key plus the mask's -inf). Zero where the mask keeps nothing changes
+    no weight: the same sums. Compiled, the attention's own sums leave the masked positions out
+    (:func:`rdepth.model.layers._attend_elementwise`), inside the reads they fuse with."""
+    if ctx.elementwise:  # (its sums take the masked positions' products out themselves)
+        return tuple(pair)
+    keep = ctx.mask.view(ctx.mask.shape[0], 1, -1, 1)  # (B, 1, S, 1)
+    return tuple(torch.where(keep, tensor, 0) for tensor in pair)
 
 
 class _Segment(StageWalk):
@@ -204,32 +217,42 @@ class StaticTick(EagerTick):
             state, projected, decisions, logits = self.function_ahead(self.state, self.projected)
             self.state, self.projected = state, projected
             decisions = decisions.cpu().numpy()  # (N, 3, B)
-            outputs = [self._read(live, decisions[i], logits[i]) for i in range(self.ahead)]
+            stops = (decisions[:, 0] == 1) & live  # (the call's ticks at once: (N, B))
+            outputs = [self._read(live, decisions[i], logits[i], stops[i]) for i in range(self.ahead)]
             outputs[0].following = outputs[1:]
             return outputs[0]
         state, projected, decisions, logits = self.function(self.state, self.projected)
         self.state, self.projected = state, projected
-        return self._read(live, decisions.cpu().numpy(), logits)  # the tick's one host read
+        decisions = decisions.cpu().numpy()  # the tick's one host read
+        return self._read(live, decisions, logits, (decisions[0] == 1) & live)
 
-    def _read(self, live: np.ndarray, decisions: np.ndarray, logits: torch.Tensor) -> TickOutput:
-        """One tick's output from its decisions ``[3, B]`` (which rows stopped, argmax, token entered) and
-        logits ``[B, V]``: the host's per-slot bookkeeping of the rows that stopped."""
-        self.step_count[live] += 1
-        loop_steps = np.bincount(self.host_group[live], minlength=self.groups).tolist()
-        stopped = np.flatnonzero(live & (decisions[0] == 1))
+    def _read(self, live: np.ndarray, decisions: np.ndarray, logits: torch.Tensor, stops: np.ndarray) -> TickOutput:
+        """One tick's output from its decisions ``[3, B]`` (which rows stopped, argmax, token entered), the
+        live rows that stopped (``stops`` ``[B]``) and the logits ``[B, V]``: the host's per-slot bookkeeping of
+        the rows that stopped."""
+        self.step_count += live
+        if self.groups == 1:
+            loop_steps = [int(np.count_nonzero(live))]
+        else:
+            loop_steps = np.bincount(self.host_group[live], minlength=self.groups).tolist()
+        stopped = np.flatnonzero(stops)
         if not stopped.size:
             return TickOutput.nothing(self.groups, loop_steps)
-        groups = self.host_group[stopped]
-        self.current[stopped, groups] = self.step_count[stopped]
+        if self.groups == 1:  # (every row that stopped read out)
+            rows = stopped
+            self.current[rows, 0] = self.step_count[rows]
+        else:
+            groups = self.host_group[stopped]
+            self.current[stopped, groups] = self.step_count[stopped]
+            last = groups == self.groups - 1
+            moved, rows = stopped[~last], stopped[last]
+            if moved.size:  # on to the next group (the device entered them): the rule's memory there starts afresh
+                self.host_group[moved] += 1
+                self._restart(moved)
+            self.host_group[rows] = 0
         self.step_count[stopped] = 0
-        last = groups == self.groups - 1
-        moved, rows = stopped[~last], stopped[last]
-        if moved.size:  # on to the next group (the device entered them): the rule's memory there starts afresh
-            self.host_group[moved] += 1
-            self._restart(moved)
         if not rows.size:
             return TickOutput.nothing(self.groups, loop_steps)
-        self.host_group[rows] = 0
         entered = decisions[2][rows]
         self.entered[rows] = entered  # the token the device entered for each (_apply compares a token fed)
         self.position[rows] += 1  # (the device moved them on; the host's next hand-over says the same)

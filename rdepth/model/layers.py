@@ -259,7 +259,10 @@ def _attend_elementwise(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     """One query per row ``q`` ``(B, nh, 1, hs)`` over ``keys``/``values`` ``(B, nh, S, hs)`` where the boolean
     ``mask`` ``(B, 1, 1, S)`` is True: softmax(q k / sqrt(hs)) v as broadcasts and sums (what SDPA computes,
     summed in another order), ``(B, nh, 1, hs)``. Written so because a compiler reads the keys and values
-    where they lie (a gather from a cache) inside these sums, where SDPA needs them copied out first."""
+    where they lie (a gather from a cache) inside these sums, where SDPA needs them copied out first. A masked
+    position adds nothing even where its key or value is not finite (a cache's stale rows): the mask replaces
+    its score, and its product is left out of the sum, not multiplied by a zero weight."""
+    keep = mask.transpose(-1, -2)  # (B, 1, S, 1)
     scores = (q * keys).sum(-1, keepdim=True) * q.shape[-1] ** -0.5  # (B, nh, S, 1)
-    scores = scores.masked_fill(~mask.transpose(-1, -2), float("-inf"))
-    return (torch.softmax(scores, dim=2) * values).sum(2, keepdim=True)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.where(keep, torch.softmax(scores, dim=2) * values, 0).sum(2, keepdim=True)
