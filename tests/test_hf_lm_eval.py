@@ -325,3 +325,64 @@ def test_batched_generation_through_lm_evals_own_hf_model_equals_each_prompt_alo
         alone = tokenizer.decode(tokens.tolist()).split(".")[0]
         assert sample["resps"][0][0] == alone, context
     assert sum(bool(sample["resps"][0][0].strip()) for sample in samples) >= len(samples) // 2  # text was made
+
+
+def test_generate_until_with_loop_speculation_gives_plain_decodings_texts(run):
+    """speculate=K (drafts at draft_loops, verified at the budget in one pass): the same texts as plain decoding,
+    at batch size 1 (every request speculates) and 2 (the batch's tail does), and the rounds are counted."""
+    lm_eval_or_skip()
+    from rdepth.interop.lm_eval_model import RdepthLM
+
+    folder, _ = run
+    prompts = ["The old castle", "A river", "In the morning the market", "The king"]
+    asked = instances("generate_until", [(p, {"until": ["\n\n"], "max_gen_toks": 10 + 2 * i})
+                                         for i, p in enumerate(prompts)])
+    plain = RdepthLM(str(folder), loops="3:2").generate_until(asked, disable_tqdm=True)
+    for batch_size in (1, 2):
+        lm = RdepthLM(str(folder), loops="3:2", batch_size=batch_size, speculate="3", draft_loops="1:1")
+        assert lm.generate_until(asked, disable_tqdm=True) == plain
+        counts = lm.speculation_counts
+        assert counts["rounds"] > 0 and 0 <= counts["accepted"] <= counts["drafted"]
+
+
+@pytest.mark.parametrize("options, why", [
+    ({"speculate": "0"}, "speculate must be an integer >= 1"),
+    ({"speculate": "two"}, "speculate must be an integer >= 1"),
+    ({"draft_loops": "1"}, "give speculate too"),
+    ({"speculate": "2", "speculate_at_most": "-1"}, "speculate_at_most must be an integer >= 1"),
+])
+def test_speculation_arguments_that_cannot_run_are_one_line_errors(run, options, why):
+    lm_eval_or_skip()
+    from rdepth.errors import RdepthError
+    from rdepth.interop.lm_eval_model import RdepthLM
+
+    with pytest.raises(RdepthError, match=why):
+        RdepthLM(str(run[0]), loops=2, **options)
+
+
+def test_lm_eval_refuses_drafts_without_speculate_and_a_draft_at_the_budget_in_one_line(run, task_folder, monkeypatch,
+                                                                                         capsys):
+    lm_eval_or_skip()
+    folder, _ = run
+    err = one_line_error(capsys, cli(monkeypatch, "lm-eval", "--checkpoint", folder, "--tasks", TASK,
+                                     "--include-path", task_folder, "--draft-loops", "1"))
+    assert "--speculate" in err
+    from rdepth.errors import RdepthError
+    from rdepth.interop.lm_eval_model import RdepthLM
+
+    lm = RdepthLM(str(folder), loops=1, speculate=2, draft_loops=1)  # a draft at the budget: the engine says so
+    with pytest.raises(RdepthError, match="draft"):
+        lm.generate_until(instances("generate_until", [("The old castle", {"until": ["."], "max_gen_toks": 4})]),
+                          disable_tqdm=True)
+
+
+def test_lm_eval_with_speculate_reports_its_rounds_per_budget(run, task_folder, tmp_path, monkeypatch, capsys):
+    """A scoring task generates nothing: zero rounds, said per budget in the JSON and the printout."""
+    lm_eval_or_skip()
+    folder, _ = run
+    out = tmp_path / "spec.json"
+    assert cli(monkeypatch, "lm-eval", "--checkpoint", folder, "--tasks", TASK, "--include-path", task_folder,
+               "--loops", "2", "--limit", "4", "--speculate", "2", "--draft-loops", "1", "--json", out) == 0
+    (budget,) = json.loads(out.read_text())["budgets"]
+    assert budget["speculation"] == {"rounds": 0, "drafted": 0, "accepted": 0}
+    assert "speculation: 0 rounds, 0 drafts" in capsys.readouterr().out

@@ -38,13 +38,19 @@ def run(args: argparse.Namespace) -> int:
             raise RdepthError("lm-eval is not installed: pip install 'rdepth[lm-eval]'") from None
         raise
     summary = evaluate_budgets(config.checkpoint, config.task_list, config.loops or [None], config.include_path,
-                               config.limit, config.batch_size, config.seed, config.device, config.bootstrap_iters)
+                               config.limit, config.batch_size, config.seed, config.device, config.bootstrap_iters,
+                               config.speculation)
     for budget in summary["budgets"]:
         loops = ",".join(map(str, budget["loops"]))
         for task, metrics in budget["results"].items():
             shown = "  ".join(_with_error(name, value, metrics.get(f"{name}_stderr"))
                               for name, value in metrics.items() if "stderr" not in name and name != "sample_len")
             print(f"loops {loops:>10}  {task}: {shown}  ({metrics.get('sample_len', '?')} examples)")
+        if "speculation" in budget:
+            counts = budget["speculation"]
+            kept = counts["accepted"] / counts["drafted"] if counts["drafted"] else 0.0
+            print(f"loops {loops:>10}  speculation: {counts['rounds']} rounds, {counts['drafted']} drafts, "
+                  f"{100 * kept:.1f}% kept")
     if config.json:
         write_json(config.json, summary)
     return 0

@@ -129,6 +129,14 @@ class LmEvalConfig:
     json: str | None = option(None, "also write the results to this JSON file")
     bootstrap_iters: int = option(1000, "bootstrap resamples for the standard errors of metrics that are not "
                                   "means (a mean's is sample std / sqrt(n)); 0: no standard errors")
+    speculate: int | None = option(
+        None, "generation tasks: loop-speculative decoding, K drafts a round at --draft-loops loop steps per group "
+        "verified at each budget in one pass (the same texts as plain decoding)", default_text="off", metavar="K")
+    draft_loops: str | None = option(None, "with --speculate: the drafts' loop steps D per group (N or N,N,...), "
+                                           "below every budget", default_text="1", metavar="D")
+    speculate_at_most: int | None = option(
+        None, "with --speculate: speculate for a request only while at most M are in flight", default_text="1",
+        metavar="M")
 
     def __post_init__(self) -> None:
         if not isinstance(self.bootstrap_iters, int) or isinstance(self.bootstrap_iters, bool) \
@@ -138,10 +146,20 @@ class LmEvalConfig:
             raise RdepthError("lm-eval: --tasks must name at least one task")
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:
             raise RdepthError(f"lm-eval: threads must be >= 0, got {self.threads!r}")
-        for name in ("batch_size", "limit"):
+        for name in ("batch_size", "limit", "speculate", "speculate_at_most"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise RdepthError(f"lm-eval: {name} must be a positive integer, got {value!r}")
+        if self.speculate is None and (self.draft_loops is not None or self.speculate_at_most is not None):
+            raise RdepthError("lm-eval: --draft-loops and --speculate-at-most set the drafts of --speculate K; "
+                              "give --speculate too")
+
+    @property
+    def speculation(self) -> dict:
+        """The model's speculation arguments (:func:`rdepth.interop.lm_eval_model.speculation_options`)."""
+        options = {"speculate": self.speculate, "draft_loops": self.draft_loops,
+                   "speculate_at_most": self.speculate_at_most}
+        return {name: value for name, value in options.items() if value is not None}
 
     @property
     def task_list(self) -> list[str]:

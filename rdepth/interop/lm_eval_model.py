@@ -12,6 +12,11 @@ the harness unchanged::
 (``loops=2:3:1``), since the harness splits ``--model_args`` on commas.
 ``seed``: the initial loop-state seed (every request starts from the states of
 sequence id 0 under it, so a request's score does not depend on its batch).
+``speculate=K`` (with ``draft_loops=D``, per group with ``:``, and
+``speculate_at_most=M``): ``generate_until`` drafts K tokens at D loop steps and
+verifies them at ``loops`` in one pass, for a request while at most M are in flight
+(default 1: the batch's tail, or every request at ``batch_size=1``); the texts are
+plain decoding's.
 
 ``rdepth lm-eval`` (:func:`evaluate_budgets`) runs tasks at several loop budgets
 and reports each task's metrics per budget. An exported folder also runs through
@@ -42,6 +47,30 @@ from rdepth.run.heldout import run_tokenizer
 log = logging.getLogger(__name__)
 
 
+def speculation_options(speculate: Any, draft_loops: Any = None, at_most: Any = None) -> dict:
+    """The engine's loop-speculation arguments from the model's ``speculate``, ``draft_loops`` and
+    ``speculate_at_most`` (strings from ``--model_args`` or numbers); empty when ``speculate`` is not given.
+    One-line errors for a count that is not a positive integer, or drafts without ``speculate``."""
+    if speculate is None or speculate == "":
+        if draft_loops not in (None, "") or at_most not in (None, ""):
+            raise RdepthError("lm-eval: draft_loops and speculate_at_most set the drafts of speculate=K; give "
+                              "speculate too")
+        return {}
+    options = {"speculate": _positive("speculate", speculate)}
+    if draft_loops not in (None, ""):
+        options["draft_loops"] = str(draft_loops).replace(":", ",")
+    if at_most not in (None, ""):
+        options["speculate_at_most"] = _positive("speculate_at_most", at_most)
+    return options
+
+
+def _positive(name: str, value: Any) -> int:
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
+        raise RdepthError(f"lm-eval: {name} must be an integer >= 1, got {value!r}")
+    return int(text)
+
+
 def parse_budget(loops: Any, n_groups: int) -> tuple[int, ...] | None:
     """``4``, ``"4"``, ``"2:3:1"`` or ``"2,3,1"`` -> per-group counts (None: the model's eval counts)."""
     if loops is None or loops == "":
@@ -62,8 +91,11 @@ class RdepthLM(TemplateLM):
     """
 
     def __init__(self, checkpoint: str, loops: Any = None, seed: int = 0, batch_size: Any = 8,
-                 device: str | None = None, max_batch_size: int | None = None, **unused: Any) -> None:
+                 device: str | None = None, max_batch_size: int | None = None, speculate: Any = None,
+                 draft_loops: Any = None, speculate_at_most: Any = None, **unused: Any) -> None:
         super().__init__()
+        self.speculation = speculation_options(speculate, draft_loops, speculate_at_most)
+        self.speculation_counts = {"rounds": 0, "drafted": 0, "accepted": 0}  # (generate_until's, summed)
         if unused:
             log.debug("rdepth lm-eval model ignores %s", sorted(unused))
         if (device or "").startswith("cuda") and not torch.cuda.is_available():
@@ -158,7 +190,9 @@ class RdepthLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuations, ``batch_size`` requests at a time through the continuous depth batching
         engine (each row at its own position and loop step; every request's tokens equal its decode alone,
-        with the initial loop states of sequence 0), cut at the end-of-text token and the first stop string."""
+        with the initial loop states of sequence 0), cut at the end-of-text token and the first stop string.
+        With ``speculate``, the engine's loop speculation (the same texts; :attr:`speculation_counts` sums the
+        rounds run and the drafts made and kept)."""
         from rdepth.engine import Engine, Request
 
         settings, made = [], []
@@ -174,10 +208,12 @@ class RdepthLM(TemplateLM):
             settings.append((context, gen_kwargs, until))
         # each slot holds the longest request, not the whole context (Ouro's is 65,536 positions)
         capacity = min(self.max_length, max((len(r.prompt) + r.max_tokens for r in made), default=1))
-        engine = Engine(self.model, self.batch_size, loop_counts=self.loop_counts, capacity=capacity)
+        engine = Engine(self.model, self.batch_size, loop_counts=self.loop_counts, capacity=capacity,
+                        **self.speculation)
         for request in made:
             engine.add_request(request)
         texts: dict[int, str] = {}
+        stats = engine.stats
         with tqdm(total=len(settings), disable=disable_tqdm, desc="rdepth generate") as bar:
             for done in engine.run():
                 if done.error is not None:
@@ -189,6 +225,8 @@ class RdepthLM(TemplateLM):
                         text = text[: text.index(stop)]
                 texts[done.request.tag] = text
                 bar.update(1)
+        for name in self.speculation_counts:
+            self.speculation_counts[name] += getattr(stats, name)
         outputs = []
         for index, (context, gen_kwargs, _) in enumerate(settings):
             outputs.append(texts[index])
@@ -203,7 +241,7 @@ def _shorten(text: str, keep: int = 40) -> str:
 
 def evaluate_budgets(checkpoint: str, tasks: list[str], budgets: list[str | None], include_path: str | None = None,
                      limit: int | None = None, batch_size: int = 8, seed: int = 0, device: str = "cpu",
-                     bootstrap_iters: int = 1000) -> dict:
+                     bootstrap_iters: int = 1000, speculation: dict | None = None) -> dict:
     """Run ``tasks`` at each loop budget: ``{"budgets": [{"loops": [...], "results": {task: {metric: value}}}]}``.
 
     Each metric comes with its standard error, ``METRIC_stderr``, as the harness computes it: for a
@@ -214,11 +252,12 @@ def evaluate_budgets(checkpoint: str, tasks: list[str], budgets: list[str | None
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
-    lm = RdepthLM(checkpoint, seed=seed, batch_size=batch_size, device=device)
+    lm = RdepthLM(checkpoint, seed=seed, batch_size=batch_size, device=device, **(speculation or {}))
     summary = {"checkpoint": str(checkpoint), "tasks": list(tasks), "limit": limit, "seed": seed,
                "bootstrap_iters": bootstrap_iters, "budgets": []}
     for budget in budgets or [None]:
         lm.loop_counts = parse_budget(budget, lm.model_config.n_groups) or lm.model_config.default_eval_loops
+        lm.speculation_counts = dict.fromkeys(lm.speculation_counts, 0)
         try:
             output = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                      log_samples=False, bootstrap_iters=bootstrap_iters)
@@ -228,6 +267,8 @@ def evaluate_budgets(checkpoint: str, tasks: list[str], budgets: list[str | None
                           if isinstance(value, (int, float)) and not isinstance(value, bool)}
                    for task, metrics in output["results"].items()}
         summary["budgets"].append({"loops": list(lm.loop_counts), "results": results})
+        if speculation:
+            summary["budgets"][-1]["speculation"] = dict(lm.speculation_counts)
     return summary
 
 
