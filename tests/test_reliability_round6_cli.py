@@ -135,6 +135,13 @@ def test_an_interrupted_prompts_file_run_keeps_the_results_it_finished(capsys, m
     assert blocks(out) == full[:kept]
 
 
+def sigint_at_default() -> None:
+    """(In a child, before it runs Python) SIGINT at its default action, whatever the suite inherited: a shell's
+    background job starts with SIGINT ignored, and a Python started so never installs its KeyboardInterrupt
+    handler, so the interrupt these tests send would go unseen."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_prompts_file_run_writes_each_result_before_the_next_is_done(run, tmp_path):
     """Through a pipe (block-buffered): two results are read while the engine still runs (before, every result came
     after the engine's last), then SIGINT ends it with one line, status 130, and stdout holds whole results, in
@@ -143,7 +150,8 @@ def test_a_prompts_file_run_writes_each_result_before_the_next_is_done(run, tmp_
     prompts.write_text("\n".join(f"{PROMPTS[n % len(PROMPTS)]} {n}" for n in range(400)) + "\n")
     child = subprocess.Popen([sys.executable, "-m", "rdepth", "generate", "--checkpoint", str(run), "--prompts-file",
                               str(prompts), "--batch-size", "1", "--max-new-tokens", "40", "--device", "cpu",
-                              "--threads", "1"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              "--threads", "1"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=sigint_at_default)
     try:
         read = []
         while sum(line.startswith("--- prompt ") for line in read) < 2:
@@ -209,7 +217,7 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_never_an_abort():
     line every time; never SIGABRT ('terminate called after throwing an instance of pybind11::error_already_set')."""
     delays = (0.0, 0.5, 2.5)  # (each try imports torch: a few)
     children = [subprocess.Popen([sys.executable, "-c", CHILD], env=ENV, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for _ in delays]
+                                 stderr=subprocess.PIPE, text=True, preexec_fn=sigint_at_default) for _ in delays]
     try:
         for child in children:
             assert child.stdout.readline() == "ready\n"
