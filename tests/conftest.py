@@ -4,6 +4,7 @@ tiny test model (``from conftest import tiny_model``)."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -249,3 +250,19 @@ def small_chase_data(tmp_path_factory):
     return prepare_task_data(TaskDataConfig(task="chase", train_difficulties=(1, 3), train_tokens=6000,
                                             val_tokens=2000, block_size=32, out=out,
                                             task_params='{"chase": {"nodes": 8, "queries": 4, "ordered": true}}'))
+
+
+def sigint_at_default() -> None:
+    """(A child's ``preexec_fn``, before it runs Python) SIGINT at its default action, whatever the suite
+    inherited: a shell's background job starts with SIGINT ignored, and a Python started so never installs its
+    KeyboardInterrupt handler, so an interrupt a test sends would go unseen (the child runs on: a hang)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def python_sigint():
+    """SIGINT raises KeyboardInterrupt in this process for the test (Python's own handler), as in any shell's
+    foreground, whatever the suite inherited; the handler before is put back after."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

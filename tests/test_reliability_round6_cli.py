@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import sigint_at_default
 from test_hf_helpers import tiny_run
 
 import rdepth.run.generate_many as generate_many_module
@@ -135,13 +136,6 @@ def test_an_interrupted_prompts_file_run_keeps_the_results_it_finished(capsys, m
     assert blocks(out) == full[:kept]
 
 
-def sigint_at_default() -> None:
-    """(In a child, before it runs Python) SIGINT at its default action, whatever the suite inherited: a shell's
-    background job starts with SIGINT ignored, and a Python started so never installs its KeyboardInterrupt
-    handler, so the interrupt these tests send would go unseen."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_a_prompts_file_run_writes_each_result_before_the_next_is_done(run, tmp_path):
     """Through a pipe (block-buffered): two results are read while the engine still runs (before, every result came
     after the engine's last), then SIGINT ends it with one line, status 130, and stdout holds whole results, in
@@ -174,7 +168,7 @@ def test_a_prompts_file_run_writes_each_result_before_the_next_is_done(run, tmp_
 
 
 # ------------------------------------------------------------------ item 11: Ctrl-C while torch imports
-def test_ctrl_c_while_the_parser_is_built_raises_nothing_inside_it(monkeypatch, capsys):
+def test_ctrl_c_while_the_parser_is_built_raises_nothing_inside_it(monkeypatch, capsys, python_sigint):
     """Building the parser imports torch; a KeyboardInterrupt raised in the middle of torch's native import can
     abort the process (SIGABRT). The Ctrl-C must raise nothing there: the import completes, then the command
     line ends with one line, status 130, and Ctrl-C's handler is the one before."""

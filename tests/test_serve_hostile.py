@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import tiny_model
+from conftest import sigint_at_default, tiny_model
 from fastapi.testclient import TestClient
 
 from rdepth.cli.main import main
@@ -350,7 +350,8 @@ def test_a_real_server_over_sockets(tiny_text_run, tmp_path):
     with open(log, "w") as handle:
         server = subprocess.Popen([sys.executable, "-c", SLOW_SERVER, "serve", "--checkpoint", str(tiny_text_run),
                                    "--port", str(port), "--device", "cpu", "--threads", "1", "--name", "tiny"],
-                                  stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                                  stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                  preexec_fn=sigint_at_default)
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
