@@ -44,8 +44,9 @@ ALLOWED = {
     # exported Hugging Face models bundle the model and the exit rules; lm-eval's local chase task
     # draws problems with a task data folder's own parameters
     "interop": BASE | {"config", "model", "data", "run", "exits", "exitrun", "tasks", "engine"},
-    # rdepth serve: the HTTP API on the engine, a run's model and tokenizer, the exit rules by name
-    "serve": BASE | {"config", "model", "run", "exits", "exitrun", "engine"},
+    # rdepth serve: the HTTP API on the engine, a run's model and tokenizer, the exit rules by name; a looped
+    # transformers folder through its adapter's engine
+    "serve": BASE | {"config", "model", "run", "exits", "exitrun", "engine", "looped"},
     # the main job (rdepth/demo/; the rules inside it: DEMO_ROOM)
     "demo": BASE | {"config", "model", "data", "run", "train", "exits", "sweep", "geometry", "report", "tasks"},
     # rdepth reproduce: trains and runs the analyses like the demo, then judges the paper's claims
@@ -53,8 +54,9 @@ ALLOWED = {
     # looped models that ship in transformers (HRM-Text, Inkling-2) driven step by step: the geometry metrics
     # and the exit rules over their iterates; rdepth analyze / sweep / generate on their folders use the run
     # layer's window maker and device, the model's sampling, the page builder, and reproduce's claim judges
-    # (pure functions on a geometry summary) for the page's verdicts
-    "looped": BASE | {"geometry", "exits", "model", "run", "report", "reproduce"},
+    # (pure functions on a geometry summary) for the page's verdicts; the engine's host side and client API
+    # over a tick of their own (rdepth.looped.engine)
+    "looped": BASE | {"geometry", "exits", "model", "run", "report", "reproduce", "engine"},
     # vLLM's model plugin for rdepth exports (loaded by vLLM through an entry point): rdepth's model and stage
     # walk with vLLM's attention, the export's config read as interop reads it
     "vllm": BASE | {"config", "model", "interop"},

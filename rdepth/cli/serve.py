@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rdepth.cli.options import add_dataclass_flags, build
+from rdepth.cli.options import add_dataclass_flags, build, overrides
 
 
 def register(subparsers) -> None:
@@ -29,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
     from rdepth.serve.config import ServeConfig
 
     config = build(ServeConfig, {}, args)
-    if config.replicas is not None:  # N servers under Ray Serve (docs/serve.md: scaling out)
+    given = overrides(args, ServeConfig, check=False)
+    looped = _looped_folder(config.checkpoint, given)  # HRM-Text or Inkling-2 in place (rdepth.serve.looped)
+    if config.replicas is not None and not looped:  # N servers under Ray Serve (docs/serve.md: scaling out)
         try:
             from rdepth.serve.ray_app import serve_replicas
         except ModuleNotFoundError as exc:
@@ -43,4 +45,16 @@ def run(args: argparse.Namespace) -> int:
         if exc.name and exc.name.split(".")[0] in ("fastapi", "starlette", "uvicorn"):
             raise RdepthError("rdepth serve needs its extra: pip install 'rdepth[serve]'") from None
         raise
-    return serve(config)
+    return serve(config, given)
+
+
+def _looped_folder(checkpoint: str, given: dict) -> bool:
+    """Whether ``checkpoint`` is a looped transformers folder; the flags it does not read refused in one line."""
+    from rdepth.looped.load import check_flags_apply, looped_source
+
+    if not looped_source([checkpoint], "serve"):
+        return False
+    from rdepth.serve.looped import APPLICABLE
+
+    check_flags_apply("serve", given, APPLICABLE)
+    return True

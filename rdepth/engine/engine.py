@@ -38,7 +38,7 @@ from rdepth.model.budget import resolve_budget
 from rdepth.model.control import FixedController, RowController
 from rdepth.model.recurrent import RecurrentLM
 
-__all__ = ["Engine", "EngineStats"]
+__all__ = ["Engine", "EngineBase", "EngineStats"]
 
 _BUILT_IN = (EagerTick, StaticTick, CompiledTick)  # (each registers itself in TICKS as its module is imported)
 
@@ -92,7 +92,99 @@ def _check_arguments(batch_size, tick, ahead, kv_layout, both_budgets: bool) -> 
         raise RdepthError("engine: give loop_counts or controller_factory, not both")
 
 
-class Engine:
+class EngineBase:
+    """The client side of an engine (the queue, cancellation, ticks, the finished requests) over a
+    :class:`~rdepth.engine.scheduler.Scheduler` and a :class:`~rdepth.engine.tick.Tick`: :class:`Engine` builds
+    them for rdepth's model, :class:`rdepth.looped.engine.LoopedEngine` for a looped ``transformers`` model."""
+
+    def __init__(self, scheduler: Scheduler, tick, batch: int, capacity: int, kv_layout: str = "exact"):
+        self.scheduler, self.tick = scheduler, tick
+        self.batch, self.capacity, self.kv_layout = batch, capacity, kv_layout
+
+    # ------------------------------------------------------------------ clients
+    def add_request(self, request: Request) -> int:
+        """Queue ``request``; returns its id (the order of arrival). A depth the engine cannot serve (a rule it
+        was not built with, more steps than its caps, a threshold the rule refuses) is a one-line error."""
+        if not isinstance(request, Request):
+            raise RdepthError(f"engine: add_request takes a Request, got {type(request).__name__}")
+        if request.depth is not None:
+            self._check_depth(request.depth)
+        return self.scheduler.add(request)
+
+    def _check_depth(self, depth) -> None:
+        raise RdepthError("engine: a request brings a depth of its own; this engine runs its own budget only")
+
+    def pending(self) -> bool:
+        """Whether a request is queued or in flight."""
+        return self.scheduler.pending()
+
+    def cancel(self, request_id: int) -> None:
+        """End request ``request_id`` (queued or in flight) at the start of the next tick, ``finish_reason``
+        "cancelled" (a client gone, or a stop string matched outside the engine): its slot goes to a waiting
+        request in that tick; unknown or finished ids are ignored."""
+        self.scheduler.cancelled.add(int(request_id))
+
+    def in_flight(self) -> int:
+        return self.scheduler.in_flight()
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats
+
+    @property
+    def live(self) -> list:
+        return self.scheduler.live
+
+    @property
+    def queue(self):
+        return self.scheduler.queue
+
+    @property
+    def listener(self):
+        """The per-token callback (see the class); a server sets it after building the engine."""
+        return self.scheduler.listener
+
+    @listener.setter
+    def listener(self, listener) -> None:
+        self.scheduler.listener = listener
+
+    def run(self) -> Iterator[Finished]:
+        """Tick until every queued request has finished, yielding each as it finishes."""
+        while self.pending():
+            yield from self.step()
+
+    def kv_bytes_per_token(self) -> int:
+        """Key/value bytes one position of one request takes (every layer, every kept loop step)."""
+        return self.tick.kv_bytes_per_token()
+
+    # ------------------------------------------------------------------ a tick
+    def step(self) -> list[Finished]:
+        """One tick: schedule, tick, update (see the module); returns the requests that finished in it.
+
+        The tick runs in inference mode (no autograd bookkeeping on any kernel: about a fifth of a small
+        model's tick on the CPU); what it hands back (kept logits) is copied out of it, so a client may
+        use it anywhere."""
+        scheduler = self.scheduler
+        with torch.inference_mode():
+            finished = scheduler.admit() if scheduler.queue or scheduler.cancelled else []
+            occupied = scheduler.in_flight()
+            if occupied:
+                scheduler.count_tick(occupied)
+                output = self.tick(scheduler.schedule())
+                finished += scheduler.update(output)
+                if output.speculation is not None:  # (rounds: their later readouts follow, in the same tick)
+                    count_speculation(scheduler.stats, output.speculation)
+                for later in output.following:  # (a call that ran ahead: each later tick read in turn)
+                    if output.speculation is None:
+                        scheduler.count_tick(occupied)
+                    finished += scheduler.update(later)
+        for result in finished:
+            if result.logits is not None:
+                result.logits = result.logits.clone()  # outside inference mode: an ordinary tensor
+        return finished
+
+
+class Engine(EngineBase):
     """Continuous depth batching over ``batch_size`` slots (see the module).
 
     Args:
@@ -142,41 +234,34 @@ class Engine:
         config = model.config
         parameter = next(model.parameters())
         self.model = model
-        self.batch = batch_size
-        self.capacity = capacity or config.block_size
-        if not 1 <= self.capacity <= config.block_size:
-            raise RdepthError(f"engine: capacity must be 1..{config.block_size} (the block size), got {self.capacity}")
+        capacity = capacity or config.block_size
+        if not 1 <= capacity <= config.block_size:
+            raise RdepthError(f"engine: capacity must be 1..{config.block_size} (the block size), got {capacity}")
         controller, fixed = _make_controller(model, loop_counts, controller_factory)
         self.k_max = [int(controller.max_steps(group)) for group in range(model.n_groups)]
         if any(k < 1 for k in self.k_max):
             raise RdepthError(f"engine: every group needs at least one loop step, got {self.k_max}")
-        self.kv_layout = kv_layout
         named = _named_rules(rules, model, self.k_max)
-        self.plan = TickPlan(batch_size, self.capacity, controller, fixed, tuple(self.k_max), kv_layout,
+        self.plan = TickPlan(batch_size, capacity, controller, fixed, tuple(self.k_max), kv_layout,
                              bool(warm_start), parameter.dtype, parameter.device, named, bool(own_depths or named),
                              ahead)
-        self.scheduler = Scheduler(batch_size, self.capacity, model.n_groups, self.k_max, fixed, parameter.device,
-                                   clock, listener)
+        scheduler = Scheduler(batch_size, capacity, model.n_groups, self.k_max, fixed, parameter.device, clock,
+                              listener)
         if speculate is None:
-            self.tick = make_tick(tick, model, self.plan)
+            made = make_tick(tick, model, self.plan)
         else:  # (validated there: the eager tick and layout, no warm start, a draft below the engine's budget)
-            self.tick = speculating_tick(model, self.plan, tick, Speculation(speculate, draft_loops, speculate_at_most),
-                                         loop_counts, controller_factory)
+            made = speculating_tick(model, self.plan, tick, Speculation(speculate, draft_loops, speculate_at_most),
+                                    loop_counts, controller_factory)
+        super().__init__(scheduler, made, batch_size, capacity, kv_layout)
 
-    # ------------------------------------------------------------------ clients
-    def add_request(self, request: Request) -> int:
-        """Queue ``request``; returns its id (the order of arrival). A depth the engine cannot serve (a rule it
-        was not built with, more steps than its caps, a threshold the rule refuses) is a one-line error."""
-        if not isinstance(request, Request):
-            raise RdepthError(f"engine: add_request takes a Request, got {type(request).__name__}")
-        if request.depth is not None:
-            if not self.plan.own_depths:
-                raise RdepthError("engine: a request brings a depth of its own; this engine runs its own budget only "
-                                  "(build it with own_depths=True, or rules=...)")
-            self._check_depth(request.depth)
-        return self.scheduler.add(request)
+    @property
+    def controller(self) -> RowController:
+        return self.plan.controller
 
     def _check_depth(self, depth) -> None:
+        if not self.plan.own_depths:
+            raise RdepthError("engine: a request brings a depth of its own; this engine runs its own budget only "
+                              "(build it with own_depths=True, or rules=...)")
         most = min(self.k_max)
         asked = depth.loops if depth.loops is not None else depth.k_max
         if asked is not None and asked > most:
@@ -193,76 +278,3 @@ class Engine:
             if not (policy(0).uses_tau and policy(0).per_row_tau):
                 raise RdepthError(f"engine: the exit rule {depth.rule} takes no threshold per request")
             policy(0).checked_tau(depth.tau)
-
-    def pending(self) -> bool:
-        """Whether a request is queued or in flight."""
-        return self.scheduler.pending()
-
-    def cancel(self, request_id: int) -> None:
-        """End request ``request_id`` (queued or in flight) at the start of the next tick, ``finish_reason``
-        "cancelled" (a client gone, or a stop string matched outside the engine): its slot goes to a waiting
-        request in that tick; unknown or finished ids are ignored."""
-        self.scheduler.cancelled.add(int(request_id))
-
-    def in_flight(self) -> int:
-        return self.scheduler.in_flight()
-
-    @property
-    def stats(self) -> EngineStats:
-        return self.scheduler.stats
-
-    @property
-    def live(self) -> list:
-        return self.scheduler.live
-
-    @property
-    def queue(self):
-        return self.scheduler.queue
-
-    @property
-    def listener(self):
-        """The per-token callback (see the class); a server sets it after building the engine."""
-        return self.scheduler.listener
-
-    @listener.setter
-    def listener(self, listener) -> None:
-        self.scheduler.listener = listener
-
-    @property
-    def controller(self) -> RowController:
-        return self.plan.controller
-
-    def run(self) -> Iterator[Finished]:
-        """Tick until every queued request has finished, yielding each as it finishes."""
-        while self.pending():
-            yield from self.step()
-
-    def kv_bytes_per_token(self) -> int:
-        """Key/value bytes one position of one request takes (every layer, every kept loop step)."""
-        return self.tick.kv_bytes_per_token()
-
-    # ------------------------------------------------------------------ a tick
-    def step(self) -> list[Finished]:
-        """One tick: schedule, tick, update (see the module); returns the requests that finished in it.
-
-        The tick runs in inference mode (no autograd bookkeeping on any kernel: about a fifth of a small
-        model's tick on the CPU); what it hands back (kept logits) is copied out of it, so a client may
-        use it anywhere."""
-        scheduler = self.scheduler
-        with torch.inference_mode():
-            finished = scheduler.admit() if scheduler.queue or scheduler.cancelled else []
-            occupied = scheduler.in_flight()
-            if occupied:
-                scheduler.count_tick(occupied)
-                output = self.tick(scheduler.schedule())
-                finished += scheduler.update(output)
-                if output.speculation is not None:  # (rounds: their later readouts follow, in the same tick)
-                    count_speculation(scheduler.stats, output.speculation)
-                for later in output.following:  # (a call that ran ahead: each later tick read in turn)
-                    if output.speculation is None:
-                        scheduler.count_tick(occupied)
-                    finished += scheduler.update(later)
-        for result in finished:
-            if result.logits is not None:
-                result.logits = result.logits.clone()  # outside inference mode: an ordinary tensor
-        return finished

@@ -28,6 +28,7 @@ import torch
 from rdepth.errors import RdepthError
 from rdepth.exits.base import ExitPolicy
 from rdepth.looped.hrm_text import HrmCarry, HrmTextAdapter
+from rdepth.looped.slot_cache import SlotCache
 
 
 @dataclass
@@ -40,16 +41,28 @@ class ExitDecode:
     cache: object  # the cache after the last token
 
 
+def _newest(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's newest entry in cache layer ``layer``, keys and values ``[B, heads, head_dim]``: a slot
+    cache's at each row's own position, a ``transformers`` cache's last."""
+    if isinstance(cache, SlotCache):
+        return cache.newest(layer)
+    return cache.layers[layer].keys[:, :, -1], cache.layers[layer].values[:, :, -1]
+
+
 def _settle(cache, slots: tuple[int, ...], sources: torch.Tensor, rows: torch.Tensor, computed: bool) -> None:
     """Give ``rows`` (bool ``[B]``) the latest-KV entry at the newest position of ``slots``: copied from the
     slots starting at ``sources[row]`` (``[B]`` long, each row's latest step's first slot). ``computed``: the
     step ran (overwrite its entry), else append one entry for every row (then ``rows`` is every row)."""
     if not computed and not bool(rows.all()):
         raise RdepthError("internal: a skipped step must settle every row")
+    starts = sources.tolist()
     for depth, slot in enumerate(slots):
-        keys = torch.stack([cache.layers[int(sources[r]) + depth].keys[r, :, -1] for r in range(len(rows))])
-        values = torch.stack([cache.layers[int(sources[r]) + depth].values[r, :, -1] for r in range(len(rows))])
-        if computed:
+        newest = {start: _newest(cache, start + depth) for start in set(starts)}
+        keys = torch.stack([newest[start][0][r] for r, start in enumerate(starts)])
+        values = torch.stack([newest[start][1][r] for r, start in enumerate(starts)])
+        if computed and isinstance(cache, SlotCache):
+            cache.overwrite_newest(slot, rows, keys, values)
+        elif computed:
             layer = cache.layers[slot]
             layer.keys[rows, :, -1] = keys[rows]
             layer.values[rows, :, -1] = values[rows]
@@ -86,17 +99,19 @@ def _low_loop(adapter: HrmTextAdapter, ctx, high_step: int, carry: HrmCarry, act
     return carry, counts
 
 
-def _decode_token(adapter: HrmTextAdapter, token: torch.Tensor, cache, low: ExitPolicy | None,
+def decode_position(adapter: HrmTextAdapter, token: torch.Tensor, cache, low: ExitPolicy | None,
                   high: ExitPolicy | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One position for every row: logits ``[B, V]``, L steps ``[B, H]``, H steps ``[B]``."""
+    """One position for every row (``token`` ``[B, 1]``; ``cache`` a ``transformers`` cache or the engine's
+    :class:`~rdepth.looped.slot_cache.SlotCache`, selected): logits ``[B, V]``, L steps ``[B, H]``, H steps ``[B]``.
+    A policy's memory is begun here, per row, for this position."""
     ctx = adapter.embed(token, cache)
     carry = adapter.enter(ctx, "H", None)
     batch, high_budget = token.shape[0], adapter.spec("H").budget
-    looping = torch.ones(batch, dtype=torch.bool)
-    low_steps = torch.zeros(batch, high_budget, dtype=torch.long)
-    high_steps = torch.zeros(batch, dtype=torch.long)
-    latest_low = torch.zeros(batch, dtype=torch.long)
-    latest_high = torch.zeros(batch, dtype=torch.long)
+    looping = torch.ones(batch, dtype=torch.bool, device=token.device)
+    low_steps = torch.zeros(batch, high_budget, dtype=torch.long, device=token.device)
+    high_steps = torch.zeros(batch, dtype=torch.long, device=token.device)
+    latest_low = torch.zeros(batch, dtype=torch.long, device=token.device)
+    latest_high = torch.zeros(batch, dtype=torch.long, device=token.device)
     if high is not None:
         high.begin(carry.high[:, -1])
     for step in range(high_budget):
@@ -140,7 +155,7 @@ def decode_with_exits(adapter: HrmTextAdapter, tokens: torch.Tensor, low: ExitPo
     logits, low_steps, high_steps = [], [], []
     with torch.no_grad():
         for position in range(tokens.shape[1]):
-            got = _decode_token(adapter, tokens[:, position:position + 1], cache, low, high)
+            got = decode_position(adapter, tokens[:, position:position + 1], cache, low, high)
             for store, value in zip((logits, low_steps, high_steps), got, strict=True):
                 store.append(value)
     return ExitDecode(torch.stack(logits, 1), torch.stack(low_steps, 1), torch.stack(high_steps, 1), cache)

@@ -38,7 +38,7 @@ class LoopedGeneration:
     steps: dict[str, float] | None = None  # mean L steps per L loop run, mean H steps per position
 
 
-def parse_budgets(adapter: LoopedAdapter, text: str | None) -> dict[str, int] | None:
+def parse_budgets(adapter: LoopedAdapter, text: str | None, command: str = "generate") -> dict[str, int] | None:
     """``--loops N`` or ``N,N,...``: one count per loop in the adapter's order (outermost first)."""
     if text is None:
         return None
@@ -48,17 +48,17 @@ def parse_budgets(adapter: LoopedAdapter, text: str | None) -> dict[str, int] | 
     except ValueError:
         counts = []
     if len(counts) != len(names):
-        raise RdepthError(f"generate: --loops for {adapter.model_type} is {','.join(names)} ({len(names)} count(s)), "
+        raise RdepthError(f"{command}: --loops for {adapter.model_type} is {','.join(names)} ({len(names)} count(s)), "
                           f"got {text!r}")
     return adapter.budgets(dict(zip(names, counts, strict=True)))
 
 
-def exit_policies(adapter: LoopedAdapter, config) -> dict[str, Any]:
+def exit_policies(adapter: LoopedAdapter, config, command: str = "generate") -> dict[str, Any]:
     """The rule of ``--exit`` per loop (None: the loop runs its budget)."""
     from rdepth.exits.registry import get_policy_class
 
     if not isinstance(adapter, HrmTextAdapter):
-        raise RdepthError(f"generate: --exit is offered for HRM-Text only; {adapter.model_type}'s passes have no "
+        raise RdepthError(f"{command}: --exit is offered for HRM-Text only; {adapter.model_type}'s passes have no "
                           "per-token exit (the later passes' cache copies hold short-convolution states)")
     options = {key: value for key, value in config.policy_options().items() if key != "gate"}
     high = build_policy(config.exit, config.tau, adapter.spec("H").budget, adapter.readout, options)

@@ -23,6 +23,7 @@ import torch
 
 from rdepth.errors import RdepthError
 from rdepth.looped.protocol import LoopedAdapter, LoopSpec
+from rdepth.looped.slot_cache import SlotCache
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class HrmTextAdapter(LoopedAdapter):
     """``HrmTextForCausalLM`` driven step by step: loops ``H`` (outer) and ``L`` (inside each H step)."""
 
     model_type = "hrm_text"
+    slot_cache = True  # the engine may run its rows at their own positions in one call (rdepth.looped.engine)
 
     def __init__(self, model: Any) -> None:
         super().__init__(model)
@@ -71,6 +73,12 @@ class HrmTextAdapter(LoopedAdapter):
             raise RdepthError(f"HRM-Text adapter: unknown input(s) {', '.join(sorted(extra))}")
         inner, config = self.inner, self.model.config
         embeds = inner.embed_tokens(input_ids) * inner.embedding_scale
+        if isinstance(cache, SlotCache):  # the engine's slots: each row one token at its own position
+            if input_ids.shape[1] != 1 or token_type_ids is not None:
+                raise RdepthError("HRM-Text adapter: a slot cache takes one token per row and no token types")
+            position_ids = cache.position_ids()
+            return HrmContext(embeds, cache.attention_mask(embeds.dtype), position_ids,
+                              inner.rotary_emb(embeds, position_ids), cache)
         past = cache.get_seq_length() if cache is not None else 0
         position_ids = (torch.arange(embeds.shape[1], device=embeds.device) + past).unsqueeze(0)
         mask_kwargs = {"config": config, "inputs_embeds": embeds, "attention_mask": None, "cache": cache,

@@ -61,6 +61,9 @@ class LoopedAdapter(ABC):
     loops: tuple[LoopSpec, ...] = ()
     # ``from_pretrained`` options the model needs to load in float64 (e.g. eager kernels where a fused one has none)
     float64_load: ClassVar[dict[str, Any]] = {}
+    # whether ``embed`` takes a :class:`~rdepth.looped.slot_cache.SlotCache` (rows at their own positions in one
+    # call: the engine batches its slots); else the engine runs a cache of the model's own per slot
+    slot_cache: ClassVar[bool] = False
 
     def __init__(self, model: Any) -> None:
         self.model = model

@@ -16,10 +16,19 @@ from rdepth.serve.runner import EngineRunner
 log = logging.getLogger(__name__)
 
 
-def served_model(config: ServeConfig) -> ServedModel:
+def served_model(config: ServeConfig, given: dict | None = None) -> ServedModel:
     """Load the checkpoint, build the engine under the budget or exit rule (and the depths a request may ask
-    for: :mod:`rdepth.serve.depth`), start its thread."""
+    for: :mod:`rdepth.serve.depth`), start its thread. A looped ``transformers`` folder (HRM-Text, Inkling-2) is
+    served in place through its adapter (:mod:`rdepth.serve.looped`; ``given``: the flags typed, which it checks
+    apply)."""
     import torch
+
+    from rdepth.looped.load import looped_source
+
+    if looped_source([config.checkpoint], "serve"):
+        from rdepth.serve.looped import served_folder
+
+        return served_folder(config, given or {})
 
     from rdepth.run.chat_template import run_chat_template
     from rdepth.run.checkpoint import load_model
@@ -66,7 +75,7 @@ def _default_name(checkpoint: str) -> str:
     return path.name
 
 
-def serve(config: ServeConfig) -> int:
+def serve(config: ServeConfig, given: dict | None = None) -> int:
     """Serve until interrupted. The port is taken first (in use, or a host that does not resolve: one line,
     before the checkpoint loads), then uvicorn serves on it."""
     try:
@@ -75,7 +84,7 @@ def serve(config: ServeConfig) -> int:
         raise RdepthError("rdepth serve needs its extra: pip install 'rdepth[serve]'") from None
     sockets = bind_sockets(config.host, config.port)
     try:
-        served = served_model(config)
+        served = served_model(config, given)
         log.info("serving %s (%s; a request may ask for %s) on http://%s:%d with %d slots", served.name,
                  served.policy, served.depths.card(), config.host, config.port, config.batch_size)
         try:
