@@ -228,7 +228,8 @@ def test_serve_answers_as_the_adapters_decode(served):
     refused = client.post("/v1/completions", json={"model": server.name, "prompt": text, "max_tokens": 2,
                                                   "rdepth": {"loops": 1}})
     assert refused.status_code == 400 and "looped transformers folder" in refused.json()["error"]["message"]
-    assert client.get("/v1/models").status_code == 200
+    card = client.get("/v1/models").json()["data"][0]["rdepth"]
+    assert card["policy"] == {"loops": [2, 3]} and card["depths"] == {"max_loops": None, "caps": [2, 6], "exits": {}}
 
 
 def test_serve_with_an_exit_rule_reports_each_tokens_steps(served):

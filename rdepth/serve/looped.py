@@ -50,6 +50,9 @@ class FolderTokenizer:
 class FolderDepths(Depths):
     """The server's policy for every request: a request's ``rdepth`` object is refused (400)."""
 
+    def card(self) -> dict:
+        return {"max_loops": None, "caps": list(self.caps), "exits": {}}  # (no request brings a depth)
+
     def read(self, value: Any):
         if value is None:
             return self.default, self.policy
