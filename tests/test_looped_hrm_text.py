@@ -452,7 +452,9 @@ def test_the_gpu_scale_script_runs_tiny_and_skips_1b_without_cuda(tmp_path, caps
                  "--batches", "1,2"]) == 0
     report = json.loads((tmp_path / "hrm_text_scale.json").read_text())
     assert [row["batch"] for row in report["batches"]] == [1, 2]
-    assert {"prefill", "decode", "step", "exit_decode"} <= set(report["batches"][0])
+    assert {"prefill", "decode", "step", "exit_decode", "engine"} <= set(report["batches"][0])
+    engine = report["batches"][1]["engine"]
+    assert engine["requests_agreeing"] == 2 and engine["engine_tokens_per_s"] > 0
     if not torch.cuda.is_available():
         capsys.readouterr()
         assert main(["--out", str(tmp_path / "1b")]) == 0

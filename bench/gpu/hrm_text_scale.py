@@ -13,7 +13,11 @@ kept):
 * ``step``: one L step and one H step of the adapter for that token alone (a stack of 16 layers each);
 * ``exit_decode``: the token through :func:`rdepth.looped.exits.decode_with_exits` at the full budget and under
   ``step_norm_rel`` 0.1 on the L loop: the cost of the per-token exit machinery (its host reads and the latest-KV
-  copies). Random weights exit arbitrarily, so its steps say nothing; the time is the machinery's.
+  copies). Random weights exit arbitrarily, so its steps say nothing; the time is the machinery's;
+* ``engine``: B requests of ``--engine-prompt`` tokens generating ``--engine-new`` greedy tokens each through
+  :class:`rdepth.looped.engine.LoopedEngine` with B slots (its slot cache sized to fit), against the adapter's
+  lock-step greedy decode of the same B prompts (all rows at the same positions: the prompt in one call, then a
+  token a call): new tokens/s of each, their ratio, and whether every request's tokens agree.
 
 Without CUDA the 1B size is skipped in one line (exit 0); ``--size tiny`` runs every timing on a small config on
 whatever device there is, a check of the script itself.
@@ -60,7 +64,41 @@ def timed(call, device, warmup: int, repeats: int, reset=None) -> dict:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "n": len(times)}
 
 
-def measure_batch(adapter, batch: int, length: int, device, warmup: int, repeats: int) -> dict:
+def measure_engine(adapter, batch: int, device, warmup: int, repeats: int, shape: tuple[int, int]) -> dict:
+    """The looped engine against the adapter's lock-step greedy decode of the same prompts (module docstring)."""
+    import torch
+
+    from rdepth.engine.request import Request
+    from rdepth.looped.engine import LoopedEngine
+    from rdepth.looped.protocol import greedy
+
+    length, new = shape
+    generator = torch.Generator(device="cpu").manual_seed(1000 + batch)
+    prompts = torch.randint(0, adapter.model.config.vocab_size, (batch, length), generator=generator)
+    made: dict = {}
+
+    def engine() -> None:
+        engine = LoopedEngine(adapter, batch, capacity=length + new)
+        for row in prompts.tolist():
+            engine.add_request(Request(row, max_tokens=new))
+        made["engine"] = [done.tokens for done in sorted(engine.run(), key=lambda done: done.request_id)]
+
+    def lockstep() -> None:
+        made["lockstep"] = greedy(adapter, prompts.to(device), new)[:, length:].tolist()
+
+    with torch.no_grad():
+        ours = timed(engine, device, warmup, repeats)
+        theirs = timed(lockstep, device, warmup, repeats)
+    tokens = batch * new
+    return {"prompt_tokens": length, "new_tokens": new, "engine": ours, "lockstep": theirs,
+            "engine_tokens_per_s": 1000 * tokens / ours["median_ms"],
+            "lockstep_tokens_per_s": 1000 * tokens / theirs["median_ms"],
+            "engine_over_lockstep": theirs["median_ms"] / ours["median_ms"],
+            "requests_agreeing": sum(a == b for a, b in zip(made["engine"], made["lockstep"], strict=True))}
+
+
+def measure_batch(adapter, batch: int, length: int, device, warmup: int, repeats: int,
+                  engine_shape: tuple[int, int] = (8, 24)) -> dict:
     """The four timings at one batch size (module docstring)."""
     import torch
 
@@ -98,6 +136,7 @@ def measure_batch(adapter, batch: int, length: int, device, warmup: int, repeats
         exits = timed(lambda: decode_with_exits(adapter, token, low=rule, cache=cache), device, warmup, repeats, crop)
         result["exit_decode"] = {"full_budget": full, "step_norm_rel_0.1_on_L": exits,
                                  "exit_decode_over_adapter_decode": full["median_ms"] / ours["median_ms"]}
+    result["engine"] = measure_engine(adapter, batch, device, warmup, repeats, engine_shape)
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return result
@@ -112,6 +151,9 @@ def line(result: dict) -> str:
             f"({decode['adapter_over_class']:.3f}x); one L step {step['L']['median_ms']:.2f} ms, one H step "
             f"{step['H']['median_ms']:.2f} ms; exit decode full {exits['full_budget']['median_ms']:.2f} ms, under "
             f"step_norm_rel {exits['step_norm_rel_0.1_on_L']['median_ms']:.2f} ms"
+            + f"; engine {result['engine']['engine_tokens_per_s']:.0f} tokens/s against lock-step "
+            f"{result['engine']['lockstep_tokens_per_s']:.0f} ({result['engine']['engine_over_lockstep']:.2f}x, "
+            f"{result['engine']['requests_agreeing']} of {result['batch']} requests' tokens agree)"
             + (f"; peak {result['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in result else ""))
 
 
@@ -121,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=("1b", "tiny"), default="1b")
     parser.add_argument("--batches", default="1,32", help="batch sizes, comma-separated")
     parser.add_argument("--tokens", type=int, default=256, help="prompt tokens (the prefill, and the decode's cache)")
+    parser.add_argument("--engine-prompt", type=int, default=8, help="the engine timing's prompt tokens a request")
+    parser.add_argument("--engine-new", type=int, default=24, help="the engine timing's new tokens a request")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop before a batch size that would start past it")
@@ -157,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         if time.perf_counter() - started > args.budget_s:
             print(f"batch {batch}: skipped, past the {args.budget_s:g} s budget")
             continue
-        result = measure_batch(adapter, batch, args.tokens, device, args.warmup, args.repeats)
+        result = measure_batch(adapter, batch, args.tokens, device, args.warmup, args.repeats,
+                               (args.engine_prompt, args.engine_new))
         report["batches"].append(result)
         print(line(result), flush=True)
         (out / "hrm_text_scale.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
