@@ -23,10 +23,14 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flags import at_least, positive_ints  # noqa: E402
 
 
 def build_model(seed: int = 0):
@@ -50,12 +54,14 @@ def cpu_name() -> str:
 
 
 def main(argv=None) -> int:
+    from rdepth.cli.main import OneLineParser
     from rdepth.engine.request import Request
     from rdepth.looped.engine import LoopedEngine
     from rdepth.looped.load import adapter_for
     from rdepth.looped.protocol import greedy
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="bench/looped_engine.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--widths", default="1,8")
     parser.add_argument("--new", type=int, default=32)
@@ -63,6 +69,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    at_least(args, 1, "requests", "new", "repeats", "threads")
+    widths = positive_ints("--widths", args.widths)
     torch.set_num_threads(args.threads)
     model = build_model()
     adapter = adapter_for(model)
@@ -87,7 +95,7 @@ def main(argv=None) -> int:
         return run
 
     ways = {"alone": alone, "generate": generate}
-    ways.update({f"engine B={w}": engine(int(w)) for w in args.widths.split(",")})
+    ways.update({f"engine B={w}": engine(w) for w in widths})
     times = {name: [] for name in ways}
     with torch.no_grad():
         expected = alone()
@@ -121,4 +129,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from rdepth.cli.main import run_command  # bad input: one line, exit 2, as the command line
+
+    raise SystemExit(run_command("bench/looped_engine.py", main))

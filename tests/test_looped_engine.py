@@ -146,9 +146,9 @@ def test_a_reused_slot_reads_nothing_of_a_former_request(folders, monkeypatch): 
 
     assert [done.tokens for done in poisoned_then()] == [
         greedy(adapter, torch.tensor([p]), NEW)[0, len(p):].tolist() for p in (long, short)]
-    from rdepth.looped.slot_cache import SlotCache
+    from rdepth.looped.slot_cache import LoopedSlotCache
 
-    monkeypatch.setattr(SlotCache, "clear", lambda self, slot: None)  # the check catches a slot left as it was
+    monkeypatch.setattr(LoopedSlotCache, "clear", lambda self, slot: None)  # the check catches a slot left as it was
     assert [done.finish_reason for done in poisoned_then()] == ["length", "error"]
 
 

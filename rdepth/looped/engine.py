@@ -7,7 +7,7 @@ listener) with a tick of its own, :class:`LoopedTick`. Each tick every occupied 
 prompt's next, or the one the scheduler chose) at its own position and runs the whole position, every loop, in
 one tick; every slot is read out every tick.
 
-* An adapter whose ``embed`` takes a :class:`~rdepth.looped.slot_cache.SlotCache` (HRM-Text) runs every slot in
+* An adapter whose ``embed`` takes a :class:`~rdepth.looped.slot_cache.LoopedSlotCache` (HRM-Text) runs every slot in
   **one call**, each row at its own position: at a fixed budget (:func:`rdepth.looped.protocol.forward`), or
   with per-token exits of its loops (:func:`rdepth.looped.exits.decode_position`: a rule on the L loop of each H
   step and on the H loop, the latest-KV rule for the skipped steps' slots, each row's rule memory its own).
@@ -35,7 +35,7 @@ from rdepth.engine.tick import TickInput, TickOutput
 from rdepth.errors import RdepthError
 from rdepth.exits.base import ExitPolicy
 from rdepth.looped.protocol import LoopedAdapter, forward
-from rdepth.looped.slot_cache import SlotCache
+from rdepth.looped.slot_cache import LoopedSlotCache
 
 
 def loop_totals(adapter: LoopedAdapter, budgets: dict[str, int]) -> list[int]:
@@ -58,7 +58,7 @@ class LoopedTick:
         self.adapter, self.budgets, self.low, self.high, self.device = adapter, budgets, low, high, device
         self.exits = low is not None or high is not None
         self.fixed_steps = np.asarray(loop_totals(adapter, budgets), dtype=np.int64)
-        self.cache = SlotCache(batch, capacity) if adapter.slot_cache else None
+        self.cache = LoopedSlotCache(batch, capacity) if adapter.slot_cache else None
         self.caches: list = [None] * batch  # a cache of the model's own per slot (an adapter without slot caches)
 
     def __call__(self, tick_input: TickInput) -> TickOutput:

@@ -28,7 +28,7 @@ import torch
 from rdepth.errors import RdepthError
 from rdepth.exits.base import ExitPolicy
 from rdepth.looped.hrm_text import HrmCarry, HrmTextAdapter
-from rdepth.looped.slot_cache import SlotCache
+from rdepth.looped.slot_cache import LoopedSlotCache
 
 
 @dataclass
@@ -44,7 +44,7 @@ class ExitDecode:
 def _newest(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's newest entry in cache layer ``layer``, keys and values ``[B, heads, head_dim]``: a slot
     cache's at each row's own position, a ``transformers`` cache's last."""
-    if isinstance(cache, SlotCache):
+    if isinstance(cache, LoopedSlotCache):
         return cache.newest(layer)
     return cache.layers[layer].keys[:, :, -1], cache.layers[layer].values[:, :, -1]
 
@@ -60,7 +60,7 @@ def _settle(cache, slots: tuple[int, ...], sources: torch.Tensor, rows: torch.Te
         newest = {start: _newest(cache, start + depth) for start in set(starts)}
         keys = torch.stack([newest[start][0][r] for r, start in enumerate(starts)])
         values = torch.stack([newest[start][1][r] for r, start in enumerate(starts)])
-        if computed and isinstance(cache, SlotCache):
+        if computed and isinstance(cache, LoopedSlotCache):
             cache.overwrite_newest(slot, rows, keys, values)
         elif computed:
             layer = cache.layers[slot]
@@ -102,7 +102,7 @@ def _low_loop(adapter: HrmTextAdapter, ctx, high_step: int, carry: HrmCarry, act
 def decode_position(adapter: HrmTextAdapter, token: torch.Tensor, cache, low: ExitPolicy | None,
                   high: ExitPolicy | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One position for every row (``token`` ``[B, 1]``; ``cache`` a ``transformers`` cache or the engine's
-    :class:`~rdepth.looped.slot_cache.SlotCache`, selected): logits ``[B, V]``, L steps ``[B, H]``, H steps ``[B]``.
+    :class:`~rdepth.looped.slot_cache.LoopedSlotCache`, selected): logits ``[B, V]``, L steps ``[B, H]``, H steps ``[B]``.
     A policy's memory is begun here, per row, for this position."""
     ctx = adapter.embed(token, cache)
     carry = adapter.enter(ctx, "H", None)

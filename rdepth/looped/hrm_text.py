@@ -23,7 +23,7 @@ import torch
 
 from rdepth.errors import RdepthError
 from rdepth.looped.protocol import LoopedAdapter, LoopSpec
-from rdepth.looped.slot_cache import SlotCache
+from rdepth.looped.slot_cache import LoopedSlotCache
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class HrmTextAdapter(LoopedAdapter):
             raise RdepthError(f"HRM-Text adapter: unknown input(s) {', '.join(sorted(extra))}")
         inner, config = self.inner, self.model.config
         embeds = inner.embed_tokens(input_ids) * inner.embedding_scale
-        if isinstance(cache, SlotCache):  # the engine's slots: each row one token at its own position
+        if isinstance(cache, LoopedSlotCache):  # the engine's slots: each row one token at its own position
             if input_ids.shape[1] != 1 or token_type_ids is not None:
                 raise RdepthError("HRM-Text adapter: a slot cache takes one token per row and no token types")
             position_ids = cache.position_ids()

@@ -61,7 +61,7 @@ class LoopedAdapter(ABC):
     loops: tuple[LoopSpec, ...] = ()
     # ``from_pretrained`` options the model needs to load in float64 (e.g. eager kernels where a fused one has none)
     float64_load: ClassVar[dict[str, Any]] = {}
-    # whether ``embed`` takes a :class:`~rdepth.looped.slot_cache.SlotCache` (rows at their own positions in one
+    # whether ``embed`` takes a :class:`~rdepth.looped.slot_cache.LoopedSlotCache` (rows at their own positions in one
     # call: the engine batches its slots); else the engine runs a cache of the model's own per slot
     slot_cache: ClassVar[bool] = False
 

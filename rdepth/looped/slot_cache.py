@@ -1,15 +1,15 @@
 """A key/value cache of engine slots for a looped adapter's model: every row at its own position.
 
 ``transformers``' caches hold one sequence length for the whole batch, so rows at different positions cannot
-share a call over them. :class:`SlotCache` holds ``batch`` slots of ``capacity`` positions for every cache layer
+share a call over them. :class:`LoopedSlotCache` holds ``batch`` slots of ``capacity`` positions for every cache layer
 the model writes (HRM-Text: one per (h, l, layer), its ``cycle_offset`` slots), allocated at the first write.
-Before a call, :meth:`SlotCache.select` names the slots it runs (``rows``) and the position each writes
-(``positions``); the model's attention calls :meth:`SlotCache.update` as it calls a ``transformers`` cache's
+Before a call, :meth:`LoopedSlotCache.select` names the slots it runs (``rows``) and the position each writes
+(``positions``); the model's attention calls :meth:`LoopedSlotCache.update` as it calls a ``transformers`` cache's
 (``update(key, value, layer)``): each row's key and value go in at its own position, and the call reads the
-selected slots' keys and values up to the furthest position, under :meth:`SlotCache.attention_mask` (a row
+selected slots' keys and values up to the furthest position, under :meth:`LoopedSlotCache.attention_mask` (a row
 attends to its own positions up to its own, nothing past it).
 
-A slot is zeroed when a new request takes it (:meth:`SlotCache.clear`): what lies past a row's position is a
+A slot is zeroed when a new request takes it (:meth:`LoopedSlotCache.clear`): what lies past a row's position is a
 former request's, and a non-finite value there would not be masked by a zero weight (0 x inf is NaN).
 
 The latest-KV rule of per-token exits (:mod:`rdepth.looped.exits`) reads and overwrites the entry at each row's
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 
-class SlotCache:
+class LoopedSlotCache:
     """Keys and values of ``batch`` slots x ``capacity`` positions per cache layer (see the module)."""
 
     def __init__(self, batch: int, capacity: int) -> None:
