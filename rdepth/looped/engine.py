@@ -62,6 +62,8 @@ class LoopedTick:
         self.caches: list = [None] * batch  # a cache of the model's own per slot (an adapter without slot caches)
 
     def __call__(self, tick_input: TickInput) -> TickOutput:
+        for row in tick_input.retired.tolist():
+            self.caches[row] = None  # (a slot's own cache freed with its request)
         for row, _ in tick_input.admitted:
             if self.cache is not None:
                 self.cache.clear(row)  # (a former request's entries past the new one's position)

@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rdepth.engine import Engine, Finished, Request
 from rdepth.engine.request import TokenLogprob
@@ -66,13 +66,18 @@ class Inbox:
 @dataclass
 class Submission:
     """A submitted request: its events (:class:`TokenEvent` s, then the :class:`Finished` result or
-    :class:`EngineFailed`) go into ``inbox`` tagged ``choice``, or, without an inbox, into ``events``."""
+    :class:`EngineFailed`) go into ``inbox`` tagged ``choice``, or, without an inbox, into ``events`` (a thread-safe
+    queue made for it then)."""
 
     request: Request
     inbox: Inbox | None = None
     choice: int = 0
-    events: queue.Queue[Event] = field(default_factory=queue.Queue)
+    events: queue.Queue[Event] | None = None  # (made only without an inbox: a Queue builds three locks)
     request_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.inbox is None and self.events is None:
+            self.events = queue.Queue()
 
 
 def _deliver(items: list[tuple[Inbox, int, Event]]) -> None:
