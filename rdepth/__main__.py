@@ -6,4 +6,5 @@ except KeyboardInterrupt:
     print("rdepth: interrupted", file=sys.stderr)
     sys.exit(130)
 
-sys.exit(main())
+if __name__ == "__main__":  # (not when a spawned child process imports this module as __mp_main__)
+    sys.exit(main())
