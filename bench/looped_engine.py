@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from depth_batching import _cpu_name as cpu_name  # noqa: E402
 from flags import at_least, positive_ints  # noqa: E402
 
 
@@ -41,16 +41,6 @@ def build_model(seed: int = 0):
                                         max_position_embeddings=256, prefix_lm=False)
     torch.manual_seed(seed)
     return transformers.HrmTextForCausalLM(config).eval()
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv=None) -> int:

@@ -42,17 +42,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flags import at_least, positive_ints  # noqa: E402
 
 
-def parse_args(argv):
-    from rdepth.cli.main import OneLineParser
-
-    parser = OneLineParser(prog="bench/serve_load.py", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_flags(parser) -> None:
+    """The workload's flags (what :func:`heldout_prompts` reads, and the new tokens a request asks for), shared with
+    ``scripts/engine_arrivals.py``."""
     parser.add_argument("--run", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--difficulties", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=16)
+
+
+def parse_args(argv):
+    from rdepth.cli.main import OneLineParser
+
+    parser = OneLineParser(prog="bench/serve_load.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_flags(parser)
     parser.add_argument("--loops", type=int, required=True, help="the fixed budget (the cheapest of equal accuracy)")
     parser.add_argument("--exit", required=True, help="the exit rule")
     parser.add_argument("--tau", type=float, required=True)

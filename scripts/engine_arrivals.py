@@ -30,17 +30,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 def parse_args(argv):
     from flags import at_least, positive_ints
+    from serve_load import add_workload_flags
 
     from rdepth.cli.main import OneLineParser
 
     parser = OneLineParser(prog="scripts/engine_arrivals.py", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", required=True)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--difficulties", default="1,2,3,4,5,6,7,8")
-    parser.add_argument("--requests", type=int, default=128)
-    parser.add_argument("--prompt-tokens", type=int, default=40)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    add_workload_flags(parser)
     parser.add_argument("--loops", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--ahead", type=int, default=4)

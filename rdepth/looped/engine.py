@@ -128,7 +128,7 @@ class LoopedEngine(EngineBase):
         steps = adapter.budgets(budgets)
         exits = low is not None or high is not None
         if exits:
-            self._check_exits(adapter, steps, budgets, low, high)
+            self._check_exits(adapter, budgets, low, high)
         self.adapter, self.budgets = adapter, steps
         self.loops = [spec.name for spec in adapter.loops]
         self.k_max = loop_totals(adapter, steps)
@@ -139,16 +139,12 @@ class LoopedEngine(EngineBase):
                          capacity)
 
     @staticmethod
-    def _check_exits(adapter, steps, budgets, low, high) -> None:
+    def _check_exits(adapter, budgets, low, high) -> None:
+        from rdepth.looped.exits import check_policies
+
         if not adapter.slot_cache or [spec.name for spec in adapter.loops] != ["H", "L"]:
             raise RdepthError(f"engine: per-token exits are offered for HRM-Text only; {adapter.model_type}'s loop "
                               "runs its budget (see docs/ecosystem.md)")
         if budgets:
             raise RdepthError("engine: exit rules run each loop up to its own budget; give budgets or rules, not both")
-        if low is not None and low.needs_decode:
-            raise RdepthError(f"engine: exit rule {low.name} reads the prediction, and HRM's L state has none of its "
-                              "own: choose a latent rule for the L loop")
-        for policy, loop in ((low, "L"), (high, "H")):
-            if policy is not None and policy.k_max != steps[loop]:
-                raise RdepthError(f"engine: exit rule {policy.name} for loop {loop}: k_max {policy.k_max} must be the "
-                                  f"loop's budget {steps[loop]}")
+        check_policies(adapter, low, high, "engine: ")

@@ -136,6 +136,18 @@ def decode_position(adapter: HrmTextAdapter, token: torch.Tensor, cache, low: Ex
     return adapter.readout(carry.high)[:, -1], low_steps, high_steps
 
 
+def check_policies(adapter: HrmTextAdapter, low: ExitPolicy | None, high: ExitPolicy | None, what: str = "") -> None:
+    """One-line errors (``what`` before them) for a rule on the L loop that reads the prediction, and for a rule
+    whose ``k_max`` is not its loop's budget."""
+    if low is not None and low.needs_decode:
+        raise RdepthError(f"{what}exit rule {low.name} reads the prediction, and HRM's L state has none of its own "
+                          "(the H stack reads it): choose a latent rule for the L loop")
+    for policy, loop in ((low, "L"), (high, "H")):
+        if policy is not None and policy.k_max != adapter.spec(loop).budget:
+            raise RdepthError(f"{what}exit rule {policy.name} for loop {loop}: k_max {policy.k_max} must be the "
+                              f"loop's budget {adapter.spec(loop).budget}")
+
+
 def decode_with_exits(adapter: HrmTextAdapter, tokens: torch.Tensor, low: ExitPolicy | None = None,
                       high: ExitPolicy | None = None, cache=None) -> ExitDecode:
     """Teacher-forced decoding of ``tokens`` ``[B, T]`` a position at a time over the cache, with per-token
@@ -144,13 +156,7 @@ def decode_with_exits(adapter: HrmTextAdapter, tokens: torch.Tensor, low: ExitPo
     With both policies None this is the model's full budget (its forward, position by position)."""
     if not isinstance(adapter, HrmTextAdapter):
         raise RdepthError(f"per-token exits drive HRM-Text only, not {adapter.model_type}")
-    if low is not None and low.needs_decode:
-        raise RdepthError(f"exit rule {low.name} reads the prediction, and HRM's L state has none of its own "
-                          "(the H stack reads it): choose a latent rule for the L loop")
-    for policy, loop in ((low, "L"), (high, "H")):
-        if policy is not None and policy.k_max != adapter.spec(loop).budget:
-            raise RdepthError(f"exit rule {policy.name} for loop {loop}: k_max {policy.k_max} must be the loop's "
-                              f"budget {adapter.spec(loop).budget}")
+    check_policies(adapter, low, high)
     cache = adapter.new_cache() if cache is None else cache
     logits, low_steps, high_steps = [], [], []
     with torch.no_grad():
