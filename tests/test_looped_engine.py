@@ -250,3 +250,27 @@ def test_serve_refuses_flags_a_folder_does_not_read(served, monkeypatch, capsys)
         assert f"{flag} does not apply to a looped Hugging Face folder" in err
     err = one_line_error(capsys, cli(monkeypatch, "serve", "--checkpoint", folder, "--loops", "1,2,3"))
     assert "--loops for hrm_text is H,L" in err
+
+
+def test_the_openai_client_over_a_socket_several_prompts_and_a_stream(served, tmp_path):
+    """``rdepth serve`` on the folder as its own process, the ``openai`` package over a real socket: two prompts in
+    one request and a streamed one, each text the adapter's greedy decode."""
+    openai = pytest.importorskip("openai")
+    from serve_helpers import serve_process
+
+    folder, made = served
+    server = made["fixed"][0]
+    adapter = open_looped(folder, torch.float32)
+
+    def expected(text: str, new: int) -> str:
+        ids = server.tokenizer.encode(text)
+        return server.tokenizer.decode(greedy(adapter, torch.tensor([ids]), new)[0, len(ids):].tolist())
+
+    prompts = ["loop 3 turns", "and hands on 7"]
+    with serve_process(folder, tmp_path, "--batch-size", "2", "--name", "hrm") as port:
+        client = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0)
+        body = client.completions.create(model="hrm", prompt=prompts, max_tokens=5, temperature=0)
+        assert [choice.text for choice in sorted(body.choices, key=lambda c: c.index)] == \
+            [expected(text, 5) for text in prompts]
+        chunks = client.completions.create(model="hrm", prompt=prompts[0], max_tokens=6, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in chunks) == expected(prompts[0], 6)
