@@ -58,6 +58,8 @@ def parse_args(argv):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the wide models run (the trained run's "
+                        "histogram is taken on the CPU; the GPU issue's call: bench/gpu/device_call.sh engine_graph)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -67,7 +69,8 @@ def parse_args(argv):
     if args.fixed > args.k_max:
         parser.error("--fixed must be at most --k-max")
     args.widths = positive_ints("--widths-d", args.widths_d)
-    args.device = "cpu"  # (the timing helpers read it)
+    if args.device not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
     from depth_timing import tick_list
 
     args.tick_list = tick_list(args.ticks)
@@ -193,6 +196,10 @@ def main(argv=None) -> int:
     from rdepth.run.checkpoint import load_model
 
     torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        from rdepth.errors import RdepthError
+
+        raise RdepthError("engine_width: --device cuda, but torch sees no CUDA device")
     trained = load_model(args.run, "cpu")[0].eval().requires_grad_(False)
     if trained.n_groups != 1:
         from rdepth.errors import RdepthError
@@ -204,7 +211,8 @@ def main(argv=None) -> int:
     random.Random(args.seed).shuffle(order)
     ids = np.array(order[:args.requests])
     windows = heldout.tokens[:, :-1].astype("int64")[ids]
-    print(f"engine_width: {_cpu_name()}, torch {torch.__version__}, {args.threads} thread(s), revision "
+    print(f"engine_width: {_cpu_name()} (models on {args.device}), torch {torch.__version__}, {args.threads} "
+          f"thread(s), revision "
           f"{revision()}; {len(ids)} requests, {windows.size} positions, B = {args.batch}", flush=True)
     probs = step_histogram(trained, windows, ids, args)
     mean = float((np.arange(1, args.k_max + 1) * probs).sum())
@@ -216,8 +224,10 @@ def main(argv=None) -> int:
               "mean_steps": mean, "widths": {}}
     print("d_model  path             fixed tok/s   scheduled tok/s  ratio  bound  share  (engine rows: against the "
           "fastest engine at the fixed budget)", flush=True)
+    if args.device == "cuda":
+        report["device"] = torch.cuda.get_device_name(0)
     for width in args.widths:
-        model = wide_model(trained.config, width, head_dim, args.seed)
+        model = wide_model(trained.config, width, head_dim, args.seed).to(args.device)
         rows = width_rows(model, windows, ids, probs, args)
         report["widths"][str(width)] = rows
         for path in (*[engine_path(tick) for tick in args.tick_list], "lockstep"):

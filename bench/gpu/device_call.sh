@@ -7,7 +7,7 @@
 #   bash bench/gpu/device_call.sh REVISION STEP [STEP ...]      (CALL_BUDGET_S: the whole call, default 450)
 #
 # Steps: tests, train, train_fused, noise, train_autotune, fp8, trained_exits, spread, spread_spans,
-# decode_autotune, huginn, ouro, depth_batching, hrm_text, vllm_vs_serve (see step_* below).
+# decode_autotune, huginn, ouro, depth_batching, engine_graph, hrm_text, vllm_vs_serve (see step_* below).
 # The machine has no network: the package runs from the checkout (PYTHONPATH), torchao comes from a
 # carried wheel (fp8), the trained task model from carried runs/gpu-task (trained_exits).
 set -u -o pipefail
@@ -89,6 +89,21 @@ step_depth_batching() {  # continuous depth batching on the card (issue 51, call
     # or DB_AHEAD=1 if the step's limit is short; ahead 4 reads the device once every 4 ticks: the host's sync)
 }
 
+step_engine_graph() {  # the engine's graph ticks on the card (issues 62 and 68): the main job's loop-only model
+                      # (carried runs/gpu-task-loop), the rule chosen on half A, B = 32-256, against the eager engine
+                      # at F and the lock-step decoder; then random weights of that layout at the paper's width (768,
+                      # head 64) and Huginn's (5280, head 96), the trained rule's exit spread replayed (engine_width)
+    local run=runs/gpu-task-loop
+    mkdir -p "$OUT/engine_graph"
+    python3 bench/depth_batching.py --run $run/train --data $run/data --device cuda --problems "${DB_PROBLEMS:-128}" \
+        --widths "${DB_WIDTHS:-32,64,128,256}" --rounds 3 --splits 200 --ticks "${GRAPH_TICKS:-eager,graph,compiled-graph}" \
+        --ahead 1,4 --json "$OUT/engine_graph/depth_batching.json"
+    python3 bench/engine_width.py --run $run/train --data $run/data --device cuda --widths-d 768 --head-dim 64 \
+        --batch 64 --ticks eager,graph --rounds 3 --json "$OUT/engine_graph/width_paper.json"
+    python3 bench/engine_width.py --run $run/train --data $run/data --device cuda --widths-d 5280 --head-dim 96 \
+        --batch 64 --ticks eager,graph --rounds 3 --json "$OUT/engine_graph/width_huginn.json"
+}
+
 step_huginn() {  # Huginn-0125's published config at its real size (random weights): import-hf and the GPU
                 # recipe's commands (docs/ecosystem.md), each timed with the card's peak memory
     PYTHONPATH=. python3 bench/gpu/huginn_scale.py run --carry runs/huginn-carry --work /tmp/huginn \
@@ -114,7 +129,7 @@ fi
 
 declare -A LIMIT=([tests]=90 [train]=150 [train_fused]=150 [train_autotune]=240 [fp8]=150 [trained_exits]=100
                   [spread]=120 [spread_spans]=120 [decode_autotune]=240 [noise]=60
-                  [huginn]=330 [ouro]=330 [depth_batching]=300 [hrm_text]=240 [vllm_vs_serve]=300)
+                  [huginn]=330 [ouro]=330 [depth_batching]=300 [engine_graph]=420 [hrm_text]=240 [vllm_vs_serve]=300)
 for name in "$@"; do  # every name checked before anything runs
     if ! declare -F "step_$name" >/dev/null; then
         echo "== unknown step $name (choose from ${!LIMIT[*]})"; exit 2

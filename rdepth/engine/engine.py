@@ -11,7 +11,8 @@ holds ``batch_size`` slots; each :meth:`Engine.step` (a *tick*) is three calls o
   owns the device: the cache, the activations, the loop states, the rule's per-row memory): every occupied
   slot one loop step on, the rows whose loop ended handed on through the layers after it and read out; a
   :class:`~rdepth.engine.tick.TickOutput` back: ``eager`` (:mod:`rdepth.engine.eager`: each stage's rows in
-  one call), ``static`` and ``compiled`` (:mod:`rdepth.engine.static`: every slot through one device function);
+  one call), ``static`` and ``compiled`` (:mod:`rdepth.engine.static`: every slot through one device function),
+  ``graph`` and ``compiled-graph`` (:mod:`rdepth.engine.graph`: that function replayed as a CUDA graph);
 * **update** (the scheduler again): each row read out recorded, its next token chosen, the request retired
   or its token fed.
 
@@ -27,6 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 
 from rdepth.engine.eager import EagerTick
+from rdepth.engine.graph import CompiledGraphTick, GraphTick
 from rdepth.engine.request import Finished, Request
 from rdepth.engine.scheduler import EngineStats, Scheduler
 from rdepth.engine.slots import KV_LAYOUTS
@@ -40,7 +42,7 @@ from rdepth.model.recurrent import RecurrentLM
 
 __all__ = ["Engine", "EngineBase", "EngineStats"]
 
-_BUILT_IN = (EagerTick, StaticTick, CompiledTick)  # (each registers itself in TICKS as its module is imported)
+_BUILT_IN = (EagerTick, StaticTick, CompiledTick, GraphTick, CompiledGraphTick)  # (each registers itself in TICKS as its module is imported)
 
 
 def _make_controller(model: RecurrentLM, loop_counts, controller_factory) -> tuple[RowController, bool]:
@@ -205,8 +207,10 @@ class Engine(EngineBase):
             else None; streaming servers); it must not call the engine.
         tick: a name in :data:`~rdepth.engine.tick.TICKS`: ``"eager"`` (default: each tick computes what each
             row needs), ``"static"`` (every slot through one device function a tick, rows predicated: a model
-            with any looped groups, a rule that decides rows at any steps in one call) or ``"compiled"`` (that
-            function through ``torch.compile``).
+            with any looped groups, a rule that decides rows at any steps in one call), ``"compiled"`` (that
+            function through ``torch.compile``), ``"graph"`` or ``"compiled-graph"`` (either function recorded
+            as a CUDA graph when the engine is built and replayed every tick: a card only,
+            :mod:`rdepth.engine.graph`).
         rules: the exit rules a request may ask for by name (``Request(depth=Depth(rule=NAME, tau=X, k_max=N))``),
             ``name -> () -> RowController`` at the engine's caps; each row then runs its own request's budget or
             rule, in the same batch.

@@ -290,7 +290,7 @@ class Scheduler:
             finished.append(self.fail(row, f"the model's output is not finite at position {position}"))
             return None
         if request.keep_logits:
-            kept = logits[index].detach().to("cpu")
+            kept = logits[index].detach().to("cpu", copy=True)  # (a tick may reuse its buffer: the graph tick)
             live.logits.append(kept.float() if kept.dtype in (torch.float16, torch.bfloat16) else kept)
         if in_prompt:
             if request.prompt_logprobs:  # the prompt's next token, scored

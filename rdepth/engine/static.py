@@ -214,17 +214,23 @@ class StaticTick(EagerTick):
         live = self.live.copy()
         if self.function_ahead is not None and tick_input.greedy_only:
             # ahead: the device chooses and enters every row's next token for self.ahead ticks; one host read
-            state, projected, decisions, logits = self.function_ahead(self.state, self.projected)
-            self.state, self.projected = state, projected
+            decisions, logits = self._launch(True)
             decisions = decisions.cpu().numpy()  # (N, 3, B)
             stops = (decisions[:, 0] == 1) & live  # (the call's ticks at once: (N, B))
             outputs = [self._read(live, decisions[i], logits[i], stops[i]) for i in range(self.ahead)]
             outputs[0].following = outputs[1:]
             return outputs[0]
-        state, projected, decisions, logits = self.function(self.state, self.projected)
-        self.state, self.projected = state, projected
+        decisions, logits = self._launch(False)
         decisions = decisions.cpu().numpy()  # the tick's one host read
         return self._read(live, decisions, logits, (decisions[0] == 1) & live)
+
+    def _launch(self, ahead: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tick's function over the slots (``ahead``: the call of several ticks), its new loop states and
+        input halves the slots' from now on; returns its decisions and logits (:meth:`_tick`, :meth:`_ticks`).
+        (The graph tick replays the function recorded instead: :mod:`rdepth.engine.graph`.)"""
+        function = self.function_ahead if ahead else self.function
+        self.state, self.projected, decisions, logits = function(self.state, self.projected)
+        return decisions, logits
 
     def _read(self, live: np.ndarray, decisions: np.ndarray, logits: torch.Tensor, stops: np.ndarray) -> TickOutput:
         """One tick's output from its decisions ``[3, B]`` (which rows stopped, argmax, token entered), the

@@ -41,8 +41,10 @@ class ServeConfig:
                                      metavar="RULE[:TAU],...")
     kv_layout: str = option("exact", "the engine's key/value layout: exact or shared", choices=("exact", "shared"))
     tick: str = option("eager", "the engine's tick: eager (what each row needs), static or compiled (every slot "
-                       "through one device function a tick, compiled; any looped groups: docs/engine.md)", choices=("eager", "static", "compiled"))
-    ahead: int = option(1, "with --tick static or compiled: ticks one call runs before the host reads the device (the "
+                       "through one device function a tick, compiled; any looped groups: docs/engine.md), graph or "
+                       "compiled-graph (that function replayed as a CUDA graph: a card only)",
+                       choices=("eager", "static", "compiled", "graph", "compiled-graph"))
+    ahead: int = option(1, "with --tick static, compiled or a graph: ticks one call runs before the host reads the device (the "
                         "device enters each row's greedy token itself: while every request in a slot decodes greedily "
                         "and no rule keeps per-row memory; 4 is a good start)", bounds="[1, 64]")
     speculate: int | None = option(
