@@ -11,6 +11,7 @@ import random
 import re
 
 import pytest
+import torch
 from conftest import tiny_model
 from test_engine import assert_same, factory, prompts, reference, run_engine
 from test_engine_static import SHAPES
@@ -18,6 +19,8 @@ from test_engine_static import SHAPES
 from rdepth.engine import Engine, Request
 from rdepth.engine.speculation import SpeculatingTick
 from rdepth.errors import RdepthError
+from rdepth.model.loop_speculation import speculative_decode
+from rdepth.model.noise import StateNoise
 
 BUDGETS = ("fixed", "step_norm_rel", "kl")
 
@@ -93,6 +96,47 @@ def test_random_arrivals_switch_speculation_with_occupancy(name, rounds_seen):
         assert 0 < stats.speculated_ticks < stats.ticks and stats.rounds == len(rounds_seen)
         sampled = {len(requests[i].prompt) for i in range(len(requests)) if requests[i].temperature > 0}
         assert sampled  # (their rows decode plainly: exact above, and never a round's)
+
+
+def speculative_reference(model, request: Request, k: int, draft_loops: int, **budget) -> list[int]:
+    """A sampled request's batch-1 speculative decode (the one decoder's rounds, rejection sampling), its tokens
+    drawn from a generator seeded with the request's seed and the acceptance draws from seed + 1."""
+    rng = torch.Generator().manual_seed(request.seed)
+    out, _ = speculative_decode(model, torch.tensor([request.prompt]), request.max_tokens, tokens=k,
+                                draft_loops=draft_loops, temperature=request.temperature, top_p=request.top_p,
+                                noise=StateNoise(request.noise_seed, [request.sequence_id]), rng=rng, **budget)
+    return out[0, len(request.prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", BUDGETS)
+def test_sampled_requests_speculate_where_every_tick_may_and_equal_their_batch_1_speculative_decode(name,
+                                                                                                    rounds_seen):
+    """With speculate_at_most at the width, sampled requests run rounds (rejection sampling: drafts rejected and
+    replaced by the verifier's draws) beside greedy ones, arriving in any order: each sampled request's tokens
+    are its batch-1 speculative decode's, each greedy one its plain decode's; with a smaller limit a sampled
+    request runs no round (its tokens would depend on the load) and equals plain sampling."""
+    model = SHAPES["two groups"]()
+    budget = budget_for(model, name)
+    requests = [Request(p, max_tokens=9 + i % 3, sequence_id=i, noise_seed=i % 2, seed=40 + i,
+                        temperature=1.3 if i % 2 else 0.0, top_p=0.95 if i % 4 == 1 else 1.0)
+                for i, p in enumerate(prompts(6, seed=11))]
+    sampled = [i for i, r in enumerate(requests) if r.temperature > 0]
+    expected = {i: speculative_reference(model, requests[i], 3, 1, **budget) for i in sampled}
+    plain, _ = run_engine(model, requests, 3, **budget)
+    assert any(expected[i] != plain[i].tokens for i in sampled), "the rounds should draw other tokens"
+    for width, seed in ((1, 0), (3, 1)):
+        order = list(range(len(requests)))
+        random.Random(seed).shuffle(order)
+        rounds_seen.clear()
+        results, engine = run_engine(model, requests, width, order, speculate=3, draft_loops=1,
+                                     speculate_at_most=width, **budget)
+        for i, request in enumerate(requests):
+            assert results[i].tokens == (expected[i] if i in sampled else plain[i].tokens), f"request {i}"
+        assert engine.stats.accepted < engine.stats.drafted, "some drafts should be rejected"
+    assert len(rounds_seen) > 0
+    rounds_seen.clear()
+    results, _ = run_engine(model, requests, 3, speculate=3, draft_loops=1, speculate_at_most=2, **budget)
+    assert all(results[i].tokens == plain[i].tokens for i in range(len(requests)))
 
 
 @pytest.mark.parametrize("name", BUDGETS)

@@ -211,8 +211,10 @@ class Scheduler:
             rows, tokens, positions = rows[order], tokens[order], positions[order]
         else:
             rows = tokens = positions = np.zeros(0, dtype=np.int64)
+        generators = {row: self.live[row].generator for row, _ in self._admitted
+                      if self.live[row] is not None and self.live[row].generator is not None}
         tick_input = TickInput(live, np.asarray(self._retired, dtype=np.int64), self._admitted, rows, tokens,
-                               positions, greedy_only=self._sampling == 0)
+                               positions, greedy_only=self._sampling == 0, generators=generators)
         self._retired, self._admitted, self._feeding = [], [], []
         return tick_input
 
@@ -234,7 +236,8 @@ class Scheduler:
             held = self.taken[rows]
             output = replace(output, rows=rows[held], greedy=greedy[held], steps=output.steps[held],
                              index=output.index[held],
-                             entered=None if output.entered is None else output.entered[held])
+                             entered=None if output.entered is None else output.entered[held],
+                             decided=None if output.decided is None else output.decided[held])
             rows, greedy = output.rows, output.greedy
             if not rows.size:
                 return []
@@ -259,8 +262,9 @@ class Scheduler:
         tokens = logs.prompt[rows, np.minimum(positions + 1, self.capacity - 1)]  # the prompt's next (in it)
         finished = []
         for index in np.flatnonzero(~in_prompt | keeps).tolist():
+            decided = output.decided is not None and bool(output.decided[index])
             token = self._choose(int(rows[index]), int(positions[index]), int(greedy[index]), output.logits,
-                                 int(output.index[index]), bool(in_prompt[index]), finished)
+                                 int(output.index[index]), bool(in_prompt[index]), finished, decided)
             if token is not None:
                 feed[index], tokens[index] = True, token
         if feed.any():
@@ -280,10 +284,10 @@ class Scheduler:
         self._feeding.append((rows.copy(), tokens, self.position[rows]))
 
     def _choose(self, row: int, position: int, greedy: int, logits: torch.Tensor, index: int, in_prompt: bool,
-                finished: list[Finished]) -> int | None:
-        """One row's readout beyond the prompt's bookkeeping: its logits kept, its new token chosen (and
-        handed to the listener), its end; returns the token to feed next, or None (retired, or still in
-        the prompt: the caller feeds the prompt's next)."""
+                finished: list[Finished], decided: bool = False) -> int | None:
+        """One row's readout beyond the prompt's bookkeeping: its logits kept, its new token chosen (``greedy``
+        where the tick ``decided`` it) and handed to the listener, its end; returns the token to feed next, or
+        None (retired, or still in the prompt: the caller feeds the prompt's next)."""
         live = self.live[row]
         result, request = live.result, live.request
         if greedy < 0:
@@ -297,7 +301,7 @@ class Scheduler:
                 following = int(self.logs.prompt[row, position + 1])
                 result.prompt_logprobs.append(TokenLogprob.of(logits[index], following, request.logprobs))
             return None
-        token = greedy if live.generator is None else int(choose_tokens(
+        token = greedy if live.generator is None or decided else int(choose_tokens(
             logits[index:index + 1], request.temperature, request.top_k, live.generator, request.top_p))
         result.tokens.append(token)
         scored = None

@@ -1,10 +1,10 @@
-"""Loop speculation through the engine: at low load, a greedy request drafts with few loop steps and the engine's
+"""Loop speculation through the engine: at low load, a request drafts with few loop steps and the engine's
 budget verifies the drafts in one pass, on the request's own slot.
 
 At low occupancy a tick pays the loop budget for one token per row. :class:`SpeculatingTick` is the eager tick
 (:class:`~rdepth.engine.eager.EagerTick`) with one addition: when at most ``at_most`` slots are occupied, a row
-whose token has just entered (it is about to start its way through the stages), whose request decodes greedily
-at the engine's own depth and is at or past the last position of its prompt, runs one round of the one
+whose token has just entered (it is about to start its way through the stages), whose request decodes at the
+engine's own depth (greedily; sampled: below) and is at or past the last position of its prompt, runs one round of the one
 decoder's loop speculation (:func:`rdepth.model.loop_speculation.speculation_round`) instead of its plain tick:
 K tokens drafted at D loop steps per group (or the engine's exit rule capped at D), the entering token and the
 drafts verified in one lock-step pass at the engine's budget or rule, the longest agreeing prefix kept and the
@@ -22,12 +22,20 @@ its positions hold the verifying pass's keys (the latest-KV rule for tokens that
 written through to the later step slots as they are computed), the drafts' keys past them are overwritten
 before any later token reads them, and the next token is the verifier's.
 
+*A sampled request* speculates with rejection sampling (the verifier's distribution exactly: drafts drawn from
+the request's own generator, each kept with probability min(1, p/q), a rejected one replaced by a draw from
+max(p - q, 0), as the one decoder's rounds do), and only where every tick may run rounds (``at_most`` at least
+the engine's width): its tokens are then its batch-1 speculative decode's
+(:func:`~rdepth.model.loop_speculation.speculative_decode`, the acceptance draws seeded ``seed + 1``), whatever
+shares the batch. Rounds drawn in another order than plain sampling's, coming and going with the load, would make
+its tokens depend on what else is in flight; with a smaller ``at_most`` it decodes plainly.
+
 *How a draft reads the cache*: at loop step k a draft attends to the step-k slots of the earlier positions, which
 hold the verifier's keys (its step-k key, or the latest key of a token that stopped before k), and the round's
 earlier drafts' own; a draft is the D-step continuation of the verified sequence (see
-:mod:`rdepth.model.loop_speculation`). Rows that sample, that bring a depth of their own, that are in their
-prompt, or that have fewer than two tokens left decode plainly; so does every row of a tick with more than
-``at_most`` slots occupied.
+:mod:`rdepth.model.loop_speculation`). Rows that bring a depth of their own, that are in their prompt, or
+that have fewer than two tokens left decode plainly (and sampled rows, above); so does every row of a tick with
+more than ``at_most`` slots occupied.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from rdepth.errors import RdepthError
 from rdepth.model.budget import resolve_budget
 from rdepth.model.decoder import Decoder
 from rdepth.model.kv import KVCache
-from rdepth.model.loop_speculation import Round, draft_budget, speculation_round
+from rdepth.model.loop_speculation import Round, Sampling, draft_budget, speculation_round
 from rdepth.model.recurrent import RecurrentLM
 
 
@@ -81,6 +89,13 @@ def speculating_tick(model: RecurrentLM, plan: TickPlan, tick: str, speculation:
         draft)
 
 
+def accept_generator(generator: torch.Generator, seed: int) -> torch.Generator:
+    """The acceptance draws of a sampling request whose tokens come from ``generator`` (seeded ``seed``): a
+    generator of their own, seeded ``seed + 1``, as :func:`~rdepth.model.loop_speculation.speculative_decode`
+    seeds them, so a request's tokens are the batch-1 speculative decode's."""
+    return torch.Generator(device=generator.device).manual_seed(int(seed) + 1)
+
+
 def count_speculation(stats, counts: tuple[int, int, int]) -> None:
     """``stats`` (the engine's :class:`~rdepth.engine.scheduler.EngineStats`) count a tick's rounds, drafts made
     and drafts kept."""
@@ -98,12 +113,19 @@ class SpeculatingTick(EagerTick):
         super().__init__(model, plan)
         self.speculation, self.decoder, self.draft = speculation, decoder, draft
         self.requests: list = [None] * plan.batch  # each slot's request (admitted)
+        # A sampled request's rounds draw its tokens in another order than plain sampling: it speculates only where
+        # every tick may (at_most >= the width), so that whether it does never depends on what shares the batch
+        self.sampled_rounds = speculation.at_most >= plan.batch
+        # each sampling slot's draws: its request's generator (the scheduler's) and the acceptance draws' own
+        self.draws: list[tuple[torch.Generator, torch.Generator] | None] = [None] * plan.batch
         self._row_caches: dict[int, KVCache] = {}
 
     def __call__(self, tick_input: TickInput) -> TickOutput:
         self._apply(tick_input)
         for row, request in tick_input.admitted:
             self.requests[row] = request
+            generator = tick_input.generators.get(row) if self.sampled_rounds else None
+            self.draws[row] = None if generator is None else (generator, accept_generator(generator, request.seed))
         rounds = []
         if tick_input.entering.size and int(tick_input.live.sum()) <= self.speculation.at_most:
             rounds = self._rounds(tick_input)
@@ -118,14 +140,23 @@ class SpeculatingTick(EagerTick):
             position, length = int(self.position[row]), len(request.prompt)
             total = min(length + request.max_tokens, self.capacity + 1)  # the sequence's length at most
             left = total - position - 1  # tokens still to choose after the one entering
-            if request.temperature > 0 or request.depth is not None or position < length - 1 or left < 2:
+            sampled = request.temperature > 0
+            # (a sampled request's rounds as the batch-1 rounds run: its first token drawn from its prompt's readout,
+            # a round for the last token too)
+            first, least = (length, 1) if sampled else (length - 1, 2)
+            if (sampled and self.draws[row] is None) or request.depth is not None or position < first or left < least:
                 continue
             count = min(self.speculation.tokens, left)
             token = int(tick_input.tokens[tick_input.entering == row][-1])
             decoder = self.decoder
             decoder.attach(self._row_cache(row), {group: table.narrow(0, row, 1)
                                                   for group, table in self.initial.items()}, position)
-            one = speculation_round(decoder, token, count, position + 1 + count < total, self.draft)
+            sampling, rng, accept_rng = Sampling(), None, None
+            if sampled:  # (rejection sampling: the verifier's distribution, drawn from the request's generator)
+                sampling = Sampling(request.temperature, request.top_k, request.top_p)
+                rng, accept_rng = self.draws[row]
+            one = speculation_round(decoder, token, count, position + 1 + count < total, self.draft, sampling, rng,
+                                    accept_rng)
             self.stage[row] = FREE  # (its next token is the verifier's, fed by the scheduler as any other)
             done.append((row, count, one))
         return done
@@ -151,7 +182,8 @@ class SpeculatingTick(EagerTick):
             steps = np.asarray([one.steps[:, j].tolist() for _, one in here], dtype=np.int64).reshape(-1, groups)
             later.append(TickOutput(np.asarray([row for row, _ in here], dtype=np.int64),
                                     np.asarray(greedy, dtype=np.int64), steps, logits, np.arange(len(here)),
-                                    [0] * groups, entered=np.asarray(entered, dtype=np.int64)))
+                                    [0] * groups, entered=np.asarray(entered, dtype=np.int64),
+                                    decided=np.ones(len(here), dtype=bool)))  # (the round chose each token)
         for _, _, one in rounds:
             for group, steps in enumerate((one.draft_steps + one.steps.sum(dim=1)).tolist()):
                 output.loop_steps[group] += int(steps)

@@ -98,6 +98,9 @@ class TickInput:
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     greedy_only: bool = False
+    # per admitted slot whose request samples: the generator its tokens are drawn from (the scheduler's own; a tick
+    # that chooses tokens itself draws from it in the same order: loop speculation's rounds)
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
 
 
 @dataclass
@@ -122,6 +125,9 @@ class TickOutput:
     # (rounds, drafted, accepted) where the tick ran loop-speculation rounds (rdepth.engine.speculation): its
     # ``following`` are then the rounds' later readouts, not ticks of their own
     speculation: tuple[int, int, int] | None = None
+    # per row: whether ``greedy`` is the token chosen already (a sampled request's speculation round drew it), which
+    # the scheduler then takes instead of drawing one (None: it chooses every row's)
+    decided: np.ndarray | None = None
 
     @classmethod
     def nothing(cls, groups: int, loop_steps: list[int]) -> TickOutput:
