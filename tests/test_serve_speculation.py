@@ -56,3 +56,32 @@ def test_speculation_flags_it_cannot_run_are_one_line_errors(tiny_text_run, flag
 def test_a_draft_budget_at_the_servers_is_refused_at_start(tiny_text_run):
     with pytest.raises(RdepthError, match="draft"):
         served_model(ServeConfig(checkpoint=str(tiny_text_run), device="cpu", loops=2, speculate=2, draft_loops="2"))
+
+
+def test_a_sampled_request_speculates_where_every_slot_may_and_repeats_itself(tiny_text_run):
+    """--speculate-at-most at the batch size: a sampled request runs rounds (rejection sampling), its text the same
+    each time it is sent with its seed, and not always plain sampling's; below the batch size it samples plainly."""
+    configs = [{}, {"speculate": 3, "draft_loops": "1", "speculate_at_most": 2},
+               {"speculate": 3, "draft_loops": "1", "speculate_at_most": 1}]
+    made = [served_model(ServeConfig(checkpoint=str(tiny_text_run), batch_size=2, device="cpu", name="tiny", **extra))
+            for extra in configs]
+    try:
+        texts, rounds = [], []
+        for served in made:
+            client = TestClient(build_app(served))
+            sent = []
+            for seed in (1, 2, 3, 1):
+                response = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 10,
+                                                                 "temperature": 1.0, "seed": seed})
+                assert response.status_code == 200, response.text
+                sent.append(response.json()["choices"][0]["text"])
+            texts.append(sent)
+            metrics = client.get("/metrics").text
+            rounds.append(int(next(line.split()[-1] for line in metrics.splitlines()
+                                   if line.startswith("rdepth_speculation_rounds_total"))))
+        plain, speculated, limited = texts
+        assert speculated[0] == speculated[3] and speculated != plain and rounds[1] > 0
+        assert limited == plain and rounds[2] == 0
+    finally:
+        for served in made:
+            served.runner.stop()
