@@ -130,7 +130,7 @@ def test_sampled_requests_speculate_where_every_tick_may_and_equal_their_batch_1
         rounds_seen.clear()
         results, engine = run_engine(model, requests, width, order, speculate=3, draft_loops=1,
                                      speculate_at_most=width, **budget)
-        for i, request in enumerate(requests):
+        for i in range(len(requests)):
             assert results[i].tokens == (expected[i] if i in sampled else plain[i].tokens), f"request {i}"
         assert engine.stats.accepted < engine.stats.drafted, "some drafts should be rejected"
     assert len(rounds_seen) > 0
