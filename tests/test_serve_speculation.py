@@ -1,6 +1,7 @@
 """rdepth serve --speculate K: loop speculation for a lone greedy request (the engine's rounds on its slot's cache
 row). Its answers, log-probabilities and depth reports equal the server's without speculation; /metrics counts the
-rounds and drafts; the flags that need it, or a tick that cannot run it, are one-line errors."""
+rounds and drafts; a sampled request speculates where every slot may (and repeats itself); the flags that need it,
+or a tick that cannot run it, are one-line errors."""
 
 from __future__ import annotations
 
