@@ -307,8 +307,19 @@ def in_process(args, prompts, make) -> dict:
 
 def heldout_prompts(args) -> list[list[int]]:
     """``--requests`` prompts: the first ``--prompt-tokens`` tokens of held-out problems of ``--difficulties`` in
-    equal shares, in a fixed random order (seed 0)."""
+    equal shares, in a fixed random order (seed 0); for a text corpus (a prepared folder without task problems:
+    the text presets), ``--prompt-tokens``-token windows spread over its validation split, checked against the
+    run's tokenizer (``--difficulties`` unused)."""
     from exit_workload import mixed_heldout
+
+    if not any(Path(args.data).glob("heldout_d*.npz")):
+        from rdepth.run.checkpoint import load_model
+        from rdepth.run.heldout import held_out_tokens, held_out_windows
+
+        config = load_model(args.run, "cpu")[0].config
+        tokens, _ = held_out_tokens(args.data, args.run, config)
+        windows = held_out_windows(tokens, args.prompt_tokens - 1, args.requests)
+        return windows.tolist()
 
     difficulties = positive_ints("--difficulties", args.difficulties)
     per = max(1, args.requests // len(difficulties))

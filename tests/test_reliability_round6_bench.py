@@ -149,6 +149,29 @@ def text_run(tmp_path_factory):
     return root / "run"
 
 
+def test_serve_load_takes_its_prompts_from_a_text_corpus(task_run, text_run, monkeypatch):
+    """A text run's prepared folder (no task problems): windows of --prompt-tokens tokens, each a slice of its
+    validation split; a task run on that folder is refused in one line (another tokenizer)."""
+    from argparse import Namespace
+
+    from rdepth.errors import RdepthError
+    from rdepth.run.checkpoint import load_model
+    from rdepth.run.heldout import held_out_tokens
+
+    serve_load = bench_module("serve_load", monkeypatch)
+    data = text_run.parent / "data"
+    args = Namespace(run=str(text_run), data=str(data), requests=5, prompt_tokens=7, difficulties="1")
+    prompts = serve_load.heldout_prompts(args)
+    val, _ = held_out_tokens(data, text_run, load_model(text_run, "cpu")[0].config)
+    text = " ".join(map(str, val.tolist()))
+    assert len(prompts) == 5 and all(len(prompt) == 7 for prompt in prompts) and len(set(map(tuple, prompts))) == 5
+    assert all(" ".join(map(str, prompt)) in text for prompt in prompts)
+    _, run = task_run
+    with pytest.raises(RdepthError, match="prepared with tokenizer"):
+        serve_load.heldout_prompts(Namespace(run=str(run), data=str(data), requests=5, prompt_tokens=7,
+                                             difficulties="1"))
+
+
 def test_exit_wall_task_mode_refuses_a_text_run_on_task_data(task_run, text_run, capsys, monkeypatch):
     """Issue 61 item 5 (round 5's B03): ``exit_wall.py task`` printed accuracy rows for a text model on task
     data (its ids read through another vocabulary) and exited 0; now the tokenizer check of ``rdepth eval``."""
