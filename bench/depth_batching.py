@@ -77,8 +77,9 @@ def parse_args(argv):
                         help="also time the engine with the shared key/value layout (its quality change on the "
                              "timed problems, paired against the exact layout)")
     parser.add_argument("--ticks", default="eager,compiled",
-                        help="the engine's ticks to time (eager, static, compiled: rdepth/engine/static.py); each "
-                             "at F and with each rule; ratios against the fastest path at F (any tick, the lock-step decoder)")
+                        help="the engine's ticks to time (eager, token, static, compiled, graph, compiled-graph: "
+                             "docs/engine.md); each at F and with each rule; ratios against the fastest path at F (any "
+                             "tick, the lock-step decoder)")
     parser.add_argument("--ahead", default="1",
                         help="ticks one call of the static and compiled ticks runs before the host reads the device "
                              "(Engine(ahead=N)); a list times each (1,4: both), at F and with each rule")

@@ -79,7 +79,7 @@ def parse_args(argv):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--ticks", default="eager",
-                        help="the engine's ticks to time (eager, static, compiled: rdepth/engine/static.py; with "
+                        help="the engine's ticks to time (eager, token, static, compiled: docs/engine.md; with "
                              "several looped groups the static tick runs a step of every group a tick), each at F "
                              "and with each rule; rows 'engine TICK | setting'")
     parser.add_argument("--threads", type=int, default=1)

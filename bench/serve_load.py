@@ -65,7 +65,7 @@ def parse_args(argv):
     parser.add_argument("--k-max", type=int, default=12)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--tick", default="eager", help="the engine's tick for the rule (eager, static, compiled)")
+    parser.add_argument("--tick", default="eager", help="the engine's tick for the rule (eager, token, static, compiled)")
     parser.add_argument("--fixed-tick", default="eager", help="the engine's tick for the fixed budget")
     parser.add_argument("--ahead", type=int, default=1,
                         help="ticks one call of a static or compiled tick runs (rdepth serve --ahead), each setting's")
@@ -128,8 +128,14 @@ def mix_server_flags(args, mix: list[dict]) -> list[str]:
 
 
 def ahead_flags(args, tick: str) -> list[str]:
-    """``--ahead N`` for a server on the static or compiled tick (the eager tick reads after every tick)."""
-    return ["--ahead", str(args.ahead)] if args.ahead > 1 and tick != "eager" else []
+    """``--ahead N`` for a server on a tick that runs ahead (the eager and token ticks read after every tick)."""
+    return ["--ahead", str(args.ahead)] if args.ahead > 1 and runs_ahead(tick) else []
+
+
+def runs_ahead(tick: str) -> bool:
+    from rdepth.engine import TICKS
+
+    return bool(getattr(TICKS[tick], "runs_ahead", False))
 
 
 def mix_engine(args, flags: list[str], mix: list[dict], count: int):
@@ -337,7 +343,7 @@ def main(argv=None) -> int:
     from rdepth.exits.controller import controller_factory
 
     prompts = heldout_prompts(args)
-    fixed_ahead, rule_ahead = (int(args.ahead) if tick != "eager" else 1 for tick in (args.fixed_tick, args.tick))
+    fixed_ahead, rule_ahead = (int(args.ahead) if runs_ahead(tick) else 1 for tick in (args.fixed_tick, args.tick))
     settings = {
         f"fixed {args.loops}": (["--loops", str(args.loops), "--tick", args.fixed_tick,
                                  *ahead_flags(args, args.fixed_tick)],

@@ -67,6 +67,6 @@ def test_the_scheduler_imports_no_tick_implementation():
 
 
 def test_the_registries_name_every_tick_and_layout():
-    assert set(TICKS) == {"eager", "static", "compiled", "graph", "compiled-graph"}
+    assert set(TICKS) == {"eager", "token", "static", "compiled", "graph", "compiled-graph"}
     assert all(TICKS[name].name == name for name in TICKS)
     assert set(KV_LAYOUTS) == {"exact", "shared"} and all(KV_LAYOUTS[name].name == name for name in KV_LAYOUTS)

@@ -244,8 +244,8 @@ def _left_running(started) -> list:
     (["--difficulties", ""], "--difficulties needs at least one integer"),
     (["--difficulties", "1,x"], "--difficulties takes integers"),
     (["--exit", "bogus"], "unknown exit policy 'bogus'"),
-    (["--tick", "bogus"], "--tick takes eager, static, compiled, got 'bogus'"),
-    (["--fixed-tick", "bogus"], "--fixed-tick takes eager, static, compiled, got 'bogus'"),
+    (["--tick", "bogus"], "--tick takes eager, static, compiled, graph, compiled-graph, token, got 'bogus'"),
+    (["--fixed-tick", "bogus"], "--fixed-tick takes eager, static, compiled, graph, compiled-graph, token, got 'bogus'"),
     (["--ahead", "0"], "--ahead must be >= 1, got 0"),
     (["--prompt-tokens", "0"], "--prompt-tokens must be >= 1, got 0"),
 ])

@@ -11,7 +11,8 @@ holds ``batch_size`` slots; each :meth:`Engine.step` (a *tick*) is three calls o
   owns the device: the cache, the activations, the loop states, the rule's per-row memory): every occupied
   slot one loop step on, the rows whose loop ended handed on through the layers after it and read out; a
   :class:`~rdepth.engine.tick.TickOutput` back: ``eager`` (:mod:`rdepth.engine.eager`: each stage's rows in
-  one call), ``static`` and ``compiled`` (:mod:`rdepth.engine.static`: every slot through one device function),
+  one call; ``token``: every loop to its exit within the tick, :mod:`rdepth.engine.token`), ``static`` and
+  ``compiled`` (:mod:`rdepth.engine.static`: every slot through one device function),
   ``graph`` and ``compiled-graph`` (:mod:`rdepth.engine.graph`: that function replayed as a CUDA graph);
 * **update** (the scheduler again): each row read out recorded, its next token chosen, the request retired
   or its token fed.
@@ -35,6 +36,7 @@ from rdepth.engine.slots import KV_LAYOUTS
 from rdepth.engine.speculation import Speculation, count_speculation, speculating_tick
 from rdepth.engine.static import CompiledTick, StaticTick
 from rdepth.engine.tick import TICKS, TickPlan, make_tick
+from rdepth.engine.token import TokenTick
 from rdepth.errors import RdepthError
 from rdepth.model.budget import resolve_budget
 from rdepth.model.control import FixedController, RowController
@@ -42,7 +44,7 @@ from rdepth.model.recurrent import RecurrentLM
 
 __all__ = ["Engine", "EngineBase", "EngineStats"]
 
-_BUILT_IN = (EagerTick, StaticTick, CompiledTick, GraphTick, CompiledGraphTick)  # (each registers itself in TICKS as its module is imported)
+_BUILT_IN = (EagerTick, TokenTick, StaticTick, CompiledTick, GraphTick, CompiledGraphTick)  # (each registers itself in TICKS as its module is imported)
 
 
 def _make_controller(model: RecurrentLM, loop_counts, controller_factory) -> tuple[RowController, bool]:
@@ -206,7 +208,8 @@ class Engine(EngineBase):
             ``logprob``: its :class:`~rdepth.engine.request.TokenLogprob` where the request asks for logprobs,
             else None; streaming servers); it must not call the engine.
         tick: a name in :data:`~rdepth.engine.tick.TICKS`: ``"eager"`` (default: each tick computes what each
-            row needs), ``"static"`` (every slot through one device function a tick, rows predicated: a model
+            row needs), ``"token"`` (the eager tick with every loop run to its exit within the tick: each row a
+            whole token a tick, :mod:`rdepth.engine.token`), ``"static"`` (every slot through one device function a tick, rows predicated: a model
             with any looped groups, a rule that decides rows at any steps in one call), ``"compiled"`` (that
             function through ``torch.compile``), ``"graph"`` or ``"compiled-graph"`` (either function recorded
             as a CUDA graph when the engine is built and replayed every tick: a card only,

@@ -171,9 +171,10 @@ class GenerateConfig:
     kv_layout: str = option("exact", "with --prompts-file: the engine's key/value layout: exact (the trained "
                             "rule) or shared (one slot per looped layer: memory flat in the loop budget, "
                             "outputs change)")
-    tick: str = option("eager", "with --prompts-file: the engine's tick: eager (what each row needs), static or "
-                       "compiled (every slot through one device function a tick, compiled; any looped groups: "
-                       "docs/engine.md)")
+    tick: str = option("eager", "with --prompts-file: the engine's tick: eager (what each row needs), token (eager, "
+                       "every loop to its exit within the tick), static or compiled (every slot through one device "
+                       "function a tick, compiled; any looped groups), graph or compiled-graph (that function "
+                       "replayed as a CUDA graph: a card only): docs/engine.md")
     ahead: int = option(1, "with --tick static or compiled: ticks one call runs before the host reads the device (the "
                         "device enters every row's next token itself: while every request decodes greedily and the "
                         "rule keeps no per-row memory; 4 is a good start)", bounds="[1, 64]")
@@ -228,9 +229,10 @@ class GenerateConfig:
             raise RdepthError(f"generate: --kv-layout must be exact or shared, got {self.kv_layout!r}")
         if self.kv_layout != "exact" and self.prompts_file is None:
             raise RdepthError("generate: --kv-layout is the engine's (with --prompts-file)")
-        if self.tick not in ("eager", "static", "compiled"):
-            raise RdepthError(f"generate: --tick must be eager, static or compiled, got {self.tick!r}")
-        if self.ahead != 1 and self.tick == "eager":
+        ticks = ("eager", "token", "static", "compiled", "graph", "compiled-graph")
+        if self.tick not in ticks:
+            raise RdepthError(f"generate: --tick must be one of {', '.join(ticks)}, got {self.tick!r}")
+        if self.ahead != 1 and self.tick in ("eager", "token"):
             raise RdepthError("generate: --ahead runs several ticks a call of the static or compiled tick; give "
                               "--tick static or compiled")
         if self.tick != "eager" and self.prompts_file is None:

@@ -40,10 +40,11 @@ class ServeConfig:
                                      "'none' for none", default_text="the server's --exit rule, if any",
                                      metavar="RULE[:TAU],...")
     kv_layout: str = option("exact", "the engine's key/value layout: exact or shared", choices=("exact", "shared"))
-    tick: str = option("eager", "the engine's tick: eager (what each row needs), static or compiled (every slot "
-                       "through one device function a tick, compiled; any looped groups: docs/engine.md), graph or "
-                       "compiled-graph (that function replayed as a CUDA graph: a card only)",
-                       choices=("eager", "static", "compiled", "graph", "compiled-graph"))
+    tick: str = option("eager", "the engine's tick: eager (what each row needs), token (eager, every loop to its exit "
+                       "within the tick: rows stay in step; several groups under an exit rule), static or compiled "
+                       "(every slot through one device function a tick, compiled; any looped groups: docs/engine.md), "
+                       "graph or compiled-graph (that function replayed as a CUDA graph: a card only)",
+                       choices=("eager", "token", "static", "compiled", "graph", "compiled-graph"))
     ahead: int = option(1, "with --tick static, compiled or a graph: ticks one call runs before the host reads the device (the "
                         "device enters each row's greedy token itself: while every request in a slot decodes greedily "
                         "and no rule keeps per-row memory; 4 is a good start)", bounds="[1, 64]")
@@ -92,7 +93,7 @@ class ServeConfig:
                               "too")
         if self.speculate is not None and self.tick != "eager":
             raise RdepthError(f"serve: --speculate runs on the eager tick, not --tick {self.tick}")
-        if self.ahead != 1 and self.tick == "eager":
+        if self.ahead != 1 and self.tick in ("eager", "token"):
             raise RdepthError("serve: --ahead runs several ticks a call of the static or compiled tick; give --tick "
                               "static or compiled")
         check_device_name("serve", self.device)
