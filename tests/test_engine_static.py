@@ -11,10 +11,11 @@ import shutil
 import pytest
 import torch
 from conftest import tiny_model
-from test_engine import assert_same, factory, prompts, run_engine
+from test_engine import assert_same, caps_for, factory, prompts, run_engine
 
 from rdepth.engine import Engine, Request
 from rdepth.errors import RdepthError
+from rdepth.exits.controller import controller_factory
 from rdepth.exits.registry import POLICIES
 
 
@@ -47,27 +48,30 @@ SHAPES = {"loop only": single_group, "prelude and coda": prelude_and_coda, "two 
 
 
 def test_the_rules_it_runs_are_the_one_call_rules():
-    """The step-free rules and kl (its head read at every step); not the two-hit rules, nor kl read every
-    other step."""
+    """The step-free rules, kl (its head read at every step) and the two-hit rules (a row at step 1 never exits);
+    not kl read every other step, nor entropy_diff."""
     rules = one_call_rules(single_group())
     assert {"step_norm_rel", "kl", "learned", "fixed", "confidence", "argmax_stable"} <= set(rules)
-    assert "acceleration" not in rules and "minp_kl" in rules
+    assert {"acceleration", "acceleration_rel", "minp_kl"} <= set(rules) and "entropy_diff" not in rules
     model = single_group()
     assert not factory(model, "kl", {"every": 2})().policy(0).one_call
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("name", ["step_norm_rel", "kl", "learned", "argmax_stable", "fixed"])
+@pytest.mark.parametrize("name", ["step_norm_rel", "kl", "learned", "argmax_stable", "acceleration_rel", "fixed"])
 def test_every_request_equals_the_batch_1_decoder_in_any_arrival_order(name, shape):
+    """The two-hit rule at a threshold where its exits vary on every shape (0.9: checked below)."""
     model = SHAPES[shape]()
     requests = [Request(p, max_tokens=3 + i % 4, keep_logits=True, sequence_id=i % 3, noise_seed=i)
                 for i, p in enumerate(prompts(7, seed=1))]
+    made = factory(model, name)
+    if name == "acceleration_rel":
+        made = controller_factory(name, 0.9, caps_for(model)[:model.n_groups])
     for batch, seed in ((3, 0), (8, 1), (1, 2)):
         order = list(range(len(requests)))
         random.Random(seed).shuffle(order)
-        results, engine = run_engine(model, requests, batch, order, tick="static",
-                                     controller_factory=factory(model, name))
-        assert_same(model, requests, results, controller_factory=factory(model, name))
+        results, engine = run_engine(model, requests, batch, order, tick="static", controller_factory=made)
+        assert_same(model, requests, results, controller_factory=made)
         assert engine.stats.positions == sum(len(r.prompt) + r.max_tokens - 1 for r in requests)
     if name != "fixed":
         distinct = {s for done in results.values() for position in done.steps for s in position}
@@ -114,8 +118,8 @@ def test_what_it_cannot_run_is_a_one_line_error():
     model = single_group()
     with pytest.raises(RdepthError, match="tick must be one of"):
         Engine(model, 2, tick="fast")
-    with pytest.raises(RdepthError, match="acceleration does not"):
-        Engine(model, 2, tick="static", controller_factory=factory(model, "acceleration"))
+    with pytest.raises(RdepthError, match="entropy_diff does not"):
+        Engine(model, 2, tick="static", controller_factory=factory(model, "entropy_diff"))
     with pytest.raises(RdepthError, match="kv_layout"):
         Engine(model, 2, tick="static", kv_layout="shared", loop_counts=3)
     with pytest.raises(RdepthError, match="warm_start"):

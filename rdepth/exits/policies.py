@@ -168,6 +168,26 @@ class _TwoHitPolicy(ExitPolicy):
     def _reset_rows(self, rows, state):
         self.prev_small[rows] = False
 
+    @property
+    def one_call(self) -> bool:
+        return True
+
+    def after_steps(self, steps, values, rows, prev, new):
+        """Rows at different steps in one call (the engine's static tick): a row at step 1 has no previous update,
+        so it keeps its hit flag as begun (no hit: it cannot exit there), as :meth:`_exits` at step 1."""
+        if len(values) == 1:
+            return super().after_steps(steps, values, rows, prev, new)
+        self._check_steps(values)
+        wide = _wide(prev)
+        delta = _wide(new) - wide  # (A, d)
+        first = steps == 1
+        small = self._below(self._signal(delta, self.prev_delta[rows], wide), rows)
+        was_small = self.prev_small[rows]
+        exits = small & was_small
+        self.prev_small[rows] = torch.where(first, was_small, small)
+        self.prev_delta[rows] = delta
+        return exits | (steps == self.k_max), torch.where(exits[:, None], prev, new), steps - exits.long()
+
     def _exits(self, step, rows, prev, new):
         prev = _wide(prev)
         delta = _wide(new) - prev  # (A, d)
