@@ -258,8 +258,8 @@ def width_calls(model, windows, ids, width: int, timed_labels: list[str], settin
                   else {"controller_factory": settings[label]["factory"]})
         calls[f"engine | {label}"], records[f"engine | {label}"] = engine_call(model, windows, ids, width, budget,
                                                                               args.seed)
-        for tick in ticks(args):  # the static and compiled ticks (the eager one above), where the model has them
-            for ahead in dict.fromkeys(int(n) for n in args.ahead.split(",")):
+        for tick in ticks(args):  # the other ticks (the eager one above), where the model has them
+            for ahead in aheads(args, tick):
                 name = f"engine {tick}{f' ahead {ahead}' if ahead > 1 else ''} | {label}"
                 try:
                     calls[name], records[name] = engine_call(model, windows, ids, width, budget, args.seed,
@@ -272,6 +272,15 @@ def width_calls(model, windows, ids, width: int, timed_labels: list[str], settin
             name = f"engine shared-KV | {label}"
             calls[name], records[name] = engine_call(model, windows, ids, width, budget, args.seed, "shared")
     return calls, records
+
+
+def aheads(args, tick: str) -> list[int]:
+    """The --ahead values a tick is timed at: each of them for a tick that runs ahead, else 1 alone."""
+    from rdepth.engine import TICKS
+
+    if not getattr(TICKS[tick], "runs_ahead", False):
+        return [1]
+    return list(dict.fromkeys(int(n) for n in args.ahead.split(",")))
 
 
 def ticks(args) -> list[str]:

@@ -9,7 +9,7 @@ from argparse import Namespace
 import numpy as np
 import pytest
 
-from bench.depth_batching import judge, meets, paired, select, split_shares
+from bench.depth_batching import aheads, judge, meets, paired, select, split_shares
 from bench.depth_timing import throughput_rows, tick_list
 
 ARGS = Namespace(tolerance=0.01, per_difficulty=0.02, full_loops=3, policies="step_norm_rel", splits=50, seed=0)
@@ -190,3 +190,9 @@ def test_caps_make_their_own_settings_and_a_reused_quality_file_gains_only_the_m
     third = bench.measured_quality(None, None, settings, args, "cpu")  # everything saved: nothing measured
     assert len(measured) == count and list(third) == list(settings)
     assert all(third[label]["steps"] == again[label]["steps"] for label in settings)
+
+
+def test_a_tick_that_cannot_run_ahead_is_timed_once_at_one_tick_a_call():
+    args = Namespace(ahead="1,4,4")
+    assert aheads(args, "compiled") == [1, 4] and aheads(args, "static") == [1, 4]
+    assert aheads(args, "token") == [1] and aheads(Namespace(ahead="4"), "eager") == [1]
