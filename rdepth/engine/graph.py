@@ -58,6 +58,8 @@ class GraphTick(StaticTick):
         if len(self.controllers) == 1:
             return  # (no request brings a depth: no row's threshold is ever set)
         for controller in self.controllers[2:]:  # (the named rules, TickPlan.route)
+            if not hasattr(controller, "policy"):
+                continue  # (a controller of the caller's own: it takes no threshold per request)
             for group in range(self.groups):
                 policy = controller.policy(group)
                 if policy.uses_tau and policy.per_row_tau:
