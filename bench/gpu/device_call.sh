@@ -7,7 +7,8 @@
 #   bash bench/gpu/device_call.sh REVISION STEP [STEP ...]      (CALL_BUDGET_S: the whole call, default 450)
 #
 # Steps: tests, train, train_fused, noise, train_autotune, fp8, trained_exits, spread, spread_spans,
-# decode_autotune, huginn, ouro, depth_batching, engine_graph, hrm_text, vllm_vs_serve (see step_* below).
+# decode_autotune, huginn, ouro, depth_batching, engine_graph, speculation, hrm_text, vllm_vs_serve (see step_*
+# below).
 # The machine has no network: the package runs from the checkout (PYTHONPATH), torchao comes from a
 # carried wheel (fp8), the trained task model from carried runs/gpu-task (trained_exits).
 set -u -o pipefail
@@ -104,6 +105,18 @@ step_engine_graph() {  # the engine's graph ticks on the card (issues 62 and 68)
         --batch 64 --ticks eager,graph --rounds 3 --json "$OUT/engine_graph/width_huginn.json"
 }
 
+step_speculation() {  # loop speculation at batch 1 on random weights with a constructed agreement (issue 64): the
+                      # paper preset with every draft kept (state scale 0) and with some rejected (0.2), and
+                      # Huginn-0125's sizes at 16 loops (bench/gpu/speculation_scale.py)
+    mkdir -p "$OUT/speculation"
+    for scale in 0 0.2; do
+        python3 bench/gpu/speculation_scale.py --shape paper --state-scale $scale --device cuda --dtype bfloat16 \
+            --draft-loops 1,2 --tokens 4,8 --json "$OUT/speculation/paper_$scale.json"
+    done
+    python3 bench/gpu/speculation_scale.py --shape huginn --state-scale 0.2 --loops 16 --device cuda --dtype bfloat16 \
+        --draft-loops 1,4 --tokens 4,8 --new-tokens 32 --rounds 2 --json "$OUT/speculation/huginn_0.2.json"
+}
+
 step_huginn() {  # Huginn-0125's published config at its real size (random weights): import-hf and the GPU
                 # recipe's commands (docs/ecosystem.md), each timed with the card's peak memory
     PYTHONPATH=. python3 bench/gpu/huginn_scale.py run --carry runs/huginn-carry --work /tmp/huginn \
@@ -129,7 +142,7 @@ fi
 
 declare -A LIMIT=([tests]=90 [train]=150 [train_fused]=150 [train_autotune]=240 [fp8]=150 [trained_exits]=100
                   [spread]=120 [spread_spans]=120 [decode_autotune]=240 [noise]=60
-                  [huginn]=330 [ouro]=330 [depth_batching]=300 [engine_graph]=420 [hrm_text]=240 [vllm_vs_serve]=300)
+                  [huginn]=330 [ouro]=330 [depth_batching]=300 [engine_graph]=420 [speculation]=300 [hrm_text]=240 [vllm_vs_serve]=300)
 for name in "$@"; do  # every name checked before anything runs
     if ! declare -F "step_$name" >/dev/null; then
         echo "== unknown step $name (choose from ${!LIMIT[*]})"; exit 2
