@@ -6,7 +6,8 @@ every group's adapter (``s_k = layers(S W_s s_(k-1) + W_e e)``), so S = 0 makes 
 the same function of the input (a 1-step draft equals the full budget: every draft kept) and S = 1 leaves the random
 model as drawn (drafts kept at whatever rate it gives). The shapes: a preset's (``paper``: 12 layers, d 768, three
 groups; ``tiny`` for a check on the CPU) or ``huginn`` (Huginn-0125's sizes in rdepth's own layout: a 2-layer
-prelude, a 4-layer looped core, a 2-layer coda, d 5,280, 55 heads, a 65,536-word vocabulary).
+prelude, a 4-layer looped core, a 2-layer coda, d 5,280, 55 heads, a 65,536-word vocabulary; ``huginn-tiny``: that
+layout at d 128 and 4,096 words, for the CPU).
 
 At batch 1, ``--prompts`` random prompts of ``--prompt-tokens`` tokens, each generating ``--new-tokens`` greedy tokens
 at the verifying budget (``--loops`` per group; default the config's eval loops): plain decoding
@@ -33,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HUGINN = dict(n_layer=8, n_head=55, d_model=5280, block_size=4096, vocab_size=65536, groups="2-5", mean_loops=32.0,
               backprop_depth=8, tokenizer="gpt2")
+HUGINN_TINY = dict(HUGINN, n_head=4, d_model=128, block_size=512, vocab_size=4096, tokenizer="bpe:4096")
+SHAPES = ("paper", "tiny", "small", "huginn", "huginn-tiny")
 DTYPES = ("float32", "bfloat16", "float64")
 
 
@@ -43,7 +46,7 @@ def parse(argv):
 
     parser = OneLineParser(prog="bench/gpu/speculation_scale.py", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="paper", choices=("paper", "tiny", "small", "huginn"))
+    parser.add_argument("--shape", default="paper", choices=SHAPES)
     parser.add_argument("--state-scale", type=float, default=0.2, help="S: the adapters' state half times S (0..1)")
     parser.add_argument("--loops", type=int, default=None, help="the verifying budget per group (default: eval loops)")
     parser.add_argument("--draft-loops", type=int_list, default=[1, 2])
@@ -75,7 +78,7 @@ def build(args):
     from rdepth.config import PRESETS, ModelConfig
     from rdepth.model import RecurrentLM
 
-    fields = dict(HUGINN if args.shape == "huginn" else PRESETS[args.shape])
+    fields = dict({"huginn": HUGINN, "huginn-tiny": HUGINN_TINY}.get(args.shape) or PRESETS[args.shape])
     if args.loops is not None:
         fields["eval_loops"] = args.loops
     torch.manual_seed(args.seed)
