@@ -123,12 +123,11 @@ def test_the_buffer_check_sees_a_rebound_buffer(emulated):
     assert changed == {"controller 0 group 0 .prev_log_probs"}
 
 
-@pytest.mark.parametrize("shape", ["prelude and coda", "three groups"])
 @pytest.mark.parametrize("name", [None, "step_norm_rel", "kl"])
-def test_the_function_traces_as_one_graph(emulated, name, shape):
+def test_the_function_traces_as_one_graph(emulated, name):
     """No host read and no shape from the data in a tick, nor in a call that runs ahead, nor with depths of
-    their own: recordable."""
-    model = SHAPES[shape]()
+    their own: recordable (three groups with single-pass layers before, between and after them: every segment)."""
+    model = SHAPES["three groups"]()
     budget = {"loop_counts": None} if name is None else {"controller_factory": factory(model, name)}
     tick = Engine(model, 3, tick="graph", ahead=2, **budget).tick
     assert graph_breaks(tick._tick, tick.state, tick.projected) == []
