@@ -101,10 +101,10 @@ def test_over_a_socket_several_prompts_streamed_and_not(over_a_socket, model, ti
     assert error.value.body["param"] == "rdepth.loops"
 
 
-@pytest.mark.parametrize("flags", [("--tick", "static", "--ahead", "2"), ("--speculate", "2", "--draft-loops", "1")],
-                         ids=["ahead", "speculate"])
+@pytest.mark.parametrize("flags", [("--tick", "static", "--ahead", "2"), ("--speculate", "2", "--draft-loops", "1"),
+                                   ("--tick", "token")], ids=["ahead", "speculate", "token"])
 def test_over_a_socket_the_fast_paths_answer_as_the_batch_1_decode(flags, model, tiny_text_run, tmp_path):
-    """The static tick running 2 ticks a call, and loop speculation for a lone request: the OpenAI client over
+    """The static tick running 2 ticks a call, loop speculation for a lone request, the token tick: the OpenAI client over
     127.0.0.1, several prompts in one request (and one alone), streamed and not, each choice the batch-1 decode at
     the server's budget; the speculating server counts its rounds in /metrics."""
     import httpx
