@@ -276,9 +276,9 @@ def width_calls(model, windows, ids, width: int, timed_labels: list[str], settin
 
 def aheads(args, tick: str) -> list[int]:
     """The --ahead values a tick is timed at: each of them for a tick that runs ahead, else 1 alone."""
-    from rdepth.engine import TICKS
+    from rdepth.engine.tick import runs_ahead
 
-    if not getattr(TICKS[tick], "runs_ahead", False):
+    if not runs_ahead(tick):
         return [1]
     return list(dict.fromkeys(int(n) for n in args.ahead.split(",")))
 

@@ -133,9 +133,9 @@ def ahead_flags(args, tick: str) -> list[str]:
 
 
 def runs_ahead(tick: str) -> bool:
-    from rdepth.engine import TICKS
+    from rdepth.engine.tick import runs_ahead as registered
 
-    return bool(getattr(TICKS[tick], "runs_ahead", False))
+    return registered(tick)
 
 
 def mix_engine(args, flags: list[str], mix: list[dict], count: int):
@@ -319,10 +319,10 @@ def heldout_prompts(args) -> list[list[int]]:
     from exit_workload import mixed_heldout
 
     if not any(Path(args.data).glob("heldout_d*.npz")):
-        from rdepth.run.checkpoint import load_model
+        from rdepth.run.checkpoint import load_model_config, resolve_checkpoint
         from rdepth.run.heldout import held_out_tokens, held_out_windows
 
-        config = load_model(args.run, "cpu")[0].config
+        config = load_model_config(resolve_checkpoint(args.run))  # (the tokenizer's name and vocabulary: no weights)
         tokens, _ = held_out_tokens(args.data, args.run, config)
         windows = held_out_windows(tokens, args.prompt_tokens - 1, args.requests)
         return windows.tolist()

@@ -35,7 +35,7 @@ from rdepth.engine.scheduler import EngineStats, Scheduler
 from rdepth.engine.slots import KV_LAYOUTS
 from rdepth.engine.speculation import Speculation, count_speculation, speculating_tick
 from rdepth.engine.static import CompiledTick, StaticTick
-from rdepth.engine.tick import TICKS, TickPlan, make_tick
+from rdepth.engine.tick import TICKS, TickPlan, make_tick, runs_ahead
 from rdepth.engine.token import TokenTick
 from rdepth.errors import RdepthError
 from rdepth.model.budget import resolve_budget
@@ -86,8 +86,8 @@ def _check_arguments(batch_size, tick, ahead, kv_layout, both_budgets: bool) -> 
     if tick not in TICKS:
         raise RdepthError(f"engine: tick must be one of {', '.join(TICKS)}, got {tick!r}")
     _positive("ahead", ahead)
-    if ahead > 1 and not getattr(TICKS[tick], "runs_ahead", False):
-        ahead_ticks = ", ".join(name for name, cls in TICKS.items() if getattr(cls, "runs_ahead", False))
+    if ahead > 1 and not runs_ahead(tick):
+        ahead_ticks = ", ".join(name for name in TICKS if runs_ahead(name))
         raise RdepthError(f"engine: tick {tick!r} reads the device after every tick (ahead > 1 needs one of "
                           f"{ahead_ticks})")
     if kv_layout not in KV_LAYOUTS:

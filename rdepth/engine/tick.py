@@ -154,6 +154,11 @@ def register_tick(cls):
     return cls
 
 
+def runs_ahead(name: str) -> bool:
+    """Whether the registered tick ``name`` can run several ticks a call (``Engine(ahead=N)``)."""
+    return bool(getattr(TICKS[name], "runs_ahead", False))
+
+
 def make_tick(name: str, model: RecurrentLM, plan: TickPlan) -> Tick:
     """The registered tick ``name`` for ``model`` and ``plan`` (:mod:`rdepth.engine.engine` imports the ticks,
     which register themselves); a one-line error names the registered ones."""

@@ -178,25 +178,24 @@ class _TwoHitPolicy(ExitPolicy):
         if len(values) == 1:
             return super().after_steps(steps, values, rows, prev, new)
         self._check_steps(values)
-        wide = _wide(prev)
-        delta = _wide(new) - wide  # (A, d)
-        first = steps == 1
-        small = self._below(self._signal(delta, self.prev_delta[rows], wide), rows)
-        was_small = self.prev_small[rows]
-        exits = small & was_small
-        self.prev_small[rows] = torch.where(first, was_small, small)
-        self.prev_delta[rows] = delta
+        exits = self._hits(rows, prev, new, steps == 1)
         return exits | (steps == self.k_max), torch.where(exits[:, None], prev, new), steps - exits.long()
 
     def _exits(self, step, rows, prev, new):
+        return self._hits(rows, prev, new, step == 1)
+
+    def _hits(self, rows, prev, new, first: bool | torch.Tensor) -> torch.Tensor:
+        """The second hit in a row of the rows ``rows``, and their memory moved on; ``first``: the rows at step 1
+        (one bool for them all, or per row ``[A]``), which have no previous update: no hit, the flag as begun."""
         prev = _wide(prev)
         delta = _wide(new) - prev  # (A, d)
-        if step == 1:  # no previous update yet
+        if first is True:  # no previous update yet
             exits = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         else:
             small = self._below(self._signal(delta, self.prev_delta[rows], prev), rows)
-            exits = small & self.prev_small[rows]
-            self.prev_small[rows] = small
+            was_small = self.prev_small[rows]
+            exits = small & was_small
+            self.prev_small[rows] = small if first is False else torch.where(first, was_small, small)
         self.prev_delta[rows] = delta
         return exits
 
