@@ -2,6 +2,7 @@
 
     python bench/loop_speculation.py --checkpoint RUN --data DATA [--draft-loops 1,2,3] [--tokens 2,3,4,5,6,8]
         [--loops N | --exit POLICY --tau X] [--temperature 0] [--prompts 4] [--rounds 3] [--threads 1] [--json F]
+        [--plain-also 1,2,4 [--quality-windows 64] [--tolerance 0.01]]
 
 Prompts are the first --prompt-tokens tokens of held-out windows. Each round times, for every prompt, plain
 decoding (``rdepth.model.generation.generate``) and speculative decoding
@@ -12,6 +13,13 @@ Before timing, each setting runs once per prompt: greedy outputs must equal plai
 Prints per setting the acceptance (drafts kept per draft), the mean accepted length (drafts kept per
 verification pass), the median tokens/s over the timed calls with its interquartile range and the ratio of
 the medians to plain decoding's, with the device and revision; --json writes them.
+
+Speculation is lossless against its own budget, so it pays only if that budget buys quality a cheaper one does
+not: --plain-also times plain decoding at other fixed budgets (N loop steps in every group) in the same shuffled
+rounds, and scores every fixed budget by its held-out perplexity over --quality-windows windows. The verdict
+line names the cheapest fixed budget whose perplexity is within --tolerance (relative) of the verifying budget's
+and the fastest speculative setting's ratio to *it*: the speed-up a user sees against the cheapest plain decoding
+of the same quality.
 """
 
 from __future__ import annotations
@@ -72,10 +80,30 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--plain-also", type=int_list, default=[],
+                        help="plain decoding at these fixed budgets too (N steps in every group), timed and scored")
+    parser.add_argument("--quality-windows", type=int, default=64, help="with --plain-also: held-out windows scored")
+    parser.add_argument("--tolerance", type=float, default=0.01,
+                        help="with --plain-also: relative perplexity a budget of the same quality may be above")
     args = parser.parse_args(argv)
     if args.exit is not None and args.loops is not None:
         parser.error("give --loops or --exit, not both")
+    if args.plain_also and args.exit is not None:
+        parser.error("--plain-also compares fixed budgets: give --loops, not --exit")
+    if args.quality_windows < 1:
+        parser.error(f"--quality-windows must be >= 1, got {args.quality_windows}")
+    if not 0 <= args.tolerance < 1:
+        parser.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
     return args
+
+
+def same_quality_budget(perplexities: dict, verifying, tolerance: float):
+    """The cheapest budget of ``perplexities`` (budget -> held-out perplexity; a budget is its per-group loop
+    counts, compared by their sum) whose perplexity is at most the verifying budget's times ``1 + tolerance``;
+    the verifying budget itself when no other is."""
+    limit = perplexities[verifying] * (1 + tolerance)
+    candidates = [budget for budget, ppl in perplexities.items() if ppl <= limit]
+    return min(candidates, key=lambda budget: (sum(budget), budget != verifying))
 
 
 def verifying_budget(args, run) -> tuple[dict, str]:
@@ -117,16 +145,19 @@ def main(argv: list[str] | None = None) -> int:
         return torch.Generator(device=run.device).manual_seed(args.seed + number) if sampled else None
 
     def call(setting, number):
-        """One generation of prompt ``number``: plain, or speculative at (D, K)."""
+        """One generation of prompt ``number``: plain (at the verifying budget, or ``setting[1]`` steps in every
+        group), or speculative at (D, K)."""
         if setting[0] == "plain":
+            budget = verify if setting[1] is None else {"loop_counts": [setting[1]] * run.config.n_groups}
             return generate(model, prompts[number], args.new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, noise=StateNoise(0, [number]), rng=rng(number), **verify)
+                            top_k=args.top_k, noise=StateNoise(0, [number]), rng=rng(number), **budget)
         return speculative_decode(model, prompts[number], args.new_tokens, tokens=setting[2],
                                   draft_loops=setting[1], temperature=args.temperature, top_k=args.top_k,
                                   noise=StateNoise(0, [number]), rng=rng(number), **verify)
 
     settings = [("plain", None, None)] + [("speculative", draft, tokens) for draft in args.draft_loops
                                           for tokens in args.tokens]
+    others = [("plain", loops, None) for loops in args.plain_also]
     try:
         stats = checked(settings, len(prompts), call, sampled, SpeculativeStats)
     except RdepthError as error:
@@ -134,11 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if stats is None:
         return 1
-    rates = timed(args, settings, len(prompts), call)
+    agreement = {setting: agreeing(call, setting, len(prompts), args.prompt_tokens) for setting in others}
+    rates = timed(args, settings + others, len(prompts), call)
     result = {"device": device_name(run.device), "torch": torch.__version__, "revision": git_revision(),
               "threads": torch.get_num_threads(), "checkpoint": str(run.checkpoint), "verify": shown_budget,
               "temperature": args.temperature, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
               "prompts": len(prompts), "rounds": args.rounds, "rows": table_rows(settings, rates, stats)}
+    if others:
+        result["quality"] = quality(args, run, verify["loop_counts"], others, rates, agreement)
     report(result)
     if args.json:
         from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
@@ -169,6 +203,48 @@ def checked(settings, prompts: int, call, sampled: bool, stats_class):
             for name in ("rounds", "drafted", "accepted"):
                 setattr(stats[setting], name, getattr(stats[setting], name) + getattr(counted, name))
     return stats
+
+
+def agreeing(call, setting, prompts: int, start: int) -> float:
+    """The share of the new tokens (past ``start``) plain decoding at ``setting``'s budget generates that equal
+    the verifying budget's, position by position over every prompt."""
+    same = total = 0
+    for number in range(prompts):
+        out, reference = call(setting, number)[0, start:], call(("plain", None, None), number)[0, start:]
+        length = min(out.numel(), reference.numel())
+        same += int((out[:length] == reference[:length]).sum())
+        total += max(out.numel(), reference.numel())
+    return same / max(total, 1)
+
+
+def quality(args, run, verifying: list[int], others, rates, agreement) -> dict:
+    """Held-out perplexity of every fixed budget, each plain budget's speed and agreement, and the verdict:
+    the cheapest budget of the verifying one's quality and the fastest speculation's ratio to it."""
+    import torch
+
+    from rdepth.run.evaluate import evaluate
+
+    windows = run.windows(args.quality_windows)
+    budgets = [tuple(verifying)] + [(loops,) * run.config.n_groups for _, loops, _ in others]
+    perplexities = {}
+    for budget in dict.fromkeys(budgets):
+        torch.manual_seed(0)
+        perplexities[budget] = evaluate(run.model, windows, loop_counts=list(budget), device=run.device)["ppl"]
+    base = statistics.median(rates[("plain", None, None)])
+    plain = {tuple(verifying): base} | {budget: statistics.median(rates[setting])
+                                        for budget, setting in zip(budgets[1:], others, strict=True)}
+    cheapest = same_quality_budget(perplexities, tuple(verifying), args.tolerance)
+    fastest = max((setting for setting in rates if setting[0] == "speculative"),
+                  key=lambda setting: statistics.median(rates[setting]), default=None)
+    verdict = {"budget": list(cheapest), "tokens_per_s": plain[cheapest]}
+    if fastest is not None:
+        verdict.update(draft_loops=fastest[1], tokens=fastest[2],
+                       speedup=statistics.median(rates[fastest]) / plain[cheapest])
+    return {"windows": int(windows.shape[0]), "tolerance": args.tolerance, "verdict": verdict,
+            "budgets": [{"budget": list(budget), "ppl": perplexities[budget], "tokens_per_s": plain[budget],
+                         "speedup": plain[budget] / base,
+                         "tokens_equal": 1.0 if index == 0 else agreement[others[index - 1]]}
+                        for index, budget in enumerate(budgets)]}
 
 
 def timed(args, settings, prompts: int, call) -> dict:
@@ -209,6 +285,22 @@ def report(result: dict) -> None:
         accepted = (f"{row['acceptance']:.2f} | {row['mean_accepted']:.2f}" if "acceptance" in row else "- | -")
         print(f"| {label[0]} | {label[1]} | {accepted} | {row['tokens_per_s']:.1f} [{row['iqr'][0]:.1f}-"
               f"{row['iqr'][1]:.1f}] | {row['speedup']:.2f}x |")
+    if "quality" not in result:
+        return
+    scored = result["quality"]
+    print(f"plain decoding at fixed budgets, perplexity over {scored['windows']} held-out windows:")
+    print("| budget | perplexity | tokens equal the verifying budget's | tokens/s | vs plain |")
+    print("|---|---|---|---|---|")
+    for row in scored["budgets"]:
+        print(f"| {','.join(map(str, row['budget']))} | {row['ppl']:.2f} | {row['tokens_equal']:.2f} | "
+              f"{row['tokens_per_s']:.1f} | {row['speedup']:.2f}x |")
+    verdict = scored["verdict"]
+    line = (f"cheapest fixed budget within {scored['tolerance']:.1%} of the verifying budget's perplexity: "
+            f"{','.join(map(str, verdict['budget']))} ({verdict['tokens_per_s']:.1f} tokens/s)")
+    if "speedup" in verdict:
+        line += (f"; the fastest speculation (D={verdict['draft_loops']}, K={verdict['tokens']}) runs "
+                 f"{verdict['speedup']:.2f}x it")
+    print(line)
 
 
 if __name__ == "__main__":

@@ -50,8 +50,9 @@ class ServeConfig:
                         "and no rule keeps per-row memory; 4 is a good start)", bounds="[1, 64]")
     speculate: int | None = option(
         None, "loop speculation at low load (the eager tick): K drafts at --draft-loops loop steps per group, verified "
-        "in one pass, for a greedy request at the server's own depth while at most --speculate-at-most slots are "
-        "in use; its tokens are plain decoding's", default_text="off", bounds="[1, 64]", metavar="K")
+        "in one pass, for a request at the server's own depth while at most --speculate-at-most slots are in use "
+        "(a greedy one's tokens are plain decoding's; a sampled one speculates only with --speculate-at-most at least "
+        "--batch-size, by rejection sampling)", default_text="off", bounds="[1, 64]", metavar="K")
     draft_loops: str | None = option(None, "with --speculate: the drafts' loop steps D per group (N or N,N,...), below "
                                      "the server's budget", default_text="1", metavar="D")
     speculate_at_most: int = option(1, "with --speculate: the most slots in use at which a round runs",
