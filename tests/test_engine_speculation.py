@@ -59,6 +59,9 @@ def test_a_request_alone_equals_plain_decoding(shape, name, rounds_seen):
     stats = engine.stats.as_dict(1)["speculation"]
     assert stats["rounds"] == len(rounds_seen) > 0 and stats["ticks"] == stats["rounds"]
     assert 0 < stats["accepted"] < stats["drafted"] == sum(len(one.drafts) for _, _, one in rounds_seen)
+    # the request's own counts (alone: the engine's)
+    assert (results[0].rounds, results[0].drafted, results[0].accepted) == (stats["rounds"], stats["drafted"],
+                                                                            stats["accepted"])
     # every position from the prompt's last on was decided by a round (one token left: a plain tick)
     decided = sum(one.decided for _, _, one in rounds_seen)
     assert decided in (14, 13) and engine.stats.positions == len(requests[0].prompt) + 13
@@ -96,16 +99,22 @@ def test_random_arrivals_switch_speculation_with_occupancy(name, rounds_seen):
         assert 0 < stats.speculated_ticks < stats.ticks and stats.rounds == len(rounds_seen)
         sampled = {len(requests[i].prompt) for i in range(len(requests)) if requests[i].temperature > 0}
         assert sampled  # (their rows decode plainly: exact above, and never a round's)
+        # each request counts its own rounds: together the engine's, none for a sampled one
+        for name_ in ("rounds", "drafted", "accepted"):
+            assert sum(getattr(r, name_) for r in results.values()) == getattr(stats, name_)
+        assert all(results[i].rounds == 0 for i in range(len(requests)) if requests[i].temperature > 0)
+        assert any(r.rounds > 0 for r in results.values())
 
 
-def speculative_reference(model, request: Request, k: int, draft_loops: int, **budget) -> list[int]:
+def speculative_reference(model, request: Request, k: int, draft_loops: int, **budget) -> tuple[list[int], tuple]:
     """A sampled request's batch-1 speculative decode (the one decoder's rounds, rejection sampling), its tokens
-    drawn from a generator seeded with the request's seed and the acceptance draws from seed + 1."""
+    drawn from a generator seeded with the request's seed and the acceptance draws from seed + 1; with its
+    rounds, drafts made and drafts kept."""
     rng = torch.Generator().manual_seed(request.seed)
-    out, _ = speculative_decode(model, torch.tensor([request.prompt]), request.max_tokens, tokens=k,
-                                draft_loops=draft_loops, temperature=request.temperature, top_p=request.top_p,
-                                noise=StateNoise(request.noise_seed, [request.sequence_id]), rng=rng, **budget)
-    return out[0, len(request.prompt):].tolist()
+    out, stats = speculative_decode(model, torch.tensor([request.prompt]), request.max_tokens, tokens=k,
+                                    draft_loops=draft_loops, temperature=request.temperature, top_p=request.top_p,
+                                    noise=StateNoise(request.noise_seed, [request.sequence_id]), rng=rng, **budget)
+    return out[0, len(request.prompt):].tolist(), (stats.rounds, stats.drafted, stats.accepted)
 
 
 @pytest.mark.parametrize("name", BUDGETS)
@@ -121,7 +130,8 @@ def test_sampled_requests_speculate_where_every_tick_may_and_equal_their_batch_1
                         temperature=1.3 if i % 2 else 0.0, top_p=0.95 if i % 4 == 1 else 1.0)
                 for i, p in enumerate(prompts(6, seed=11))]
     sampled = [i for i, r in enumerate(requests) if r.temperature > 0]
-    expected = {i: speculative_reference(model, requests[i], 3, 1, **budget) for i in sampled}
+    references = {i: speculative_reference(model, requests[i], 3, 1, **budget) for i in sampled}
+    expected = {i: tokens for i, (tokens, _) in references.items()}
     plain, _ = run_engine(model, requests, 3, **budget)
     assert any(expected[i] != plain[i].tokens for i in sampled), "the rounds should draw other tokens"
     for width, seed in ((1, 0), (3, 1)):
@@ -132,6 +142,8 @@ def test_sampled_requests_speculate_where_every_tick_may_and_equal_their_batch_1
                                      speculate_at_most=width, **budget)
         for i in range(len(requests)):
             assert results[i].tokens == (expected[i] if i in sampled else plain[i].tokens), f"request {i}"
+        for i in sampled:  # (its rounds are the batch-1 rounds: the same counts)
+            assert (results[i].rounds, results[i].drafted, results[i].accepted) == references[i][1], f"request {i}"
         assert engine.stats.accepted < engine.stats.drafted, "some drafts should be rejected"
     assert len(rounds_seen) > 0
     rounds_seen.clear()

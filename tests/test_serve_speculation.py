@@ -24,7 +24,7 @@ def test_a_lone_request_speculates_and_answers_as_without(tiny_text_run, policy)
         answers = []
         for served in made:
             client = TestClient(build_app(served))
-            texts = []
+            texts, reported = [], []
             for prompt in PROMPTS:  # one at a time: each request alone in the engine
                 response = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 8,
                                                                  "temperature": 0, "logprobs": 0})
@@ -32,11 +32,18 @@ def test_a_lone_request_speculates_and_answers_as_without(tiny_text_run, policy)
                 choice = response.json()["choices"][0]
                 texts.append((choice["text"], choice["rdepth"]["steps"],
                               [round(x, 5) for x in choice["logprobs"]["token_logprobs"]]))
+                reported.append(choice["rdepth"].get("speculation"))
             answers.append(texts)
-            metrics = client.get("/metrics").text
-            rounds = int(next(line.split()[-1] for line in metrics.splitlines()
-                              if line.startswith("rdepth_speculation_rounds_total")))
-            answers[-1].append(rounds)
+            metrics = {line.split()[0]: int(float(line.split()[-1])) for line in client.get("/metrics").text.splitlines()
+                       if line.startswith("rdepth_speculation_")}
+            answers[-1].append(metrics["rdepth_speculation_rounds_total"])
+            # each answer's depth report counts its own rounds: together /metrics' counters
+            if served is made[0]:
+                assert reported == [None] * len(PROMPTS)
+                continue
+            for key in ("rounds", "drafted", "accepted"):
+                assert sum(one[key] for one in reported) == metrics[f"rdepth_speculation_{key}_total"]
+            assert all(one["rounds"] > 0 and one["acceptance"] == one["accepted"] / one["drafted"] for one in reported)
         plain, speculated = answers
         assert speculated[:-1] == plain[:-1]
         assert plain[-1] == 0 and speculated[-1] > 0

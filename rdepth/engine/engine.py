@@ -175,9 +175,10 @@ class EngineBase:
             if occupied:
                 scheduler.count_tick(occupied)
                 output = self.tick(scheduler.schedule())
-                finished += scheduler.update(output)
                 if output.speculation is not None:  # (rounds: their later readouts follow, in the same tick)
                     count_speculation(scheduler.stats, output.speculation)
+                    scheduler.count_rounds(output.speculation)  # (each request's own, before any retires)
+                finished += scheduler.update(output)
                 for later in output.following:  # (a call that ran ahead: each later tick read in turn)
                     if output.speculation is None:
                         scheduler.count_tick(occupied)
@@ -254,11 +255,12 @@ class Engine(EngineBase):
                              ahead)
         scheduler = Scheduler(batch_size, capacity, model.n_groups, self.k_max, fixed, parameter.device, clock,
                               listener)
-        if speculate is None:
+        # (loop speculation's settings, None without: a result counts its rounds where it is not)
+        self.speculation = None if speculate is None else Speculation(speculate, draft_loops, speculate_at_most)
+        if self.speculation is None:
             made = make_tick(tick, model, self.plan)
         else:  # (validated there: the eager tick and layout, no warm start, a draft below the engine's budget)
-            made = speculating_tick(model, self.plan, tick, Speculation(speculate, draft_loops, speculate_at_most),
-                                    loop_counts, controller_factory)
+            made = speculating_tick(model, self.plan, tick, self.speculation, loop_counts, controller_factory)
         super().__init__(scheduler, made, batch_size, capacity, kv_layout)
 
     @property

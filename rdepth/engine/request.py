@@ -134,7 +134,8 @@ class Finished:
     ``error`` says why and the tokens so far stand); ``logits`` ``[T + n, V]`` with ``keep_logits``.
     ``rules``: per position and group, why its loop ended (``"rule"`` the exit rule fired, ``"budget"`` the
     cap or a fixed budget). With ``logprobs``: ``logprobs`` per new token and, with ``prompt_logprobs``,
-    ``prompt_logprobs`` per prompt token after the first (:class:`TokenLogprob`)."""
+    ``prompt_logprobs`` per prompt token after the first (:class:`TokenLogprob`). ``rounds``, ``drafted``,
+    ``accepted``: its loop-speculation rounds, drafts made and drafts kept (an engine built with ``speculate``)."""
 
     request_id: int
     request: Request
@@ -151,6 +152,9 @@ class Finished:
     finished_tick: int = 0
     submitted_s: float = 0.0
     finished_s: float = 0.0
+    rounds: int = 0  # loop speculation (Engine(speculate=K)): this request's rounds, drafts made and kept
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def latency_s(self) -> float:

@@ -218,6 +218,13 @@ class Scheduler:
         self._retired, self._admitted, self._feeding = [], [], []
         return tick_input
 
+    def count_rounds(self, rounds: np.ndarray) -> None:
+        """Each request its own loop-speculation rounds of a tick (``[R, 3]``: row, drafts made, drafts kept)."""
+        for row, drafted, kept in rounds.tolist():
+            result = self.live[row].result
+            result.rounds, result.drafted, result.accepted = (result.rounds + 1, result.drafted + drafted,
+                                                              result.accepted + kept)
+
     def count_tick(self, occupied: int) -> None:
         self.stats.ticks += 1
         self.stats.occupied += occupied

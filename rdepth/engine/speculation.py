@@ -96,14 +96,13 @@ def accept_generator(generator: torch.Generator, seed: int) -> torch.Generator:
     return torch.Generator(device=generator.device).manual_seed(int(seed) + 1)
 
 
-def count_speculation(stats, counts: tuple[int, int, int]) -> None:
-    """``stats`` (the engine's :class:`~rdepth.engine.scheduler.EngineStats`) count a tick's rounds, drafts made
-    and drafts kept."""
-    rounds, drafted, accepted = counts
+def count_speculation(stats, rounds: np.ndarray) -> None:
+    """``stats`` (the engine's :class:`~rdepth.engine.scheduler.EngineStats`) count a tick's ``rounds`` (``[R, 3]``:
+    row, drafts made, drafts kept), drafts made and drafts kept."""
     stats.speculated_ticks += 1
-    stats.rounds += rounds
-    stats.drafted += drafted
-    stats.accepted += accepted
+    stats.rounds += len(rounds)
+    stats.drafted += int(rounds[:, 1].sum())
+    stats.accepted += int(rounds[:, 2].sum())
 
 
 class SpeculatingTick(EagerTick):
@@ -188,6 +187,5 @@ class SpeculatingTick(EagerTick):
             for group, steps in enumerate((one.draft_steps + one.steps.sum(dim=1)).tolist()):
                 output.loop_steps[group] += int(steps)
         output.following = later + output.following
-        output.speculation = (len(rounds), sum(count for _, count, _ in rounds),
-                              sum(one.kept for _, _, one in rounds))
+        output.speculation = np.asarray([(row, count, one.kept) for row, count, one in rounds], dtype=np.int64)
         return output

@@ -122,9 +122,9 @@ class TickOutput:
     loop_steps: list[int]
     following: list[TickOutput] = field(default_factory=list)
     entered: np.ndarray | None = None  # per row: the token the tick entered at its next position (None: none)
-    # (rounds, drafted, accepted) where the tick ran loop-speculation rounds (rdepth.engine.speculation): its
-    # ``following`` are then the rounds' later readouts, not ticks of their own
-    speculation: tuple[int, int, int] | None = None
+    # [R, 3] (row, drafts made, drafts kept) a round, where the tick ran loop-speculation rounds
+    # (rdepth.engine.speculation): its ``following`` are then the rounds' later readouts, not ticks of their own
+    speculation: np.ndarray | None = None
     # per row: whether ``greedy`` is the token chosen already (a sampled request's speculation round drew it), which
     # the scheduler then takes instead of drawing one (None: it chooses every row's)
     decided: np.ndarray | None = None

@@ -71,6 +71,7 @@ class Choice:
         self.cut = False  # a stop string ended it (the engine's request goes on until cancelled)
         self.done = False  # the engine's result came
         self.error: str | None = None
+        self.speculation: dict | None = None  # its loop-speculation counts (a speculating server's, once done)
 
     def add(self, event: TokenEvent) -> bool:
         """Take a new token; False where it is not taken (the choice ended: a stop string, an end token, its
@@ -102,6 +103,9 @@ class Choice:
             self.finish_reason = FINISH.get(done.finish_reason, done.finish_reason)
         self.error = done.error
         self.prompt_logprobs = done.prompt_logprobs
+        if getattr(self.served.runner.engine, "speculation", None) is not None:
+            self.speculation = {"rounds": done.rounds, "drafted": done.drafted, "accepted": done.accepted,
+                                "acceptance": done.accepted / done.drafted if done.drafted else None}
 
     def release(self) -> str:
         """The text that may be streamed now and was not yet (see the module)."""
@@ -124,6 +128,8 @@ class Choice:
             report["seed"] = self.seed
         elif final:
             report["policy"] = self.policy
+        if (first == 0 and last is None or final) and self.speculation is not None:
+            report["speculation"] = self.speculation
         if self.error:
             report["error"] = self.error
         return report
