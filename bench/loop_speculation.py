@@ -16,7 +16,8 @@ the medians to plain decoding's, with the device and revision; --json writes the
 
 Speculation is lossless against its own budget, so it pays only if that budget buys quality a cheaper one does
 not: --plain-also times plain decoding at other fixed budgets (N loop steps in every group) in the same shuffled
-rounds, and scores every fixed budget by its held-out perplexity over --quality-windows windows. The verdict
+rounds, and scores every fixed budget by its held-out perplexity over --quality-windows windows (and how often
+its teacher-forced argmax equals the verifying budget's: about how often a draft at that budget is kept). The verdict
 line names the cheapest fixed budget whose perplexity is within --tolerance (relative) of the verifying budget's
 and the fastest speculative setting's ratio to *it*: the speed-up a user sees against the cheapest plain decoding
 of the same quality.
@@ -165,14 +166,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if stats is None:
         return 1
-    agreement = {setting: agreeing(call, setting, len(prompts), args.prompt_tokens) for setting in others}
     rates = timed(args, settings + others, len(prompts), call)
     result = {"device": device_name(run.device), "torch": torch.__version__, "revision": git_revision(),
               "threads": torch.get_num_threads(), "checkpoint": str(run.checkpoint), "verify": shown_budget,
               "temperature": args.temperature, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
               "prompts": len(prompts), "rounds": args.rounds, "rows": table_rows(settings, rates, stats)}
     if others:
-        result["quality"] = quality(args, run, verify["loop_counts"], others, rates, agreement)
+        result["quality"] = quality(args, run, verify["loop_counts"], others, rates)
     report(result)
     if args.json:
         from rdepth.io import json_text  # standard JSON: a NaN or infinity is null
@@ -205,31 +205,35 @@ def checked(settings, prompts: int, call, sampled: bool, stats_class):
     return stats
 
 
-def agreeing(call, setting, prompts: int, start: int) -> float:
-    """The share of the new tokens (past ``start``) plain decoding at ``setting``'s budget generates that equal
-    the verifying budget's, position by position over every prompt."""
-    same = total = 0
-    for number in range(prompts):
-        out, reference = call(setting, number)[0, start:], call(("plain", None, None), number)[0, start:]
-        length = min(out.numel(), reference.numel())
-        same += int((out[:length] == reference[:length]).sum())
-        total += max(out.numel(), reference.numel())
-    return same / max(total, 1)
-
-
-def quality(args, run, verifying: list[int], others, rates, agreement) -> dict:
-    """Held-out perplexity of every fixed budget, each plain budget's speed and agreement, and the verdict:
-    the cheapest budget of the verifying one's quality and the fastest speculation's ratio to it."""
+def score_budget(model, windows, counts: list[int], device):
+    """Held-out perplexity at the fixed budget ``counts`` and the argmax after every position (teacher-forced,
+    the evaluation's noise)."""
     import torch
 
-    from rdepth.run.evaluate import evaluate
+    from rdepth.model.generation import teacher_forced
+    from rdepth.run.evaluate import eval_outputs, perplexity
 
+    total, tokens, argmax = 0.0, 0, []
+    with torch.no_grad():
+        for output, count in eval_outputs(model, windows, lambda x, y, noise: teacher_forced(
+                model, x, y, loop_counts=counts, noise=noise), batch_size=16, device=device):
+            total += output.loss.item() * count
+            tokens += count
+            argmax.append(output.logits.argmax(dim=-1).flatten().cpu())
+    return perplexity(total / max(tokens, 1)), torch.cat(argmax)
+
+
+def quality(args, run, verifying: list[int], others, rates) -> dict:
+    """Held-out perplexity of every fixed budget, its argmax's agreement with the verifying budget's after each
+    held-out position (teacher-forced: what decides whether a draft at that budget is kept), each plain budget's
+    speed, and the verdict: the cheapest budget of the verifying one's quality and the fastest speculation's
+    ratio to it."""
     windows = run.windows(args.quality_windows)
     budgets = [tuple(verifying)] + [(loops,) * run.config.n_groups for _, loops, _ in others]
-    perplexities = {}
+    perplexities, argmax = {}, {}
     for budget in dict.fromkeys(budgets):
-        torch.manual_seed(0)
-        perplexities[budget] = evaluate(run.model, windows, loop_counts=list(budget), device=run.device)["ppl"]
+        perplexities[budget], argmax[budget] = score_budget(run.model, windows, list(budget), run.device)
+    reference = argmax[tuple(verifying)]
     base = statistics.median(rates[("plain", None, None)])
     plain = {tuple(verifying): base} | {budget: statistics.median(rates[setting])
                                         for budget, setting in zip(budgets[1:], others, strict=True)}
@@ -243,7 +247,7 @@ def quality(args, run, verifying: list[int], others, rates, agreement) -> dict:
     return {"windows": int(windows.shape[0]), "tolerance": args.tolerance, "verdict": verdict,
             "budgets": [{"budget": list(budget), "ppl": perplexities[budget], "tokens_per_s": plain[budget],
                          "speedup": plain[budget] / base,
-                         "tokens_equal": 1.0 if index == 0 else agreement[others[index - 1]]}
+                         "argmax_equal": float((argmax[budget] == reference).double().mean())}
                         for index, budget in enumerate(budgets)]}
 
 
@@ -289,10 +293,10 @@ def report(result: dict) -> None:
         return
     scored = result["quality"]
     print(f"plain decoding at fixed budgets, perplexity over {scored['windows']} held-out windows:")
-    print("| budget | perplexity | tokens equal the verifying budget's | tokens/s | vs plain |")
+    print("| budget | perplexity | argmax equal to the verifying budget's | tokens/s | vs plain |")
     print("|---|---|---|---|---|")
     for row in scored["budgets"]:
-        print(f"| {','.join(map(str, row['budget']))} | {row['ppl']:.2f} | {row['tokens_equal']:.2f} | "
+        print(f"| {','.join(map(str, row['budget']))} | {row['ppl']:.2f} | {row['argmax_equal']:.3f} | "
               f"{row['tokens_per_s']:.1f} | {row['speedup']:.2f}x |")
     verdict = scored["verdict"]
     line = (f"cheapest fixed budget within {scored['tolerance']:.1%} of the verifying budget's perplexity: "

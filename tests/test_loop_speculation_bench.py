@@ -42,9 +42,9 @@ def test_plain_also_scores_and_times_every_fixed_budget(bench, tiny_text_run, tm
     scored = result["quality"]
     budgets = [row["budget"] for row in scored["budgets"]]
     assert budgets == [[3, 3], [1, 1], [3, 3]]
-    # the same budget scored twice is the same perplexity and the same tokens
-    assert scored["budgets"][0]["ppl"] == scored["budgets"][2]["ppl"] and scored["budgets"][2]["tokens_equal"] == 1.0
-    assert 0.0 <= scored["budgets"][1]["tokens_equal"] <= 1.0
+    # the same budget scored twice is the same perplexity and the same argmax everywhere
+    assert scored["budgets"][0]["ppl"] == scored["budgets"][2]["ppl"] and scored["budgets"][2]["argmax_equal"] == 1.0
+    assert 0.0 <= scored["budgets"][1]["argmax_equal"] < 1.0 and scored["budgets"][1]["ppl"] != scored["budgets"][0]["ppl"]
     assert scored["verdict"]["budget"] in ([1, 1], [3, 3]) and scored["verdict"]["draft_loops"] == 1
     assert "cheapest fixed budget within 1.0%" in printed
     with pytest.raises(SystemExit) as refused:
