@@ -369,6 +369,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_layer=6, n_head=4, d_model=128, block_size=128, vocab_size=4096,
         groups="1|2-3|4", mean_loops=4.0, backprop_depth=3, tokenizer="bpe:4096",
     ),
+    # Huginn-0125's architecture (Geiping et al.; what rdepth.interop.hf_raven imports) at the tiny preset's width:
+    # a 2-layer prelude, a 4-layer sandwich core looped 16 times on average, a 2-layer coda, rotary positions, a
+    # gated MLP, the query/key bias and the final norm on the hand-off. A deep loop that trains on 2 CPU cores
+    # (about 18 minutes for the text demo's 500 steps).
+    "huginn_tiny": dict(
+        n_layer=8, n_head=4, d_model=128, block_size=128, vocab_size=4096, groups="2-5", mean_loops=16.0,
+        backprop_depth=4, tokenizer="bpe:4096", block="sandwich", positions="rotary", mlp="swiglu", mlp_hidden=384,
+        handoff_norm=True, loop_state="sandwich", qk_bias=True, rope_base=50_000.0, eval_loops=(16,),
+    ),
     # A reasoning-task model (rdepth.tasks): one prelude layer and one looped layer, a 64-token
     # context (one 16-node pointer-chasing problem), the task vocabulary. The demo's model before issue 38.
     "task": dict(

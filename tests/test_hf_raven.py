@@ -167,6 +167,29 @@ def test_huginn_0125s_published_config_is_accepted_and_sized():
     assert abs(config.weight_count / model.num_parameters() - 1) < 1e-3  # the memory check's estimate
 
 
+def test_the_huginn_tiny_preset_is_huginn_0125s_architecture_at_its_width():
+    """Every architecture field of the ``huginn_tiny`` preset is what the raven importer gives Huginn-0125's
+    config at d 128, 4 heads, 384 hidden, a 128-token context and 4,096 words (the loop counts are its own); a
+    changed field (the MLP) is told apart."""
+    from dataclasses import asdict, replace
+
+    from rdepth.config import ModelConfig, get_preset
+    from rdepth.interop.hf_raven import raven_model_config
+
+    small = {**HUGINN_0125, "n_embd": 128, "n_heads": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "intermediate_size": 384, "block_size": 128, "vocab_size": 4096, "padded_vocab_size": 4096}
+    small.pop("head_dim", None)
+    imported = ModelConfig.from_dict({**raven_model_config(Path("huginn-tiny"), small), "tokenizer": "bpe:4096"})
+    loops = {"mean_loops", "loop_sigma", "backprop_depth", "eval_loops", "init_state_scale"}
+
+    def architecture(config):
+        return {key: value for key, value in asdict(config).items() if key not in loops}
+
+    preset = get_preset("huginn_tiny")
+    assert architecture(preset) == architecture(imported)
+    assert architecture(replace(preset, mlp="plain")) != architecture(imported)
+
+
 def test_an_imported_raven_run_exports_with_equal_logits(tmp_path, monkeypatch):
     """raven folder -> rdepth run -> exported folder: transformers' model of the export gives rdepth's logits
     bit for bit (every raven option travels in config.json and the bundled code), cached generation too."""
