@@ -5,6 +5,8 @@ or a tick that cannot run it, are one-line errors."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -44,6 +46,13 @@ def test_a_lone_request_speculates_and_answers_as_without(tiny_text_run, policy)
             for key in ("rounds", "drafted", "accepted"):
                 assert sum(one[key] for one in reported) == metrics[f"rdepth_speculation_{key}_total"]
             assert all(one["rounds"] > 0 and one["acceptance"] == one["accepted"] / one["drafted"] for one in reported)
+            # streamed: the last chunk carries the same counts (the same greedy request, alone again)
+            with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8,
+                                                                "temperature": 0, "stream": True}) as streamed:
+                chunks = [json.loads(line[6:]) for line in streamed.iter_lines()
+                          if line.startswith("data: {")]
+            assert chunks[-1]["choices"][0]["rdepth"]["speculation"] == reported[0]
+            assert all("speculation" not in chunk["choices"][0]["rdepth"] for chunk in chunks[:-1])
         plain, speculated = answers
         assert speculated[:-1] == plain[:-1]
         assert plain[-1] == 0 and speculated[-1] > 0
