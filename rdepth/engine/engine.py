@@ -255,7 +255,7 @@ class Engine(EngineBase):
                              ahead)
         scheduler = Scheduler(batch_size, capacity, model.n_groups, self.k_max, fixed, parameter.device, clock,
                               listener)
-        # (loop speculation's settings, None without: a result counts its rounds where it is not)
+        # (loop speculation's settings; None: no rounds, and every result counts none)
         self.speculation = None if speculate is None else Speculation(speculate, draft_loops, speculate_at_most)
         if self.speculation is None:
             made = make_tick(tick, model, self.plan)
