@@ -121,6 +121,9 @@ def test_over_a_socket_the_fast_paths_answer_as_the_batch_1_decode(flags, model,
         assert alone_text.choices[0].text == expected[1]
         full = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0)
         assert {choice.index: choice.text for choice in full.choices} == expected
+        # each choice's depth report: its own speculation counts where the server speculates, none otherwise
+        reports = [choice.model_extra["rdepth"].get("speculation") for choice in full.choices]
+        assert all((report is not None) == ("--speculate" in flags) for report in reports)
         streamed: dict[int, str] = {}
         for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, stream=True):
             for choice in chunk.choices:
