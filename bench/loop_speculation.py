@@ -200,8 +200,7 @@ def checked(settings, prompts: int, call, sampled: bool, stats_class):
                 print(f"speculative output (D={setting[1]}, K={setting[2]}) differs from plain decoding",
                       file=sys.stderr)
                 return None
-            for name in ("rounds", "drafted", "accepted"):
-                setattr(stats[setting], name, getattr(stats[setting], name) + getattr(counted, name))
+            stats[setting].add(counted)
     return stats
 
 
@@ -248,7 +247,7 @@ def quality(args, run, verifying: list[int], others, rates) -> dict:
             "budgets": [{"budget": list(budget), "ppl": perplexities[budget], "tokens_per_s": plain[budget],
                          "speedup": plain[budget] / base,
                          "argmax_equal": float((argmax[budget] == reference).double().mean())}
-                        for index, budget in enumerate(budgets)]}
+                        for budget in budgets]}
 
 
 def timed(args, settings, prompts: int, call) -> dict:

@@ -133,8 +133,7 @@ def main(argv=None) -> int:
             out, counted = call(setting, number)
             equal[setting][0] += int((out[0, args.prompt_tokens:] == reference).sum())
             equal[setting][1] += reference.numel()
-            for name in ("rounds", "drafted", "accepted"):
-                setattr(stats[setting], name, getattr(stats[setting], name) + getattr(counted, name))
+            stats[setting].add(counted)
     start = time.perf_counter()
     rates = timed(args, settings, args.prompts, call)
     rows = table_rows(settings, rates, stats)

@@ -69,6 +69,11 @@ class SpeculativeStats:
         """Drafts kept per verification pass (each pass adds one token more: the verifier's own)."""
         return self.accepted / self.rounds if self.rounds else 0.0
 
+    def add(self, other: SpeculativeStats) -> None:
+        """Count ``other``'s rounds and drafts too (several decodes' together)."""
+        self.rounds, self.drafted, self.accepted = (self.rounds + other.rounds, self.drafted + other.drafted,
+                                                    self.accepted + other.accepted)
+
     def to_dict(self) -> dict:
         return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": self.acceptance, "mean_accepted": self.mean_accepted}
